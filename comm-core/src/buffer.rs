@@ -1,0 +1,317 @@
+//! Type-erased views of the memory a collective reads and writes, and owned buffers for
+//! non-blocking operations.
+//!
+//! The [`Communicator`](crate::Communicator) trait sees only [`BufRef`], [`BufMut`] and
+//! [`Buffer`]: a dtype, an element count and where the memory lives ([`MemoryKind`]).
+//! Device memory is another `MemoryKind` and another constructor, so it adds no method
+//! and changes no signature of the trait.
+
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use std::marker::PhantomData;
+
+/// Where a buffer's elements live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MemoryKind {
+    /// Ordinary host memory.
+    Host,
+}
+
+/// A read-only view of `len` elements of one dtype.
+#[derive(Clone, Copy)]
+pub struct BufRef<'a> {
+    ptr: *const u8,
+    len: usize,
+    dtype: DType,
+    memory: MemoryKind,
+    _borrow: PhantomData<&'a [u8]>,
+}
+
+/// A writable view of `len` elements of one dtype.
+pub struct BufMut<'a> {
+    ptr: *mut u8,
+    len: usize,
+    dtype: DType,
+    memory: MemoryKind,
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a, T: Element> From<&'a [T]> for BufRef<'a> {
+    fn from(slice: &'a [T]) -> Self {
+        BufRef {
+            ptr: slice.as_ptr().cast(),
+            len: slice.len(),
+            dtype: T::DTYPE,
+            memory: MemoryKind::Host,
+            _borrow: PhantomData,
+        }
+    }
+}
+
+impl<'a, T: Element> From<&'a mut [T]> for BufMut<'a> {
+    fn from(slice: &'a mut [T]) -> Self {
+        BufMut {
+            ptr: slice.as_mut_ptr().cast(),
+            len: slice.len(),
+            dtype: T::DTYPE,
+            memory: MemoryKind::Host,
+            _borrow: PhantomData,
+        }
+    }
+}
+
+impl<'a, T: Element> From<&'a mut Vec<T>> for BufMut<'a> {
+    fn from(v: &'a mut Vec<T>) -> Self {
+        BufMut::from(v.as_mut_slice())
+    }
+}
+
+impl<'a, T: Element> From<&'a Vec<T>> for BufRef<'a> {
+    fn from(v: &'a Vec<T>) -> Self {
+        BufRef::from(v.as_slice())
+    }
+}
+
+macro_rules! view_accessors {
+    () => {
+        /// Element type.
+        pub fn dtype(&self) -> DType {
+            self.dtype
+        }
+        /// Number of elements.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+        /// Whether the view holds no elements.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+        /// Size in bytes.
+        pub fn byte_len(&self) -> usize {
+            self.len * self.dtype.size_in_bytes()
+        }
+        /// Where the elements live.
+        pub fn memory(&self) -> MemoryKind {
+            self.memory
+        }
+    };
+}
+
+impl<'a> BufRef<'a> {
+    view_accessors!();
+
+    /// The elements as a typed host slice, if the view is host memory of type `T`.
+    pub fn as_host_slice<T: Element>(&self) -> Option<&'a [T]> {
+        (self.memory == MemoryKind::Host && self.dtype == T::DTYPE).then(|| {
+            // SAFETY: built from a `&'a [T]` (or `&'a mut [T]`) of this length and type.
+            unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.len) }
+        })
+    }
+
+    /// Raw host pointer for backends that share memory between rank threads.
+    pub(crate) fn host_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+}
+
+impl<'a> BufMut<'a> {
+    view_accessors!();
+
+    /// A shorter-lived writable view of the same memory.
+    pub fn reborrow(&mut self) -> BufMut<'_> {
+        BufMut { _borrow: PhantomData, ..*self }
+    }
+
+    /// A read-only view of the same memory.
+    pub fn as_ref(&self) -> BufRef<'_> {
+        BufRef {
+            ptr: self.ptr,
+            len: self.len,
+            dtype: self.dtype,
+            memory: self.memory,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// The elements as a typed mutable host slice, if the view is host memory of type `T`.
+    pub fn as_host_slice_mut<T: Element>(&mut self) -> Option<&mut [T]> {
+        (self.memory == MemoryKind::Host && self.dtype == T::DTYPE).then(|| {
+            // SAFETY: built from a `&'a mut [T]` of this length and type, and `&mut self`
+            // guarantees exclusive access for the returned lifetime.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<T>(), self.len) }
+        })
+    }
+
+    pub(crate) fn host_ptr_mut(&mut self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+/// An owned buffer: what non-blocking operations take and hand back.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Buffer {
+    repr: HostVec,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum HostVec {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    F16(Vec<half::f16>),
+    BF16(Vec<half::bf16>),
+    I32(Vec<i32>),
+    I64(Vec<i64>),
+    U8(Vec<u8>),
+}
+
+macro_rules! host_vec_dispatch {
+    ($v:expr, $x:ident => $body:expr) => {
+        match $v {
+            HostVec::F32($x) => $body,
+            HostVec::F64($x) => $body,
+            HostVec::F16($x) => $body,
+            HostVec::BF16($x) => $body,
+            HostVec::I32($x) => $body,
+            HostVec::I64($x) => $body,
+            HostVec::U8($x) => $body,
+        }
+    };
+}
+
+/// Conversion between a typed `Vec` and the owned buffer's storage.
+trait HostVecElement: Element {
+    fn wrap(v: Vec<Self>) -> HostVec;
+    fn unwrap(v: HostVec) -> std::result::Result<Vec<Self>, HostVec>;
+}
+
+macro_rules! host_vec_element {
+    ($t:ty, $variant:ident) => {
+        impl HostVecElement for $t {
+            fn wrap(v: Vec<Self>) -> HostVec {
+                HostVec::$variant(v)
+            }
+            fn unwrap(v: HostVec) -> std::result::Result<Vec<Self>, HostVec> {
+                match v {
+                    HostVec::$variant(v) => Ok(v),
+                    other => Err(other),
+                }
+            }
+        }
+    };
+}
+host_vec_element!(f32, F32);
+host_vec_element!(f64, F64);
+host_vec_element!(half::f16, F16);
+host_vec_element!(half::bf16, BF16);
+host_vec_element!(i32, I32);
+host_vec_element!(i64, I64);
+host_vec_element!(u8, U8);
+
+impl Buffer {
+    /// Takes ownership of a host vector.
+    pub fn from_vec<T: Element>(v: Vec<T>) -> Buffer {
+        Buffer {
+            repr: crate::with_dtype!(T::DTYPE, U => {
+                // `T` and `U` are the same type; the round trip through `Any` proves it
+                // to the compiler without `unsafe`.
+                let any: Box<dyn std::any::Any> = Box::new(v);
+                match any.downcast::<Vec<U>>() {
+                    Ok(v) => <U as HostVecElement>::wrap(*v),
+                    Err(_) => unreachable!("DTYPE names the element type itself"),
+                }
+            }),
+        }
+    }
+
+    /// A zero-filled host buffer.
+    pub fn zeros(dtype: DType, len: usize) -> Buffer {
+        crate::with_dtype!(dtype, U => Buffer::from_vec(vec![U::default(); len]))
+    }
+
+    /// Gives the host vector back; a dtype other than `T` is an error naming both.
+    pub fn into_vec<T: Element>(self) -> Result<Vec<T>> {
+        let found = self.dtype();
+        let wrong = || Error::WrongDType {
+            expected: T::DTYPE,
+            found,
+        };
+        crate::with_dtype!(T::DTYPE, U => {
+            let v = <U as HostVecElement>::unwrap(self.repr).map_err(|_| wrong())?;
+            let any: Box<dyn std::any::Any> = Box::new(v);
+            any.downcast::<Vec<T>>().map(|b| *b).map_err(|_| wrong())
+        })
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        match &self.repr {
+            HostVec::F32(_) => DType::F32,
+            HostVec::F64(_) => DType::F64,
+            HostVec::F16(_) => DType::F16,
+            HostVec::BF16(_) => DType::BF16,
+            HostVec::I32(_) => DType::I32,
+            HostVec::I64(_) => DType::I64,
+            HostVec::U8(_) => DType::U8,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        host_vec_dispatch!(&self.repr, v => v.len())
+    }
+
+    /// Whether the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A read-only view.
+    pub fn as_buf_ref(&self) -> BufRef<'_> {
+        host_vec_dispatch!(&self.repr, v => BufRef::from(v.as_slice()))
+    }
+
+    /// A writable view.
+    pub fn as_buf_mut(&mut self) -> BufMut<'_> {
+        host_vec_dispatch!(&mut self.repr, v => BufMut::from(v.as_mut_slice()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owned_buffer_round_trips_every_dtype() {
+        let b = Buffer::from_vec(vec![1.5f32, 2.5]);
+        assert_eq!(b.dtype(), DType::F32);
+        assert_eq!(b.len(), 2);
+        assert_eq!(b.into_vec::<f32>().unwrap(), vec![1.5, 2.5]);
+        for dtype in DType::ALL {
+            let b = Buffer::zeros(dtype, 3);
+            assert_eq!((b.dtype(), b.len()), (dtype, 3));
+        }
+    }
+
+    #[test]
+    fn wrong_dtype_is_an_error_not_a_panic() {
+        let err = Buffer::from_vec(vec![1i32]).into_vec::<f64>().unwrap_err();
+        assert!(matches!(
+            err,
+            Error::WrongDType {
+                expected: DType::F64,
+                found: DType::I32
+            }
+        ));
+    }
+
+    #[test]
+    fn views_expose_typed_slices_only_for_their_dtype() {
+        let mut v = vec![1u8, 2, 3];
+        let mut view = BufMut::from(&mut v);
+        assert!(view.as_host_slice_mut::<i32>().is_none());
+        view.as_host_slice_mut::<u8>().unwrap()[0] = 9;
+        assert_eq!(view.as_ref().as_host_slice::<u8>().unwrap(), &[9, 2, 3]);
+        assert_eq!(view.byte_len(), 3);
+    }
+}

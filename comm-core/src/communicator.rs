@@ -1,0 +1,227 @@
+//! The backend-independent collective API.
+
+use crate::buffer::{BufMut, BufRef, Buffer};
+use crate::dtype::{Element, ReduceOp};
+use crate::error::Result;
+use crate::work::Work;
+use std::sync::Arc;
+
+/// A group of ranks that can run collectives together.
+///
+/// Every rank of a group must call the same collectives in the same order; backends
+/// check this (always on `local`, in debug mode on `mpi`) and return
+/// [`Error::Mismatch`](crate::Error::Mismatch) instead of hanging or corrupting data.
+/// Buffers are type-erased views ([`BufRef`], [`BufMut`]); [`CommunicatorExt`] adds
+/// typed methods over slices. The trait is object-safe: layers above hold
+/// `Arc<dyn Communicator>` and never know which backend runs underneath.
+///
+/// Blocking calls and non-blocking ones ([`Communicator::start`]) issued on one
+/// communicator complete in issue order.
+pub trait Communicator: Send + Sync {
+    /// This rank's index in the group, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+    /// Group name, used in error messages (e.g. `"world"`, `"tp"`).
+    fn name(&self) -> &str;
+    /// Backend name (`"local"`, `"mpi"`).
+    fn backend(&self) -> &'static str;
+    /// World rank of every member, by group rank.
+    fn world_ranks(&self) -> &[usize];
+
+    /// In-place reduction across the group; every rank ends with the result.
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Copies `root`'s buffer into every other rank's buffer.
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
+    /// Concatenates every rank's `input` (all the same length) into `output`
+    /// (`size() × input.len()` elements), in rank order.
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()>;
+    /// Like `all_gather` with per-rank lengths: rank `r` contributes `counts[r]` elements
+    /// and `output` holds `counts.iter().sum()`. Every rank passes the same `counts`.
+    fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize])
+        -> Result<()>;
+    /// Reduces every rank's `input` (`size() × output.len()` elements) and leaves chunk
+    /// `rank()` of the result in `output`.
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Like `reduce_scatter` with per-rank chunk lengths: `input` holds
+    /// `counts.iter().sum()` elements and rank `r` receives the `counts[r]` elements at
+    /// offset `counts[..r].sum()`. Every rank passes the same `counts`.
+    fn reduce_scatter_v(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()>;
+    /// Personalised exchange: this rank sends `send_counts[r]` consecutive elements of
+    /// `input` to rank `r` and receives `recv_counts[r]` elements from rank `r`, placed in
+    /// `output` in rank order.
+    fn all_to_all_v(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        output: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()>;
+    /// Sends `buf` to rank `dest`. Messages between a pair of ranks arrive in order.
+    fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()>;
+    /// Receives the next message from rank `src` into `buf`, which must match the
+    /// message's dtype and length.
+    fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()>;
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self) -> Result<()>;
+    /// Splits the group like `MPI_Comm_split`: ranks passing the same `color` form a new
+    /// group, ordered by `key` and then by rank in this group. A rank passing `None` opts
+    /// out and gets `Ok(None)`. Every rank must call `split`; `name` names the new group
+    /// in messages.
+    fn split(
+        &self,
+        color: Option<u32>,
+        key: u32,
+        name: &str,
+    ) -> Result<Option<Arc<dyn Communicator>>>;
+    /// Starts a non-blocking operation that owns its buffers; the returned [`Work`]
+    /// gives the result buffer back.
+    fn start(&self, op: AsyncOp) -> Result<Work>;
+}
+
+/// A non-blocking operation: it owns its buffers until [`Work::wait`] hands the result
+/// back.
+#[derive(Debug)]
+pub enum AsyncOp {
+    /// In-place all-reduce; the result is `buf`.
+    AllReduce {
+        /// Data to reduce.
+        buf: Buffer,
+        /// Reduction operator.
+        op: ReduceOp,
+    },
+    /// Broadcast from `root`; the result is `buf`.
+    Broadcast {
+        /// Data (significant on the root).
+        buf: Buffer,
+        /// Root rank.
+        root: usize,
+    },
+    /// All-gather with equal counts; the result is a new buffer of `size × len`.
+    AllGather {
+        /// This rank's contribution.
+        input: Buffer,
+    },
+    /// Reduce-scatter with equal counts; the result is a new buffer of `len / size`.
+    ReduceScatter {
+        /// This rank's full input.
+        input: Buffer,
+        /// Reduction operator.
+        op: ReduceOp,
+    },
+}
+
+impl AsyncOp {
+    /// Runs the operation synchronously on `comm` (what every backend's progress thread
+    /// does) and returns the result buffer.
+    pub fn run_blocking(self, comm: &dyn Communicator) -> Result<Buffer> {
+        match self {
+            AsyncOp::AllReduce { mut buf, op } => {
+                comm.all_reduce(buf.as_buf_mut(), op)?;
+                Ok(buf)
+            }
+            AsyncOp::Broadcast { mut buf, root } => {
+                comm.broadcast(buf.as_buf_mut(), root)?;
+                Ok(buf)
+            }
+            AsyncOp::AllGather { input } => {
+                let mut out = Buffer::zeros(input.dtype(), input.len() * comm.size());
+                comm.all_gather(input.as_buf_ref(), out.as_buf_mut())?;
+                Ok(out)
+            }
+            AsyncOp::ReduceScatter { input, op } => {
+                // A length the group does not divide gets a wrong-size output, which the
+                // collective rejects with a message naming both lengths.
+                let mut out = Buffer::zeros(input.dtype(), input.len() / comm.size().max(1));
+                comm.reduce_scatter(input.as_buf_ref(), out.as_buf_mut(), op)?;
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// Typed conveniences over slices, available on every communicator (including
+/// `dyn Communicator`).
+pub trait CommunicatorExt: Communicator {
+    /// [`Communicator::all_reduce`] over a typed slice.
+    fn all_reduce_slice<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce(BufMut::from(buf), op)
+    }
+    /// [`Communicator::broadcast`] over a typed slice.
+    fn broadcast_slice<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.broadcast(BufMut::from(buf), root)
+    }
+    /// [`Communicator::all_gather`] returning a new vector.
+    fn all_gather_vec<T: Element>(&self, input: &[T]) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); input.len() * self.size()];
+        self.all_gather(BufRef::from(input), BufMut::from(out.as_mut_slice()))?;
+        Ok(out)
+    }
+    /// [`Communicator::all_gather_v`] returning a new vector.
+    fn all_gather_v_vec<T: Element>(&self, input: &[T], counts: &[usize]) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); counts.iter().sum()];
+        self.all_gather_v(BufRef::from(input), BufMut::from(out.as_mut_slice()), counts)?;
+        Ok(out)
+    }
+    /// [`Communicator::reduce_scatter`] returning a new vector of `input.len() / size()`.
+    fn reduce_scatter_vec<T: Element>(&self, input: &[T], op: ReduceOp) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); input.len() / self.size().max(1)];
+        self.reduce_scatter(BufRef::from(input), BufMut::from(out.as_mut_slice()), op)?;
+        Ok(out)
+    }
+    /// [`Communicator::reduce_scatter_v`] returning this rank's chunk.
+    fn reduce_scatter_v_vec<T: Element>(
+        &self,
+        input: &[T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); counts.get(self.rank()).copied().unwrap_or(0)];
+        self.reduce_scatter_v(
+            BufRef::from(input),
+            BufMut::from(out.as_mut_slice()),
+            counts,
+            op,
+        )?;
+        Ok(out)
+    }
+    /// [`Communicator::all_to_all_v`] returning a new vector.
+    fn all_to_all_v_vec<T: Element>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); recv_counts.iter().sum()];
+        self.all_to_all_v(
+            BufRef::from(input),
+            send_counts,
+            BufMut::from(out.as_mut_slice()),
+            recv_counts,
+        )?;
+        Ok(out)
+    }
+    /// [`Communicator::send`] of a typed slice.
+    fn send_slice<T: Element>(&self, buf: &[T], dest: usize) -> Result<()> {
+        self.send(BufRef::from(buf), dest)
+    }
+    /// [`Communicator::recv`] into a typed slice.
+    fn recv_slice<T: Element>(&self, buf: &mut [T], src: usize) -> Result<()> {
+        self.recv(BufMut::from(buf), src)
+    }
+    /// Non-blocking all-reduce of an owned vector.
+    fn all_reduce_async<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<Work> {
+        self.start(AsyncOp::AllReduce {
+            buf: Buffer::from_vec(buf),
+            op,
+        })
+    }
+}
+
+impl<C: Communicator + ?Sized> CommunicatorExt for C {}

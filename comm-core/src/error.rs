@@ -1,0 +1,257 @@
+//! The typed errors every backend returns.
+
+use crate::dtype::{DType, ReduceOp};
+use std::fmt;
+use std::time::Duration;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Which collective (or point-to-point operation) a call was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// `all_reduce`.
+    AllReduce,
+    /// `broadcast`.
+    Broadcast,
+    /// `all_gather` (equal counts).
+    AllGather,
+    /// `all_gather_v` (per-rank counts).
+    AllGatherV,
+    /// `reduce_scatter` (equal counts).
+    ReduceScatter,
+    /// `reduce_scatter_v` (per-rank counts).
+    ReduceScatterV,
+    /// `all_to_all_v`.
+    AllToAllV,
+    /// `barrier`.
+    Barrier,
+    /// `split`.
+    Split,
+    /// `send`.
+    Send,
+    /// `recv`.
+    Recv,
+}
+
+impl OpKind {
+    /// snake_case name as in the API.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::Broadcast => "broadcast",
+            OpKind::AllGather => "all_gather",
+            OpKind::AllGatherV => "all_gather_v",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::ReduceScatterV => "reduce_scatter_v",
+            OpKind::AllToAllV => "all_to_all_v",
+            OpKind::Barrier => "barrier",
+            OpKind::Split => "split",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+        }
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What one rank asked for in a collective: compared across ranks before any data moves.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CallSignature {
+    /// The rank within the group.
+    pub rank: usize,
+    /// The collective.
+    pub op: OpKind,
+    /// Element type, when the operation carries data.
+    pub dtype: Option<DType>,
+    /// Reduction operator, for reductions.
+    pub reduce: Option<ReduceOp>,
+    /// Element count of the rank's send buffer (its receive buffer for broadcast/recv).
+    pub count: usize,
+    /// Root rank, for rooted operations.
+    pub root: Option<usize>,
+    /// Per-rank counts, for the `_v` operations (identical on every rank, except for
+    /// `all_to_all_v` where they are this rank's send counts).
+    pub counts: Option<Vec<usize>>,
+    /// This rank's receive counts, for `all_to_all_v`.
+    pub recv_counts: Option<Vec<usize>>,
+}
+
+impl fmt::Display for CallSignature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {}: {}", self.rank, self.op)?;
+        if let Some(d) = self.dtype {
+            write!(f, " dtype={d}")?;
+        }
+        if let Some(r) = self.reduce {
+            write!(f, " op={r}")?;
+        }
+        write!(f, " count={}", self.count)?;
+        if let Some(root) = self.root {
+            write!(f, " root={root}")?;
+        }
+        if let Some(c) = &self.counts {
+            write!(f, " counts={c:?}")?;
+        }
+        if let Some(c) = &self.recv_counts {
+            write!(f, " recv_counts={c:?}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Every way a collective can fail. Each variant says what went wrong and, through its
+/// `Display`, what to do about it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Ranks of one group issued different collectives at the same sequence number.
+    #[error(
+        "collective mismatch in group '{group}' at call #{seq}: ranks disagree on what to do:\n  {}\n\
+         every rank of a group must issue the same collectives (op, dtype, count, root) in the same order",
+        calls.iter().map(|c| c.to_string()).collect::<Vec<_>>().join("\n  ")
+    )]
+    Mismatch {
+        /// Group name.
+        group: String,
+        /// Sequence number of the call within the group (0-based).
+        seq: u64,
+        /// What each rank asked for, by group rank.
+        calls: Vec<CallSignature>,
+    },
+
+    /// Some ranks did not reach a collective within the timeout.
+    #[error(
+        "timeout in group '{group}': {op} (call #{seq}) waited {waited:?} and ranks {missing:?} \
+         (world ranks {missing_world:?}) never arrived; they are stuck elsewhere or issue \
+         collectives in a different order. Raise the limit with FERROTRON_TIMEOUT_SECS or \
+         the backend's timeout setting if they are merely slow"
+    )]
+    Timeout {
+        /// Group name.
+        group: String,
+        /// The collective that timed out.
+        op: OpKind,
+        /// Sequence number of the call within the group.
+        seq: u64,
+        /// Group ranks that never arrived.
+        missing: Vec<usize>,
+        /// The same ranks as world ranks.
+        missing_world: Vec<usize>,
+        /// How long this rank waited.
+        waited: Duration,
+    },
+
+    /// A peer failed (error, panic) or dropped its communicator, so this call can never
+    /// complete.
+    #[error(
+        "peer lost in group '{group}': rank {rank} (world rank {world_rank}) failed or dropped \
+         its communicator, so {op} (call #{seq}) cannot complete; look for that rank's own \
+         error, which is the root cause"
+    )]
+    PeerLost {
+        /// Group name.
+        group: String,
+        /// The collective that could not complete.
+        op: OpKind,
+        /// Sequence number of the call within the group.
+        seq: u64,
+        /// Group rank of the lost peer.
+        rank: usize,
+        /// World rank of the lost peer.
+        world_rank: usize,
+    },
+
+    /// A previous failure (timeout, lost peer) left this group unusable.
+    #[error(
+        "group '{group}' is broken by an earlier failure ({cause}); create new communicators \
+         after recovering"
+    )]
+    Broken {
+        /// Group name.
+        group: String,
+        /// The failure that broke the group.
+        cause: String,
+    },
+
+    /// A buffer has the wrong length or type for the call; detected before communicating.
+    #[error("invalid buffer for {op} in group '{group}': {detail}")]
+    InvalidBuffer {
+        /// The collective.
+        op: OpKind,
+        /// Group name.
+        group: String,
+        /// What is wrong and what would be right.
+        detail: String,
+    },
+
+    /// An argument other than a buffer is invalid (root or peer out of range, wrong
+    /// number of per-rank counts, ...); detected before communicating.
+    #[error("invalid argument for {op} in group '{group}': {detail}")]
+    InvalidArgument {
+        /// The collective.
+        op: OpKind,
+        /// Group name.
+        group: String,
+        /// What is wrong and what would be right.
+        detail: String,
+    },
+
+    /// The reduction operator is not defined for the dtype.
+    #[error("{reduce} is not defined for {dtype} in {op}: {hint}")]
+    Unsupported {
+        /// The collective.
+        op: OpKind,
+        /// The reduction operator.
+        reduce: ReduceOp,
+        /// The element type.
+        dtype: DType,
+        /// What to use instead.
+        hint: &'static str,
+    },
+
+    /// An owned buffer was asked for as the wrong element type.
+    #[error("buffer holds {found} elements, not {expected}")]
+    WrongDType {
+        /// The type asked for.
+        expected: DType,
+        /// The type the buffer holds.
+        found: DType,
+    },
+
+    /// A rank of `run_local` returned an error or panicked.
+    #[error("rank {rank} failed: {source}")]
+    RankFailed {
+        /// The world rank.
+        rank: usize,
+        /// Its error (a panic becomes a message error).
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+
+    /// Invalid configuration of a backend or launcher (zero ranks, bad environment
+    /// variable, ...).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// The MPI library failed or is unusable.
+    #[error("MPI: {0}")]
+    Mpi(String),
+}
+
+impl Error {
+    /// The comm-core error behind a `RankFailed`, or `self`; handy when asserting on the
+    /// root cause a launcher reports.
+    pub fn root_cause(&self) -> &Error {
+        match self {
+            Error::RankFailed { source, .. } => source
+                .downcast_ref::<Error>()
+                .map(Error::root_cause)
+                .unwrap_or(self),
+            other => other,
+        }
+    }
+}

@@ -1,0 +1,314 @@
+//! State shared by the rank threads of one local group: per-rank exchange slots, the
+//! barrier, liveness and point-to-point mailboxes.
+//!
+//! Exchange protocol (the reason the `unsafe` below is sound): for call number `seq`, a
+//! rank writes only its own slot's `exchange[seq % 2]`, and only before it arrives at the
+//! call's first barrier. Peers read that record only after seeing the arrival (Acquire),
+//! and only until they arrive at the first barrier of call `seq + 1`. The owner writes
+//! `exchange[seq % 2]` again at call `seq + 2`, which it can only reach after every peer
+//! has arrived at call `seq + 1`'s first barrier, i.e. after they stopped reading.
+
+use crate::buffer::Buffer;
+use crate::error::{CallSignature, Error, OpKind, Result};
+use parking_lot::{Condvar, Mutex};
+use std::cell::UnsafeCell;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Liveness of every rank of one `run_local` world.
+pub(crate) struct WorldShared {
+    pub(crate) dead: Vec<AtomicBool>,
+}
+
+impl WorldShared {
+    pub(crate) fn new(size: usize) -> Arc<WorldShared> {
+        Arc::new(WorldShared {
+            dead: (0..size).map(|_| AtomicBool::new(false)).collect(),
+        })
+    }
+}
+
+/// What a rank publishes for one call.
+pub(crate) struct Exchange {
+    pub(crate) sig: CallSignature,
+    /// Address of the rank's send buffer (host memory), for direct reads by peers.
+    pub(crate) send_ptr: usize,
+    /// Address of the rank's receive buffer, for in-place algorithms.
+    pub(crate) recv_ptr: usize,
+    /// A copy of the send data for small messages (u64 words keep every dtype aligned).
+    pub(crate) staging: Vec<u64>,
+    /// `(color, key)` for split.
+    pub(crate) split: (Option<u32>, u32),
+}
+
+#[repr(align(128))]
+pub(crate) struct Slot {
+    /// The number of barriers this rank has arrived at.
+    arrived: AtomicU64,
+    dropped: AtomicBool,
+    exchange: [UnsafeCell<Exchange>; 2],
+    /// Filled by the split leader for this rank (written by another rank, so locked).
+    pub(crate) split_result: Mutex<Option<Arc<GroupShared>>>,
+}
+
+// SAFETY: `exchange` is accessed only under the protocol described in the module docs,
+// which orders every write before every read through the `arrived` Release/Acquire pair.
+unsafe impl Sync for Slot {}
+
+/// A message in flight between two ranks.
+pub(crate) struct Message {
+    pub(crate) data: Buffer,
+}
+
+pub(crate) struct GroupShared {
+    pub(crate) name: String,
+    pub(crate) world_ranks: Vec<usize>,
+    pub(crate) world: Arc<WorldShared>,
+    pub(crate) timeout: Duration,
+    slots: Vec<Slot>,
+    broken: Mutex<Option<String>>,
+    is_broken: AtomicBool,
+    parked: AtomicUsize,
+    park_lock: Mutex<()>,
+    park_cv: Condvar,
+    /// `mailboxes[src * size + dst]`.
+    mailboxes: Vec<Mutex<VecDeque<Message>>>,
+}
+
+/// Busy-wait iterations before yielding: short when ranks outnumber cores, because then
+/// spinning steals the time slice the awaited rank needs.
+fn spin_budget(size: usize) -> u32 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if size <= cores {
+        20_000
+    } else {
+        50
+    }
+}
+
+impl GroupShared {
+    pub(crate) fn new(
+        name: String,
+        world_ranks: Vec<usize>,
+        world: Arc<WorldShared>,
+        timeout: Duration,
+    ) -> Arc<GroupShared> {
+        let size = world_ranks.len();
+        let empty = || {
+            UnsafeCell::new(Exchange {
+                sig: CallSignature {
+                    rank: 0,
+                    op: OpKind::Barrier,
+                    dtype: None,
+                    reduce: None,
+                    count: 0,
+                    root: None,
+                    counts: None,
+                    recv_counts: None,
+                },
+                send_ptr: 0,
+                recv_ptr: 0,
+                staging: Vec::new(),
+                split: (None, 0),
+            })
+        };
+        Arc::new(GroupShared {
+            name,
+            world_ranks,
+            world,
+            timeout,
+            slots: (0..size)
+                .map(|_| Slot {
+                    arrived: AtomicU64::new(0),
+                    dropped: AtomicBool::new(false),
+                    exchange: [empty(), empty()],
+                    split_result: Mutex::new(None),
+                })
+                .collect(),
+            broken: Mutex::new(None),
+            is_broken: AtomicBool::new(false),
+            parked: AtomicUsize::new(0),
+            park_lock: Mutex::new(()),
+            park_cv: Condvar::new(),
+            mailboxes: (0..size * size)
+                .map(|_| Mutex::new(VecDeque::new()))
+                .collect(),
+        })
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub(crate) fn slot(&self, rank: usize) -> &Slot {
+        &self.slots[rank]
+    }
+
+    /// This rank's own exchange record for `seq`.
+    ///
+    /// # Safety
+    /// Only the owning rank may call this, and only before arriving at the first barrier
+    /// of call `seq` (see the module docs).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn own_exchange(&self, rank: usize, seq: u64) -> &mut Exchange {
+        // SAFETY: upheld by the caller per the exchange protocol.
+        unsafe { &mut *self.slots[rank].exchange[(seq % 2) as usize].get() }
+    }
+
+    /// A peer's exchange record for `seq`.
+    ///
+    /// # Safety
+    /// The caller must have seen `rank` arrive at call `seq`'s first barrier and must not
+    /// yet have arrived at call `seq + 1`'s first barrier.
+    pub(crate) unsafe fn exchange(&self, rank: usize, seq: u64) -> &Exchange {
+        // SAFETY: upheld by the caller per the exchange protocol.
+        unsafe { &*self.slots[rank].exchange[(seq % 2) as usize].get() }
+    }
+
+    /// Whether group rank `r` is gone: it dropped its communicator or its thread failed.
+    fn is_lost(&self, r: usize) -> bool {
+        self.slots[r].dropped.load(Ordering::Acquire)
+            || self.world.dead[self.world_ranks[r]].load(Ordering::Acquire)
+    }
+
+    pub(crate) fn mark_dropped(&self, rank: usize) {
+        self.slots[rank].dropped.store(true, Ordering::Release);
+        self.wake_all();
+    }
+
+    pub(crate) fn check_broken(&self) -> Result<()> {
+        if self.is_broken.load(Ordering::Acquire) {
+            let cause = self.broken.lock().clone().unwrap_or_default();
+            return Err(Error::Broken {
+                group: self.name.clone(),
+                cause,
+            });
+        }
+        Ok(())
+    }
+
+    /// Marks the group unusable: its ranks' barrier counts no longer agree.
+    pub(crate) fn break_with(&self, err: &Error) {
+        let mut broken = self.broken.lock();
+        if broken.is_none() {
+            *broken = Some(err.to_string());
+        }
+        self.is_broken.store(true, Ordering::Release);
+        drop(broken);
+        self.wake_all();
+    }
+
+    fn wake_all(&self) {
+        let _guard = self.park_lock.lock();
+        self.park_cv.notify_all();
+    }
+
+    /// Arrives at barrier number `epoch` (1-based, per rank) and waits for every rank.
+    pub(crate) fn barrier(&self, rank: usize, epoch: u64, op: OpKind, seq: u64) -> Result<()> {
+        self.slots[rank].arrived.store(epoch, Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) > 0 {
+            self.wake_all();
+        }
+        self.wait_for(op, seq, |g| g.missing(epoch).next().is_none(), |g| {
+            g.missing(epoch).collect()
+        })
+    }
+
+    fn missing(&self, epoch: u64) -> impl Iterator<Item = usize> + '_ {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(move |(_, s)| s.arrived.load(Ordering::Acquire) < epoch)
+            .map(|(r, _)| r)
+    }
+
+    /// Waits until `ready` holds: spins, then yields, then parks in short slices, checking
+    /// for lost peers (among `waiting_on`) and the timeout on every slow-path round.
+    pub(crate) fn wait_for(
+        &self,
+        op: OpKind,
+        seq: u64,
+        mut ready: impl FnMut(&GroupShared) -> bool,
+        waiting_on: impl Fn(&GroupShared) -> Vec<usize>,
+    ) -> Result<()> {
+        let budget = spin_budget(self.size());
+        for _ in 0..budget {
+            if ready(self) {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        let start = Instant::now();
+        let mut rounds = 0u32;
+        loop {
+            if ready(self) {
+                return Ok(());
+            }
+            self.check_broken()?;
+            let missing = waiting_on(self);
+            if let Some(&lost) = missing.iter().find(|&&r| self.is_lost(r)) {
+                let err = Error::PeerLost {
+                    group: self.name.clone(),
+                    op,
+                    seq,
+                    rank: lost,
+                    world_rank: self.world_ranks[lost],
+                };
+                self.break_with(&err);
+                return Err(err);
+            }
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                let err = Error::Timeout {
+                    group: self.name.clone(),
+                    op,
+                    seq,
+                    missing_world: missing.iter().map(|&r| self.world_ranks[r]).collect(),
+                    missing,
+                    waited,
+                };
+                self.break_with(&err);
+                return Err(err);
+            }
+            rounds += 1;
+            if rounds < 64 {
+                std::thread::yield_now();
+                continue;
+            }
+            // Park; peers wake us on arrival, and the slice bounds how late we notice a
+            // peer that died without waking anyone.
+            let slice = Duration::from_millis(2).min(self.timeout - waited);
+            self.parked.fetch_add(1, Ordering::SeqCst);
+            {
+                let mut guard = self.park_lock.lock();
+                if !ready(self) {
+                    self.park_cv.wait_for(&mut guard, slice);
+                }
+            }
+            self.parked.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    pub(crate) fn post(&self, src: usize, dst: usize, msg: Message) {
+        self.mailboxes[src * self.size() + dst].lock().push_back(msg);
+        self.wake_all();
+    }
+
+    /// Takes the next message from `src` to `dst`, waiting as a collective would.
+    pub(crate) fn take(&self, src: usize, dst: usize, seq: u64) -> Result<Message> {
+        let mailbox = &self.mailboxes[src * self.size() + dst];
+        let mut taken = None;
+        self.wait_for(
+            OpKind::Recv,
+            seq,
+            |_| {
+                taken = taken.take().or_else(|| mailbox.lock().pop_front());
+                taken.is_some()
+            },
+            |_| vec![src],
+        )?;
+        Ok(taken.expect("wait_for returns Ok only once a message was taken"))
+    }
+}

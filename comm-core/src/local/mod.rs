@@ -1,0 +1,947 @@
+//! The `local` backend: every rank is a thread of this process and collectives move data
+//! through shared memory, with no serialisation.
+//!
+//! Small messages (at most [`SMALL_MESSAGE_BYTES`] per rank) are copied into per-rank
+//! staging areas and finished after a single barrier; larger ones are read directly from
+//! the peers' buffers (each rank reduces or copies its own share) and cost two or three
+//! barriers. Every call first publishes its [`CallSignature`] and checks it against the
+//! peers' before touching their memory, so a mismatched call is an error, never a wrong
+//! read.
+
+mod group;
+
+use crate::buffer::{BufMut, BufRef, Buffer};
+use crate::communicator::{AsyncOp, Communicator};
+use crate::dtype::{reduce_raw, DType, ReduceOp};
+use crate::error::{CallSignature, Error, OpKind, Result};
+use crate::work::{ProgressQueue, Work};
+use group::{GroupShared, Message, WorldShared};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Per-rank messages up to this size go through staging copies (one barrier).
+pub const SMALL_MESSAGE_BYTES: usize = 64 * 1024;
+
+/// Environment variable overriding the default collective timeout, in seconds.
+pub const TIMEOUT_ENV: &str = "FERROTRON_TIMEOUT_SECS";
+
+/// The timeout used when neither the API nor [`TIMEOUT_ENV`] sets one: generous, because
+/// a slow rank (first-touch allocation, a long forward pass) is not a failure.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Launches `size` rank threads running `f`, joins them and returns their results in
+/// rank order. See [`LocalLauncher`] for the timeout and per-rank results.
+///
+/// ```
+/// use comm_core::{run_local, Communicator, CommunicatorExt, ReduceOp};
+/// let sums = run_local(4, |comm| {
+///     let mut x = [comm.rank() as f32];
+///     comm.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+///     Ok::<_, comm_core::Error>(x[0])
+/// })?;
+/// assert_eq!(sums, vec![6.0; 4]);
+/// # Ok::<(), comm_core::Error>(())
+/// ```
+pub fn run_local<T, E, F>(size: usize, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    F: Fn(LocalCommunicator) -> std::result::Result<T, E> + Sync,
+{
+    LocalLauncher::new(size)?.run(f)
+}
+
+/// Configures and starts a world of rank threads.
+#[derive(Clone, Debug)]
+pub struct LocalLauncher {
+    size: usize,
+    timeout: Duration,
+}
+
+impl LocalLauncher {
+    /// A world of `size` ranks with the default timeout (or [`TIMEOUT_ENV`]).
+    pub fn new(size: usize) -> Result<LocalLauncher> {
+        if size == 0 {
+            return Err(Error::Config(
+                "a local world needs at least one rank; pass size >= 1".into(),
+            ));
+        }
+        Ok(LocalLauncher {
+            size,
+            timeout: timeout_from_env()?,
+        })
+    }
+
+    /// How long a collective waits for its peers before returning [`Error::Timeout`].
+    pub fn timeout(mut self, timeout: Duration) -> LocalLauncher {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Runs `f` on every rank and returns the results in rank order, or the root-cause
+    /// error: the first failure that is not merely a consequence (a lost peer) of another.
+    pub fn run<T, E, F>(&self, f: F) -> Result<Vec<T>>
+    where
+        T: Send,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+        F: Fn(LocalCommunicator) -> std::result::Result<T, E> + Sync,
+    {
+        let outcomes = self.run_each(f);
+        let mut failures: Vec<(u64, Error)> = Vec::new();
+        let mut values = Vec::with_capacity(outcomes.len());
+        for outcome in outcomes {
+            match outcome {
+                Ok(v) => values.push(v),
+                Err(failure) => failures.push(failure),
+            }
+        }
+        if failures.is_empty() {
+            return Ok(values);
+        }
+        let is_consequence = |e: &Error| {
+            matches!(
+                e.root_cause(),
+                Error::PeerLost { .. } | Error::Broken { .. }
+            )
+        };
+        failures.sort_by_key(|(order, e)| (is_consequence(e), *order));
+        Err(failures.swap_remove(0).1)
+    }
+
+    /// Runs `f` on every rank and returns every rank's outcome; a failure carries the
+    /// order in which it happened (0 = first) and an [`Error::RankFailed`].
+    pub fn run_each<T, E, F>(&self, f: F) -> Vec<std::result::Result<T, (u64, Error)>>
+    where
+        T: Send,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+        F: Fn(LocalCommunicator) -> std::result::Result<T, E> + Sync,
+    {
+        let world = WorldShared::new(self.size);
+        let group = GroupShared::new(
+            "world".to_string(),
+            (0..self.size).collect(),
+            world.clone(),
+            self.timeout,
+        );
+        let failure_clock = AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..self.size)
+                .map(|rank| {
+                    let comm = LocalCommunicator::new(group.clone(), rank);
+                    let (f, world, clock) = (&f, &world, &failure_clock);
+                    std::thread::Builder::new()
+                        .name(format!("rank-{rank}"))
+                        .spawn_scoped(scope, move || {
+                            let outcome =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)));
+                            let error: Box<dyn std::error::Error + Send + Sync> = match outcome {
+                                Ok(Ok(value)) => return Ok(value),
+                                Ok(Err(e)) => e.into(),
+                                Err(panic) => {
+                                    format!("panicked: {}", panic_message(panic.as_ref())).into()
+                                }
+                            };
+                            // Peers blocked on this rank see it at their next check.
+                            world.dead[rank].store(true, Ordering::Release);
+                            let order = clock.fetch_add(1, Ordering::SeqCst);
+                            Err((order, Error::RankFailed { rank, source: error }))
+                        })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, handle)| match handle {
+                    Ok(h) => h.join().unwrap_or_else(|panic| {
+                        Err((
+                            u64::MAX,
+                            Error::RankFailed {
+                                rank,
+                                source: panic_message(panic.as_ref()).into(),
+                            },
+                        ))
+                    }),
+                    Err(e) => Err((
+                        u64::MAX,
+                        Error::Config(format!("cannot start thread for rank {rank}: {e}")),
+                    )),
+                })
+                .collect()
+        })
+    }
+}
+
+fn timeout_from_env() -> Result<Duration> {
+    match std::env::var(TIMEOUT_ENV) {
+        Err(_) => Ok(DEFAULT_TIMEOUT),
+        Ok(text) => text
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "{TIMEOUT_ENV}={text:?} is not a positive number of seconds (e.g. 30 or 0.5)"
+                ))
+            }),
+    }
+}
+
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".to_string())
+}
+
+/// One rank's handle on a local group. Dropping it tells the peers this rank is gone:
+/// their pending and later collectives fail with [`Error::PeerLost`].
+pub struct LocalCommunicator {
+    core: Arc<RankCore>,
+    /// False for the progress thread's handle, whose drop must not signal departure.
+    owner: bool,
+}
+
+/// Counters every rank advances identically; held locked for a whole call so that calls
+/// from several threads (or the progress thread) on one communicator never interleave.
+struct Counters {
+    /// Collectives issued on this group.
+    seq: u64,
+    /// Barriers arrived at.
+    epoch: u64,
+    /// Messages received (for error messages).
+    recvs: u64,
+}
+
+struct RankCore {
+    group: Arc<GroupShared>,
+    rank: usize,
+    counters: Mutex<Counters>,
+    queue: ProgressQueue,
+}
+
+impl LocalCommunicator {
+    fn new(group: Arc<GroupShared>, rank: usize) -> LocalCommunicator {
+        let queue = ProgressQueue::new(format!("{}-progress-{rank}", group.name));
+        LocalCommunicator {
+            core: Arc::new(RankCore {
+                group,
+                rank,
+                counters: Mutex::new(Counters {
+                    seq: 0,
+                    epoch: 0,
+                    recvs: 0,
+                }),
+                queue,
+            }),
+            owner: true,
+        }
+    }
+
+    /// The timeout this group's collectives use.
+    pub fn timeout(&self) -> Duration {
+        self.core.group.timeout
+    }
+}
+
+impl Drop for LocalCommunicator {
+    fn drop(&mut self) {
+        if !self.owner {
+            return;
+        }
+        // Queued operations finish (or fail) first, then peers learn we are gone.
+        self.core.queue.shutdown();
+        self.core.group.mark_dropped(self.core.rank);
+    }
+}
+
+impl std::fmt::Debug for LocalCommunicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalCommunicator")
+            .field("group", &self.core.group.name)
+            .field("rank", &self.core.rank)
+            .field("size", &self.core.group.size())
+            .finish()
+    }
+}
+
+impl Communicator for LocalCommunicator {
+    fn rank(&self) -> usize {
+        self.core.rank
+    }
+    fn size(&self) -> usize {
+        self.core.group.size()
+    }
+    fn name(&self) -> &str {
+        &self.core.group.name
+    }
+    fn backend(&self) -> &'static str {
+        "local"
+    }
+    fn world_ranks(&self) -> &[usize] {
+        &self.core.group.world_ranks
+    }
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core.all_reduce(buf, op)
+    }
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core.broadcast(buf, root)
+    }
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core.all_gather(input, output)
+    }
+    fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core
+            .gather_v(OpKind::AllGatherV, input, output, counts)
+    }
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core.reduce_scatter(input, output, op)
+    }
+    fn reduce_scatter_v(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core
+            .reduce_scatter_v(OpKind::ReduceScatterV, input, output, counts, op)
+    }
+    fn all_to_all_v(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        output: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core.all_to_all_v(input, send_counts, output, recv_counts)
+    }
+    fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core.send(buf, dest)
+    }
+    fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core.recv(buf, src)
+    }
+    fn barrier(&self) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core.barrier()
+    }
+    fn split(
+        &self,
+        color: Option<u32>,
+        key: u32,
+        name: &str,
+    ) -> Result<Option<Arc<dyn Communicator>>> {
+        self.core.queue.wait_idle();
+        Ok(self
+            .core
+            .split(color, key, name)?
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>))
+    }
+    fn start(&self, op: AsyncOp) -> Result<Work> {
+        let handle = LocalCommunicator {
+            core: self.core.clone(),
+            owner: false,
+        };
+        self.core
+            .queue
+            .submit(Box::new(move || op.run_blocking(&handle)))
+    }
+}
+
+/// Splits `len` elements into `parts` nearly equal chunks; returns the start of `part`
+/// and its length.
+fn chunk(len: usize, parts: usize, part: usize) -> (usize, usize) {
+    let base = len / parts;
+    let extra = len % parts;
+    let start = part * base + part.min(extra);
+    (start, base + usize::from(part < extra))
+}
+
+fn offsets(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |acc, &c| {
+            let start = *acc;
+            *acc += c;
+            Some(start)
+        })
+        .collect()
+}
+
+/// Element-typed pointer arithmetic on a published address.
+fn at<T>(addr: usize, offset: usize) -> *const T {
+    (addr as *const T).wrapping_add(offset)
+}
+
+impl RankCore {
+    fn name(&self) -> &str {
+        &self.group.name
+    }
+
+    fn signature(&self, op: OpKind, dtype: Option<DType>, count: usize) -> CallSignature {
+        CallSignature {
+            rank: self.rank,
+            op,
+            dtype,
+            reduce: None,
+            count,
+            root: None,
+            counts: None,
+            recv_counts: None,
+        }
+    }
+
+    fn invalid_buffer(&self, op: OpKind, detail: String) -> Error {
+        Error::InvalidBuffer {
+            op,
+            group: self.name().to_string(),
+            detail,
+        }
+    }
+
+    fn invalid_argument(&self, op: OpKind, detail: String) -> Error {
+        Error::InvalidArgument {
+            op,
+            group: self.name().to_string(),
+            detail,
+        }
+    }
+
+    fn check_reduce(&self, op: OpKind, reduce: ReduceOp, dtype: DType) -> Result<()> {
+        if reduce.supports(dtype) {
+            Ok(())
+        } else {
+            Err(Error::Unsupported {
+                op,
+                reduce,
+                dtype,
+                hint: "averaging integers has no agreed rounding; use Sum and divide",
+            })
+        }
+    }
+
+    fn check_same_dtype(&self, op: OpKind, input: DType, output: DType) -> Result<()> {
+        if input == output {
+            Ok(())
+        } else {
+            Err(self.invalid_buffer(
+                op,
+                format!("input is {input} but output is {output}; both must have one dtype"),
+            ))
+        }
+    }
+
+    fn check_counts(&self, op: OpKind, counts: &[usize]) -> Result<()> {
+        if counts.len() == self.group.size() {
+            Ok(())
+        } else {
+            Err(self.invalid_argument(
+                op,
+                format!(
+                    "{} per-rank counts given for a group of {} ranks; pass one count per rank",
+                    counts.len(),
+                    self.group.size()
+                ),
+            ))
+        }
+    }
+
+    /// Publishes this rank's call, waits for every peer to publish theirs, and checks
+    /// that all of them agree. Returns the call's sequence number.
+    fn begin(
+        &self,
+        counters: &mut Counters,
+        sig: CallSignature,
+        exchange: impl FnOnce(&mut group::Exchange),
+    ) -> Result<u64> {
+        self.group.check_broken()?;
+        let seq = counters.seq;
+        counters.seq += 1;
+        let op = sig.op;
+        {
+            // SAFETY: our own record, written before we arrive at this call's barrier.
+            let ex = unsafe { self.group.own_exchange(self.rank, seq) };
+            ex.sig = sig;
+            exchange(ex);
+        }
+        self.barrier_step(counters, op, seq)?;
+        // SAFETY: every rank arrived at this call's first barrier.
+        let sigs: Vec<&CallSignature> = (0..self.group.size())
+            .map(|r| unsafe { &self.group.exchange(r, seq).sig })
+            .collect();
+        if !signatures_agree(&sigs) {
+            return Err(Error::Mismatch {
+                group: self.name().to_string(),
+                seq,
+                calls: sigs.into_iter().cloned().collect(),
+            });
+        }
+        Ok(seq)
+    }
+
+    fn barrier_step(&self, counters: &mut Counters, op: OpKind, seq: u64) -> Result<()> {
+        counters.epoch += 1;
+        self.group.barrier(self.rank, counters.epoch, op, seq)
+    }
+
+    /// A peer's published record for call `seq`.
+    fn peer(&self, rank: usize, seq: u64) -> &group::Exchange {
+        // SAFETY: only called between `begin` (all ranks arrived) and the end of the
+        // same call, while we have not arrived at the next call's first barrier.
+        unsafe { self.group.exchange(rank, seq) }
+    }
+
+    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let kind = OpKind::AllReduce;
+        self.check_reduce(kind, op, buf.dtype())?;
+        let mut sig = self.signature(kind, Some(buf.dtype()), buf.len());
+        sig.reduce = Some(op);
+        let (len, dtype) = (buf.len(), buf.dtype());
+        let ptr = buf.host_ptr_mut() as usize;
+        let counters = &mut *self.counters.lock();
+        if buf.byte_len() <= SMALL_MESSAGE_BYTES {
+            let seq = self.begin(counters, sig, |ex| stage(ex, buf.as_ref()))?;
+            let n = self.group.size();
+            crate::with_dtype!(dtype, T => {
+                let sources: Vec<*const T> =
+                    (0..n).map(|r| self.peer(r, seq).staging.as_ptr().cast()).collect();
+                // SAFETY: agreed signatures mean every staging area holds `len` elements.
+                unsafe { reduce_raw::<T>(op, &sources, ptr as *mut T, len) }
+            });
+            return Ok(());
+        }
+        let seq = self.begin(counters, sig, |ex| ex.recv_ptr = ptr)?;
+        let n = self.group.size();
+        let (start, count) = chunk(len, n, self.rank);
+        crate::with_dtype!(dtype, T => {
+            let sources: Vec<*const T> =
+                (0..n).map(|r| at::<T>(self.peer(r, seq).recv_ptr, start)).collect();
+            // SAFETY: every rank's buffer has `len` elements (agreed signatures); peers
+            // only write their own chunk of their own buffer in this phase.
+            unsafe { reduce_raw::<T>(op, &sources, (ptr as *mut T).wrapping_add(start), count) }
+        });
+        self.barrier_step(counters, kind, seq)?;
+        let esize = dtype.size_in_bytes();
+        for r in (0..n).filter(|&r| r != self.rank) {
+            let (start, count) = chunk(len, n, r);
+            let src = at::<u8>(self.peer(r, seq).recv_ptr, start * esize);
+            // SAFETY: chunk `r` of rank `r` is final after the barrier and nobody writes
+            // chunk `r` of our buffer but us.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src,
+                    (ptr as *mut u8).add(start * esize),
+                    count * esize,
+                )
+            };
+        }
+        self.barrier_step(counters, kind, seq)
+    }
+
+    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        let kind = OpKind::Broadcast;
+        if root >= self.group.size() {
+            return Err(self.invalid_argument(
+                kind,
+                format!("root {root} is not a rank of a group of {}", self.group.size()),
+            ));
+        }
+        let mut sig = self.signature(kind, Some(buf.dtype()), buf.len());
+        sig.root = Some(root);
+        let bytes = buf.byte_len();
+        let ptr = buf.host_ptr_mut() as usize;
+        let is_root = self.rank == root;
+        let counters = &mut *self.counters.lock();
+        if bytes <= SMALL_MESSAGE_BYTES {
+            let seq = self.begin(counters, sig, |ex| {
+                if is_root {
+                    stage(ex, buf.as_ref())
+                }
+            })?;
+            if !is_root {
+                let src = self.peer(root, seq).staging.as_ptr().cast::<u8>();
+                // SAFETY: the root staged `bytes` bytes (agreed dtype and count).
+                unsafe { std::ptr::copy_nonoverlapping(src, ptr as *mut u8, bytes) };
+            }
+            return Ok(());
+        }
+        let seq = self.begin(counters, sig, |ex| ex.send_ptr = ptr)?;
+        if !is_root {
+            let src = self.peer(root, seq).send_ptr as *const u8;
+            // SAFETY: the root's buffer has `bytes` bytes and it waits for us below.
+            unsafe { std::ptr::copy_nonoverlapping(src, ptr as *mut u8, bytes) };
+        }
+        self.barrier_step(counters, kind, seq)
+    }
+
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        let n = self.group.size();
+        if output.len() != input.len() * n {
+            return Err(self.invalid_buffer(
+                OpKind::AllGather,
+                format!(
+                    "output has {} elements; it must hold size × input = {n} × {} = {}",
+                    output.len(),
+                    input.len(),
+                    input.len() * n
+                ),
+            ));
+        }
+        self.gather_v(OpKind::AllGather, input, output, &vec![input.len(); n])
+    }
+
+    fn gather_v(
+        &self,
+        kind: OpKind,
+        input: BufRef<'_>,
+        mut output: BufMut<'_>,
+        counts: &[usize],
+    ) -> Result<()> {
+        self.check_counts(kind, counts)?;
+        self.check_same_dtype(kind, input.dtype(), output.dtype())?;
+        let total: usize = counts.iter().sum();
+        if input.len() != counts[self.rank] || output.len() != total {
+            return Err(self.invalid_buffer(
+                kind,
+                format!(
+                    "input has {} elements and output {}; with counts {counts:?} rank {} must \
+                     pass {} and the output must hold {total}",
+                    input.len(),
+                    output.len(),
+                    self.rank,
+                    counts[self.rank]
+                ),
+            ));
+        }
+        let mut sig = self.signature(kind, Some(input.dtype()), input.len());
+        if kind == OpKind::AllGatherV {
+            sig.counts = Some(counts.to_vec());
+        }
+        let esize = input.dtype().size_in_bytes();
+        let small = counts.iter().max().copied().unwrap_or(0) * esize <= SMALL_MESSAGE_BYTES;
+        let out = output.host_ptr_mut();
+        let in_ptr = input.host_ptr() as usize;
+        let counters = &mut *self.counters.lock();
+        let seq = self.begin(counters, sig, |ex| {
+            if small {
+                stage(ex, input)
+            } else {
+                ex.send_ptr = in_ptr
+            }
+        })?;
+        for (r, offset) in offsets(counts).into_iter().enumerate() {
+            let peer = self.peer(r, seq);
+            let src = if small {
+                peer.staging.as_ptr().cast::<u8>()
+            } else {
+                peer.send_ptr as *const u8
+            };
+            // SAFETY: rank r published counts[r] elements (agreed counts); output holds
+            // the sum of counts, checked above.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src, out.add(offset * esize), counts[r] * esize)
+            };
+        }
+        if small {
+            Ok(())
+        } else {
+            self.barrier_step(counters, kind, seq)
+        }
+    }
+
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let n = self.group.size();
+        if input.len() != output.len() * n {
+            return Err(self.invalid_buffer(
+                OpKind::ReduceScatter,
+                format!(
+                    "input has {} elements; it must hold size × output = {n} × {} = {}",
+                    input.len(),
+                    output.len(),
+                    output.len() * n
+                ),
+            ));
+        }
+        let counts = vec![output.len(); n];
+        self.reduce_scatter_v(OpKind::ReduceScatter, input, output, &counts, op)
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        kind: OpKind,
+        input: BufRef<'_>,
+        mut output: BufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.check_counts(kind, counts)?;
+        self.check_same_dtype(kind, input.dtype(), output.dtype())?;
+        self.check_reduce(kind, op, input.dtype())?;
+        let total: usize = counts.iter().sum();
+        if input.len() != total || output.len() != counts[self.rank] {
+            return Err(self.invalid_buffer(
+                kind,
+                format!(
+                    "input has {} elements and output {}; with counts {counts:?} the input \
+                     must hold {total} and rank {}'s output {}",
+                    input.len(),
+                    output.len(),
+                    self.rank,
+                    counts[self.rank]
+                ),
+            ));
+        }
+        let mut sig = self.signature(kind, Some(input.dtype()), input.len());
+        sig.reduce = Some(op);
+        if kind == OpKind::ReduceScatterV {
+            sig.counts = Some(counts.to_vec());
+        }
+        let small = input.byte_len() <= SMALL_MESSAGE_BYTES;
+        let in_ptr = input.host_ptr() as usize;
+        let out = output.host_ptr_mut() as usize;
+        let offset = offsets(counts)[self.rank];
+        let count = counts[self.rank];
+        let counters = &mut *self.counters.lock();
+        let seq = self.begin(counters, sig, |ex| {
+            if small {
+                stage(ex, input)
+            } else {
+                ex.send_ptr = in_ptr
+            }
+        })?;
+        let n = self.group.size();
+        crate::with_dtype!(input.dtype(), T => {
+            let sources: Vec<*const T> = (0..n)
+                .map(|r| {
+                    let peer = self.peer(r, seq);
+                    let base = if small { peer.staging.as_ptr() as usize } else { peer.send_ptr };
+                    at::<T>(base, offset)
+                })
+                .collect();
+            // SAFETY: every input holds `total` elements (agreed signatures) and our
+            // output, a distinct buffer, holds `count`.
+            unsafe { reduce_raw::<T>(op, &sources, out as *mut T, count) }
+        });
+        if small {
+            Ok(())
+        } else {
+            self.barrier_step(counters, kind, seq)
+        }
+    }
+
+    fn all_to_all_v(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        mut output: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let kind = OpKind::AllToAllV;
+        self.check_counts(kind, send_counts)?;
+        self.check_counts(kind, recv_counts)?;
+        self.check_same_dtype(kind, input.dtype(), output.dtype())?;
+        let (send_total, recv_total) = (
+            send_counts.iter().sum::<usize>(),
+            recv_counts.iter().sum::<usize>(),
+        );
+        if input.len() != send_total || output.len() != recv_total {
+            return Err(self.invalid_buffer(
+                kind,
+                format!(
+                    "input has {} elements and output {}; the send counts sum to {send_total} \
+                     and the receive counts to {recv_total}",
+                    input.len(),
+                    output.len()
+                ),
+            ));
+        }
+        let mut sig = self.signature(kind, Some(input.dtype()), input.len());
+        sig.counts = Some(send_counts.to_vec());
+        sig.recv_counts = Some(recv_counts.to_vec());
+        let esize = input.dtype().size_in_bytes();
+        let in_ptr = input.host_ptr() as usize;
+        let out = output.host_ptr_mut();
+        let counters = &mut *self.counters.lock();
+        let seq = self.begin(counters, sig, |ex| ex.send_ptr = in_ptr)?;
+        for (r, recv_offset) in offsets(recv_counts).into_iter().enumerate() {
+            let peer = self.peer(r, seq);
+            let peer_sends = peer.sig.counts.as_deref().unwrap_or_default();
+            let send_offset: usize = peer_sends[..self.rank].iter().sum();
+            // SAFETY: agreed signatures guarantee peer_sends[self.rank] == recv_counts[r]
+            // and that the peer's input holds the sum of its send counts.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    at::<u8>(peer.send_ptr, send_offset * esize),
+                    out.add(recv_offset * esize),
+                    recv_counts[r] * esize,
+                )
+            };
+        }
+        self.barrier_step(counters, kind, seq)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let counters = &mut *self.counters.lock();
+        self.begin(counters, self.signature(OpKind::Barrier, None, 0), |_| {})
+            .map(drop)
+    }
+
+    fn split(&self, color: Option<u32>, key: u32, name: &str) -> Result<Option<LocalCommunicator>> {
+        let kind = OpKind::Split;
+        let counters = &mut *self.counters.lock();
+        let seq = self.begin(counters, self.signature(kind, None, 0), |ex| {
+            ex.split = (color, key)
+        })?;
+        let n = self.group.size();
+        let members_of = |c: u32| {
+            let mut members: Vec<usize> = (0..n)
+                .filter(|&r| self.peer(r, seq).split.0 == Some(c))
+                .collect();
+            members.sort_by_key(|&r| (self.peer(r, seq).split.1, r));
+            members
+        };
+        if let Some(c) = color {
+            let members = members_of(c);
+            // The lowest-ranked member creates the group for everyone in it.
+            if members.iter().min() == Some(&self.rank) {
+                let world_ranks = members
+                    .iter()
+                    .map(|&r| self.group.world_ranks[r])
+                    .collect();
+                let shared = GroupShared::new(
+                    name.to_string(),
+                    world_ranks,
+                    self.group.world.clone(),
+                    self.group.timeout,
+                );
+                for &m in &members {
+                    *self.group.slot(m).split_result.lock() = Some(shared.clone());
+                }
+            }
+        }
+        self.barrier_step(counters, kind, seq)?;
+        let Some(c) = color else { return Ok(None) };
+        let shared = self.group.slot(self.rank).split_result.lock().take();
+        let new_rank = members_of(c).iter().position(|&r| r == self.rank);
+        match (shared, new_rank) {
+            (Some(shared), Some(new_rank)) => Ok(Some(LocalCommunicator::new(shared, new_rank))),
+            _ => unreachable!("the leader fills every member's slot before the barrier"),
+        }
+    }
+
+    fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
+        if dest >= self.group.size() {
+            return Err(self.invalid_argument(
+                OpKind::Send,
+                format!("destination {dest} is not a rank of a group of {}", self.group.size()),
+            ));
+        }
+        self.group.check_broken()?;
+        let data = crate::with_dtype!(buf.dtype(), T => {
+            Buffer::from_vec(buf.as_host_slice::<T>().unwrap_or_default().to_vec())
+        });
+        self.group.post(self.rank, dest, Message { data });
+        Ok(())
+    }
+
+    fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
+        if src >= self.group.size() {
+            return Err(self.invalid_argument(
+                OpKind::Recv,
+                format!("source {src} is not a rank of a group of {}", self.group.size()),
+            ));
+        }
+        let seq = {
+            let mut counters = self.counters.lock();
+            counters.recvs += 1;
+            counters.recvs - 1
+        };
+        let msg = self.group.take(src, self.rank, seq)?;
+        if msg.data.dtype() != buf.dtype() || msg.data.len() != buf.len() {
+            let mut sent = self.signature(OpKind::Send, Some(msg.data.dtype()), msg.data.len());
+            sent.rank = src;
+            return Err(Error::Mismatch {
+                group: self.name().to_string(),
+                seq,
+                calls: vec![
+                    sent,
+                    self.signature(OpKind::Recv, Some(buf.dtype()), buf.len()),
+                ],
+            });
+        }
+        crate::with_dtype!(buf.dtype(), T => {
+            if let (Some(dst), Ok(v)) = (buf.as_host_slice_mut::<T>(), msg.data.into_vec::<T>()) {
+                dst.copy_from_slice(&v);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// Copies a send buffer into this rank's staging area.
+fn stage(ex: &mut group::Exchange, data: BufRef<'_>) {
+    let bytes = data.byte_len();
+    ex.staging.clear();
+    ex.staging.resize(bytes.div_ceil(8), 0);
+    // SAFETY: `data` is valid for `bytes` bytes and the staging area was sized for them.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            data.host_ptr(),
+            ex.staging.as_mut_ptr().cast::<u8>(),
+            bytes,
+        )
+    };
+}
+
+/// Whether every rank asked for a compatible call; also what makes direct reads of
+/// peers' memory safe, since it proves every buffer has the length we assume.
+fn signatures_agree(sigs: &[&CallSignature]) -> bool {
+    let first = sigs[0];
+    let same = |f: &dyn Fn(&CallSignature) -> bool| sigs.iter().all(|s| f(s));
+    if !same(&|s| {
+        s.op == first.op && s.dtype == first.dtype && s.reduce == first.reduce && s.root == first.root
+    }) {
+        return false;
+    }
+    match first.op {
+        OpKind::AllReduce | OpKind::Broadcast | OpKind::AllGather | OpKind::ReduceScatter => {
+            same(&|s| s.count == first.count)
+        }
+        OpKind::AllGatherV => {
+            same(&|s| s.counts == first.counts)
+                && first.counts.as_ref().is_some_and(|c| {
+                    c.len() == sigs.len() && sigs.iter().all(|s| c[s.rank] == s.count)
+                })
+        }
+        OpKind::ReduceScatterV => {
+            same(&|s| s.counts == first.counts)
+                && first
+                    .counts
+                    .as_ref()
+                    .is_some_and(|c| sigs.iter().all(|s| c.iter().sum::<usize>() == s.count))
+        }
+        OpKind::AllToAllV => sigs.iter().all(|s| {
+            let sends = s.counts.as_deref().unwrap_or_default();
+            sends.len() == sigs.len()
+                && sigs.iter().all(|peer| {
+                    let recvs = peer.recv_counts.as_deref().unwrap_or_default();
+                    recvs.len() == sigs.len() && recvs[s.rank] == sends[peer.rank]
+                })
+        }),
+        OpKind::Barrier | OpKind::Split | OpKind::Send | OpKind::Recv => true,
+    }
+}

@@ -1,0 +1,1 @@
+//! Bucketed, overlapped data-parallel gradient sync (not built yet; see issue 7).

@@ -1,0 +1,1 @@
+//! Tensor-parallel layers (not built yet; see issue 6).

@@ -1,0 +1,1 @@
+//! Megatron-style rank layouts and process groups (not built yet; see issue 3).

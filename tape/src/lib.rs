@@ -1,0 +1,1 @@
+//! Reverse-mode autograd over CPU and CUDA tensors (not built yet; see issue 4).

@@ -57,6 +57,15 @@ pub(crate) struct Slot {
 // which orders every write before every read through the `arrived` Release/Acquire pair.
 unsafe impl Sync for Slot {}
 
+/// Why a group became unusable.
+#[derive(Clone)]
+struct Breakage {
+    message: String,
+    /// The lost peer (group rank, world rank) when that is the cause, so that every rank
+    /// reports the same `PeerLost`.
+    lost: Option<(usize, usize)>,
+}
+
 /// A message in flight between two ranks.
 pub(crate) struct Message {
     pub(crate) data: Buffer,
@@ -68,7 +77,7 @@ pub(crate) struct GroupShared {
     pub(crate) world: Arc<WorldShared>,
     pub(crate) timeout: Duration,
     slots: Vec<Slot>,
-    broken: Mutex<Option<String>>,
+    broken: Mutex<Option<Breakage>>,
     is_broken: AtomicBool,
     parked: AtomicUsize,
     park_lock: Mutex<()>,
@@ -178,22 +187,49 @@ impl GroupShared {
         self.wake_all();
     }
 
-    pub(crate) fn check_broken(&self) -> Result<()> {
-        if self.is_broken.load(Ordering::Acquire) {
-            let cause = self.broken.lock().clone().unwrap_or_default();
-            return Err(Error::Broken {
+    /// Fails a call entering a broken group.
+    pub(crate) fn check_broken(&self, op: OpKind, seq: u64) -> Result<()> {
+        match self.breakage() {
+            None => Ok(()),
+            Some(b) => Err(self.lost_error(&b, op, seq).unwrap_or_else(|| Error::Broken {
                 group: self.name.clone(),
-                cause,
-            });
+                cause: b.message,
+            })),
         }
-        Ok(())
+    }
+
+    fn breakage(&self) -> Option<Breakage> {
+        if self.is_broken.load(Ordering::Acquire) {
+            self.broken.lock().clone()
+        } else {
+            None
+        }
+    }
+
+    fn lost_error(&self, breakage: &Breakage, op: OpKind, seq: u64) -> Option<Error> {
+        breakage.lost.map(|(rank, world_rank)| Error::PeerLost {
+            group: self.name.clone(),
+            op,
+            seq,
+            rank,
+            world_rank,
+        })
     }
 
     /// Marks the group unusable: its ranks' barrier counts no longer agree.
     pub(crate) fn break_with(&self, err: &Error) {
         let mut broken = self.broken.lock();
         if broken.is_none() {
-            *broken = Some(err.to_string());
+            let lost = match err {
+                Error::PeerLost {
+                    rank, world_rank, ..
+                } => Some((*rank, *world_rank)),
+                _ => None,
+            };
+            *broken = Some(Breakage {
+                message: err.to_string(),
+                lost,
+            });
         }
         self.is_broken.store(true, Ordering::Release);
         drop(broken);
@@ -246,7 +282,11 @@ impl GroupShared {
             if ready(self) {
                 return Ok(());
             }
-            self.check_broken()?;
+            // A peer lost mid-call fails everyone at once; a peer's timeout does not: the
+            // ranks waiting with it time out on their own clocks and name the missing.
+            if let Some(err) = self.breakage().and_then(|b| self.lost_error(&b, op, seq)) {
+                return Err(err);
+            }
             let missing = waiting_on(self);
             if let Some(&lost) = missing.iter().find(|&&r| self.is_lost(r)) {
                 let err = Error::PeerLost {

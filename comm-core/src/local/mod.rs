@@ -468,7 +468,7 @@ impl RankCore {
         sig: CallSignature,
         exchange: impl FnOnce(&mut group::Exchange),
     ) -> Result<u64> {
-        self.group.check_broken()?;
+        self.group.check_broken(sig.op, counters.seq)?;
         let seq = counters.seq;
         counters.seq += 1;
         let op = sig.op;
@@ -850,7 +850,7 @@ impl RankCore {
                 format!("destination {dest} is not a rank of a group of {}", self.group.size()),
             ));
         }
-        self.group.check_broken()?;
+        self.group.check_broken(OpKind::Send, 0)?;
         let data = crate::with_dtype!(buf.dtype(), T => {
             Buffer::from_vec(buf.as_host_slice::<T>().unwrap_or_default().to_vec())
         });

@@ -1,0 +1,311 @@
+//! Failure semantics of the local backend: mismatched calls, lost peers and timeouts are
+//! typed errors on every rank, promptly, never hangs or wrong numbers.
+
+use comm_core::{
+    run_local, CallSignature, Communicator, CommunicatorExt, DType, Error, LocalLauncher, OpKind,
+    ReduceOp,
+};
+use std::time::{Duration, Instant};
+
+/// Far below the default 300 s timeout: proves a failure was detected, not waited out.
+const PROMPT: Duration = Duration::from_secs(5);
+
+/// Runs `f` on `n` ranks and returns every rank's own error (panicking if one succeeded).
+fn errors_of<F>(n: usize, f: F) -> Vec<Error>
+where
+    F: Fn(comm_core::LocalCommunicator) -> comm_core::Result<()> + Sync,
+{
+    LocalLauncher::new(n)
+        .unwrap()
+        .run_each(f)
+        .into_iter()
+        .map(|r| match r {
+            Err((_, Error::RankFailed { source, .. })) => *source.downcast::<Error>().unwrap(),
+            other => panic!("expected a failure, got {:?}", other.map(|_| ())),
+        })
+        .collect()
+}
+
+fn mismatch_calls(err: &Error) -> &[CallSignature] {
+    match err {
+        Error::Mismatch { group, seq, calls } => {
+            assert_eq!(group, "world");
+            assert_eq!(*seq, 1, "the first call matched; the second is #1");
+            calls
+        }
+        other => panic!("expected Mismatch, got {other}"),
+    }
+}
+
+#[test]
+fn mismatched_op_is_reported_on_every_rank() {
+    let errors = errors_of(2, |comm| {
+        comm.barrier()?;
+        let mut x = [1.0f32; 4];
+        if comm.rank() == 0 {
+            comm.all_reduce_slice(&mut x, ReduceOp::Sum)
+        } else {
+            comm.broadcast_slice(&mut x, 0)
+        }
+    });
+    for err in &errors {
+        let calls = mismatch_calls(err);
+        assert_eq!(calls[0].op, OpKind::AllReduce);
+        assert_eq!(calls[1].op, OpKind::Broadcast);
+        assert_eq!(calls[1].root, Some(0));
+        assert!(err.to_string().contains("rank 1: broadcast"), "{err}");
+    }
+}
+
+#[test]
+fn mismatched_dtype_count_and_root_name_each_rank_arguments() {
+    let errors = errors_of(3, |comm| {
+        comm.barrier()?;
+        match comm.rank() {
+            0 => comm.all_reduce_slice(&mut [0f32; 4], ReduceOp::Sum),
+            1 => comm.all_reduce_slice(&mut [0f64; 4], ReduceOp::Sum),
+            _ => comm.all_reduce_slice(&mut [0f32; 5], ReduceOp::Sum),
+        }
+    });
+    for err in &errors {
+        let calls = mismatch_calls(err);
+        let described: Vec<_> = calls.iter().map(|c| (c.rank, c.dtype, c.count)).collect();
+        assert_eq!(
+            described,
+            vec![
+                (0, Some(DType::F32), 4),
+                (1, Some(DType::F64), 4),
+                (2, Some(DType::F32), 5)
+            ]
+        );
+    }
+
+    let errors = errors_of(2, |comm| {
+        comm.barrier()?;
+        comm.broadcast_slice(&mut [0i64; 2], comm.rank())
+    });
+    for err in &errors {
+        let roots: Vec<_> = mismatch_calls(err).iter().map(|c| c.root).collect();
+        assert_eq!(roots, vec![Some(0), Some(1)]);
+    }
+}
+
+#[test]
+fn a_group_stays_usable_after_a_mismatch() {
+    let sums = run_local(2, |comm| {
+        let wrong = comm.all_reduce_slice(&mut vec![1u8; 1 + comm.rank()], ReduceOp::Sum);
+        assert!(matches!(wrong, Err(Error::Mismatch { seq: 0, .. })));
+        let mut x = [comm.rank() as i32 + 1];
+        comm.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+        Ok::<_, Error>(x[0])
+    })
+    .unwrap();
+    assert_eq!(sums, vec![3, 3]);
+}
+
+#[test]
+fn a_panicking_rank_makes_peers_fail_with_peer_lost() {
+    let start = Instant::now();
+    let outcomes = LocalLauncher::new(3).unwrap().run_each(|comm| {
+        if comm.rank() == 2 {
+            panic!("boom in rank 2");
+        }
+        comm.all_reduce_slice(&mut [1.0f32; 1 << 16], ReduceOp::Sum)
+    });
+    assert!(start.elapsed() < PROMPT);
+    for outcome in &outcomes[..2] {
+        match outcome {
+            Err((_, Error::RankFailed { source, .. })) => match source.downcast_ref::<Error>() {
+                Some(Error::PeerLost {
+                    rank: 2,
+                    world_rank: 2,
+                    op: OpKind::AllReduce,
+                    seq: 0,
+                    group,
+                }) => assert_eq!(group, "world"),
+                other => panic!("expected PeerLost from rank 2, got {other:?}"),
+            },
+            _ => panic!("expected failure"),
+        }
+    }
+    // The launcher reports the root cause, not its consequences.
+    let err = run_local(3, |comm| {
+        if comm.rank() == 2 {
+            panic!("boom in rank 2");
+        }
+        comm.barrier()
+    })
+    .unwrap_err();
+    match err {
+        Error::RankFailed { rank: 2, source } => {
+            assert!(source.to_string().contains("boom in rank 2"))
+        }
+        other => panic!("expected rank 2's panic, got {other}"),
+    }
+}
+
+#[test]
+fn a_rank_that_returns_early_is_a_lost_peer() {
+    let start = Instant::now();
+    let err = run_local(2, |comm| {
+        if comm.rank() == 1 {
+            return Ok(());
+        }
+        comm.barrier()?;
+        comm.all_reduce_slice(&mut [0.0f64; 3], ReduceOp::Max)
+    })
+    .unwrap_err();
+    assert!(start.elapsed() < PROMPT);
+    assert!(
+        matches!(err.root_cause(), Error::PeerLost { rank: 1, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_rank_that_errors_out_releases_its_peers() {
+    let err = run_local(4, |comm| {
+        if comm.rank() == 3 {
+            return Err(Error::Config("rank 3 could not load its data".into()));
+        }
+        comm.barrier()
+    })
+    .unwrap_err();
+    match err {
+        Error::RankFailed { rank: 3, source } => {
+            assert!(source.to_string().contains("could not load"))
+        }
+        other => panic!("expected rank 3's own error, got {other}"),
+    }
+}
+
+#[test]
+fn a_short_timeout_names_the_ranks_that_never_arrived() {
+    let timeout = Duration::from_millis(150);
+    let outcomes = LocalLauncher::new(3)
+        .unwrap()
+        .timeout(timeout)
+        .run_each(|comm| {
+            if comm.rank() == 2 {
+                // Alive but busy elsewhere: not a lost peer, so only the timeout fires.
+                std::thread::sleep(Duration::from_millis(600));
+                return comm.barrier();
+            }
+            comm.barrier()
+        });
+    for (rank, outcome) in outcomes.iter().enumerate() {
+        let Err((_, Error::RankFailed { source, .. })) = outcome else {
+            panic!("rank {rank} should have failed")
+        };
+        let err = source.downcast_ref::<Error>().unwrap();
+        if rank < 2 {
+            match err {
+                Error::Timeout {
+                    op: OpKind::Barrier,
+                    seq: 0,
+                    missing,
+                    missing_world,
+                    waited,
+                    ..
+                } => {
+                    assert_eq!(missing, &vec![2]);
+                    assert_eq!(missing_world, &vec![2]);
+                    assert!(*waited >= timeout);
+                }
+                other => panic!("expected Timeout, got {other}"),
+            }
+        } else {
+            // The late rank finds the group broken instead of hanging on it.
+            assert!(matches!(err, Error::Broken { .. }), "{err}");
+        }
+    }
+}
+
+#[test]
+fn wrong_buffer_sizes_are_rejected_before_communicating() {
+    let errors = errors_of(2, |comm| {
+        let mut out = vec![0f32; 3]; // must be 2 × 2
+        comm.all_gather(
+            comm_core::BufRef::from(&[1f32, 2.0][..]),
+            comm_core::BufMut::from(&mut out),
+        )
+    });
+    for err in errors {
+        match err {
+            Error::InvalidBuffer {
+                op: OpKind::AllGather,
+                detail,
+                ..
+            } => assert!(detail.contains("2 × 2 = 4"), "{detail}"),
+            other => panic!("expected InvalidBuffer, got {other}"),
+        }
+    }
+    let errors = errors_of(2, |comm| {
+        comm.reduce_scatter_vec(&[1i32; 5], ReduceOp::Sum).map(drop)
+    });
+    assert!(errors.iter().all(|e| matches!(
+        e,
+        Error::InvalidBuffer {
+            op: OpKind::ReduceScatter,
+            ..
+        }
+    )));
+    let errors = errors_of(2, |comm| comm.all_gather_v_vec(&[1u8], &[1]).map(drop));
+    assert!(errors.iter().all(|e| matches!(
+        e,
+        Error::InvalidArgument {
+            op: OpKind::AllGatherV,
+            ..
+        }
+    )));
+    let errors = errors_of(2, |comm| comm.broadcast_slice(&mut [1u8], 7));
+    assert!(errors.iter().all(|e| matches!(
+        e,
+        Error::InvalidArgument {
+            op: OpKind::Broadcast,
+            ..
+        }
+    )));
+}
+
+#[test]
+fn averaging_integers_is_rejected() {
+    let errors = errors_of(2, |comm| comm.all_reduce_slice(&mut [1i64], ReduceOp::Avg));
+    for err in errors {
+        assert!(matches!(
+            err,
+            Error::Unsupported {
+                reduce: ReduceOp::Avg,
+                dtype: DType::I64,
+                ..
+            }
+        ));
+    }
+}
+
+#[test]
+fn a_receive_that_does_not_match_the_message_is_a_mismatch() {
+    let outcomes = LocalLauncher::new(2).unwrap().run_each(|comm| {
+        if comm.rank() == 0 {
+            comm.send_slice(&[1.0f32, 2.0], 1)
+        } else {
+            comm.recv_slice(&mut [0.0f32; 3], 0)
+        }
+    });
+    assert!(outcomes[0].is_ok());
+    let Err((_, Error::RankFailed { source, .. })) = &outcomes[1] else {
+        panic!("receiver should fail")
+    };
+    match source.downcast_ref::<Error>() {
+        Some(Error::Mismatch { calls, .. }) => {
+            assert_eq!((calls[0].op, calls[0].count), (OpKind::Send, 2));
+            assert_eq!((calls[1].op, calls[1].count), (OpKind::Recv, 3));
+        }
+        other => panic!("expected Mismatch, got {other:?}"),
+    }
+}
+
+#[test]
+fn zero_ranks_is_a_configuration_error() {
+    assert!(matches!(LocalLauncher::new(0), Err(Error::Config(_))));
+}

@@ -1,0 +1,102 @@
+//! The crate's error type: every failure on user input is one of these, never a panic.
+
+use crate::Device;
+
+/// Result alias used by every fallible function in this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// What went wrong, naming the operation and the shapes involved.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Operand shapes do not fit the operation.
+    #[error("{op}: incompatible shapes {shapes:?}: {reason}")]
+    Shape {
+        /// Operation that rejected the shapes.
+        op: &'static str,
+        /// Shapes of the operands, in argument order.
+        shapes: Vec<Vec<usize>>,
+        /// Why they do not fit.
+        reason: String,
+    },
+    /// A non-shape argument is out of range (dimension index, probability, label, ...).
+    #[error("{op}: invalid argument: {reason}")]
+    InvalidArgument {
+        /// Operation that rejected the argument.
+        op: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The operation is not implemented on this device (yet).
+    #[error("{op}: not supported on device {device:?}")]
+    UnsupportedDevice {
+        /// Operation that was asked for.
+        op: &'static str,
+        /// Device it was asked for on.
+        device: Device,
+    },
+    /// Operands were recorded on two different tapes.
+    #[error("{op}: operands belong to different tapes; each model/thread must use one tape")]
+    TapeMismatch {
+        /// Operation that mixed the tapes.
+        op: &'static str,
+    },
+    /// A tensor's graph was already consumed by `backward` (or the tape was cleared).
+    #[error("{op}: the tensor's graph was already consumed by backward or cleared")]
+    StaleGraph {
+        /// Operation that used the stale tensor.
+        op: &'static str,
+    },
+    /// `backward` was called on a tensor that does not require grad.
+    #[error("backward: the tensor is not recorded on any tape (no parameter reached it, or it was made under no_grad)")]
+    NotRecorded,
+    /// A finite-difference check found an analytic gradient that disagrees.
+    #[error("gradcheck: input {input} element {index}: analytic {analytic} vs numeric {numeric}")]
+    GradCheck {
+        /// Index of the input whose gradient is wrong.
+        input: usize,
+        /// Flat (row-major) index of the element.
+        index: usize,
+        /// Gradient computed by backward.
+        analytic: f64,
+        /// Gradient computed by central differences.
+        numeric: f64,
+    },
+    /// A user-defined op, or a grad-ready hook, failed.
+    #[error("{op}: {source}")]
+    Custom {
+        /// Name of the custom op or hook that failed.
+        op: String,
+        /// The op's own error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl Error {
+    pub(crate) fn shape(op: &'static str, shapes: &[&[usize]], reason: impl Into<String>) -> Self {
+        Error::Shape {
+            op,
+            shapes: shapes.iter().map(|s| s.to_vec()).collect(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            op,
+            reason: reason.into(),
+        }
+    }
+
+    /// Wraps any error from user code (a custom op, a hook) so it can travel out of `backward`.
+    pub fn custom(
+        op: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Error::Custom {
+            op: op.into(),
+            source: source.into(),
+        }
+    }
+}

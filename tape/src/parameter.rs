@@ -1,0 +1,181 @@
+//! Trainable leaves: a value, a gradient slot that backward accumulates into, and
+//! grad-ready hooks.
+
+use std::fmt;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::{Element, Error, Result, Tensor};
+
+/// A grad-ready hook: called with the parameter as soon as its gradient for the current
+/// backward pass is complete. An error stops backward and is returned from it.
+pub type GradHook<T> = Box<dyn FnMut(&Parameter<T>) -> Result<()> + Send>;
+
+/// Identity of a parameter, stable while the parameter is alive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ParamId(usize);
+
+struct ParamShared<T: Element> {
+    name: String,
+    value: Mutex<Tensor<T>>,
+    grad: Mutex<Option<Tensor<T>>>,
+    hooks: Mutex<Vec<GradHook<T>>>,
+}
+
+/// A trainable tensor with a gradient slot. Clones share the same parameter.
+///
+/// Use it in a forward pass through [`Tape::watch`](crate::Tape::watch); backward then
+/// accumulates into [`grad`](Parameter::grad) until [`zero_grad`](Parameter::zero_grad).
+#[derive(Clone)]
+pub struct Parameter<T: Element = f32> {
+    shared: Arc<ParamShared<T>>,
+}
+
+impl<T: Element> Parameter<T> {
+    /// A parameter holding `value` (detached from any tape), with no gradient yet.
+    pub fn new(name: impl Into<String>, value: Tensor<T>) -> Self {
+        Parameter {
+            shared: Arc::new(ParamShared {
+                name: name.into(),
+                value: Mutex::new(value.detach()),
+                grad: Mutex::new(None),
+                hooks: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// The name given at construction.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// Identity shared by all clones of this parameter.
+    pub fn id(&self) -> ParamId {
+        ParamId(Arc::as_ptr(&self.shared) as *const () as usize)
+    }
+
+    /// The current value (a cheap clone, not recorded on any tape).
+    pub fn value(&self) -> Tensor<T> {
+        self.shared.value.lock().clone()
+    }
+
+    /// Shape of the value.
+    pub fn shape(&self) -> Vec<usize> {
+        self.shared.value.lock().shape().to_vec()
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shared.value.lock().numel()
+    }
+
+    /// Replaces the value; the shape must stay the same.
+    pub fn set_value(&self, value: Tensor<T>) -> Result<()> {
+        let mut current = self.shared.value.lock();
+        if current.shape() != value.shape() {
+            return Err(Error::shape(
+                "Parameter::set_value",
+                &[current.shape(), value.shape()],
+                "a parameter keeps its shape",
+            ));
+        }
+        *current = value.detach();
+        Ok(())
+    }
+
+    /// The accumulated gradient, or `None` if no backward reached this parameter since the
+    /// last [`zero_grad`](Parameter::zero_grad).
+    pub fn grad(&self) -> Option<Tensor<T>> {
+        self.shared.grad.lock().clone()
+    }
+
+    /// Removes and returns the gradient.
+    pub fn take_grad(&self) -> Option<Tensor<T>> {
+        self.shared.grad.lock().take()
+    }
+
+    /// Replaces the gradient (e.g. with an all-reduced one); its shape must match the value.
+    pub fn set_grad(&self, grad: Option<Tensor<T>>) -> Result<()> {
+        if let Some(grad) = &grad {
+            let shape = self.shape();
+            if grad.shape() != shape.as_slice() {
+                return Err(Error::shape(
+                    "Parameter::set_grad",
+                    &[&shape, grad.shape()],
+                    "gradient shape must equal the parameter's",
+                ));
+            }
+        }
+        *self.shared.grad.lock() = grad.map(|g| g.detach());
+        Ok(())
+    }
+
+    /// Drops the gradient (PyTorch's `set_to_none` behaviour).
+    pub fn zero_grad(&self) {
+        *self.shared.grad.lock() = None;
+    }
+
+    /// Registers a hook that fires each time backward completes this parameter's gradient.
+    /// Hooks run in registration order on the thread running backward; a hook must not
+    /// register further hooks on the same parameter.
+    pub fn register_grad_hook(
+        &self,
+        hook: impl FnMut(&Parameter<T>) -> Result<()> + Send + 'static,
+    ) {
+        self.shared.hooks.lock().push(Box::new(hook));
+    }
+
+    /// Removes all grad-ready hooks.
+    pub fn clear_grad_hooks(&self) {
+        self.shared.hooks.lock().clear();
+    }
+
+    /// Adds a finished gradient contribution to the slot, then runs the hooks.
+    pub(crate) fn accumulate_and_notify(&self, contribution: ndarray::ArrayD<T>) -> Result<()> {
+        {
+            let mut slot = self.shared.grad.lock();
+            match slot.as_mut() {
+                None => *slot = Some(Tensor::from_array(contribution)),
+                Some(existing) => {
+                    // Copy-on-write: a clone handed out by grad() keeps its old values.
+                    *existing.cpu_mut("backward")? += &contribution;
+                }
+            }
+        }
+        let mut hooks = self.shared.hooks.lock();
+        for hook in hooks.iter_mut() {
+            hook(self)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `update` on the value and gradient in place (used by optimizers). Parameters
+    /// without a gradient are skipped and `Ok(false)` is returned.
+    pub(crate) fn update_in_place(
+        &self,
+        op: &'static str,
+        update: impl FnOnce(
+            &mut ndarray::ArcArray<T, ndarray::IxDyn>,
+            &ndarray::ArcArray<T, ndarray::IxDyn>,
+        ),
+    ) -> Result<bool> {
+        let grad_slot = self.shared.grad.lock();
+        let Some(grad) = grad_slot.as_ref() else {
+            return Ok(false);
+        };
+        let mut value = self.shared.value.lock();
+        update(value.cpu_mut(op)?, grad.cpu(op)?);
+        Ok(true)
+    }
+}
+
+impl<T: Element> fmt::Debug for Parameter<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Parameter")
+            .field("name", &self.name())
+            .field("shape", &self.shape())
+            .field("has_grad", &self.shared.grad.lock().is_some())
+            .finish()
+    }
+}

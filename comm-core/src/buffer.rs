@@ -120,7 +120,10 @@ impl<'a> BufMut<'a> {
 
     /// A shorter-lived writable view of the same memory.
     pub fn reborrow(&mut self) -> BufMut<'_> {
-        BufMut { _borrow: PhantomData, ..*self }
+        BufMut {
+            _borrow: PhantomData,
+            ..*self
+        }
     }
 
     /// A read-only view of the same memory.

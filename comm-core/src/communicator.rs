@@ -38,8 +38,7 @@ pub trait Communicator: Send + Sync {
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()>;
     /// Like `all_gather` with per-rank lengths: rank `r` contributes `counts[r]` elements
     /// and `output` holds `counts.iter().sum()`. Every rank passes the same `counts`.
-    fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize])
-        -> Result<()>;
+    fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()>;
     /// Reduces every rank's `input` (`size() × output.len()` elements) and leaves chunk
     /// `rank()` of the result in `output`.
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()>;
@@ -166,7 +165,11 @@ pub trait CommunicatorExt: Communicator {
     /// [`Communicator::all_gather_v`] returning a new vector.
     fn all_gather_v_vec<T: Element>(&self, input: &[T], counts: &[usize]) -> Result<Vec<T>> {
         let mut out = vec![T::default(); counts.iter().sum()];
-        self.all_gather_v(BufRef::from(input), BufMut::from(out.as_mut_slice()), counts)?;
+        self.all_gather_v(
+            BufRef::from(input),
+            BufMut::from(out.as_mut_slice()),
+            counts,
+        )?;
         Ok(out)
     }
     /// [`Communicator::reduce_scatter`] returning a new vector of `input.len() / size()`.

@@ -74,6 +74,7 @@
 #![warn(missing_docs)]
 
 mod buffer;
+mod calls;
 mod communicator;
 mod dtype;
 mod error;

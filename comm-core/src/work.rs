@@ -155,8 +155,8 @@ fn run_queue(state: &QueueState) {
                 state.changed.wait(&mut inner);
             }
         };
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
-            .unwrap_or_else(|panic| {
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).unwrap_or_else(|panic| {
                 Err(Error::Config(format!(
                     "a non-blocking operation panicked: {}",
                     crate::local::panic_message(panic.as_ref())

@@ -191,10 +191,12 @@ impl GroupShared {
     pub(crate) fn check_broken(&self, op: OpKind, seq: u64) -> Result<()> {
         match self.breakage() {
             None => Ok(()),
-            Some(b) => Err(self.lost_error(&b, op, seq).unwrap_or_else(|| Error::Broken {
-                group: self.name.clone(),
-                cause: b.message,
-            })),
+            Some(b) => Err(self
+                .lost_error(&b, op, seq)
+                .unwrap_or_else(|| Error::Broken {
+                    group: self.name.clone(),
+                    cause: b.message,
+                })),
         }
     }
 
@@ -247,9 +249,12 @@ impl GroupShared {
         if self.parked.load(Ordering::SeqCst) > 0 {
             self.wake_all();
         }
-        self.wait_for(op, seq, |g| g.missing(epoch).next().is_none(), |g| {
-            g.missing(epoch).collect()
-        })
+        self.wait_for(
+            op,
+            seq,
+            |g| g.missing(epoch).next().is_none(),
+            |g| g.missing(epoch).collect(),
+        )
     }
 
     fn missing(&self, epoch: u64) -> impl Iterator<Item = usize> + '_ {
@@ -332,7 +337,9 @@ impl GroupShared {
     }
 
     pub(crate) fn post(&self, src: usize, dst: usize, msg: Message) {
-        self.mailboxes[src * self.size() + dst].lock().push_back(msg);
+        self.mailboxes[src * self.size() + dst]
+            .lock()
+            .push_back(msg);
         self.wake_all();
     }
 

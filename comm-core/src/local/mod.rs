@@ -11,8 +11,9 @@
 mod group;
 
 use crate::buffer::{BufMut, BufRef, Buffer};
+use crate::calls::{offsets, signatures_agree, CallCheck};
 use crate::communicator::{AsyncOp, Communicator};
-use crate::dtype::{reduce_raw, DType, ReduceOp};
+use crate::dtype::{reduce_raw, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::work::{ProgressQueue, Work};
 use group::{GroupShared, Message, WorldShared};
@@ -146,7 +147,13 @@ impl LocalLauncher {
                             // Peers blocked on this rank see it at their next check.
                             world.dead[rank].store(true, Ordering::Release);
                             let order = clock.fetch_add(1, Ordering::SeqCst);
-                            Err((order, Error::RankFailed { rank, source: error }))
+                            Err((
+                                order,
+                                Error::RankFailed {
+                                    rank,
+                                    source: error,
+                                },
+                            ))
                         })
                 })
                 .collect();
@@ -295,16 +302,15 @@ impl Communicator for LocalCommunicator {
     }
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
         self.core.queue.wait_idle();
-        self.core.all_gather(input, output)
+        self.core.all_gather(input, output, None)
     }
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
         self.core.queue.wait_idle();
-        self.core
-            .gather_v(OpKind::AllGatherV, input, output, counts)
+        self.core.all_gather(input, output, Some(counts))
     }
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.core.queue.wait_idle();
-        self.core.reduce_scatter(input, output, op)
+        self.core.reduce_scatter(input, output, None, op)
     }
     fn reduce_scatter_v(
         &self,
@@ -314,8 +320,7 @@ impl Communicator for LocalCommunicator {
         op: ReduceOp,
     ) -> Result<()> {
         self.core.queue.wait_idle();
-        self.core
-            .reduce_scatter_v(OpKind::ReduceScatterV, input, output, counts, op)
+        self.core.reduce_scatter(input, output, Some(counts), op)
     }
     fn all_to_all_v(
         &self,
@@ -325,7 +330,8 @@ impl Communicator for LocalCommunicator {
         recv_counts: &[usize],
     ) -> Result<()> {
         self.core.queue.wait_idle();
-        self.core.all_to_all_v(input, send_counts, output, recv_counts)
+        self.core
+            .all_to_all_v(input, send_counts, output, recv_counts)
     }
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
         self.core.queue.wait_idle();
@@ -371,17 +377,6 @@ fn chunk(len: usize, parts: usize, part: usize) -> (usize, usize) {
     (start, base + usize::from(part < extra))
 }
 
-fn offsets(counts: &[usize]) -> Vec<usize> {
-    counts
-        .iter()
-        .scan(0, |acc, &c| {
-            let start = *acc;
-            *acc += c;
-            Some(start)
-        })
-        .collect()
-}
-
 /// Element-typed pointer arithmetic on a published address.
 fn at<T>(addr: usize, offset: usize) -> *const T {
     (addr as *const T).wrapping_add(offset)
@@ -392,71 +387,11 @@ impl RankCore {
         &self.group.name
     }
 
-    fn signature(&self, op: OpKind, dtype: Option<DType>, count: usize) -> CallSignature {
-        CallSignature {
+    fn check(&self) -> CallCheck<'_> {
+        CallCheck {
+            group: &self.group.name,
             rank: self.rank,
-            op,
-            dtype,
-            reduce: None,
-            count,
-            root: None,
-            counts: None,
-            recv_counts: None,
-        }
-    }
-
-    fn invalid_buffer(&self, op: OpKind, detail: String) -> Error {
-        Error::InvalidBuffer {
-            op,
-            group: self.name().to_string(),
-            detail,
-        }
-    }
-
-    fn invalid_argument(&self, op: OpKind, detail: String) -> Error {
-        Error::InvalidArgument {
-            op,
-            group: self.name().to_string(),
-            detail,
-        }
-    }
-
-    fn check_reduce(&self, op: OpKind, reduce: ReduceOp, dtype: DType) -> Result<()> {
-        if reduce.supports(dtype) {
-            Ok(())
-        } else {
-            Err(Error::Unsupported {
-                op,
-                reduce,
-                dtype,
-                hint: "averaging integers has no agreed rounding; use Sum and divide",
-            })
-        }
-    }
-
-    fn check_same_dtype(&self, op: OpKind, input: DType, output: DType) -> Result<()> {
-        if input == output {
-            Ok(())
-        } else {
-            Err(self.invalid_buffer(
-                op,
-                format!("input is {input} but output is {output}; both must have one dtype"),
-            ))
-        }
-    }
-
-    fn check_counts(&self, op: OpKind, counts: &[usize]) -> Result<()> {
-        if counts.len() == self.group.size() {
-            Ok(())
-        } else {
-            Err(self.invalid_argument(
-                op,
-                format!(
-                    "{} per-rank counts given for a group of {} ranks; pass one count per rank",
-                    counts.len(),
-                    self.group.size()
-                ),
-            ))
+            size: self.group.size(),
         }
     }
 
@@ -507,9 +442,7 @@ impl RankCore {
 
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let kind = OpKind::AllReduce;
-        self.check_reduce(kind, op, buf.dtype())?;
-        let mut sig = self.signature(kind, Some(buf.dtype()), buf.len());
-        sig.reduce = Some(op);
+        let sig = self.check().all_reduce(&buf, op)?;
         let (len, dtype) = (buf.len(), buf.dtype());
         let ptr = buf.host_ptr_mut() as usize;
         let counters = &mut *self.counters.lock();
@@ -554,14 +487,7 @@ impl RankCore {
 
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
         let kind = OpKind::Broadcast;
-        if root >= self.group.size() {
-            return Err(self.invalid_argument(
-                kind,
-                format!("root {root} is not a rank of a group of {}", self.group.size()),
-            ));
-        }
-        let mut sig = self.signature(kind, Some(buf.dtype()), buf.len());
-        sig.root = Some(root);
+        let sig = self.check().broadcast(&buf, root)?;
         let bytes = buf.byte_len();
         let ptr = buf.host_ptr_mut() as usize;
         let is_root = self.rank == root;
@@ -588,49 +514,14 @@ impl RankCore {
         self.barrier_step(counters, kind, seq)
     }
 
-    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        let n = self.group.size();
-        if output.len() != input.len() * n {
-            return Err(self.invalid_buffer(
-                OpKind::AllGather,
-                format!(
-                    "output has {} elements; it must hold size × input = {n} × {} = {}",
-                    output.len(),
-                    input.len(),
-                    input.len() * n
-                ),
-            ));
-        }
-        self.gather_v(OpKind::AllGather, input, output, &vec![input.len(); n])
-    }
-
-    fn gather_v(
+    fn all_gather(
         &self,
-        kind: OpKind,
         input: BufRef<'_>,
         mut output: BufMut<'_>,
-        counts: &[usize],
+        counts: Option<&[usize]>,
     ) -> Result<()> {
-        self.check_counts(kind, counts)?;
-        self.check_same_dtype(kind, input.dtype(), output.dtype())?;
-        let total: usize = counts.iter().sum();
-        if input.len() != counts[self.rank] || output.len() != total {
-            return Err(self.invalid_buffer(
-                kind,
-                format!(
-                    "input has {} elements and output {}; with counts {counts:?} rank {} must \
-                     pass {} and the output must hold {total}",
-                    input.len(),
-                    output.len(),
-                    self.rank,
-                    counts[self.rank]
-                ),
-            ));
-        }
-        let mut sig = self.signature(kind, Some(input.dtype()), input.len());
-        if kind == OpKind::AllGatherV {
-            sig.counts = Some(counts.to_vec());
-        }
+        let (sig, counts) = self.check().all_gather(&input, &output, counts)?;
+        let kind = sig.op;
         let esize = input.dtype().size_in_bytes();
         let small = counts.iter().max().copied().unwrap_or(0) * esize <= SMALL_MESSAGE_BYTES;
         let out = output.host_ptr_mut();
@@ -643,7 +534,7 @@ impl RankCore {
                 ex.send_ptr = in_ptr
             }
         })?;
-        for (r, offset) in offsets(counts).into_iter().enumerate() {
+        for (r, offset) in offsets(&counts).into_iter().enumerate() {
             let peer = self.peer(r, seq);
             let src = if small {
                 peer.staging.as_ptr().cast::<u8>()
@@ -663,57 +554,19 @@ impl RankCore {
         }
     }
 
-    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        let n = self.group.size();
-        if input.len() != output.len() * n {
-            return Err(self.invalid_buffer(
-                OpKind::ReduceScatter,
-                format!(
-                    "input has {} elements; it must hold size × output = {n} × {} = {}",
-                    input.len(),
-                    output.len(),
-                    output.len() * n
-                ),
-            ));
-        }
-        let counts = vec![output.len(); n];
-        self.reduce_scatter_v(OpKind::ReduceScatter, input, output, &counts, op)
-    }
-
-    fn reduce_scatter_v(
+    fn reduce_scatter(
         &self,
-        kind: OpKind,
         input: BufRef<'_>,
         mut output: BufMut<'_>,
-        counts: &[usize],
+        counts: Option<&[usize]>,
         op: ReduceOp,
     ) -> Result<()> {
-        self.check_counts(kind, counts)?;
-        self.check_same_dtype(kind, input.dtype(), output.dtype())?;
-        self.check_reduce(kind, op, input.dtype())?;
-        let total: usize = counts.iter().sum();
-        if input.len() != total || output.len() != counts[self.rank] {
-            return Err(self.invalid_buffer(
-                kind,
-                format!(
-                    "input has {} elements and output {}; with counts {counts:?} the input \
-                     must hold {total} and rank {}'s output {}",
-                    input.len(),
-                    output.len(),
-                    self.rank,
-                    counts[self.rank]
-                ),
-            ));
-        }
-        let mut sig = self.signature(kind, Some(input.dtype()), input.len());
-        sig.reduce = Some(op);
-        if kind == OpKind::ReduceScatterV {
-            sig.counts = Some(counts.to_vec());
-        }
+        let (sig, counts) = self.check().reduce_scatter(&input, &output, counts, op)?;
+        let kind = sig.op;
         let small = input.byte_len() <= SMALL_MESSAGE_BYTES;
         let in_ptr = input.host_ptr() as usize;
         let out = output.host_ptr_mut() as usize;
-        let offset = offsets(counts)[self.rank];
+        let offset = offsets(&counts)[self.rank];
         let count = counts[self.rank];
         let counters = &mut *self.counters.lock();
         let seq = self.begin(counters, sig, |ex| {
@@ -751,27 +604,9 @@ impl RankCore {
         recv_counts: &[usize],
     ) -> Result<()> {
         let kind = OpKind::AllToAllV;
-        self.check_counts(kind, send_counts)?;
-        self.check_counts(kind, recv_counts)?;
-        self.check_same_dtype(kind, input.dtype(), output.dtype())?;
-        let (send_total, recv_total) = (
-            send_counts.iter().sum::<usize>(),
-            recv_counts.iter().sum::<usize>(),
-        );
-        if input.len() != send_total || output.len() != recv_total {
-            return Err(self.invalid_buffer(
-                kind,
-                format!(
-                    "input has {} elements and output {}; the send counts sum to {send_total} \
-                     and the receive counts to {recv_total}",
-                    input.len(),
-                    output.len()
-                ),
-            ));
-        }
-        let mut sig = self.signature(kind, Some(input.dtype()), input.len());
-        sig.counts = Some(send_counts.to_vec());
-        sig.recv_counts = Some(recv_counts.to_vec());
+        let sig = self
+            .check()
+            .all_to_all_v(&input, send_counts, &output, recv_counts)?;
         let esize = input.dtype().size_in_bytes();
         let in_ptr = input.host_ptr() as usize;
         let out = output.host_ptr_mut();
@@ -796,16 +631,15 @@ impl RankCore {
 
     fn barrier(&self) -> Result<()> {
         let counters = &mut *self.counters.lock();
-        self.begin(counters, self.signature(OpKind::Barrier, None, 0), |_| {})
-            .map(drop)
+        let sig = self.check().signature(OpKind::Barrier, None, 0);
+        self.begin(counters, sig, |_| {}).map(drop)
     }
 
     fn split(&self, color: Option<u32>, key: u32, name: &str) -> Result<Option<LocalCommunicator>> {
         let kind = OpKind::Split;
         let counters = &mut *self.counters.lock();
-        let seq = self.begin(counters, self.signature(kind, None, 0), |ex| {
-            ex.split = (color, key)
-        })?;
+        let sig = self.check().signature(kind, None, 0);
+        let seq = self.begin(counters, sig, |ex| ex.split = (color, key))?;
         let n = self.group.size();
         let members_of = |c: u32| {
             let mut members: Vec<usize> = (0..n)
@@ -818,10 +652,7 @@ impl RankCore {
             let members = members_of(c);
             // The lowest-ranked member creates the group for everyone in it.
             if members.iter().min() == Some(&self.rank) {
-                let world_ranks = members
-                    .iter()
-                    .map(|&r| self.group.world_ranks[r])
-                    .collect();
+                let world_ranks = members.iter().map(|&r| self.group.world_ranks[r]).collect();
                 let shared = GroupShared::new(
                     name.to_string(),
                     world_ranks,
@@ -844,12 +675,7 @@ impl RankCore {
     }
 
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
-        if dest >= self.group.size() {
-            return Err(self.invalid_argument(
-                OpKind::Send,
-                format!("destination {dest} is not a rank of a group of {}", self.group.size()),
-            ));
-        }
+        self.check().peer(OpKind::Send, "destination", dest)?;
         self.group.check_broken(OpKind::Send, 0)?;
         let data = crate::with_dtype!(buf.dtype(), T => {
             Buffer::from_vec(buf.as_host_slice::<T>().unwrap_or_default().to_vec())
@@ -859,12 +685,7 @@ impl RankCore {
     }
 
     fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
-        if src >= self.group.size() {
-            return Err(self.invalid_argument(
-                OpKind::Recv,
-                format!("source {src} is not a rank of a group of {}", self.group.size()),
-            ));
-        }
+        self.check().peer(OpKind::Recv, "source", src)?;
         let seq = {
             let mut counters = self.counters.lock();
             counters.recvs += 1;
@@ -872,14 +693,17 @@ impl RankCore {
         };
         let msg = self.group.take(src, self.rank, seq)?;
         if msg.data.dtype() != buf.dtype() || msg.data.len() != buf.len() {
-            let mut sent = self.signature(OpKind::Send, Some(msg.data.dtype()), msg.data.len());
+            let mut sent =
+                self.check()
+                    .signature(OpKind::Send, Some(msg.data.dtype()), msg.data.len());
             sent.rank = src;
             return Err(Error::Mismatch {
                 group: self.name().to_string(),
                 seq,
                 calls: vec![
                     sent,
-                    self.signature(OpKind::Recv, Some(buf.dtype()), buf.len()),
+                    self.check()
+                        .signature(OpKind::Recv, Some(buf.dtype()), buf.len()),
                 ],
             });
         }
@@ -899,49 +723,6 @@ fn stage(ex: &mut group::Exchange, data: BufRef<'_>) {
     ex.staging.resize(bytes.div_ceil(8), 0);
     // SAFETY: `data` is valid for `bytes` bytes and the staging area was sized for them.
     unsafe {
-        std::ptr::copy_nonoverlapping(
-            data.host_ptr(),
-            ex.staging.as_mut_ptr().cast::<u8>(),
-            bytes,
-        )
+        std::ptr::copy_nonoverlapping(data.host_ptr(), ex.staging.as_mut_ptr().cast::<u8>(), bytes)
     };
-}
-
-/// Whether every rank asked for a compatible call; also what makes direct reads of
-/// peers' memory safe, since it proves every buffer has the length we assume.
-fn signatures_agree(sigs: &[&CallSignature]) -> bool {
-    let first = sigs[0];
-    let same = |f: &dyn Fn(&CallSignature) -> bool| sigs.iter().all(|s| f(s));
-    if !same(&|s| {
-        s.op == first.op && s.dtype == first.dtype && s.reduce == first.reduce && s.root == first.root
-    }) {
-        return false;
-    }
-    match first.op {
-        OpKind::AllReduce | OpKind::Broadcast | OpKind::AllGather | OpKind::ReduceScatter => {
-            same(&|s| s.count == first.count)
-        }
-        OpKind::AllGatherV => {
-            same(&|s| s.counts == first.counts)
-                && first.counts.as_ref().is_some_and(|c| {
-                    c.len() == sigs.len() && sigs.iter().all(|s| c[s.rank] == s.count)
-                })
-        }
-        OpKind::ReduceScatterV => {
-            same(&|s| s.counts == first.counts)
-                && first
-                    .counts
-                    .as_ref()
-                    .is_some_and(|c| sigs.iter().all(|s| c.iter().sum::<usize>() == s.count))
-        }
-        OpKind::AllToAllV => sigs.iter().all(|s| {
-            let sends = s.counts.as_deref().unwrap_or_default();
-            sends.len() == sigs.len()
-                && sigs.iter().all(|peer| {
-                    let recvs = peer.recv_counts.as_deref().unwrap_or_default();
-                    recvs.len() == sigs.len() && recvs[s.rank] == sends[peer.rank]
-                })
-        }),
-        OpKind::Barrier | OpKind::Split | OpKind::Send | OpKind::Recv => true,
-    }
 }

@@ -87,15 +87,28 @@ impl CallCheck<'_> {
         }
     }
 
-    /// Checks that `peer` names a rank of the group.
-    pub(crate) fn peer(&self, op: OpKind, role: &str, peer: usize) -> Result<()> {
-        if peer < self.size {
+    fn member(&self, op: OpKind, role: &str, rank: usize) -> Result<()> {
+        if rank < self.size {
             Ok(())
         } else {
             Err(self.invalid_argument(
                 op,
-                format!("{role} {peer} is not a rank of a group of {}", self.size),
+                format!("{role} {rank} is not a rank of a group of {}", self.size),
             ))
+        }
+    }
+
+    /// Checks that `peer` names another rank of the group (a rendezvous with oneself
+    /// could never complete).
+    pub(crate) fn peer(&self, op: OpKind, role: &str, peer: usize) -> Result<()> {
+        self.member(op, role, peer)?;
+        if peer == self.rank {
+            Err(self.invalid_argument(
+                op,
+                format!("{role} {peer} is this rank; send and recv pair two different ranks"),
+            ))
+        } else {
+            Ok(())
         }
     }
 
@@ -109,7 +122,7 @@ impl CallCheck<'_> {
 
     pub(crate) fn broadcast(&self, buf: &BufMut<'_>, root: usize) -> Result<CallSignature> {
         let op = OpKind::Broadcast;
-        self.peer(op, "root", root)?;
+        self.member(op, "root", root)?;
         let mut sig = self.signature(op, Some(buf.dtype()), buf.len());
         sig.root = Some(root);
         Ok(sig)

@@ -62,7 +62,10 @@ pub trait Communicator: Send + Sync {
         output: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()>;
-    /// Sends `buf` to rank `dest`. Messages between a pair of ranks arrive in order.
+    /// Sends `buf` to rank `dest` (not this rank) and returns once `dest` has received
+    /// it: a rendezvous on every backend, so two ranks that both send first deadlock
+    /// everywhere (the local backend reports it as a timeout) instead of only at scale.
+    /// Messages between a pair of ranks arrive in order.
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()>;
     /// Receives the next message from rank `src` into `buf`, which must match the
     /// message's dtype and length.

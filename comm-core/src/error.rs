@@ -35,6 +35,21 @@ pub enum OpKind {
 }
 
 impl OpKind {
+    /// Every operation kind, in a fixed order.
+    pub const ALL: [OpKind; 11] = [
+        OpKind::AllReduce,
+        OpKind::Broadcast,
+        OpKind::AllGather,
+        OpKind::AllGatherV,
+        OpKind::ReduceScatter,
+        OpKind::ReduceScatterV,
+        OpKind::AllToAllV,
+        OpKind::Barrier,
+        OpKind::Split,
+        OpKind::Send,
+        OpKind::Recv,
+    ];
+
     /// snake_case name as in the API.
     pub fn name(self) -> &'static str {
         match self {

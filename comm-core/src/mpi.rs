@@ -1,1 +1,802 @@
-//! MPI backend (in progress).
+//! The `mpi` backend (cargo feature `mpi`): the system MPI library through rsmpi, one
+//! process per rank, launched by `mpirun`.
+//!
+//! ```no_run
+//! use comm_core::mpi::MpiWorld;
+//! use comm_core::{CommunicatorExt, ReduceOp};
+//!
+//! let mpi = MpiWorld::init()?; // once per process
+//! let world = mpi.world()?;
+//! let mut x = [1.0f32];
+//! world.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+//! # Ok::<(), comm_core::Error>(())
+//! ```
+//!
+//! Collectives map one-to-one onto MPI calls on the type-erased buffers. MPI has no
+//! 16-bit float types, so f16/bf16 reductions run in f32 and round once, exactly as the
+//! local backend does; `Avg` is a sum followed by a division. Non-blocking operations run
+//! on a per-communicator progress thread, which is why MPI must provide
+//! `MPI_THREAD_MULTIPLE`.
+//!
+//! MPI itself cannot tell that ranks disagree about a call; it hangs or corrupts memory.
+//! With [`CHECK_ENV`]`=1` (or [`MpiWorld::init_checked`]) every collective first
+//! all-gathers its [`CallSignature`] and turns a disagreement into
+//! [`Error::Mismatch`] on every rank.
+
+use crate::buffer::{BufMut, BufRef, Buffer};
+use crate::calls::{offsets, signatures_agree, CallCheck};
+use crate::communicator::{AsyncOp, Communicator};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{CallSignature, Error, OpKind, Result};
+use crate::work::{ProgressQueue, Work};
+use half::{bf16, f16};
+use mpi::environment::Universe;
+use mpi::ffi;
+use mpi::Threading;
+use parking_lot::Mutex;
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+/// Environment variable that turns on the cross-rank signature check (`1`, `true`).
+pub const CHECK_ENV: &str = "FERROTRON_MPI_CHECK";
+
+/// The MPI library for this process: initialised once, finalised when it and every
+/// communicator made from it are dropped.
+pub struct MpiWorld {
+    env: Arc<MpiEnv>,
+}
+
+struct MpiEnv {
+    _universe: Universe,
+    check: bool,
+}
+
+impl MpiWorld {
+    /// Initialises MPI with `MPI_THREAD_MULTIPLE`; the signature check follows
+    /// [`CHECK_ENV`].
+    pub fn init() -> Result<MpiWorld> {
+        let check = match std::env::var(CHECK_ENV) {
+            Err(_) => false,
+            Ok(v) => match v.trim() {
+                "1" | "true" | "yes" => true,
+                "0" | "false" | "no" | "" => false,
+                other => {
+                    return Err(Error::Config(format!(
+                        "{CHECK_ENV}={other:?}: use 1 to check every collective's signature \
+                         across ranks, or 0"
+                    )))
+                }
+            },
+        };
+        MpiWorld::init_with(check)
+    }
+
+    /// Initialises MPI with the cross-rank signature check on, whatever the environment.
+    pub fn init_checked() -> Result<MpiWorld> {
+        MpiWorld::init_with(true)
+    }
+
+    fn init_with(check: bool) -> Result<MpiWorld> {
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
+            .ok_or_else(|| {
+                Error::Mpi(
+                    "MPI is already initialised in this process; create one MpiWorld and \
+                     share it"
+                        .into(),
+                )
+            })?;
+        if threading < Threading::Multiple {
+            return Err(Error::Mpi(format!(
+                "the MPI library offers thread level {threading:?}, but ferrotron's progress \
+                 threads need MPI_THREAD_MULTIPLE; use an MPI built with thread support \
+                 (OpenMPI and MPICH are by default)"
+            )));
+        }
+        Ok(MpiWorld {
+            env: Arc::new(MpiEnv {
+                _universe: universe,
+                check,
+            }),
+        })
+    }
+
+    /// Whether collectives check their signatures across ranks.
+    pub fn checks_signatures(&self) -> bool {
+        self.env.check
+    }
+
+    /// A communicator over every process (a duplicate of `MPI_COMM_WORLD`, so its
+    /// traffic never mixes with other users of the world communicator).
+    pub fn world(&self) -> Result<MpiCommunicator> {
+        let mut comm = null_comm();
+        // SAFETY: MPI is initialised (we hold the universe); `comm` is a valid out-pointer.
+        check_rc(
+            unsafe { ffi::MPI_Comm_dup(ffi::RSMPI_COMM_WORLD, &mut comm) },
+            "MPI_Comm_dup",
+        )?;
+        MpiCommunicator::adopt(RawComm(comm), "world".into(), self.env.clone(), None)
+    }
+}
+
+/// `MPI_Comm` is a handle the MPI library lets any thread use under
+/// `MPI_THREAD_MULTIPLE`; our per-communicator lock keeps calls on one handle in order.
+struct RawComm(ffi::MPI_Comm);
+// SAFETY: see above; the handle is only used under `MpiCore::counters`' lock or in drop.
+unsafe impl Send for RawComm {}
+// SAFETY: as above.
+unsafe impl Sync for RawComm {}
+
+fn null_comm() -> ffi::MPI_Comm {
+    // SAFETY: reading an immutable handle constant exported by the MPI shim.
+    unsafe { ffi::RSMPI_COMM_NULL }
+}
+
+fn check_rc(rc: c_int, call: &str) -> Result<()> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let mut text = vec![0u8; ffi::MPI_MAX_ERROR_STRING as usize + 1];
+    let mut len: c_int = 0;
+    // SAFETY: the buffer holds MPI_MAX_ERROR_STRING characters as the standard requires.
+    let described = unsafe { ffi::MPI_Error_string(rc, text.as_mut_ptr().cast(), &mut len) } == 0;
+    let message = if described {
+        String::from_utf8_lossy(&text[..len.max(0) as usize]).into_owned()
+    } else {
+        format!("error code {rc}")
+    };
+    Err(Error::Mpi(format!("{call} failed: {message}")))
+}
+
+/// MPI rejects the identical dangling addresses Rust gives empty slices (as aliasing
+/// send and receive buffers), so empty buffers get distinct real addresses instead.
+static EMPTY_SEND: u64 = 0;
+struct EmptyRecv(std::cell::UnsafeCell<u64>);
+// SAFETY: MPI never writes through a receive pointer whose count is zero.
+unsafe impl Sync for EmptyRecv {}
+static EMPTY_RECV: EmptyRecv = EmptyRecv(std::cell::UnsafeCell::new(0));
+
+fn send_ptr(buf: &BufRef<'_>) -> *const c_void {
+    if buf.is_empty() {
+        std::ptr::addr_of!(EMPTY_SEND).cast()
+    } else {
+        buf.host_ptr().cast()
+    }
+}
+
+fn recv_ptr(buf: &mut BufMut<'_>) -> *mut c_void {
+    if buf.is_empty() {
+        EMPTY_RECV.0.get().cast()
+    } else {
+        buf.host_ptr_mut().cast()
+    }
+}
+
+fn raw_dtype(dtype: DType) -> ffi::MPI_Datatype {
+    // SAFETY: reading immutable datatype handles exported by the MPI shim.
+    unsafe {
+        match dtype {
+            DType::F32 => ffi::RSMPI_FLOAT,
+            DType::F64 => ffi::RSMPI_DOUBLE,
+            // Moved as raw bits; reductions convert to f32 first.
+            DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
+            DType::I32 => ffi::RSMPI_INT32_T,
+            DType::I64 => ffi::RSMPI_INT64_T,
+            DType::U8 => ffi::RSMPI_UINT8_T,
+        }
+    }
+}
+
+fn raw_op(op: ReduceOp) -> ffi::MPI_Op {
+    // SAFETY: reading immutable operator handles exported by the MPI shim.
+    unsafe {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => ffi::RSMPI_SUM,
+            ReduceOp::Max => ffi::RSMPI_MAX,
+            ReduceOp::Min => ffi::RSMPI_MIN,
+            ReduceOp::Prod => ffi::RSMPI_PROD,
+        }
+    }
+}
+
+/// One rank's handle on an MPI group. Dropping it frees the MPI communicator once its
+/// queued non-blocking operations have finished.
+pub struct MpiCommunicator {
+    core: Arc<MpiCore>,
+    /// False for the progress thread's handle, whose drop must not shut the queue down.
+    owner: bool,
+}
+
+struct MpiCore {
+    comm: RawComm,
+    env: Arc<MpiEnv>,
+    name: String,
+    rank: usize,
+    size: usize,
+    world_ranks: Vec<usize>,
+    /// Collectives issued (for error messages); locked for a whole call so that calls
+    /// on one communicator from several threads never interleave.
+    seq: Mutex<u64>,
+    queue: ProgressQueue,
+}
+
+impl Drop for MpiCore {
+    fn drop(&mut self) {
+        let mut comm = self.comm.0;
+        // SAFETY: we own this duplicated/split communicator and nothing uses it any more.
+        // A failure to free cannot be reported from drop and leaks only the handle.
+        let _ = unsafe { ffi::MPI_Comm_free(&mut comm) };
+    }
+}
+
+impl MpiCommunicator {
+    /// Wraps a communicator we own: returns errors instead of aborting, and learns the
+    /// members' world ranks (given, or gathered).
+    fn adopt(
+        comm: RawComm,
+        name: String,
+        env: Arc<MpiEnv>,
+        world_rank: Option<usize>,
+    ) -> Result<MpiCommunicator> {
+        let (mut rank, mut size): (c_int, c_int) = (0, 0);
+        // SAFETY: `comm` is a valid communicator we own; out-pointers are valid.
+        unsafe {
+            check_rc(
+                ffi::MPI_Comm_set_errhandler(comm.0, ffi::RSMPI_ERRORS_RETURN),
+                "MPI_Comm_set_errhandler",
+            )?;
+            check_rc(ffi::MPI_Comm_rank(comm.0, &mut rank), "MPI_Comm_rank")?;
+            check_rc(ffi::MPI_Comm_size(comm.0, &mut size), "MPI_Comm_size")?;
+        }
+        let (rank, size) = (rank as usize, size as usize);
+        let mut world_ranks = vec![0i64; size];
+        let mine = world_rank.unwrap_or(rank) as i64;
+        // SAFETY: one i64 sent, `size` received, buffers sized accordingly.
+        check_rc(
+            unsafe {
+                ffi::MPI_Allgather(
+                    (&mine as *const i64).cast(),
+                    1,
+                    ffi::RSMPI_INT64_T,
+                    world_ranks.as_mut_ptr().cast(),
+                    1,
+                    ffi::RSMPI_INT64_T,
+                    comm.0,
+                )
+            },
+            "MPI_Allgather",
+        )?;
+        let queue = ProgressQueue::new(format!("{name}-mpi-progress-{rank}"));
+        Ok(MpiCommunicator {
+            core: Arc::new(MpiCore {
+                comm,
+                env,
+                name,
+                rank,
+                size,
+                world_ranks: world_ranks.into_iter().map(|r| r as usize).collect(),
+                seq: Mutex::new(0),
+                queue,
+            }),
+            owner: true,
+        })
+    }
+
+    fn check(&self) -> CallCheck<'_> {
+        CallCheck {
+            group: &self.core.name,
+            rank: self.core.rank,
+            size: self.core.size,
+        }
+    }
+
+    /// Runs `call` under the communicator's lock after the queued operations and, in
+    /// check mode, after all ranks agreed on `sig`.
+    fn collective<T>(&self, sig: &CallSignature, call: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.core.queue.wait_idle();
+        let mut seq = self.core.seq.lock();
+        let this = *seq;
+        *seq += 1;
+        if self.core.env.check {
+            self.agree(sig, this)?;
+        }
+        call()
+    }
+
+    /// All-gathers every rank's signature and checks them like the local backend does.
+    fn agree(&self, sig: &CallSignature, seq: u64) -> Result<()> {
+        let n = self.core.size;
+        let mine = encode(sig, n);
+        let mut all = vec![0i64; mine.len() * n];
+        // SAFETY: every rank sends the same fixed-size record (5 + 2n words).
+        check_rc(
+            unsafe {
+                ffi::MPI_Allgather(
+                    mine.as_ptr().cast(),
+                    mine.len() as c_int,
+                    ffi::RSMPI_INT64_T,
+                    all.as_mut_ptr().cast(),
+                    mine.len() as c_int,
+                    ffi::RSMPI_INT64_T,
+                    self.core.comm.0,
+                )
+            },
+            "MPI_Allgather (signature check)",
+        )?;
+        let calls: Vec<CallSignature> = all
+            .chunks(mine.len())
+            .enumerate()
+            .map(|(rank, words)| decode(rank, words, n))
+            .collect();
+        if signatures_agree(&calls.iter().collect::<Vec<_>>()) {
+            Ok(())
+        } else {
+            Err(Error::Mismatch {
+                group: self.core.name.clone(),
+                seq,
+                calls,
+            })
+        }
+    }
+
+    fn int(&self, op: OpKind, what: &str, value: usize) -> Result<c_int> {
+        c_int::try_from(value).map_err(|_| Error::InvalidArgument {
+            op,
+            group: self.core.name.clone(),
+            detail: format!(
+                "{what} {value} exceeds MPI's C int range; split the buffer into smaller calls"
+            ),
+        })
+    }
+
+    fn ints(&self, op: OpKind, what: &str, values: &[usize]) -> Result<Vec<c_int>> {
+        values.iter().map(|&v| self.int(op, what, v)).collect()
+    }
+
+    /// Reduces `send` into `recv` (`count` f32 values or native elements).
+    #[allow(clippy::too_many_arguments)]
+    fn raw_reduce(
+        &self,
+        kind: OpKind,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        counts: Option<&[usize]>,
+        dtype: ffi::MPI_Datatype,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let comm = self.core.comm.0;
+        match counts {
+            None => {
+                let count = self.int(kind, "count", count)?;
+                // SAFETY: callers pass buffers holding `count` elements of `dtype`.
+                check_rc(
+                    unsafe { ffi::MPI_Allreduce(send, recv, count, dtype, raw_op(op), comm) },
+                    "MPI_Allreduce",
+                )
+            }
+            Some(counts) => {
+                let counts = self.ints(kind, "count", counts)?;
+                // SAFETY: callers pass an input of sum(counts) and an output of
+                // counts[rank] elements of `dtype`.
+                check_rc(
+                    unsafe {
+                        ffi::MPI_Reduce_scatter(
+                            send,
+                            recv,
+                            counts.as_ptr(),
+                            dtype,
+                            raw_op(op),
+                            comm,
+                        )
+                    },
+                    "MPI_Reduce_scatter",
+                )
+            }
+        }
+    }
+
+    /// A reduction (all-reduce when `counts` is `None`, else reduce-scatter) from `input`
+    /// into `output`, handling 16-bit floats through f32 and `Avg` as sum then divide.
+    fn reduce(
+        &self,
+        kind: OpKind,
+        input: BufRef<'_>,
+        mut output: BufMut<'_>,
+        counts: Option<&[usize]>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = self.core.size;
+        macro_rules! through_f32 {
+            ($t:ty) => {{
+                let send: Vec<f32> = input
+                    .as_host_slice::<$t>()
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect();
+                let mut recv = vec![0f32; output.len()];
+                self.raw_reduce(
+                    kind,
+                    send_ptr(&BufRef::from(send.as_slice())),
+                    recv_ptr(&mut BufMut::from(recv.as_mut_slice())),
+                    recv.len(),
+                    counts,
+                    raw_dtype(DType::F32),
+                    op,
+                )?;
+                let scale = if op == ReduceOp::Avg { n as f32 } else { 1.0 };
+                for (o, r) in output
+                    .as_host_slice_mut::<$t>()
+                    .unwrap_or_default()
+                    .iter_mut()
+                    .zip(recv)
+                {
+                    *o = <$t>::from_f32(r / scale);
+                }
+                Ok(())
+            }};
+        }
+        match input.dtype() {
+            DType::F16 => through_f32!(f16),
+            DType::BF16 => through_f32!(bf16),
+            dtype => {
+                let out = recv_ptr(&mut output);
+                self.raw_reduce(
+                    kind,
+                    send_ptr(&input),
+                    out,
+                    output.len(),
+                    counts,
+                    raw_dtype(dtype),
+                    op,
+                )?;
+                if op == ReduceOp::Avg {
+                    match dtype {
+                        DType::F32 => output
+                            .as_host_slice_mut::<f32>()
+                            .unwrap_or_default()
+                            .iter_mut()
+                            .for_each(|x| *x /= n as f32),
+                        _ => output
+                            .as_host_slice_mut::<f64>()
+                            .unwrap_or_default()
+                            .iter_mut()
+                            .for_each(|x| *x /= n as f64),
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Fixed-size encoding of a signature for the check-mode all-gather: five words, then
+/// the counts and receive counts (`-1` when absent).
+fn encode(sig: &CallSignature, n: usize) -> Vec<i64> {
+    let index = |found: Option<usize>| found.map_or(-1, |i| i as i64);
+    let mut words = vec![
+        index(OpKind::ALL.iter().position(|&o| o == sig.op)),
+        index(
+            sig.dtype
+                .and_then(|d| DType::ALL.iter().position(|&x| x == d)),
+        ),
+        index(
+            sig.reduce
+                .and_then(|r| ReduceOp::ALL.iter().position(|&x| x == r)),
+        ),
+        sig.count as i64,
+        index(sig.root),
+    ];
+    for counts in [&sig.counts, &sig.recv_counts] {
+        match counts {
+            // A list of the wrong length is caught locally before any check runs.
+            Some(c) if c.len() == n => words.extend(c.iter().map(|&x| x as i64)),
+            _ => words.extend(std::iter::repeat_n(-1, n)),
+        }
+    }
+    words
+}
+
+fn decode(rank: usize, words: &[i64], n: usize) -> CallSignature {
+    let pick = |w: i64| usize::try_from(w).ok();
+    let list = |from: usize| {
+        let part = &words[from..from + n];
+        (part.first() != Some(&-1)).then(|| part.iter().map(|&x| x as usize).collect())
+    };
+    CallSignature {
+        rank,
+        op: pick(words[0])
+            .and_then(|i| OpKind::ALL.get(i).copied())
+            .unwrap_or(OpKind::Barrier),
+        dtype: pick(words[1]).and_then(|i| DType::ALL.get(i).copied()),
+        reduce: pick(words[2]).and_then(|i| ReduceOp::ALL.get(i).copied()),
+        count: pick(words[3]).unwrap_or(0),
+        root: pick(words[4]),
+        counts: list(5),
+        recv_counts: list(5 + n),
+    }
+}
+
+impl Drop for MpiCommunicator {
+    fn drop(&mut self) {
+        if self.owner {
+            self.core.queue.shutdown();
+        }
+    }
+}
+
+impl Communicator for MpiCommunicator {
+    fn rank(&self) -> usize {
+        self.core.rank
+    }
+    fn size(&self) -> usize {
+        self.core.size
+    }
+    fn name(&self) -> &str {
+        &self.core.name
+    }
+    fn backend(&self) -> &'static str {
+        "mpi"
+    }
+    fn world_ranks(&self) -> &[usize] {
+        &self.core.world_ranks
+    }
+
+    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let sig = self.check().all_reduce(&buf, op)?;
+        self.collective(&sig, || {
+            // MPI_IN_PLACE is not exported by rsmpi, so the input is a copy.
+            let copy = crate::with_dtype!(buf.dtype(), T => {
+                Buffer::from_vec(buf.as_host_slice_mut::<T>().unwrap_or_default().to_vec())
+            });
+            self.reduce(OpKind::AllReduce, copy.as_buf_ref(), buf, None, op)
+        })
+    }
+
+    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        let sig = self.check().broadcast(&buf, root)?;
+        let count = self.int(OpKind::Broadcast, "count", buf.len())?;
+        self.collective(&sig, || {
+            // SAFETY: `buf` holds `count` elements of its dtype.
+            check_rc(
+                unsafe {
+                    ffi::MPI_Bcast(
+                        recv_ptr(&mut buf),
+                        count,
+                        raw_dtype(buf.dtype()),
+                        root as c_int,
+                        self.core.comm.0,
+                    )
+                },
+                "MPI_Bcast",
+            )
+        })
+    }
+
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        let (sig, counts) = self.check().all_gather(&input, &output, None)?;
+        self.gather(sig, input, output, &counts)
+    }
+
+    fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
+        let (sig, counts) = self.check().all_gather(&input, &output, Some(counts))?;
+        self.gather(sig, input, output, &counts)
+    }
+
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let (sig, counts) = self.check().reduce_scatter(&input, &output, None, op)?;
+        self.collective(&sig, || {
+            self.reduce(sig.op, input, output, Some(&counts), op)
+        })
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (sig, counts) = self
+            .check()
+            .reduce_scatter(&input, &output, Some(counts), op)?;
+        self.collective(&sig, || {
+            self.reduce(sig.op, input, output, Some(&counts), op)
+        })
+    }
+
+    fn all_to_all_v(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        mut output: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let kind = OpKind::AllToAllV;
+        let sig = self
+            .check()
+            .all_to_all_v(&input, send_counts, &output, recv_counts)?;
+        let sends = self.ints(kind, "count", send_counts)?;
+        let recvs = self.ints(kind, "count", recv_counts)?;
+        let send_offsets = self.ints(kind, "offset", &offsets(send_counts))?;
+        let recv_offsets = self.ints(kind, "offset", &offsets(recv_counts))?;
+        let dtype = raw_dtype(input.dtype());
+        self.collective(&sig, || {
+            // SAFETY: lengths validated against the counts by `CallCheck`.
+            check_rc(
+                unsafe {
+                    ffi::MPI_Alltoallv(
+                        send_ptr(&input),
+                        sends.as_ptr(),
+                        send_offsets.as_ptr(),
+                        dtype,
+                        recv_ptr(&mut output),
+                        recvs.as_ptr(),
+                        recv_offsets.as_ptr(),
+                        dtype,
+                        self.core.comm.0,
+                    )
+                },
+                "MPI_Alltoallv",
+            )
+        })
+    }
+
+    fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
+        self.check().peer(OpKind::Send, "destination", dest)?;
+        let count = self.int(OpKind::Send, "count", buf.len())?;
+        self.core.queue.wait_idle();
+        let _order = self.core.seq.lock();
+        // SAFETY: `buf` holds `count` elements of its dtype.
+        check_rc(
+            unsafe {
+                ffi::MPI_Ssend(
+                    send_ptr(&buf),
+                    count,
+                    raw_dtype(buf.dtype()),
+                    dest as c_int,
+                    0,
+                    self.core.comm.0,
+                )
+            },
+            "MPI_Ssend",
+        )
+    }
+
+    fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
+        self.check().peer(OpKind::Recv, "source", src)?;
+        self.core.queue.wait_idle();
+        let seq = self.core.seq.lock();
+        let dtype = raw_dtype(buf.dtype());
+        // SAFETY: MPI_Status is plain data that MPI_Probe fills in.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        let mut count: c_int = 0;
+        // SAFETY: valid communicator and out-pointers.
+        unsafe {
+            check_rc(
+                ffi::MPI_Probe(src as c_int, 0, self.core.comm.0, &mut status),
+                "MPI_Probe",
+            )?;
+            check_rc(
+                ffi::MPI_Get_count(&status, dtype, &mut count),
+                "MPI_Get_count",
+            )?;
+        }
+        if usize::try_from(count).ok() != Some(buf.len()) {
+            let mut sent = self.check().signature(OpKind::Send, Some(buf.dtype()), 0);
+            sent.rank = src;
+            sent.count = usize::try_from(count).unwrap_or(0);
+            return Err(Error::Mismatch {
+                group: self.core.name.clone(),
+                seq: *seq,
+                calls: vec![
+                    sent,
+                    self.check()
+                        .signature(OpKind::Recv, Some(buf.dtype()), buf.len()),
+                ],
+            });
+        }
+        // SAFETY: the probed message has exactly `count` elements, which `buf` holds.
+        check_rc(
+            unsafe {
+                ffi::MPI_Recv(
+                    recv_ptr(&mut buf),
+                    count,
+                    dtype,
+                    src as c_int,
+                    0,
+                    self.core.comm.0,
+                    ffi::RSMPI_STATUS_IGNORE,
+                )
+            },
+            "MPI_Recv",
+        )
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let sig = self.check().signature(OpKind::Barrier, None, 0);
+        self.collective(&sig, || {
+            // SAFETY: valid communicator.
+            check_rc(unsafe { ffi::MPI_Barrier(self.core.comm.0) }, "MPI_Barrier")
+        })
+    }
+
+    fn split(
+        &self,
+        color: Option<u32>,
+        key: u32,
+        name: &str,
+    ) -> Result<Option<Arc<dyn Communicator>>> {
+        let kind = OpKind::Split;
+        let sig = self.check().signature(kind, None, 0);
+        let raw_color = match color {
+            // SAFETY: reading an immutable constant exported by the MPI shim.
+            None => unsafe { ffi::RSMPI_UNDEFINED },
+            Some(c) => self.int(kind, "color", c as usize)?,
+        };
+        let raw_key = self.int(kind, "key", key as usize)?;
+        let mut new = null_comm();
+        self.collective(&sig, || {
+            // SAFETY: valid communicator and out-pointer.
+            check_rc(
+                unsafe { ffi::MPI_Comm_split(self.core.comm.0, raw_color, raw_key, &mut new) },
+                "MPI_Comm_split",
+            )
+        })?;
+        if color.is_none() || new == null_comm() {
+            return Ok(None);
+        }
+        let world_rank = self.core.world_ranks[self.core.rank];
+        let comm = MpiCommunicator::adopt(
+            RawComm(new),
+            name.to_string(),
+            self.core.env.clone(),
+            Some(world_rank),
+        )?;
+        Ok(Some(Arc::new(comm)))
+    }
+
+    fn start(&self, op: AsyncOp) -> Result<Work> {
+        let handle = MpiCommunicator {
+            core: self.core.clone(),
+            owner: false,
+        };
+        self.core
+            .queue
+            .submit(Box::new(move || op.run_blocking(&handle)))
+    }
+}
+
+impl MpiCommunicator {
+    fn gather(
+        &self,
+        sig: CallSignature,
+        input: BufRef<'_>,
+        mut output: BufMut<'_>,
+        counts: &[usize],
+    ) -> Result<()> {
+        let kind = sig.op;
+        let send = self.int(kind, "count", input.len())?;
+        let recvs = self.ints(kind, "count", counts)?;
+        let displs = self.ints(kind, "offset", &offsets(counts))?;
+        let dtype = raw_dtype(input.dtype());
+        self.collective(&sig, || {
+            // SAFETY: lengths validated against the counts by `CallCheck`.
+            check_rc(
+                unsafe {
+                    ffi::MPI_Allgatherv(
+                        send_ptr(&input),
+                        send,
+                        dtype,
+                        recv_ptr(&mut output),
+                        recvs.as_ptr(),
+                        displs.as_ptr(),
+                        dtype,
+                        self.core.comm.0,
+                    )
+                },
+                "MPI_Allgatherv",
+            )
+        })
+    }
+}

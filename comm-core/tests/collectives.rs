@@ -119,13 +119,20 @@ fn check_case<T: Element>(case: &Case) -> comm_core::Result<Vec<()>> {
             .collect();
         ensure!(output == expect, "all_to_all_v differs");
 
-        // Point-to-point around a ring (buffered sends cannot deadlock).
-        let next = (r + 1) % n;
-        let prev = (r + n - 1) % n;
-        comm.send_slice(&data::<T>(r, case.len, 7), next)?;
-        let mut got = vec![T::default(); case.len];
-        comm.recv_slice(&mut got, prev)?;
-        ensure!(got == data::<T>(prev, case.len, 7), "send/recv differs");
+        // Point-to-point around a ring; sends are rendezvous, so even ranks send first.
+        if n > 1 {
+            let next = (r + 1) % n;
+            let prev = (r + n - 1) % n;
+            let mut got = vec![T::default(); case.len];
+            if r % 2 == 0 {
+                comm.send_slice(&data::<T>(r, case.len, 7), next)?;
+                comm.recv_slice(&mut got, prev)?;
+            } else {
+                comm.recv_slice(&mut got, prev)?;
+                comm.send_slice(&data::<T>(r, case.len, 7), next)?;
+            }
+            ensure!(got == data::<T>(prev, case.len, 7), "send/recv differs");
+        }
 
         comm.barrier()?;
         Ok(())

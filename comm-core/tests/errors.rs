@@ -306,6 +306,46 @@ fn a_receive_that_does_not_match_the_message_is_a_mismatch() {
 }
 
 #[test]
+fn two_ranks_sending_first_time_out_instead_of_hanging() {
+    // Whichever rank times out first exits; the other may then see it as lost. The
+    // launcher reports the root cause: a send that timed out waiting for its peer.
+    let err = LocalLauncher::new(2)
+        .unwrap()
+        .timeout(Duration::from_millis(100))
+        .run(|comm| {
+            comm.send_slice(&[1u8], 1 - comm.rank())?;
+            comm.recv_slice(&mut [0u8], 1 - comm.rank())
+        })
+        .unwrap_err();
+    let Error::RankFailed { rank, .. } = &err else {
+        panic!("expected a rank failure, got {err}")
+    };
+    match err.root_cause() {
+        Error::Timeout {
+            op: OpKind::Send,
+            missing,
+            ..
+        } => assert_eq!(missing, &vec![1 - rank]),
+        other => panic!("expected a send timeout, got {other}"),
+    }
+}
+
+#[test]
+fn sending_to_oneself_is_rejected() {
+    let errors = errors_of(2, |comm| comm.send_slice(&[1u8], comm.rank()));
+    for err in errors {
+        match err {
+            Error::InvalidArgument {
+                op: OpKind::Send,
+                detail,
+                ..
+            } => assert!(detail.contains("this rank"), "{detail}"),
+            other => panic!("expected InvalidArgument, got {other}"),
+        }
+    }
+}
+
+#[test]
 fn zero_ranks_is_a_configuration_error() {
     assert!(matches!(LocalLauncher::new(0), Err(Error::Config(_))));
 }

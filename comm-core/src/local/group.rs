@@ -66,6 +66,15 @@ struct Breakage {
     lost: Option<(usize, usize)>,
 }
 
+/// Messages from one rank to another, with counters that let the sender wait until the
+/// receiver has taken its message (sends are rendezvous on every backend).
+#[derive(Default)]
+struct Mailbox {
+    queue: Mutex<VecDeque<Message>>,
+    posted: AtomicU64,
+    taken: AtomicU64,
+}
+
 /// A message in flight between two ranks.
 pub(crate) struct Message {
     pub(crate) data: Buffer,
@@ -83,7 +92,7 @@ pub(crate) struct GroupShared {
     park_lock: Mutex<()>,
     park_cv: Condvar,
     /// `mailboxes[src * size + dst]`.
-    mailboxes: Vec<Mutex<VecDeque<Message>>>,
+    mailboxes: Vec<Mailbox>,
 }
 
 /// Busy-wait iterations before yielding: short when ranks outnumber cores, because then
@@ -141,9 +150,7 @@ impl GroupShared {
             parked: AtomicUsize::new(0),
             park_lock: Mutex::new(()),
             park_cv: Condvar::new(),
-            mailboxes: (0..size * size)
-                .map(|_| Mutex::new(VecDeque::new()))
-                .collect(),
+            mailboxes: (0..size * size).map(|_| Mailbox::default()).collect(),
         })
     }
 
@@ -336,26 +343,43 @@ impl GroupShared {
         }
     }
 
-    pub(crate) fn post(&self, src: usize, dst: usize, msg: Message) {
-        self.mailboxes[src * self.size() + dst]
-            .lock()
-            .push_back(msg);
+    /// Hands `msg` to `dst` and waits until `dst` has taken it, as a collective waits.
+    pub(crate) fn send(&self, src: usize, dst: usize, msg: Message, seq: u64) -> Result<()> {
+        let mailbox = &self.mailboxes[src * self.size() + dst];
+        let ticket = {
+            let mut queue = mailbox.queue.lock();
+            queue.push_back(msg);
+            mailbox.posted.fetch_add(1, Ordering::SeqCst)
+        };
         self.wake_all();
+        self.wait_for(
+            OpKind::Send,
+            seq,
+            |_| mailbox.taken.load(Ordering::Acquire) > ticket,
+            |_| vec![dst],
+        )
     }
 
     /// Takes the next message from `src` to `dst`, waiting as a collective would.
-    pub(crate) fn take(&self, src: usize, dst: usize, seq: u64) -> Result<Message> {
+    pub(crate) fn receive(&self, src: usize, dst: usize, seq: u64) -> Result<Message> {
         let mailbox = &self.mailboxes[src * self.size() + dst];
         let mut taken = None;
         self.wait_for(
             OpKind::Recv,
             seq,
             |_| {
-                taken = taken.take().or_else(|| mailbox.lock().pop_front());
+                if taken.is_none() {
+                    taken = mailbox.queue.lock().pop_front();
+                    if taken.is_some() {
+                        mailbox.taken.fetch_add(1, Ordering::AcqRel);
+                        self.wake_all();
+                    }
+                }
                 taken.is_some()
             },
             |_| vec![src],
         )?;
-        Ok(taken.expect("wait_for returns Ok only once a message was taken"))
+        // `wait_for` returns Ok only once `ready` saw a message, which it keeps in `taken`.
+        taken.ok_or_else(|| Error::Config("internal: receive finished without a message".into()))
     }
 }

@@ -220,7 +220,8 @@ struct Counters {
     seq: u64,
     /// Barriers arrived at.
     epoch: u64,
-    /// Messages received (for error messages).
+    /// Messages sent and received (for error messages).
+    sends: u64,
     recvs: u64,
 }
 
@@ -241,6 +242,7 @@ impl LocalCommunicator {
                 counters: Mutex::new(Counters {
                     seq: 0,
                     epoch: 0,
+                    sends: 0,
                     recvs: 0,
                 }),
                 queue,
@@ -680,8 +682,12 @@ impl RankCore {
         let data = crate::with_dtype!(buf.dtype(), T => {
             Buffer::from_vec(buf.as_host_slice::<T>().unwrap_or_default().to_vec())
         });
-        self.group.post(self.rank, dest, Message { data });
-        Ok(())
+        let seq = {
+            let mut counters = self.counters.lock();
+            counters.sends += 1;
+            counters.sends - 1
+        };
+        self.group.send(self.rank, dest, Message { data }, seq)
     }
 
     fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
@@ -691,7 +697,7 @@ impl RankCore {
             counters.recvs += 1;
             counters.recvs - 1
         };
-        let msg = self.group.take(src, self.rank, seq)?;
+        let msg = self.group.receive(src, self.rank, seq)?;
         if msg.data.dtype() != buf.dtype() || msg.data.len() != buf.len() {
             let mut sent =
                 self.check()

@@ -1,0 +1,187 @@
+//! The collective suite over the MPI backend, with the cross-rank signature check on.
+//! Run it as `mpirun -n 4 target/debug/deps/mpi_collectives-*`; `cargo test` runs it as a
+//! single rank. Every rank runs the same deterministic cases; rank 0 prints the summary.
+
+mod support;
+
+use anyhow::{ensure, Context};
+use comm_core::mpi::MpiWorld;
+use comm_core::{
+    AsyncOp, Buffer, Communicator, CommunicatorExt, DType, Element, Error, OpKind, ReduceOp,
+};
+use support::{data, offsets, reduced};
+
+fn collectives<T: Element>(
+    comm: &dyn Communicator,
+    op: ReduceOp,
+    len: usize,
+) -> anyhow::Result<()> {
+    let (r, n) = (comm.rank(), comm.size());
+    let mut buf = data::<T>(r, len, 0);
+    comm.all_reduce_slice(&mut buf, op)?;
+    let inputs: Vec<Vec<T>> = (0..n).map(|q| data(q, len, 0)).collect();
+    ensure!(buf == reduced(op, &inputs), "all_reduce {op} differs");
+
+    let root = len % n;
+    let mut buf = if r == root {
+        data::<T>(r, len, 1)
+    } else {
+        vec![T::default(); len]
+    };
+    comm.broadcast_slice(&mut buf, root)?;
+    ensure!(buf == data::<T>(root, len, 1), "broadcast differs");
+
+    let gathered = comm.all_gather_vec(&data::<T>(r, len, 2))?;
+    ensure!(
+        gathered
+            == (0..n)
+                .flat_map(|q| data::<T>(q, len, 2))
+                .collect::<Vec<_>>()
+    );
+
+    let counts: Vec<usize> = (0..n).map(|q| (len + q * 3) % 11).collect();
+    let gathered = comm.all_gather_v_vec(&data::<T>(r, counts[r], 3), &counts)?;
+    let expect: Vec<T> = (0..n).flat_map(|q| data::<T>(q, counts[q], 3)).collect();
+    ensure!(gathered == expect, "all_gather_v differs");
+
+    let total: usize = counts.iter().sum();
+    let inputs: Vec<Vec<T>> = (0..n).map(|q| data(q, total, 5)).collect();
+    let mine = comm.reduce_scatter_v_vec(&inputs[r], &counts, op)?;
+    let start = offsets(&counts)[r];
+    ensure!(
+        mine == reduced(op, &inputs)[start..start + counts[r]],
+        "reduce_scatter_v differs"
+    );
+
+    let chunk = len.max(1);
+    let inputs: Vec<Vec<T>> = (0..n).map(|q| data(q, chunk * n, 4)).collect();
+    let mine = comm.reduce_scatter_vec(&inputs[r], op)?;
+    ensure!(
+        mine == reduced(op, &inputs)[r * chunk..(r + 1) * chunk],
+        "reduce_scatter differs"
+    );
+
+    let matrix = |s: usize, d: usize| (s * 5 + d * 3 + len) % 7;
+    let sends: Vec<usize> = (0..n).map(|d| matrix(r, d)).collect();
+    let recvs: Vec<usize> = (0..n).map(|s| matrix(s, r)).collect();
+    let out = comm.all_to_all_v_vec(&data::<T>(r, sends.iter().sum(), 6), &sends, &recvs)?;
+    let expect: Vec<T> = (0..n)
+        .flat_map(|s| {
+            let their: Vec<usize> = (0..n).map(|d| matrix(s, d)).collect();
+            let at = offsets(&their)[r];
+            data::<T>(s, their.iter().sum(), 6)[at..at + their[r]].to_vec()
+        })
+        .collect();
+    ensure!(out == expect, "all_to_all_v differs");
+
+    if n > 1 {
+        // Sends are rendezvous (MPI_Ssend), so even ranks send first around the ring.
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let mut got = vec![T::default(); len];
+        if r % 2 == 0 {
+            comm.send_slice(&data::<T>(r, len, 7), next)?;
+            comm.recv_slice(&mut got, prev)?;
+        } else {
+            comm.recv_slice(&mut got, prev)?;
+            comm.send_slice(&data::<T>(r, len, 7), next)?;
+        }
+        ensure!(got == data::<T>(prev, len, 7), "send/recv differs");
+    }
+    Ok(())
+}
+
+fn split_and_async(world: &dyn Communicator) -> anyhow::Result<()> {
+    let r = world.rank();
+    let half = world
+        .split(Some((r % 2) as u32), r as u32, "parity")?
+        .context("member")?;
+    let mut sum = [r as i64];
+    half.all_reduce_slice(&mut sum, ReduceOp::Sum)?;
+    let expect: usize = (0..world.size()).filter(|q| q % 2 == r % 2).sum();
+    ensure!(sum[0] == expect as i64, "split group sum");
+    ensure!(half.world_ranks().iter().all(|w| w % 2 == r % 2));
+    ensure!(
+        world.split(None, 0, "nobody")?.is_none(),
+        "opt-out gets None"
+    );
+
+    let works: Vec<_> = (0..4)
+        .map(|i| world.all_reduce_async(vec![i as f32 + r as f32; 1000 * i + 1], ReduceOp::Max))
+        .collect::<Result<_, _>>()?;
+    let gather = world.start(AsyncOp::AllGather {
+        input: Buffer::from_vec(vec![r as u8]),
+    })?;
+    for (i, w) in works.into_iter().enumerate() {
+        let v = w.wait()?.into_vec::<f32>()?;
+        ensure!(
+            v.iter().all(|&x| x == i as f32 + (world.size() - 1) as f32),
+            "async {i}"
+        );
+    }
+    let ranks: Vec<u8> = (0..world.size() as u8).collect();
+    ensure!(gather.wait()?.into_vec::<u8>()? == ranks, "async gather");
+    Ok(())
+}
+
+fn mismatch_is_detected(world: &dyn Communicator) -> anyhow::Result<()> {
+    if world.size() < 2 {
+        return Ok(());
+    }
+    let result = world.all_reduce_slice(&mut vec![0f32; 2 + world.rank()], ReduceOp::Sum);
+    match result {
+        Err(Error::Mismatch { calls, .. }) => {
+            ensure!(calls.len() == world.size());
+            ensure!(calls
+                .iter()
+                .all(|c| c.count == 2 + c.rank && c.op == OpKind::AllReduce));
+        }
+        other => anyhow::bail!("expected Mismatch, got {other:?}"),
+    }
+    let result = if world.rank() == 0 {
+        world.barrier()
+    } else {
+        world.broadcast_slice(&mut [0i32], 0)
+    };
+    ensure!(
+        matches!(result, Err(Error::Mismatch { .. })),
+        "op mismatch: {result:?}"
+    );
+    // The check leaves the communicator usable.
+    let mut x = [1i32];
+    world.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+    ensure!(x[0] == world.size() as i32);
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let mpi = MpiWorld::init_checked()?;
+    let world = mpi.world()?;
+    let mut results: Vec<(String, anyhow::Result<()>)> = Vec::new();
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(dtype)) {
+            for len in [0usize, 7, 20_000] {
+                let name = format!("collectives {dtype} {op} len={len}");
+                let outcome = comm_core::with_dtype!(dtype, T => collectives::<T>(&world, op, len));
+                results.push((name, outcome));
+            }
+        }
+    }
+    results.push(("split and async".into(), split_and_async(&world)));
+    results.push(("mismatch detection".into(), mismatch_is_detected(&world)));
+    world.barrier()?;
+
+    let failed = results.iter().filter(|(_, r)| r.is_err()).count();
+    for (name, outcome) in &results {
+        if let Err(e) = outcome {
+            eprintln!("rank {}: {name} FAILED: {e:#}", world.rank());
+        }
+    }
+    if world.rank() == 0 {
+        println!("mpi_collectives on {} ranks", world.size());
+        println!("{} passed, {} failed", results.len() - failed, failed);
+    }
+    if failed > 0 {
+        std::process::exit(1);
+    }
+    Ok(())
+}

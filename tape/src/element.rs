@@ -1,13 +1,26 @@
 //! Element types a [`Tensor`](crate::Tensor) can hold: `f32` for training, `f64` for grad checks.
 
 use std::fmt::{Debug, Display};
+use std::ops::{AddAssign, DivAssign, MulAssign, SubAssign};
 
 use ndarray::{LinalgScalar, ScalarOperand};
 use num_traits::Float;
 
 /// A floating-point element type. Implemented for `f32` and `f64` only.
 pub trait Element:
-    Float + LinalgScalar + ScalarOperand + Debug + Display + Default + Send + Sync + 'static
+    Float
+    + LinalgScalar
+    + ScalarOperand
+    + AddAssign
+    + SubAssign
+    + MulAssign
+    + DivAssign
+    + Debug
+    + Display
+    + Default
+    + Send
+    + Sync
+    + 'static
 {
     /// Converts from `f64`, rounding to the nearest representable value.
     fn from_f64(value: f64) -> Self;

@@ -1,1 +1,94 @@
-//! Reverse-mode autograd over CPU and CUDA tensors (not built yet; see issue 4).
+//! Reverse-mode automatic differentiation over n-d tensors, for ferrotron.
+//!
+//! * [`Tensor`]: an immutable, cheaply cloned n-d array (`f32` by default, `f64` for grad
+//!   checks) on a [`Device`] (CPU, via ndarray, for now).
+//! * [`Tape`]: a define-by-run record owned by one model or thread — there is no global
+//!   tape, so many independent trainings can run in one process.
+//! * [`Parameter`]: a trainable leaf with a gradient slot and grad-ready hooks, which fire
+//!   the moment its gradient is complete while the rest of backward still runs.
+//! * [`CustomOp`]: user-defined differentiable ops (e.g. collectives).
+//! * [`Sgd`] and [`AdamW`] optimizers, and [`gradcheck`].
+//!
+//! # Training a linear model
+//! ```
+//! use tape::{Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
+//!
+//! let mut rng = Generator::new(0);
+//! let w = Parameter::new("w", Tensor::<f32>::randn(&[3, 1], 0.1, &mut rng));
+//! let b = Parameter::new("b", Tensor::<f32>::zeros(&[1]));
+//! let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 0.0, 1.0, 0.5], &[2, 3])?;
+//! let target = Tensor::from_vec(vec![1.0, -1.0], &[2, 1])?;
+//! let mut sgd = Sgd::new(vec![w.clone(), b.clone()], SgdConfig::new(0.05));
+//!
+//! let tape = Tape::new();
+//! let mut losses = Vec::new();
+//! for _ in 0..50 {
+//!     // Each forward pass watches the parameters on the tape; backward consumes the record.
+//!     let y = x.matmul(&tape.watch(&w))?.add(&tape.watch(&b))?;
+//!     let diff = y.sub(&target)?;
+//!     let loss = diff.mul(&diff)?.mean()?;
+//!     losses.push(loss.item()?);
+//!     sgd.zero_grad();
+//!     loss.backward()?;
+//!     sgd.step()?;
+//! }
+//! assert!(losses[49] < losses[0] / 4.0, "{losses:?}");
+//! # Ok::<(), tape::Error>(())
+//! ```
+//!
+//! # Grad-ready hooks
+//! A hook sees the parameter as soon as its gradient for this pass is final:
+//! ```
+//! use std::sync::{Arc, Mutex};
+//! use tape::{Parameter, Tape, Tensor};
+//!
+//! let w = Parameter::new("w", Tensor::<f32>::ones(&[2]));
+//! let seen = Arc::new(Mutex::new(Vec::new()));
+//! let log = seen.clone();
+//! w.register_grad_hook(move |p| {
+//!     log.lock().unwrap().push(p.grad().expect("complete").to_vec()?);
+//!     Ok(())
+//! });
+//! let tape = Tape::new();
+//! tape.watch(&w).scale(3.0)?.sum()?.backward()?;
+//! assert_eq!(*seen.lock().unwrap(), vec![vec![3.0, 3.0]]);
+//! # Ok::<(), tape::Error>(())
+//! ```
+//!
+//! # Checking gradients
+//! ```
+//! use tape::{gradcheck, GradCheckOptions, Tensor};
+//!
+//! let x = Tensor::<f64>::from_vec(vec![0.5, -1.0, 2.0], &[3])?;
+//! gradcheck(|xs| xs[0].tanh()?.mul(&xs[0]), &[x], &GradCheckOptions::default())?;
+//! # Ok::<(), tape::Error>(())
+//! ```
+//!
+//! # No gradient
+//! [`Tape::no_grad`] runs a closure without recording (evaluation, optimizer-like updates);
+//! [`Tensor::detach`] cuts one tensor off.
+#![warn(missing_docs)]
+
+mod device;
+mod element;
+mod error;
+pub mod gradcheck;
+pub mod ops;
+pub mod optim;
+mod parameter;
+mod random;
+mod tape;
+mod tensor;
+
+pub use device::Device;
+pub use element::Element;
+pub use error::{Error, Result};
+pub use gradcheck::{gradcheck, GradCheckOptions};
+pub use ndarray;
+pub use ops::custom::CustomOp;
+pub use ops::{causal_mask, CrossEntropyOptions, Gelu, Reduction};
+pub use optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+pub use parameter::{GradHook, ParamId, Parameter};
+pub use random::Generator;
+pub use tape::Tape;
+pub use tensor::Tensor;

@@ -177,7 +177,9 @@ impl<T: Element> Tensor<T> {
     /// The elements converted to another element type (not recorded on the tape).
     pub fn cast<U: Element>(&self) -> Result<Tensor<U>> {
         let array = self.cpu("cast")?;
-        Ok(Tensor::from_array(array.mapv(|v| U::from_f64(v.into_f64()))))
+        Ok(Tensor::from_array(
+            array.mapv(|v| U::from_f64(v.into_f64())),
+        ))
     }
 }
 

@@ -1,0 +1,251 @@
+//! Elementwise arithmetic with broadcasting, and pointwise functions.
+
+use ndarray::{ArcArray, ArrayD, IxDyn, Zip};
+
+use super::{broadcast_shape, sum_to_shape};
+use crate::tape::{record, BackwardFn};
+use crate::{Element, Error, Result, Tensor};
+
+/// Which GELU formula to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Gelu {
+    /// `x · Φ(x)` with the exact normal CDF.
+    #[default]
+    Erf,
+    /// The tanh approximation `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+    Tanh,
+}
+
+#[derive(Clone, Copy)]
+enum Binary {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+impl Binary {
+    fn name(self) -> &'static str {
+        match self {
+            Binary::Add => "add",
+            Binary::Sub => "sub",
+            Binary::Mul => "mul",
+            Binary::Div => "div",
+        }
+    }
+}
+
+/// `f` applied to `a` and `b` broadcast to `shape`.
+fn zip_broadcast<T: Element>(
+    op: &'static str,
+    a: &ArcArray<T, IxDyn>,
+    b: &ArcArray<T, IxDyn>,
+    shape: &[usize],
+    f: impl Fn(T, T) -> T,
+) -> Result<ArrayD<T>> {
+    if a.shape() == b.shape() {
+        return Ok(Zip::from(a).and(b).map_collect(|&x, &y| f(x, y)));
+    }
+    let mismatch = || Error::shape(op, &[a.shape(), b.shape()], "cannot broadcast");
+    let av = a.broadcast(IxDyn(shape)).ok_or_else(mismatch)?;
+    let bv = b.broadcast(IxDyn(shape)).ok_or_else(mismatch)?;
+    Ok(Zip::from(&av).and(&bv).map_collect(|&x, &y| f(x, y)))
+}
+
+impl<T: Element> Tensor<T> {
+    fn binary(&self, other: &Tensor<T>, kind: Binary) -> Result<Tensor<T>> {
+        let op = kind.name();
+        let a = self.cpu(op)?;
+        let b = other.cpu(op)?;
+        let shape = broadcast_shape(op, a.shape(), b.shape())?;
+        let out = match kind {
+            Binary::Add => zip_broadcast(op, a, b, &shape, |x, y| x + y)?,
+            Binary::Sub => zip_broadcast(op, a, b, &shape, |x, y| x - y)?,
+            Binary::Mul => zip_broadcast(op, a, b, &shape, |x, y| x * y)?,
+            Binary::Div => zip_broadcast(op, a, b, &shape, |x, y| x / y)?,
+        };
+        record(op, &[self, other], out.into_shared(), || {
+            let (a, b) = (a.clone(), b.clone());
+            let backward: BackwardFn<T> =
+                Box::new(move |grad, needs| binary_backward(kind, grad, needs, &a, &b));
+            backward
+        })
+    }
+
+    /// `self + other`, with NumPy broadcasting (e.g. a bias over leading dimensions).
+    pub fn add(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
+        self.binary(other, Binary::Add)
+    }
+
+    /// `self - other`, with broadcasting.
+    pub fn sub(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
+        self.binary(other, Binary::Sub)
+    }
+
+    /// `self * other` elementwise, with broadcasting.
+    pub fn mul(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
+        self.binary(other, Binary::Mul)
+    }
+
+    /// `self / other` elementwise, with broadcasting.
+    pub fn div(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
+        self.binary(other, Binary::Div)
+    }
+
+    /// `self * factor`.
+    pub fn scale(&self, factor: f64) -> Result<Tensor<T>> {
+        self.scaled("scale", factor)
+    }
+
+    /// `-self`.
+    pub fn neg(&self) -> Result<Tensor<T>> {
+        self.scaled("neg", -1.0)
+    }
+
+    fn scaled(&self, op: &'static str, factor: f64) -> Result<Tensor<T>> {
+        let factor = T::from_f64(factor);
+        let out = self.cpu(op)?.mapv(|x| x * factor);
+        record(op, &[self], out.into_shared(), || {
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad * factor)]))
+        })
+    }
+
+    /// Elementwise `e^x`.
+    pub fn exp(&self) -> Result<Tensor<T>> {
+        let out = self.cpu("exp")?.mapv(T::exp).into_shared();
+        record("exp", &[self], out.clone(), || {
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad * &out)]))
+        })
+    }
+
+    /// Elementwise natural logarithm.
+    pub fn log(&self) -> Result<Tensor<T>> {
+        let input = self.cpu("log")?;
+        let out = input.mapv(T::ln);
+        record("log", &[self], out.into_shared(), || {
+            let input = input.clone();
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad / &input)]))
+        })
+    }
+
+    /// Elementwise hyperbolic tangent.
+    pub fn tanh(&self) -> Result<Tensor<T>> {
+        let out = self.cpu("tanh")?.mapv(T::tanh).into_shared();
+        record("tanh", &[self], out.clone(), || {
+            Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
+                Zip::from(&mut grad)
+                    .and(&out)
+                    .for_each(|g, &y| *g *= T::one() - y * y);
+                Ok(vec![Some(grad)])
+            })
+        })
+    }
+
+    /// Elementwise `max(x, 0)`.
+    pub fn relu(&self) -> Result<Tensor<T>> {
+        let input = self.cpu("relu")?;
+        let out = input.mapv(|x| if x > T::zero() { x } else { T::zero() });
+        record("relu", &[self], out.into_shared(), || {
+            let input = input.clone();
+            Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
+                Zip::from(&mut grad).and(&input).for_each(|g, &x| {
+                    if x <= T::zero() {
+                        *g = T::zero();
+                    }
+                });
+                Ok(vec![Some(grad)])
+            })
+        })
+    }
+
+    /// Elementwise GELU, exact or tanh-approximated.
+    pub fn gelu(&self, approximation: Gelu) -> Result<Tensor<T>> {
+        let input = self.cpu("gelu")?;
+        let out = input.mapv(|x| gelu_value(x, approximation));
+        record("gelu", &[self], out.into_shared(), || {
+            let input = input.clone();
+            Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
+                Zip::from(&mut grad)
+                    .and(&input)
+                    .for_each(|g, &x| *g *= gelu_derivative(x, approximation));
+                Ok(vec![Some(grad)])
+            })
+        })
+    }
+}
+
+fn binary_backward<T: Element>(
+    kind: Binary,
+    grad: ArrayD<T>,
+    needs: &[bool],
+    a: &ArcArray<T, IxDyn>,
+    b: &ArcArray<T, IxDyn>,
+) -> Result<Vec<Option<ArrayD<T>>>> {
+    let op = kind.name();
+    let (need_a, need_b) = (needs[0], needs[1]);
+    let shape = grad.shape().to_vec();
+    let mismatch = || Error::shape(op, &[a.shape(), b.shape()], "cannot broadcast");
+    let a_full = a.broadcast(IxDyn(&shape)).ok_or_else(mismatch)?;
+    let b_full = b.broadcast(IxDyn(&shape)).ok_or_else(mismatch)?;
+    let (grad_a, grad_b) = match kind {
+        Binary::Add | Binary::Sub => {
+            let grad_b = need_b.then(|| match kind {
+                Binary::Sub => grad.mapv(|g| -g),
+                _ => grad.clone(),
+            });
+            (need_a.then_some(grad), grad_b)
+        }
+        Binary::Mul => (
+            need_a.then(|| Zip::from(&grad).and(&b_full).map_collect(|&g, &y| g * y)),
+            need_b.then(|| Zip::from(&grad).and(&a_full).map_collect(|&g, &x| g * x)),
+        ),
+        Binary::Div => (
+            need_a.then(|| Zip::from(&grad).and(&b_full).map_collect(|&g, &y| g / y)),
+            need_b.then(|| {
+                Zip::from(&grad)
+                    .and(&a_full)
+                    .and(&b_full)
+                    .map_collect(|&g, &x, &y| -g * x / (y * y))
+            }),
+        ),
+    };
+    Ok(vec![
+        grad_a.map(|g| sum_to_shape(g, a.shape())),
+        grad_b.map(|g| sum_to_shape(g, b.shape())),
+    ])
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_TANH_COEFF: f64 = 0.044_715;
+
+fn gelu_value<T: Element>(x: T, approximation: Gelu) -> T {
+    let half = T::from_f64(0.5);
+    match approximation {
+        Gelu::Erf => {
+            half * x * (T::one() + (x * T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf())
+        }
+        Gelu::Tanh => {
+            let inner =
+                T::from_f64(SQRT_2_OVER_PI) * (x + T::from_f64(GELU_TANH_COEFF) * x * x * x);
+            half * x * (T::one() + inner.tanh())
+        }
+    }
+}
+
+fn gelu_derivative<T: Element>(x: T, approximation: Gelu) -> T {
+    let half = T::from_f64(0.5);
+    match approximation {
+        Gelu::Erf => {
+            let cdf = half * (T::one() + (x * T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf());
+            let pdf = (-half * x * x).exp() * T::from_f64(0.398_942_280_401_432_7);
+            cdf + x * pdf
+        }
+        Gelu::Tanh => {
+            let c = T::from_f64(SQRT_2_OVER_PI);
+            let k = T::from_f64(GELU_TANH_COEFF);
+            let t = (c * (x + k * x * x * x)).tanh();
+            let dinner = c * (T::one() + T::from_f64(3.0) * k * x * x);
+            half * (T::one() + t) + half * x * (T::one() - t * t) * dinner
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! Cross-entropy over logits and integer labels, fused (softmax and gradient in one pass).
+
+use ndarray::{Array1, ArrayD, Ix2, IxDyn};
+
+use super::reshape_owned;
+use crate::tape::record;
+use crate::{Element, Error, Result, Tensor};
+
+const OP: &str = "cross_entropy";
+
+/// How per-example losses are combined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reduction {
+    /// Mean over the examples whose label is not ignored.
+    #[default]
+    Mean,
+    /// Sum over examples.
+    Sum,
+    /// One loss per example (ignored ones are 0), shaped like the logits without the last dim.
+    None,
+}
+
+/// Options of [`Tensor::cross_entropy`], with PyTorch's defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CrossEntropyOptions {
+    /// Examples with this label contribute no loss and no gradient (default `Some(-100)`).
+    pub ignore_index: Option<i64>,
+    /// Weight `ε` of the uniform distribution mixed into the target (default 0).
+    pub label_smoothing: f64,
+    /// How to combine the per-example losses.
+    pub reduction: Reduction,
+}
+
+impl Default for CrossEntropyOptions {
+    fn default() -> Self {
+        CrossEntropyOptions {
+            ignore_index: Some(-100),
+            label_smoothing: 0.0,
+            reduction: Reduction::Mean,
+        }
+    }
+}
+
+impl<T: Element> Tensor<T> {
+    /// Cross-entropy of these logits `[..., classes]` against `labels` (one per row of the
+    /// leading dimensions), as `torch.nn.functional.cross_entropy`.
+    pub fn cross_entropy(
+        &self,
+        labels: &[i64],
+        options: &CrossEntropyOptions,
+    ) -> Result<Tensor<T>> {
+        let shape = self.shape().to_vec();
+        let Some((&classes, lead)) = shape.split_last() else {
+            return Err(Error::shape(OP, &[&shape], "logits need a class dimension"));
+        };
+        let rows: usize = lead.iter().product();
+        if labels.len() != rows {
+            return Err(Error::shape(
+                OP,
+                &[&shape, &[labels.len()]],
+                format!("expected {rows} labels, one per row of the logits"),
+            ));
+        }
+        let smoothing = options.label_smoothing;
+        if !(0.0..=1.0).contains(&smoothing) {
+            return Err(Error::invalid(
+                OP,
+                format!("label_smoothing {smoothing} is not in [0, 1]"),
+            ));
+        }
+        let ignored = |label: i64| options.ignore_index == Some(label);
+        if let Some(&bad) = labels
+            .iter()
+            .find(|&&l| !ignored(l) && (l < 0 || l as usize >= classes))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!("label {bad} out of range for {classes} classes"),
+            ));
+        }
+
+        let logits = reshape_owned(OP, self.cpu(OP)?.to_owned(), &[rows, classes])?
+            .into_dimensionality::<Ix2>()
+            .map_err(|e| Error::shape(OP, &[&shape], e.to_string()))?;
+        let (eps, class_count) = (T::from_f64(smoothing), T::from_f64(classes as f64));
+        let mut log_norm = Array1::zeros(rows);
+        let mut losses = Array1::zeros(rows);
+        let mut counted = 0usize;
+        for (((row, &label), lse), loss) in logits
+            .outer_iter()
+            .zip(labels)
+            .zip(log_norm.iter_mut())
+            .zip(losses.iter_mut())
+        {
+            let max = row.fold(T::neg_infinity(), |m, &x| m.max(x));
+            *lse = row.fold(T::zero(), |acc, &x| acc + (x - max).exp()).ln() + max;
+            if ignored(label) {
+                continue;
+            }
+            counted += 1;
+            let nll = *lse - row[label as usize];
+            let smooth = *lse - row.sum() / class_count;
+            *loss = (T::one() - eps) * nll + eps * smooth;
+        }
+        let out = match options.reduction {
+            Reduction::None => reshape_owned(OP, losses.into_dyn(), lead)?,
+            Reduction::Sum => ArrayD::from_elem(IxDyn(&[]), losses.sum()),
+            Reduction::Mean => {
+                ArrayD::from_elem(IxDyn(&[]), losses.sum() / T::from_f64(counted as f64))
+            }
+        };
+        let reduction = options.reduction;
+        record(OP, &[self], out.into_shared(), || {
+            let labels = labels.to_vec();
+            let ignore_index = options.ignore_index;
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
+                // d loss_i / d logit_c = softmax_c − (1−ε)·[c = label] − ε/C, times the
+                // upstream gradient of loss_i.
+                let upstream: Vec<T> = match reduction {
+                    Reduction::None => grad.iter().copied().collect(),
+                    Reduction::Sum | Reduction::Mean => {
+                        let g = grad.iter().next().copied().unwrap_or_else(T::zero);
+                        let g = if reduction == Reduction::Mean {
+                            g / T::from_f64(counted as f64)
+                        } else {
+                            g
+                        };
+                        vec![g; rows]
+                    }
+                };
+                let mut logits = logits;
+                for (((mut row, &label), &lse), &g) in logits
+                    .outer_iter_mut()
+                    .zip(&labels)
+                    .zip(log_norm.iter())
+                    .zip(&upstream)
+                {
+                    if ignore_index == Some(label) {
+                        row.fill(T::zero());
+                        continue;
+                    }
+                    let uniform = eps / class_count;
+                    row.mapv_inplace(|x| g * ((x - lse).exp() - uniform));
+                    row[label as usize] -= g * (T::one() - eps);
+                }
+                Ok(vec![Some(reshape_owned(OP, logits.into_dyn(), &shape)?)])
+            })
+        })
+    }
+}

@@ -1,0 +1,133 @@
+//! Matrix products: 2-D, batched 3-D, and a 3-D batch times a shared 2-D matrix.
+//! Transposed operands are free: [`Tensor::transpose`] is a strided view and the GEMM
+//! (ndarray's matrixmultiply) reads any strides.
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, Axis, Ix2, Ix3};
+
+use crate::tape::record;
+use crate::{Element, Error, Result, Tensor};
+
+const OP: &str = "matmul";
+
+impl<T: Element> Tensor<T> {
+    /// Matrix product. Shapes: `[m,k]·[k,n] → [m,n]`, `[b,m,k]·[b,k,n] → [b,m,n]`, and
+    /// `[b,m,k]·[k,n] → [b,m,n]` (the matrix is shared across the batch).
+    pub fn matmul(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
+        let a = self.cpu(OP)?;
+        let b = other.cpu(OP)?;
+        let bad = |reason: &str| Error::shape(OP, &[a.shape(), b.shape()], reason);
+        let (k_a, k_b) = match (a.ndim(), b.ndim()) {
+            (2 | 3, 2 | 3) => (a.shape()[a.ndim() - 1], b.shape()[b.ndim() - 2]),
+            _ => return Err(bad("operands must be 2-D or 3-D")),
+        };
+        if k_a != k_b {
+            return Err(bad("inner dimensions differ"));
+        }
+        let out = match (a.ndim(), b.ndim()) {
+            (2, 2) => view2(a.view())?.dot(&view2(b.view())?).into_dyn(),
+            (3, 2) => batch_times_matrix(view3(a.view())?, view2(b.view())?).into_dyn(),
+            (3, 3) if a.shape()[0] == b.shape()[0] => {
+                batched(view3(a.view())?, view3(b.view())?).into_dyn()
+            }
+            (3, 3) => return Err(bad("batch sizes differ")),
+            _ => {
+                return Err(bad(
+                    "a 2-D matrix times a 3-D batch is not supported; transpose the product",
+                ))
+            }
+        };
+        record(OP, &[self, other], out.into_shared(), || {
+            let (a, b) = (a.clone(), b.clone());
+            Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
+                let (a, b) = (a.view(), b.view());
+                let (grad_a, grad_b) = match (a.ndim(), b.ndim()) {
+                    (2, 2) => {
+                        let (a, b, g) = (view2(a)?, view2(b)?, view2(grad.view())?);
+                        (
+                            needs[0].then(|| g.dot(&b.t()).into_dyn()),
+                            needs[1].then(|| a.t().dot(&g).into_dyn()),
+                        )
+                    }
+                    (3, 2) => {
+                        let (a, b, g) = (view3(a)?, view2(b)?, view3(grad.view())?);
+                        (
+                            needs[0].then(|| batch_times_matrix(g, b.t()).into_dyn()),
+                            needs[1].then(|| batch_transpose_times_batch(a, g).into_dyn()),
+                        )
+                    }
+                    _ => {
+                        let (a, b, g) = (view3(a)?, view3(b)?, view3(grad.view())?);
+                        (
+                            needs[0].then(|| batched(g, swap_last(b)).into_dyn()),
+                            needs[1].then(|| batched(swap_last(a), g).into_dyn()),
+                        )
+                    }
+                };
+                Ok(vec![grad_a, grad_b])
+            })
+        })
+    }
+}
+
+fn view2<T: Element>(view: ndarray::ArrayViewD<'_, T>) -> Result<ArrayView2<'_, T>> {
+    let shape = view.shape().to_vec();
+    view.into_dimensionality::<Ix2>()
+        .map_err(|e| Error::shape(OP, &[&shape], e.to_string()))
+}
+
+fn view3<T: Element>(view: ndarray::ArrayViewD<'_, T>) -> Result<ArrayView3<'_, T>> {
+    let shape = view.shape().to_vec();
+    view.into_dimensionality::<Ix3>()
+        .map_err(|e| Error::shape(OP, &[&shape], e.to_string()))
+}
+
+fn swap_last<T>(view: ArrayView3<'_, T>) -> ArrayView3<'_, T> {
+    view.permuted_axes([0, 2, 1])
+}
+
+/// `[b,m,k]·[b,k,n]`, one GEMM per batch entry.
+fn batched<T: Element>(a: ArrayView3<'_, T>, b: ArrayView3<'_, T>) -> Array3<T> {
+    let (batch, m, n) = (a.shape()[0], a.shape()[1], b.shape()[2]);
+    let mut out = Array3::zeros((batch, m, n));
+    for ((a, b), mut c) in a.outer_iter().zip(b.outer_iter()).zip(out.outer_iter_mut()) {
+        general_mat_mul(T::one(), &a, &b, T::zero(), &mut c);
+    }
+    out
+}
+
+/// `[b,m,k]·[k,n]`: a single GEMM over `b·m` rows when the batch is contiguous.
+fn batch_times_matrix<T: Element>(a: ArrayView3<'_, T>, b: ArrayView2<'_, T>) -> Array3<T> {
+    let (batch, m, k) = a.dim();
+    let n = b.shape()[1];
+    if let Ok(rows) = a.into_shape_with_order((batch * m, k)) {
+        if let Ok(out) = rows.dot(&b).into_shape_with_order((batch, m, n)) {
+            return out;
+        }
+    }
+    let mut out = Array3::zeros((batch, m, n));
+    for (a, mut c) in a.outer_iter().zip(out.outer_iter_mut()) {
+        general_mat_mul(T::one(), &a, &b, T::zero(), &mut c);
+    }
+    out
+}
+
+/// `Σ_i a_iᵀ·g_i` for `a: [b,m,k]`, `g: [b,m,n]`: the gradient of a matrix shared by a batch.
+fn batch_transpose_times_batch<T: Element>(
+    a: ArrayView3<'_, T>,
+    g: ArrayView3<'_, T>,
+) -> Array2<T> {
+    let (batch, m, k) = a.dim();
+    let n = g.shape()[2];
+    if let (Ok(a2), Ok(g2)) = (
+        a.into_shape_with_order((batch * m, k)),
+        g.into_shape_with_order((batch * m, n)),
+    ) {
+        return a2.t().dot(&g2);
+    }
+    let mut out = Array2::zeros((k, n));
+    for (a, g) in a.axis_iter(Axis(0)).zip(g.axis_iter(Axis(0))) {
+        general_mat_mul(T::one(), &a.t(), &g, T::one(), &mut out);
+    }
+    out
+}

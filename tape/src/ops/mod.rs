@@ -1,0 +1,101 @@
+//! Differentiable operations, grouped by kind. Each op computes its output, and records on
+//! the inputs' tape a backward closure holding only what the gradient needs.
+
+pub mod custom;
+mod elementwise;
+mod index;
+mod loss;
+mod matmul;
+mod norm;
+mod reduce;
+mod shape;
+mod softmax;
+
+pub use elementwise::Gelu;
+pub use index::causal_mask;
+pub use loss::{CrossEntropyOptions, Reduction};
+
+use ndarray::{ArrayD, Axis, IxDyn};
+
+use crate::{Element, Error, Result};
+
+/// NumPy broadcasting of two shapes, or a shape error naming `op`.
+pub(crate) fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let ndim = a.len().max(b.len());
+    let mut out = vec![0; ndim];
+    for (i, slot) in out.iter_mut().enumerate() {
+        let da = if i + a.len() >= ndim {
+            a[i + a.len() - ndim]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= ndim {
+            b[i + b.len() - ndim]
+        } else {
+            1
+        };
+        *slot = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => {
+                return Err(Error::shape(
+                    op,
+                    &[a, b],
+                    format!("dimension {i} of the broadcast shape: {da} vs {db}"),
+                ))
+            }
+        };
+    }
+    Ok(out)
+}
+
+/// Sums a broadcast gradient back down to the shape of the operand that was broadcast.
+pub(crate) fn sum_to_shape<T: Element>(grad: ArrayD<T>, shape: &[usize]) -> ArrayD<T> {
+    if grad.shape() == shape {
+        return grad;
+    }
+    let mut grad = grad;
+    while grad.ndim() > shape.len() {
+        grad = grad.sum_axis(Axis(0));
+    }
+    for (axis, &size) in shape.iter().enumerate() {
+        if size == 1 && grad.shape()[axis] != 1 {
+            grad = grad.sum_axis(Axis(axis)).insert_axis(Axis(axis));
+        }
+    }
+    grad
+}
+
+/// Checks that `dim` indexes a dimension of `shape`.
+pub(crate) fn check_dim(op: &'static str, dim: usize, shape: &[usize]) -> Result<()> {
+    if dim < shape.len() {
+        Ok(())
+    } else {
+        Err(Error::shape(
+            op,
+            &[shape],
+            format!(
+                "dimension {dim} out of range for a {}-d tensor",
+                shape.len()
+            ),
+        ))
+    }
+}
+
+/// A row-major copy of `array` with the given shape (no copy when already row-major).
+pub(crate) fn reshape_owned<T: Element>(
+    op: &'static str,
+    array: ArrayD<T>,
+    shape: &[usize],
+) -> Result<ArrayD<T>> {
+    let standard = if array.is_standard_layout() {
+        array
+    } else {
+        array.as_standard_layout().into_owned()
+    };
+    let from = standard.shape().to_vec();
+    standard
+        .into_shape_with_order(IxDyn(shape))
+        .map_err(|e| Error::shape(op, &[&from, shape], e.to_string()))
+}

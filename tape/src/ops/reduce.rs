@@ -1,0 +1,123 @@
+//! Reductions: sum and mean (over everything or one dimension) and max along a dimension.
+
+use ndarray::{ArrayD, Axis, IxDyn, Zip};
+
+use super::check_dim;
+use crate::tape::record;
+use crate::{Element, Result, Tensor};
+
+impl<T: Element> Tensor<T> {
+    /// Sum of all elements, as a 0-d tensor.
+    pub fn sum(&self) -> Result<Tensor<T>> {
+        self.reduce_all("sum", T::one())
+    }
+
+    /// Mean of all elements, as a 0-d tensor.
+    pub fn mean(&self) -> Result<Tensor<T>> {
+        let count = T::from_f64(self.numel() as f64);
+        self.reduce_all("mean", T::one() / count)
+    }
+
+    fn reduce_all(&self, op: &'static str, factor: T) -> Result<Tensor<T>> {
+        let input = self.cpu(op)?;
+        let total = ArrayD::from_elem(IxDyn(&[]), input.sum() * factor);
+        let shape = input.raw_dim();
+        record(op, &[self], total.into_shared(), || {
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
+                let value = grad.iter().next().copied().unwrap_or_else(T::zero) * factor;
+                Ok(vec![Some(ArrayD::from_elem(shape, value))])
+            })
+        })
+    }
+
+    /// Sum along `dim`; `keepdim` keeps it as a size-1 dimension.
+    pub fn sum_dim(&self, dim: usize, keepdim: bool) -> Result<Tensor<T>> {
+        self.reduce_dim("sum_dim", dim, keepdim, T::one())
+    }
+
+    /// Mean along `dim`; `keepdim` keeps it as a size-1 dimension.
+    pub fn mean_dim(&self, dim: usize, keepdim: bool) -> Result<Tensor<T>> {
+        check_dim("mean_dim", dim, self.shape())?;
+        let count = T::from_f64(self.shape()[dim] as f64);
+        self.reduce_dim("mean_dim", dim, keepdim, T::one() / count)
+    }
+
+    fn reduce_dim(
+        &self,
+        op: &'static str,
+        dim: usize,
+        keepdim: bool,
+        factor: T,
+    ) -> Result<Tensor<T>> {
+        check_dim(op, dim, self.shape())?;
+        let input = self.cpu(op)?;
+        let mut out = input.sum_axis(Axis(dim));
+        if factor != T::one() {
+            out.mapv_inplace(|x| x * factor);
+        }
+        if keepdim {
+            out = out.insert_axis(Axis(dim));
+        }
+        let shape = input.raw_dim();
+        record(op, &[self], out.into_shared(), || {
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
+                let grad = if keepdim {
+                    grad
+                } else {
+                    grad.insert_axis(Axis(dim))
+                };
+                let mut full = ArrayD::zeros(shape);
+                Zip::from(&mut full)
+                    .and_broadcast(&grad)
+                    .for_each(|x, &g| *x = g * factor);
+                Ok(vec![Some(full)])
+            })
+        })
+    }
+
+    /// Maximum along `dim`. The gradient goes to the first maximal element of each lane.
+    pub fn max_dim(&self, dim: usize, keepdim: bool) -> Result<Tensor<T>> {
+        check_dim("max_dim", dim, self.shape())?;
+        if self.shape()[dim] == 0 {
+            return Err(crate::Error::shape(
+                "max_dim",
+                &[self.shape()],
+                format!("dimension {dim} is empty"),
+            ));
+        }
+        let input = self.cpu("max_dim")?;
+        let argmax = Zip::from(input.lanes(Axis(dim))).map_collect(|lane| {
+            let mut best = 0;
+            for (i, &x) in lane.iter().enumerate() {
+                // A NaN compares as greater, so NaN maxima propagate as in PyTorch.
+                let greater = x.partial_cmp(&lane[best]).is_none_or(|o| o.is_gt());
+                if greater && !lane[best].is_nan() {
+                    best = i;
+                }
+            }
+            best
+        });
+        let mut out = Zip::from(input.lanes(Axis(dim)))
+            .and(&argmax)
+            .map_collect(|lane, &i| lane[i]);
+        if keepdim {
+            out = out.insert_axis(Axis(dim));
+        }
+        let shape = input.raw_dim();
+        record("max_dim", &[self], out.into_shared(), || {
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
+                let grad = if keepdim {
+                    grad.index_axis_move(Axis(dim), 0)
+                } else {
+                    grad
+                };
+                let mut full = ArrayD::zeros(shape);
+                Zip::from(full.lanes_mut(Axis(dim)))
+                    .and(&argmax)
+                    .and(&grad)
+                    .for_each(|mut lane, &i, &g| lane[i] = g);
+                Ok(vec![Some(full)])
+            })
+        })
+    }
+}

@@ -1,0 +1,184 @@
+//! Shape ops: reshape, transpose/permute (strided views, no copy), narrow, concat, split.
+
+use ndarray::{ArrayD, Axis, IxDyn, Slice};
+
+use super::{check_dim, reshape_owned};
+use crate::tape::record;
+use crate::{Element, Error, Result, Tensor};
+
+impl<T: Element> Tensor<T> {
+    /// The same elements (row-major order) with a new shape of equal size.
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor<T>> {
+        const OP: &str = "reshape";
+        let input = self.cpu(OP)?;
+        if shape.iter().product::<usize>() != input.len() {
+            return Err(Error::shape(
+                OP,
+                &[input.shape(), shape],
+                "element counts differ",
+            ));
+        }
+        let out = if input.is_standard_layout() {
+            input
+                .clone()
+                .into_shape_with_order(IxDyn(shape))
+                .map_err(|e| Error::shape(OP, &[input.shape(), shape], e.to_string()))?
+        } else {
+            reshape_owned(OP, input.to_owned(), shape)?.into_shared()
+        };
+        let from = input.shape().to_vec();
+        record(OP, &[self], out, || {
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
+                Ok(vec![Some(reshape_owned(OP, grad, &from)?)])
+            })
+        })
+    }
+
+    /// Swaps dimensions `dim0` and `dim1` (a view; no elements are copied).
+    pub fn transpose(&self, dim0: usize, dim1: usize) -> Result<Tensor<T>> {
+        check_dim("transpose", dim0, self.shape())?;
+        check_dim("transpose", dim1, self.shape())?;
+        let mut order: Vec<usize> = (0..self.ndim()).collect();
+        order.swap(dim0, dim1);
+        self.permute_op("transpose", &order)
+    }
+
+    /// Reorders dimensions: output dimension `i` is input dimension `order[i]`.
+    pub fn permute(&self, order: &[usize]) -> Result<Tensor<T>> {
+        self.permute_op("permute", order)
+    }
+
+    fn permute_op(&self, op: &'static str, order: &[usize]) -> Result<Tensor<T>> {
+        let mut seen = vec![false; self.ndim()];
+        let valid = order.len() == self.ndim()
+            && order
+                .iter()
+                .all(|&d| d < seen.len() && !std::mem::replace(&mut seen[d], true));
+        if !valid {
+            return Err(Error::shape(
+                op,
+                &[self.shape(), order],
+                "the order must be a permutation of the dimensions",
+            ));
+        }
+        let out = self.cpu(op)?.clone().permuted_axes(IxDyn(order));
+        let mut inverse = vec![0; order.len()];
+        for (i, &d) in order.iter().enumerate() {
+            inverse[d] = i;
+        }
+        record(op, &[self], out, || {
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
+                Ok(vec![Some(grad.permuted_axes(IxDyn(&inverse)))])
+            })
+        })
+    }
+
+    /// Elements `start..start + len` along `dim` (a view).
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor<T>> {
+        const OP: &str = "narrow";
+        check_dim(OP, dim, self.shape())?;
+        let size = self.shape()[dim];
+        if start.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::shape(
+                OP,
+                &[self.shape()],
+                format!("range {start}..{start}+{len} exceeds dimension {dim} of size {size}"),
+            ));
+        }
+        let input = self.cpu(OP)?;
+        let mut out = input.clone();
+        out.slice_axis_inplace(Axis(dim), Slice::from(start..start + len));
+        let shape = input.raw_dim();
+        record(OP, &[self], out, || {
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
+                let mut full = ArrayD::zeros(shape);
+                full.slice_axis_mut(Axis(dim), Slice::from(start..start + len))
+                    .assign(&grad);
+                Ok(vec![Some(full)])
+            })
+        })
+    }
+
+    /// Joins tensors along `dim`; all other dimensions must agree.
+    pub fn concat(tensors: &[&Tensor<T>], dim: usize) -> Result<Tensor<T>> {
+        const OP: &str = "concat";
+        let shapes: Vec<&[usize]> = tensors.iter().map(|t| t.shape()).collect();
+        let Some(first) = shapes.first() else {
+            return Err(Error::invalid(OP, "needs at least one tensor"));
+        };
+        check_dim(OP, dim, first)?;
+        let compatible = shapes.iter().all(|s| {
+            s.len() == first.len()
+                && s.iter()
+                    .zip(first.iter())
+                    .enumerate()
+                    .all(|(d, (a, b))| d == dim || a == b)
+        });
+        if !compatible {
+            return Err(Error::shape(
+                OP,
+                &shapes,
+                format!("all dimensions except {dim} must match"),
+            ));
+        }
+        let views = tensors
+            .iter()
+            .map(|t| t.cpu(OP).map(|a| a.view()))
+            .collect::<Result<Vec<_>>>()?;
+        let out = ndarray::concatenate(Axis(dim), &views)
+            .map_err(|e| Error::shape(OP, &shapes, e.to_string()))?;
+        let sizes: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
+        record(OP, tensors, out.into_shared(), || {
+            Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
+                let mut start = 0;
+                Ok(sizes
+                    .iter()
+                    .zip(needs)
+                    .map(|(&size, &need)| {
+                        let part = need.then(|| {
+                            grad.slice_axis(Axis(dim), Slice::from(start..start + size))
+                                .to_owned()
+                        });
+                        start += size;
+                        part
+                    })
+                    .collect())
+            })
+        })
+    }
+
+    /// Splits along `dim` into pieces of the given sizes, which must add up to the dimension.
+    pub fn split(&self, sizes: &[usize], dim: usize) -> Result<Vec<Tensor<T>>> {
+        check_dim("split", dim, self.shape())?;
+        if sizes.iter().sum::<usize>() != self.shape()[dim] {
+            return Err(Error::shape(
+                "split",
+                &[self.shape(), sizes],
+                format!("sizes must add up to dimension {dim}"),
+            ));
+        }
+        let mut start = 0;
+        sizes
+            .iter()
+            .map(|&size| {
+                let part = self.narrow(dim, start, size);
+                start += size;
+                part
+            })
+            .collect()
+    }
+
+    /// Splits along `dim` into `parts` equal pieces; the dimension must divide evenly.
+    pub fn chunk(&self, parts: usize, dim: usize) -> Result<Vec<Tensor<T>>> {
+        check_dim("chunk", dim, self.shape())?;
+        let size = self.shape()[dim];
+        if parts == 0 || size % parts != 0 {
+            return Err(Error::shape(
+                "chunk",
+                &[self.shape()],
+                format!("dimension {dim} of size {size} does not split into {parts} equal parts"),
+            ));
+        }
+        self.split(&vec![size / parts; parts], dim)
+    }
+}

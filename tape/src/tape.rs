@@ -1,0 +1,350 @@
+//! The tape: a define-by-run record of operations, owned by one model/thread, and the
+//! reverse pass over it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use ndarray::{ArcArray, ArrayD, IxDyn};
+use parking_lot::Mutex;
+
+use crate::parameter::ParamId;
+use crate::{Element, Error, Parameter, Result, Tensor};
+
+/// Gradients of one recorded op with respect to each of its inputs (`None`: not needed or zero).
+pub(crate) type InputGrads<T> = Vec<Option<ArrayD<T>>>;
+
+/// An op's backward: gets the output gradient and which inputs need a gradient.
+pub(crate) type BackwardFn<T> = Box<dyn FnOnce(ArrayD<T>, &[bool]) -> Result<InputGrads<T>> + Send>;
+
+enum NodeKind<T: Element> {
+    Leaf(Parameter<T>),
+    Op(BackwardFn<T>),
+}
+
+struct Node<T: Element> {
+    /// Taken (left `None`) when backward visits the node, releasing what it saved.
+    kind: Option<NodeKind<T>>,
+    /// Tape positions of the inputs that are recorded, by argument position.
+    inputs: Vec<Option<usize>>,
+}
+
+struct TapeState<T: Element> {
+    nodes: Vec<Node<T>>,
+    /// Bumped whenever the nodes are consumed, so tensors from older passes are recognised.
+    generation: u64,
+    leaves: HashMap<ParamId, usize>,
+}
+
+struct TapeShared<T: Element> {
+    state: Mutex<TapeState<T>>,
+    recording: AtomicBool,
+}
+
+/// A tensor's position on a tape.
+#[derive(Clone)]
+pub(crate) struct GradLink<T: Element> {
+    tape: Tape<T>,
+    node: usize,
+    generation: u64,
+}
+
+/// A define-by-run record of the operations of one model (or thread).
+///
+/// There is no global tape: each `Tape` is a value, and clones share it. Operations on
+/// tensors obtained from [`watch`](Tape::watch) are recorded on that tape; `backward`
+/// consumes the record, so each forward pass starts afresh and parameters must be watched
+/// again in it.
+#[derive(Clone)]
+pub struct Tape<T: Element = f32> {
+    shared: Arc<TapeShared<T>>,
+}
+
+impl<T: Element> Default for Tape<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: Element> std::fmt::Debug for Tape<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tape")
+            .field("recorded_nodes", &self.len())
+            .field("recording", &self.is_recording())
+            .finish()
+    }
+}
+
+/// Restores the tape's previous recording flag when dropped (also on panic).
+struct RecordingGuard<'a, T: Element> {
+    tape: &'a Tape<T>,
+    previous: bool,
+}
+
+impl<T: Element> Drop for RecordingGuard<'_, T> {
+    fn drop(&mut self) {
+        self.tape
+            .shared
+            .recording
+            .store(self.previous, Ordering::Relaxed);
+    }
+}
+
+impl<T: Element> Tape<T> {
+    /// An empty tape that records.
+    pub fn new() -> Self {
+        Tape {
+            shared: Arc::new(TapeShared {
+                state: Mutex::new(TapeState {
+                    nodes: Vec::new(),
+                    generation: 0,
+                    leaves: HashMap::new(),
+                }),
+                recording: AtomicBool::new(true),
+            }),
+        }
+    }
+
+    /// Whether operations are being recorded (false inside [`no_grad`](Tape::no_grad)).
+    pub fn is_recording(&self) -> bool {
+        self.shared.recording.load(Ordering::Relaxed)
+    }
+
+    /// Runs `body` without recording on this tape: results do not require grad.
+    pub fn no_grad<R>(&self, body: impl FnOnce() -> R) -> R {
+        let _guard = RecordingGuard {
+            tape: self,
+            previous: self.shared.recording.swap(false, Ordering::Relaxed),
+        };
+        body()
+    }
+
+    /// Number of nodes currently recorded.
+    pub fn len(&self) -> usize {
+        self.shared.state.lock().nodes.len()
+    }
+
+    /// Whether nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops everything recorded (e.g. after a forward pass that needs no backward).
+    pub fn clear(&self) {
+        let mut state = self.shared.state.lock();
+        state.nodes.clear();
+        state.leaves.clear();
+        state.generation += 1;
+    }
+
+    /// The parameter's value as a tensor recorded on this tape, so that backward reaches the
+    /// parameter's gradient. Watching the same parameter twice in one pass gives one leaf.
+    pub fn watch(&self, param: &Parameter<T>) -> Tensor<T> {
+        let mut value = param.value();
+        if !self.is_recording() {
+            return value;
+        }
+        let mut state = self.shared.state.lock();
+        let node = match state.leaves.get(&param.id()) {
+            Some(&node) => node,
+            None => {
+                let node = state.nodes.len();
+                state.nodes.push(Node {
+                    kind: Some(NodeKind::Leaf(param.clone())),
+                    inputs: Vec::new(),
+                });
+                state.leaves.insert(param.id(), node);
+                node
+            }
+        };
+        value.link = Some(GradLink {
+            tape: self.clone(),
+            node,
+            generation: state.generation,
+        });
+        value
+    }
+
+    /// Backward from a one-element `loss`, as [`Tensor::backward`].
+    pub fn backward(&self, loss: &Tensor<T>) -> Result<()> {
+        match &loss.link {
+            Some(link) if Arc::ptr_eq(&link.tape.shared, &self.shared) => loss.backward(),
+            Some(_) => Err(Error::TapeMismatch { op: "backward" }),
+            None => Err(Error::NotRecorded),
+        }
+    }
+
+    /// Records an op whose inputs may be on this tape; returns the output tensor linked to it.
+    fn push_op(
+        &self,
+        op: &'static str,
+        inputs: &[&Tensor<T>],
+        output: ArcArray<T, IxDyn>,
+        backward: BackwardFn<T>,
+    ) -> Result<Tensor<T>> {
+        let mut state = self.shared.state.lock();
+        let mut input_nodes = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            input_nodes.push(match &input.link {
+                Some(link) if link.generation != state.generation => {
+                    return Err(Error::StaleGraph { op })
+                }
+                Some(link) => Some(link.node),
+                None => None,
+            });
+        }
+        let node = state.nodes.len();
+        state.nodes.push(Node {
+            kind: Some(NodeKind::Op(backward)),
+            inputs: input_nodes,
+        });
+        let mut tensor = Tensor::from_shared(output);
+        tensor.link = Some(GradLink {
+            tape: self.clone(),
+            node,
+            generation: state.generation,
+        });
+        Ok(tensor)
+    }
+}
+
+/// Builds an op's output tensor, recording it (with the backward made by `make_backward`)
+/// when an input is on a recording tape. `make_backward` is not called otherwise, so
+/// untracked computation saves nothing.
+pub(crate) fn record<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: ArcArray<T, IxDyn>,
+    make_backward: impl FnOnce() -> BackwardFn<T>,
+) -> Result<Tensor<T>> {
+    let mut tape: Option<&Tape<T>> = None;
+    for input in inputs {
+        if let Some(link) = &input.link {
+            match tape {
+                Some(seen) if !Arc::ptr_eq(&seen.shared, &link.tape.shared) => {
+                    return Err(Error::TapeMismatch { op })
+                }
+                _ => tape = Some(&link.tape),
+            }
+        }
+    }
+    match tape {
+        Some(tape) if tape.is_recording() => tape.push_op(op, inputs, output, make_backward()),
+        _ => Ok(Tensor::from_shared(output)),
+    }
+}
+
+impl<T: Element> Tensor<T> {
+    /// Reverse pass from this one-element tensor (usually a loss): accumulates d(self)/d(p)
+    /// into the gradient of every parameter `p` that reached it, firing each parameter's
+    /// grad-ready hooks as soon as its gradient is complete. Consumes the tape's record.
+    pub fn backward(&self) -> Result<()> {
+        if self.numel() != 1 {
+            return Err(Error::shape(
+                "backward",
+                &[self.shape()],
+                "an implicit output gradient needs a one-element tensor; use backward_with_grad",
+            ));
+        }
+        let seed = ArrayD::from_elem(IxDyn(self.shape()), T::one());
+        self.backward_from(seed)
+    }
+
+    /// Reverse pass seeded with `grad` (same shape as `self`) as d(loss)/d(self).
+    pub fn backward_with_grad(&self, grad: &Tensor<T>) -> Result<()> {
+        if grad.shape() != self.shape() {
+            return Err(Error::shape(
+                "backward_with_grad",
+                &[self.shape(), grad.shape()],
+                "the seed gradient must have the tensor's shape",
+            ));
+        }
+        self.backward_from(grad.cpu("backward_with_grad")?.to_owned())
+    }
+
+    fn backward_from(&self, seed: ArrayD<T>) -> Result<()> {
+        let link = self.link.as_ref().ok_or(Error::NotRecorded)?;
+        let mut nodes = {
+            let mut state = link.tape.shared.state.lock();
+            if state.generation != link.generation {
+                return Err(Error::StaleGraph { op: "backward" });
+            }
+            state.leaves.clear();
+            state.generation += 1;
+            // Take the record out so ops (e.g. in hooks) can record a new pass meanwhile.
+            std::mem::take(&mut state.nodes)
+        };
+        let root = link.node;
+        nodes.truncate(root + 1);
+        run_backward(nodes, root, seed)
+    }
+}
+
+fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: ArrayD<T>) -> Result<()> {
+    // Count, for each node reachable from the root, how many edges will deliver a gradient to
+    // it; a leaf is complete (and its hooks may fire) when that count reaches zero.
+    let mut needed = vec![false; nodes.len()];
+    let mut pending = vec![0u32; nodes.len()];
+    needed[root] = true;
+    for index in (0..=root).rev() {
+        if needed[index] {
+            for &input in nodes[index].inputs.iter().flatten() {
+                needed[input] = true;
+                pending[input] += 1;
+            }
+        }
+    }
+
+    let mut grads: Vec<Option<ArrayD<T>>> = Vec::with_capacity(nodes.len());
+    grads.resize_with(nodes.len(), || None);
+    grads[root] = Some(seed);
+
+    // Tape order is a topological order, so walking it backwards visits every node after
+    // all of its consumers.
+    for index in (0..=root).rev() {
+        if !needed[index] {
+            continue;
+        }
+        let inputs = std::mem::take(&mut nodes[index].inputs);
+        let backward = match nodes[index].kind.take() {
+            None => continue,
+            Some(NodeKind::Op(backward)) => backward,
+            Some(NodeKind::Leaf(param)) => {
+                // Only the root can be a leaf that nobody finished yet; others were
+                // finished when their last contribution arrived.
+                if let Some(grad) = grads[index].take() {
+                    param.accumulate_and_notify(grad)?;
+                }
+                continue;
+            }
+        };
+        let input_grads = match grads[index].take() {
+            Some(grad) => {
+                let needs: Vec<bool> = inputs.iter().map(Option::is_some).collect();
+                backward(grad, &needs)?
+            }
+            None => Vec::new(),
+        };
+        // Dropping `backward` above released the tensors it saved.
+        let mut input_grads = input_grads.into_iter();
+        for input in inputs {
+            let grad = input_grads.next().flatten();
+            let Some(input) = input else { continue };
+            if let Some(grad) = grad {
+                match &mut grads[input] {
+                    Some(existing) => *existing += &grad,
+                    slot => *slot = Some(grad),
+                }
+            }
+            pending[input] -= 1;
+            if pending[input] == 0 {
+                if let Some(NodeKind::Leaf(param)) = &nodes[input].kind {
+                    if let Some(grad) = grads[input].take() {
+                        param.accumulate_and_notify(grad)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,118 @@
+//! Bad shapes and arguments give typed errors that name the op and the shapes.
+
+use anyhow::Result;
+use tape::{CrossEntropyOptions, Device, Error, Generator, Parameter, Tape, Tensor};
+
+fn assert_shape_error(result: tape::Result<Tensor>, op: &str, mention: &str) {
+    match result {
+        Err(error @ Error::Shape { .. }) => {
+            let text = error.to_string();
+            assert!(text.starts_with(op), "{text}");
+            assert!(text.contains(mention), "{text} should mention {mention}");
+        }
+        other => panic!("expected a shape error from {op}, got {other:?}"),
+    }
+}
+
+#[test]
+fn shape_errors_name_op_and_shapes() -> Result<()> {
+    let a = Tensor::<f32>::zeros(&[2, 3]);
+    let b = Tensor::<f32>::zeros(&[4, 5]);
+    assert_shape_error(a.matmul(&b), "matmul", "[[2, 3], [4, 5]]");
+    assert_shape_error(a.matmul(&Tensor::zeros(&[3])), "matmul", "2-D or 3-D");
+    assert_shape_error(
+        Tensor::zeros(&[2, 3, 4]).matmul(&Tensor::zeros(&[3, 4, 5])),
+        "matmul",
+        "batch",
+    );
+    assert_shape_error(a.add(&b), "add", "[[2, 3], [4, 5]]");
+    assert_shape_error(a.mul(&Tensor::zeros(&[2])), "mul", "broadcast");
+    assert_shape_error(a.reshape(&[4, 2]), "reshape", "[[2, 3], [4, 2]]");
+    assert_shape_error(a.narrow(1, 2, 2), "narrow", "exceeds");
+    assert_shape_error(a.sum_dim(2, false), "sum_dim", "out of range");
+    assert_shape_error(a.transpose(0, 5), "transpose", "out of range");
+    assert_shape_error(a.permute(&[0, 0]), "permute", "permutation");
+    assert_shape_error(Tensor::concat(&[&a, &b], 0), "concat", "must match");
+    assert_shape_error(
+        a.layer_norm(Some(&Tensor::ones(&[2])), None, 1e-5),
+        "layer_norm",
+        "[3]",
+    );
+    assert_shape_error(
+        a.cross_entropy(&[0], &CrossEntropyOptions::default()),
+        "cross_entropy",
+        "2 labels",
+    );
+    assert_shape_error(
+        Tensor::zeros(&[2, 3, 4]).embedding(&[0], &[1]),
+        "embedding",
+        "2-D",
+    );
+    assert_shape_error(a.embedding(&[0, 1], &[3]), "embedding", "ids_shape");
+    assert_shape_error(
+        Tensor::from_vec(vec![1.0; 5], &[2, 3]),
+        "from_vec",
+        "5 elements",
+    );
+    assert!(matches!(
+        a.split(&[1, 1], 1),
+        Err(Error::Shape { op: "split", .. })
+    ));
+    assert!(matches!(
+        a.chunk(2, 1),
+        Err(Error::Shape { op: "chunk", .. })
+    ));
+    assert!(matches!(a.item(), Err(Error::Shape { op: "item", .. })));
+    Ok(())
+}
+
+#[test]
+fn invalid_arguments() -> Result<()> {
+    let a = Tensor::<f32>::zeros(&[2, 3]);
+    let invalid = |r: tape::Result<Tensor>| matches!(r, Err(Error::InvalidArgument { .. }));
+    assert!(invalid(a.dropout(1.5, &mut Generator::new(0))));
+    assert!(invalid(a.embedding(&[7], &[1])));
+    assert!(invalid(
+        a.cross_entropy(&[0, 3], &CrossEntropyOptions::default())
+    ));
+    assert!(invalid(Tensor::concat(&[], 0)));
+    Ok(())
+}
+
+#[test]
+fn unsupported_device_and_bad_backward_calls() -> Result<()> {
+    let a = Tensor::<f32>::zeros(&[2]);
+    assert!(matches!(
+        a.to_device(Device::Cuda(0)),
+        Err(Error::UnsupportedDevice {
+            device: Device::Cuda(0),
+            ..
+        })
+    ));
+    assert_eq!(a.device(), Device::Cpu);
+    assert!(matches!(
+        a.backward(),
+        Err(Error::Shape { op: "backward", .. })
+    ));
+    assert!(matches!(a.sum()?.backward(), Err(Error::NotRecorded)));
+    let w = Parameter::new("w", Tensor::<f32>::zeros(&[2]));
+    assert!(matches!(
+        w.set_grad(Some(Tensor::zeros(&[3]))),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        w.set_value(Tensor::zeros(&[3])),
+        Err(Error::Shape { .. })
+    ));
+    let tape = Tape::new();
+    let y = tape.watch(&w).exp()?;
+    assert!(
+        matches!(y.backward(), Err(Error::Shape { .. })),
+        "non-scalar needs a seed"
+    );
+    assert!(matches!(
+        y.backward_with_grad(&Tensor::zeros(&[5])),
+        Err(Error::Shape { .. })
+    ));
+    Ok(())
+}

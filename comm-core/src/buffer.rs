@@ -109,6 +109,22 @@ impl<'a> BufRef<'a> {
         })
     }
 
+    /// A view of `len` elements of `dtype` at `ptr` in host memory.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads of `len` elements of `dtype`, suitably aligned, for
+    /// `'a`.
+    #[cfg(feature = "mpi")]
+    pub(crate) unsafe fn from_raw_host(ptr: *const u8, len: usize, dtype: DType) -> BufRef<'a> {
+        BufRef {
+            ptr,
+            len,
+            dtype,
+            memory: MemoryKind::Host,
+            _borrow: PhantomData,
+        }
+    }
+
     /// Raw host pointer for backends that share memory between rank threads.
     pub(crate) fn host_ptr(&self) -> *const u8 {
         self.ptr

@@ -23,7 +23,7 @@
 //! all-gathers its [`CallSignature`] and turns a disagreement into
 //! [`Error::Mismatch`] on every rank.
 
-use crate::buffer::{BufMut, BufRef, Buffer};
+use crate::buffer::{BufMut, BufRef};
 use crate::calls::{offsets, signatures_agree, CallCheck};
 use crate::communicator::{AsyncOp, Communicator};
 use crate::dtype::{DType, ReduceOp};
@@ -145,6 +145,11 @@ fn check_rc(rc: c_int, call: &str) -> Result<()> {
         format!("error code {rc}")
     };
     Err(Error::Mpi(format!("{call} failed: {message}")))
+}
+
+extern "C" {
+    /// `MPI_IN_PLACE` as the system's mpi.h defines it (see csrc/mpi_in_place.c).
+    fn ferrotron_mpi_in_place() -> *mut c_void;
 }
 
 /// MPI rejects the identical dangling addresses Rust gives empty slices (as aliasing
@@ -450,23 +455,22 @@ impl MpiCommunicator {
                     raw_dtype(dtype),
                     op,
                 )?;
-                if op == ReduceOp::Avg {
-                    match dtype {
-                        DType::F32 => output
-                            .as_host_slice_mut::<f32>()
-                            .unwrap_or_default()
-                            .iter_mut()
-                            .for_each(|x| *x /= n as f32),
-                        _ => output
-                            .as_host_slice_mut::<f64>()
-                            .unwrap_or_default()
-                            .iter_mut()
-                            .for_each(|x| *x /= n as f64),
-                    }
-                }
+                average_in_place(&mut output, op, n);
                 Ok(())
             }
         }
+    }
+}
+
+/// Turns a sum into an average (`Avg` is only accepted for float types).
+fn average_in_place(buf: &mut BufMut<'_>, op: ReduceOp, n: usize) {
+    if op != ReduceOp::Avg {
+        return;
+    }
+    if let Some(values) = buf.as_host_slice_mut::<f32>() {
+        values.iter_mut().for_each(|x| *x /= n as f32);
+    } else if let Some(values) = buf.as_host_slice_mut::<f64>() {
+        values.iter_mut().for_each(|x| *x /= n as f64);
     }
 }
 
@@ -544,12 +548,32 @@ impl Communicator for MpiCommunicator {
 
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let sig = self.check().all_reduce(&buf, op)?;
-        self.collective(&sig, || {
-            // MPI_IN_PLACE is not exported by rsmpi, so the input is a copy.
-            let copy = crate::with_dtype!(buf.dtype(), T => {
-                Buffer::from_vec(buf.as_host_slice_mut::<T>().unwrap_or_default().to_vec())
-            });
-            self.reduce(OpKind::AllReduce, copy.as_buf_ref(), buf, None, op)
+        self.collective(&sig, || match buf.dtype() {
+            // 16-bit floats reduce through an f32 copy anyway.
+            DType::F16 | DType::BF16 => {
+                // SAFETY: the view aliases `buf` only while `reduce` reads it into f32
+                // before writing any output.
+                let input = unsafe {
+                    BufRef::from_raw_host(buf.as_ref().host_ptr(), buf.len(), buf.dtype())
+                };
+                self.reduce(OpKind::AllReduce, input, buf, None, op)
+            }
+            dtype => {
+                // SAFETY: MPI_IN_PLACE tells MPI to read the input from the output buffer.
+                let in_place = unsafe { ferrotron_mpi_in_place() };
+                let out = recv_ptr(&mut buf);
+                self.raw_reduce(
+                    OpKind::AllReduce,
+                    in_place,
+                    out,
+                    buf.len(),
+                    None,
+                    raw_dtype(dtype),
+                    op,
+                )?;
+                average_in_place(&mut buf, op, self.core.size);
+                Ok(())
+            }
         })
     }
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The whole ferrotron test suite, as CI runs it (.ci/run calls exactly this script).
+# Installs what it needs on Debian/Ubuntu (skipping what is present), then runs:
+# rustfmt, clippy with every feature, all workspace tests (unit, integration, doc), and
+# the MPI test binaries under mpirun with 2 and 4 ranks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+for pkg in libopenmpi-dev openmpi-bin libclang-dev; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "==> installing ${missing[*]}"
+    sudo=""
+    [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
+fi
+for component in rustfmt clippy; do
+    cargo "${component/rustfmt/fmt}" --version >/dev/null 2>&1 || rustup component add "$component"
+done
+
+# OpenMPI refuses to start as root unless told; CI machines run as root.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# Containers often lack the network interfaces OpenMPI probes; stay on shared memory.
+export OMPI_MCA_btl="self,vader" OMPI_MCA_btl_vader_single_copy_mechanism=none
+
+echo "==> cargo fmt --check"
+cargo fmt --all --check
+echo "==> cargo clippy"
+cargo clippy --workspace --all-targets --all-features -- -D warnings
+echo "==> cargo test"
+cargo test --workspace --all-features
+
+echo "==> MPI test binaries under mpirun"
+mpi_tests=$(cargo test --workspace --all-features --no-run --message-format=json 2>/dev/null |
+    grep -o '"executable":"[^"]*/mpi_[a-z_]*-[0-9a-f]*"' | sed 's/"executable":"//; s/"$//' | sort -u)
+if [ -z "$mpi_tests" ]; then
+    echo "no MPI test binaries found" >&2
+    exit 1
+fi
+passed=0
+for ranks in 2 4; do
+    for test in $mpi_tests; do
+        echo "--> mpirun -n $ranks $(basename "$test")"
+        timeout 600 mpirun --oversubscribe -n "$ranks" "$test"
+        passed=$((passed + 1))
+    done
+done
+echo "mpi: $passed passed, 0 failed"

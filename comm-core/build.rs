@@ -3,9 +3,12 @@
 
 fn main() {
     println!("cargo:rerun-if-changed=csrc/mpi_in_place.c");
-    if std::env::var_os("CARGO_FEATURE_MPI").is_none() {
-        return;
-    }
+    #[cfg(feature = "mpi")]
+    compile_mpi_shim();
+}
+
+#[cfg(feature = "mpi")]
+fn compile_mpi_shim() {
     let library = match build_probe_mpi::probe() {
         Ok(library) => library,
         Err(errors) => panic!(

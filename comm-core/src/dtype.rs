@@ -330,18 +330,19 @@ macro_rules! with_dtype {
 /// Elements reduced per tile: small enough that the accumulator tile stays in L1.
 pub(crate) const TILE: usize = 2048;
 
-/// Reduces `sources` element-wise into `out`, combining in source order so that every
-/// rank computing the same reduction gets bit-identical results.
+/// Reduces `sources` element-wise and writes the result to every pointer in `outputs`,
+/// combining in source order so that every rank computing the same reduction gets
+/// bit-identical results.
 ///
 /// # Safety
-/// Every pointer in `sources` must be valid for reads of `len` elements and `out` for
-/// writes of `len` elements for the duration of the call; `out` may equal one of the
-/// sources (each tile is read completely before it is written) but must not partially
-/// overlap any of them.
+/// Every pointer in `sources` must be valid for reads of `len` elements and every one in
+/// `outputs` for writes of `len` elements for the duration of the call; an output may
+/// equal a source (each tile is read completely before it is written) but must not
+/// partially overlap any of them.
 pub(crate) unsafe fn reduce_raw<T: Element>(
     op: ReduceOp,
     sources: &[*const T],
-    out: *mut T,
+    outputs: &[*mut T],
     len: usize,
 ) {
     debug_assert!(!sources.is_empty());
@@ -366,10 +367,12 @@ pub(crate) unsafe fn reduce_raw<T: Element>(
                 *a = a.div_count(count);
             }
         }
-        // SAFETY: `out` is valid for `len` writes; this tile of every source was read above.
-        let o = unsafe { std::slice::from_raw_parts_mut(out.add(start), n) };
-        for (o, &a) in o.iter_mut().zip(tile.iter()) {
-            *o = T::from_acc(a);
+        for out in outputs {
+            // SAFETY: valid for `len` writes; this tile of every source was read above.
+            let o = unsafe { std::slice::from_raw_parts_mut(out.add(start), n) };
+            for (o, &a) in o.iter_mut().zip(tile.iter()) {
+                *o = T::from_acc(a);
+            }
         }
         start += n;
     }
@@ -411,7 +414,7 @@ pub fn reduce_slices<T: Element>(op: ReduceOp, sources: &[&[T]], out: &mut [T]) 
     );
     let ptrs: Vec<*const T> = sources.iter().map(|s| s.as_ptr()).collect();
     // SAFETY: lengths checked above; `out` is a distinct &mut so it overlaps no source.
-    unsafe { reduce_raw(op, &ptrs, out.as_mut_ptr(), out.len()) }
+    unsafe { reduce_raw(op, &ptrs, &[out.as_mut_ptr()], out.len()) }
 }
 
 #[cfg(test)]

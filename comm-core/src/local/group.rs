@@ -95,14 +95,16 @@ pub(crate) struct GroupShared {
     mailboxes: Vec<Mailbox>,
 }
 
-/// Busy-wait iterations before yielding: short when ranks outnumber cores, because then
-/// spinning steals the time slice the awaited rank needs.
-fn spin_budget(size: usize) -> u32 {
+/// How long to busy-wait before yielding. A peer running on another core arrives within
+/// a microsecond or two; a peer that is not running needs our core, so the window is a
+/// bound on time (PAUSE costs anywhere from 10 to 150 cycles depending on the CPU), and
+/// short when ranks outnumber cores.
+fn spin_window(size: usize) -> Duration {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if size <= cores {
-        20_000
+        Duration::from_micros(30)
     } else {
-        50
+        Duration::from_micros(2)
     }
 }
 
@@ -281,14 +283,19 @@ impl GroupShared {
         mut ready: impl FnMut(&GroupShared) -> bool,
         waiting_on: impl Fn(&GroupShared) -> Vec<usize>,
     ) -> Result<()> {
-        let budget = spin_budget(self.size());
-        for _ in 0..budget {
-            if ready(self) {
-                return Ok(());
-            }
-            std::hint::spin_loop();
-        }
         let start = Instant::now();
+        let window = spin_window(self.size());
+        loop {
+            for _ in 0..16 {
+                if ready(self) {
+                    return Ok(());
+                }
+                std::hint::spin_loop();
+            }
+            if start.elapsed() >= window {
+                break;
+            }
+        }
         let mut rounds = 0u32;
         loop {
             if ready(self) {

@@ -455,35 +455,24 @@ impl RankCore {
                 let sources: Vec<*const T> =
                     (0..n).map(|r| self.peer(r, seq).staging.as_ptr().cast()).collect();
                 // SAFETY: agreed signatures mean every staging area holds `len` elements.
-                unsafe { reduce_raw::<T>(op, &sources, ptr as *mut T, len) }
+                unsafe { reduce_raw::<T>(op, &sources, &[ptr as *mut T], len) }
             });
             return Ok(());
         }
+        // Rank r reduces chunk r of every rank's buffer and writes the result into chunk r
+        // of every buffer: each byte is read once and written once (the minimum), and
+        // no rank touches another's chunk, so in-place is safe with two barriers.
         let seq = self.begin(counters, sig, |ex| ex.recv_ptr = ptr)?;
         let n = self.group.size();
         let (start, count) = chunk(len, n, self.rank);
         crate::with_dtype!(dtype, T => {
             let sources: Vec<*const T> =
                 (0..n).map(|r| at::<T>(self.peer(r, seq).recv_ptr, start)).collect();
-            // SAFETY: every rank's buffer has `len` elements (agreed signatures); peers
-            // only write their own chunk of their own buffer in this phase.
-            unsafe { reduce_raw::<T>(op, &sources, (ptr as *mut T).wrapping_add(start), count) }
+            let outputs: Vec<*mut T> = sources.iter().map(|&p| p.cast_mut()).collect();
+            // SAFETY: every rank's buffer has `len` elements (agreed signatures), and
+            // during this phase chunk `self.rank` of every buffer is ours alone.
+            unsafe { reduce_raw::<T>(op, &sources, &outputs, count) }
         });
-        self.barrier_step(counters, kind, seq)?;
-        let esize = dtype.size_in_bytes();
-        for r in (0..n).filter(|&r| r != self.rank) {
-            let (start, count) = chunk(len, n, r);
-            let src = at::<u8>(self.peer(r, seq).recv_ptr, start * esize);
-            // SAFETY: chunk `r` of rank `r` is final after the barrier and nobody writes
-            // chunk `r` of our buffer but us.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    src,
-                    (ptr as *mut u8).add(start * esize),
-                    count * esize,
-                )
-            };
-        }
         self.barrier_step(counters, kind, seq)
     }
 
@@ -589,7 +578,7 @@ impl RankCore {
                 .collect();
             // SAFETY: every input holds `total` elements (agreed signatures) and our
             // output, a distinct buffer, holds `count`.
-            unsafe { reduce_raw::<T>(op, &sources, out as *mut T, count) }
+            unsafe { reduce_raw::<T>(op, &sources, &[out as *mut T], count) }
         });
         if small {
             Ok(())

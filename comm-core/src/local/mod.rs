@@ -430,6 +430,16 @@ impl RankCore {
         Ok(seq)
     }
 
+    /// Ends a call: peers may still be reading our buffers directly unless the data went
+    /// through staging, so a direct call waits for them.
+    fn finish(&self, counters: &mut Counters, op: OpKind, seq: u64, staged: bool) -> Result<()> {
+        if staged {
+            Ok(())
+        } else {
+            self.barrier_step(counters, op, seq)
+        }
+    }
+
     fn barrier_step(&self, counters: &mut Counters, op: OpKind, seq: u64) -> Result<()> {
         counters.epoch += 1;
         self.group.barrier(self.rank, counters.epoch, op, seq)
@@ -516,15 +526,8 @@ impl RankCore {
         let esize = input.dtype().size_in_bytes();
         let small = counts.iter().max().copied().unwrap_or(0) * esize <= SMALL_MESSAGE_BYTES;
         let out = output.host_ptr_mut();
-        let in_ptr = input.host_ptr() as usize;
         let counters = &mut *self.counters.lock();
-        let seq = self.begin(counters, sig, |ex| {
-            if small {
-                stage(ex, input)
-            } else {
-                ex.send_ptr = in_ptr
-            }
-        })?;
+        let seq = self.begin(counters, sig, |ex| publish_send(ex, input, small))?;
         for (r, offset) in offsets(&counts).into_iter().enumerate() {
             let peer = self.peer(r, seq);
             let src = if small {
@@ -538,11 +541,7 @@ impl RankCore {
                 std::ptr::copy_nonoverlapping(src, out.add(offset * esize), counts[r] * esize)
             };
         }
-        if small {
-            Ok(())
-        } else {
-            self.barrier_step(counters, kind, seq)
-        }
+        self.finish(counters, kind, seq, small)
     }
 
     fn reduce_scatter(
@@ -555,18 +554,11 @@ impl RankCore {
         let (sig, counts) = self.check().reduce_scatter(&input, &output, counts, op)?;
         let kind = sig.op;
         let small = input.byte_len() <= SMALL_MESSAGE_BYTES;
-        let in_ptr = input.host_ptr() as usize;
         let out = output.host_ptr_mut() as usize;
         let offset = offsets(&counts)[self.rank];
         let count = counts[self.rank];
         let counters = &mut *self.counters.lock();
-        let seq = self.begin(counters, sig, |ex| {
-            if small {
-                stage(ex, input)
-            } else {
-                ex.send_ptr = in_ptr
-            }
-        })?;
+        let seq = self.begin(counters, sig, |ex| publish_send(ex, input, small))?;
         let n = self.group.size();
         crate::with_dtype!(input.dtype(), T => {
             let sources: Vec<*const T> = (0..n)
@@ -580,11 +572,7 @@ impl RankCore {
             // output, a distinct buffer, holds `count`.
             unsafe { reduce_raw::<T>(op, &sources, &[out as *mut T], count) }
         });
-        if small {
-            Ok(())
-        } else {
-            self.barrier_step(counters, kind, seq)
-        }
+        self.finish(counters, kind, seq, small)
     }
 
     fn all_to_all_v(
@@ -708,6 +696,15 @@ impl RankCore {
             }
         });
         Ok(())
+    }
+}
+
+/// Publishes a send buffer: a staged copy for small messages, else its address.
+fn publish_send(ex: &mut group::Exchange, input: BufRef<'_>, staged: bool) {
+    if staged {
+        stage(ex, input)
+    } else {
+        ex.send_ptr = input.host_ptr() as usize
     }
 }
 

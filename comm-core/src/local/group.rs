@@ -85,6 +85,8 @@ pub(crate) struct GroupShared {
     pub(crate) world_ranks: Vec<usize>,
     pub(crate) world: Arc<WorldShared>,
     pub(crate) timeout: Duration,
+    /// Computed once: asking the OS for the core count reads cgroup files (tens of µs).
+    spin_window: Duration,
     slots: Vec<Slot>,
     broken: Mutex<Option<Breakage>>,
     is_broken: AtomicBool,
@@ -139,6 +141,7 @@ impl GroupShared {
             world_ranks,
             world,
             timeout,
+            spin_window: spin_window(size),
             slots: (0..size)
                 .map(|_| Slot {
                     arrived: AtomicU64::new(0),
@@ -284,7 +287,7 @@ impl GroupShared {
         waiting_on: impl Fn(&GroupShared) -> Vec<usize>,
     ) -> Result<()> {
         let start = Instant::now();
-        let window = spin_window(self.size());
+        let window = self.spin_window;
         loop {
             for _ in 0..16 {
                 if ready(self) {

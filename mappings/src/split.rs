@@ -1,0 +1,155 @@
+//! The one split rule every mapping uses, and the copies that turn a tensor split along
+//! any dimension into the contiguous per-rank blocks collectives move.
+
+use crate::error::{Error, Result};
+
+/// Per-rank lengths when a dimension of `len` elements is divided among `parts` ranks.
+///
+/// The rule is the balanced one of `torch.tensor_split` and `numpy.array_split`: the
+/// first `len % parts` ranks get one element more than the others, so parts differ by at
+/// most one and every part is non-empty whenever `len >= parts`.
+///
+/// Why not the "ceil chunks, short last one" rule of `compute_split_shapes` (10 over 4 →
+/// `[3, 3, 3, 1]`)? It can leave the last rank nearly idle (13 over 4 → `[4, 4, 4, 1]`),
+/// and for lengths like 9 over 4 it would give an empty last part (`[3, 3, 3, 0]`) unless
+/// patched with a second rule. The balanced rule has the same largest part,
+/// `ceil(len / parts)`, the largest smallest part, and one formula for every case.
+///
+/// `len < parts` is an error, because some rank would get nothing; mappings that take
+/// explicit per-rank sizes accept empty parts.
+///
+/// ```
+/// use mappings::split_sizes;
+///
+/// assert_eq!(split_sizes(10, 4)?, vec![3, 3, 2, 2]);
+/// assert_eq!(split_sizes(9, 4)?, vec![3, 2, 2, 2]);
+/// assert_eq!(split_sizes(8, 4)?, vec![2, 2, 2, 2]);
+/// assert!(split_sizes(3, 4).is_err());
+/// # Ok::<(), mappings::Error>(())
+/// ```
+pub fn split_sizes(len: usize, parts: usize) -> Result<Vec<usize>> {
+    split_sizes_for("split_sizes", len, parts)
+}
+
+pub(crate) fn split_sizes_for(op: &'static str, len: usize, parts: usize) -> Result<Vec<usize>> {
+    if parts == 0 || len < parts {
+        return Err(Error::TooShortToSplit { op, len, parts });
+    }
+    let (base, longer) = (len / parts, len % parts);
+    Ok((0..parts).map(|p| base + usize::from(p < longer)).collect())
+}
+
+/// Where each part starts: the exclusive prefix sums of `sizes`.
+pub(crate) fn offsets(sizes: &[usize]) -> Vec<usize> {
+    sizes
+        .iter()
+        .scan(0, |start, &size| {
+            let here = *start;
+            *start += size;
+            Some(here)
+        })
+        .collect()
+}
+
+/// A row-major tensor seen around one dimension as `[outer, len, inner]`, where `outer`
+/// is the product of the dimensions before it and `inner` of those after it.
+///
+/// A part along the dimension is `outer` strided runs, not one contiguous block, except
+/// along the first dimension; collectives move contiguous per-rank blocks, so parts are
+/// packed into blocks before sending and unpacked after receiving.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DimLayout {
+    outer: usize,
+    inner: usize,
+}
+
+impl DimLayout {
+    /// The layout of `shape` around `dim`.
+    pub(crate) fn new(op: &'static str, shape: &[usize], dim: usize) -> Result<DimLayout> {
+        if dim >= shape.len() {
+            return Err(Error::DimOutOfRange {
+                op,
+                dim,
+                shape: shape.to_vec(),
+            });
+        }
+        Ok(DimLayout {
+            outer: shape[..dim].iter().product(),
+            inner: shape[dim + 1..].iter().product(),
+        })
+    }
+
+    /// Elements in each rank's block when ranks hold `sizes` along the dimension.
+    pub(crate) fn counts(&self, sizes: &[usize]) -> Vec<usize> {
+        sizes.iter().map(|s| self.outer * s * self.inner).collect()
+    }
+
+    /// Rearranges a whole tensor (`sizes.sum()` long along the dimension) into one
+    /// contiguous block per rank, in rank order.
+    pub(crate) fn pack_rank_blocks<T: Copy>(&self, data: Vec<T>, sizes: &[usize]) -> Vec<T> {
+        if self.outer == 1 {
+            return data;
+        }
+        let row = sizes.iter().sum::<usize>() * self.inner;
+        let mut blocks = Vec::with_capacity(data.len());
+        for (start, size) in offsets(sizes).into_iter().zip(sizes) {
+            let run = size * self.inner;
+            for outer in 0..self.outer {
+                let from = outer * row + start * self.inner;
+                blocks.extend_from_slice(&data[from..from + run]);
+            }
+        }
+        blocks
+    }
+
+    /// The inverse of [`pack_rank_blocks`](Self::pack_rank_blocks): concatenates per-rank
+    /// blocks along the dimension.
+    pub(crate) fn unpack_rank_blocks<T: Copy>(&self, blocks: Vec<T>, sizes: &[usize]) -> Vec<T> {
+        if self.outer == 1 {
+            return blocks;
+        }
+        let block_starts = offsets(&self.counts(sizes));
+        let mut data = Vec::with_capacity(blocks.len());
+        for outer in 0..self.outer {
+            for (block_start, size) in block_starts.iter().zip(sizes) {
+                let run = size * self.inner;
+                let from = block_start + outer * run;
+                data.extend_from_slice(&blocks[from..from + run]);
+            }
+        }
+        data
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balanced_rule() {
+        assert_eq!(split_sizes(10, 4).ok(), Some(vec![3, 3, 2, 2]));
+        assert_eq!(split_sizes(4, 4).ok(), Some(vec![1; 4]));
+        assert_eq!(split_sizes(7, 1).ok(), Some(vec![7]));
+        assert!(matches!(
+            split_sizes(0, 1),
+            Err(Error::TooShortToSplit {
+                len: 0,
+                parts: 1,
+                ..
+            })
+        ));
+        assert!(split_sizes(5, 0).is_err());
+    }
+
+    #[test]
+    fn blocks_round_trip_along_a_middle_dimension() -> Result<()> {
+        // shape [2, 3, 2] split along dim 1 as [2, 1]
+        let layout = DimLayout::new("test", &[2, 3, 2], 1)?;
+        let data: Vec<u32> = (0..12).collect();
+        let blocks = layout.pack_rank_blocks(data.clone(), &[2, 1]);
+        assert_eq!(blocks, vec![0, 1, 2, 3, 6, 7, 8, 9, 4, 5, 10, 11]);
+        assert_eq!(layout.counts(&[2, 1]), vec![8, 4]);
+        assert_eq!(layout.unpack_rank_blocks(blocks, &[2, 1]), data);
+        Ok(())
+    }
+}

@@ -1,0 +1,278 @@
+//! Bucket layout: which parameters share one all-reduce, and where each gradient sits
+//! in its bucket's flat buffer.
+//!
+//! Parameters are visited in *reverse* registration order, because backward produces
+//! the gradients of the last layers first: bucket 0 fills with the parameters whose
+//! gradients are ready earliest and can start communicating while backward is still
+//! busy with the first layers. A parameter joins the current bucket while the bucket
+//! stays within its byte cap; the first bucket has a smaller cap (1 MiB by default) so
+//! that communication starts as early as possible, the others a larger one (25 MiB).
+//! A single parameter larger than the cap gets a bucket of its own. The assignment
+//! depends only on the parameter sizes and the caps, so it is identical on every rank.
+//!
+//! Caps are measured in bytes of f32 gradient, whatever dtype a comm hook sends, so
+//! that switching on compression does not change which collectives run.
+
+use comm_core::{Buffer, DType};
+use half::{bf16, f16};
+use tape::ParamId;
+
+use crate::error::{Error, Result};
+
+/// Bytes of one gradient element (gradients are f32).
+pub(crate) const GRAD_ELEMENT_BYTES: usize = std::mem::size_of::<f32>();
+
+/// Splits parameters (given by element count, in registration order) into buckets of
+/// registration indices: reverse order, first bucket capped at `first_cap_bytes`, the
+/// rest at `cap_bytes`.
+pub(crate) fn assign(
+    numels: &[usize],
+    first_cap_bytes: usize,
+    cap_bytes: usize,
+) -> Vec<Vec<usize>> {
+    let mut buckets: Vec<Vec<usize>> = Vec::new();
+    let mut current: Vec<usize> = Vec::new();
+    let mut current_bytes = 0usize;
+    for index in (0..numels.len()).rev() {
+        let bytes = numels[index].saturating_mul(GRAD_ELEMENT_BYTES);
+        let cap = if buckets.is_empty() {
+            first_cap_bytes
+        } else {
+            cap_bytes
+        };
+        if !current.is_empty() && current_bytes.saturating_add(bytes) > cap {
+            buckets.push(std::mem::take(&mut current));
+            current_bytes = 0;
+        }
+        current.push(index);
+        current_bytes = current_bytes.saturating_add(bytes);
+    }
+    if !current.is_empty() {
+        buckets.push(current);
+    }
+    buckets
+}
+
+/// Where one parameter's gradient lives inside its bucket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketParam {
+    /// Position of the parameter in the list given to DDP (registration order).
+    pub index: usize,
+    /// The parameter's identity.
+    pub id: ParamId,
+    /// The parameter's name.
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// First element of its gradient in the bucket's buffer.
+    pub offset: usize,
+    /// Number of elements.
+    pub numel: usize,
+}
+
+impl BucketParam {
+    /// The element range of this gradient in its bucket's buffer.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.numel
+    }
+}
+
+/// One bucket: a contiguous segment of the flat gradient buffer that is all-reduced as
+/// one collective.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketInfo {
+    /// Launch order: bucket `i` always starts its all-reduce before bucket `i + 1`.
+    pub index: usize,
+    /// Its parameters, in the order their gradients are laid out (reverse registration).
+    pub params: Vec<BucketParam>,
+    /// First element of this bucket in the flat (per-dtype) gradient index space.
+    pub flat_offset: usize,
+    /// Number of gradient elements.
+    pub numel: usize,
+}
+
+impl BucketInfo {
+    /// Size of the bucket's gradients in f32 bytes (what the byte caps measure).
+    pub fn grad_bytes(&self) -> usize {
+        self.numel * GRAD_ELEMENT_BYTES
+    }
+}
+
+/// A float type a bucket can be stored and sent in.
+trait WireFloat: comm_core::Element + Copy {
+    fn from_f32(value: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl WireFloat for f32 {
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl WireFloat for bf16 {
+    fn from_f32(value: f32) -> Self {
+        bf16::from_f32(value)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+impl WireFloat for f16 {
+    fn from_f32(value: f32) -> Self {
+        f16::from_f32(value)
+    }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+/// Whether buckets can be stored in `dtype`.
+pub(crate) fn is_wire_dtype(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+}
+
+/// Runs `$body` with `$slice` bound to the buffer's elements as a typed mutable slice.
+macro_rules! with_wire_slice_mut {
+    ($buffer:expr, $slice:ident => $body:expr) => {{
+        let dtype = $buffer.dtype();
+        let mut view = $buffer.as_buf_mut();
+        match dtype {
+            DType::F32 => match view.as_host_slice_mut::<f32>() {
+                Some($slice) => $body,
+                None => Err(not_host(dtype)),
+            },
+            DType::BF16 => match view.as_host_slice_mut::<bf16>() {
+                Some($slice) => $body,
+                None => Err(not_host(dtype)),
+            },
+            DType::F16 => match view.as_host_slice_mut::<f16>() {
+                Some($slice) => $body,
+                None => Err(not_host(dtype)),
+            },
+            other => Err(not_wire(other)),
+        }
+    }};
+}
+
+fn not_wire(dtype: DType) -> Error {
+    Error::Config(format!(
+        "a comm hook's wire dtype must be f32, bf16 or f16, not {dtype}"
+    ))
+}
+
+fn not_host(dtype: DType) -> Error {
+    Error::Config(format!(
+        "bucket buffers of {dtype} must live in host memory"
+    ))
+}
+
+fn out_of_range(range: &std::ops::Range<usize>, len: usize) -> Error {
+    Error::Config(format!(
+        "gradient range {range:?} lies outside its bucket of {len} elements"
+    ))
+}
+
+/// Writes `values` (f32 gradients) at `offset`, rounding to the buffer's dtype.
+pub(crate) fn write_f32(buffer: &mut Buffer, offset: usize, values: &[f32]) -> Result<()> {
+    fn write<T: WireFloat>(slice: &mut [T], offset: usize, values: &[f32]) -> Result<()> {
+        let range = offset..offset + values.len();
+        let len = slice.len();
+        let target = slice
+            .get_mut(range.clone())
+            .ok_or_else(|| out_of_range(&range, len))?;
+        for (slot, &value) in target.iter_mut().zip(values) {
+            *slot = T::from_f32(value);
+        }
+        Ok(())
+    }
+    with_wire_slice_mut!(buffer, slice => write(slice, offset, values))
+}
+
+/// Zeroes `range`.
+pub(crate) fn zero(buffer: &mut Buffer, range: std::ops::Range<usize>) -> Result<()> {
+    fn fill<T: WireFloat>(slice: &mut [T], range: std::ops::Range<usize>) -> Result<()> {
+        let len = slice.len();
+        slice
+            .get_mut(range.clone())
+            .ok_or_else(|| out_of_range(&range, len))?
+            .fill(T::from_f32(0.0));
+        Ok(())
+    }
+    with_wire_slice_mut!(buffer, slice => fill(slice, range))
+}
+
+/// Reads `range` back as f32.
+pub(crate) fn read_f32(buffer: &mut Buffer, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+    fn read<T: WireFloat>(slice: &[T], range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        let len = slice.len();
+        Ok(slice
+            .get(range.clone())
+            .ok_or_else(|| out_of_range(&range, len))?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect())
+    }
+    with_wire_slice_mut!(buffer, slice => read(slice, range))
+}
+
+/// Sums `range` of the buffer in place over `comm` (a blocking collective).
+pub(crate) fn all_reduce_range(
+    comm: &dyn comm_core::Communicator,
+    buffer: &mut Buffer,
+    range: std::ops::Range<usize>,
+    op: comm_core::ReduceOp,
+) -> Result<()> {
+    fn reduce<T: WireFloat>(
+        comm: &dyn comm_core::Communicator,
+        slice: &mut [T],
+        range: std::ops::Range<usize>,
+        op: comm_core::ReduceOp,
+    ) -> Result<()> {
+        let len = slice.len();
+        let part = slice
+            .get_mut(range.clone())
+            .ok_or_else(|| out_of_range(&range, len))?;
+        comm.all_reduce(comm_core::BufMut::from(part), op)?;
+        Ok(())
+    }
+    with_wire_slice_mut!(buffer, slice => reduce(comm, slice, range, op))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn reverse_order_small_first_bucket_and_cap() {
+        // 6 parameters of 0.5 MiB each (131072 f32).
+        let numels = vec![MIB / 8; 6];
+        let buckets = assign(&numels, MIB, 2 * MIB);
+        assert_eq!(buckets, vec![vec![5, 4], vec![3, 2, 1, 0]]);
+    }
+
+    #[test]
+    fn an_oversized_parameter_gets_its_own_bucket() {
+        let numels = vec![10, 3 * MIB / 4, 10];
+        let buckets = assign(&numels, MIB, MIB);
+        assert_eq!(buckets, vec![vec![2], vec![1], vec![0]]);
+    }
+
+    #[test]
+    fn conversions_round_trip_through_16_bit() -> Result<()> {
+        let mut buffer = Buffer::zeros(DType::BF16, 4);
+        write_f32(&mut buffer, 1, &[1.0, -2.5])?;
+        assert_eq!(read_f32(&mut buffer, 0..4)?, vec![0.0, 1.0, -2.5, 0.0]);
+        zero(&mut buffer, 2..3)?;
+        assert_eq!(read_f32(&mut buffer, 0..4)?, vec![0.0, 1.0, 0.0, 0.0]);
+        assert!(write_f32(&mut buffer, 3, &[1.0, 2.0]).is_err());
+        assert!(read_f32(&mut Buffer::zeros(DType::I32, 1), 0..1).is_err());
+        Ok(())
+    }
+}

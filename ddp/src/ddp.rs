@@ -1,0 +1,268 @@
+//! [`DistributedDataParallel`]: construction (checks, broadcast, bucket layout, hook
+//! registration) and the per-step entry points (`finish`, `backward`, `no_sync`).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Weak};
+
+use comm_core::{Communicator, DType};
+use parking_lot::Mutex;
+use tape::{Parameter, Tensor};
+
+use crate::bucket::{self, BucketInfo, BucketParam};
+use crate::config::DdpConfig;
+use crate::error::{Error, Result};
+use crate::init;
+use crate::reducer::{Reducer, ReducerOptions};
+
+/// Data-parallel training over a model's parameters: gradients are averaged across the
+/// data-parallel group in buckets whose all-reduces overlap backward.
+///
+/// Construction is collective over the data-parallel communicator: it checks that every
+/// rank holds the same parameter shapes, broadcasts DP rank 0's values, lays out the
+/// buckets and registers a grad-ready hook on every parameter. Each training step is
+/// then `backward` followed by [`finish`](Self::finish) (or
+/// [`DistributedDataParallel::backward`], which does both), after which every parameter
+/// holds the averaged gradient.
+///
+/// Dropping the value disables its hooks (they stay registered on the parameters but do
+/// nothing).
+pub struct DistributedDataParallel {
+    reducer: Arc<Mutex<Reducer>>,
+    params: Vec<Parameter>,
+    buckets: Arc<Vec<BucketInfo>>,
+    dp: Arc<dyn Communicator>,
+    wire_dtype: DType,
+}
+
+impl DistributedDataParallel {
+    /// Wraps `params` (in registration order, i.e. the order the model creates and uses
+    /// them in forward) for data-parallel training over `dp`. Collective over `dp`.
+    pub fn new(
+        params: Vec<Parameter>,
+        dp: Arc<dyn Communicator>,
+        config: DdpConfig,
+    ) -> Result<DistributedDataParallel> {
+        validate(&params, &config)?;
+        init::verify_shapes(dp.as_ref(), &params)?;
+        let buckets = Arc::new(layout(&params, &config));
+        if dp.size() > 1 {
+            init::broadcast_from_rank0(dp.as_ref(), &params, &buckets)?;
+        }
+        let wire_dtype = config.comm_hook.wire_dtype();
+        let reducer = Arc::new(Mutex::new(Reducer::new(
+            dp.clone(),
+            params.clone(),
+            buckets.clone(),
+            ReducerOptions {
+                hook: config.comm_hook,
+                overlap: config.overlap_grad_reduce,
+                find_unused: config.find_unused_parameters,
+            },
+        )));
+        for (index, param) in params.iter().enumerate() {
+            let reducer: Weak<Mutex<Reducer>> = Arc::downgrade(&reducer);
+            param.register_grad_hook(move |param| {
+                let Some(reducer) = reducer.upgrade() else {
+                    return Ok(());
+                };
+                let outcome = reducer.lock().on_grad_ready(index, param);
+                outcome.map_err(|e| tape::Error::custom("ddp grad-ready hook", e))
+            });
+        }
+        Ok(DistributedDataParallel {
+            reducer,
+            params,
+            buckets,
+            dp,
+            wire_dtype,
+        })
+    }
+
+    /// The parameters, in registration order.
+    pub fn parameters(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    /// The data-parallel communicator.
+    pub fn communicator(&self) -> &Arc<dyn Communicator> {
+        &self.dp
+    }
+
+    /// The buckets, in launch order.
+    pub fn buckets(&self) -> &[BucketInfo] {
+        &self.buckets
+    }
+
+    /// Bytes of the parameters' f32 gradients.
+    pub fn gradient_bytes(&self) -> usize {
+        self.buckets.iter().map(BucketInfo::grad_bytes).sum()
+    }
+
+    /// Bytes of the bucket buffers DDP holds in addition to the gradients: exactly
+    /// [`gradient_bytes`](Self::gradient_bytes) with f32 buckets, half of it with a
+    /// 16-bit comm hook. Copies in and out of the buckets add at most one parameter's
+    /// gradient, transiently.
+    pub fn buffer_bytes(&self) -> usize {
+        self.buckets.iter().map(|b| b.numel).sum::<usize>() * self.wire_dtype.size_in_bytes()
+    }
+
+    /// Waits for every bucket of this step (starting those that have not started yet)
+    /// and leaves the averaged gradients in the parameters. A no-op inside
+    /// [`no_sync`](Self::no_sync).
+    ///
+    /// Parameters that got no gradient are zeros in their buckets with
+    /// `find_unused_parameters`; parameters unused on *every* rank end with no gradient.
+    /// Without that flag they make this an [`Error::UnusedParameters`] naming them. Any
+    /// error resets the step, so the next one starts clean.
+    pub fn finish(&self) -> Result<()> {
+        self.reducer.lock().finish()
+    }
+
+    /// `loss.backward()` followed by [`finish`](Self::finish); a hook's error comes back
+    /// as this crate's error.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        loss.backward().map_err(Error::from_backward)?;
+        self.finish()
+    }
+
+    /// Turns gradient sync off until the guard drops, for gradient accumulation: run
+    /// every micro-batch but the last inside it, and the last one outside. Gradients
+    /// accumulate in the parameters; the last backward's hooks see the accumulated
+    /// gradient and reduce it once.
+    pub fn no_sync(&self) -> NoSync<'_> {
+        let mut reducer = self.reducer.lock();
+        let previous = reducer.sync_enabled;
+        reducer.sync_enabled = false;
+        NoSync {
+            ddp: self,
+            previous,
+        }
+    }
+
+    /// Whether backward passes currently synchronise gradients.
+    pub fn is_sync_enabled(&self) -> bool {
+        self.reducer.lock().sync_enabled
+    }
+
+    /// A handle that reports how far the current step's communication has got; it can
+    /// be moved into hooks and custom ops.
+    pub fn progress(&self) -> SyncProgress {
+        SyncProgress {
+            reducer: Arc::downgrade(&self.reducer),
+            total: self.buckets.len(),
+        }
+    }
+}
+
+impl fmt::Debug for DistributedDataParallel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DistributedDataParallel")
+            .field("group", &self.dp.name())
+            .field("group_size", &self.dp.size())
+            .field("params", &self.params.len())
+            .field("buckets", &self.buckets.len())
+            .field("wire_dtype", &self.wire_dtype)
+            .finish()
+    }
+}
+
+/// Guard returned by [`DistributedDataParallel::no_sync`]; restores the previous mode
+/// when dropped.
+#[must_use = "sync is re-enabled as soon as the guard is dropped"]
+pub struct NoSync<'a> {
+    ddp: &'a DistributedDataParallel,
+    previous: bool,
+}
+
+impl Drop for NoSync<'_> {
+    fn drop(&mut self) {
+        self.ddp.reducer.lock().sync_enabled = self.previous;
+    }
+}
+
+/// How many buckets of the current step have started their all-reduce
+/// (from [`DistributedDataParallel::progress`]).
+#[derive(Clone)]
+pub struct SyncProgress {
+    reducer: Weak<Mutex<Reducer>>,
+    total: usize,
+}
+
+impl SyncProgress {
+    /// Buckets whose reduction has started in the current step (0 once the
+    /// `DistributedDataParallel` is dropped).
+    pub fn buckets_started(&self) -> usize {
+        self.reducer
+            .upgrade()
+            .map_or(0, |reducer| reducer.lock().buckets_started())
+    }
+
+    /// Number of buckets.
+    pub fn buckets_total(&self) -> usize {
+        self.total
+    }
+}
+
+fn validate(params: &[Parameter], config: &DdpConfig) -> Result<()> {
+    if config.bucket_cap_bytes == 0 || config.first_bucket_bytes == 0 {
+        return Err(Error::Config(format!(
+            "bucket caps must be at least 1 byte (bucket_cap_bytes = {}, first_bucket_bytes = {})",
+            config.bucket_cap_bytes, config.first_bucket_bytes
+        )));
+    }
+    let wire = config.comm_hook.wire_dtype();
+    if !bucket::is_wire_dtype(wire) {
+        return Err(Error::Config(format!(
+            "comm hook '{}' asks for {wire} buckets; use f32, bf16 or f16",
+            config.comm_hook.name()
+        )));
+    }
+    let mut seen = HashMap::new();
+    for (position, param) in params.iter().enumerate() {
+        if let Some(first) = seen.insert(param.id(), position) {
+            return Err(Error::DuplicateParameter {
+                name: param.name().to_string(),
+                first,
+                second: position,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn layout(params: &[Parameter], config: &DdpConfig) -> Vec<BucketInfo> {
+    let numels: Vec<usize> = params.iter().map(Parameter::numel).collect();
+    let mut flat_offset = 0;
+    bucket::assign(&numels, config.first_bucket_bytes, config.bucket_cap_bytes)
+        .into_iter()
+        .enumerate()
+        .map(|(index, members)| {
+            let mut offset = 0;
+            let params = members
+                .into_iter()
+                .map(|i| {
+                    let param = &params[i];
+                    let slot = BucketParam {
+                        index: i,
+                        id: param.id(),
+                        name: param.name().to_string(),
+                        shape: param.shape(),
+                        offset,
+                        numel: numels[i],
+                    };
+                    offset += numels[i];
+                    slot
+                })
+                .collect();
+            let info = BucketInfo {
+                index,
+                params,
+                flat_offset,
+                numel: offset,
+            };
+            flat_offset += offset;
+            info
+        })
+        .collect()
+}

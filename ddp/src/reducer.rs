@@ -1,0 +1,245 @@
+//! The per-step state machine behind the grad-ready hooks (PyTorch's `Reducer`).
+//!
+//! One step goes through three phases:
+//! 1. **Backward** — each parameter's hook copies its gradient into its bucket's slot
+//!    and marks it ready. When the *next bucket in launch order* has all its parameters
+//!    ready, its reduction starts (and so does every following bucket that is already
+//!    complete). Launching strictly in bucket order keeps the collectives in the same
+//!    order on every rank, even when gradients complete in a different order.
+//! 2. **Finish** — parameters that got no gradient are either filled with zeros
+//!    (`find_unused_parameters`) or reported; the remaining buckets start; each bucket is
+//!    waited for in order, post-processed by the comm hook and written back.
+//! 3. **Reset** — ready flags are cleared for the next step. Any failure also resets, so
+//!    one bad step never leaves the next one waiting for a bucket that cannot fire.
+//!
+//! Bucket storage is allocated once and travels into each non-blocking all-reduce and
+//! back out of [`Work::wait`]; a bucket whose storage was lost with a failed operation
+//! gets a fresh allocation on its next use.
+
+use std::sync::Arc;
+
+use comm_core::{Buffer, Communicator, CommunicatorExt, DType, ReduceOp, Work};
+use tape::{Parameter, Tensor};
+
+use crate::bucket::{self, BucketInfo};
+use crate::error::{Error, Result};
+use crate::hook::{CommHook, ReducedBucket};
+
+pub(crate) struct Reducer {
+    dp: Arc<dyn Communicator>,
+    hook: Arc<dyn CommHook>,
+    wire_dtype: DType,
+    params: Vec<Parameter>,
+    buckets: Arc<Vec<BucketInfo>>,
+    /// (bucket index, position within the bucket) of every parameter, by registration
+    /// index.
+    slot_of: Vec<(usize, usize)>,
+    state: Vec<BucketState>,
+    ready: Vec<bool>,
+    /// The next bucket to launch; all earlier ones are in flight or done.
+    next_launch: usize,
+    pub(crate) sync_enabled: bool,
+    overlap: bool,
+    find_unused: bool,
+}
+
+struct BucketState {
+    storage: Option<Buffer>,
+    work: Option<Work>,
+    pending: usize,
+}
+
+/// How a [`Reducer`] behaves; the parts of [`DdpConfig`](crate::DdpConfig) it needs.
+pub(crate) struct ReducerOptions {
+    pub(crate) hook: Arc<dyn CommHook>,
+    pub(crate) overlap: bool,
+    pub(crate) find_unused: bool,
+}
+
+impl Reducer {
+    pub(crate) fn new(
+        dp: Arc<dyn Communicator>,
+        params: Vec<Parameter>,
+        buckets: Arc<Vec<BucketInfo>>,
+        options: ReducerOptions,
+    ) -> Reducer {
+        let wire_dtype = options.hook.wire_dtype();
+        let mut slot_of = vec![(0, 0); params.len()];
+        for info in buckets.iter() {
+            for (position, param) in info.params.iter().enumerate() {
+                slot_of[param.index] = (info.index, position);
+            }
+        }
+        let state = buckets
+            .iter()
+            .map(|info| BucketState {
+                storage: Some(Buffer::zeros(wire_dtype, info.numel)),
+                work: None,
+                pending: info.params.len(),
+            })
+            .collect();
+        Reducer {
+            dp,
+            hook: options.hook,
+            wire_dtype,
+            ready: vec![false; params.len()],
+            params,
+            buckets,
+            slot_of,
+            state,
+            next_launch: 0,
+            sync_enabled: true,
+            overlap: options.overlap,
+            find_unused: options.find_unused,
+        }
+    }
+
+    /// Buckets whose reduction has started in the current step.
+    pub(crate) fn buckets_started(&self) -> usize {
+        self.next_launch
+    }
+
+    /// The grad-ready hook of parameter `index`.
+    pub(crate) fn on_grad_ready(&mut self, index: usize, param: &Parameter) -> Result<()> {
+        if !self.sync_enabled {
+            return Ok(());
+        }
+        let outcome = self.accept_gradient(index, param.grad());
+        if outcome.is_err() {
+            self.reset_step();
+        }
+        outcome
+    }
+
+    fn accept_gradient(&mut self, index: usize, grad: Option<Tensor>) -> Result<()> {
+        if self.ready.get(index).copied().unwrap_or(false) {
+            return Err(Error::FinishNotCalled {
+                name: self.params[index].name().to_string(),
+            });
+        }
+        self.copy_in(index, grad)?;
+        self.mark_ready(index);
+        if self.overlap {
+            self.launch_ready_buckets()?;
+        }
+        Ok(())
+    }
+
+    /// Copies a gradient (or zeros) into the parameter's slot of its bucket.
+    fn copy_in(&mut self, index: usize, grad: Option<Tensor>) -> Result<()> {
+        let (bucket_index, position) = self.slot_of[index];
+        let info = &self.buckets[bucket_index];
+        let range = info.params[position].range();
+        let state = &mut self.state[info.index];
+        let storage = state
+            .storage
+            .get_or_insert_with(|| Buffer::zeros(self.wire_dtype, info.numel));
+        match grad {
+            Some(grad) => bucket::write_f32(storage, range.start, &grad.to_vec()?),
+            None => bucket::zero(storage, range),
+        }
+    }
+
+    fn mark_ready(&mut self, index: usize) {
+        self.ready[index] = true;
+        let state = &mut self.state[self.slot_of[index].0];
+        state.pending = state.pending.saturating_sub(1);
+    }
+
+    /// Starts every complete bucket from `next_launch` on, stopping at the first
+    /// incomplete one so that launch order is bucket order on every rank.
+    fn launch_ready_buckets(&mut self) -> Result<()> {
+        while let Some(state) = self.state.get_mut(self.next_launch) {
+            if state.pending > 0 {
+                break;
+            }
+            let numel = self.buckets[self.next_launch].numel;
+            let storage = state
+                .storage
+                .take()
+                .unwrap_or_else(|| Buffer::zeros(self.wire_dtype, numel));
+            state.work = Some(self.hook.start(self.dp.as_ref(), storage)?);
+            self.next_launch += 1;
+        }
+        Ok(())
+    }
+
+    /// Ends the step: every bucket reduced, averaged gradients in the parameters.
+    pub(crate) fn finish(&mut self) -> Result<()> {
+        if !self.sync_enabled {
+            return Ok(());
+        }
+        let outcome = self.finish_step();
+        self.reset_step();
+        outcome
+    }
+
+    fn finish_step(&mut self) -> Result<()> {
+        let missing: Vec<usize> = (0..self.params.len()).filter(|&i| !self.ready[i]).collect();
+        let mut locally_used = vec![1i32; self.params.len()];
+        if !missing.is_empty() {
+            if !self.find_unused {
+                let mut buckets: Vec<usize> = missing.iter().map(|&i| self.slot_of[i].0).collect();
+                buckets.sort_unstable();
+                buckets.dedup();
+                return Err(Error::UnusedParameters {
+                    names: missing
+                        .iter()
+                        .map(|&i| self.params[i].name().to_string())
+                        .collect(),
+                    buckets,
+                });
+            }
+            for index in missing {
+                // A gradient accumulated under no_sync counts as used, hook or not.
+                let grad = self.params[index].grad();
+                if grad.is_none() {
+                    locally_used[index] = 0;
+                }
+                self.copy_in(index, grad)?;
+                self.mark_ready(index);
+            }
+        }
+        self.launch_ready_buckets()?;
+        if self.find_unused {
+            // Issued after every bucket on every rank, so the order stays the same.
+            self.dp.all_reduce_slice(&mut locally_used, ReduceOp::Max)?;
+        }
+        let globally_used = locally_used;
+        for index in 0..self.buckets.len() {
+            let work = self.state[index].work.take().ok_or_else(|| {
+                Error::Config(format!("bucket {index} was never started in this step"))
+            })?;
+            let mut buffer = work.wait()?;
+            let info = &self.buckets[index];
+            self.hook.after_reduce(&mut ReducedBucket {
+                index,
+                params: &info.params,
+                buffer: &mut buffer,
+            })?;
+            for slot in &info.params {
+                let grad = if globally_used[slot.index] > 0 {
+                    let values = bucket::read_f32(&mut buffer, slot.range())?;
+                    Some(Tensor::from_vec(values, &slot.shape)?)
+                } else {
+                    // Unused on every rank: leave no gradient, so optimizers skip it.
+                    None
+                };
+                self.params[slot.index].set_grad(grad)?;
+            }
+            self.state[index].storage = Some(buffer);
+        }
+        Ok(())
+    }
+
+    /// Forgets the current step: ready flags, launch position and any operation still in
+    /// flight (it completes in the background; its bucket is re-allocated when needed).
+    fn reset_step(&mut self) {
+        self.ready.fill(false);
+        self.next_launch = 0;
+        for (state, info) in self.state.iter_mut().zip(self.buckets.iter()) {
+            state.work = None;
+            state.pending = info.params.len();
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! Seed 003's comm hook: after the DP average, marked parameters are summed over named
+//! groups — checked against hand-computed values.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use comm_core::run_local;
+use ddp::{DdpConfig, DistributedDataParallel, Error, NamedGroupReduction};
+use parallel_state::{ParallelState, RankLayout};
+use tape::{Parameter, Tape, Tensor};
+
+/// TP = 2 × DP = 2 on 4 ranks: TP groups {0,1} {2,3}, DP groups {0,2} {1,3}.
+/// Parameters (registration order) `a` (marked "tp"), `b` (unmarked), `c` (marked "tp"),
+/// all in one bucket, so the marked ones form two separate runs. World rank r's gradient is
+/// `r + 1` for `a`, `10(r + 1)` for `b` and `100(r + 1)` for `c`.
+#[test]
+fn tp_marked_gradients_are_dp_averaged_then_tp_summed() -> Result<()> {
+    let layout = RankLayout::builder(4).tp(2).build()?;
+    let grads = run_local(4, |comm| -> Result<Vec<Vec<f32>>> {
+        let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+        let params = vec![
+            Parameter::new("a", Tensor::ones(&[2])),
+            Parameter::new("b", Tensor::ones(&[3])),
+            Parameter::new("c", Tensor::ones(&[1])),
+        ];
+        let mut hook = NamedGroupReduction::new();
+        hook.mark(&state, &params[0], &["tp"])?;
+        hook.mark(&state, &params[2], &["tp"])?;
+        assert_eq!(hook.groups_of(&params[0]), vec!["tp"]);
+        assert!(hook.groups_of(&params[1]).is_empty());
+        let config = DdpConfig {
+            comm_hook: Arc::new(hook),
+            ..DdpConfig::default()
+        };
+        let ddp = DistributedDataParallel::new(params.clone(), state.dp().clone(), config)?;
+        assert_eq!(ddp.buckets().len(), 1);
+        let r = state.rank() as f64 + 1.0;
+        let tape = Tape::new();
+        let loss = tape
+            .watch(&params[0])
+            .scale(r)?
+            .sum()?
+            .add(&tape.watch(&params[1]).scale(10.0 * r)?.sum()?)?
+            .add(&tape.watch(&params[2]).scale(100.0 * r)?.sum()?)?;
+        ddp.backward(&loss)?;
+        Ok(params
+            .iter()
+            .map(|p| p.grad().map(|g| g.to_vec()).transpose())
+            .collect::<tape::Result<Option<Vec<_>>>>()?
+            .unwrap_or_default())
+    })?;
+    // DP averages: ranks 0 and 2 → (1 + 3)/2 = 2; ranks 1 and 3 → (2 + 4)/2 = 3.
+    // TP sums of the averages: 2 + 3 = 5 on every rank.
+    for (rank, g) in grads.iter().enumerate() {
+        let dp_average = if rank % 2 == 0 { 2.0 } else { 3.0 };
+        assert_eq!(g[0], vec![5.0; 2], "rank {rank} a");
+        assert_eq!(g[1], vec![10.0 * dp_average; 3], "rank {rank} b");
+        assert_eq!(g[2], vec![500.0], "rank {rank} c");
+    }
+    Ok(())
+}
+
+/// Tied embeddings (Megatron `_allreduce_word_embedding_grads`): PP = 2 × DP = 2 on 4
+/// ranks; the first and last stages each hold the word embedding, marked "embedding".
+/// Embedding groups {0,2} {1,3}; DP groups {0,1} {2,3}.
+#[test]
+fn tied_embedding_gradients_are_summed_over_the_embedding_group() -> Result<()> {
+    let layout = RankLayout::builder(4).pp(2).build()?;
+    let grads = run_local(4, |comm| -> Result<Vec<f32>> {
+        let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+        let embedding = Parameter::new("word_embeddings", Tensor::ones(&[2, 2]));
+        let mut hook = NamedGroupReduction::new();
+        hook.mark(&state, &embedding, &["embedding"])?;
+        let config = DdpConfig {
+            comm_hook: Arc::new(hook),
+            ..DdpConfig::default()
+        };
+        let ddp =
+            DistributedDataParallel::new(vec![embedding.clone()], state.dp().clone(), config)?;
+        let tape = Tape::new();
+        let r = state.rank() as f64 + 1.0;
+        ddp.backward(&tape.watch(&embedding).scale(r)?.sum()?)?;
+        Ok(embedding
+            .grad()
+            .map(|g| g.to_vec())
+            .transpose()?
+            .unwrap_or_default())
+    })?;
+    // DP averages: stage 0 (ranks 0, 1) → 1.5; stage 1 (ranks 2, 3) → 3.5. Sum: 5.
+    assert_eq!(grads, vec![vec![5.0; 4]; 4]);
+    Ok(())
+}
+
+#[test]
+fn marking_rejects_the_dp_group_and_unknown_names() -> Result<()> {
+    let layout = RankLayout::builder(2).tp(2).build()?;
+    run_local(2, |comm| -> Result<()> {
+        let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+        let p = Parameter::new("p", Tensor::ones(&[1]));
+        let mut hook = NamedGroupReduction::new();
+        let err = hook.mark(&state, &p, &["dp"]).unwrap_err();
+        assert!(matches!(err, Error::InvalidMark { .. }), "{err}");
+        let err = hook.mark(&state, &p, &["no-such-group"]).unwrap_err();
+        assert!(matches!(err, Error::ParallelState(_)), "{err}");
+        assert!(err.to_string().contains("no-such-group"), "{err}");
+        Ok(())
+    })?;
+    Ok(())
+}

@@ -1,0 +1,100 @@
+//! Times one forward + backward step of a pre-norm transformer block (hidden 512, 8
+//! heads, sequence 128, batch 8, loss = sum of the output) on `--tp` rank threads of the
+//! local backend; prints the median milliseconds per step over the timed steps.
+//!
+//! `cargo run --release -p layers --example bench_block -- --tp 2 --json`
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use comm_core::{run_local, Communicator};
+use layers::{BlockConfig, MasterInit, Module, RngTracker, TensorParallel, TransformerBlock};
+use tape::{Generator, Tape, Tensor};
+
+const HIDDEN: usize = 512;
+const HEADS: usize = 8;
+const SEQ: usize = 128;
+const BATCH: usize = 8;
+
+struct Args {
+    tp: usize,
+    json: bool,
+    warmup: usize,
+    steps: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        tp: 1,
+        json: false,
+        warmup: 2,
+        steps: 10,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut number = |name: &str| -> Result<usize, String> {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| format!("{name} needs a positive integer"))
+        };
+        match flag.as_str() {
+            "--tp" => args.tp = number("--tp")?,
+            "--warmup" => args.warmup = number("--warmup")?,
+            "--steps" => args.steps = number("--steps")?.max(1),
+            "--json" => args.json = true,
+            other => {
+                return Err(format!(
+                    "unknown argument {other}; use --tp T [--json] [--warmup N] [--steps N]"
+                ))
+            }
+        }
+    }
+    Ok(args)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = parse_args()?;
+    let input = Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut Generator::new(0));
+    let times = run_local(args.tp, |comm| -> layers::Result<Vec<f64>> {
+        let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
+        let block = TransformerBlock::new(
+            &tp,
+            "block",
+            &BlockConfig::new(HIDDEN, HEADS),
+            &MasterInit::new(0, 0.02),
+        )?;
+        let mut rng = RngTracker::new(0, tp.rank());
+        let mut times = Vec::new();
+        for step in 0..args.warmup + args.steps {
+            for p in block.parameters() {
+                p.param.zero_grad();
+            }
+            // Align the ranks so each step is timed from a common start.
+            tp.group().barrier()?;
+            let start = Instant::now();
+            let tape = Tape::new();
+            block.forward(&tape, &input, &mut rng)?.sum()?.backward()?;
+            tp.group().barrier()?;
+            if step >= args.warmup {
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        Ok(times)
+    })?;
+    let mut rank0 = times.into_iter().next().unwrap_or_default();
+    rank0.sort_by(f64::total_cmp);
+    let median = rank0.get(rank0.len() / 2).copied().unwrap_or(f64::NAN);
+    if args.json {
+        println!(
+            "{{\"bench\":\"block_step\",\"tp\":{},\"ms_per_step\":{median:.3}}}",
+            args.tp
+        );
+    } else {
+        println!(
+            "block step (hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, batch {BATCH}), tp {}: {median:.3} ms (median of {})",
+            args.tp,
+            rank0.len()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,212 @@
+//! Cross-entropy over logits whose vocabulary dimension is divided among the
+//! tensor-parallel ranks (Megatron-Core's `vocab_parallel_cross_entropy`), exact for every
+//! tensor-parallel size, label smoothing included.
+
+use std::sync::Arc;
+
+use comm_core::{Communicator, CommunicatorExt, ReduceOp};
+use tape::{CrossEntropyOptions, CustomOp, Reduction, Tensor};
+
+use crate::embedding::VocabRange;
+use crate::error::{Error, Result};
+
+const OP: &str = "vocab_parallel_cross_entropy";
+
+/// Cross-entropy of `logits: [..., local vocab]`, this rank's [`VocabRange`] of a
+/// `vocab_size` vocabulary, against `labels` (one global id per row, the same on every
+/// rank), with the semantics of [`Tensor::cross_entropy`] on the gathered logits.
+///
+/// Forward takes one MAX all-reduce (for a stable log-sum-exp) and one SUM all-reduce
+/// of three numbers per row (Σ exp, Σ logits, the target logit). Label smoothing divides
+/// by the **global** vocabulary size (Megatron-Core divides by the local shard's, so its
+/// smoothed loss changes with the tensor-parallel size). Backward is fused and local:
+/// `softmax − (1−ε)·one-hot − ε/V`, scaled by the upstream gradient.
+pub fn vocab_parallel_cross_entropy(
+    logits: &Tensor,
+    labels: &[i64],
+    group: &Arc<dyn Communicator>,
+    vocab_size: usize,
+    options: &CrossEntropyOptions,
+) -> Result<Tensor> {
+    let range = VocabRange::new(vocab_size, group.rank(), group.size())?;
+    let shape = logits.shape().to_vec();
+    if shape.last() != Some(&range.len()) {
+        return Err(Error::shape(
+            OP,
+            &shape,
+            format!(
+                "[..., {}]: rank {}'s share of a vocabulary of {vocab_size}",
+                range.len(),
+                group.rank()
+            ),
+        ));
+    }
+    let rows = logits.numel() / range.len();
+    if labels.len() != rows {
+        return Err(Error::shape(
+            OP,
+            &shape,
+            format!("one label per row; got {} labels", labels.len()),
+        ));
+    }
+    if !(0.0..=1.0).contains(&options.label_smoothing) {
+        return Err(Error::config(
+            OP,
+            format!(
+                "label_smoothing {} is not in [0, 1]",
+                options.label_smoothing
+            ),
+        ));
+    }
+    let ignored = |label: i64| options.ignore_index == Some(label);
+    if let Some(&label) = labels
+        .iter()
+        .find(|&&l| !ignored(l) && (l < 0 || l as usize >= vocab_size))
+    {
+        return Err(Error::LabelOutOfRange {
+            op: OP,
+            label,
+            vocab_size,
+        });
+    }
+    let targets = labels
+        .iter()
+        .map(|&l| (!ignored(l) && range.contains(l as usize)).then(|| l as usize - range.start))
+        .collect();
+    let op = VocabParallelCrossEntropy {
+        group: group.clone(),
+        vocab_size,
+        targets,
+        kept: labels.iter().map(|&l| !ignored(l)).collect(),
+        options: *options,
+        lead_shape: shape[..shape.len() - 1].to_vec(),
+    };
+    Tensor::apply(Arc::new(op), &[logits]).map_err(unwrap_own_error)
+}
+
+/// Errors raised inside the op's forward come back wrapped by the tape.
+fn unwrap_own_error(error: tape::Error) -> Error {
+    match error {
+        tape::Error::Custom { op, source } => match source.downcast::<Error>() {
+            Ok(ours) => *ours,
+            Err(source) => Error::Tape(tape::Error::Custom { op, source }),
+        },
+        other => Error::Tape(other),
+    }
+}
+
+struct VocabParallelCrossEntropy {
+    group: Arc<dyn Communicator>,
+    vocab_size: usize,
+    /// Per row: the label's column in this rank's shard, if it is here and not ignored.
+    targets: Vec<Option<usize>>,
+    /// Per row: whether the label is counted (not the ignore index).
+    kept: Vec<bool>,
+    options: CrossEntropyOptions,
+    lead_shape: Vec<usize>,
+}
+
+impl VocabParallelCrossEntropy {
+    fn counted(&self) -> usize {
+        self.kept.iter().filter(|&&k| k).count()
+    }
+
+    fn forward_inner(&self, logits: &Tensor, saved: &mut Vec<Tensor>) -> Result<Tensor> {
+        let width = logits.shape().last().copied().unwrap_or(1);
+        let values = logits.to_vec()?;
+        let rows = self.targets.len();
+        let mut max: Vec<f32> = values
+            .chunks(width)
+            .map(|row| row.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+            .collect();
+        self.group.all_reduce_slice(&mut max, ReduceOp::Max)?;
+        // Per row: Σ exp(x − max), Σ x, and the target logit (0 on ranks without it).
+        let mut sums = vec![0.0f32; 3 * rows];
+        for (row, (chunk, &m)) in values.chunks(width).zip(&max).enumerate() {
+            sums[3 * row] = chunk.iter().map(|&x| (x - m).exp()).sum();
+            sums[3 * row + 1] = chunk.iter().sum();
+            sums[3 * row + 2] = self.targets[row].map_or(0.0, |t| chunk[t]);
+        }
+        self.group.all_reduce_slice(&mut sums, ReduceOp::Sum)?;
+        let eps = self.options.label_smoothing as f32;
+        let vocab = self.vocab_size as f32;
+        let mut log_norm = Vec::with_capacity(rows);
+        let mut losses = Vec::with_capacity(rows);
+        for (row, &m) in max.iter().enumerate() {
+            let lse = sums[3 * row].ln() + m;
+            log_norm.push(lse);
+            let loss = if self.kept[row] {
+                let nll = lse - sums[3 * row + 2];
+                let smooth = lse - sums[3 * row + 1] / vocab;
+                (1.0 - eps) * nll + eps * smooth
+            } else {
+                0.0
+            };
+            losses.push(loss);
+        }
+        saved.push(logits.clone());
+        saved.push(Tensor::from_vec(log_norm, &[rows])?);
+        let total: f32 = losses.iter().sum();
+        Ok(match self.options.reduction {
+            Reduction::None => Tensor::from_vec(losses, &self.lead_shape)?,
+            Reduction::Sum => Tensor::scalar(total),
+            Reduction::Mean => Tensor::scalar(total / self.counted() as f32),
+        })
+    }
+
+    fn backward_inner(&self, grad_output: &Tensor, saved: &[Tensor]) -> Result<Tensor> {
+        let [logits, log_norm] = saved else {
+            return Err(Error::config(OP, "backward is missing its saved tensors"));
+        };
+        let rows = self.targets.len();
+        let upstream: Vec<f32> = match self.options.reduction {
+            Reduction::None => grad_output.to_vec()?,
+            Reduction::Sum => vec![grad_output.item()?; rows],
+            Reduction::Mean => vec![grad_output.item()? / self.counted() as f32; rows],
+        };
+        let width = logits.shape().last().copied().unwrap_or(1);
+        let eps = self.options.label_smoothing as f32;
+        let uniform = eps / self.vocab_size as f32;
+        let mut grad = logits.to_vec()?;
+        let log_norm = log_norm.to_vec()?;
+        for (row, chunk) in grad.chunks_mut(width).enumerate() {
+            if !self.kept[row] {
+                chunk.fill(0.0);
+                continue;
+            }
+            let (g, lse) = (upstream[row], log_norm[row]);
+            for x in chunk.iter_mut() {
+                *x = g * ((*x - lse).exp() - uniform);
+            }
+            if let Some(t) = self.targets[row] {
+                chunk[t] -= g * (1.0 - eps);
+            }
+        }
+        Ok(Tensor::from_vec(grad, logits.shape())?)
+    }
+}
+
+impl CustomOp for VocabParallelCrossEntropy {
+    fn name(&self) -> &str {
+        OP
+    }
+
+    fn forward(&self, inputs: &[Tensor], saved: &mut Vec<Tensor>) -> tape::Result<Tensor> {
+        let logits = inputs
+            .first()
+            .ok_or_else(|| tape::Error::custom(OP, "takes one input, the logits"))?;
+        self.forward_inner(logits, saved)
+            .map_err(|e| tape::Error::custom(OP, e))
+    }
+
+    fn backward(
+        &self,
+        grad_output: &Tensor,
+        saved: &[Tensor],
+    ) -> tape::Result<Vec<Option<Tensor>>> {
+        let grad = self
+            .backward_inner(grad_output, saved)
+            .map_err(|e| tape::Error::custom(OP, e))?;
+        Ok(vec![Some(grad)])
+    }
+}

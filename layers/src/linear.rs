@@ -1,0 +1,327 @@
+//! Column- and row-parallel linear layers (Megatron-Core's `ColumnParallelLinear` and
+//! `RowParallelLinear`). Weights are stored `[out_features, in_features]`, as PyTorch's.
+
+use mappings::{
+    copy_to_region, gather_from_region, gather_from_sequence_parallel_region, reduce_from_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_region,
+};
+use tape::{Tape, Tensor};
+
+use crate::error::{Error, Result};
+use crate::init::{sharded, MasterInit};
+use crate::parallel::{ShardedParameter, Sharding, TensorParallel};
+
+/// A linear layer's output; `bias` is `Some` only with `skip_bias_add`, for the caller to
+/// fuse into what follows (Megatron's `(output, output_bias)` pair).
+#[derive(Debug, Clone)]
+pub struct LinearOutput {
+    /// `x·Wᵀ`, plus the bias unless `skip_bias_add`.
+    pub output: Tensor,
+    /// The bias that was not added.
+    pub bias: Option<Tensor>,
+}
+
+/// Options shared by both linear layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearOptions {
+    /// Whether the layer has a bias.
+    pub bias: bool,
+    /// Return the bias instead of adding it.
+    pub skip_bias_add: bool,
+}
+
+impl Default for LinearOptions {
+    fn default() -> Self {
+        LinearOptions {
+            bias: true,
+            skip_bias_add: false,
+        }
+    }
+}
+
+/// `y = x·Wᵀ + b` with `W`'s output features (rows) divided among the tensor-parallel
+/// ranks.
+///
+/// Forward, the replicated input enters the region (identity; its gradient is summed over
+/// the group in backward), or under sequence parallelism the sequence parts of the input
+/// (first dimension) are all-gathered (and the input gradient reduce-scattered). Each rank
+/// computes its output features; `gather_output` all-gathers them along the last
+/// dimension. Output features that the group size does not divide are split by
+/// [`mappings::split_sizes`].
+pub struct ColumnParallelLinear {
+    tp: TensorParallel,
+    in_features: usize,
+    out_features: usize,
+    gather_output: bool,
+    skip_bias_add: bool,
+    weight: ShardedParameter,
+    bias: Option<ShardedParameter>,
+}
+
+impl ColumnParallelLinear {
+    /// A layer called `name` (its parameters are `name.weight`, `name.bias`), initialised
+    /// from `init`'s master weights.
+    pub fn new(
+        tp: &TensorParallel,
+        name: &str,
+        in_features: usize,
+        out_features: usize,
+        gather_output: bool,
+        options: LinearOptions,
+        init: &MasterInit,
+    ) -> Result<Self> {
+        check_features("ColumnParallelLinear", in_features, out_features)?;
+        let weight_name = format!("{name}.weight");
+        let weight = sharded(
+            tp,
+            weight_name.clone(),
+            &init.weight(&weight_name, &[out_features, in_features]),
+            Sharding::Split {
+                dim: 0,
+                full_len: out_features,
+            },
+            false,
+        )?;
+        let bias = if options.bias {
+            let bias_name = format!("{name}.bias");
+            Some(sharded(
+                tp,
+                bias_name.clone(),
+                &init.bias(&bias_name, &[out_features], 0.0)?,
+                Sharding::Split {
+                    dim: 0,
+                    full_len: out_features,
+                },
+                false,
+            )?)
+        } else {
+            None
+        };
+        Ok(ColumnParallelLinear {
+            tp: tp.clone(),
+            in_features,
+            out_features,
+            gather_output,
+            skip_bias_add: options.skip_bias_add,
+            weight,
+            bias,
+        })
+    }
+
+    /// Number of output features this rank computes.
+    pub fn local_out_features(&self) -> usize {
+        self.weight.param.shape()[0]
+    }
+
+    /// Applies the layer to `x` of shape `[..., in_features]` (under sequence
+    /// parallelism `[sequence part, ..., in_features]`). The output is `[...,
+    /// out_features]` with `gather_output`, else this rank's `[..., local out features]`.
+    pub fn forward(&self, tape: &Tape, x: &Tensor) -> Result<LinearOutput> {
+        const OP: &str = "ColumnParallelLinear";
+        let min_dims = if self.tp.sequence_parallel() { 2 } else { 1 };
+        if x.ndim() < min_dims || x.shape().last() != Some(&self.in_features) {
+            return Err(Error::shape(
+                OP,
+                x.shape(),
+                format!(
+                    "[{}..., {}] (at least {min_dims} dimensions)",
+                    if self.tp.sequence_parallel() {
+                        "sequence part, "
+                    } else {
+                        ""
+                    },
+                    self.in_features
+                ),
+            ));
+        }
+        let group = self.tp.group();
+        let input = if self.tp.sequence_parallel() {
+            gather_from_sequence_parallel_region(x, group, true, None)?
+        } else {
+            copy_to_region(x, group)?
+        };
+        let weight = tape.watch(&self.weight.param);
+        let mut output = matmul_transposed(&input, &weight)?;
+        let bias = self.bias.as_ref().map(|b| tape.watch(&b.param));
+        let returned_bias = match bias {
+            Some(bias) if !self.skip_bias_add => {
+                output = output.add(&bias)?;
+                None
+            }
+            other => other,
+        };
+        if self.gather_output {
+            let sizes = mappings::split_sizes(self.out_features, self.tp.size())?;
+            output = gather_from_region(&output, group, output.ndim() - 1, Some(&sizes))?;
+        }
+        Ok(LinearOutput {
+            output,
+            bias: returned_bias,
+        })
+    }
+}
+
+impl crate::Module for ColumnParallelLinear {
+    fn parameters(&self) -> Vec<ShardedParameter> {
+        std::iter::once(self.weight.clone())
+            .chain(self.bias.clone())
+            .collect()
+    }
+}
+
+/// `y = x·Wᵀ + b` with `W`'s input features (columns) divided among the tensor-parallel
+/// ranks.
+///
+/// With `input_is_parallel` each rank receives its part of the input's last dimension
+/// (the output of a column-parallel layer); otherwise the replicated input is cut here.
+/// The partial products are summed over the group (all-reduce), or under sequence
+/// parallelism summed and divided along the first dimension (reduce-scatter). The bias
+/// is replicated and added once, after the reduction; under sequence parallelism its
+/// gradient is partial per rank and is flagged for a tensor-parallel all-reduce.
+pub struct RowParallelLinear {
+    tp: TensorParallel,
+    in_features: usize,
+    input_is_parallel: bool,
+    skip_bias_add: bool,
+    weight: ShardedParameter,
+    bias: Option<ShardedParameter>,
+}
+
+impl RowParallelLinear {
+    /// A layer called `name`, initialised from `init`'s master weights. Sequence
+    /// parallelism needs `input_is_parallel`.
+    pub fn new(
+        tp: &TensorParallel,
+        name: &str,
+        in_features: usize,
+        out_features: usize,
+        input_is_parallel: bool,
+        options: LinearOptions,
+        init: &MasterInit,
+    ) -> Result<Self> {
+        const OP: &str = "RowParallelLinear";
+        check_features(OP, in_features, out_features)?;
+        if tp.sequence_parallel() && !input_is_parallel {
+            return Err(Error::config(
+                OP,
+                "sequence parallelism needs input_is_parallel = true",
+            ));
+        }
+        let weight_name = format!("{name}.weight");
+        let weight = sharded(
+            tp,
+            weight_name.clone(),
+            &init.weight(&weight_name, &[out_features, in_features]),
+            Sharding::Split {
+                dim: 1,
+                full_len: in_features,
+            },
+            false,
+        )?;
+        let bias = if options.bias {
+            let bias_name = format!("{name}.bias");
+            Some(sharded(
+                tp,
+                bias_name.clone(),
+                &init.bias(&bias_name, &[out_features], 0.0)?,
+                Sharding::Replicated,
+                tp.sequence_parallel(),
+            )?)
+        } else {
+            None
+        };
+        Ok(RowParallelLinear {
+            tp: tp.clone(),
+            in_features,
+            input_is_parallel,
+            skip_bias_add: options.skip_bias_add,
+            weight,
+            bias,
+        })
+    }
+
+    /// Number of input features this rank multiplies.
+    pub fn local_in_features(&self) -> usize {
+        self.weight.param.shape()[1]
+    }
+
+    /// Applies the layer to `x` of shape `[..., local in features]` with
+    /// `input_is_parallel`, else `[..., in_features]`. The output is `[...,
+    /// out_features]`, under sequence parallelism this rank's part of the first dimension.
+    pub fn forward(&self, tape: &Tape, x: &Tensor) -> Result<LinearOutput> {
+        const OP: &str = "RowParallelLinear";
+        let expected_in = if self.input_is_parallel {
+            self.local_in_features()
+        } else {
+            self.in_features
+        };
+        let min_dims = if self.tp.sequence_parallel() { 2 } else { 1 };
+        if x.ndim() < min_dims || x.shape().last() != Some(&expected_in) {
+            return Err(Error::shape(
+                OP,
+                x.shape(),
+                format!("[..., {expected_in}] (at least {min_dims} dimensions)"),
+            ));
+        }
+        let group = self.tp.group();
+        let input = if self.input_is_parallel {
+            x.clone()
+        } else {
+            let sizes = mappings::split_sizes(self.in_features, self.tp.size())?;
+            scatter_to_region(x, group, x.ndim() - 1, Some(&sizes))?
+        };
+        let partial = matmul_transposed(&input, &tape.watch(&self.weight.param))?;
+        let mut output = if self.tp.sequence_parallel() {
+            reduce_scatter_to_sequence_parallel_region(&partial, group, None)?
+        } else {
+            reduce_from_region(&partial, group)?
+        };
+        let bias = self.bias.as_ref().map(|b| tape.watch(&b.param));
+        let returned_bias = match bias {
+            Some(bias) if !self.skip_bias_add => {
+                output = output.add(&bias)?;
+                None
+            }
+            other => other,
+        };
+        Ok(LinearOutput {
+            output,
+            bias: returned_bias,
+        })
+    }
+}
+
+impl crate::Module for RowParallelLinear {
+    fn parameters(&self) -> Vec<ShardedParameter> {
+        std::iter::once(self.weight.clone())
+            .chain(self.bias.clone())
+            .collect()
+    }
+}
+
+fn check_features(op: &'static str, in_features: usize, out_features: usize) -> Result<()> {
+    if in_features == 0 || out_features == 0 {
+        return Err(Error::config(
+            op,
+            format!("features must be positive, got in {in_features}, out {out_features}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `x·Wᵀ` for `x` of any rank ≥ 1 and `W: [out, in]`: leading dimensions are flattened
+/// into rows for one GEMM (the transpose is a free strided view).
+pub(crate) fn matmul_transposed(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let shape = x.shape().to_vec();
+    let in_features = shape.last().copied().unwrap_or(0);
+    let rows = x.numel().checked_div(in_features).unwrap_or(0);
+    let out_features = weight.shape()[0];
+    let product = x
+        .reshape(&[rows, in_features])?
+        .matmul(&weight.transpose(0, 1)?)?;
+    let mut out_shape = shape;
+    if let Some(last) = out_shape.last_mut() {
+        *last = out_features;
+    }
+    Ok(product.reshape(&out_shape)?)
+}

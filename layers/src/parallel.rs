@@ -1,0 +1,215 @@
+//! The tensor-parallel context every layer is built with, and how a parameter is cut
+//! across its ranks.
+
+use std::sync::Arc;
+
+use comm_core::Communicator;
+use parallel_state::ParallelState;
+use tape::{Parameter, Tensor};
+
+use crate::error::{Error, Result};
+
+/// Name of the group whose ranks must sum the gradients of
+/// [sequence-parallel parameters](ShardedParameter::grad_reduce_group): the
+/// tensor-parallel group, as `ParallelState` names it for DDP's named-group hook.
+pub const TP_GROUP: &str = "tp";
+
+/// The tensor-parallel group a layer runs on, and whether activations outside the
+/// tensor-parallel regions are split along the sequence (Megatron's sequence parallelism).
+#[derive(Clone)]
+pub struct TensorParallel {
+    group: Arc<dyn Communicator>,
+    sequence_parallel: bool,
+}
+
+impl std::fmt::Debug for TensorParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorParallel")
+            .field("group", &self.group.name())
+            .field("rank", &self.rank())
+            .field("size", &self.size())
+            .field("sequence_parallel", &self.sequence_parallel)
+            .finish()
+    }
+}
+
+impl TensorParallel {
+    /// Tensor parallelism over `group`, without sequence parallelism. A group of one rank
+    /// gives the serial model.
+    pub fn new(group: Arc<dyn Communicator>) -> Self {
+        TensorParallel {
+            group,
+            sequence_parallel: false,
+        }
+    }
+
+    /// Tensor parallelism over the tensor-parallel group of `state`.
+    pub fn from_state(state: &ParallelState) -> Self {
+        Self::new(state.tp().clone())
+    }
+
+    /// The same group with sequence parallelism switched on or off.
+    pub fn with_sequence_parallel(mut self, sequence_parallel: bool) -> Self {
+        self.sequence_parallel = sequence_parallel;
+        self
+    }
+
+    /// The tensor-parallel group.
+    pub fn group(&self) -> &Arc<dyn Communicator> {
+        &self.group
+    }
+
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// Number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// Whether activations outside tensor-parallel regions are split along the sequence.
+    pub fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
+    }
+
+    /// This rank's `(start, len)` when `full_len` elements are divided among the group by
+    /// [`mappings::split_sizes`] (balanced: parts differ by at most one).
+    pub fn part(&self, full_len: usize) -> Result<(usize, usize)> {
+        part_of(full_len, self.rank(), self.size())
+    }
+}
+
+/// Rank `rank`'s `(start, len)` of `full_len` elements split among `size` ranks by
+/// [`mappings::split_sizes`].
+pub fn part_of(full_len: usize, rank: usize, size: usize) -> Result<(usize, usize)> {
+    let sizes = mappings::split_sizes(full_len, size)?;
+    let start = sizes.iter().take(rank).sum();
+    let len = sizes.get(rank).copied().ok_or_else(|| {
+        Error::config(
+            "part_of",
+            format!("rank {rank} is not in a group of {size}"),
+        )
+    })?;
+    Ok((start, len))
+}
+
+/// How a parameter's full (serial) tensor is divided among the tensor-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// Every rank holds the whole tensor.
+    Replicated,
+    /// Dimension `dim`, `full_len` long in the serial model, is divided by
+    /// [`mappings::split_sizes`]; rank `r` holds part `r`.
+    Split {
+        /// The divided dimension.
+        dim: usize,
+        /// Its length in the full tensor.
+        full_len: usize,
+    },
+}
+
+impl Sharding {
+    /// Rank `rank`'s part of the full tensor (of a group of `size`).
+    pub fn shard(&self, full: &Tensor, rank: usize, size: usize) -> Result<Tensor> {
+        match *self {
+            Sharding::Replicated => Ok(full.detach()),
+            Sharding::Split { dim, full_len } => {
+                if full.shape().get(dim) != Some(&full_len) {
+                    return Err(Error::shape(
+                        "Sharding::shard",
+                        full.shape(),
+                        format!("dimension {dim} of length {full_len}"),
+                    ));
+                }
+                let (start, len) = part_of(full_len, rank, size)?;
+                let part = full.detach().narrow(dim, start, len)?;
+                // An owned copy: a view would keep the whole master tensor alive.
+                Ok(Tensor::from_vec(part.to_vec()?, part.shape())?)
+            }
+        }
+    }
+
+    /// The full tensor from every rank's part, in rank order (the inverse of
+    /// [`shard`](Self::shard)). Replicated parameters take rank 0's copy.
+    pub fn unshard(&self, parts: &[Tensor]) -> Result<Tensor> {
+        let Some(first) = parts.first() else {
+            return Err(Error::config("Sharding::unshard", "no parts given"));
+        };
+        match *self {
+            Sharding::Replicated => Ok(first.detach()),
+            Sharding::Split { dim, .. } => {
+                let parts: Vec<&Tensor> = parts.iter().collect();
+                Ok(Tensor::concat(&parts, dim)?.detach())
+            }
+        }
+    }
+
+    /// Text form used in checkpoint metadata: `replicated` or `split:<dim>:<full_len>`.
+    pub fn encode(&self) -> String {
+        match self {
+            Sharding::Replicated => "replicated".to_string(),
+            Sharding::Split { dim, full_len } => format!("split:{dim}:{full_len}"),
+        }
+    }
+
+    /// Parses [`encode`](Self::encode)'s form.
+    pub fn decode(text: &str) -> Option<Sharding> {
+        if text == "replicated" {
+            return Some(Sharding::Replicated);
+        }
+        let mut fields = text.strip_prefix("split:")?.split(':');
+        let dim = fields.next()?.parse().ok()?;
+        let full_len = fields.next()?.parse().ok()?;
+        fields
+            .next()
+            .is_none()
+            .then_some(Sharding::Split { dim, full_len })
+    }
+}
+
+/// A rank's parameter with what checkpoints and gradient synchronisation need to know.
+#[derive(Debug, Clone)]
+pub struct ShardedParameter {
+    /// This rank's part of the parameter; its name is unique within the model.
+    pub param: Parameter,
+    /// How the full parameter is divided among tensor-parallel ranks.
+    pub sharding: Sharding,
+    /// `Some(TP_GROUP)` for parameters used on sequence-split activations (layer norms
+    /// and row-parallel biases under sequence parallelism): each rank's gradient covers
+    /// only its part of the sequence, so the gradients must be summed over the
+    /// tensor-parallel group after backward (DDP's named-group hook, or
+    /// [`all_reduce_sequence_parallel_grads`]).
+    pub grad_reduce_group: Option<&'static str>,
+}
+
+/// Anything made of sharded parameters.
+pub trait Module {
+    /// Every parameter, in a fixed order that is the same on every rank.
+    fn parameters(&self) -> Vec<ShardedParameter>;
+}
+
+/// Sums, over the tensor-parallel group, the gradients of the parameters whose
+/// [`grad_reduce_group`](ShardedParameter::grad_reduce_group) asks for it. Call it after
+/// backward when no DDP hook does so. Every rank must call it; a parameter without a
+/// gradient contributes zeros.
+pub fn all_reduce_sequence_parallel_grads(
+    module: &dyn Module,
+    group: &Arc<dyn Communicator>,
+) -> Result<()> {
+    use comm_core::{CommunicatorExt, ReduceOp};
+    for sharded in module.parameters() {
+        if sharded.grad_reduce_group.is_none() || group.size() == 1 {
+            continue;
+        }
+        let param = &sharded.param;
+        let mut grad = match param.grad() {
+            Some(grad) => grad.to_vec()?,
+            None => vec![0.0; param.numel()],
+        };
+        group.all_reduce_slice(&mut grad, ReduceOp::Sum)?;
+        param.set_grad(Some(Tensor::from_vec(grad, &param.shape())?))?;
+    }
+    Ok(())
+}

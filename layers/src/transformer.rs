@@ -1,0 +1,338 @@
+//! Layer norm, the tensor-parallel MLP and self-attention, and a pre-norm transformer
+//! block built from them. Activations are sequence-first, `[sequence, batch, hidden]`, as
+//! in Megatron-Core; under sequence parallelism the sequence dimension is this rank's
+//! part outside the tensor-parallel regions.
+
+use tape::{causal_mask, Gelu, Tape, Tensor};
+
+use crate::error::{Error, Result};
+use crate::init::{sharded, MasterInit};
+use crate::linear::{ColumnParallelLinear, LinearOptions, RowParallelLinear};
+use crate::parallel::{Module, ShardedParameter, Sharding, TensorParallel};
+use crate::random::RngTracker;
+
+/// Layer normalisation over the last dimension, with replicated weight and bias.
+///
+/// Under sequence parallelism each rank normalises only its part of the sequence, so its
+/// parameter gradients are partial sums: both parameters are flagged with
+/// [`grad_reduce_group`](ShardedParameter::grad_reduce_group) `= Some("tp")`.
+pub struct LayerNorm {
+    weight: ShardedParameter,
+    bias: ShardedParameter,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// A layer norm called `name` over `hidden` features.
+    pub fn new(
+        tp: &TensorParallel,
+        name: &str,
+        hidden: usize,
+        eps: f64,
+        init: &MasterInit,
+    ) -> Result<Self> {
+        let make = |suffix: &str, offset: f32| -> Result<ShardedParameter> {
+            let full_name = format!("{name}.{suffix}");
+            let full = init.bias(&full_name, &[hidden], offset)?;
+            sharded(
+                tp,
+                full_name,
+                &full,
+                Sharding::Replicated,
+                tp.sequence_parallel(),
+            )
+        };
+        Ok(LayerNorm {
+            weight: make("weight", 1.0)?,
+            bias: make("bias", 0.0)?,
+            eps,
+        })
+    }
+
+    /// Normalises `x: [..., hidden]`.
+    pub fn forward(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
+        let weight = tape.watch(&self.weight.param);
+        let bias = tape.watch(&self.bias.param);
+        Ok(x.layer_norm(Some(&weight), Some(&bias), self.eps)?)
+    }
+}
+
+impl Module for LayerNorm {
+    fn parameters(&self) -> Vec<ShardedParameter> {
+        vec![self.weight.clone(), self.bias.clone()]
+    }
+}
+
+/// Sizes and probabilities of a transformer block.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockConfig {
+    /// Model width.
+    pub hidden: usize,
+    /// Attention heads; the tensor-parallel size must divide it.
+    pub heads: usize,
+    /// Width of the MLP's inner layer (usually `4 · hidden`); any size, split unevenly
+    /// when the tensor-parallel size does not divide it.
+    pub ffn_hidden: usize,
+    /// Layer-norm epsilon.
+    pub layer_norm_eps: f64,
+    /// Dropout on attention probabilities (model-parallel RNG stream).
+    pub attention_dropout: f64,
+    /// Dropout on each residual branch (default stream, or model-parallel stream under
+    /// sequence parallelism, where the activations differ by rank).
+    pub hidden_dropout: f64,
+    /// GELU formula of the MLP.
+    pub gelu: Gelu,
+}
+
+impl BlockConfig {
+    /// `hidden` wide with `heads` heads, a `4 · hidden` MLP, no dropout, tanh GELU.
+    pub fn new(hidden: usize, heads: usize) -> Self {
+        BlockConfig {
+            hidden,
+            heads,
+            ffn_hidden: 4 * hidden,
+            layer_norm_eps: 1e-5,
+            attention_dropout: 0.0,
+            hidden_dropout: 0.0,
+            gelu: Gelu::Tanh,
+        }
+    }
+}
+
+/// `row(gelu(column(x)))`: `hidden → ffn_hidden → hidden` with the inner activations
+/// divided among the tensor-parallel ranks, one reduction per forward pass.
+pub struct ParallelMlp {
+    fc1: ColumnParallelLinear,
+    fc2: RowParallelLinear,
+    gelu: Gelu,
+}
+
+impl ParallelMlp {
+    /// An MLP called `name` (`name.fc1`, `name.fc2`).
+    pub fn new(
+        tp: &TensorParallel,
+        name: &str,
+        config: &BlockConfig,
+        init: &MasterInit,
+    ) -> Result<Self> {
+        Ok(ParallelMlp {
+            fc1: ColumnParallelLinear::new(
+                tp,
+                &format!("{name}.fc1"),
+                config.hidden,
+                config.ffn_hidden,
+                false,
+                LinearOptions::default(),
+                init,
+            )?,
+            fc2: RowParallelLinear::new(
+                tp,
+                &format!("{name}.fc2"),
+                config.ffn_hidden,
+                config.hidden,
+                true,
+                LinearOptions::default(),
+                init,
+            )?,
+            gelu: config.gelu,
+        })
+    }
+
+    /// Applies the MLP to `x: [..., hidden]` (sequence part first under sequence
+    /// parallelism).
+    pub fn forward(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
+        let inner = self.fc1.forward(tape, x)?.output.gelu(self.gelu)?;
+        Ok(self.fc2.forward(tape, &inner)?.output)
+    }
+}
+
+impl Module for ParallelMlp {
+    fn parameters(&self) -> Vec<ShardedParameter> {
+        let mut params = self.fc1.parameters();
+        params.extend(self.fc2.parameters());
+        params
+    }
+}
+
+/// Causal multi-head self-attention with the heads divided among the tensor-parallel
+/// ranks: a column-parallel QKV projection, attention over this rank's heads, and a
+/// row-parallel output projection.
+///
+/// The fused QKV weight's rows are laid out head by head (`[q, k, v]` of head 0, then of
+/// head 1, ...), as Megatron-Core's, so cutting its rows among ranks hands each rank
+/// whole heads.
+pub struct ParallelSelfAttention {
+    qkv: ColumnParallelLinear,
+    proj: RowParallelLinear,
+    local_heads: usize,
+    head_dim: usize,
+    dropout: f64,
+}
+
+impl ParallelSelfAttention {
+    /// Attention called `name` (`name.qkv`, `name.proj`). Errors when the heads do not
+    /// divide the width or the tensor-parallel size does not divide the heads.
+    pub fn new(
+        tp: &TensorParallel,
+        name: &str,
+        config: &BlockConfig,
+        init: &MasterInit,
+    ) -> Result<Self> {
+        const OP: &str = "ParallelSelfAttention";
+        let (hidden, heads) = (config.hidden, config.heads);
+        if heads == 0 || hidden % heads != 0 {
+            return Err(Error::NotDivisible {
+                op: OP,
+                what: "hidden size",
+                value: hidden,
+                parts: heads,
+            });
+        }
+        if heads % tp.size() != 0 {
+            return Err(Error::NotDivisible {
+                op: OP,
+                what: "attention heads",
+                value: heads,
+                parts: tp.size(),
+            });
+        }
+        Ok(ParallelSelfAttention {
+            qkv: ColumnParallelLinear::new(
+                tp,
+                &format!("{name}.qkv"),
+                hidden,
+                3 * hidden,
+                false,
+                LinearOptions::default(),
+                init,
+            )?,
+            proj: RowParallelLinear::new(
+                tp,
+                &format!("{name}.proj"),
+                hidden,
+                hidden,
+                true,
+                LinearOptions::default(),
+                init,
+            )?,
+            local_heads: heads / tp.size(),
+            head_dim: hidden / heads,
+            dropout: config.attention_dropout,
+        })
+    }
+
+    /// Attends over `x: [sequence, batch, hidden]` (this rank's sequence part under
+    /// sequence parallelism); the output has `x`'s shape.
+    pub fn forward(&self, tape: &Tape, x: &Tensor, rng: &mut RngTracker) -> Result<Tensor> {
+        if x.ndim() != 3 {
+            return Err(Error::shape(
+                "ParallelSelfAttention",
+                x.shape(),
+                "[sequence, batch, hidden]",
+            ));
+        }
+        let qkv = self.qkv.forward(tape, x)?.output;
+        let (seq, batch) = (qkv.shape()[0], qkv.shape()[1]);
+        let (heads, head_dim) = (self.local_heads, self.head_dim);
+        let qkv = qkv.reshape(&[seq, batch, heads, 3, head_dim])?;
+        // [s, b, n, 1, d] → [b·n, s, d] for batched matrix products.
+        let part = |index: usize| -> Result<Tensor> {
+            Ok(qkv
+                .narrow(3, index, 1)?
+                .reshape(&[seq, batch, heads, head_dim])?
+                .permute(&[1, 2, 0, 3])?
+                .reshape(&[batch * heads, seq, head_dim])?)
+        };
+        let (query, key, value) = (part(0)?, part(1)?, part(2)?);
+        let scores = query
+            .matmul(&key.transpose(1, 2)?)?
+            .scale(1.0 / (head_dim as f64).sqrt())?
+            .masked_fill(&causal_mask(seq), f32::NEG_INFINITY)?;
+        let probs = scores
+            .softmax()?
+            .dropout(self.dropout, rng.model_parallel_stream())?;
+        let context = probs
+            .matmul(&value)?
+            .reshape(&[batch, heads, seq, head_dim])?
+            .permute(&[2, 0, 1, 3])?
+            .reshape(&[seq, batch, heads * head_dim])?;
+        Ok(self.proj.forward(tape, &context)?.output)
+    }
+}
+
+impl Module for ParallelSelfAttention {
+    fn parameters(&self) -> Vec<ShardedParameter> {
+        let mut params = self.qkv.parameters();
+        params.extend(self.proj.parameters());
+        params
+    }
+}
+
+/// A pre-norm transformer block:
+/// `h = x + dropout(attention(ln1(x)))`, `out = h + dropout(mlp(ln2(h)))`.
+pub struct TransformerBlock {
+    ln1: LayerNorm,
+    attention: ParallelSelfAttention,
+    ln2: LayerNorm,
+    mlp: ParallelMlp,
+    hidden_dropout: f64,
+    sequence_parallel: bool,
+}
+
+impl TransformerBlock {
+    /// A block called `name` (`name.ln1`, `name.attention`, `name.ln2`, `name.mlp`).
+    pub fn new(
+        tp: &TensorParallel,
+        name: &str,
+        config: &BlockConfig,
+        init: &MasterInit,
+    ) -> Result<Self> {
+        Ok(TransformerBlock {
+            ln1: LayerNorm::new(
+                tp,
+                &format!("{name}.ln1"),
+                config.hidden,
+                config.layer_norm_eps,
+                init,
+            )?,
+            attention: ParallelSelfAttention::new(tp, &format!("{name}.attention"), config, init)?,
+            ln2: LayerNorm::new(
+                tp,
+                &format!("{name}.ln2"),
+                config.hidden,
+                config.layer_norm_eps,
+                init,
+            )?,
+            mlp: ParallelMlp::new(tp, &format!("{name}.mlp"), config, init)?,
+            hidden_dropout: config.hidden_dropout,
+            sequence_parallel: tp.sequence_parallel(),
+        })
+    }
+
+    /// Applies the block to `x: [sequence, batch, hidden]` (this rank's sequence part
+    /// under sequence parallelism).
+    pub fn forward(&self, tape: &Tape, x: &Tensor, rng: &mut RngTracker) -> Result<Tensor> {
+        let attended = self
+            .attention
+            .forward(tape, &self.ln1.forward(tape, x)?, rng)?;
+        let hidden = x.add(&attended.dropout(
+            self.hidden_dropout,
+            rng.for_activations(self.sequence_parallel),
+        )?)?;
+        let transformed = self.mlp.forward(tape, &self.ln2.forward(tape, &hidden)?)?;
+        Ok(hidden.add(&transformed.dropout(
+            self.hidden_dropout,
+            rng.for_activations(self.sequence_parallel),
+        )?)?)
+    }
+}
+
+impl Module for TransformerBlock {
+    fn parameters(&self) -> Vec<ShardedParameter> {
+        let mut params = self.ln1.parameters();
+        params.extend(self.attention.parameters());
+        params.extend(self.ln2.parameters());
+        params.extend(self.mlp.parameters());
+        params
+    }
+}

@@ -120,8 +120,13 @@ impl ProgressQueue {
 
     /// Blocks until every submitted job has finished, so that a blocking call issued now
     /// runs after them.
+    /// Whether the caller is this queue's progress thread.
+    pub(crate) fn is_current_thread(&self) -> bool {
+        self.worker.get() == Some(&std::thread::current().id())
+    }
+
     pub(crate) fn wait_idle(&self) {
-        if self.worker.get() == Some(&std::thread::current().id()) {
+        if self.is_current_thread() {
             return;
         }
         let mut inner = self.state.inner.lock();

@@ -256,7 +256,16 @@ impl GroupShared {
     }
 
     /// Arrives at barrier number `epoch` (1-based, per rank) and waits for every rank.
-    pub(crate) fn barrier(&self, rank: usize, epoch: u64, op: OpKind, seq: u64) -> Result<()> {
+    /// `spin` is false for background (progress-thread) calls: their latency matters
+    /// less than leaving the cores to the ranks' compute.
+    pub(crate) fn barrier(
+        &self,
+        rank: usize,
+        epoch: u64,
+        op: OpKind,
+        seq: u64,
+        spin: bool,
+    ) -> Result<()> {
         self.slots[rank].arrived.store(epoch, Ordering::SeqCst);
         if self.parked.load(Ordering::SeqCst) > 0 {
             self.wake_all();
@@ -264,6 +273,7 @@ impl GroupShared {
         self.wait_for(
             op,
             seq,
+            spin,
             |g| g.missing(epoch).next().is_none(),
             |g| g.missing(epoch).collect(),
         )
@@ -283,11 +293,16 @@ impl GroupShared {
         &self,
         op: OpKind,
         seq: u64,
+        spin: bool,
         mut ready: impl FnMut(&GroupShared) -> bool,
         waiting_on: impl Fn(&GroupShared) -> Vec<usize>,
     ) -> Result<()> {
         let start = Instant::now();
-        let window = self.spin_window;
+        let window = if spin {
+            self.spin_window
+        } else {
+            Duration::ZERO
+        };
         loop {
             for _ in 0..16 {
                 if ready(self) {
@@ -365,6 +380,7 @@ impl GroupShared {
         self.wait_for(
             OpKind::Send,
             seq,
+            true,
             |_| mailbox.taken.load(Ordering::Acquire) > ticket,
             |_| vec![dst],
         )
@@ -377,6 +393,7 @@ impl GroupShared {
         self.wait_for(
             OpKind::Recv,
             seq,
+            true,
             |_| {
                 if taken.is_none() {
                     taken = mailbox.queue.lock().pop_front();

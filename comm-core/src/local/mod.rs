@@ -442,7 +442,8 @@ impl RankCore {
 
     fn barrier_step(&self, counters: &mut Counters, op: OpKind, seq: u64) -> Result<()> {
         counters.epoch += 1;
-        self.group.barrier(self.rank, counters.epoch, op, seq)
+        let spin = !self.queue.is_current_thread();
+        self.group.barrier(self.rank, counters.epoch, op, seq, spin)
     }
 
     /// A peer's published record for call `seq`.

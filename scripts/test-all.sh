@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole ferrotron test suite, as CI runs it (.ci/run calls exactly this script).
 # Installs what it needs on Debian/Ubuntu (skipping what is present), then runs:
-# rustfmt, clippy with every feature, all workspace tests (unit, integration, doc), and
-# the MPI test binaries under mpirun with 2 and 4 ranks.
+# rustfmt, clippy with every feature, all workspace tests (unit, integration, doc; the
+# doctests include every Rust example of the mdBook), the MPI test binaries under mpirun
+# with 2 and 4 ranks, and builds the mdBook.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +21,11 @@ fi
 for component in rustfmt clippy; do
     cargo "${component/rustfmt/fmt}" --version >/dev/null 2>&1 || rustup component add "$component"
 done
+mdbook_version=0.5.4
+if ! mdbook --version 2>/dev/null | grep -q "$mdbook_version"; then
+    echo "==> installing mdbook $mdbook_version"
+    cargo install --locked --quiet mdbook --version "$mdbook_version"
+fi
 
 # OpenMPI refuses to start as root unless told; CI machines run as root.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -49,3 +55,6 @@ for ranks in 2 4; do
     done
 done
 echo "mpi: $passed passed, 0 failed"
+
+echo "==> mdbook build docs"
+mdbook build docs

@@ -145,6 +145,31 @@ fn a_panicking_rank_makes_peers_fail_with_peer_lost() {
 }
 
 #[test]
+fn the_root_cause_is_found_whatever_error_type_peers_wrap_their_loss_in() {
+    // Rank 2 leaves first and fails only later, so its peers' failures happen first; they
+    // also hide the PeerLost inside a foreign error type. The launcher must still blame 2.
+    let err = run_local(
+        3,
+        |comm| -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+            if comm.rank() == 2 {
+                drop(comm);
+                std::thread::sleep(Duration::from_millis(50));
+                return Err("rank 2's own failure".into());
+            }
+            comm.barrier()
+                .map_err(|e| format!("wrapped by the application: {e}").into())
+        },
+    )
+    .unwrap_err();
+    match err {
+        Error::RankFailed { rank: 2, source } => {
+            assert!(source.to_string().contains("rank 2's own failure"))
+        }
+        other => panic!("expected rank 2 as the root cause, got {other}"),
+    }
+}
+
+#[test]
 fn a_rank_that_returns_early_is_a_lost_peer() {
     let start = Instant::now();
     let err = run_local(2, |comm| {

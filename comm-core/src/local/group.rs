@@ -20,12 +20,16 @@ use std::time::{Duration, Instant};
 /// Liveness of every rank of one `run_local` world.
 pub(crate) struct WorldShared {
     pub(crate) dead: Vec<AtomicBool>,
+    /// Ranks that saw a lost peer or a broken group: whatever error type their code
+    /// returns, their failure is a consequence of another rank's, not a root cause.
+    pub(crate) saw_lost_peer: Vec<AtomicBool>,
 }
 
 impl WorldShared {
     pub(crate) fn new(size: usize) -> Arc<WorldShared> {
         Arc::new(WorldShared {
             dead: (0..size).map(|_| AtomicBool::new(false)).collect(),
+            saw_lost_peer: (0..size).map(|_| AtomicBool::new(false)).collect(),
         })
     }
 }
@@ -199,17 +203,24 @@ impl GroupShared {
         self.wake_all();
     }
 
-    /// Fails a call entering a broken group.
-    pub(crate) fn check_broken(&self, op: OpKind, seq: u64) -> Result<()> {
+    /// Fails a call of group rank `me` entering a broken group.
+    pub(crate) fn check_broken(&self, me: usize, op: OpKind, seq: u64) -> Result<()> {
         match self.breakage() {
             None => Ok(()),
-            Some(b) => Err(self
-                .lost_error(&b, op, seq)
-                .unwrap_or_else(|| Error::Broken {
-                    group: self.name.clone(),
-                    cause: b.message,
-                })),
+            Some(b) => {
+                self.note_consequence(me);
+                Err(self
+                    .lost_error(&b, op, seq)
+                    .unwrap_or_else(|| Error::Broken {
+                        group: self.name.clone(),
+                        cause: b.message,
+                    }))
+            }
         }
+    }
+
+    fn note_consequence(&self, me: usize) {
+        self.world.saw_lost_peer[self.world_ranks[me]].store(true, Ordering::Release);
     }
 
     fn breakage(&self) -> Option<Breakage> {
@@ -271,6 +282,7 @@ impl GroupShared {
             self.wake_all();
         }
         self.wait_for(
+            rank,
             op,
             seq,
             spin,
@@ -287,10 +299,13 @@ impl GroupShared {
             .map(|(r, _)| r)
     }
 
-    /// Waits until `ready` holds: spins, then yields, then parks in short slices, checking
-    /// for lost peers (among `waiting_on`) and the timeout on every slow-path round.
+    /// Waits (as group rank `me`) until `ready` holds: spins, then yields, then parks in
+    /// short slices, checking for lost peers (among `waiting_on`) and the timeout on every
+    /// slow-path round.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn wait_for(
         &self,
+        me: usize,
         op: OpKind,
         seq: u64,
         spin: bool,
@@ -322,6 +337,7 @@ impl GroupShared {
             // A peer lost mid-call fails everyone at once; a peer's timeout does not: the
             // ranks waiting with it time out on their own clocks and name the missing.
             if let Some(err) = self.breakage().and_then(|b| self.lost_error(&b, op, seq)) {
+                self.note_consequence(me);
                 return Err(err);
             }
             let missing = waiting_on(self);
@@ -334,6 +350,7 @@ impl GroupShared {
                     world_rank: self.world_ranks[lost],
                 };
                 self.break_with(&err);
+                self.note_consequence(me);
                 return Err(err);
             }
             let waited = start.elapsed();
@@ -378,6 +395,7 @@ impl GroupShared {
         };
         self.wake_all();
         self.wait_for(
+            src,
             OpKind::Send,
             seq,
             true,
@@ -391,6 +409,7 @@ impl GroupShared {
         let mailbox = &self.mailboxes[src * self.size() + dst];
         let mut taken = None;
         self.wait_for(
+            dst,
             OpKind::Recv,
             seq,
             true,

@@ -89,31 +89,44 @@ impl LocalLauncher {
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
         F: Fn(LocalCommunicator) -> std::result::Result<T, E> + Sync,
     {
-        let outcomes = self.run_each(f);
-        let mut failures: Vec<(u64, Error)> = Vec::new();
+        let (outcomes, world) = self.launch(f);
+        let mut failures: Vec<(bool, u64, Error)> = Vec::new();
         let mut values = Vec::with_capacity(outcomes.len());
-        for outcome in outcomes {
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
             match outcome {
                 Ok(v) => values.push(v),
-                Err(failure) => failures.push(failure),
+                Err((order, err)) => {
+                    // A rank that saw a lost peer failed because of another rank, whatever
+                    // error type its own code wrapped that in.
+                    let consequence = world.saw_lost_peer[rank].load(Ordering::Acquire)
+                        || matches!(
+                            err.root_cause(),
+                            Error::PeerLost { .. } | Error::Broken { .. }
+                        );
+                    failures.push((consequence, order, err));
+                }
             }
         }
         if failures.is_empty() {
             return Ok(values);
         }
-        let is_consequence = |e: &Error| {
-            matches!(
-                e.root_cause(),
-                Error::PeerLost { .. } | Error::Broken { .. }
-            )
-        };
-        failures.sort_by_key(|(order, e)| (is_consequence(e), *order));
-        Err(failures.swap_remove(0).1)
+        failures.sort_by_key(|(consequence, order, _)| (*consequence, *order));
+        Err(failures.swap_remove(0).2)
     }
 
     /// Runs `f` on every rank and returns every rank's outcome; a failure carries the
     /// order in which it happened (0 = first) and an [`Error::RankFailed`].
     pub fn run_each<T, E, F>(&self, f: F) -> Vec<std::result::Result<T, (u64, Error)>>
+    where
+        T: Send,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+        F: Fn(LocalCommunicator) -> std::result::Result<T, E> + Sync,
+    {
+        self.launch(f).0
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn launch<T, E, F>(&self, f: F) -> (Vec<std::result::Result<T, (u64, Error)>>, Arc<WorldShared>)
     where
         T: Send,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -127,7 +140,7 @@ impl LocalLauncher {
             self.timeout,
         );
         let failure_clock = AtomicU64::new(0);
-        std::thread::scope(|scope| {
+        let outcomes = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..self.size)
                 .map(|rank| {
                     let comm = LocalCommunicator::new(group.clone(), rank);
@@ -176,7 +189,8 @@ impl LocalLauncher {
                     )),
                 })
                 .collect()
-        })
+        });
+        (outcomes, world)
     }
 }
 
@@ -405,7 +419,7 @@ impl RankCore {
         sig: CallSignature,
         exchange: impl FnOnce(&mut group::Exchange),
     ) -> Result<u64> {
-        self.group.check_broken(sig.op, counters.seq)?;
+        self.group.check_broken(self.rank, sig.op, counters.seq)?;
         let seq = counters.seq;
         counters.seq += 1;
         let op = sig.op;
@@ -656,7 +670,7 @@ impl RankCore {
 
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
         self.check().peer(OpKind::Send, "destination", dest)?;
-        self.group.check_broken(OpKind::Send, 0)?;
+        self.group.check_broken(self.rank, OpKind::Send, 0)?;
         let data = crate::with_dtype!(buf.dtype(), T => {
             Buffer::from_vec(buf.as_host_slice::<T>().unwrap_or_default().to_vec())
         });

@@ -405,16 +405,41 @@ fn combine_tile<T: Element>(op: ReduceOp, acc: &mut [T::Acc], src: &[T]) {
     }
 }
 
-/// Reduces typed slices into `out` (a safe wrapper used by tests, the MPI backend and
-/// the sequential reference): `out[i] = op(sources[0][i], sources[1][i], ...)`.
-pub fn reduce_slices<T: Element>(op: ReduceOp, sources: &[&[T]], out: &mut [T]) {
-    assert!(
-        sources.iter().all(|s| s.len() == out.len()) && !sources.is_empty(),
-        "reduce_slices: every source must have out.len() elements"
-    );
+/// Reduces typed slices into `out` (a safe wrapper used by tests, benchmarks and
+/// sequential references): `out[i] = op(sources[0][i], sources[1][i], ...)`, combined in
+/// source order exactly as the backends combine ranks.
+pub fn reduce_slices<T: Element>(
+    op: ReduceOp,
+    sources: &[&[T]],
+    out: &mut [T],
+) -> crate::Result<()> {
+    let invalid = |detail: String| crate::Error::InvalidBuffer {
+        op: crate::OpKind::AllReduce,
+        group: "reduce_slices".into(),
+        detail,
+    };
+    if sources.is_empty() {
+        return Err(invalid("no sources given; pass at least one slice".into()));
+    }
+    if let Some(bad) = sources.iter().find(|s| s.len() != out.len()) {
+        return Err(invalid(format!(
+            "a source has {} elements but the output {}; all must have the same length",
+            bad.len(),
+            out.len()
+        )));
+    }
+    if !op.supports(T::DTYPE) {
+        return Err(crate::Error::Unsupported {
+            op: crate::OpKind::AllReduce,
+            reduce: op,
+            dtype: T::DTYPE,
+            hint: "averaging integers has no agreed rounding; use Sum and divide",
+        });
+    }
     let ptrs: Vec<*const T> = sources.iter().map(|s| s.as_ptr()).collect();
     // SAFETY: lengths checked above; `out` is a distinct &mut so it overlaps no source.
-    unsafe { reduce_raw(op, &ptrs, &[out.as_mut_ptr()], out.len()) }
+    unsafe { reduce_raw(op, &ptrs, &[out.as_mut_ptr()], out.len()) };
+    Ok(())
 }
 
 #[cfg(test)]
@@ -429,15 +454,29 @@ mod tests {
         let b = [f16::from_f32(1.0)];
         let c = [f16::from_f32(1.0)];
         let mut out = [f16::ZERO];
-        reduce_slices(ReduceOp::Sum, &[&a, &b, &c], &mut out);
+        reduce_slices(ReduceOp::Sum, &[&a, &b, &c], &mut out).unwrap();
         assert_eq!(out[0].to_f32(), 2050.0);
     }
 
     #[test]
     fn integer_sum_wraps_instead_of_panicking() {
         let mut out = [0u8];
-        reduce_slices(ReduceOp::Sum, &[&[200u8], &[100u8]], &mut out);
+        reduce_slices(ReduceOp::Sum, &[&[200u8], &[100u8]], &mut out).unwrap();
         assert_eq!(out[0], 44);
+    }
+
+    #[test]
+    fn bad_reference_inputs_are_errors() {
+        let mut out = [0i32; 2];
+        assert!(matches!(
+            reduce_slices(ReduceOp::Avg, &[&[1, 2]], &mut out),
+            Err(crate::Error::Unsupported { .. })
+        ));
+        assert!(matches!(
+            reduce_slices(ReduceOp::Sum, &[&[1]], &mut out),
+            Err(crate::Error::InvalidBuffer { .. })
+        ));
+        assert!(reduce_slices::<i32>(ReduceOp::Sum, &[], &mut out).is_err());
     }
 
     #[test]
@@ -447,7 +486,7 @@ mod tests {
         let b: Vec<f64> = (0..n).map(|i| (n - i) as f64).collect();
         for op in ReduceOp::ALL {
             let mut out = vec![0.0; n];
-            reduce_slices(op, &[&a, &b], &mut out);
+            reduce_slices(op, &[&a, &b], &mut out).unwrap();
             for i in 0..n {
                 let expect = match op {
                     ReduceOp::Sum => a[i] + b[i],

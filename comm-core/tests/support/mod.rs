@@ -17,7 +17,7 @@ pub fn data<T: Element>(rank: usize, len: usize, salt: usize) -> Vec<T> {
 pub fn reduced<T: Element>(op: ReduceOp, inputs: &[Vec<T>]) -> Vec<T> {
     let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
     let mut out = vec![T::default(); inputs[0].len()];
-    reduce_slices(op, &refs, &mut out);
+    reduce_slices(op, &refs, &mut out).expect("valid reference inputs");
     out
 }
 

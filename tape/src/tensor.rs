@@ -153,7 +153,13 @@ impl<T: Element> Tensor<T> {
 
     /// The elements in row-major order.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        Ok(self.cpu("to_vec")?.iter().copied().collect())
+        let array = self.cpu("to_vec")?;
+        // Element-wise iteration over a dynamic-rank array costs index arithmetic per
+        // element; contiguous data (the common case) is one memcpy.
+        Ok(match array.as_slice() {
+            Some(contiguous) => contiguous.to_vec(),
+            None => array.iter().copied().collect(),
+        })
     }
 
     /// An owned ndarray copy of the elements.

@@ -1,0 +1,397 @@
+//! Trains a small byte-level GPT with tensor parallelism (ferrotron's `layers`) and data
+//! parallelism (`ddp`), by default TP = 2 × DP = 2 as four rank threads on the CPU:
+//!
+//! ```text
+//! cargo run --release -p ddp --example train_gpt
+//! cargo run --release -p ddp --example train_gpt -- --check     # also TP = DP = 1, compare
+//! cargo run --release -p ddp --example train_gpt -- --data my.txt --steps 300
+//! cargo build --release -p ddp --features mpi --example train_gpt
+//! mpirun -n 4 target/release/examples/train_gpt --backend mpi
+//! ```
+//!
+//! Model: vocabulary-parallel token embedding + learned position embedding → `--layers`
+//! pre-norm transformer blocks → final layer norm → column-parallel head (logits stay
+//! divided over the vocabulary) → vocabulary-parallel cross-entropy. Every rank builds
+//! its part from the same seeded master weights, and each data-parallel rank trains on its
+//! rows of the same global batch, so any TP × DP layout follows the one-rank run up to
+//! f32 rounding; `--check` measures that.
+//!
+//! Output: a progress bar on stderr (plain lines on stdout when stderr is not a terminal),
+//! the loss curve as `loss.csv` and `loss.svg` in `--out` (default `target/train_gpt`,
+//! relative to the current directory), and a few lines sampled from the trained model.
+
+mod data;
+mod model;
+mod report;
+mod train;
+
+use anyhow::{bail, ensure, Result};
+use clap::{Parser, ValueEnum};
+use comm_core::{run_local, Communicator};
+use data::Corpus;
+use model::GptConfig;
+use report::Progress;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use train::{train_rank, RankResult, TrainConfig};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    /// Ranks are threads of this process.
+    Local,
+    /// One process per rank under mpirun (needs `--features mpi`).
+    Mpi,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a small byte-level GPT with tensor + data parallelism")]
+struct Args {
+    /// Tensor-parallel size; must divide --heads.
+    #[arg(long, default_value_t = 2)]
+    tp: usize,
+    /// Data-parallel size [default: 2 with the local backend, world / tp under mpirun].
+    #[arg(long)]
+    dp: Option<usize>,
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Model width; must be divisible by --heads.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Context length in bytes.
+    #[arg(long, default_value_t = 64)]
+    seq: usize,
+    /// Sequences per data-parallel rank per step (global batch = batch · dp).
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 500)]
+    steps: usize,
+    /// Seed of the master weights, the batches and the sampling.
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+    /// Peak AdamW learning rate (linear warm-up, then cosine decay to a tenth).
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Split activations outside the tensor-parallel regions along the sequence
+    /// (Megatron's sequence parallelism); needs --seq >= --tp.
+    #[arg(long)]
+    sequence_parallel: bool,
+    /// Communication backend.
+    #[arg(long, value_enum, default_value_t = Backend::Local)]
+    backend: Backend,
+    /// Where tensors live and compute.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// Save the trained weights as a sharded checkpoint (one safetensors file per
+    /// tensor-parallel rank) in this directory.
+    #[arg(long, value_name = "DIR")]
+    save: Option<PathBuf>,
+    /// Start from the weights of a checkpoint written by --save, at any --tp. Only the
+    /// weights are restored: the optimizer state is not saved, and the learning-rate
+    /// schedule and the batches start again from step 1.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Train on this text file instead of the built-in documentation corpus.
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    /// Directory for loss.csv and loss.svg.
+    #[arg(long, value_name = "DIR", default_value = "target/train_gpt")]
+    out: PathBuf,
+    /// Also train with TP = 1, DP = 1 on one rank (same seed, same global batches) and
+    /// print the largest per-step loss difference as the last line.
+    #[arg(long)]
+    check: bool,
+}
+
+fn main() -> ExitCode {
+    match run(&Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", describe(&error));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The cause chain on one line, without a backtrace. A rank's failure already quotes its
+/// cause, which is then not repeated.
+fn describe(error: &anyhow::Error) -> String {
+    let mut message = error.to_string();
+    for cause in error.chain().skip(1) {
+        let cause = cause.to_string();
+        if !message.contains(&cause) {
+            message = format!("{message}: {cause}");
+        }
+    }
+    message
+}
+
+fn run(args: &Args) -> Result<()> {
+    if args.device == Device::Cuda {
+        bail!("--device cuda: the CUDA backend is not built yet; use --device cpu");
+    }
+    let corpus = match &args.data {
+        Some(path) => Corpus::from_file(path, args.seq)?,
+        None => Corpus::builtin(),
+    };
+    ensure!(
+        corpus.len() > args.seq,
+        "the {} has {} bytes, fewer than one training window of --seq {} + 1; pass a \
+         smaller --seq",
+        corpus.source,
+        corpus.len(),
+        args.seq
+    );
+    match args.backend {
+        Backend::Local => run_local_backend(args, &corpus),
+        Backend::Mpi => run_mpi_backend(args, &corpus),
+    }
+}
+
+/// TP × DP rank threads in this process.
+fn run_local_backend(args: &Args, corpus: &Corpus) -> Result<()> {
+    let dp = args.dp.unwrap_or(2);
+    validate(args, dp)?;
+    let config = train_config(args);
+    let world = args.tp * dp;
+    announce(args, corpus, dp);
+    let progress = Progress::new("train", args.steps, args.batch * dp * args.seq);
+    let mut results = run_local(world, |comm| {
+        let world: Arc<dyn Communicator> = Arc::new(comm);
+        let progress = (world.rank() == 0).then_some(&progress);
+        train_rank(world, &config, corpus, progress)
+    })?;
+    finish(args, corpus, dp, results.swap_remove(0))
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
+    let mpi = comm_core::mpi::MpiWorld::init()?;
+    let world: Arc<dyn Communicator> = Arc::new(mpi.world()?);
+    let size = world.size();
+    let dp = match args.dp {
+        Some(dp) => dp,
+        None if size % args.tp == 0 => size / args.tp,
+        None => bail!(
+            "mpirun started {size} processes, which --tp {} does not divide; valid --tp: {}",
+            args.tp,
+            list(&valid_tp(size, args.heads))
+        ),
+    };
+    if args.tp * dp != size {
+        let fix = if size % args.tp == 0 {
+            format!("pass --dp {}", size / args.tp)
+        } else {
+            format!("pass a --tp among {}", list(&valid_tp(size, args.heads)))
+        };
+        bail!(
+            "--tp {} × --dp {dp} = {} ranks, but mpirun started {size}; {fix}, or run \
+             mpirun -n {}",
+            args.tp,
+            args.tp * dp,
+            args.tp * dp
+        );
+    }
+    validate(args, dp)?;
+    let rank0 = world.rank() == 0;
+    if rank0 {
+        announce(args, corpus, dp);
+    }
+    let progress = rank0.then(|| Progress::new("train", args.steps, args.batch * dp * args.seq));
+    let result = train_rank(world, &train_config(args), corpus, progress.as_ref())?;
+    if rank0 {
+        finish(args, corpus, dp, result)?;
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi_backend(_: &Args, _: &Corpus) -> Result<()> {
+    bail!(
+        "--backend mpi: this binary was built without MPI; build it with `cargo build \
+         --release -p ddp --features mpi --example train_gpt` and run it under \
+         `mpirun -n 4 target/release/examples/train_gpt --backend mpi`"
+    )
+}
+
+/// Checks the sizes before any rank starts, saying what would be valid.
+fn validate(args: &Args, dp: usize) -> Result<()> {
+    ensure!(args.tp >= 1, "--tp must be at least 1");
+    ensure!(dp >= 1, "--dp must be at least 1");
+    ensure!(args.heads >= 1, "--heads must be at least 1");
+    ensure!(
+        args.hidden % args.heads == 0,
+        "--hidden {} is not divisible by --heads {}; valid --heads for this width: {}",
+        args.hidden,
+        args.heads,
+        list(&divisors(args.hidden))
+    );
+    ensure!(
+        args.heads % args.tp == 0,
+        "--heads {} cannot be divided among --tp {} ranks; valid --tp for {} heads: {}",
+        args.heads,
+        args.tp,
+        args.heads,
+        list(&divisors(args.heads))
+    );
+    ensure!(
+        args.tp <= data::VOCAB,
+        "--tp {} exceeds the {}-byte vocabulary it divides",
+        args.tp,
+        data::VOCAB
+    );
+    ensure!(
+        args.layers >= 1 && args.seq >= 1 && args.batch >= 1 && args.steps >= 1,
+        "--layers, --seq, --batch and --steps must be at least 1"
+    );
+    ensure!(
+        !args.sequence_parallel || args.seq >= args.tp,
+        "--sequence-parallel splits the --seq {} positions among --tp {} ranks; pass \
+         --seq >= {}",
+        args.seq,
+        args.tp,
+        args.tp
+    );
+    ensure!(
+        args.lr > 0.0 && args.lr.is_finite(),
+        "--lr must be positive"
+    );
+    if let Some(dir) = &args.resume {
+        model::saved_tp_size(dir)?;
+    }
+    Ok(())
+}
+
+fn train_config(args: &Args) -> TrainConfig {
+    TrainConfig {
+        model: GptConfig {
+            vocab: data::VOCAB,
+            layers: args.layers,
+            hidden: args.hidden,
+            heads: args.heads,
+            seq: args.seq,
+        },
+        tp: args.tp,
+        sequence_parallel: args.sequence_parallel,
+        batch: args.batch,
+        steps: args.steps,
+        seed: args.seed,
+        lr: args.lr,
+        resume: args.resume.clone(),
+        save: args.save.clone(),
+        sample: true,
+    }
+}
+
+fn announce(args: &Args, corpus: &Corpus, dp: usize) {
+    println!(
+        "GPT: {} layers, hidden {}, {} heads, context {} | TP {} × DP {} = {} ranks{} on the \
+         {} backend, cpu | {} steps of {} sequences | data: {} ({} bytes)",
+        args.layers,
+        args.hidden,
+        args.heads,
+        args.seq,
+        args.tp,
+        dp,
+        args.tp * dp,
+        if args.sequence_parallel {
+            " with sequence parallelism"
+        } else {
+            ""
+        },
+        match args.backend {
+            Backend::Local => "local",
+            Backend::Mpi => "mpi",
+        },
+        args.steps,
+        args.batch * dp,
+        corpus.source,
+        corpus.len()
+    );
+}
+
+/// On world rank 0 after training: the loss curve, the samples and, with --check, the
+/// comparison against one rank. The comparison's line is the program's last.
+fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result<()> {
+    let losses = &result.losses;
+    println!(
+        "loss: {:.4} at step 1 → {:.4} at step {}",
+        losses[0],
+        losses[losses.len() - 1],
+        losses.len()
+    );
+    std::fs::create_dir_all(&args.out)?;
+    let (csv, svg) = (args.out.join("loss.csv"), args.out.join("loss.svg"));
+    report::write_csv(&csv, losses)?;
+    let title = format!("train_gpt: TP {} × DP {dp}, {}", args.tp, corpus.source);
+    report::write_svg(&svg, losses, &title)?;
+    println!("loss curve: {} and {}", csv.display(), svg.display());
+    if let Some(dir) = &args.save {
+        println!("checkpoint: {}", dir.display());
+    }
+    println!("samples:");
+    for sample in &result.samples {
+        println!("  {sample:?}");
+    }
+    if args.check {
+        let serial = check_run(args, corpus, dp)?;
+        let max_difference = losses
+            .iter()
+            .zip(&serial)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        // Display never uses an exponent, so this is a plain decimal number.
+        println!("max loss difference: {max_difference}");
+    }
+    Ok(())
+}
+
+/// The same training on one rank: TP = 1, DP = 1, the whole global batch.
+fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<Vec<f32>> {
+    println!("check: the same steps with TP 1 × DP 1 on one rank");
+    let config = TrainConfig {
+        tp: 1,
+        sequence_parallel: false,
+        batch: args.batch * dp,
+        save: None,
+        sample: false,
+        ..train_config(args)
+    };
+    let progress = Progress::new("check", args.steps, args.batch * dp * args.seq);
+    let mut results = run_local(1, |comm| {
+        train_rank(Arc::new(comm), &config, corpus, Some(&progress))
+    })?;
+    Ok(results.swap_remove(0).losses)
+}
+
+/// Tensor-parallel sizes that divide both the world and the attention heads.
+#[cfg(feature = "mpi")]
+fn valid_tp(world: usize, heads: usize) -> Vec<usize> {
+    divisors(world)
+        .into_iter()
+        .filter(|d| heads % d == 0)
+        .collect()
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n % d == 0).collect()
+}
+
+fn list(values: &[usize]) -> String {
+    values
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}

@@ -1,0 +1,197 @@
+//! The GPT: vocabulary-parallel token embedding plus a learned (replicated) position
+//! embedding → pre-norm transformer blocks → final layer norm → column-parallel head whose
+//! logits stay divided over the vocabulary, fed straight into the vocabulary-parallel
+//! cross-entropy.
+
+use anyhow::{Context, Result};
+use layers::{
+    checkpoint, vocab_parallel_cross_entropy, BlockConfig, ColumnParallelLinear, LayerNorm,
+    LinearOptions, MasterInit, Module, RngTracker, ShardedParameter, Sharding, TensorParallel,
+    TransformerBlock, VocabParallelEmbedding, TP_GROUP,
+};
+use std::path::Path;
+use tape::{CrossEntropyOptions, Parameter, Tape, Tensor};
+
+/// Standard deviation of the master weights (GPT-2's).
+const INIT_STD: f64 = 0.02;
+
+#[derive(Debug, Clone, Copy)]
+pub struct GptConfig {
+    pub vocab: usize,
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    /// Longest context; the position table has this many rows.
+    pub seq: usize,
+}
+
+pub struct Gpt {
+    tp: TensorParallel,
+    config: GptConfig,
+    embed: VocabParallelEmbedding,
+    position: ShardedParameter,
+    blocks: Vec<TransformerBlock>,
+    ln_f: LayerNorm,
+    head: ColumnParallelLinear,
+}
+
+impl Gpt {
+    /// Builds this rank's part of the model from the seeded master weights, so every
+    /// tensor-parallel size starts from the same full model.
+    pub fn new(tp: &TensorParallel, config: GptConfig, seed: u64) -> Result<Gpt> {
+        let init = MasterInit::new(seed, INIT_STD);
+        let block = BlockConfig::new(config.hidden, config.heads);
+        let embed = VocabParallelEmbedding::new(tp, "embed", config.vocab, config.hidden, &init)?;
+        let position = ShardedParameter {
+            param: Parameter::new(
+                "position.weight",
+                init.weight("position.weight", &[config.seq, config.hidden]),
+            ),
+            sharding: Sharding::Replicated,
+            // Under sequence parallelism each rank adds only its rows of the table, so its
+            // gradient is a partial sum over the tensor-parallel group, like a layer norm's.
+            grad_reduce_group: (tp.sequence_parallel() && tp.size() > 1).then_some(TP_GROUP),
+        };
+        let blocks = (0..config.layers)
+            .map(|i| TransformerBlock::new(tp, &format!("block{i}"), &block, &init))
+            .collect::<layers::Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::new(tp, "ln_f", config.hidden, block.layer_norm_eps, &init)?;
+        let head = ColumnParallelLinear::new(
+            tp,
+            "head",
+            config.hidden,
+            config.vocab,
+            false,
+            LinearOptions::default(),
+            &init,
+        )?;
+        Ok(Gpt {
+            tp: tp.clone(),
+            config,
+            embed,
+            position,
+            blocks,
+            ln_f,
+            head,
+        })
+    }
+
+    /// This rank's logits `[seq, batch, local vocab]` for `ids` laid out `[seq, batch]`.
+    pub fn forward(
+        &self,
+        tape: &Tape,
+        ids: &[usize],
+        seq: usize,
+        batch: usize,
+        rng: &mut RngTracker,
+    ) -> Result<Tensor> {
+        let tokens = self.embed.forward(tape, ids, &[seq, batch])?;
+        // Under sequence parallelism the embedding holds this rank's part of the sequence.
+        let (start, len) = if self.tp.sequence_parallel() {
+            self.tp.part(seq)?
+        } else {
+            (0, seq)
+        };
+        let positions = tape
+            .watch(&self.position.param)
+            .narrow(0, start, len)?
+            .reshape(&[len, 1, self.config.hidden])?;
+        let mut hidden = tokens.add(&positions)?;
+        for block in &self.blocks {
+            hidden = block.forward(tape, &hidden, rng)?;
+        }
+        let hidden = self.ln_f.forward(tape, &hidden)?;
+        Ok(self.head.forward(tape, &hidden)?.output)
+    }
+
+    /// Mean cross-entropy of `logits` against `labels` (laid out like the ids).
+    pub fn loss(&self, logits: &Tensor, labels: &[i64]) -> Result<Tensor> {
+        Ok(vocab_parallel_cross_entropy(
+            logits,
+            labels,
+            self.tp.group(),
+            self.config.vocab,
+            &CrossEntropyOptions::default(),
+        )?)
+    }
+
+    pub fn tp(&self) -> &TensorParallel {
+        &self.tp
+    }
+
+    pub fn config(&self) -> GptConfig {
+        self.config
+    }
+
+    /// Restores the weights from a checkpoint saved at any tensor-parallel size: the shards
+    /// are joined into full tensors and this rank keeps its part.
+    pub fn load(&self, dir: &Path) -> Result<()> {
+        let saved_tp = saved_tp_size(dir)?;
+        let full = checkpoint::read_full_checkpoint(dir, saved_tp)?;
+        for sharded in self.parameters() {
+            let name = sharded.param.name();
+            let (sharding, tensor) = full
+                .get(name)
+                .with_context(|| format!("checkpoint {} has no '{name}'", dir.display()))?;
+            anyhow::ensure!(
+                *sharding == sharded.sharding,
+                "checkpoint {}: '{name}' is {}, the model's is {}; was it saved with other \
+                 model sizes?",
+                dir.display(),
+                sharding.encode(),
+                sharded.sharding.encode()
+            );
+            let part = sharding.shard(tensor, self.tp.rank(), self.tp.size())?;
+            sharded.param.set_value(part).with_context(|| {
+                format!(
+                    "checkpoint {}: '{name}' has another shape than the model's; pass the \
+                     model sizes it was trained with",
+                    dir.display()
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Writes this rank's shard (`tp_{rank}_of_{size}.safetensors`) into `dir`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        Ok(checkpoint::save_shard(
+            self,
+            dir,
+            self.tp.rank(),
+            self.tp.size(),
+        )?)
+    }
+}
+
+impl Module for Gpt {
+    /// In the order forward uses them, which DDP's buckets follow.
+    fn parameters(&self) -> Vec<ShardedParameter> {
+        let mut params = self.embed.parameters();
+        params.push(self.position.clone());
+        params.extend(self.blocks.iter().flat_map(Module::parameters));
+        params.extend(self.ln_f.parameters());
+        params.extend(self.head.parameters());
+        params
+    }
+}
+
+/// The tensor-parallel size a checkpoint directory was saved with (from `tp_0_of_N`).
+pub fn saved_tp_size(dir: &Path) -> Result<usize> {
+    let entries = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot read the checkpoint directory {}", dir.display()))?;
+    for entry in entries {
+        let name = entry?.file_name();
+        let size = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("tp_0_of_")?.strip_suffix(".safetensors"))
+            .and_then(|n| n.parse().ok());
+        if let Some(size) = size {
+            return Ok(size);
+        }
+    }
+    anyhow::bail!(
+        "{} holds no checkpoint (no tp_0_of_<N>.safetensors); pass a directory written by --save",
+        dir.display()
+    )
+}

@@ -1,0 +1,122 @@
+//! What the run shows a person: a progress bar on a terminal (plain lines otherwise), and
+//! at the end the loss curve as CSV and SVG.
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
+use std::path::Path;
+use std::time::Instant;
+
+/// Shared by the rank threads; only world rank 0 reports to it.
+pub struct Progress {
+    bar: Option<ProgressBar>,
+    label: &'static str,
+    steps: usize,
+    started: Instant,
+    tokens_per_step: usize,
+}
+
+impl Progress {
+    /// `tokens_per_step`: tokens of the global batch, for the throughput.
+    pub fn new(label: &'static str, steps: usize, tokens_per_step: usize) -> Progress {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new(steps as u64);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{prefix} {bar:30.cyan/blue} step {pos}/{len} {msg} [{elapsed_precise}]",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            bar.set_prefix(label);
+            bar
+        });
+        Progress {
+            bar,
+            label,
+            steps,
+            started: Instant::now(),
+            tokens_per_step,
+        }
+    }
+
+    pub fn step(&self, step: usize, loss: f32) {
+        let tokens_per_s =
+            (step * self.tokens_per_step) as f64 / self.started.elapsed().as_secs_f64();
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(step as u64);
+                bar.set_message(format!("loss {loss:.4} | {tokens_per_s:.0} tokens/s"));
+            }
+            None => {
+                println!(
+                    "{} step {step:>4}/{} loss {loss:.4} | {tokens_per_s:.0} tokens/s",
+                    self.label, self.steps
+                )
+            }
+        }
+    }
+
+    /// Clears the bar, so the lines printed next (the summary, and `--check`'s last
+    /// line) start on a line of their own.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+pub fn write_csv(path: &Path, losses: &[f32]) -> Result<()> {
+    let mut text = String::from("step,loss\n");
+    for (i, loss) in losses.iter().enumerate() {
+        text.push_str(&format!("{},{loss}\n", i + 1));
+    }
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// A self-contained SVG line chart of loss against step.
+pub fn write_svg(path: &Path, losses: &[f32], title: &str) -> Result<()> {
+    let (width, height, margin) = (640.0, 360.0, 50.0);
+    let max = losses.iter().copied().fold(f32::MIN, f32::max);
+    let min = losses.iter().copied().fold(f32::MAX, f32::min);
+    let span = (max - min).max(1e-6);
+    let steps = losses.len().max(2) - 1;
+    let x = |i: usize| margin + (width - 2.0 * margin) * i as f32 / steps as f32;
+    let y = |l: f32| height - margin - (height - 2.0 * margin) * (l - min) / span;
+    let points: Vec<String> = losses
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| format!("{:.1},{:.1}", x(i), y(l)))
+        .collect();
+    let svg = format!(
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{cx}" y="24" text-anchor="middle" font-size="14">{title}</text>
+<line x1="{margin}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="black"/>
+<line x1="{margin}" y1="{margin}" x2="{margin}" y2="{bottom}" stroke="black"/>
+<text x="{margin}" y="{label_y}" text-anchor="middle">1</text>
+<text x="{right}" y="{label_y}" text-anchor="middle">{last}</text>
+<text x="{cx}" y="{label_y}" text-anchor="middle">step</text>
+<text x="{value_x}" y="{top_y}" text-anchor="end">{max:.3}</text>
+<text x="{value_x}" y="{bottom}" text-anchor="end">{min:.3}</text>
+<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{points}"/>
+</svg>
+"##,
+        cx = width / 2.0,
+        bottom = height - margin,
+        right = width - margin,
+        label_y = height - margin + 18.0,
+        last = losses.len(),
+        value_x = margin - 6.0,
+        top_y = margin + 4.0,
+        points = points.join(" "),
+        title = escape_xml(title),
+    );
+    std::fs::write(path, svg).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// The title may hold a file name; `&`, `<` and `>` would break the SVG.
+fn escape_xml(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}

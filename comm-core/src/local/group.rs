@@ -340,8 +340,15 @@ impl GroupShared {
                 self.note_consequence(me);
                 return Err(err);
             }
-            let missing = waiting_on(self);
-            if let Some(&lost) = missing.iter().find(|&&r| self.is_lost(r)) {
+            // Liveness first, then who is still missing: a peer's arrival happens-before
+            // its departure, so a peer that arrived and then left (finished its part and
+            // dropped its communicator) is never mistaken for a lost one. The reverse
+            // order raced: a stale "missing" list, then a departure seen later.
+            let lost: Vec<usize> = (0..self.size()).filter(|&r| self.is_lost(r)).collect();
+            if !lost.is_empty() && ready(self) {
+                return Ok(());
+            }
+            if let Some(lost) = waiting_on(self).into_iter().find(|r| lost.contains(r)) {
                 let err = Error::PeerLost {
                     group: self.name.clone(),
                     op,
@@ -355,6 +362,7 @@ impl GroupShared {
             }
             let waited = start.elapsed();
             if waited >= self.timeout {
+                let missing = waiting_on(self);
                 let err = Error::Timeout {
                     group: self.name.clone(),
                     op,

@@ -35,7 +35,10 @@
 //!
 //! let gathered = run_local(4, |comm| {
 //!     let color = (comm.rank() % 2) as u32;
-//!     let half = comm.split(Some(color), comm.rank() as u32, "parity")?.expect("member");
+//!     // Every rank passes a colour, so every rank gets a group back.
+//!     let half = comm
+//!         .split(Some(color), comm.rank() as u32, "parity")?
+//!         .ok_or_else(|| comm_core::Error::Config("this rank opted out".into()))?;
 //!     half.all_gather_vec(&[comm.rank() as i32])
 //! })?;
 //! assert_eq!(gathered, vec![vec![0, 2], vec![1, 3], vec![0, 2], vec![1, 3]]);

@@ -57,7 +57,7 @@
 //!             ddp.backward(&loss)?;
 //!         }
 //!     }
-//!     Ok(w.grad().expect("reduced").to_vec()?)
+//!     Ok(w.grad().map(|g| g.to_vec()).transpose()?.unwrap_or_default())
 //! })?;
 //! assert_eq!(grads[0], vec![6.0; 3]); // 0 + 1 + 2 + 3, averaged over identical ranks
 //! # Ok::<(), Box<dyn std::error::Error>>(())

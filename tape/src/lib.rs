@@ -39,19 +39,22 @@
 //! # Grad-ready hooks
 //! A hook sees the parameter as soon as its gradient for this pass is final:
 //! ```
-//! use std::sync::{Arc, Mutex};
+//! use parking_lot::Mutex;
+//! use std::sync::Arc;
 //! use tape::{Parameter, Tape, Tensor};
 //!
 //! let w = Parameter::new("w", Tensor::<f32>::ones(&[2]));
 //! let seen = Arc::new(Mutex::new(Vec::new()));
 //! let log = seen.clone();
 //! w.register_grad_hook(move |p| {
-//!     log.lock().unwrap().push(p.grad().expect("complete").to_vec()?);
+//!     if let Some(grad) = p.grad() {
+//!         log.lock().push(grad.to_vec()?);
+//!     }
 //!     Ok(())
 //! });
 //! let tape = Tape::new();
 //! tape.watch(&w).scale(3.0)?.sum()?.backward()?;
-//! assert_eq!(*seen.lock().unwrap(), vec![vec![3.0, 3.0]]);
+//! assert_eq!(*seen.lock(), vec![vec![3.0, 3.0]]);
 //! # Ok::<(), tape::Error>(())
 //! ```
 //!

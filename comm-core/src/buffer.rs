@@ -3,8 +3,9 @@
 //!
 //! The [`Communicator`](crate::Communicator) trait sees only [`BufRef`], [`BufMut`] and
 //! [`Buffer`]: a dtype, an element count and where the memory lives ([`MemoryKind`]).
-//! Device memory is another `MemoryKind` and another constructor, so it adds no method
-//! and changes no signature of the trait.
+//! Device memory (feature `cuda`) is another `MemoryKind` and another constructor
+//! ([`BufRef::cuda`], [`BufMut::cuda`]), so it adds no method and changes no signature of
+//! the trait.
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -16,7 +17,26 @@ use std::marker::PhantomData;
 pub enum MemoryKind {
     /// Ordinary host memory.
     Host,
+    /// Memory of the CUDA device with this ordinal.
+    Cuda {
+        /// The device ordinal.
+        device: usize,
+    },
 }
+
+impl std::fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemoryKind::Host => f.write_str("host"),
+            MemoryKind::Cuda { device } => write!(f, "cuda:{device}"),
+        }
+    }
+}
+
+/// The stream a device view's contents are ordered on; it also names the device and
+/// its context.
+#[cfg(feature = "cuda")]
+pub(crate) type StreamRef<'a> = &'a cudarc::driver::CudaStream;
 
 /// A read-only view of `len` elements of one dtype.
 #[derive(Clone, Copy)]
@@ -24,7 +44,8 @@ pub struct BufRef<'a> {
     ptr: *const u8,
     len: usize,
     dtype: DType,
-    memory: MemoryKind,
+    #[cfg(feature = "cuda")]
+    stream: Option<StreamRef<'a>>,
     _borrow: PhantomData<&'a [u8]>,
 }
 
@@ -33,7 +54,8 @@ pub struct BufMut<'a> {
     ptr: *mut u8,
     len: usize,
     dtype: DType,
-    memory: MemoryKind,
+    #[cfg(feature = "cuda")]
+    stream: Option<StreamRef<'a>>,
     _borrow: PhantomData<&'a mut [u8]>,
 }
 
@@ -43,7 +65,8 @@ impl<'a, T: Element> From<&'a [T]> for BufRef<'a> {
             ptr: slice.as_ptr().cast(),
             len: slice.len(),
             dtype: T::DTYPE,
-            memory: MemoryKind::Host,
+            #[cfg(feature = "cuda")]
+            stream: None,
             _borrow: PhantomData,
         }
     }
@@ -55,7 +78,8 @@ impl<'a, T: Element> From<&'a mut [T]> for BufMut<'a> {
             ptr: slice.as_mut_ptr().cast(),
             len: slice.len(),
             dtype: T::DTYPE,
-            memory: MemoryKind::Host,
+            #[cfg(feature = "cuda")]
+            stream: None,
             _borrow: PhantomData,
         }
     }
@@ -93,7 +117,18 @@ macro_rules! view_accessors {
         }
         /// Where the elements live.
         pub fn memory(&self) -> MemoryKind {
-            self.memory
+            #[cfg(feature = "cuda")]
+            if let Some(stream) = self.stream {
+                return MemoryKind::Cuda {
+                    device: stream.context().ordinal(),
+                };
+            }
+            MemoryKind::Host
+        }
+        /// The stream device memory is ordered on; `None` for host memory.
+        #[cfg(feature = "cuda")]
+        pub(crate) fn cuda_stream(&self) -> Option<StreamRef<'a>> {
+            self.stream
         }
     };
 }
@@ -103,7 +138,7 @@ impl<'a> BufRef<'a> {
 
     /// The elements as a typed host slice, if the view is host memory of type `T`.
     pub fn as_host_slice<T: Element>(&self) -> Option<&'a [T]> {
-        (self.memory == MemoryKind::Host && self.dtype == T::DTYPE).then(|| {
+        (self.memory() == MemoryKind::Host && self.dtype == T::DTYPE).then(|| {
             // SAFETY: built from a `&'a [T]` (or `&'a mut [T]`) of this length and type.
             unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.len) }
         })
@@ -120,7 +155,8 @@ impl<'a> BufRef<'a> {
             ptr,
             len,
             dtype,
-            memory: MemoryKind::Host,
+            #[cfg(feature = "cuda")]
+            stream: None,
             _borrow: PhantomData,
         }
     }
@@ -148,14 +184,15 @@ impl<'a> BufMut<'a> {
             ptr: self.ptr,
             len: self.len,
             dtype: self.dtype,
-            memory: self.memory,
+            #[cfg(feature = "cuda")]
+            stream: self.stream,
             _borrow: PhantomData,
         }
     }
 
     /// The elements as a typed mutable host slice, if the view is host memory of type `T`.
     pub fn as_host_slice_mut<T: Element>(&mut self) -> Option<&mut [T]> {
-        (self.memory == MemoryKind::Host && self.dtype == T::DTYPE).then(|| {
+        (self.memory() == MemoryKind::Host && self.dtype == T::DTYPE).then(|| {
             // SAFETY: built from a `&'a mut [T]` of this length and type, and `&mut self`
             // guarantees exclusive access for the returned lifetime.
             unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<T>(), self.len) }
@@ -164,6 +201,79 @@ impl<'a> BufMut<'a> {
 
     pub(crate) fn host_ptr_mut(&mut self) -> *mut u8 {
         self.ptr
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod device {
+    use super::*;
+    use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+
+    fn check_device(owner: &CudaStream, stream: &CudaStream) -> Result<()> {
+        let (slice_device, stream_device) = (owner.context().ordinal(), stream.context().ordinal());
+        if slice_device == stream_device {
+            Ok(())
+        } else {
+            Err(Error::Cuda {
+                call: "BufRef::cuda / BufMut::cuda".into(),
+                message: format!(
+                    "the slice lives on device {slice_device} but the stream belongs to device \
+                     {stream_device}; pass a stream of the slice's device"
+                ),
+            })
+        }
+    }
+
+    impl<'a> BufRef<'a> {
+        /// A view of device memory whose contents are ordered on `stream`: a collective
+        /// reads it after the work already queued on `stream`, and has finished with it
+        /// when the call returns.
+        pub fn cuda<T, S>(slice: &'a S, stream: &'a CudaStream) -> Result<BufRef<'a>>
+        where
+            T: Element + DeviceRepr,
+            S: DevicePtr<T>,
+        {
+            check_device(slice.stream(), stream)?;
+            // Dropping the guard records this use on `stream` for cudarc's own tracking.
+            let (ptr, _record) = slice.device_ptr(stream);
+            Ok(BufRef {
+                ptr: ptr as usize as *const u8,
+                len: slice.len(),
+                dtype: T::DTYPE,
+                stream: Some(stream),
+                _borrow: PhantomData,
+            })
+        }
+
+        /// The device address of a CUDA view.
+        pub(crate) fn device_ptr(&self) -> u64 {
+            self.ptr as usize as u64
+        }
+    }
+
+    impl<'a> BufMut<'a> {
+        /// A writable view of device memory ordered on `stream`; see [`BufRef::cuda`].
+        pub fn cuda<T, S>(slice: &'a mut S, stream: &'a CudaStream) -> Result<BufMut<'a>>
+        where
+            T: Element + DeviceRepr,
+            S: DevicePtrMut<T>,
+        {
+            check_device(slice.stream(), stream)?;
+            let len = slice.len();
+            let (ptr, _record) = slice.device_ptr_mut(stream);
+            Ok(BufMut {
+                ptr: ptr as usize as *mut u8,
+                len,
+                dtype: T::DTYPE,
+                stream: Some(stream),
+                _borrow: PhantomData,
+            })
+        }
+
+        /// The device address of a CUDA view.
+        pub(crate) fn device_ptr(&self) -> u64 {
+            self.ptr as usize as u64
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! lengths, counts, roots, dtypes) and, once the peers' signatures are known, check that
 //! all ranks agree.
 
-use crate::buffer::{BufMut, BufRef};
+use crate::buffer::{BufMut, BufRef, MemoryKind};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 
@@ -27,8 +27,23 @@ impl CallCheck<'_> {
             reduce: None,
             count,
             root: None,
+            memory: MemoryKind::Host,
             counts: None,
             recv_counts: None,
+        }
+    }
+
+    /// The signature of a call that moves `count` elements of `dtype` in `memory`.
+    fn data_signature(
+        &self,
+        op: OpKind,
+        dtype: DType,
+        memory: MemoryKind,
+        count: usize,
+    ) -> CallSignature {
+        CallSignature {
+            memory,
+            ..self.signature(op, Some(dtype), count)
         }
     }
 
@@ -61,13 +76,30 @@ impl CallCheck<'_> {
         }
     }
 
-    fn same_dtype(&self, op: OpKind, input: DType, output: DType) -> Result<()> {
-        if input == output {
+    /// Input and output of one call must have one dtype and live in one kind of memory.
+    fn same_kind(&self, op: OpKind, input: &BufRef<'_>, output: &BufMut<'_>) -> Result<()> {
+        let (input, output) = (
+            (input.dtype(), input.memory()),
+            (output.dtype(), output.memory()),
+        );
+        if input.1 != output.1 {
+            return Err(self.invalid_buffer(
+                op,
+                format!(
+                    "input is in {} memory but output in {}; pass both on the same device",
+                    input.1, output.1
+                ),
+            ));
+        }
+        if input.0 == output.0 {
             Ok(())
         } else {
             Err(self.invalid_buffer(
                 op,
-                format!("input is {input} but output is {output}; both must have one dtype"),
+                format!(
+                    "input is {} but output is {}; both must have one dtype",
+                    input.0, output.0
+                ),
             ))
         }
     }
@@ -115,7 +147,7 @@ impl CallCheck<'_> {
     pub(crate) fn all_reduce(&self, buf: &BufMut<'_>, reduce: ReduceOp) -> Result<CallSignature> {
         let op = OpKind::AllReduce;
         self.reduce_op(op, reduce, buf.dtype())?;
-        let mut sig = self.signature(op, Some(buf.dtype()), buf.len());
+        let mut sig = self.data_signature(op, buf.dtype(), buf.memory(), buf.len());
         sig.reduce = Some(reduce);
         Ok(sig)
     }
@@ -123,7 +155,7 @@ impl CallCheck<'_> {
     pub(crate) fn broadcast(&self, buf: &BufMut<'_>, root: usize) -> Result<CallSignature> {
         let op = OpKind::Broadcast;
         self.member(op, "root", root)?;
-        let mut sig = self.signature(op, Some(buf.dtype()), buf.len());
+        let mut sig = self.data_signature(op, buf.dtype(), buf.memory(), buf.len());
         sig.root = Some(root);
         Ok(sig)
     }
@@ -139,7 +171,7 @@ impl CallCheck<'_> {
         let n = self.size;
         let Some(counts) = counts else {
             let op = OpKind::AllGather;
-            self.same_dtype(op, input.dtype(), output.dtype())?;
+            self.same_kind(op, input, output)?;
             if output.len() != input.len() * n {
                 return Err(self.invalid_buffer(
                     op,
@@ -151,12 +183,12 @@ impl CallCheck<'_> {
                     ),
                 ));
             }
-            let sig = self.signature(op, Some(input.dtype()), input.len());
+            let sig = self.data_signature(op, input.dtype(), input.memory(), input.len());
             return Ok((sig, vec![input.len(); n]));
         };
         let op = OpKind::AllGatherV;
         self.counts(op, counts)?;
-        self.same_dtype(op, input.dtype(), output.dtype())?;
+        self.same_kind(op, input, output)?;
         let total: usize = counts.iter().sum();
         if input.len() != counts[self.rank] || output.len() != total {
             return Err(self.invalid_buffer(
@@ -171,7 +203,7 @@ impl CallCheck<'_> {
                 ),
             ));
         }
-        let mut sig = self.signature(op, Some(input.dtype()), input.len());
+        let mut sig = self.data_signature(op, input.dtype(), input.memory(), input.len());
         sig.counts = Some(counts.to_vec());
         Ok((sig, counts.to_vec()))
     }
@@ -191,7 +223,7 @@ impl CallCheck<'_> {
         } else {
             OpKind::ReduceScatter
         };
-        self.same_dtype(op, input.dtype(), output.dtype())?;
+        self.same_kind(op, input, output)?;
         self.reduce_op(op, reduce, input.dtype())?;
         let counts = match counts {
             Some(counts) => {
@@ -227,7 +259,7 @@ impl CallCheck<'_> {
                 ),
             ));
         }
-        let mut sig = self.signature(op, Some(input.dtype()), input.len());
+        let mut sig = self.data_signature(op, input.dtype(), input.memory(), input.len());
         sig.reduce = Some(reduce);
         if op == OpKind::ReduceScatterV {
             sig.counts = Some(counts.clone());
@@ -245,7 +277,7 @@ impl CallCheck<'_> {
         let op = OpKind::AllToAllV;
         self.counts(op, send_counts)?;
         self.counts(op, recv_counts)?;
-        self.same_dtype(op, input.dtype(), output.dtype())?;
+        self.same_kind(op, input, output)?;
         let (send_total, recv_total) = (
             send_counts.iter().sum::<usize>(),
             recv_counts.iter().sum::<usize>(),
@@ -261,7 +293,7 @@ impl CallCheck<'_> {
                 ),
             ));
         }
-        let mut sig = self.signature(op, Some(input.dtype()), input.len());
+        let mut sig = self.data_signature(op, input.dtype(), input.memory(), input.len());
         sig.counts = Some(send_counts.to_vec());
         sig.recv_counts = Some(recv_counts.to_vec());
         Ok(sig)
@@ -290,6 +322,7 @@ pub(crate) fn signatures_agree(sigs: &[&CallSignature]) -> bool {
             && s.dtype == first.dtype
             && s.reduce == first.reduce
             && s.root == first.root
+            && (s.memory == MemoryKind::Host) == (first.memory == MemoryKind::Host)
     }) {
         return false;
     }

@@ -1,5 +1,6 @@
 //! The typed errors every backend returns.
 
+use crate::buffer::MemoryKind;
 use crate::dtype::{DType, ReduceOp};
 use std::fmt;
 use std::time::Duration;
@@ -89,6 +90,8 @@ pub struct CallSignature {
     pub count: usize,
     /// Root rank, for rooted operations.
     pub root: Option<usize>,
+    /// Where the rank's buffers live; ranks of one call must agree on host vs device.
+    pub memory: MemoryKind,
     /// Per-rank counts, for the `_v` operations (identical on every rank, except for
     /// `all_to_all_v` where they are this rank's send counts).
     pub counts: Option<Vec<usize>>,
@@ -106,6 +109,9 @@ impl fmt::Display for CallSignature {
             write!(f, " op={r}")?;
         }
         write!(f, " count={}", self.count)?;
+        if self.memory != MemoryKind::Host {
+            write!(f, " memory={}", self.memory)?;
+        }
         if let Some(root) = self.root {
             write!(f, " root={root}")?;
         }
@@ -255,6 +261,53 @@ pub enum Error {
     /// The MPI library failed or is unusable.
     #[error("MPI: {0}")]
     Mpi(String),
+
+    /// A CUDA library could not be loaded (libraries are found at run time).
+    #[error(
+        "{library} could not be loaded, and {purpose} needs it: install it, or add the \
+         directory that holds it to LD_LIBRARY_PATH (e.g. \
+         `export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH`){hint}"
+    )]
+    LibraryMissing {
+        /// The library's file name, as searched for.
+        library: &'static str,
+        /// What needed it.
+        purpose: &'static str,
+        /// Library-specific advice (may be empty).
+        hint: &'static str,
+    },
+
+    /// The CUDA driver is loaded but there is no device with the requested ordinal.
+    #[error(
+        "no CUDA device {requested}: the driver reports {available} device(s); check \
+         `nvidia-smi` and CUDA_VISIBLE_DEVICES"
+    )]
+    NoDevice {
+        /// The ordinal asked for.
+        requested: usize,
+        /// How many devices the driver reports.
+        available: usize,
+    },
+
+    /// A CUDA driver or NVRTC call failed; `message` is CUDA's own.
+    #[error("CUDA {call} failed: {message}")]
+    Cuda {
+        /// The call (or step) that failed.
+        call: String,
+        /// CUDA's error name and description.
+        message: String,
+    },
+
+    /// An NCCL call failed; `message` is NCCL's own.
+    #[error("NCCL {call} failed in group '{group}': {message}")]
+    Nccl {
+        /// The NCCL function.
+        call: &'static str,
+        /// Group name.
+        group: String,
+        /// NCCL's error string and last-error detail.
+        message: String,
+    },
 }
 
 impl Error {

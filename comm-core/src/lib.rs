@@ -79,6 +79,8 @@
 mod buffer;
 mod calls;
 mod communicator;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dtype;
 mod error;
 pub mod local;

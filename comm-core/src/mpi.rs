@@ -516,6 +516,8 @@ fn decode(rank: usize, words: &[i64], n: usize) -> CallSignature {
         reduce: pick(words[2]).and_then(|i| ReduceOp::ALL.get(i).copied()),
         count: pick(words[3]).unwrap_or(0),
         root: pick(words[4]),
+        // Device buffers are staged through host memory before the check runs.
+        memory: crate::MemoryKind::Host,
         counts: list(5),
         recv_counts: list(5 + n),
     }

@@ -8,7 +8,7 @@
 //! `exchange[seq % 2]` again at call `seq + 2`, which it can only reach after every peer
 //! has arrived at call `seq + 1`'s first barrier, i.e. after they stopped reading.
 
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, MemoryKind};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use parking_lot::{Condvar, Mutex};
 use std::cell::UnsafeCell;
@@ -131,6 +131,7 @@ impl GroupShared {
                     reduce: None,
                     count: 0,
                     root: None,
+                    memory: MemoryKind::Host,
                     counts: None,
                     recv_counts: None,
                 },

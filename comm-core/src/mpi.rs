@@ -549,6 +549,10 @@ impl Communicator for MpiCommunicator {
     }
 
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = buf.cuda_stream() {
+            return crate::cuda::staged_inout(buf, stream, |host| self.all_reduce(host, op));
+        }
         let sig = self.check().all_reduce(&buf, op)?;
         self.collective(&sig, || match buf.dtype() {
             // 16-bit floats reduce through an f32 copy anyway.
@@ -580,6 +584,10 @@ impl Communicator for MpiCommunicator {
     }
 
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = buf.cuda_stream() {
+            return crate::cuda::staged_inout(buf, stream, |host| self.broadcast(host, root));
+        }
         let sig = self.check().broadcast(&buf, root)?;
         let count = self.int(OpKind::Broadcast, "count", buf.len())?;
         self.collective(&sig, || {
@@ -600,16 +608,34 @@ impl Communicator for MpiCommunicator {
     }
 
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::any_device(&input, &output) {
+            return crate::cuda::staged(input, output, |input, output| {
+                self.all_gather(input, output)
+            });
+        }
         let (sig, counts) = self.check().all_gather(&input, &output, None)?;
         self.gather(sig, input, output, &counts)
     }
 
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::any_device(&input, &output) {
+            return crate::cuda::staged(input, output, |input, output| {
+                self.all_gather_v(input, output, counts)
+            });
+        }
         let (sig, counts) = self.check().all_gather(&input, &output, Some(counts))?;
         self.gather(sig, input, output, &counts)
     }
 
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::any_device(&input, &output) {
+            return crate::cuda::staged(input, output, |input, output| {
+                self.reduce_scatter(input, output, op)
+            });
+        }
         let (sig, counts) = self.check().reduce_scatter(&input, &output, None, op)?;
         self.collective(&sig, || {
             self.reduce(sig.op, input, output, Some(&counts), op)
@@ -623,6 +649,12 @@ impl Communicator for MpiCommunicator {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::any_device(&input, &output) {
+            return crate::cuda::staged(input, output, |input, output| {
+                self.reduce_scatter_v(input, output, counts, op)
+            });
+        }
         let (sig, counts) = self
             .check()
             .reduce_scatter(&input, &output, Some(counts), op)?;
@@ -638,6 +670,12 @@ impl Communicator for MpiCommunicator {
         mut output: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::any_device(&input, &output) {
+            return crate::cuda::staged(input, output, |input, output| {
+                self.all_to_all_v(input, send_counts, output, recv_counts)
+            });
+        }
         let kind = OpKind::AllToAllV;
         let sig = self
             .check()
@@ -669,6 +707,10 @@ impl Communicator for MpiCommunicator {
     }
 
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = buf.cuda_stream() {
+            return self.send(crate::cuda::to_host(buf, stream)?.as_buf_ref(), dest);
+        }
         self.check().peer(OpKind::Send, "destination", dest)?;
         let count = self.int(OpKind::Send, "count", buf.len())?;
         self.core.queue.wait_idle();
@@ -690,6 +732,12 @@ impl Communicator for MpiCommunicator {
     }
 
     fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = buf.cuda_stream() {
+            let mut host = crate::Buffer::zeros(buf.dtype(), buf.len());
+            self.recv(host.as_buf_mut(), src)?;
+            return crate::cuda::from_host(&host, &mut buf, stream);
+        }
         self.check().peer(OpKind::Recv, "source", src)?;
         self.core.queue.wait_idle();
         let seq = self.core.seq.lock();

@@ -206,6 +206,7 @@ pub(crate) fn from_host(host: &Buffer, view: &mut BufMut<'_>, stream: &CudaStrea
 
 /// Runs a host implementation of an in-place operation on a device view: copy to host,
 /// run `op`, copy back. How host-only backends (MPI) accept device buffers.
+#[cfg(feature = "mpi")]
 pub(crate) fn staged_inout(
     mut view: BufMut<'_>,
     stream: &CudaStream,
@@ -216,8 +217,15 @@ pub(crate) fn staged_inout(
     from_host(&host, &mut view, stream)
 }
 
+/// Whether either side of a call is device memory (and so must be staged for MPI).
+#[cfg(feature = "mpi")]
+pub(crate) fn any_device(input: &BufRef<'_>, output: &BufMut<'_>) -> bool {
+    input.cuda_stream().is_some() || output.cuda_stream().is_some()
+}
+
 /// Like [`staged_inout`] for operations with a separate input and output; either may be
 /// host memory already (the backends reject mixed calls before staging).
+#[cfg(feature = "mpi")]
 pub(crate) fn staged(
     input: BufRef<'_>,
     mut output: BufMut<'_>,
@@ -235,5 +243,33 @@ pub(crate) fn staged(
             from_host(&host, &mut output, stream)
         }
         None => op(input, output),
+    }
+}
+
+/// Stream-ordered device memory for intermediate results, freed on the same stream.
+pub(crate) struct Scratch<'a> {
+    ptr: u64,
+    stream: &'a CudaStream,
+}
+
+impl<'a> Scratch<'a> {
+    /// `bytes` bytes on the stream's device (at least one, so the address is valid).
+    pub(crate) fn new(stream: &'a CudaStream, bytes: usize) -> Result<Scratch<'a>> {
+        // SAFETY: the stream is live for 'a; the memory is freed on it in `drop`.
+        let ptr = unsafe { cudarc::driver::result::malloc_async(stream.cu_stream(), bytes.max(1)) }
+            .map_err(driver_error("cuMemAllocAsync"))?;
+        Ok(Scratch { ptr, stream })
+    }
+
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        // SAFETY: allocated on this stream; work using it was queued on it before.
+        // A failure here means the context is already broken, which the next call reports.
+        let _ = unsafe { cudarc::driver::result::free_async(self.ptr, self.stream.cu_stream()) };
     }
 }

@@ -8,6 +8,8 @@
 //! peers' before touching their memory, so a mismatched call is an error, never a wrong
 //! read.
 
+#[cfg(feature = "cuda")]
+mod device;
 mod group;
 
 use crate::buffer::{BufMut, BufRef, Buffer};
@@ -470,6 +472,10 @@ impl RankCore {
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let kind = OpKind::AllReduce;
         let sig = self.check().all_reduce(&buf, op)?;
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = buf.cuda_stream() {
+            return self.device_all_reduce(sig, buf, op, stream);
+        }
         let (len, dtype) = (buf.len(), buf.dtype());
         let ptr = buf.host_ptr_mut() as usize;
         let counters = &mut *self.counters.lock();
@@ -504,6 +510,10 @@ impl RankCore {
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
         let kind = OpKind::Broadcast;
         let sig = self.check().broadcast(&buf, root)?;
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = buf.cuda_stream() {
+            return self.device_broadcast(sig, buf, root, stream);
+        }
         let bytes = buf.byte_len();
         let ptr = buf.host_ptr_mut() as usize;
         let is_root = self.rank == root;
@@ -537,6 +547,10 @@ impl RankCore {
         counts: Option<&[usize]>,
     ) -> Result<()> {
         let (sig, counts) = self.check().all_gather(&input, &output, counts)?;
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = input.cuda_stream() {
+            return self.device_all_gather(sig, input, output, &counts, stream);
+        }
         let kind = sig.op;
         let esize = input.dtype().size_in_bytes();
         let small = counts.iter().max().copied().unwrap_or(0) * esize <= SMALL_MESSAGE_BYTES;
@@ -567,6 +581,10 @@ impl RankCore {
         op: ReduceOp,
     ) -> Result<()> {
         let (sig, counts) = self.check().reduce_scatter(&input, &output, counts, op)?;
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = input.cuda_stream() {
+            return self.device_reduce_scatter(sig, input, output, &counts, op, stream);
+        }
         let kind = sig.op;
         let small = input.byte_len() <= SMALL_MESSAGE_BYTES;
         let out = output.host_ptr_mut() as usize;
@@ -601,6 +619,10 @@ impl RankCore {
         let sig = self
             .check()
             .all_to_all_v(&input, send_counts, &output, recv_counts)?;
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = input.cuda_stream() {
+            return self.device_all_to_all_v(sig, input, output, recv_counts, stream);
+        }
         let esize = input.dtype().size_in_bytes();
         let in_ptr = input.host_ptr() as usize;
         let out = output.host_ptr_mut();
@@ -671,9 +693,7 @@ impl RankCore {
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
         self.check().peer(OpKind::Send, "destination", dest)?;
         self.group.check_broken(self.rank, OpKind::Send, 0)?;
-        let data = crate::with_dtype!(buf.dtype(), T => {
-            Buffer::from_vec(buf.as_host_slice::<T>().unwrap_or_default().to_vec())
-        });
+        let data = send_payload(buf)?;
         let seq = {
             let mut counters = self.counters.lock();
             counters.sends += 1;
@@ -705,6 +725,10 @@ impl RankCore {
                 ],
             });
         }
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = buf.cuda_stream() {
+            return crate::cuda::from_host(&msg.data, &mut buf, stream);
+        }
         crate::with_dtype!(buf.dtype(), T => {
             if let (Some(dst), Ok(v)) = (buf.as_host_slice_mut::<T>(), msg.data.into_vec::<T>()) {
                 dst.copy_from_slice(&v);
@@ -712,6 +736,18 @@ impl RankCore {
         });
         Ok(())
     }
+}
+
+/// The message a send carries: a host copy of the buffer. Device memory goes through the
+/// host too, which keeps the mailbox one type; collectives stay on the devices.
+fn send_payload(buf: BufRef<'_>) -> Result<Buffer> {
+    #[cfg(feature = "cuda")]
+    if let Some(stream) = buf.cuda_stream() {
+        return crate::cuda::to_host(buf, stream);
+    }
+    Ok(crate::with_dtype!(buf.dtype(), T => {
+        Buffer::from_vec(buf.as_host_slice::<T>().unwrap_or_default().to_vec())
+    }))
 }
 
 /// Publishes a send buffer: a staged copy for small messages, else its address.

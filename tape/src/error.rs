@@ -27,13 +27,36 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
-    /// The operation is not implemented on this device (yet).
-    #[error("{op}: not supported on device {device:?}")]
+    /// The operation is not implemented on this device, or the device is not built in.
+    #[error(
+        "{op}: not supported on device {device}; move the tensors with \
+         to_device(Device::Cpu), or for CUDA build with the `cuda` feature"
+    )]
     UnsupportedDevice {
         /// Operation that was asked for.
         op: &'static str,
         /// Device it was asked for on.
         device: Device,
+    },
+    /// Operands of one op live on different devices.
+    #[error("{op}: operands are on {first} and {second}; move them to one device with to_device")]
+    DeviceMismatch {
+        /// Operation that mixed the devices.
+        op: &'static str,
+        /// Device of the first operand.
+        first: Device,
+        /// Device of the other operand.
+        second: Device,
+    },
+    /// A device could not be opened or failed (missing library, no GPU, CUDA error).
+    #[error("{op} on {device}: {message}")]
+    Device {
+        /// What was being done.
+        op: &'static str,
+        /// The device.
+        device: Device,
+        /// The library's or driver's own message, and what to do.
+        message: String,
     },
     /// Operands were recorded on two different tapes.
     #[error("{op}: operands belong to different tapes; each model/thread must use one tape")]

@@ -75,6 +75,7 @@
 mod device;
 mod element;
 mod error;
+mod gpu;
 pub mod gradcheck;
 pub mod ops;
 pub mod optim;
@@ -86,6 +87,7 @@ mod tensor;
 pub use device::Device;
 pub use element::Element;
 pub use error::{Error, Result};
+pub use gpu::{allow_tf32, set_allow_tf32};
 pub use gradcheck::{gradcheck, GradCheckOptions};
 pub use ndarray;
 pub use ops::custom::CustomOp;

@@ -132,15 +132,13 @@ impl<T: Element> Parameter<T> {
     }
 
     /// Adds a finished gradient contribution to the slot, then runs the hooks.
-    pub(crate) fn accumulate_and_notify(&self, contribution: ndarray::ArrayD<T>) -> Result<()> {
+    pub(crate) fn accumulate_and_notify(&self, contribution: Tensor<T>) -> Result<()> {
         {
             let mut slot = self.shared.grad.lock();
             match slot.as_mut() {
-                None => *slot = Some(Tensor::from_array(contribution)),
-                Some(existing) => {
-                    // Copy-on-write: a clone handed out by grad() keeps its old values.
-                    *existing.cpu_mut("backward")? += &contribution;
-                }
+                None => *slot = Some(contribution),
+                // Copy-on-write: a clone handed out by grad() keeps its old values.
+                Some(existing) => existing.accumulate("backward", &contribution)?,
             }
         }
         let mut hooks = self.shared.hooks.lock();

@@ -14,12 +14,16 @@ use crate::{Element, Error, Parameter, Result, Tensor};
 /// Gradients of one recorded op with respect to each of its inputs (`None`: not needed or zero).
 pub(crate) type InputGrads<T> = Vec<Option<ArrayD<T>>>;
 
-/// An op's backward: gets the output gradient and which inputs need a gradient.
+/// A CPU op's backward: gets the output gradient and which inputs need a gradient.
 pub(crate) type BackwardFn<T> = Box<dyn FnOnce(ArrayD<T>, &[bool]) -> Result<InputGrads<T>> + Send>;
+
+/// Any op's backward, on tensors of the op's device (detached from the tape).
+pub(crate) type TensorBackwardFn<T> =
+    Box<dyn FnOnce(Tensor<T>, &[bool]) -> Result<Vec<Option<Tensor<T>>>> + Send>;
 
 enum NodeKind<T: Element> {
     Leaf(Parameter<T>),
-    Op(BackwardFn<T>),
+    Op(TensorBackwardFn<T>),
 }
 
 struct Node<T: Element> {
@@ -179,8 +183,8 @@ impl<T: Element> Tape<T> {
         &self,
         op: &'static str,
         inputs: &[&Tensor<T>],
-        output: ArcArray<T, IxDyn>,
-        backward: BackwardFn<T>,
+        output: Tensor<T>,
+        backward: TensorBackwardFn<T>,
     ) -> Result<Tensor<T>> {
         let mut state = self.shared.state.lock();
         let mut input_nodes = Vec::with_capacity(inputs.len());
@@ -198,7 +202,7 @@ impl<T: Element> Tape<T> {
             kind: Some(NodeKind::Op(backward)),
             inputs: input_nodes,
         });
-        let mut tensor = Tensor::from_shared(output);
+        let mut tensor = output;
         tensor.link = Some(GradLink {
             tape: self.clone(),
             node,
@@ -217,6 +221,25 @@ pub(crate) fn record<T: Element>(
     output: ArcArray<T, IxDyn>,
     make_backward: impl FnOnce() -> BackwardFn<T>,
 ) -> Result<Tensor<T>> {
+    record_tensor(op, inputs, Tensor::from_shared(output), || {
+        let backward = make_backward();
+        Box::new(move |grad: Tensor<T>, needs: &[bool]| {
+            let grads = backward(grad.into_cpu_array(op)?, needs)?;
+            Ok(grads
+                .into_iter()
+                .map(|g| g.map(Tensor::from_array))
+                .collect())
+        })
+    })
+}
+
+/// [`record`] for ops on any device: the backward takes and returns tensors.
+pub(crate) fn record_tensor<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: Tensor<T>,
+    make_backward: impl FnOnce() -> TensorBackwardFn<T>,
+) -> Result<Tensor<T>> {
     let mut tape: Option<&Tape<T>> = None;
     for input in inputs {
         if let Some(link) = &input.link {
@@ -230,7 +253,7 @@ pub(crate) fn record<T: Element>(
     }
     match tape {
         Some(tape) if tape.is_recording() => tape.push_op(op, inputs, output, make_backward()),
-        _ => Ok(Tensor::from_shared(output)),
+        _ => Ok(output),
     }
 }
 
@@ -246,7 +269,7 @@ impl<T: Element> Tensor<T> {
                 "an implicit output gradient needs a one-element tensor; use backward_with_grad",
             ));
         }
-        let seed = ArrayD::from_elem(IxDyn(self.shape()), T::one());
+        let seed = Tensor::ones(self.shape()).to_device(self.device())?;
         self.backward_from(seed)
     }
 
@@ -259,10 +282,17 @@ impl<T: Element> Tensor<T> {
                 "the seed gradient must have the tensor's shape",
             ));
         }
-        self.backward_from(grad.cpu("backward_with_grad")?.to_owned())
+        if grad.device() != self.device() {
+            return Err(Error::DeviceMismatch {
+                op: "backward_with_grad",
+                first: self.device(),
+                second: grad.device(),
+            });
+        }
+        self.backward_from(grad.detach())
     }
 
-    fn backward_from(&self, seed: ArrayD<T>) -> Result<()> {
+    fn backward_from(&self, seed: Tensor<T>) -> Result<()> {
         let link = self.link.as_ref().ok_or(Error::NotRecorded)?;
         let mut nodes = {
             let mut state = link.tape.shared.state.lock();
@@ -280,7 +310,7 @@ impl<T: Element> Tensor<T> {
     }
 }
 
-fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: ArrayD<T>) -> Result<()> {
+fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: Tensor<T>) -> Result<()> {
     // Count, for each node reachable from the root, how many edges will deliver a gradient to
     // it; a leaf is complete (and its hooks may fire) when that count reaches zero.
     let mut needed = vec![false; nodes.len()];
@@ -295,7 +325,7 @@ fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: ArrayD<T
         }
     }
 
-    let mut grads: Vec<Option<ArrayD<T>>> = Vec::with_capacity(nodes.len());
+    let mut grads: Vec<Option<Tensor<T>>> = Vec::with_capacity(nodes.len());
     grads.resize_with(nodes.len(), || None);
     grads[root] = Some(seed);
 
@@ -332,7 +362,7 @@ fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: ArrayD<T
             let Some(input) = input else { continue };
             if let Some(grad) = grad {
                 match &mut grads[input] {
-                    Some(existing) => *existing += &grad,
+                    Some(existing) => existing.accumulate("backward", &grad)?,
                     slot => *slot = Some(grad),
                 }
             }

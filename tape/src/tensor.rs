@@ -5,14 +5,16 @@ use std::fmt;
 
 use ndarray::{ArcArray, ArrayD, IxDyn};
 
+use crate::gpu::GpuArray;
 use crate::random::Generator;
 use crate::tape::GradLink;
 use crate::{Device, Element, Error, Result};
 
-/// Where the elements live. Private so that adding a CUDA variant changes no public signature.
+/// Where the elements live. Private: ops dispatch on it, users see only [`Device`].
 #[derive(Clone)]
 enum Storage<T> {
     Cpu(ArcArray<T, IxDyn>),
+    Gpu(GpuArray<T>),
 }
 
 /// An n-dimensional, row-major tensor of `T` (`f32` by default, `f64` for grad checks).
@@ -89,17 +91,80 @@ impl<T: Element> Tensor<T> {
         }))
     }
 
-    /// The CPU array behind this tensor, or a typed error for devices without a CPU view.
-    pub(crate) fn cpu(&self, _op: &'static str) -> Result<&ArcArray<T, IxDyn>> {
+    /// The CPU array behind this tensor; an op without a device implementation gets a
+    /// typed error for a device tensor.
+    pub(crate) fn cpu(&self, op: &'static str) -> Result<&ArcArray<T, IxDyn>> {
         match &self.storage {
             Storage::Cpu(array) => Ok(array),
+            Storage::Gpu(array) => Err(Error::UnsupportedDevice {
+                op,
+                device: array.device(),
+            }),
         }
     }
 
     /// Mutable CPU array; copies the elements first if another tensor shares them.
-    pub(crate) fn cpu_mut(&mut self, _op: &'static str) -> Result<&mut ArcArray<T, IxDyn>> {
+    pub(crate) fn cpu_mut(&mut self, op: &'static str) -> Result<&mut ArcArray<T, IxDyn>> {
         match &mut self.storage {
             Storage::Cpu(array) => Ok(array),
+            Storage::Gpu(array) => Err(Error::UnsupportedDevice {
+                op,
+                device: array.device(),
+            }),
+        }
+    }
+
+    /// The CPU array by value (no copy when this tensor is its only user).
+    pub(crate) fn into_cpu_array(self, op: &'static str) -> Result<ArrayD<T>> {
+        match self.storage {
+            Storage::Cpu(array) => Ok(array.into_owned()),
+            Storage::Gpu(array) => Err(Error::UnsupportedDevice {
+                op,
+                device: array.device(),
+            }),
+        }
+    }
+
+    /// Adds `other` (same shape and device) into this untracked tensor: in place on the
+    /// CPU (copy-on-write), a new array on a device.
+    pub(crate) fn accumulate(&mut self, op: &'static str, other: &Tensor<T>) -> Result<()> {
+        if self.device() != other.device() {
+            return Err(Error::DeviceMismatch {
+                op,
+                first: self.device(),
+                second: other.device(),
+            });
+        }
+        match (&mut self.storage, &other.storage) {
+            (Storage::Cpu(mine), Storage::Cpu(theirs)) => *mine += theirs,
+            (Storage::Gpu(mine), Storage::Gpu(theirs)) => {
+                let shape = mine.shape().to_vec();
+                *mine = crate::gpu::ops::binary(
+                    op,
+                    crate::gpu::ops::BinaryKind::Add,
+                    mine,
+                    theirs,
+                    &shape,
+                )?;
+            }
+            _ => unreachable!("devices compared equal above"),
+        }
+        Ok(())
+    }
+
+    /// The device array behind this tensor, if it lives on a device.
+    pub(crate) fn gpu(&self) -> Option<&GpuArray<T>> {
+        match &self.storage {
+            Storage::Gpu(array) => Some(array),
+            Storage::Cpu(_) => None,
+        }
+    }
+
+    /// A tensor (not requiring grad) around a device array.
+    pub(crate) fn from_gpu(array: GpuArray<T>) -> Self {
+        Tensor {
+            storage: Storage::Gpu(array),
+            link: None,
         }
     }
 
@@ -107,6 +172,7 @@ impl<T: Element> Tensor<T> {
     pub fn shape(&self) -> &[usize] {
         match &self.storage {
             Storage::Cpu(array) => array.shape(),
+            Storage::Gpu(array) => array.shape(),
         }
     }
 
@@ -124,18 +190,22 @@ impl<T: Element> Tensor<T> {
     pub fn device(&self) -> Device {
         match &self.storage {
             Storage::Cpu(_) => Device::Cpu,
+            Storage::Gpu(array) => array.device(),
         }
     }
 
-    /// A copy on `device`; only [`Device::Cpu`] is available so far.
+    /// The same values on `device` (the tensor itself when already there). The copy is
+    /// not recorded on the tape: move inputs and parameters before the forward pass.
     pub fn to_device(&self, device: Device) -> Result<Self> {
-        match device {
-            Device::Cpu => Ok(self.clone()),
-            Device::Cuda(_) => Err(Error::UnsupportedDevice {
-                op: "to_device",
-                device,
-            }),
+        const OP: &str = "to_device";
+        if device == self.device() {
+            return Ok(self.clone());
         }
+        let host = self.to_vec()?;
+        Ok(match device {
+            Device::Cpu => Self::from_vec(host, self.shape())?,
+            _ => Self::from_gpu(GpuArray::from_host(OP, device, &host, self.shape())?),
+        })
     }
 
     /// Whether operations on this tensor are recorded for backward.
@@ -153,6 +223,9 @@ impl<T: Element> Tensor<T> {
 
     /// The elements in row-major order.
     pub fn to_vec(&self) -> Result<Vec<T>> {
+        if let Some(array) = self.gpu() {
+            return array.to_host();
+        }
         let array = self.cpu("to_vec")?;
         // Element-wise iteration over a dynamic-rank array costs index arithmetic per
         // element; contiguous data (the common case) is one memcpy.
@@ -164,12 +237,17 @@ impl<T: Element> Tensor<T> {
 
     /// An owned ndarray copy of the elements.
     pub fn to_array(&self) -> Result<ArrayD<T>> {
+        if self.gpu().is_some() {
+            return ArrayD::from_shape_vec(IxDyn(self.shape()), self.to_vec()?)
+                .map_err(|e| Error::shape("to_array", &[self.shape()], e.to_string()));
+        }
         Ok(self.cpu("to_array")?.to_owned())
     }
 
     /// The single element of a one-element tensor.
     pub fn item(&self) -> Result<T> {
-        let array = self.cpu("item")?;
+        let host = self.to_device(Device::Cpu)?;
+        let array = host.cpu("item")?;
         match array.iter().next() {
             Some(&value) if array.len() == 1 => Ok(value),
             _ => Err(Error::shape(
@@ -182,10 +260,10 @@ impl<T: Element> Tensor<T> {
 
     /// The elements converted to another element type (not recorded on the tape).
     pub fn cast<U: Element>(&self) -> Result<Tensor<U>> {
-        let array = self.cpu("cast")?;
-        Ok(Tensor::from_array(
-            array.mapv(|v| U::from_f64(v.into_f64())),
-        ))
+        let device = self.device();
+        let host = self.to_device(Device::Cpu)?;
+        let array = host.cpu("cast")?;
+        Tensor::from_array(array.mapv(|v| U::from_f64(v.into_f64()))).to_device(device)
     }
 }
 
@@ -199,7 +277,7 @@ impl<T: Element> fmt::Debug for Tensor<T> {
             Storage::Cpu(array) if array.len() <= 16 => {
                 out.field("data", &array.iter().collect::<Vec<_>>())
             }
-            Storage::Cpu(_) => out.field("data", &"…"),
+            Storage::Cpu(_) | Storage::Gpu(_) => out.field("data", &"…"),
         };
         out.finish()
     }

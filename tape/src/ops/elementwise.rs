@@ -2,8 +2,9 @@
 
 use ndarray::{ArcArray, ArrayD, IxDyn, Zip};
 
-use super::{broadcast_shape, sum_to_shape};
-use crate::tape::{record, BackwardFn};
+use super::{broadcast_shape, device_grads, on_device, sum_to_shape};
+use crate::gpu::ops::{self as device, BinaryKind, UnaryKind};
+use crate::tape::{record, record_tensor, BackwardFn};
 use crate::{Element, Error, Result, Tensor};
 
 /// Which GELU formula to use.
@@ -25,6 +26,15 @@ enum Binary {
 }
 
 impl Binary {
+    fn device_kind(self) -> BinaryKind {
+        match self {
+            Binary::Add => BinaryKind::Add,
+            Binary::Sub => BinaryKind::Sub,
+            Binary::Mul => BinaryKind::Mul,
+            Binary::Div => BinaryKind::Div,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Binary::Add => "add",
@@ -55,6 +65,20 @@ fn zip_broadcast<T: Element>(
 impl<T: Element> Tensor<T> {
     fn binary(&self, other: &Tensor<T>, kind: Binary) -> Result<Tensor<T>> {
         let op = kind.name();
+        if let Some([a, b]) = on_device(op, [self, other])? {
+            let shape = broadcast_shape(op, a.shape(), b.shape())?;
+            let out = device::binary(op, kind.device_kind(), a, b, &shape)?;
+            return record_tensor(op, &[self, other], Tensor::from_gpu(out), || {
+                let (a, b) = (a.clone(), b.clone());
+                Box::new(move |grad: Tensor<T>, needs: &[bool]| {
+                    let grad = grad.device_array(op, a.device())?;
+                    let kind = kind.device_kind();
+                    Ok(device_grads(device::binary_backward(
+                        kind, grad, needs, &a, &b,
+                    )?))
+                })
+            });
+        }
         let a = self.cpu(op)?;
         let b = other.cpu(op)?;
         let shape = broadcast_shape(op, a.shape(), b.shape())?;
@@ -102,7 +126,32 @@ impl<T: Element> Tensor<T> {
         self.scaled("neg", -1.0)
     }
 
+    /// `f(self)` on a device, recorded with its backward; `None` for CPU tensors.
+    fn unary_on_device(
+        &self,
+        op: &'static str,
+        kind: UnaryKind,
+        factor: f64,
+    ) -> Result<Option<Tensor<T>>> {
+        let Some([x]) = on_device(op, [self])? else {
+            return Ok(None);
+        };
+        let y = device::unary(kind, x, factor)?;
+        record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
+            let x = x.clone();
+            Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                let grad = grad.device_array(op, x.device())?;
+                let dx = device::unary_backward(kind, grad, &x, &y, factor)?;
+                Ok(vec![Some(Tensor::from_gpu(dx))])
+            })
+        })
+        .map(Some)
+    }
+
     fn scaled(&self, op: &'static str, factor: f64) -> Result<Tensor<T>> {
+        if let Some(out) = self.unary_on_device(op, UnaryKind::Scale, factor)? {
+            return Ok(out);
+        }
         let factor = T::from_f64(factor);
         let out = self.cpu(op)?.mapv(|x| x * factor);
         record(op, &[self], out.into_shared(), || {
@@ -112,6 +161,9 @@ impl<T: Element> Tensor<T> {
 
     /// Elementwise `e^x`.
     pub fn exp(&self) -> Result<Tensor<T>> {
+        if let Some(out) = self.unary_on_device("exp", UnaryKind::Exp, 1.0)? {
+            return Ok(out);
+        }
         let out = self.cpu("exp")?.mapv(T::exp).into_shared();
         record("exp", &[self], out.clone(), || {
             Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad * &out)]))
@@ -120,6 +172,9 @@ impl<T: Element> Tensor<T> {
 
     /// Elementwise natural logarithm.
     pub fn log(&self) -> Result<Tensor<T>> {
+        if let Some(out) = self.unary_on_device("log", UnaryKind::Log, 1.0)? {
+            return Ok(out);
+        }
         let input = self.cpu("log")?;
         let out = input.mapv(T::ln);
         record("log", &[self], out.into_shared(), || {
@@ -130,6 +185,9 @@ impl<T: Element> Tensor<T> {
 
     /// Elementwise hyperbolic tangent.
     pub fn tanh(&self) -> Result<Tensor<T>> {
+        if let Some(out) = self.unary_on_device("tanh", UnaryKind::Tanh, 1.0)? {
+            return Ok(out);
+        }
         let out = self.cpu("tanh")?.mapv(T::tanh).into_shared();
         record("tanh", &[self], out.clone(), || {
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
@@ -143,6 +201,9 @@ impl<T: Element> Tensor<T> {
 
     /// Elementwise `max(x, 0)`.
     pub fn relu(&self) -> Result<Tensor<T>> {
+        if let Some(out) = self.unary_on_device("relu", UnaryKind::Relu, 1.0)? {
+            return Ok(out);
+        }
         let input = self.cpu("relu")?;
         let out = input.mapv(|x| if x > T::zero() { x } else { T::zero() });
         record("relu", &[self], out.into_shared(), || {
@@ -160,6 +221,13 @@ impl<T: Element> Tensor<T> {
 
     /// Elementwise GELU, exact or tanh-approximated.
     pub fn gelu(&self, approximation: Gelu) -> Result<Tensor<T>> {
+        let kind = match approximation {
+            Gelu::Erf => UnaryKind::GeluErf,
+            Gelu::Tanh => UnaryKind::GeluTanh,
+        };
+        if let Some(out) = self.unary_on_device("gelu", kind, 1.0)? {
+            return Ok(out);
+        }
         let input = self.cpu("gelu")?;
         let out = input.mapv(|x| gelu_value(x, approximation));
         record("gelu", &[self], out.into_shared(), || {

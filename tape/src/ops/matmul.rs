@@ -5,7 +5,10 @@
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, Axis, Ix2, Ix3};
 
-use crate::tape::record;
+use super::{device_grads, on_device};
+use crate::gpu::ops::{matmul_into, Operand};
+use crate::gpu::GpuArray;
+use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
 const OP: &str = "matmul";
@@ -14,6 +17,9 @@ impl<T: Element> Tensor<T> {
     /// Matrix product. Shapes: `[m,k]·[k,n] → [m,n]`, `[b,m,k]·[b,k,n] → [b,m,n]`, and
     /// `[b,m,k]·[k,n] → [b,m,n]` (the matrix is shared across the batch).
     pub fn matmul(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
+        if let Some([a, b]) = on_device(OP, [self, other])? {
+            return self.matmul_on_device(other, a, b);
+        }
         let a = self.cpu(OP)?;
         let b = other.cpu(OP)?;
         let bad = |reason: &str| Error::shape(OP, &[a.shape(), b.shape()], reason);
@@ -130,4 +136,116 @@ fn batch_transpose_times_batch<T: Element>(
         general_mat_mul(T::one(), &a.t(), &g, T::one(), &mut out);
     }
     out
+}
+
+/// A row-major operand of a device product.
+fn operand<T: Copy + Default>(
+    array: &GpuArray<T>,
+    transposed: bool,
+    batch_stride: usize,
+) -> Operand {
+    Operand {
+        ptr: array.ptr(),
+        transposed,
+        batch_stride,
+    }
+}
+
+/// `op(a)·op(b)` into a new `[batch…, m, n]` array (see [`matmul_into`]).
+#[allow(clippy::too_many_arguments)] // the product's whole description
+fn product<T: Element>(
+    shape: &[usize],
+    a: Operand,
+    b: Operand,
+    m: usize,
+    n: usize,
+    k: usize,
+    batch: usize,
+    device: crate::Device,
+) -> Result<GpuArray<T>> {
+    let out = GpuArray::<T>::uninit(OP, device, shape)?;
+    matmul_into(&out, a, b, m, n, k, batch)?;
+    Ok(out)
+}
+
+impl<T: Element> Tensor<T> {
+    fn matmul_on_device(
+        &self,
+        other: &Tensor<T>,
+        a: &GpuArray<T>,
+        b: &GpuArray<T>,
+    ) -> Result<Tensor<T>> {
+        let (sa, sb) = (a.shape().to_vec(), b.shape().to_vec());
+        let bad = |reason: &str| Error::shape(OP, &[&sa, &sb], reason);
+        let device = a.device();
+        // [batch, m, k] · [k, n] is one [batch·m, k] · [k, n] product: fold the batch.
+        let (batch, m, k, n) = match (sa.len(), sb.len()) {
+            (2, 2) => (1, sa[0], sa[1], sb[1]),
+            (3, 2) => (1, sa[0] * sa[1], sa[2], sb[1]),
+            (3, 3) if sa[0] == sb[0] => (sa[0], sa[1], sa[2], sb[2]),
+            (3, 3) => return Err(bad("batch sizes differ")),
+            (2, 3) => {
+                return Err(bad(
+                    "a 2-D matrix times a 3-D batch is not supported; transpose the product",
+                ))
+            }
+            _ => return Err(bad("operands must be 2-D or 3-D")),
+        };
+        if k != sb[sb.len() - 2] {
+            return Err(bad("inner dimensions differ"));
+        }
+        let mut out_shape = sa[..sa.len() - 1].to_vec();
+        out_shape.push(n);
+        let (stride_a, stride_b, stride_g) = if batch > 1 {
+            (m * k, k * n, m * n)
+        } else {
+            (0, 0, 0)
+        };
+        let out = product(
+            &out_shape,
+            operand(a, false, stride_a),
+            operand(b, false, stride_b),
+            m,
+            n,
+            k,
+            batch,
+            device,
+        )?;
+        record_tensor(OP, &[self, other], Tensor::from_gpu(out), || {
+            let (a, b) = (a.clone(), b.clone());
+            Box::new(move |grad: Tensor<T>, needs: &[bool]| {
+                let g = grad.device_array(OP, device)?;
+                // dA = G·Bᵀ and dB = Aᵀ·G, per batch entry (folded batches sum into dB).
+                let grad_a = needs[0]
+                    .then(|| {
+                        product(
+                            a.shape(),
+                            operand(g, false, stride_g),
+                            operand(&b, true, stride_b),
+                            m,
+                            k,
+                            n,
+                            batch,
+                            device,
+                        )
+                    })
+                    .transpose()?;
+                let grad_b = needs[1]
+                    .then(|| {
+                        product(
+                            b.shape(),
+                            operand(&a, true, stride_a),
+                            operand(g, false, stride_g),
+                            k,
+                            n,
+                            m,
+                            batch,
+                            device,
+                        )
+                    })
+                    .transpose()?;
+                Ok(device_grads(vec![grad_a, grad_b]))
+            })
+        })
+    }
 }

@@ -17,7 +17,8 @@ pub use loss::{CrossEntropyOptions, Reduction};
 
 use ndarray::{ArrayD, Axis, IxDyn};
 
-use crate::{Element, Error, Result};
+use crate::gpu::GpuArray;
+use crate::{Element, Error, Result, Tensor};
 
 /// NumPy broadcasting of two shapes, or a shape error naming `op`.
 pub(crate) fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
@@ -98,4 +99,49 @@ pub(crate) fn reshape_owned<T: Element>(
     standard
         .into_shape_with_order(IxDyn(shape))
         .map_err(|e| Error::shape(op, &[&from, shape], e.to_string()))
+}
+
+/// The device arrays of `tensors` when they all live on one device, `None` when they are
+/// all CPU tensors, and an error when they are mixed.
+pub(crate) fn on_device<'a, T: Element, const N: usize>(
+    op: &'static str,
+    tensors: [&'a Tensor<T>; N],
+) -> Result<Option<[&'a GpuArray<T>; N]>> {
+    let first = tensors[0].device();
+    if let Some(other) = tensors.iter().find(|t| t.device() != first) {
+        return Err(Error::DeviceMismatch {
+            op,
+            first,
+            second: other.device(),
+        });
+    }
+    if first == crate::Device::Cpu {
+        return Ok(None);
+    }
+    Ok(Some(tensors.map(|t| {
+        t.gpu()
+            .expect("a tensor on a non-CPU device has device storage")
+    })))
+}
+
+/// Wraps device gradients as tensors for the tape.
+pub(crate) fn device_grads<T: Element>(grads: Vec<Option<GpuArray<T>>>) -> Vec<Option<Tensor<T>>> {
+    grads.into_iter().map(|g| g.map(Tensor::from_gpu)).collect()
+}
+
+impl<T: Element> Tensor<T> {
+    /// The device array of a gradient flowing into a device op's backward.
+    pub(crate) fn device_array(
+        &self,
+        op: &'static str,
+        expected: crate::Device,
+    ) -> Result<&GpuArray<T>> {
+        self.gpu()
+            .filter(|array| array.device() == expected)
+            .ok_or(Error::DeviceMismatch {
+                op,
+                first: expected,
+                second: self.device(),
+            })
+    }
 }

@@ -2,8 +2,10 @@
 
 use ndarray::{ArrayD, Axis, IxDyn, Zip};
 
-use super::check_dim;
-use crate::tape::record;
+use super::{check_dim, on_device};
+use crate::gpu::ops::{self as device, ReduceKind};
+use crate::gpu::GpuArray;
+use crate::tape::{record, record_tensor};
 use crate::{Element, Result, Tensor};
 
 impl<T: Element> Tensor<T> {
@@ -19,6 +21,10 @@ impl<T: Element> Tensor<T> {
     }
 
     fn reduce_all(&self, op: &'static str, factor: T) -> Result<Tensor<T>> {
+        if on_device(op, [self])?.is_some() {
+            let flat = self.reshape(&[self.numel()])?;
+            return flat.reduce_dim(op, 0, false, factor);
+        }
         let input = self.cpu(op)?;
         let total = ArrayD::from_elem(IxDyn(&[]), input.sum() * factor);
         let shape = input.raw_dim();
@@ -50,6 +56,15 @@ impl<T: Element> Tensor<T> {
         factor: T,
     ) -> Result<Tensor<T>> {
         check_dim(op, dim, self.shape())?;
+        if let Some([x]) = on_device(op, [self])? {
+            let kind = if factor == T::one() {
+                ReduceKind::Sum
+            } else {
+                ReduceKind::Mean
+            };
+            let (out, _) = device::reduce_dim(x, dim, kind)?;
+            return self.record_reduction(op, x, dim, keepdim, out, factor.into_f64(), None);
+        }
         let input = self.cpu(op)?;
         let mut out = input.sum_axis(Axis(dim));
         if factor != T::one() {
@@ -85,6 +100,10 @@ impl<T: Element> Tensor<T> {
                 format!("dimension {dim} is empty"),
             ));
         }
+        if let Some([x]) = on_device("max_dim", [self])? {
+            let (out, argmax) = device::reduce_dim(x, dim, ReduceKind::Max)?;
+            return self.record_reduction("max_dim", x, dim, keepdim, out, 1.0, argmax);
+        }
         let input = self.cpu("max_dim")?;
         let argmax = Zip::from(input.lanes(Axis(dim))).map_collect(|lane| {
             let mut best = 0;
@@ -117,6 +136,41 @@ impl<T: Element> Tensor<T> {
                     .and(&grad)
                     .for_each(|mut lane, &i, &g| lane[i] = g);
                 Ok(vec![Some(full)])
+            })
+        })
+    }
+}
+
+impl<T: Element> Tensor<T> {
+    /// Records a device reduction over `dim` of `x` whose result (without the dimension)
+    /// is `out`; the backward spreads the gradient back (times `scale`, or to `argmax`).
+    #[allow(clippy::too_many_arguments)] // the reduction's whole description
+    fn record_reduction(
+        &self,
+        op: &'static str,
+        x: &GpuArray<T>,
+        dim: usize,
+        keepdim: bool,
+        out: GpuArray<T>,
+        scale: f64,
+        argmax: Option<GpuArray<i64>>,
+    ) -> Result<Tensor<T>> {
+        let reduced_shape = out.shape().to_vec();
+        let out = if keepdim {
+            let mut shape = x.shape().to_vec();
+            shape[dim] = 1;
+            out.reshaped(&shape)
+        } else {
+            out
+        };
+        let input_shape = x.shape().to_vec();
+        let device = x.device();
+        record_tensor(op, &[self], Tensor::from_gpu(out), || {
+            Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                let grad = grad.device_array(op, device)?.reshaped(&reduced_shape);
+                let dx =
+                    device::reduce_dim_backward(&grad, &input_shape, dim, scale, argmax.as_ref())?;
+                Ok(vec![Some(Tensor::from_gpu(dx))])
             })
         })
     }

@@ -2,14 +2,32 @@
 
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
 
-use super::{check_dim, reshape_owned};
-use crate::tape::record;
+use super::{check_dim, on_device, reshape_owned};
+use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
 impl<T: Element> Tensor<T> {
     /// The same elements (row-major order) with a new shape of equal size.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor<T>> {
         const OP: &str = "reshape";
+        if let Some([x]) = on_device(OP, [self])? {
+            if shape.iter().product::<usize>() != x.len() {
+                return Err(Error::shape(
+                    OP,
+                    &[x.shape(), shape],
+                    "element counts differ",
+                ));
+            }
+            let from = x.shape().to_vec();
+            let device = x.device();
+            // Device arrays are always contiguous: a reshape is a new view of the memory.
+            return record_tensor(OP, &[self], Tensor::from_gpu(x.reshaped(shape)), || {
+                Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                    let grad = grad.device_array(OP, device)?.reshaped(&from);
+                    Ok(vec![Some(Tensor::from_gpu(grad))])
+                })
+            });
+        }
         let input = self.cpu(OP)?;
         if shape.iter().product::<usize>() != input.len() {
             return Err(Error::shape(

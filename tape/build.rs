@@ -1,0 +1,14 @@
+//! Compiles the device kernels as C for the emulator device (no CUDA needed).
+
+fn main() {
+    println!("cargo:rerun-if-changed=csrc/emulator.c");
+    println!("cargo:rerun-if-changed=src/gpu/kernels");
+    cc::Build::new()
+        .file("csrc/emulator.c")
+        .include("src/gpu/kernels")
+        .flag_if_supported("-std=c11")
+        // No contraction into FMAs: results stay comparable with the CPU path's.
+        .flag_if_supported("-ffp-contract=off")
+        .warnings(true)
+        .compile("ferrotron_gpu_emulator");
+}

@@ -1,0 +1,163 @@
+//! Device memory and the contiguous row-major arrays tensors keep in it.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use super::{backend, Backend, Kernel, KernelArgs, Precision};
+use crate::{Device, Element, Result};
+
+/// One device allocation, freed (in stream order) when the last array using it goes.
+pub(crate) struct DeviceBuffer {
+    ptr: u64,
+    bytes: usize,
+    backend: Arc<dyn Backend>,
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by this backend with this size; no array refers to it anymore.
+        unsafe { self.backend.free(self.ptr, self.bytes) }
+    }
+}
+
+/// A contiguous row-major array of `T` on a device. Cloning shares the memory; arrays
+/// are never written after the op that produced them returns, so sharing is safe.
+pub(crate) struct GpuArray<T> {
+    buffer: Arc<DeviceBuffer>,
+    shape: Vec<usize>,
+    _element: PhantomData<T>,
+}
+
+impl<T> Clone for GpuArray<T> {
+    fn clone(&self) -> Self {
+        GpuArray {
+            buffer: self.buffer.clone(),
+            shape: self.shape.clone(),
+            _element: PhantomData,
+        }
+    }
+}
+
+impl<T: Copy + Default> GpuArray<T> {
+    /// Uninitialised memory for `shape`; the caller's kernel writes every element.
+    pub(crate) fn uninit(op: &'static str, device: Device, shape: &[usize]) -> Result<Self> {
+        let backend = backend(op, device)?;
+        let len: usize = shape.iter().product();
+        let bytes = len * std::mem::size_of::<T>();
+        // SAFETY: a fresh allocation owned by the returned array.
+        let ptr = unsafe { backend.alloc(bytes)? };
+        Ok(GpuArray {
+            buffer: Arc::new(DeviceBuffer {
+                ptr,
+                bytes,
+                backend,
+            }),
+            shape: shape.to_vec(),
+            _element: PhantomData,
+        })
+    }
+
+    /// Copies row-major host data to the device.
+    pub(crate) fn from_host(
+        op: &'static str,
+        device: Device,
+        data: &[T],
+        shape: &[usize],
+    ) -> Result<Self> {
+        let out = Self::uninit(op, device, shape)?;
+        // SAFETY: `out` holds exactly `data.len()` elements (the caller's shape), and
+        // `T` is plain f32/f64 data.
+        unsafe {
+            let bytes =
+                std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data));
+            out.backend().upload(out.ptr(), bytes)?;
+        }
+        Ok(out)
+    }
+
+    /// The elements in row-major order, after all queued work on them.
+    pub(crate) fn to_host(&self) -> Result<Vec<T>> {
+        let mut data = vec![T::default(); self.len()];
+        // SAFETY: the allocation holds `len` elements, and `data` was sized for them.
+        unsafe {
+            let bytes = std::slice::from_raw_parts_mut(
+                data.as_mut_ptr().cast::<u8>(),
+                std::mem::size_of_val(data.as_slice()),
+            );
+            self.backend().download(bytes, self.ptr())?;
+        }
+        Ok(data)
+    }
+
+    /// The same elements under another shape with the same element count.
+    pub(crate) fn reshaped(&self, shape: &[usize]) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), self.len());
+        GpuArray {
+            buffer: self.buffer.clone(),
+            shape: shape.to_vec(),
+            _element: PhantomData,
+        }
+    }
+
+    /// A private copy (the caller may then write it in place).
+    pub(crate) fn duplicate(&self, op: &'static str) -> Result<Self> {
+        let out = Self::uninit(op, self.device(), &self.shape)?;
+        // SAFETY: both hold `len` elements of `T`.
+        unsafe {
+            self.backend()
+                .copy(out.ptr(), self.ptr(), self.len() * std::mem::size_of::<T>())?
+        };
+        Ok(out)
+    }
+
+    pub(crate) fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub(crate) fn ptr(&self) -> u64 {
+        self.buffer.ptr
+    }
+
+    pub(crate) fn device(&self) -> Device {
+        self.buffer.backend.device()
+    }
+
+    pub(crate) fn backend(&self) -> &dyn Backend {
+        &*self.buffer.backend
+    }
+}
+
+impl<T: Element> GpuArray<T> {
+    /// `shape` filled with `value`.
+    pub(crate) fn full(
+        op: &'static str,
+        device: Device,
+        shape: &[usize],
+        value: T,
+    ) -> Result<Self> {
+        let out = Self::uninit(op, device, shape)?;
+        let mut args = KernelArgs::default();
+        args.p[0] = out.ptr();
+        args.i[0] = out.len() as i64;
+        args.f[0] = value.into_f64();
+        out.launch(&super::FILL, out.len(), &args)?;
+        Ok(out)
+    }
+
+    /// Runs `kernel`'s build for `T` over `items` indices.
+    pub(crate) fn launch(&self, kernel: &Kernel, items: usize, args: &KernelArgs) -> Result<()> {
+        if items == 0 {
+            return Ok(());
+        }
+        // SAFETY: callers fill `args` with addresses of live arrays of this backend and
+        // sizes matching the kernel's documented slots.
+        unsafe {
+            self.backend()
+                .launch(kernel, Precision::of::<T>(), items, args)
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! [`Device::Emulated`]: the device path run on the host. Kernels are the C builds of
+//! `kernels/*.cu` (see `csrc/emulator.c`), memory is host memory, and GEMM is a
+//! reference implementation of cuBLAS's column-major contract, so the row-major wrapper
+//! in `ops` is checked exactly as cuBLAS will read it.
+
+use std::alloc::Layout;
+
+use super::{Backend, Gemm, Kernel, KernelArgs, Precision};
+use crate::{Device, Error, Result};
+
+pub(crate) struct Emulator;
+
+fn layout(bytes: usize) -> Layout {
+    // 16-byte alignment: enough for f64 and i64, like cudaMalloc's (stronger) guarantee.
+    Layout::from_size_align(bytes.max(16), 16).expect("allocation size overflows isize")
+}
+
+impl Backend for Emulator {
+    fn device(&self) -> Device {
+        Device::Emulated
+    }
+
+    unsafe fn alloc(&self, bytes: usize) -> Result<u64> {
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout(bytes)) };
+        if ptr.is_null() {
+            return Err(Error::Device {
+                op: "alloc",
+                device: Device::Emulated,
+                message: format!("out of host memory allocating {bytes} bytes"),
+            });
+        }
+        Ok(ptr as u64)
+    }
+
+    unsafe fn free(&self, ptr: u64, bytes: usize) {
+        // SAFETY: allocated by `alloc` with the same size.
+        unsafe { std::alloc::dealloc(ptr as *mut u8, layout(bytes)) }
+    }
+
+    unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: the caller guarantees `dst` holds `src.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        // SAFETY: the caller guarantees `src` holds `dst.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: the caller guarantees both ranges; `copy` tolerates overlap.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    unsafe fn launch(
+        &self,
+        kernel: &Kernel,
+        precision: Precision,
+        _items: usize,
+        args: &KernelArgs,
+    ) -> Result<()> {
+        // SAFETY: the host build reads `args` as the kernel's documented slots; the caller
+        // guarantees the addresses in them.
+        unsafe { (kernel.host[precision.index()])(args) };
+        Ok(())
+    }
+
+    unsafe fn gemm(&self, gemm: &Gemm) -> Result<()> {
+        // SAFETY: the caller guarantees the matrices' extents.
+        unsafe {
+            match gemm.precision {
+                Precision::F32 => reference_gemm::<f32>(gemm),
+                Precision::F64 => reference_gemm::<f64>(gemm),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// cuBLAS's strided-batched GEMM on column-major matrices, accumulating in `T` as
+/// cuBLAS does (without TF32). `beta == 0` ignores C's old contents, NaNs included.
+unsafe fn reference_gemm<T: crate::Element>(g: &Gemm) {
+    let (alpha, beta) = (T::from_f64(g.alpha), T::from_f64(g.beta));
+    for batch in 0..g.batch {
+        let a = (g.a as *const T).wrapping_add(batch * g.stride_a);
+        let b = (g.b as *const T).wrapping_add(batch * g.stride_b);
+        let c = (g.c as *mut T).wrapping_add(batch * g.stride_c);
+        for j in 0..g.n {
+            for i in 0..g.m {
+                let mut acc = T::zero();
+                for l in 0..g.k {
+                    // SAFETY: indices within the extents the caller guarantees.
+                    let x = unsafe {
+                        *a.add(if g.transpose_a {
+                            l + i * g.lda
+                        } else {
+                            i + l * g.lda
+                        })
+                    };
+                    let y = unsafe {
+                        *b.add(if g.transpose_b {
+                            j + l * g.ldb
+                        } else {
+                            l + j * g.ldb
+                        })
+                    };
+                    acc += x * y;
+                }
+                // SAFETY: as above.
+                let out = unsafe { &mut *c.add(i + j * g.ldc) };
+                *out = if g.beta == 0.0 {
+                    alpha * acc
+                } else {
+                    alpha * acc + beta * *out
+                };
+            }
+        }
+    }
+}

@@ -1,0 +1,31 @@
+/* Shared by the CUDA build (NVRTC) and the host emulator (a C compiler): the argument
+ * block every kernel takes, and the macros that let one source serve both.
+ *
+ * Kernel rules, so that the emulator's sequential run is a faithful model of the GPU:
+ * every kernel is a FOR_EACH over independent indices (no shared memory, no
+ * __syncthreads); iterations may only communicate through ATOMIC_ADD. */
+
+typedef unsigned long long u64;
+typedef long long i64;
+
+/* Device addresses, integer and floating arguments; the meaning of each slot is
+ * documented at the kernel and mirrored by the Rust caller. */
+typedef struct {
+    u64 p[8];
+    i64 i[32];
+    double f[4];
+} KernelArgs;
+
+#define MAX_DIMS 8
+
+/* The flat offset of element `index` of a row-major `shape` in a tensor with `strides`. */
+#define STRIDED_OFFSET(result, index, ndim, shape, strides)            \
+    do {                                                               \
+        i64 rest_ = (index);                                           \
+        i64 off_ = 0;                                                  \
+        for (int d_ = (int)(ndim) - 1; d_ >= 0; --d_) {                \
+            off_ += (rest_ % (shape)[d_]) * (strides)[d_];             \
+            rest_ /= (shape)[d_];                                      \
+        }                                                              \
+        (result) = off_;                                               \
+    } while (0)

@@ -1,0 +1,134 @@
+/* Elementwise kernels. Slot meanings are mirrored by tape/src/gpu/ops.rs. */
+
+/* out[i] = f0.  p0 out; i0 n. */
+KERNEL(SFX(fill)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    real value = (real)A->f[0];
+    FOR_EACH(i, A->i[0]) out[i] = value;
+}
+
+/* Broadcasting a (op) b.  p0 out, p1 a, p2 b; i0 n, i1 op (0 add, 1 sub, 2 mul, 3 div),
+ * i2 ndim, i[3..11) output shape, i[11..19) a's strides, i[19..27) b's strides (0 where
+ * the operand is broadcast). */
+KERNEL(SFX(binary)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* a = (const real*)A->p[1];
+    const real* b = (const real*)A->p[2];
+    int op = (int)A->i[1];
+    int ndim = (int)A->i[2];
+    FOR_EACH(i, A->i[0]) {
+        i64 rest = i, offset_a = 0, offset_b = 0;
+        for (int d = ndim - 1; d >= 0; --d) {
+            i64 c = rest % A->i[3 + d];
+            rest /= A->i[3 + d];
+            offset_a += c * A->i[11 + d];
+            offset_b += c * A->i[19 + d];
+        }
+        real x = a[offset_a], y = b[offset_b];
+        out[i] = op == 0 ? x + y : op == 1 ? x - y : op == 2 ? x * y : x / y;
+    }
+}
+
+DEVFN real SFX(gelu_value)(real x, int tanh_form) {
+    if (tanh_form) {
+        real inner = (real)0.7978845608028654 * (x + (real)0.044715 * x * x * x);
+        return (real)0.5 * x * ((real)1 + TANH(inner));
+    }
+    return (real)0.5 * x * ((real)1 + ERF(x * (real)0.7071067811865476));
+}
+
+DEVFN real SFX(gelu_derivative)(real x, int tanh_form) {
+    if (tanh_form) {
+        real c = (real)0.7978845608028654, k = (real)0.044715;
+        real t = TANH(c * (x + k * x * x * x));
+        real dinner = c * ((real)1 + (real)3 * k * x * x);
+        return (real)0.5 * ((real)1 + t) + (real)0.5 * x * ((real)1 - t * t) * dinner;
+    }
+    real cdf = (real)0.5 * ((real)1 + ERF(x * (real)0.7071067811865476));
+    real pdf = EXP((real)-0.5 * x * x) * (real)0.3989422804014327;
+    return cdf + x * pdf;
+}
+
+/* out = f(x).  p0 out, p1 x; i0 n, i1 kind (0 scale by f0, 1 exp, 2 log, 3 tanh, 4 relu,
+ * 5 gelu erf, 6 gelu tanh). */
+KERNEL(SFX(unary)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* x = (const real*)A->p[1];
+    int kind = (int)A->i[1];
+    real factor = (real)A->f[0];
+    FOR_EACH(i, A->i[0]) {
+        real v = x[i];
+        real r;
+        switch (kind) {
+            case 0: r = v * factor; break;
+            case 1: r = EXP(v); break;
+            case 2: r = LOG(v); break;
+            case 3: r = TANH(v); break;
+            case 4: r = v > (real)0 ? v : (real)0; break;
+            default: r = SFX(gelu_value)(v, kind == 6); break;
+        }
+        out[i] = r;
+    }
+}
+
+/* Gradient of `unary`.  p0 out, p1 grad, p2 x (input), p3 y (output); i0 n, i1 kind as in
+ * `unary`; f0 the scale factor. */
+KERNEL(SFX(unary_backward)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* g = (const real*)A->p[1];
+    const real* x = (const real*)A->p[2];
+    const real* y = (const real*)A->p[3];
+    int kind = (int)A->i[1];
+    real factor = (real)A->f[0];
+    FOR_EACH(i, A->i[0]) {
+        real r;
+        switch (kind) {
+            case 0: r = g[i] * factor; break;
+            case 1: r = g[i] * y[i]; break;
+            case 2: r = g[i] / x[i]; break;
+            case 3: r = g[i] * ((real)1 - y[i] * y[i]); break;
+            case 4: r = x[i] <= (real)0 ? (real)0 : g[i]; break;
+            default: r = g[i] * SFX(gelu_derivative)(x[i], kind == 6); break;
+        }
+        out[i] = r;
+    }
+}
+
+/* Gradient of a broadcast operand: out (the operand's shape) = sum of g (the broadcast
+ * shape) over the broadcast dimensions.  p0 out, p1 g; i0 out elements, i1 ndim,
+ * i[2..10) g's shape, i[10..18) the operand's shape padded with leading 1s. */
+KERNEL(SFX(sum_to)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* g = (const real*)A->p[1];
+    int ndim = (int)A->i[1];
+    const i64* big = A->i + 2;
+    const i64* small = A->i + 10;
+    i64 reduced = 1;
+    for (int d = 0; d < ndim; ++d)
+        if (small[d] == 1) reduced *= big[d];
+    FOR_EACH(o, A->i[0]) {
+        real acc = (real)0;
+        for (i64 k = 0; k < reduced; ++k) {
+            i64 rest_out = o, rest_k = k, offset = 0, stride = 1;
+            for (int d = ndim - 1; d >= 0; --d) {
+                i64 c;
+                if (small[d] == 1) {
+                    c = rest_k % big[d];
+                    rest_k /= big[d];
+                } else {
+                    c = rest_out % small[d];
+                }
+                rest_out /= small[d];
+                offset += c * stride;
+                stride *= big[d];
+            }
+            acc += g[offset];
+        }
+        out[o] = acc;
+    }
+}

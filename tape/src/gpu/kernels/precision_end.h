@@ -1,0 +1,7 @@
+#undef real
+#undef SFX
+#undef EXP
+#undef LOG
+#undef TANH
+#undef ERF
+#undef SQRT

@@ -1,0 +1,59 @@
+/* Reductions along one dimension of a tensor viewed as [outer, dim, inner]. */
+
+/* p0 out [outer, inner], p1 x, p2 argmax (i64, only for max; may be 0); i0 outer, i1 dim,
+ * i2 inner, i3 kind (0 sum, 1 mean, 2 max). */
+KERNEL(SFX(reduce_dim)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* x = (const real*)A->p[1];
+    i64* argmax = (i64*)A->p[2];
+    i64 dim = A->i[1], inner = A->i[2];
+    int kind = (int)A->i[3];
+    FOR_EACH(o, A->i[0] * inner) {
+        const real* row = x + (o / inner) * dim * inner + o % inner;
+        if (kind == 2) {
+            real best = row[0];
+            i64 at = 0;
+            for (i64 d = 1; d < dim; ++d) {
+                /* NaN propagates, and the first maximum wins, as on the CPU. */
+                if (row[d * inner] > best || (row[d * inner] != row[d * inner] && best == best)) {
+                    best = row[d * inner];
+                    at = d;
+                }
+            }
+            out[o] = best;
+            argmax[o] = at;
+        } else {
+            real acc = (real)0;
+            for (i64 d = 0; d < dim; ++d) acc += row[d * inner];
+            out[o] = kind == 1 ? acc / (real)dim : acc;
+        }
+    }
+}
+
+/* Gradient of sum/mean: out[o, d, i] = g[o, i] * f0.  p0 out, p1 g; i0 outer, i1 dim, i2 inner. */
+KERNEL(SFX(expand_dim)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* g = (const real*)A->p[1];
+    i64 dim = A->i[1], inner = A->i[2];
+    real scale = (real)A->f[0];
+    FOR_EACH(j, A->i[0] * dim * inner) {
+        i64 o = j / (dim * inner), i = j % inner;
+        out[j] = g[o * inner + i] * scale;
+    }
+}
+
+/* Gradient of max: out[o, d, i] = g[o, i] where d is the argmax, else 0.  p0 out, p1 g,
+ * p2 argmax; i0 outer, i1 dim, i2 inner. */
+KERNEL(SFX(max_backward)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* g = (const real*)A->p[1];
+    const i64* argmax = (const i64*)A->p[2];
+    i64 dim = A->i[1], inner = A->i[2];
+    FOR_EACH(j, A->i[0] * dim * inner) {
+        i64 o = j / (dim * inner), d = (j / inner) % dim, i = j % inner;
+        out[j] = argmax[o * inner + i] == d ? g[o * inner + i] : (real)0;
+    }
+}

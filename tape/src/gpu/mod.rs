@@ -1,0 +1,196 @@
+//! Device tensors (feature `cuda`): storage, the two backends that run the kernels, and
+//! the device versions of the ops.
+//!
+//! One kernel source (`kernels/*.cu`) serves two backends:
+//! - [`Device::Cuda`]: compiled at run time by NVRTC, GEMMs through cuBLAS, on one stream
+//!   per device (so all work on a device is ordered without events);
+//! - [`Device::Emulated`]: the same kernels compiled as C by the build script and run
+//!   sequentially on the host, with a reference column-major GEMM. It exercises every line
+//!   of the device path except the CUDA calls themselves, which is how this code is tested
+//!   on machines without a GPU, and a way to debug device code on a laptop.
+//!
+//! Kernels follow one rule that makes the emulation faithful: each is a loop over
+//! independent indices (no shared memory, no block synchronisation), and iterations only
+//! interact through atomic adds.
+
+pub(crate) use array::GpuArray;
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use crate::{Device, Element, Error, Result};
+
+/// The argument block of every kernel; layout shared with `kernels/common.h`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct KernelArgs {
+    pub p: [u64; 8],
+    pub i: [i64; 32],
+    pub f: [f64; 4],
+}
+
+/// Most dimensions a kernel's shape arguments can describe.
+pub(crate) const MAX_DIMS: usize = 8;
+
+/// A host build of one kernel.
+pub(crate) type HostKernel = unsafe extern "C" fn(*const KernelArgs);
+
+/// A kernel by name, with its host builds for f32 and f64.
+pub(crate) struct Kernel {
+    pub name: &'static str,
+    pub host: [HostKernel; 2],
+}
+
+/// Declares kernels compiled into the emulator and names them for NVRTC; `$list` names
+/// them all (the NVRTC test checks each one compiled).
+macro_rules! kernels {
+    ($list:ident: $($constant:ident = $name:literal : $f32:ident, $f64:ident;)*) => {
+        extern "C" {
+            $(fn $f32(args: *const KernelArgs); fn $f64(args: *const KernelArgs);)*
+        }
+        $(pub(crate) const $constant: Kernel = Kernel { name: $name, host: [$f32, $f64] };)*
+        pub(crate) const $list: &[&Kernel] = &[$(&$constant),*];
+    };
+}
+
+kernels! {
+    MATH_KERNELS:
+    FILL = "fill": fill_f32, fill_f64;
+    BINARY = "binary": binary_f32, binary_f64;
+    UNARY = "unary": unary_f32, unary_f64;
+    UNARY_BACKWARD = "unary_backward": unary_backward_f32, unary_backward_f64;
+    SUM_TO = "sum_to": sum_to_f32, sum_to_f64;
+    REDUCE_DIM = "reduce_dim": reduce_dim_f32, reduce_dim_f64;
+    EXPAND_DIM = "expand_dim": expand_dim_f32, expand_dim_f64;
+    MAX_BACKWARD = "max_backward": max_backward_f32, max_backward_f64;
+}
+
+mod array;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod emulator;
+pub(crate) mod ops;
+pub(crate) mod optim_ops;
+pub(crate) mod row_ops;
+pub(crate) mod shape_ops;
+
+/// Every kernel, by family (the NVRTC test checks that each one compiled).
+#[allow(dead_code)] // read by the NVRTC test
+pub(crate) const KERNEL_LISTS: [&[&Kernel]; 4] = [
+    MATH_KERNELS,
+    shape_ops::SHAPE_KERNELS,
+    row_ops::ROW_KERNELS,
+    optim_ops::OPTIM_KERNELS,
+];
+
+/// Which build of a kernel (and which GEMM) an element type uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Precision {
+    F32,
+    F64,
+}
+
+impl Precision {
+    pub(crate) fn of<T: Element>() -> Precision {
+        if std::mem::size_of::<T>() == 4 {
+            Precision::F32
+        } else {
+            Precision::F64
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Precision::F32 => 0,
+            Precision::F64 => 1,
+        }
+    }
+
+    pub(crate) fn suffix(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::F64 => "f64",
+        }
+    }
+}
+
+/// A column-major, strided-batched GEMM (cuBLAS's convention):
+/// `C_i = alpha · op(A_i) · op(B_i) + beta · C_i` for `batch` matrices.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Gemm {
+    pub precision: Precision,
+    pub transpose_a: bool,
+    pub transpose_b: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f64,
+    pub a: u64,
+    pub lda: usize,
+    pub stride_a: usize,
+    pub b: u64,
+    pub ldb: usize,
+    pub stride_b: usize,
+    pub beta: f64,
+    pub c: u64,
+    pub ldc: usize,
+    pub stride_c: usize,
+    pub batch: usize,
+}
+
+/// What runs device work: memory, copies, kernels and GEMMs, in submission order.
+///
+/// Addresses are plain `u64`s owned by [`array::DeviceBuffer`]s; the `unsafe` methods
+/// require them to be live allocations of this backend, large enough for the access.
+pub(crate) trait Backend: Send + Sync {
+    fn device(&self) -> Device;
+    unsafe fn alloc(&self, bytes: usize) -> Result<u64>;
+    unsafe fn free(&self, ptr: u64, bytes: usize);
+    unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<()>;
+    unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<()>;
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
+    /// Runs `kernel` over `items` independent indices.
+    unsafe fn launch(
+        &self,
+        kernel: &Kernel,
+        precision: Precision,
+        items: usize,
+        args: &KernelArgs,
+    ) -> Result<()>;
+    unsafe fn gemm(&self, gemm: &Gemm) -> Result<()>;
+}
+
+/// The backend of `device`, created on first use and shared by every thread.
+pub(crate) fn backend(op: &'static str, device: Device) -> Result<Arc<dyn Backend>> {
+    static BACKENDS: OnceLock<Mutex<HashMap<Device, Arc<dyn Backend>>>> = OnceLock::new();
+    let mut backends = BACKENDS.get_or_init(Default::default).lock();
+    if let Some(backend) = backends.get(&device) {
+        return Ok(backend.clone());
+    }
+    let backend: Arc<dyn Backend> = match device {
+        Device::Cpu => return Err(Error::UnsupportedDevice { op, device }),
+        Device::Emulated => Arc::new(emulator::Emulator),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => Arc::new(cuda::CudaBackend::new(ordinal)?),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => return Err(Error::UnsupportedDevice { op, device }),
+    };
+    backends.insert(device, backend.clone());
+    Ok(backend)
+}
+
+/// Whether cuBLAS may use TF32 tensor cores for f32 GEMMs (off by default, as
+/// `torch.backends.cuda.matmul.allow_tf32`). TF32 keeps f32's range with a 10-bit
+/// mantissa: several times faster on Ampere and later, with ~1e-3 relative error.
+pub fn set_allow_tf32(allow: bool) {
+    ALLOW_TF32.store(allow, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The current TF32 setting; see [`set_allow_tf32`].
+pub fn allow_tf32() -> bool {
+    ALLOW_TF32.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static ALLOW_TF32: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

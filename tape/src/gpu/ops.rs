@@ -1,0 +1,302 @@
+//! The math of each op on device arrays, forward and backward; `crate::ops` dispatches
+//! here for device tensors and records the backward on the tape.
+
+use super::{Gemm, GpuArray, KernelArgs, Precision, MAX_DIMS};
+use crate::{Element, Error, Result};
+
+/// Row-major (contiguous) strides of `shape`.
+fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * shape[d + 1];
+    }
+    strides
+}
+
+/// `shape` padded with leading 1s to `ndim` dimensions.
+fn padded(shape: &[usize], ndim: usize) -> Vec<usize> {
+    let mut out = vec![1; ndim - shape.len()];
+    out.extend_from_slice(shape);
+    out
+}
+
+fn check_rank(op: &'static str, shape: &[usize]) -> Result<()> {
+    if shape.len() <= MAX_DIMS {
+        Ok(())
+    } else {
+        Err(Error::shape(
+            op,
+            &[shape],
+            format!("device kernels handle at most {MAX_DIMS} dimensions"),
+        ))
+    }
+}
+
+/// Elementwise arithmetic, as numbered in `elementwise.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BinaryKind {
+    Add = 0,
+    Sub = 1,
+    Mul = 2,
+    Div = 3,
+}
+
+/// `a (op) b` broadcast to `shape` (already checked compatible).
+pub(crate) fn binary<T: Element>(
+    op: &'static str,
+    kind: BinaryKind,
+    a: &GpuArray<T>,
+    b: &GpuArray<T>,
+    shape: &[usize],
+) -> Result<GpuArray<T>> {
+    check_rank(op, shape)?;
+    let out = GpuArray::<T>::uninit(op, a.device(), shape)?;
+    let ndim = shape.len();
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[out.ptr(), a.ptr(), b.ptr()]);
+    args.i[0] = out.len() as i64;
+    args.i[1] = kind as i64;
+    args.i[2] = ndim as i64;
+    for (slot, operand) in [(11, a.shape()), (19, b.shape())] {
+        let dims = padded(operand, ndim);
+        let strides = contiguous_strides(&dims);
+        for d in 0..ndim {
+            args.i[3 + d] = shape[d] as i64;
+            // Stride 0 repeats a broadcast dimension's single element.
+            args.i[slot + d] = if dims[d] == 1 { 0 } else { strides[d] as i64 };
+        }
+    }
+    out.launch(&super::BINARY, out.len(), &args)?;
+    Ok(out)
+}
+
+/// Sums a broadcast gradient down to an operand's `shape`.
+pub(crate) fn sum_to<T: Element>(grad: GpuArray<T>, shape: &[usize]) -> Result<GpuArray<T>> {
+    if grad.shape() == shape {
+        return Ok(grad);
+    }
+    let op = "broadcast backward";
+    check_rank(op, grad.shape())?;
+    let ndim = grad.ndim();
+    let out = GpuArray::<T>::uninit(op, grad.device(), shape)?;
+    let mut args = KernelArgs::default();
+    args.p[..2].copy_from_slice(&[out.ptr(), grad.ptr()]);
+    args.i[0] = out.len() as i64;
+    args.i[1] = ndim as i64;
+    for (d, (&big, small)) in grad.shape().iter().zip(padded(shape, ndim)).enumerate() {
+        args.i[2 + d] = big as i64;
+        args.i[10 + d] = small as i64;
+    }
+    out.launch(&super::SUM_TO, out.len(), &args)?;
+    Ok(out)
+}
+
+/// Gradients of `a (op) b` with respect to each operand that needs one.
+pub(crate) fn binary_backward<T: Element>(
+    kind: BinaryKind,
+    grad: &GpuArray<T>,
+    needs: &[bool],
+    a: &GpuArray<T>,
+    b: &GpuArray<T>,
+) -> Result<Vec<Option<GpuArray<T>>>> {
+    let op = "binary backward";
+    let shape = grad.shape().to_vec();
+    let grad_a = match (needs[0], kind) {
+        (false, _) => None,
+        (true, BinaryKind::Add | BinaryKind::Sub) => Some(grad.clone()),
+        (true, BinaryKind::Mul) => Some(binary(op, BinaryKind::Mul, grad, b, &shape)?),
+        (true, BinaryKind::Div) => Some(binary(op, BinaryKind::Div, grad, b, &shape)?),
+    };
+    let grad_b = match (needs[1], kind) {
+        (false, _) => None,
+        (true, BinaryKind::Add) => Some(grad.clone()),
+        (true, BinaryKind::Sub) => Some(unary(UnaryKind::Scale, grad, -1.0)?),
+        (true, BinaryKind::Mul) => Some(binary(op, BinaryKind::Mul, grad, a, &shape)?),
+        (true, BinaryKind::Div) => {
+            // d(a/b)/db = -(a/b)/b
+            let quotient = binary(op, BinaryKind::Div, a, b, &shape)?;
+            let over_b = binary(op, BinaryKind::Div, &quotient, b, &shape)?;
+            let product = binary(op, BinaryKind::Mul, grad, &over_b, &shape)?;
+            Some(unary(UnaryKind::Scale, &product, -1.0)?)
+        }
+    };
+    Ok(vec![
+        grad_a.map(|g| sum_to(g, a.shape())).transpose()?,
+        grad_b.map(|g| sum_to(g, b.shape())).transpose()?,
+    ])
+}
+
+/// Pointwise functions, as numbered in `elementwise.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum UnaryKind {
+    Scale = 0,
+    Exp = 1,
+    Log = 2,
+    Tanh = 3,
+    Relu = 4,
+    GeluErf = 5,
+    GeluTanh = 6,
+}
+
+/// `f(x)` elementwise (`factor` is used by `Scale`).
+pub(crate) fn unary<T: Element>(
+    kind: UnaryKind,
+    x: &GpuArray<T>,
+    factor: f64,
+) -> Result<GpuArray<T>> {
+    let out = GpuArray::<T>::uninit("unary", x.device(), x.shape())?;
+    let mut args = KernelArgs::default();
+    args.p[..2].copy_from_slice(&[out.ptr(), x.ptr()]);
+    args.i[0] = out.len() as i64;
+    args.i[1] = kind as i64;
+    args.f[0] = factor;
+    out.launch(&super::UNARY, out.len(), &args)?;
+    Ok(out)
+}
+
+/// The gradient of `y = f(x)` given `grad` = d(loss)/dy.
+pub(crate) fn unary_backward<T: Element>(
+    kind: UnaryKind,
+    grad: &GpuArray<T>,
+    x: &GpuArray<T>,
+    y: &GpuArray<T>,
+    factor: f64,
+) -> Result<GpuArray<T>> {
+    let out = GpuArray::<T>::uninit("unary backward", x.device(), x.shape())?;
+    let mut args = KernelArgs::default();
+    args.p[..4].copy_from_slice(&[out.ptr(), grad.ptr(), x.ptr(), y.ptr()]);
+    args.i[0] = out.len() as i64;
+    args.i[1] = kind as i64;
+    args.f[0] = factor;
+    out.launch(&super::UNARY_BACKWARD, out.len(), &args)?;
+    Ok(out)
+}
+
+/// Reductions along one dimension, as numbered in `reduce.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReduceKind {
+    Sum = 0,
+    Mean = 1,
+    Max = 2,
+}
+
+/// `(outer, dim, inner)` extents of `shape` around dimension `dim`.
+pub(crate) fn around(shape: &[usize], dim: usize) -> (usize, usize, usize) {
+    (
+        shape[..dim].iter().product(),
+        shape[dim],
+        shape[dim + 1..].iter().product(),
+    )
+}
+
+/// Reduces dimension `dim` away (the caller reshapes for `keepdim`); for `Max` also the
+/// index of each maximum, for the backward.
+pub(crate) fn reduce_dim<T: Element>(
+    x: &GpuArray<T>,
+    dim: usize,
+    kind: ReduceKind,
+) -> Result<(GpuArray<T>, Option<GpuArray<i64>>)> {
+    let op = "reduce";
+    let (outer, extent, inner) = around(x.shape(), dim);
+    let mut shape = x.shape().to_vec();
+    shape.remove(dim);
+    let out = GpuArray::<T>::uninit(op, x.device(), &shape)?;
+    let argmax = match kind {
+        ReduceKind::Max => Some(GpuArray::<i64>::uninit(op, x.device(), &shape)?),
+        _ => None,
+    };
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr(), argmax.as_ref().map_or(0, |a| a.ptr())]);
+    args.i[..4].copy_from_slice(&[outer, extent, inner, kind as usize].map(|v| v as i64));
+    out.launch(&super::REDUCE_DIM, outer * inner, &args)?;
+    Ok((out, argmax))
+}
+
+/// Gradient of a reduction over `dim` of an input of `shape`: `grad` (without the
+/// dimension) spread back, times `scale` (1 for sum, 1/n for mean), or routed to each
+/// maximum when `argmax` is given.
+pub(crate) fn reduce_dim_backward<T: Element>(
+    grad: &GpuArray<T>,
+    shape: &[usize],
+    dim: usize,
+    scale: f64,
+    argmax: Option<&GpuArray<i64>>,
+) -> Result<GpuArray<T>> {
+    let op = "reduce backward";
+    let (outer, extent, inner) = around(shape, dim);
+    let out = GpuArray::<T>::uninit(op, grad.device(), shape)?;
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[out.ptr(), grad.ptr(), argmax.map_or(0, |a| a.ptr())]);
+    args.i[..3].copy_from_slice(&[outer, extent, inner].map(|v| v as i64));
+    args.f[0] = scale;
+    let kernel = if argmax.is_some() {
+        &super::MAX_BACKWARD
+    } else {
+        &super::EXPAND_DIM
+    };
+    out.launch(kernel, out.len(), &args)?;
+    Ok(out)
+}
+
+/// A row-major product operand: its device address and whether the op reads it
+/// transposed (its stored shape is then `[cols, rows]` of the logical matrix).
+#[derive(Clone, Copy)]
+pub(crate) struct Operand {
+    pub ptr: u64,
+    pub transposed: bool,
+    /// Elements between consecutive matrices of a batch (0: shared by the batch).
+    pub batch_stride: usize,
+}
+
+/// `c[batch] = op(a)[m,k] · op(b)[k,n]` for row-major matrices, through the
+/// column-major GEMM: a row-major matrix is its transpose in column-major order, so
+/// `C = A·B` is computed as `Cᵀ = Bᵀ·Aᵀ` without moving data.
+#[allow(clippy::too_many_arguments)] // the GEMM's own parameters
+pub(crate) fn matmul_into<T: Element>(
+    out: &GpuArray<T>,
+    a: Operand,
+    b: Operand,
+    m: usize,
+    n: usize,
+    k: usize,
+    batch: usize,
+) -> Result<()> {
+    if out.len() == 0 {
+        return Ok(());
+    }
+    let gemm = Gemm {
+        precision: Precision::of::<T>(),
+        transpose_a: b.transposed,
+        transpose_b: a.transposed,
+        m: n,
+        n: m,
+        k,
+        alpha: 1.0,
+        a: b.ptr,
+        lda: if b.transposed { k } else { n },
+        stride_a: b.batch_stride,
+        b: a.ptr,
+        ldb: if a.transposed { m } else { k },
+        stride_b: a.batch_stride,
+        beta: 0.0,
+        c: out.ptr(),
+        ldc: n,
+        stride_c: m * n,
+        batch,
+    };
+    if k == 0 {
+        // An empty sum: cuBLAS may leave C untouched, so write the zeros ourselves.
+        let mut args = KernelArgs::default();
+        args.p[0] = out.ptr();
+        args.i[0] = out.len() as i64;
+        return out.launch(&super::FILL, out.len(), &args);
+    }
+    // SAFETY: the extents follow from the operands' checked shapes.
+    unsafe { out.backend().gemm(&gemm) }
+}
+
+impl<T: Copy + Default> GpuArray<T> {
+    pub(crate) fn ndim(&self) -> usize {
+        self.shape().len()
+    }
+}

@@ -1,0 +1,108 @@
+//! Elementwise ops, reductions and matrix products on devices equal the CPU, forward and
+//! backward (see `support/device.rs`). Runs on the emulator everywhere and on CUDA when a
+//! GPU is present.
+
+#[path = "support/device.rs"]
+mod device;
+
+use device::{check, Inputs};
+use tape::{Gelu, Tensor};
+
+const F64: f64 = 1e-12;
+const F32: f64 = 1e-5;
+
+#[test]
+fn broadcasting_arithmetic() {
+    let shapes: [(&[usize], &[usize]); 5] = [
+        (&[3, 4], &[3, 4]),
+        (&[2, 3, 4], &[4]),
+        (&[2, 3, 4], &[3, 1]),
+        (&[1, 3, 1], &[2, 1, 5]),
+        (&[], &[2, 2]),
+    ];
+    for (a, b) in shapes {
+        let inputs = || Inputs::new(&[a, b]);
+        check::<f64>("add", inputs(), F64, |x| x[0].add(&x[1]));
+        check::<f64>("sub", inputs(), F64, |x| x[0].sub(&x[1]));
+        check::<f64>("mul", inputs(), F64, |x| x[0].mul(&x[1]));
+        let positive = Inputs::new(&[a, b]).range(0.5, 2.0);
+        check::<f64>("div", positive, F64, |x| x[0].div(&x[1]));
+    }
+    check::<f32>("add f32", Inputs::new(&[&[4, 5], &[5]]), F32, |x| {
+        x[0].add(&x[1])
+    });
+}
+
+#[test]
+fn pointwise_functions() {
+    let shape: &[usize] = &[3, 7];
+    check::<f64>("scale", Inputs::new(&[shape]), F64, |x| x[0].scale(-1.5));
+    check::<f64>("neg", Inputs::new(&[shape]), F64, |x| x[0].neg());
+    check::<f64>("exp", Inputs::new(&[shape]), F64, |x| x[0].exp());
+    let positive = Inputs::new(&[shape]).range(0.2, 3.0);
+    check::<f64>("log", positive, F64, |x| x[0].log());
+    check::<f64>("tanh", Inputs::new(&[shape]), F64, |x| x[0].tanh());
+    check::<f64>("relu", Inputs::new(&[shape]), F64, |x| x[0].relu());
+    check::<f64>("gelu erf", Inputs::new(&[shape]), F64, |x| {
+        x[0].gelu(Gelu::Erf)
+    });
+    check::<f64>("gelu tanh", Inputs::new(&[shape]), F64, |x| {
+        x[0].gelu(Gelu::Tanh)
+    });
+    check::<f32>("gelu f32", Inputs::new(&[shape]), F32, |x| {
+        x[0].gelu(Gelu::Tanh)
+    });
+}
+
+#[test]
+fn reductions() {
+    let shape: &[usize] = &[2, 3, 4];
+    check::<f64>("sum", Inputs::new(&[shape]), F64, |x| x[0].sum());
+    check::<f64>("mean", Inputs::new(&[shape]), F64, |x| x[0].mean());
+    for dim in 0..3 {
+        for keepdim in [false, true] {
+            check::<f64>("sum_dim", Inputs::new(&[shape]), F64, |x| {
+                x[0].sum_dim(dim, keepdim)
+            });
+            check::<f64>("mean_dim", Inputs::new(&[shape]), F64, |x| {
+                x[0].mean_dim(dim, keepdim)
+            });
+            check::<f64>("max_dim", Inputs::new(&[shape]), F64, |x| {
+                x[0].max_dim(dim, keepdim)
+            });
+        }
+    }
+}
+
+#[test]
+fn matrix_products() {
+    let cases: [(&[usize], &[usize]); 5] = [
+        (&[3, 4], &[4, 5]),
+        (&[2, 3, 4], &[4, 5]),
+        (&[2, 3, 4], &[2, 4, 5]),
+        (&[1, 1], &[1, 1]),
+        (&[3, 0], &[0, 2]),
+    ];
+    for (a, b) in cases {
+        check::<f64>("matmul", Inputs::new(&[a, b]), F64, |x| x[0].matmul(&x[1]));
+        check::<f32>("matmul f32", Inputs::new(&[a, b]), F32, |x| {
+            x[0].matmul(&x[1])
+        });
+    }
+}
+
+#[test]
+fn reshape_is_free_and_differentiable() {
+    check::<f64>("reshape", Inputs::new(&[&[2, 6]]), F64, |x| {
+        x[0].reshape(&[3, 2, 2])?.exp()
+    });
+}
+
+#[test]
+fn mixing_devices_is_a_typed_error() {
+    let cpu = Tensor::<f32>::ones(&[2]);
+    let device = cpu.to_device(tape::Device::Emulated).unwrap();
+    let err = cpu.add(&device).unwrap_err();
+    assert!(matches!(err, tape::Error::DeviceMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("to_device"), "{err}");
+}

@@ -24,7 +24,7 @@ pub trait Communicator: Send + Sync {
     fn size(&self) -> usize;
     /// Group name, used in error messages (e.g. `"world"`, `"tp"`).
     fn name(&self) -> &str;
-    /// Backend name (`"local"`, `"mpi"`).
+    /// Backend name (`"local"`, `"mpi"`, `"nccl"`).
     fn backend(&self) -> &'static str;
     /// World rank of every member, by group rank.
     fn world_ranks(&self) -> &[usize];

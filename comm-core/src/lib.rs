@@ -12,6 +12,8 @@
 //!   runs use.
 //! * `mpi` (cargo feature `mpi`): the system MPI through rsmpi, launched by `mpirun`; see
 //!   `mpi::MpiWorld`.
+//! * `nccl` (cargo feature `cuda`): NCCL over device memory, bootstrapped over an MPI or
+//!   local communicator; see `nccl::NcclCommunicator`.
 //!
 //! # A first collective
 //! Four ranks sum their rank numbers; each gets `0 + 1 + 2 + 3`:
@@ -86,6 +88,8 @@ mod error;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod work;
 
 pub use buffer::{BufMut, BufRef, Buffer, MemoryKind};
@@ -93,6 +97,8 @@ pub use communicator::{AsyncOp, Communicator, CommunicatorExt};
 pub use dtype::{reduce_slices, DType, Element, ReduceOp};
 pub use error::{CallSignature, Error, OpKind, Result};
 pub use local::{run_local, LocalCommunicator, LocalLauncher};
+#[cfg(feature = "cuda")]
+pub use nccl::NcclCommunicator;
 pub use work::Work;
 
 #[doc(hidden)]

@@ -196,7 +196,9 @@ impl LocalLauncher {
     }
 }
 
-fn timeout_from_env() -> Result<Duration> {
+/// The collective timeout from [`TIMEOUT_ENV`], or [`DEFAULT_TIMEOUT`]; shared with the
+/// `nccl` backend's watchdog.
+pub(crate) fn timeout_from_env() -> Result<Duration> {
     match std::env::var(TIMEOUT_ENV) {
         Err(_) => Ok(DEFAULT_TIMEOUT),
         Ok(text) => text

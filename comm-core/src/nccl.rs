@@ -1,0 +1,888 @@
+//! The `nccl` backend (cargo feature `cuda`): NVIDIA's NCCL moves device memory between
+//! GPUs, and another communicator (MPI across processes, or `local` threads) bootstraps
+//! it.
+//!
+//! ```no_run
+//! use comm_core::nccl::NcclCommunicator;
+//! use comm_core::{cuda, run_local, BufMut, Communicator, ReduceOp};
+//! use std::sync::Arc;
+//!
+//! // Two ranks as threads, one GPU each; under `mpirun` the bootstrap is an MPI world.
+//! let sums = run_local(2, |comm| -> comm_core::Result<Vec<f32>> {
+//!     let device = comm.rank();
+//!     let nccl = NcclCommunicator::new(Arc::new(comm), device)?;
+//!     let stream = cuda::context(device)?.default_stream();
+//!     let mut x = stream.clone_htod(&[1.0f32; 4]).map_err(cuda::driver_error("clone_htod"))?;
+//!     nccl.all_reduce(BufMut::cuda(&mut x, &stream)?, ReduceOp::Sum)?;
+//!     stream.clone_dtoh(&x).map_err(cuda::driver_error("clone_dtoh"))
+//! })?;
+//! assert_eq!(sums[0], vec![2.0; 4]);
+//! # Ok::<(), comm_core::Error>(())
+//! ```
+//!
+//! # Bootstrap
+//! [`NcclCommunicator::new`] is collective over a bootstrap communicator. Every rank first
+//! checks on its own that libnccl and its device are usable; then the ranks tell each
+//! other over the bootstrap, so that a failure anywhere is an error on every rank at once
+//! instead of a hang: the failing rank returns its own error, the others
+//! [`Error::Broken`] naming it and quoting its error. Only then does rank 0 create NCCL's
+//! unique id and broadcast it over the bootstrap, and every rank joins the NCCL
+//! communicator; failures of those steps are shared the same way.
+//! [`split`](Communicator::split) splits the bootstrap and builds one NCCL communicator
+//! per new group.
+//!
+//! # Buffers and stream ordering
+//! Buffers are device views ([`BufRef::cuda`], [`BufMut::cuda`]) on the communicator's
+//! device; host memory or another device is [`Error::InvalidBuffer`]. NCCL runs on a
+//! stream of the communicator's own: a call makes it wait (on the GPU) for the work already
+//! queued on the buffers' streams, queues the NCCL kernels behind that, and blocks the
+//! calling thread until they finish. A blocking call therefore returns with its result in
+//! place, as on every backend, and the caller's streams never wait on NCCL.
+//!
+//! # Watchdog
+//! NCCL itself waits forever for a peer that never arrives. While a call waits, it polls
+//! the completion of its kernels and NCCL's asynchronous error: a failure NCCL reports (a
+//! peer's connection lost, say) is [`Error::Nccl`] with NCCL's message; past the timeout
+//! ([`TIMEOUT_ENV`](crate::local::TIMEOUT_ENV), default 300 s, or
+//! [`NcclCommunicator::with_timeout`]) the call is [`Error::Timeout`], which names no
+//! missing rank because NCCL cannot tell which one is late. Either way the NCCL
+//! communicator is aborted (NCCL's kernels stop) and every later call returns
+//! [`Error::Broken`].
+//!
+//! # Limits
+//! * Each call checks its own arguments (lengths, counts, roots, `Avg` on integers) before
+//!   communicating, but ranks do not compare their calls as the local backend does: ranks
+//!   issuing different collectives get wrong results or a timeout, not
+//!   [`Error::Mismatch`]. A call rejected on some ranks only leaves the others waiting
+//!   until their watchdog fires.
+//! * f16 and bf16 are reduced by NCCL in its own precision, not in f32 with one rounding as
+//!   on the other backends; sums of many values can differ in the last bits.
+//! * Non-blocking operations ([`Communicator::start`]) own host buffers, which NCCL cannot
+//!   read: `start` returns [`Error::InvalidBuffer`].
+//! * Zero-element calls, and the empty blocks of the `_v` calls, return without calling
+//!   NCCL (every rank skips the same ones).
+//! * NCCL ≤ 2.29 refuses two ranks on one GPU ("Duplicate GPU detected", an error on every
+//!   rank); NCCL ≥ 2.30 allows it with `NCCL_MULTI_RANK_GPU_ENABLE=1`.
+//! * Joining (`ncclCommInitRank`) and dropping a healthy communicator (`ncclCommDestroy`)
+//!   have no timeout: NCCL synchronises them with the other ranks, so create and drop
+//!   communicators on all ranks together. A broken communicator was already aborted.
+
+use crate::buffer::{BufMut, BufRef, MemoryKind};
+use crate::calls::{offsets, CallCheck};
+use crate::communicator::{AsyncOp, Communicator, CommunicatorExt};
+use crate::cuda::{self, Library};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, OpKind, Result};
+use crate::work::Work;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use cudarc::nccl::result::{self as nccl, NcclError, NcclStatus};
+use cudarc::nccl::sys;
+use parking_lot::Mutex;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a waiting call polls between yields only: short collectives end within it and
+/// pay no sleep.
+const SPIN: Duration = Duration::from_millis(1);
+
+/// The pause between polls after [`SPIN`]: long collectives cost little CPU and gain
+/// little latency.
+const POLL_INTERVAL: Duration = Duration::from_micros(50);
+
+/// One rank's handle on an NCCL communicator over the GPUs of a group.
+pub struct NcclCommunicator {
+    /// The group NCCL was bootstrapped over; `split` splits it.
+    bootstrap: Arc<dyn Communicator>,
+    device: usize,
+    rank: usize,
+    size: usize,
+    name: String,
+    world_ranks: Vec<usize>,
+    timeout: Duration,
+    /// The stream every NCCL call of this communicator runs on (it holds the context).
+    stream: Arc<CudaStream>,
+    /// One element that `barrier` all-reduces.
+    barrier_buf: CudaSlice<f32>,
+    state: Mutex<State>,
+}
+
+/// What calls change, behind one lock: NCCL forbids using a communicator from two threads
+/// at once, and calls must reach NCCL in one order.
+struct State {
+    /// The live NCCL communicator, or why it was aborted.
+    comm: std::result::Result<RawComm, String>,
+    /// Calls issued so far; numbers calls in errors.
+    seq: u64,
+    /// Recorded behind each call's NCCL work; the watchdog polls it.
+    done: CudaEvent,
+}
+
+/// An `ncclComm_t`, used only under [`NcclCommunicator::state`]'s lock or in drop.
+struct RawComm(sys::ncclComm_t);
+
+// SAFETY: an NCCL communicator is not tied to the thread that created it; NCCL only
+// requires that calls on it never overlap, which the lock around `State` guarantees.
+unsafe impl Send for RawComm {}
+
+/// What each rank sets up on its own before any rank talks to NCCL.
+struct Local {
+    stream: Arc<CudaStream>,
+    done: CudaEvent,
+    barrier_buf: CudaSlice<f32>,
+    timeout: Duration,
+    nranks: c_int,
+    rank: c_int,
+}
+
+impl NcclCommunicator {
+    /// Creates this rank's NCCL communicator on CUDA device `device`, over the ranks of
+    /// `bootstrap` (same ranks, same order, same name). Every rank of `bootstrap` must
+    /// call it; a failure on any rank is an error on all of them (see the module docs).
+    pub fn new(bootstrap: Arc<dyn Communicator>, device: usize) -> Result<NcclCommunicator> {
+        let boot = &*bootstrap;
+        let local = open_locally(boot, device);
+        let agreed = agree(boot, "open its CUDA device and NCCL", local.as_ref().err());
+        let local = local?;
+        agreed?;
+
+        // Only now: the id starts a listener on rank 0 that waits for every rank, and it
+        // would wait forever for a peer that already gave up.
+        let id = (boot.rank() == 0).then(|| {
+            nccl::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", boot.name(), &e))
+        });
+        let agreed = agree(
+            boot,
+            "create the NCCL unique id",
+            id.as_ref().and_then(|id| id.as_ref().err()),
+        );
+        let id = id.transpose()?;
+        agreed?;
+        let mut bytes = id.map_or([0u8; 128], |id| id.internal.map(|c| c.to_ne_bytes()[0]));
+        boot.broadcast_slice(&mut bytes[..], 0)?;
+        let id = sys::ncclUniqueId {
+            internal: bytes.map(|b| c_char::from_ne_bytes([b])),
+        };
+
+        let comm = init_rank(&local, id, boot.name());
+        let agreed = agree(boot, "join the NCCL communicator", comm.as_ref().err());
+        let comm = comm?;
+        if let Err(e) = agreed {
+            // SAFETY: we own this fresh communicator and nothing else uses it. Abort, not
+            // destroy: destroying synchronises with peers that gave up.
+            let _ = unsafe { nccl::comm_abort(comm.0) };
+            return Err(e);
+        }
+        Ok(NcclCommunicator {
+            device,
+            rank: boot.rank(),
+            size: boot.size(),
+            name: boot.name().to_string(),
+            world_ranks: boot.world_ranks().to_vec(),
+            timeout: local.timeout,
+            stream: local.stream,
+            barrier_buf: local.barrier_buf,
+            state: Mutex::new(State {
+                comm: Ok(comm),
+                seq: 0,
+                done: local.done,
+            }),
+            bootstrap,
+        })
+    }
+
+    /// The same communicator with another collective timeout (the default comes from
+    /// [`TIMEOUT_ENV`](crate::local::TIMEOUT_ENV)); groups made by `split` inherit it.
+    pub fn with_timeout(mut self, timeout: Duration) -> NcclCommunicator {
+        self.timeout = timeout;
+        self
+    }
+
+    /// How long a call waits for NCCL before aborting the communicator.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The CUDA device this rank's buffers must live on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    fn check(&self) -> CallCheck<'_> {
+        CallCheck {
+            group: &self.name,
+            rank: self.rank,
+            size: self.size,
+        }
+    }
+
+    /// The stream a buffer is ordered on, if it is device memory on our device.
+    fn stream_of<'v>(
+        &self,
+        op: OpKind,
+        role: &str,
+        memory: MemoryKind,
+        stream: Option<&'v CudaStream>,
+    ) -> Result<&'v CudaStream> {
+        let device = self.device;
+        let detail = match (memory, stream) {
+            (MemoryKind::Cuda { device: d }, Some(stream)) if d == device => return Ok(stream),
+            (MemoryKind::Cuda { device: d }, _) => format!(
+                "the {role} lives on CUDA device {d}, but this communicator uses device \
+                 {device}; pass a buffer on cuda:{device}"
+            ),
+            (MemoryKind::Host, _) => format!(
+                "the {role} is host memory, and NCCL moves device memory only; pass a view \
+                 of device memory on cuda:{device} (`BufRef::cuda` / `BufMut::cuda`), or \
+                 use the local or mpi backend for host buffers"
+            ),
+        };
+        Err(Error::InvalidBuffer {
+            op,
+            group: self.name.clone(),
+            detail,
+        })
+    }
+
+    /// Runs one call: queues it behind the work on `streams`, then waits for it under
+    /// the watchdog. `count` is the number of elements this rank moves (0: nothing to
+    /// do). Any failure once the call is under way aborts the communicator: this rank
+    /// could no longer pair its later calls with its peers'.
+    fn run(
+        &self,
+        op: OpKind,
+        streams: &[&CudaStream],
+        count: usize,
+        enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Queued,
+    ) -> Result<()> {
+        let mut state = self.state.lock();
+        let comm = match &state.comm {
+            Ok(comm) => comm.0,
+            Err(cause) => {
+                return Err(Error::Broken {
+                    group: self.name.clone(),
+                    cause: cause.clone(),
+                })
+            }
+        };
+        let seq = state.seq;
+        state.seq += 1;
+        if count == 0 {
+            return Ok(());
+        }
+        self.issue(&state, comm, streams, enqueue)
+            .and_then(|()| self.watch(&state, comm, op, seq))
+            .map_err(|e| abort(&mut state, e))
+    }
+
+    fn issue(
+        &self,
+        state: &State,
+        comm: sys::ncclComm_t,
+        streams: &[&CudaStream],
+        enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Queued,
+    ) -> Result<()> {
+        for (i, stream) in streams.iter().enumerate() {
+            if streams[..i]
+                .iter()
+                .any(|s| s.cu_stream() == stream.cu_stream())
+            {
+                continue;
+            }
+            let ready = stream
+                .record_event(None)
+                .map_err(cuda::driver_error("cuEventRecord"))?;
+            self.stream
+                .wait(&ready)
+                .map_err(cuda::driver_error("cuStreamWaitEvent"))?;
+        }
+        // NCCL queues on the device current on this thread.
+        cuda::bind(&self.stream)?;
+        enqueue(comm, self.stream.cu_stream().cast())
+            .map_err(|(call, e)| nccl_error(call, &self.name, &e))?;
+        state
+            .done
+            .record(&self.stream)
+            .map_err(cuda::driver_error("cuEventRecord"))
+    }
+
+    /// Waits for the call's NCCL work, polling NCCL's asynchronous error and the clock.
+    fn watch(&self, state: &State, comm: sys::ncclComm_t, op: OpKind, seq: u64) -> Result<()> {
+        let started = Instant::now();
+        loop {
+            let finished = state
+                .done
+                .try_is_complete()
+                .map_err(cuda::driver_error("cuEventQuery"))?;
+            // Checked after completion too: kernels that NCCL stopped on an error end.
+            self.async_error(comm)?;
+            if finished {
+                return Ok(());
+            }
+            let waited = started.elapsed();
+            if waited >= self.timeout {
+                return Err(Error::Timeout {
+                    group: self.name.clone(),
+                    op,
+                    seq,
+                    missing: Vec::new(),
+                    missing_world: Vec::new(),
+                    waited,
+                });
+            }
+            if waited < SPIN {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(POLL_INTERVAL);
+            }
+        }
+    }
+
+    fn async_error(&self, comm: sys::ncclComm_t) -> Result<()> {
+        let mut code = sys::ncclResult_t::ncclSuccess;
+        let error = |e: NcclError| nccl_error("ncclCommGetAsyncError", &self.name, &e);
+        // SAFETY: a live communicator (we hold the lock) and a valid out-pointer.
+        unsafe { sys::ncclCommGetAsyncError(comm, &mut code) }
+            .result()
+            .map_err(error)?;
+        code.result().map(drop).map_err(error)
+    }
+}
+
+/// Aborts the communicator (if still live) because of `error`, which later calls report
+/// as the cause, and returns `error`.
+fn abort(state: &mut State, error: Error) -> Error {
+    if let Ok(comm) = std::mem::replace(&mut state.comm, Err(error.to_string())) {
+        // SAFETY: a live communicator that nothing uses after this (we hold the lock and
+        // replaced it). A failed abort leaves nothing better to do.
+        let _ = unsafe { nccl::comm_abort(comm.0) };
+    }
+    error
+}
+
+fn open_locally(bootstrap: &dyn Communicator, device: usize) -> Result<Local> {
+    let timeout = crate::local::timeout_from_env()?;
+    let int = |what: &str, value: usize| {
+        c_int::try_from(value).map_err(|_| {
+            Error::Config(format!(
+                "{what} {value} exceeds the C int range NCCL accepts"
+            ))
+        })
+    };
+    let (nranks, rank) = (
+        int("group size", bootstrap.size())?,
+        int("rank", bootstrap.rank())?,
+    );
+    cuda::require(Library::Nccl, "the nccl backend")?;
+    let ctx = cuda::context(device)?;
+    let stream = ctx
+        .new_stream()
+        .map_err(cuda::driver_error("cuStreamCreate"))?;
+    let done = ctx
+        .new_event(None)
+        .map_err(cuda::driver_error("cuEventCreate"))?;
+    let barrier_buf = stream
+        .alloc_zeros::<f32>(1)
+        .map_err(cuda::driver_error("cuMemAlloc"))?;
+    Ok(Local {
+        stream,
+        done,
+        barrier_buf,
+        timeout,
+        nranks,
+        rank,
+    })
+}
+
+fn init_rank(local: &Local, id: sys::ncclUniqueId, group: &str) -> Result<RawComm> {
+    // NCCL joins with the device current on this thread.
+    cuda::bind(&local.stream)?;
+    let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; rank < nranks (the bootstrap's own rank and size).
+    unsafe { nccl::comm_init_rank(&mut comm, local.nranks, id, local.rank) }
+        .map_err(|e| nccl_error("ncclCommInitRank", group, &e))?;
+    Ok(RawComm(comm))
+}
+
+/// Tells every rank of `bootstrap` whether one setup step failed here, and returns
+/// [`Error::Broken`] quoting every rank where it failed: no rank then goes on to wait in
+/// NCCL for a peer that gave up.
+fn agree(bootstrap: &dyn Communicator, step: &str, failure: Option<&Error>) -> Result<()> {
+    let message = failure.map(ToString::to_string).unwrap_or_default();
+    let lengths = bootstrap.all_gather_vec(&[message.len() as i64])?;
+    let counts: Vec<usize> = lengths
+        .iter()
+        .map(|&n| usize::try_from(n).unwrap_or(0))
+        .collect();
+    if counts.iter().all(|&n| n == 0) {
+        return Ok(());
+    }
+    let text = bootstrap.all_gather_v_vec(message.as_bytes(), &counts)?;
+    let failures: Vec<String> = offsets(&counts)
+        .into_iter()
+        .zip(&counts)
+        .enumerate()
+        .filter(|(_, (_, &n))| n > 0)
+        .map(|(r, (start, &n))| {
+            let world = bootstrap.world_ranks().get(r).copied().unwrap_or(r);
+            let said = text.get(start..start + n).unwrap_or_default();
+            format!(
+                "rank {r} (world rank {world}): {}",
+                String::from_utf8_lossy(said)
+            )
+        })
+        .collect();
+    Err(Error::Broken {
+        group: bootstrap.name().to_string(),
+        cause: format!(
+            "setting up NCCL, a rank could not {step}: {}",
+            failures.join("; ")
+        ),
+    })
+}
+
+/// An NCCL call that failed while being queued: the function and its result.
+type Queued = std::result::Result<(), (&'static str, NcclError)>;
+
+fn queued(call: &'static str, result: std::result::Result<NcclStatus, NcclError>) -> Queued {
+    result.map(drop).map_err(|e| (call, e))
+}
+
+/// Queues several NCCL calls as one group (one launch, and a rank's sends cannot block its
+/// receives). The group is closed even when a call fails: NCCL counts open groups per
+/// thread, and one left open would swallow this thread's later calls.
+fn grouped(calls: impl FnOnce() -> Queued) -> Queued {
+    queued("ncclGroupStart", nccl::group_start())?;
+    let queued_calls = calls();
+    let end = queued("ncclGroupEnd", nccl::group_end());
+    queued_calls.and(end)
+}
+
+fn nccl_error(call: &'static str, group: &str, error: &NcclError) -> Error {
+    // SAFETY: NCCL returns NUL-terminated strings it owns (or null), copied at once. The
+    // last-error string ignores its communicator argument, which may be null.
+    let (text, last) = unsafe {
+        (
+            c_string(sys::ncclGetErrorString(error.0)),
+            c_string(sys::ncclGetLastError(std::ptr::null_mut())),
+        )
+    };
+    let mut message = format!("{} ({:?})", text.unwrap_or_default(), error.0);
+    if let Some(last) = last.filter(|s| !s.trim().is_empty()) {
+        message.push_str(": ");
+        message.push_str(last.trim());
+    }
+    Error::Nccl {
+        call,
+        group: group.to_string(),
+        message,
+    }
+}
+
+/// # Safety
+/// `ptr` is null or a NUL-terminated string valid for the call.
+unsafe fn c_string(ptr: *const c_char) -> Option<String> {
+    (!ptr.is_null()).then(|| CStr::from_ptr(ptr).to_string_lossy().into_owned())
+}
+
+fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
+    match dtype {
+        DType::F32 => sys::ncclDataType_t::ncclFloat32,
+        DType::F64 => sys::ncclDataType_t::ncclFloat64,
+        DType::F16 => sys::ncclDataType_t::ncclFloat16,
+        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        DType::I32 => sys::ncclDataType_t::ncclInt32,
+        DType::I64 => sys::ncclDataType_t::ncclInt64,
+        DType::U8 => sys::ncclDataType_t::ncclUint8,
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+        ReduceOp::Prod => sys::ncclRedOp_t::ncclProd,
+    }
+}
+
+/// A group rank as NCCL takes it; it fits, as the group size was checked at creation.
+fn peer(rank: usize) -> c_int {
+    rank as c_int
+}
+
+fn src(ptr: u64) -> *const c_void {
+    ptr as usize as *const c_void
+}
+
+fn dst(ptr: u64) -> *mut c_void {
+    ptr as usize as *mut c_void
+}
+
+/// The device address `offset` elements of `dtype` past `ptr`.
+fn at(ptr: u64, offset: usize, dtype: DType) -> u64 {
+    ptr + (offset * dtype.size_in_bytes()) as u64
+}
+
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        if let Ok(comm) = &self.state.get_mut().comm {
+            // NCCL frees its device memory in the current context.
+            let _ = cuda::bind(&self.stream);
+            // SAFETY: we own the communicator and no call is in flight: every call waits
+            // for its NCCL work, and `&mut self` excludes new ones. A failure cannot be
+            // reported from drop and leaks only the communicator.
+            let _ = unsafe { nccl::comm_destroy(comm.0) };
+        }
+    }
+}
+
+impl std::fmt::Debug for NcclCommunicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclCommunicator")
+            .field("group", &self.name)
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+// SAFETY (of every `unsafe` NCCL call below): `CallCheck` proved the views hold the
+// counts passed (offsets included), `stream_of` that they are memory of this device, and
+// `run` returns only once NCCL has finished with them, while the views still borrow it.
+impl Communicator for NcclCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn backend(&self) -> &'static str {
+        "nccl"
+    }
+    fn world_ranks(&self) -> &[usize] {
+        &self.world_ranks
+    }
+
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let kind = OpKind::AllReduce;
+        self.check().all_reduce(&buf, op)?;
+        let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
+        let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
+        self.run(kind, &[stream], count, |comm, s| {
+            // SAFETY: see above; in place, as NCCL allows.
+            let r =
+                unsafe { nccl::all_reduce(src(ptr), dst(ptr), count, dtype, nccl_op(op), comm, s) };
+            queued("ncclAllReduce", r)
+        })
+    }
+
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        let kind = OpKind::Broadcast;
+        self.check().broadcast(&buf, root)?;
+        let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
+        let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
+        self.run(kind, &[stream], count, |comm, s| {
+            // SAFETY: see above; in place, as NCCL allows.
+            let r =
+                unsafe { nccl::broadcast(src(ptr), dst(ptr), count, dtype, peer(root), comm, s) };
+            queued("ncclBroadcast", r)
+        })
+    }
+
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        let kind = OpKind::AllGather;
+        self.check().all_gather(&input, &output, None)?;
+        let streams = [
+            self.stream_of(kind, "input", input.memory(), input.cuda_stream())?,
+            self.stream_of(kind, "output", output.memory(), output.cuda_stream())?,
+        ];
+        let (from, to) = (input.device_ptr(), output.device_ptr());
+        let (count, dtype) = (input.len(), nccl_dtype(input.dtype()));
+        self.run(kind, &streams, count, |comm, s| {
+            // SAFETY: see above.
+            let r = unsafe { nccl::all_gather(src(from), dst(to), count, dtype, comm, s) };
+            queued("ncclAllGather", r)
+        })
+    }
+
+    fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
+        let kind = OpKind::AllGatherV;
+        let (_, counts) = self.check().all_gather(&input, &output, Some(counts))?;
+        let streams = [
+            self.stream_of(kind, "input", input.memory(), input.cuda_stream())?,
+            self.stream_of(kind, "output", output.memory(), output.cuda_stream())?,
+        ];
+        let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
+        let me = self.rank;
+        self.run(kind, &streams, counts.iter().sum(), |comm, s| {
+            grouped(|| {
+                // One broadcast per rank into its block of the output: NCCL has no
+                // all-gather with per-rank counts.
+                for (r, offset) in offsets(&counts).into_iter().enumerate() {
+                    if counts[r] == 0 {
+                        continue;
+                    }
+                    let block = at(to, offset, dt);
+                    let send = if r == me { from } else { block };
+                    // SAFETY: see above; `send` is read on the root only.
+                    let res = unsafe {
+                        nccl::broadcast(
+                            src(send),
+                            dst(block),
+                            counts[r],
+                            nccl_dtype(dt),
+                            peer(r),
+                            comm,
+                            s,
+                        )
+                    };
+                    queued("ncclBroadcast", res)?;
+                }
+                Ok(())
+            })
+        })
+    }
+
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let kind = OpKind::ReduceScatter;
+        self.check().reduce_scatter(&input, &output, None, op)?;
+        let streams = [
+            self.stream_of(kind, "input", input.memory(), input.cuda_stream())?,
+            self.stream_of(kind, "output", output.memory(), output.cuda_stream())?,
+        ];
+        let (from, to) = (input.device_ptr(), output.device_ptr());
+        let (count, dtype) = (output.len(), nccl_dtype(input.dtype()));
+        self.run(kind, &streams, count, |comm, s| {
+            // SAFETY: see above.
+            let r = unsafe {
+                nccl::reduce_scatter(src(from), dst(to), count, dtype, nccl_op(op), comm, s)
+            };
+            queued("ncclReduceScatter", r)
+        })
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let kind = OpKind::ReduceScatterV;
+        let (_, counts) = self
+            .check()
+            .reduce_scatter(&input, &output, Some(counts), op)?;
+        let streams = [
+            self.stream_of(kind, "input", input.memory(), input.cuda_stream())?,
+            self.stream_of(kind, "output", output.memory(), output.cuda_stream())?,
+        ];
+        let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
+        let me = self.rank;
+        self.run(kind, &streams, counts.iter().sum(), |comm, s| {
+            grouped(|| {
+                // One reduction per rank of its block onto that rank: NCCL has no
+                // reduce-scatter with per-rank counts.
+                for (r, offset) in offsets(&counts).into_iter().enumerate() {
+                    if counts[r] == 0 {
+                        continue;
+                    }
+                    let block = at(from, offset, dt);
+                    // NCCL writes the receive buffer on the root only; elsewhere it gets
+                    // the block itself (in place), which is never written.
+                    let recv = if r == me { to } else { block };
+                    // SAFETY: see above.
+                    let res = unsafe {
+                        nccl::reduce(
+                            src(block),
+                            dst(recv),
+                            counts[r],
+                            nccl_dtype(dt),
+                            nccl_op(op),
+                            peer(r),
+                            comm,
+                            s,
+                        )
+                    };
+                    queued("ncclReduce", res)?;
+                }
+                Ok(())
+            })
+        })
+    }
+
+    fn all_to_all_v(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        output: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let kind = OpKind::AllToAllV;
+        self.check()
+            .all_to_all_v(&input, send_counts, &output, recv_counts)?;
+        let streams = [
+            self.stream_of(kind, "input", input.memory(), input.cuda_stream())?,
+            self.stream_of(kind, "output", output.memory(), output.cuda_stream())?,
+        ];
+        let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
+        let count = input.len() + output.len();
+        self.run(kind, &streams, count, |comm, s| {
+            grouped(|| {
+                // Empty pairs are skipped on both sides: a rank's send count to r is r's
+                // receive count from it.
+                let sends = offsets(send_counts).into_iter().zip(send_counts);
+                let recvs = offsets(recv_counts).into_iter().zip(recv_counts);
+                for (r, ((send_at, &send_n), (recv_at, &recv_n))) in sends.zip(recvs).enumerate() {
+                    if send_n > 0 {
+                        // SAFETY: see above.
+                        let res = unsafe {
+                            nccl::send(
+                                src(at(from, send_at, dt)),
+                                send_n,
+                                nccl_dtype(dt),
+                                peer(r),
+                                comm,
+                                s,
+                            )
+                        };
+                        queued("ncclSend", res)?;
+                    }
+                    if recv_n > 0 {
+                        // SAFETY: see above.
+                        let res = unsafe {
+                            nccl::recv(
+                                dst(at(to, recv_at, dt)),
+                                recv_n,
+                                nccl_dtype(dt),
+                                peer(r),
+                                comm,
+                                s,
+                            )
+                        };
+                        queued("ncclRecv", res)?;
+                    }
+                }
+                Ok(())
+            })
+        })
+    }
+
+    fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
+        let kind = OpKind::Send;
+        self.check().peer(kind, "destination", dest)?;
+        let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
+        let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
+        self.run(kind, &[stream], count, |comm, s| {
+            // SAFETY: see above.
+            let r = unsafe { nccl::send(src(ptr), count, dtype, peer(dest), comm, s) };
+            queued("ncclSend", r)
+        })
+    }
+
+    fn recv(&self, buf: BufMut<'_>, source: usize) -> Result<()> {
+        let kind = OpKind::Recv;
+        self.check().peer(kind, "source", source)?;
+        let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
+        let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
+        self.run(kind, &[stream], count, |comm, s| {
+            // SAFETY: see above.
+            let r = unsafe { nccl::recv(dst(ptr), count, dtype, peer(source), comm, s) };
+            queued("ncclRecv", r)
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        // Only the communicator's stream touches this buffer, and calls are serialised.
+        let (ptr, _record) = self.barrier_buf.device_ptr(&self.stream);
+        self.run(OpKind::Barrier, &[], 1, |comm, s| {
+            // SAFETY: one f32 of our own device memory, alive as long as `self`.
+            let r = unsafe {
+                nccl::all_reduce(
+                    src(ptr),
+                    dst(ptr),
+                    1,
+                    sys::ncclDataType_t::ncclFloat32,
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    s,
+                )
+            };
+            queued("ncclAllReduce (barrier)", r)
+        })
+    }
+
+    fn split(
+        &self,
+        color: Option<u32>,
+        key: u32,
+        name: &str,
+    ) -> Result<Option<Arc<dyn Communicator>>> {
+        if let Err(cause) = &self.state.lock().comm {
+            return Err(Error::Broken {
+                group: self.name.clone(),
+                cause: cause.clone(),
+            });
+        }
+        let Some(sub) = self.bootstrap.split(color, key, name)? else {
+            return Ok(None);
+        };
+        let comm = NcclCommunicator::new(sub, self.device)?.with_timeout(self.timeout);
+        Ok(Some(Arc::new(comm)))
+    }
+
+    fn start(&self, op: AsyncOp) -> Result<Work> {
+        let kind = match op {
+            AsyncOp::AllReduce { .. } => OpKind::AllReduce,
+            AsyncOp::Broadcast { .. } => OpKind::Broadcast,
+            AsyncOp::AllGather { .. } => OpKind::AllGather,
+            AsyncOp::ReduceScatter { .. } => OpKind::ReduceScatter,
+        };
+        Err(Error::InvalidBuffer {
+            op: kind,
+            group: self.name.clone(),
+            detail: "non-blocking operations own host buffers, which NCCL cannot read; call \
+                     the blocking method with device views (`BufRef::cuda` / \
+                     `BufMut::cuda`) instead: it returns once the result is in place"
+                .to_string(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run_local;
+
+    /// The agreement runs on the bootstrap alone, so it is tested without a GPU.
+    #[test]
+    fn a_setup_failure_on_one_rank_reaches_every_rank() {
+        let seen = run_local(3, |comm| {
+            let failure = (comm.rank() == 1).then(|| Error::Config("rank one's trouble".into()));
+            Ok::<_, Error>(agree(&comm, "try", failure.as_ref()).err())
+        })
+        .unwrap();
+        for error in seen {
+            match error {
+                Some(Error::Broken { group, cause }) => {
+                    assert_eq!(group, "world");
+                    assert!(cause.contains("could not try"), "{cause}");
+                    assert!(cause.contains("rank 1 (world rank 1)"), "{cause}");
+                    assert!(cause.contains("rank one's trouble"), "{cause}");
+                    assert!(
+                        !cause.contains("rank 0") && !cause.contains("rank 2"),
+                        "{cause}"
+                    );
+                }
+                other => panic!("expected Broken, got {other:?}"),
+            }
+        }
+        let clean = run_local(2, |comm| agree(&comm, "try", None)).unwrap();
+        assert_eq!(clean, vec![(), ()]);
+    }
+}

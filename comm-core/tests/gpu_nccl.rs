@@ -1,0 +1,488 @@
+//! The `nccl` backend. Setup failures are tested everywhere (without libnccl or a GPU, as
+//! in CI, every rank must fail promptly); the collectives need a GPU and NCCL and print
+//! `skipped: <reason>` without them. Two-rank tests need two devices, or one device with
+//! `NCCL_MULTI_RANK_GPU_ENABLE=1` and NCCL ≥ 2.30.
+#![cfg(feature = "cuda")]
+
+mod support;
+
+use anyhow::{bail, ensure, Context};
+use comm_core::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
+use comm_core::cuda::{self, Library};
+use comm_core::{
+    run_local, AsyncOp, BufMut, BufRef, Buffer, Communicator, DType, Element, Error, LocalLauncher,
+    NcclCommunicator, ReduceOp,
+};
+use half::{bf16, f16};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Far below any timeout: proves a failure was shared, not waited out.
+const PROMPT: Duration = Duration::from_secs(5);
+
+/// Long enough for a cold NCCL, short enough that a hang fails the test run.
+const TEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Why the GPU tests cannot run here, if they cannot.
+fn skip_reason() -> Option<String> {
+    cuda::require(Library::Nccl, "this test")
+        .err()
+        .map(|e| e.to_string())
+        .or_else(cuda::unavailable_reason)
+}
+
+/// The device count when two ranks can share the GPUs: two devices, or NCCL's multi-rank
+/// switch on a single one.
+fn two_rank_devices() -> anyhow::Result<Option<usize>> {
+    if let Some(reason) = skip_reason() {
+        println!("skipped: {reason}");
+        return Ok(None);
+    }
+    let count = cuda::device_count()?;
+    let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
+    if count < 2 && !shared {
+        println!(
+            "skipped: two ranks need two GPUs (found {count}), or NCCL >= 2.30 with \
+             NCCL_MULTI_RANK_GPU_ENABLE=1"
+        );
+        return Ok(None);
+    }
+    Ok(Some(count))
+}
+
+#[test]
+fn setup_failure_is_an_error_on_every_rank_promptly() -> anyhow::Result<()> {
+    // Where NCCL and a GPU are usable, asking for a device past the last one fails instead.
+    let device = match (
+        cuda::require(Library::Nccl, "this test"),
+        cuda::device_count(),
+    ) {
+        (Ok(()), Ok(count)) => count,
+        _ => 0,
+    };
+    let started = Instant::now();
+    // A hang would end as the launcher's timeout error, failing the test.
+    let errors = LocalLauncher::new(2)?
+        .timeout(Duration::from_secs(20))
+        .run(|comm| Ok::<_, Error>(NcclCommunicator::new(Arc::new(comm), device).err()))?;
+    ensure!(
+        started.elapsed() < PROMPT,
+        "setup took {:?}",
+        started.elapsed()
+    );
+    for (rank, error) in errors.iter().enumerate() {
+        let error = error
+            .as_ref()
+            .with_context(|| format!("rank {rank}: setup succeeded on device {device}"))?;
+        let text = error.to_string();
+        match error {
+            Error::LibraryMissing { library, .. } => {
+                ensure!(
+                    ["libnccl.so", "libcuda.so"].contains(library),
+                    "rank {rank}: {text}"
+                );
+                ensure!(
+                    text.contains(library) && text.contains("LD_LIBRARY_PATH"),
+                    "rank {rank}: {text}"
+                );
+            }
+            Error::NoDevice { requested, .. } => {
+                ensure!(*requested == device, "rank {rank}: {text}")
+            }
+            other => bail!("rank {rank}: unexpected error {other}"),
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_rank_without_its_device_fails_every_rank() -> anyhow::Result<()> {
+    if let Some(reason) = skip_reason() {
+        println!("skipped: {reason}");
+        return Ok(());
+    }
+    let missing = cuda::device_count()?;
+    let errors = run_local(2, |comm| {
+        let device = if comm.rank() == 1 { missing } else { 0 };
+        Ok::<_, Error>(NcclCommunicator::new(Arc::new(comm), device).err())
+    })?;
+    match &errors[..] {
+        [Some(Error::Broken { cause, .. }), Some(Error::NoDevice { requested, .. })] => {
+            ensure!(*requested == missing);
+            ensure!(
+                cause.contains("rank 1") && cause.contains("no CUDA device"),
+                "{cause}"
+            );
+        }
+        other => bail!("expected Broken on rank 0 and NoDevice on rank 1, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[test]
+fn one_rank_collectives_match_the_reference() -> anyhow::Result<()> {
+    if let Some(reason) = skip_reason() {
+        println!("skipped: {reason}");
+        return Ok(());
+    }
+    run_local(1, |comm| -> anyhow::Result<()> {
+        let stream = cuda::context(0)?.new_stream()?;
+        let nccl = NcclCommunicator::new(Arc::new(comm), 0)?.with_timeout(TEST_TIMEOUT);
+        ensure!(nccl.backend() == "nccl" && nccl.size() == 1 && nccl.rank() == 0);
+        check_every_dtype(&nccl, &stream)
+    })?;
+    Ok(())
+}
+
+#[test]
+fn bad_calls_are_rejected_before_communicating() -> anyhow::Result<()> {
+    if let Some(reason) = skip_reason() {
+        println!("skipped: {reason}");
+        return Ok(());
+    }
+    let devices = cuda::device_count()?;
+    run_local(1, |comm| -> anyhow::Result<()> {
+        let stream = cuda::context(0)?.new_stream()?;
+        let nccl = NcclCommunicator::new(Arc::new(comm), 0)?.with_timeout(TEST_TIMEOUT);
+        let mut host = vec![1.0f32; 4];
+        let mut x = Dev::new(&stream, &[1.0f32, 2.0, 3.0, 4.0])?;
+        let mut ints = Dev::new(&stream, &[1i32, 2])?;
+
+        let err = nccl.all_reduce(BufMut::from(&mut host), ReduceOp::Sum);
+        expect_err("host buffer", err, |e| {
+            matches!(e, Error::InvalidBuffer { detail, .. }
+                if detail.contains("host memory") && detail.contains("BufMut::cuda"))
+        })?;
+        let err = nccl.all_gather(
+            BufRef::from(&host),
+            BufMut::cuda(&mut x.view_mut(), &stream)?,
+        );
+        expect_err("host input, device output", err, |e| {
+            matches!(e, Error::InvalidBuffer { .. })
+        })?;
+        let err = nccl.all_reduce(BufMut::cuda(&mut ints.view_mut(), &stream)?, ReduceOp::Avg);
+        expect_err("Avg on i32", err, |e| {
+            matches!(e, Error::Unsupported { .. })
+        })?;
+        let err = nccl.broadcast(BufMut::cuda(&mut x.view_mut(), &stream)?, 3);
+        expect_err("root 3 of 1", err, |e| {
+            matches!(e, Error::InvalidArgument { .. })
+        })?;
+        let mut short = Dev::new(&stream, &[0.0f32; 3])?;
+        let input = Dev::new(&stream, &[1.0f32; 4])?;
+        let err = nccl.all_gather(
+            BufRef::cuda(&input.view(), &stream)?,
+            BufMut::cuda(&mut short.view_mut(), &stream)?,
+        );
+        expect_err("short all_gather output", err, |e| {
+            matches!(e, Error::InvalidBuffer { .. })
+        })?;
+        let err = nccl.send(BufRef::cuda(&input.view(), &stream)?, 0);
+        expect_err("send to self", err, |e| {
+            matches!(e, Error::InvalidArgument { .. })
+        })?;
+        let op = AsyncOp::AllReduce {
+            buf: Buffer::from_vec(vec![1.0f32]),
+            op: ReduceOp::Sum,
+        };
+        let err = nccl.start(op).map(drop);
+        expect_err(
+            "start",
+            err,
+            |e| matches!(e, Error::InvalidBuffer { detail, .. } if detail.contains("host buffers")),
+        )?;
+        if devices >= 2 {
+            let other = cuda::context(1)?.new_stream()?;
+            let mut elsewhere = Dev::new(&other, &[1.0f32])?;
+            let err = nccl.all_reduce(
+                BufMut::cuda(&mut elsewhere.view_mut(), &other)?,
+                ReduceOp::Sum,
+            );
+            expect_err(
+                "buffer on device 1",
+                err,
+                |e| matches!(e, Error::InvalidBuffer { detail, .. } if detail.contains("device 1")),
+            )?;
+        }
+
+        // Rejected calls leave the communicator usable.
+        nccl.all_reduce(BufMut::cuda(&mut x.view_mut(), &stream)?, ReduceOp::Sum)?;
+        ensure_close(
+            "all_reduce after errors",
+            &x.read(&stream)?,
+            &[1.0, 2.0, 3.0, 4.0],
+        )?;
+        nccl.barrier()?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
+#[test]
+fn two_ranks_match_the_reference_and_split() -> anyhow::Result<()> {
+    let Some(count) = two_rank_devices()? else {
+        return Ok(());
+    };
+    run_local(2, |comm| -> anyhow::Result<()> {
+        let device = comm.rank() % count;
+        let stream = cuda::context(device)?.new_stream()?;
+        let nccl = NcclCommunicator::new(Arc::new(comm), device)?.with_timeout(TEST_TIMEOUT);
+        ensure!(nccl.size() == 2 && nccl.world_ranks() == [0, 1]);
+        check_every_dtype(&nccl, &stream)?;
+        check_split(&nccl, &stream)
+    })?;
+    Ok(())
+}
+
+fn check_split(comm: &NcclCommunicator, stream: &Arc<CudaStream>) -> anyhow::Result<()> {
+    let (r, n) = (comm.rank(), comm.size());
+    // Two groups of one rank each.
+    let single = comm
+        .split(Some(r as u32), 0, "single")?
+        .context("every rank passed a colour")?;
+    ensure!(single.backend() == "nccl" && single.name() == "single");
+    ensure!(single.size() == 1 && single.world_ranks() == [comm.world_ranks()[r]]);
+    let mut x = Dev::new(stream, &[r as f32 + 1.0])?;
+    single.all_reduce(BufMut::cuda(&mut x.view_mut(), stream)?, ReduceOp::Sum)?;
+    ensure_close("single-rank group", &x.read(stream)?, &[r as f32 + 1.0])?;
+
+    // Every rank in one group, in reverse order.
+    let reversed = comm
+        .split(Some(0), (n - r) as u32, "reversed")?
+        .context("every rank passed a colour")?;
+    ensure!(reversed.rank() == n - 1 - r);
+    let mut x = Dev::new(stream, &[r as f32 + 1.0])?;
+    reversed.all_reduce(BufMut::cuda(&mut x.view_mut(), stream)?, ReduceOp::Sum)?;
+    let total = (n * (n + 1) / 2) as f32;
+    ensure_close("reversed group", &x.read(stream)?, &[total])?;
+    check_collectives::<f32>(&*reversed, stream)?;
+
+    // Rank 0 alone; the others opt out.
+    let first = comm.split((r == 0).then_some(0), 0, "first")?;
+    ensure!(first.is_some() == (r == 0));
+    Ok(())
+}
+
+fn check_every_dtype(comm: &dyn Communicator, stream: &Arc<CudaStream>) -> anyhow::Result<()> {
+    check_collectives::<f32>(comm, stream)?;
+    check_collectives::<f64>(comm, stream)?;
+    check_collectives::<f16>(comm, stream)?;
+    check_collectives::<bf16>(comm, stream)?;
+    check_collectives::<i32>(comm, stream)?;
+    check_collectives::<i64>(comm, stream)?;
+    check_collectives::<u8>(comm, stream)?;
+    comm.barrier()?;
+    Ok(())
+}
+
+/// Every collective with `T`, against the host reference computed from every rank's
+/// (deterministic) inputs.
+fn check_collectives<T: Element + DeviceRepr>(
+    comm: &dyn Communicator,
+    stream: &Arc<CudaStream>,
+) -> anyhow::Result<()> {
+    let (r, n) = (comm.rank(), comm.size());
+    let ops: Vec<ReduceOp> = ReduceOp::ALL
+        .into_iter()
+        .filter(|op| op.supports(T::DTYPE))
+        .collect();
+    let what = |call: &str| format!("{} {call} on rank {r} of {n}", T::DTYPE);
+
+    for len in [0usize, 1, 7, 1000] {
+        let inputs: Vec<Vec<T>> = (0..n).map(|p| support::data(p, len, len)).collect();
+        for &op in &ops {
+            let mut buf = Dev::new(stream, &inputs[r])?;
+            comm.all_reduce(BufMut::cuda(&mut buf.view_mut(), stream)?, op)?;
+            let want = support::reduced(op, &inputs);
+            ensure_close(
+                &what(&format!("all_reduce {op} of {len}")),
+                &buf.read(stream)?,
+                &want,
+            )?;
+        }
+        for root in 0..n {
+            let mut buf = Dev::new(stream, &inputs[r])?;
+            comm.broadcast(BufMut::cuda(&mut buf.view_mut(), stream)?, root)?;
+            let call = what(&format!("broadcast of {len} from {root}"));
+            ensure_close(&call, &buf.read(stream)?, &inputs[root])?;
+        }
+
+        let input = Dev::new(stream, &inputs[r])?;
+        let mut out = Dev::<T>::zeros(stream, n * len)?;
+        comm.all_gather(
+            BufRef::cuda(&input.view(), stream)?,
+            BufMut::cuda(&mut out.view_mut(), stream)?,
+        )?;
+        let call = what(&format!("all_gather of {len}"));
+        ensure_close(&call, &out.read(stream)?, &inputs.concat())?;
+
+        let full: Vec<Vec<T>> = (0..n).map(|p| support::data(p, n * len, len + 1)).collect();
+        for &op in &ops {
+            let input = Dev::new(stream, &full[r])?;
+            let mut out = Dev::<T>::zeros(stream, len)?;
+            comm.reduce_scatter(
+                BufRef::cuda(&input.view(), stream)?,
+                BufMut::cuda(&mut out.view_mut(), stream)?,
+                op,
+            )?;
+            let want = support::reduced(op, &full)[r * len..(r + 1) * len].to_vec();
+            let call = what(&format!("reduce_scatter {op} of {len}"));
+            ensure_close(&call, &out.read(stream)?, &want)?;
+        }
+    }
+
+    // Uneven per-rank counts, zeros included.
+    let count_sets: [Vec<usize>; 3] = [
+        vec![0; n],
+        (0..n).map(|p| (p * 5 + 3) % 7).collect(),
+        (0..n).map(|p| if p == 0 { 0 } else { p + 2 }).collect(),
+    ];
+    for counts in &count_sets {
+        let total: usize = counts.iter().sum();
+        let offsets = support::offsets(counts);
+        let parts: Vec<Vec<T>> = (0..n).map(|p| support::data(p, counts[p], 3)).collect();
+        let input = Dev::new(stream, &parts[r])?;
+        let mut out = Dev::<T>::zeros(stream, total)?;
+        comm.all_gather_v(
+            BufRef::cuda(&input.view(), stream)?,
+            BufMut::cuda(&mut out.view_mut(), stream)?,
+            counts,
+        )?;
+        let call = what(&format!("all_gather_v of {counts:?}"));
+        ensure_close(&call, &out.read(stream)?, &parts.concat())?;
+
+        let full: Vec<Vec<T>> = (0..n).map(|p| support::data(p, total, 4)).collect();
+        for &op in &ops {
+            let input = Dev::new(stream, &full[r])?;
+            let mut out = Dev::<T>::zeros(stream, counts[r])?;
+            comm.reduce_scatter_v(
+                BufRef::cuda(&input.view(), stream)?,
+                BufMut::cuda(&mut out.view_mut(), stream)?,
+                counts,
+                op,
+            )?;
+            let block = offsets[r]..offsets[r] + counts[r];
+            let want = support::reduced(op, &full)[block].to_vec();
+            let call = what(&format!("reduce_scatter_v {op} of {counts:?}"));
+            ensure_close(&call, &out.read(stream)?, &want)?;
+        }
+    }
+
+    // Rank p sends `sends(p, q)` elements to rank q (one to itself on a single rank).
+    let sends = |p: usize, q: usize| (p + 2 * q + 1) % 3;
+    let send_counts: Vec<usize> = (0..n).map(|q| sends(r, q)).collect();
+    let recv_counts: Vec<usize> = (0..n).map(|p| sends(p, r)).collect();
+    let all_inputs: Vec<Vec<T>> = (0..n)
+        .map(|p| support::data(p, (0..n).map(|q| sends(p, q)).sum(), 5))
+        .collect();
+    let want: Vec<T> = (0..n)
+        .flat_map(|p| {
+            let start: usize = (0..r).map(|q| sends(p, q)).sum();
+            all_inputs[p][start..start + sends(p, r)].to_vec()
+        })
+        .collect();
+    let input = Dev::new(stream, &all_inputs[r])?;
+    let mut out = Dev::<T>::zeros(stream, want.len())?;
+    comm.all_to_all_v(
+        BufRef::cuda(&input.view(), stream)?,
+        &send_counts,
+        BufMut::cuda(&mut out.view_mut(), stream)?,
+        &recv_counts,
+    )?;
+    ensure_close(&what("all_to_all_v"), &out.read(stream)?, &want)?;
+
+    // Ranks 0 and 1 swap a message; the lower rank sends first.
+    if n >= 2 && r < 2 {
+        let peer = 1 - r;
+        let mine = Dev::new(stream, &support::data::<T>(r, 5, 9))?;
+        let mut got = Dev::<T>::zeros(stream, 5)?;
+        let send = || comm.send(BufRef::cuda(&mine.view(), stream)?, peer);
+        if r == 0 {
+            send()?;
+            comm.recv(BufMut::cuda(&mut got.view_mut(), stream)?, peer)?;
+        } else {
+            comm.recv(BufMut::cuda(&mut got.view_mut(), stream)?, peer)?;
+            send()?;
+        }
+        let want = support::data::<T>(peer, 5, 9);
+        ensure_close(&what("send/recv"), &got.read(stream)?, &want)?;
+    }
+    Ok(())
+}
+
+/// Device memory holding `len` elements. CUDA cannot allocate zero bytes, so an empty
+/// buffer is one padding element that the views leave out.
+struct Dev<T> {
+    slice: CudaSlice<T>,
+    len: usize,
+}
+
+impl<T: Element + DeviceRepr> Dev<T> {
+    fn new(stream: &Arc<CudaStream>, data: &[T]) -> anyhow::Result<Dev<T>> {
+        let padded = if data.is_empty() {
+            vec![T::default()]
+        } else {
+            data.to_vec()
+        };
+        Ok(Dev {
+            slice: stream.clone_htod(padded.as_slice())?,
+            len: data.len(),
+        })
+    }
+
+    fn zeros(stream: &Arc<CudaStream>, len: usize) -> anyhow::Result<Dev<T>> {
+        Dev::new(stream, &vec![T::default(); len])
+    }
+
+    fn view(&self) -> CudaView<'_, T> {
+        self.slice.slice(..self.len)
+    }
+
+    fn view_mut(&mut self) -> CudaViewMut<'_, T> {
+        self.slice.slice_mut(..self.len)
+    }
+
+    fn read(&self, stream: &Arc<CudaStream>) -> anyhow::Result<Vec<T>> {
+        if self.len == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(stream.clone_dtoh(&self.view())?)
+    }
+}
+
+/// Exact for integers; a relative tolerance for floats (the inputs are small integers, so
+/// results are exact in every dtype, but NCCL's Avg may scale before summing).
+fn ensure_close<T: Element>(what: &str, got: &[T], want: &[T]) -> anyhow::Result<()> {
+    let tolerance = match T::DTYPE {
+        DType::F16 | DType::BF16 => 1e-2,
+        DType::F32 => 1e-6,
+        DType::F64 => 1e-12,
+        DType::I32 | DType::I64 | DType::U8 => 0.0,
+    };
+    ensure!(
+        got.len() == want.len(),
+        "{what}: {} elements, expected {}",
+        got.len(),
+        want.len()
+    );
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (g.to_f64(), w.to_f64());
+        ensure!(
+            (g - w).abs() <= tolerance * w.abs().max(1.0),
+            "{what}: element {i} is {g}, expected {w}"
+        );
+    }
+    Ok(())
+}
+
+fn expect_err(
+    what: &str,
+    result: comm_core::Result<()>,
+    expected: impl Fn(&Error) -> bool,
+) -> anyhow::Result<()> {
+    match result {
+        Err(e) if expected(&e) => Ok(()),
+        Err(e) => bail!("{what}: unexpected error {e}"),
+        Ok(()) => bail!("{what}: succeeded, expected an error"),
+    }
+}

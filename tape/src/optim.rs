@@ -2,6 +2,8 @@
 
 use ndarray::{ArrayD, Zip};
 
+use crate::gpu::optim_ops::{adamw_step, sgd_step, SgdStep};
+use crate::gpu::GpuArray;
 use crate::{Element, Parameter, Result};
 
 /// Something that updates parameters from their gradients.
@@ -54,16 +56,20 @@ pub struct Sgd<T: Element = f32> {
     params: Vec<Parameter<T>>,
     config: SgdConfig,
     momentum_buffers: Vec<Option<ArrayD<T>>>,
+    /// Momentum buffers of parameters that live on a device.
+    device_buffers: Vec<Option<GpuArray<T>>>,
 }
 
 impl<T: Element> Sgd<T> {
     /// An optimizer over `params`.
     pub fn new(params: Vec<Parameter<T>>, config: SgdConfig) -> Self {
         let momentum_buffers = vec![None; params.len()];
+        let device_buffers = vec![None; params.len()];
         Sgd {
             params,
             config,
             momentum_buffers,
+            device_buffers,
         }
     }
 
@@ -78,7 +84,22 @@ impl<T: Element> Optimizer<T> for Sgd<T> {
         let c = self.config;
         let (lr, wd) = (T::from_f64(c.lr), T::from_f64(c.weight_decay));
         let (mu, damp) = (T::from_f64(c.momentum), T::from_f64(1.0 - c.dampening));
-        for (param, buffer) in self.params.iter().zip(&mut self.momentum_buffers) {
+        for (i, param) in self.params.iter().enumerate() {
+            if param.on_device() {
+                let step = SgdStep {
+                    lr: c.lr,
+                    weight_decay: c.weight_decay,
+                    momentum: c.momentum,
+                    dampening: c.dampening,
+                    nesterov: c.nesterov,
+                };
+                let buffer = &mut self.device_buffers[i];
+                param.update_on_device("Sgd::step", |value, grad| {
+                    sgd_step(value, grad, buffer, &step)
+                })?;
+                continue;
+            }
+            let buffer = &mut self.momentum_buffers[i];
             param.update_in_place("Sgd::step", |value, grad| {
                 if c.momentum == 0.0 {
                     Zip::from(value)
@@ -149,22 +170,28 @@ impl Default for AdamWConfig {
 /// First and second moment estimates of one parameter, and its step count.
 type AdamState<T> = (ArrayD<T>, ArrayD<T>, u32);
 
+/// [`AdamState`] of a parameter on a device.
+type DeviceAdamState<T> = (GpuArray<T>, GpuArray<T>, u32);
+
 /// Adam with decoupled weight decay and bias correction, as `torch.optim.AdamW`.
 #[derive(Debug)]
 pub struct AdamW<T: Element = f32> {
     params: Vec<Parameter<T>>,
     config: AdamWConfig,
     moments: Vec<Option<AdamState<T>>>,
+    device_moments: Vec<Option<DeviceAdamState<T>>>,
 }
 
 impl<T: Element> AdamW<T> {
     /// An optimizer over `params`.
     pub fn new(params: Vec<Parameter<T>>, config: AdamWConfig) -> Self {
         let moments = (0..params.len()).map(|_| None).collect();
+        let device_moments = (0..params.len()).map(|_| None).collect();
         AdamW {
             params,
             config,
             moments,
+            device_moments,
         }
     }
 
@@ -178,7 +205,40 @@ impl<T: Element> Optimizer<T> for AdamW<T> {
     fn step(&mut self) -> Result<()> {
         let c = self.config;
         let (beta1, beta2) = c.betas;
-        for (param, moments) in self.params.iter().zip(&mut self.moments) {
+        for (i, param) in self.params.iter().enumerate() {
+            if param.on_device() {
+                let state = &mut self.device_moments[i];
+                param.update_on_device("AdamW::step", |value, grad| {
+                    let (m, v, step) = match state {
+                        Some(state) => state,
+                        None => {
+                            let zeros = || {
+                                GpuArray::full(
+                                    "AdamW::step",
+                                    value.device(),
+                                    value.shape(),
+                                    T::zero(),
+                                )
+                            };
+                            state.insert((zeros()?, zeros()?, 0))
+                        }
+                    };
+                    *step += 1;
+                    let bias1 = 1.0 - beta1.powi(*step as i32);
+                    let bias2_sqrt = (1.0 - beta2.powi(*step as i32)).sqrt();
+                    let coefficients = [
+                        beta1,
+                        beta2,
+                        1.0 - c.lr * c.weight_decay,
+                        c.lr / bias1,
+                        c.eps,
+                        bias2_sqrt,
+                    ];
+                    adamw_step(value, grad, m, v, coefficients)
+                })?;
+                continue;
+            }
+            let moments = &mut self.moments[i];
             param.update_in_place("AdamW::step", |value, grad| {
                 let (m, v, step) = moments.get_or_insert_with(|| {
                     (

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::gpu::GpuArray;
 use crate::{Element, Error, Result, Tensor};
 
 /// A grad-ready hook: called with the parameter as soon as its gradient for the current
@@ -164,6 +165,31 @@ impl<T: Element> Parameter<T> {
         };
         let mut value = self.shared.value.lock();
         update(value.cpu_mut(op)?, grad.cpu(op)?);
+        Ok(true)
+    }
+}
+
+impl<T: Element> Parameter<T> {
+    /// Whether the value lives on a device (optimizers then use their device kernels).
+    pub(crate) fn on_device(&self) -> bool {
+        self.shared.value.lock().device() != crate::Device::Cpu
+    }
+
+    /// The device counterpart of [`update_in_place`](Self::update_in_place): `update`
+    /// writes the (private) device value in place given the gradient.
+    pub(crate) fn update_on_device(
+        &self,
+        op: &'static str,
+        update: impl FnOnce(&GpuArray<T>, &GpuArray<T>) -> Result<()>,
+    ) -> Result<bool> {
+        let grad_slot = self.shared.grad.lock();
+        let Some(grad) = grad_slot.as_ref() else {
+            return Ok(false);
+        };
+        let mut value = self.shared.value.lock();
+        let device = value.device();
+        let grad = grad.device_array(op, device)?;
+        update(value.gpu_unique(op)?, grad)?;
         Ok(true)
     }
 }

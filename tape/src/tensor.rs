@@ -152,6 +152,23 @@ impl<T: Element> Tensor<T> {
         Ok(())
     }
 
+    /// The device array, made private to this tensor first (copy-on-write) so that an
+    /// optimizer may update it in place without changing tensors handed out earlier.
+    pub(crate) fn gpu_unique(&mut self, op: &'static str) -> Result<&GpuArray<T>> {
+        match &mut self.storage {
+            Storage::Gpu(array) => {
+                if array.is_shared() {
+                    *array = array.duplicate(op)?;
+                }
+                Ok(array)
+            }
+            Storage::Cpu(_) => Err(Error::UnsupportedDevice {
+                op,
+                device: Device::Cpu,
+            }),
+        }
+    }
+
     /// The device array behind this tensor, if it lives on a device.
     pub(crate) fn gpu(&self) -> Option<&GpuArray<T>> {
         match &self.storage {

@@ -28,6 +28,15 @@ pub(crate) struct GpuArray<T> {
     _element: PhantomData<T>,
 }
 
+impl<T> std::fmt::Debug for GpuArray<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuArray")
+            .field("device", &self.buffer.backend.device())
+            .field("shape", &self.shape)
+            .finish()
+    }
+}
+
 impl<T> Clone for GpuArray<T> {
     fn clone(&self) -> Self {
         GpuArray {
@@ -97,6 +106,11 @@ impl<T: Copy + Default> GpuArray<T> {
             shape: shape.to_vec(),
             _element: PhantomData,
         }
+    }
+
+    /// Whether another array shares this memory (then it must not be written in place).
+    pub(crate) fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.buffer) > 1
     }
 
     /// A private copy (the caller may then write it in place).

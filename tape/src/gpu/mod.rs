@@ -28,7 +28,7 @@ use crate::{Device, Element, Error, Result};
 pub(crate) struct KernelArgs {
     pub p: [u64; 8],
     pub i: [i64; 32],
-    pub f: [f64; 4],
+    pub f: [f64; 8],
 }
 
 /// Most dimensions a kernel's shape arguments can describe.
@@ -39,6 +39,7 @@ pub(crate) type HostKernel = unsafe extern "C" fn(*const KernelArgs);
 
 /// A kernel by name, with its host builds for f32 and f64.
 pub(crate) struct Kernel {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // NVRTC looks kernels up by name
     pub name: &'static str,
     pub host: [HostKernel; 2],
 }
@@ -108,6 +109,7 @@ impl Precision {
         }
     }
 
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // part of NVRTC's kernel names
     pub(crate) fn suffix(self) -> &'static str {
         match self {
             Precision::F32 => "f32",

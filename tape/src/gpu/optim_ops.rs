@@ -1,7 +1,69 @@
-//! Device math of the optimizer steps (SGD, AdamW).
+//! Device math of the optimizer steps (SGD, AdamW), in place on the parameter.
 
-use super::{Kernel, KernelArgs};
+use super::{GpuArray, Kernel, KernelArgs};
+use crate::{Element, Result};
 
 kernels! {
     OPTIM_KERNELS:
+    SGD_STEP = "sgd_step": sgd_step_f32, sgd_step_f64;
+    ADAMW_STEP = "adamw_step": adamw_step_f32, adamw_step_f64;
+}
+
+/// SGD's hyper-parameters for one step (see `sgd_step` in optim.cu).
+pub(crate) struct SgdStep {
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub nesterov: bool,
+}
+
+/// One SGD step of `param` (written in place); `buffer` is the momentum buffer, `None`
+/// before the first step with momentum (it is created from the direction).
+pub(crate) fn sgd_step<T: Element>(
+    param: &GpuArray<T>,
+    grad: &GpuArray<T>,
+    buffer: &mut Option<GpuArray<T>>,
+    step: &SgdStep,
+) -> Result<()> {
+    let has_momentum = step.momentum != 0.0;
+    let first = has_momentum && buffer.is_none();
+    if first {
+        *buffer = Some(GpuArray::uninit(
+            "Sgd::step",
+            param.device(),
+            param.shape(),
+        )?);
+    }
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[
+        param.ptr(),
+        grad.ptr(),
+        buffer.as_ref().map_or(0, |b| b.ptr()),
+    ]);
+    args.i[0] = param.len() as i64;
+    args.i[1] = i64::from(has_momentum) | i64::from(first) << 1 | i64::from(step.nesterov) << 2;
+    args.f[..4].copy_from_slice(&[
+        step.lr,
+        step.weight_decay,
+        step.momentum,
+        1.0 - step.dampening,
+    ]);
+    param.launch(&SGD_STEP, param.len(), &args)
+}
+
+/// One AdamW step of `param` with moments `m` and `v` (all written in place);
+/// `coefficients` are the six scalars of `adamw_step` in optim.cu, in order.
+pub(crate) fn adamw_step<T: Element>(
+    param: &GpuArray<T>,
+    grad: &GpuArray<T>,
+    m: &GpuArray<T>,
+    v: &GpuArray<T>,
+    coefficients: [f64; 6],
+) -> Result<()> {
+    let mut args = KernelArgs::default();
+    args.p[..4].copy_from_slice(&[param.ptr(), grad.ptr(), m.ptr(), v.ptr()]);
+    args.i[0] = param.len() as i64;
+    args.f[..6].copy_from_slice(&coefficients);
+    param.launch(&ADAMW_STEP, param.len(), &args)
 }

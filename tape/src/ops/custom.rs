@@ -2,9 +2,7 @@
 
 use std::sync::Arc;
 
-use ndarray::ArrayD;
-
-use crate::tape::record;
+use crate::tape::record_tensor;
 use crate::{Element, Error, Result, Tensor};
 
 /// A differentiable op defined outside this crate, e.g. a collective whose backward is
@@ -36,26 +34,28 @@ impl<T: Element> Tensor<T> {
         let detached: Vec<Tensor<T>> = inputs.iter().map(|t| t.detach()).collect();
         let mut saved = Vec::new();
         let output = op.forward(&detached, &mut saved)?;
-        let output_array = output.cpu("custom op")?.clone();
-        let input_shapes: Vec<Vec<usize>> = inputs.iter().map(|t| t.shape().to_vec()).collect();
-        record("custom op", inputs, output_array, || {
-            Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
-                let grads = op.backward(&Tensor::from_array(grad), &saved)?;
-                if grads.len() != input_shapes.len() {
+        let inputs_meta: Vec<(Vec<usize>, crate::Device)> = inputs
+            .iter()
+            .map(|t| (t.shape().to_vec(), t.device()))
+            .collect();
+        record_tensor("custom op", inputs, output.detach(), || {
+            Box::new(move |grad: Tensor<T>, needs: &[bool]| {
+                let grads = op.backward(&grad, &saved)?;
+                if grads.len() != inputs_meta.len() {
                     return Err(Error::custom(
                         op.name(),
                         format!(
                             "backward returned {} gradients for {} inputs",
                             grads.len(),
-                            input_shapes.len()
+                            inputs_meta.len()
                         ),
                     ));
                 }
                 grads
                     .into_iter()
-                    .zip(&input_shapes)
+                    .zip(&inputs_meta)
                     .zip(needs)
-                    .map(|((grad, shape), &need)| match grad {
+                    .map(|((grad, (shape, device)), &need)| match grad {
                         Some(grad) if grad.shape() != shape.as_slice() => Err(Error::custom(
                             op.name(),
                             format!(
@@ -63,7 +63,14 @@ impl<T: Element> Tensor<T> {
                                 grad.shape()
                             ),
                         )),
-                        Some(grad) if need => Ok(Some(grad.cpu("custom op")?.clone().into_owned())),
+                        Some(grad) if grad.device() != *device => Err(Error::custom(
+                            op.name(),
+                            format!(
+                                "backward returned a gradient on {} for an input on {device}",
+                                grad.device()
+                            ),
+                        )),
+                        Some(grad) if need => Ok(Some(grad.detach())),
                         _ => Ok(None),
                     })
                     .collect()

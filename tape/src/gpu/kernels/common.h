@@ -13,7 +13,7 @@ typedef long long i64;
 typedef struct {
     u64 p[8];
     i64 i[32];
-    double f[4];
+    double f[8];
 } KernelArgs;
 
 #define MAX_DIMS 8

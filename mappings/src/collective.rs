@@ -67,7 +67,10 @@ impl Collective {
     ) -> Result<Tensor<T>> {
         let comm = |e| Error::from_comm(op, e);
         let rank = group.rank();
-        match self {
+        // Device tensors are exchanged through host memory (the communicator sees host
+        // slices); the result goes back to the input's device.
+        let on_input_device = |t: Tensor<T>| t.to_device(x.device()).map_err(Error::from);
+        let moved = match self {
             Collective::Identity => Ok(x.clone()),
             Collective::AllReduce => {
                 let mut data = x.to_vec()?;
@@ -127,7 +130,8 @@ impl Collective {
                     &shape,
                 )?)
             }
-        }
+        };
+        moved.and_then(on_input_device)
     }
 }
 

@@ -4,6 +4,9 @@
 //! cargo run --release -p comm-core --bin comm-bench -- \
 //!     --backend local --ranks 2 --op all_reduce --sizes 1K,64K,1M,16M,64M --baseline memcpy
 //! mpirun -n 2 target/release/comm-bench --backend mpi --op all_reduce --baseline raw
+//! # with `--features cuda`: device buffers, local ranks on one GPU, and NCCL
+//! comm-bench --backend local --memory cuda --ranks 4 --baseline device-copy
+//! comm-bench --backend nccl --ranks 1
 //! ```
 //!
 //! `bytes` follows nccl-tests: the buffer size for all_reduce and broadcast, the gathered
@@ -14,15 +17,22 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::{Parser, ValueEnum};
-use comm_core::{
-    run_local, BufMut, BufRef, Communicator, CommunicatorExt, DType, Element, ReduceOp,
-};
+use comm_core::{run_local, BufMut, Communicator, CommunicatorExt, DType, Element, ReduceOp};
 use std::time::Instant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Backend {
     Local,
     Mpi,
+    /// NCCL bootstrapped over local rank threads (rank r on device r mod #devices).
+    Nccl,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Memory {
+    Host,
+    /// Device memory on device (rank mod #devices); needs `--features cuda`.
+    Cuda,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -63,6 +73,8 @@ enum Baseline {
     Memcpy,
     /// The same operation through rsmpi directly (MPI backend only).
     Raw,
+    /// A device-to-device copy of the same byte count (device memory only).
+    DeviceCopy,
 }
 
 #[derive(Parser, Debug, Clone)]
@@ -80,6 +92,9 @@ struct Args {
     /// Comma-separated sizes in bytes, with K/M/G suffixes (powers of 1024).
     #[arg(long, default_value = "1K,64K,1M,16M,64M", value_delimiter = ',')]
     sizes: Vec<String>,
+    /// Where the buffers live (the nccl backend always uses device memory).
+    #[arg(long, value_enum, default_value = "host")]
+    memory: Memory,
     /// Element type.
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -145,29 +160,116 @@ fn shape(op: Op, count: usize, n: usize) -> Shape {
     }
 }
 
-/// Runs one call of `op`; returns the output buffer.
-fn run_op<T: Element>(
+/// Runs one call of `op`: in place on `input` for all_reduce and broadcast, otherwise
+/// from `input` into `output`.
+fn run_op(
     comm: &dyn Communicator,
     op: Op,
-    input: &mut [T],
-    output: &mut [T],
+    mut input: BufMut<'_>,
+    output: BufMut<'_>,
 ) -> comm_core::Result<()> {
     let n = comm.size();
     match op {
-        Op::AllReduce => comm.all_reduce(BufMut::from(input), ReduceOp::Sum),
-        Op::Broadcast => comm.broadcast(BufMut::from(input), 0),
-        Op::AllGather => comm.all_gather(BufRef::from(&*input), BufMut::from(output)),
-        Op::ReduceScatter => {
-            comm.reduce_scatter(BufRef::from(&*input), BufMut::from(output), ReduceOp::Sum)
-        }
+        Op::AllReduce => comm.all_reduce(input, ReduceOp::Sum),
+        Op::Broadcast => comm.broadcast(input, 0),
+        Op::AllGather => comm.all_gather(input.as_ref(), output),
+        Op::ReduceScatter => comm.reduce_scatter(input.as_ref(), output, ReduceOp::Sum),
         Op::AllToAll => {
             let counts = vec![input.len() / n; n];
-            comm.all_to_all_v(
-                BufRef::from(&*input),
-                &counts,
-                BufMut::from(output),
-                &counts,
-            )
+            comm.all_to_all_v(input.reborrow().as_ref(), &counts, output, &counts)
+        }
+    }
+}
+
+/// An element type the bench can put in host or device memory.
+#[cfg(feature = "cuda")]
+trait BenchElement:
+    Element
+    + comm_core::cuda::cudarc::driver::DeviceRepr
+    + comm_core::cuda::cudarc::driver::ValidAsZeroBits
+{
+}
+#[cfg(feature = "cuda")]
+impl<T> BenchElement for T where
+    T: Element
+        + comm_core::cuda::cudarc::driver::DeviceRepr
+        + comm_core::cuda::cudarc::driver::ValidAsZeroBits
+{
+}
+#[cfg(not(feature = "cuda"))]
+trait BenchElement: Element {}
+#[cfg(not(feature = "cuda"))]
+impl<T: Element> BenchElement for T {}
+
+/// One rank's input and output buffers, in host or device memory.
+enum Buffers<T: BenchElement> {
+    Host {
+        input: Vec<T>,
+        output: Vec<T>,
+    },
+    #[cfg(feature = "cuda")]
+    Device {
+        input: comm_core::cuda::cudarc::driver::CudaSlice<T>,
+        output: comm_core::cuda::cudarc::driver::CudaSlice<T>,
+        stream: std::sync::Arc<comm_core::cuda::cudarc::driver::CudaStream>,
+    },
+}
+
+impl<T: BenchElement> Buffers<T> {
+    fn new(memory: Memory, rank: usize, input: Vec<T>, output_len: usize) -> Result<Self> {
+        match memory {
+            Memory::Host => Ok(Buffers::Host {
+                input,
+                output: vec![T::default(); output_len],
+            }),
+            #[cfg(feature = "cuda")]
+            Memory::Cuda => {
+                let device = rank % comm_core::cuda::device_count()?.max(1);
+                let stream = comm_core::cuda::context(device)?.new_stream()?;
+                Ok(Buffers::Device {
+                    input: stream.clone_htod(&input)?,
+                    output: stream.alloc_zeros(output_len)?,
+                    stream,
+                })
+            }
+            #[cfg(not(feature = "cuda"))]
+            Memory::Cuda => {
+                let _ = rank;
+                bail!("this comm-bench was built without CUDA; rebuild with `--features cuda`")
+            }
+        }
+    }
+
+    fn run(&mut self, comm: &dyn Communicator, op: Op) -> Result<()> {
+        match self {
+            Buffers::Host { input, output } => {
+                run_op(comm, op, BufMut::from(input), BufMut::from(output))?
+            }
+            #[cfg(feature = "cuda")]
+            Buffers::Device {
+                input,
+                output,
+                stream,
+            } => run_op(
+                comm,
+                op,
+                BufMut::cuda(input, stream)?,
+                BufMut::cuda(output, stream)?,
+            )?,
+        }
+        Ok(())
+    }
+
+    /// Host copies of the input (which in-place operations overwrite) and the output.
+    fn read(&self) -> Result<(Vec<T>, Vec<T>)> {
+        match self {
+            Buffers::Host { input, output } => Ok((input.clone(), output.clone())),
+            #[cfg(feature = "cuda")]
+            Buffers::Device {
+                input,
+                output,
+                stream,
+            } => Ok((stream.clone_dtoh(input)?, stream.clone_dtoh(output)?)),
         }
     }
 }
@@ -178,12 +280,18 @@ fn pattern<T: Element>(rank: usize, i: usize) -> T {
 }
 
 /// One checked call with known data; errors say which element differs.
-fn check<T: Element>(comm: &dyn Communicator, op: Op, count: usize) -> Result<()> {
+fn check<T: BenchElement>(
+    comm: &dyn Communicator,
+    memory: Memory,
+    op: Op,
+    count: usize,
+) -> Result<()> {
     let (r, n) = (comm.rank(), comm.size());
     let shape = shape(op, count, n);
-    let mut input: Vec<T> = (0..shape.input).map(|i| pattern(r, i)).collect();
-    let mut output = vec![T::default(); shape.output];
-    run_op(comm, op, &mut input, &mut output)?;
+    let input: Vec<T> = (0..shape.input).map(|i| pattern(r, i)).collect();
+    let mut buffers = Buffers::new(memory, r, input, shape.output)?;
+    buffers.run(comm, op)?;
+    let (input, output) = buffers.read()?;
     let rank_sum = (n * (n + 1) / 2) as f64;
     let (got, expect): (&[T], Box<dyn Fn(usize) -> f64>) = match op {
         Op::AllReduce => (&input, Box::new(move |i| rank_sum * (i % 7) as f64)),
@@ -223,17 +331,23 @@ fn check<T: Element>(comm: &dyn Communicator, op: Op, count: usize) -> Result<()
 }
 
 /// Times `iters` calls; returns the slowest rank's mean microseconds per call.
-fn time_op<T: Element>(comm: &dyn Communicator, op: Op, count: usize, iters: usize) -> Result<f64> {
+fn time_op<T: BenchElement>(
+    comm: &dyn Communicator,
+    memory: Memory,
+    op: Op,
+    count: usize,
+    iters: usize,
+) -> Result<f64> {
     let shape = shape(op, count, comm.size());
-    let mut input: Vec<T> = (0..shape.input).map(|i| pattern(comm.rank(), i)).collect();
-    let mut output = vec![T::default(); shape.output];
+    let input: Vec<T> = (0..shape.input).map(|i| pattern(comm.rank(), i)).collect();
+    let mut buffers = Buffers::new(memory, comm.rank(), input, shape.output)?;
     for _ in 0..(iters / 10).max(2) {
-        run_op(comm, op, &mut input, &mut output)?;
+        buffers.run(comm, op)?;
     }
     comm.barrier()?;
     let start = Instant::now();
     for _ in 0..iters {
-        run_op(comm, op, &mut input, &mut output)?;
+        buffers.run(comm, op)?;
     }
     let mut elapsed = [start.elapsed().as_secs_f64() * 1e6 / iters as f64];
     comm.all_reduce_slice(&mut elapsed, ReduceOp::Max)?;
@@ -253,7 +367,7 @@ fn time_memcpy(bytes: usize, iters: usize) -> f64 {
 }
 
 /// Checks and times every size on one rank; rank 0's rows are the result.
-fn bench_rank<T: Element>(
+fn bench_rank<T: BenchElement>(
     comm: &dyn Communicator,
     args: &Args,
     sizes: &[usize],
@@ -278,9 +392,9 @@ fn bench_rank<T: Element>(
                 esize * divisor
             );
         }
-        check::<T>(comm, args.op, count)?;
+        check::<T>(comm, args.memory, args.op, count)?;
         let iters = args.iters.unwrap_or_else(|| default_iters(bytes));
-        let time_us = time_op::<T>(comm, args.op, count, iters)?;
+        let time_us = time_op::<T>(comm, args.memory, args.op, count, iters)?;
         rows.push(Row {
             backend: comm.backend(),
             bytes,
@@ -295,6 +409,15 @@ fn bench_rank<T: Element>(
                 time_us: time_memcpy(bytes, iters),
             });
         }
+        #[cfg(feature = "cuda")]
+        if args.baseline.contains(&Baseline::DeviceCopy) && comm.rank() == 0 {
+            rows.push(Row {
+                backend: "device-copy",
+                bytes,
+                iters,
+                time_us: device_copy::time(bytes, iters)?,
+            });
+        }
         #[cfg(feature = "mpi")]
         if args.baseline.contains(&Baseline::Raw) {
             rows.push(raw_mpi::time::<T>(args.op, count, iters)?);
@@ -307,10 +430,11 @@ fn print_rows(args: &Args, ranks: usize, rows: &[Row]) {
     let op = args.op;
     if !args.json {
         println!(
-            "# comm-bench: op={} ranks={} dtype={}",
+            "# comm-bench: op={} ranks={} dtype={} memory={:?}",
             op.name(),
             ranks,
-            args.dtype
+            args.dtype,
+            args.memory
         );
         println!(
             "# {:>12} {:>8} {:>12} {:>12} {:>12}  backend",
@@ -319,7 +443,7 @@ fn print_rows(args: &Args, ranks: usize, rows: &[Row]) {
     }
     for row in rows {
         let algbw = row.bytes as f64 / (row.time_us * 1e-6) / 1e9;
-        let busbw = if row.backend == "memcpy" {
+        let busbw = if row.backend == "memcpy" || row.backend == "device-copy" {
             algbw
         } else {
             algbw * op.bus_factor(ranks)
@@ -374,6 +498,14 @@ fn main() -> Result<()> {
     if args.baseline.contains(&Baseline::Raw) && args.backend != Backend::Mpi {
         bail!("--baseline raw times rsmpi directly and needs --backend mpi under mpirun");
     }
+    let mut args = args;
+    if args.backend == Backend::Nccl {
+        args.memory = Memory::Cuda;
+    }
+    if args.baseline.contains(&Baseline::DeviceCopy) && args.memory != Memory::Cuda {
+        bail!("--baseline device-copy needs device buffers: add --memory cuda");
+    }
+    let args = args;
     match args.backend {
         Backend::Local => {
             let results = run_local(
@@ -383,8 +515,47 @@ fn main() -> Result<()> {
             print_rows(&args, args.ranks, &results[0]);
         }
         Backend::Mpi => run_mpi(&args, dtype, &sizes)?,
+        Backend::Nccl => run_nccl(&args, dtype, &sizes)?,
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn run_nccl(args: &Args, dtype: DType, sizes: &[usize]) -> Result<()> {
+    let devices = comm_core::cuda::device_count()?.max(1);
+    let results = run_local(args.ranks, |bootstrap| -> Result<Vec<Row>> {
+        let device = bootstrap.rank() % devices;
+        let nccl = comm_core::NcclCommunicator::new(std::sync::Arc::new(bootstrap), device)?;
+        comm_core::with_dtype!(dtype, T => bench_rank::<T>(&nccl, args, sizes))
+    })?;
+    print_rows(args, args.ranks, &results[0]);
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_nccl(_: &Args, _: DType, _: &[usize]) -> Result<()> {
+    bail!("this comm-bench was built without CUDA; rebuild with `--features cuda`")
+}
+
+/// A device-to-device copy of the same size, the ceiling for device-memory collectives.
+#[cfg(feature = "cuda")]
+mod device_copy {
+    use anyhow::Result;
+    use std::time::Instant;
+
+    pub fn time(bytes: usize, iters: usize) -> Result<f64> {
+        let stream = comm_core::cuda::context(0)?.new_stream()?;
+        let src = stream.alloc_zeros::<u8>(bytes)?;
+        let mut dst = stream.alloc_zeros::<u8>(bytes)?;
+        stream.memcpy_dtod(&src, &mut dst)?;
+        stream.synchronize()?;
+        let start = Instant::now();
+        for _ in 0..iters {
+            stream.memcpy_dtod(&src, &mut dst)?;
+        }
+        stream.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() * 1e6 / iters as f64)
+    }
 }
 
 #[cfg(feature = "mpi")]

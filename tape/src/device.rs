@@ -27,3 +27,45 @@ impl fmt::Display for Device {
         }
     }
 }
+
+impl std::str::FromStr for Device {
+    type Err = crate::Error;
+
+    /// `cpu`, `emulated`, `cuda` (device 0) or `cuda:N`, as printed by `Display`.
+    fn from_str(text: &str) -> crate::Result<Device> {
+        let invalid = || crate::Error::InvalidArgument {
+            op: "Device::from_str",
+            reason: format!("{text:?} is not a device; use cpu, emulated, cuda or cuda:N"),
+        };
+        match text {
+            "cpu" => Ok(Device::Cpu),
+            "emulated" => Ok(Device::Emulated),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => text
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(invalid),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Device;
+
+    #[test]
+    fn devices_parse_as_they_print() {
+        for device in [
+            Device::Cpu,
+            Device::Emulated,
+            Device::Cuda(0),
+            Device::Cuda(3),
+        ] {
+            assert_eq!(device.to_string().parse::<Device>().unwrap(), device);
+        }
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert!("gpu".parse::<Device>().is_err());
+        assert!("cuda:x".parse::<Device>().is_err());
+    }
+}

@@ -87,7 +87,7 @@ mod tensor;
 pub use device::Device;
 pub use element::Element;
 pub use error::{Error, Result};
-pub use gpu::{allow_tf32, set_allow_tf32};
+pub use gpu::{allow_tf32, set_allow_tf32, synchronize};
 pub use gradcheck::{gradcheck, GradCheckOptions};
 pub use ndarray;
 pub use ops::custom::CustomOp;

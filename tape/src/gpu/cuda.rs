@@ -291,6 +291,13 @@ impl Backend for CudaBackend {
             .map_err(|e| self.fail("cuLaunchKernel")(format!("{}: {e}", kernel.name)))
     }
 
+    fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(|e| self.fail("cuStreamSynchronize")(format!("{e}")))
+    }
+
     unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
         self.bind()?;
         let blas = self.blas.lock();

@@ -69,6 +69,10 @@ impl Backend for Emulator {
         Ok(())
     }
 
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()> {
         // SAFETY: the caller guarantees the matrices' extents.
         unsafe {

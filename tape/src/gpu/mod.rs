@@ -162,6 +162,18 @@ pub(crate) trait Backend: Send + Sync {
         args: &KernelArgs,
     ) -> Result<()>;
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()>;
+    /// Waits until all queued work has finished.
+    fn synchronize(&self) -> Result<()>;
+}
+
+/// Waits until all work queued on `device` has finished (like
+/// `torch.cuda.synchronize`); for timing, since device ops return once queued. A no-op on
+/// the CPU.
+pub fn synchronize(device: Device) -> Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        _ => backend("synchronize", device)?.synchronize(),
+    }
 }
 
 /// The backend of `device`, created on first use and shared by every thread.

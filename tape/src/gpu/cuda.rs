@@ -93,27 +93,42 @@ fn source() -> String {
     .join("\n")
 }
 
-/// PTX for every kernel, compiled once per process.
-fn ptx(device: Device) -> Result<cudarc::nvrtc::Ptx> {
-    static PTX: OnceLock<std::result::Result<cudarc::nvrtc::Ptx, String>> = OnceLock::new();
+/// The NVRTC target for a device of compute capability `major.minor`: its own virtual
+/// architecture where NVRTC knows it, else the oldest one CUDA 12 and 13 both support
+/// (7.5; double-precision atomicAdd needs 6.0), which the driver JIT-compiles forward.
+fn architecture(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 9) => "compute_89",
+        (9, _) => "compute_90",
+        _ => "compute_75",
+    }
+}
+
+/// PTX of every kernel for `arch`, compiled once per process and architecture.
+fn ptx(device: Device, arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
+    type Compiled = std::result::Result<cudarc::nvrtc::Ptx, String>;
+    static PTX: OnceLock<Mutex<HashMap<&'static str, Compiled>>> = OnceLock::new();
     require(device, &NVRTC)?;
-    PTX.get_or_init(|| {
-        let options = cudarc::nvrtc::CompileOptions {
-            name: Some("ferrotron_tape.cu".into()),
-            // Double-precision atomicAdd needs compute capability 6.0; 7.0 is the oldest
-            // architecture current toolkits support.
-            arch: Some("compute_70"),
-            ..Default::default()
-        };
-        cudarc::nvrtc::compile_ptx_with_opts(source(), options).map_err(|e| match e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                format!("NVRTC rejected the kernels:\n{}", log.to_string_lossy())
-            }
-            other => format!("NVRTC failed: {other:?}"),
+    let mut cache = PTX.get_or_init(Default::default).lock();
+    cache
+        .entry(arch)
+        .or_insert_with(|| {
+            let options = cudarc::nvrtc::CompileOptions {
+                name: Some("ferrotron_tape.cu".into()),
+                arch: Some(arch),
+                ..Default::default()
+            };
+            cudarc::nvrtc::compile_ptx_with_opts(source(), options).map_err(|e| match e {
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                    format!("NVRTC rejected the kernels:\n{}", log.to_string_lossy())
+                }
+                other => format!("NVRTC failed: {other:?}"),
+            })
         })
-    })
-    .clone()
-    .map_err(failure(device, "compile kernels"))
+        .clone()
+        .map_err(failure(device, "compile kernels"))
 }
 
 /// A cuBLAS handle bound to the backend's stream.
@@ -145,8 +160,11 @@ impl CudaBackend {
         let stream = context
             .new_stream()
             .map_err(|e| fail("create stream")(format!("{e}")))?;
+        let (major, minor) = context
+            .compute_capability()
+            .map_err(|e| fail("query compute capability")(format!("{e}")))?;
         let module = context
-            .load_module(ptx(device)?)
+            .load_module(ptx(device, architecture(major, minor))?)
             .map_err(|e| fail("load kernels")(format!("{e}")))?;
         require(device, &CUBLAS)?;
         let handle = cudarc::cublas::result::create_handle()
@@ -386,14 +404,19 @@ mod tests {
             println!("skipped: {reason}");
             return;
         }
-        let ptx = ptx(Device::Cuda(0)).expect("the kernels compile").to_src();
-        for kernel in super::super::KERNEL_LISTS
-            .iter()
-            .flat_map(|list| list.iter())
-        {
-            for precision in [Precision::F32, Precision::F64] {
-                let entry = format!(".entry {}_{}", kernel.name, precision.suffix());
-                assert!(ptx.contains(&entry), "PTX lacks {entry}");
+        // The fallback architecture and Hopper's (the GPU machines').
+        for (major, minor) in [(7, 5), (9, 0)] {
+            let ptx = ptx(Device::Cuda(0), architecture(major, minor))
+                .expect("the kernels compile")
+                .to_src();
+            for kernel in super::super::KERNEL_LISTS
+                .iter()
+                .flat_map(|list| list.iter())
+            {
+                for precision in [Precision::F32, Precision::F64] {
+                    let entry = format!(".entry {}_{}", kernel.name, precision.suffix());
+                    assert!(ptx.contains(&entry), "PTX lacks {entry}");
+                }
             }
         }
     }

@@ -8,6 +8,10 @@ Loss = sum of the output; forward + backward; median ms per step over >= 10 step
 after warm-up. Prints {"bench":"block_step","tp":T,"ms_per_step":F}.
 
     python layers/benches/bench_block.py --tp 2 --json
+    python layers/benches/bench_block.py --device cuda --json   # the whole block, one GPU
+
+With --device cuda the block runs unsharded in this process on one GPU (the math of every
+TP size), the reference for `bench_block --device cuda:0`.
 
 Not run in this repository's CI (torch is not installed there).
 """
@@ -35,7 +39,8 @@ class CopyToRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        dist.all_reduce(grad)
+        if dist.is_initialized():
+            dist.all_reduce(grad)
         return grad
 
 
@@ -43,7 +48,8 @@ class ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         x = x.clone()
-        dist.all_reduce(x)
+        if dist.is_initialized():
+            dist.all_reduce(x)
         return x
 
     @staticmethod
@@ -51,30 +57,41 @@ class ReduceFromRegion(torch.autograd.Function):
         return grad
 
 
-def shard(full, dim, rank, size):
-    return torch.tensor_split(full, size, dim=dim)[rank].clone().requires_grad_()
-
-
 def worker(rank, size, args, port, queue):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    device = torch.device(args.device)
+    if size > 1:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+
+    def shard(full, dim, rank, size):
+        return torch.tensor_split(full, size, dim=dim)[rank].to(device).clone().requires_grad_()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if size > 1:
+            dist.barrier()
+
     gen = torch.Generator().manual_seed(0)
     std = 0.02
     qkv_w = shard(torch.randn(3 * HIDDEN, HIDDEN, generator=gen) * std, 0, rank, size)
     qkv_b = shard(torch.zeros(3 * HIDDEN), 0, rank, size)
     proj_w = shard(torch.randn(HIDDEN, HIDDEN, generator=gen) * std, 1, rank, size)
-    proj_b = torch.zeros(HIDDEN, requires_grad=True)
+    proj_b = torch.zeros(HIDDEN, device=device, requires_grad=True)
     fc1_w = shard(torch.randn(4 * HIDDEN, HIDDEN, generator=gen) * std, 0, rank, size)
     fc1_b = shard(torch.zeros(4 * HIDDEN), 0, rank, size)
     fc2_w = shard(torch.randn(HIDDEN, 4 * HIDDEN, generator=gen) * std, 1, rank, size)
-    fc2_b = torch.zeros(HIDDEN, requires_grad=True)
-    ln = [torch.ones(HIDDEN, requires_grad=True), torch.zeros(HIDDEN, requires_grad=True)] * 2
+    fc2_b = torch.zeros(HIDDEN, device=device, requires_grad=True)
+    ln = [
+        torch.ones(HIDDEN, device=device, requires_grad=True),
+        torch.zeros(HIDDEN, device=device, requires_grad=True),
+    ] * 2
     params = [qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, *ln]
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(device)
     local_heads, head_dim = HEADS // size, HIDDEN // HEADS
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).to(device)
 
     def step():
         h = F.layer_norm(x, (HIDDEN,), ln[0], ln[1])
@@ -94,15 +111,16 @@ def worker(rank, size, args, port, queue):
     for i in range(args.warmup + args.steps):
         for p in params:
             p.grad = None
-        dist.barrier()
+        sync()
         start = time.perf_counter()
         step()
-        dist.barrier()
+        sync()
         if i >= args.warmup:
             times.append((time.perf_counter() - start) * 1e3)
     if rank == 0:
         queue.put(statistics.median(times))
-    dist.destroy_process_group()
+    if size > 1:
+        dist.destroy_process_group()
 
 
 def main():
@@ -111,7 +129,15 @@ def main():
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
+    if args.device == "cuda":
+        import queue as queues
+
+        results = queues.SimpleQueue()
+        worker(0, 1, args, None, results)
+        report(args, 1, results.get())
+        return
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29500 + os.getpid() % 1000
@@ -121,10 +147,15 @@ def main():
     median = queue.get()
     for p in procs:
         p.join()
+    report(args, args.tp, median)
+
+
+def report(args, tp, median):
     if args.json:
-        print(json.dumps({"bench": "block_step", "tp": args.tp, "ms_per_step": round(median, 3)}))
+        print(json.dumps({"bench": "block_step", "impl": "torch", "device": args.device,
+                          "tp": tp, "ms_per_step": round(median, 3)}))
     else:
-        print(f"block step tp {args.tp}: {median:.3f} ms")
+        print(f"block step tp {tp} on {args.device}: {median:.3f} ms")
 
 
 if __name__ == "__main__":

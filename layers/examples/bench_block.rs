@@ -2,14 +2,16 @@
 //! heads, sequence 128, batch 8, loss = sum of the output) on `--tp` rank threads of the
 //! local backend; prints the median milliseconds per step over the timed steps.
 //!
-//! `cargo run --release -p layers --example bench_block -- --tp 2 --json`
+//! `cargo run --release -p layers --example bench_block -- --tp 2 --json`; add
+//! `--device cuda:0` (build with `--features tape/cuda`) to run every rank's block on a
+//! GPU (activations between ranks go through host memory, see `mappings`).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use comm_core::{run_local, Communicator};
 use layers::{BlockConfig, MasterInit, Module, RngTracker, TensorParallel, TransformerBlock};
-use tape::{Generator, Tape, Tensor};
+use tape::{synchronize, Device, Generator, Tape, Tensor};
 
 const HIDDEN: usize = 512;
 const HEADS: usize = 8;
@@ -18,6 +20,7 @@ const BATCH: usize = 8;
 
 struct Args {
     tp: usize,
+    device: Device,
     json: bool,
     warmup: usize,
     steps: usize,
@@ -26,6 +29,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         tp: 1,
+        device: Device::Cpu,
         json: false,
         warmup: 2,
         steps: 10,
@@ -42,9 +46,13 @@ fn parse_args() -> Result<Args, String> {
             "--warmup" => args.warmup = number("--warmup")?,
             "--steps" => args.steps = number("--steps")?.max(1),
             "--json" => args.json = true,
+            "--device" => {
+                let text = it.next().unwrap_or_default();
+                args.device = text.parse().map_err(|e| format!("--device: {e}"))?;
+            }
             other => {
                 return Err(format!(
-                    "unknown argument {other}; use --tp T [--json] [--warmup N] [--steps N]"
+                    "unknown argument {other}; use --tp T [--device D] [--json] [--warmup N] [--steps N]"
                 ))
             }
         }
@@ -54,7 +62,9 @@ fn parse_args() -> Result<Args, String> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args()?;
-    let input = Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut Generator::new(0));
+    let device = args.device;
+    let input =
+        Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut Generator::new(0)).to_device(device)?;
     let times = run_local(args.tp, |comm| -> layers::Result<Vec<f64>> {
         let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
         let block = TransformerBlock::new(
@@ -63,6 +73,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &BlockConfig::new(HIDDEN, HEADS),
             &MasterInit::new(0, 0.02),
         )?;
+        for p in block.parameters() {
+            p.param.set_value(p.param.value().to_device(device)?)?;
+        }
         let mut rng = RngTracker::new(0, tp.rank());
         let mut times = Vec::new();
         for step in 0..args.warmup + args.steps {
@@ -74,6 +87,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let start = Instant::now();
             let tape = Tape::new();
             block.forward(&tape, &input, &mut rng)?.sum()?.backward()?;
+            synchronize(device)?;
             tp.group().barrier()?;
             if step >= args.warmup {
                 times.push(start.elapsed().as_secs_f64() * 1e3);
@@ -86,7 +100,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let median = rank0.get(rank0.len() / 2).copied().unwrap_or(f64::NAN);
     if args.json {
         println!(
-            "{{\"bench\":\"block_step\",\"tp\":{},\"ms_per_step\":{median:.3}}}",
+            "{{\"bench\":\"block_step\",\"impl\":\"ferrotron\",\"device\":\"{device}\",\"tp\":{},\"ms_per_step\":{median:.3}}}",
             args.tp
         );
     } else {

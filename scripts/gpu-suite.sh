@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The GPU half of the test suite and the GPU benchmarks (issue 8), in two steps:
+#
+#   scripts/gpu-suite.sh build   # on any x86-64 machine with Rust: test and bench
+#                                # binaries with CUDA support into .device-bin/
+#   scripts/gpu-suite.sh run     # on the GPU machine (no Rust needed), from the repo root
+#                                # with .device-bin/ present; logs go to $OUT (or ./gpu-logs)
+#
+# `run` points LD_LIBRARY_PATH at the CUDA, cuBLAS, NVRTC and NCCL libraries of the
+# machine's Python packages (nvidia-*) and toolkit, with unversioned symlinks (cudarc
+# looks for libnccl.so; pip ships libnccl.so.2), then runs every GPU test binary, comm-bench
+# (NCCL with 1 rank, the local backend over device buffers with 2 and 4 ranks on one GPU,
+# NCCL with 2 ranks on one GPU where NCCL allows it), and the tape and block benchmarks next
+# to their PyTorch twins on the same GPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=.device-bin
+
+build() {
+    set -e
+    rm -rf "$BIN"
+    mkdir -p "$BIN"
+    local features="comm-core/cuda,comm-core/cli,tape/cuda"
+    # Every test binary of the crates with device code; `run` executes them all (their
+    # CPU tests pass there too, and the GPU ones stop skipping).
+    cargo test --release -p comm-core -p tape -p layers --features "$features" --no-run \
+        --message-format=json 2>/dev/null |
+        python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])
+' | while read -r exe; do cp "$exe" "$BIN/test-$(basename "$exe")"; done
+    cargo build --release -p comm-core --features comm-core/cuda,comm-core/cli --bin comm-bench
+    cargo build --release -p tape --features tape/cuda --example bench_device
+    cargo build --release -p layers --features tape/cuda --example bench_block
+    cp target/release/comm-bench target/release/examples/bench_device \
+        target/release/examples/bench_block "$BIN/"
+    # Debug info is most of the size; the carry limit is 64 MiB.
+    strip --strip-debug "$BIN"/*
+    du -sh "$BIN"
+}
+
+# A directory of unversioned symlinks to the CUDA libraries found on this machine, and
+# the directories holding them, for LD_LIBRARY_PATH.
+library_path() {
+    local links site dirs=""
+    links=$(mktemp -d)
+    site=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' \
+        2>/dev/null || true)
+    for lib in libnvrtc libcublas libcublasLt libnccl libcudart; do
+        local found
+        found=$(find ${site:+"$site/nvidia"} /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu \
+            -name "$lib.so*" 2>/dev/null | sort | tail -1)
+        if [ -n "$found" ]; then
+            ln -sf "$found" "$links/$lib.so"
+            dirs="$dirs:$(dirname "$found")"
+        fi
+    done
+    echo "$links$dirs"
+}
+
+run() {
+    local logs=${OUT:-gpu-logs}
+    mkdir -p "$logs"
+    export LD_LIBRARY_PATH="$(library_path):${LD_LIBRARY_PATH:-}"
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+    local failed=0
+    for test in "$BIN"/test-*; do
+        echo "== $test"
+        "$test" --test-threads=4 >"$logs/$(basename "$test").log" 2>&1 || {
+            failed=1
+            echo "FAILED: $test"
+        }
+        grep -E "test result|skipped|panicked" "$logs/$(basename "$test").log" | sort | uniq -c
+    done
+    echo "== comm-bench"
+    "$BIN/comm-bench" --backend nccl --ranks 1 --sizes 1K,1M,64M --json
+    for ranks in 2 4; do
+        "$BIN/comm-bench" --memory cuda --ranks "$ranks" --sizes 1K,1M,64M --baseline device-copy --json
+    done
+    NCCL_MULTI_RANK_GPU_ENABLE=1 "$BIN/comm-bench" --backend nccl --ranks 2 --sizes 1K,1M,64M --json ||
+        echo "NCCL with 2 ranks on one GPU refused (needs NCCL >= 2.30)"
+    echo "== GEMM and per-op overhead: tape, then PyTorch"
+    "$BIN/bench_device" --device cuda:0
+    python3 tape/benches/torch_device_reference.py 4096
+    echo "== transformer block: ferrotron TP=1 and TP=2 on one GPU, then PyTorch"
+    "$BIN/bench_block" --tp 1 --device cuda:0 --json
+    "$BIN/bench_block" --tp 2 --device cuda:0 --json
+    python3 layers/benches/bench_block.py --device cuda --json
+    return $failed
+}
+
+case "${1:-}" in
+build) build ;;
+run) run ;;
+*)
+    echo "usage: $0 build|run" >&2
+    exit 2
+    ;;
+esac

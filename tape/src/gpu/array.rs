@@ -75,7 +75,7 @@ impl<T: Copy + Default> GpuArray<T> {
     ) -> Result<Self> {
         let out = Self::uninit(op, device, shape)?;
         // SAFETY: `out` holds exactly `data.len()` elements (the caller's shape), and
-        // `T` is plain f32/f64 data.
+        // `T` is plain data (floats, integers, bytes).
         unsafe {
             let bytes =
                 std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data));

@@ -5,7 +5,7 @@ use super::{Gemm, GpuArray, KernelArgs, Precision, MAX_DIMS};
 use crate::{Element, Error, Result};
 
 /// Row-major (contiguous) strides of `shape`.
-fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![1; shape.len()];
     for d in (0..shape.len().saturating_sub(1)).rev() {
         strides[d] = strides[d + 1] * shape[d + 1];
@@ -20,7 +20,8 @@ fn padded(shape: &[usize], ndim: usize) -> Vec<usize> {
     out
 }
 
-fn check_rank(op: &'static str, shape: &[usize]) -> Result<()> {
+/// A shape error for ranks the kernels' shape slots cannot describe.
+pub(crate) fn check_rank(op: &'static str, shape: &[usize]) -> Result<()> {
     if shape.len() <= MAX_DIMS {
         Ok(())
     } else {

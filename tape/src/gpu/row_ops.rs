@@ -1,7 +1,261 @@
-//! Device math of the row ops (softmax, log_softmax, layer_norm, cross_entropy).
+//! Device math of the row ops (softmax, log_softmax, layer_norm, cross_entropy): each
+//! works on a tensor viewed as `[rows, width]` over its last dimension, with the kernels
+//! of `kernels/rows.cu` (whose argument slots are restated at each caller).
 
-use super::{Kernel, KernelArgs};
+use super::ops::{reduce_dim, unary, ReduceKind, UnaryKind};
+use super::{GpuArray, Kernel, KernelArgs};
+use crate::{Element, Result};
 
 kernels! {
     ROW_KERNELS:
+    SOFTMAX_ROWS = "softmax_rows": softmax_rows_f32, softmax_rows_f64;
+    SOFTMAX_ROWS_BACKWARD = "softmax_rows_backward":
+        softmax_rows_backward_f32, softmax_rows_backward_f64;
+    LAYER_NORM_ROWS = "layer_norm_rows": layer_norm_rows_f32, layer_norm_rows_f64;
+    LAYER_NORM_ROWS_BACKWARD = "layer_norm_rows_backward":
+        layer_norm_rows_backward_f32, layer_norm_rows_backward_f64;
+    LAYER_NORM_AFFINE_BACKWARD = "layer_norm_affine_backward":
+        layer_norm_affine_backward_f32, layer_norm_affine_backward_f64;
+    CROSS_ENTROPY_ROWS = "cross_entropy_rows": cross_entropy_rows_f32, cross_entropy_rows_f64;
+    CROSS_ENTROPY_ROWS_BACKWARD = "cross_entropy_rows_backward":
+        cross_entropy_rows_backward_f32, cross_entropy_rows_backward_f64;
+}
+
+/// `(rows, width)` of `shape` viewed over its last dimension; no rows when the width is 0
+/// (as on the CPU), which also keeps the kernels from reading an empty row.
+fn rows_of(shape: &[usize]) -> (usize, usize) {
+    let width = shape.last().copied().unwrap_or(1);
+    let len: usize = shape.iter().product();
+    (len.checked_div(width).unwrap_or(0), width)
+}
+
+/// Which normalisation `softmax_rows` computes, as numbered in `rows.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SoftmaxKind {
+    Softmax = 0,
+    LogSoftmax = 1,
+}
+
+/// Softmax or log-softmax of `x` over its last dimension.
+pub(crate) fn softmax<T: Element>(x: &GpuArray<T>, kind: SoftmaxKind) -> Result<GpuArray<T>> {
+    let (rows, width) = rows_of(x.shape());
+    let out = GpuArray::<T>::uninit("softmax", x.device(), x.shape())?;
+    // p0 out, p1 x; i0 rows, i1 width, i2 kind.
+    let mut args = KernelArgs::default();
+    args.p[..2].copy_from_slice(&[out.ptr(), x.ptr()]);
+    args.i[..3].copy_from_slice(&[rows as i64, width as i64, kind as i64]);
+    out.launch(&SOFTMAX_ROWS, rows, &args)?;
+    Ok(out)
+}
+
+/// The gradient of `y = softmax(x)` (or log-softmax) from `y` and `grad` = d(loss)/dy.
+pub(crate) fn softmax_backward<T: Element>(
+    grad: &GpuArray<T>,
+    y: &GpuArray<T>,
+    kind: SoftmaxKind,
+) -> Result<GpuArray<T>> {
+    let (rows, width) = rows_of(y.shape());
+    let dx = GpuArray::<T>::uninit("softmax backward", y.device(), y.shape())?;
+    // p0 dx, p1 g, p2 y; i0 rows, i1 width, i2 kind.
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[dx.ptr(), grad.ptr(), y.ptr()]);
+    args.i[..3].copy_from_slice(&[rows as i64, width as i64, kind as i64]);
+    dx.launch(&SOFTMAX_ROWS_BACKWARD, rows, &args)?;
+    Ok(dx)
+}
+
+/// What the layer-norm backward reuses from the forward: the input and each row's mean
+/// and reciprocal standard deviation (`[rows]`).
+#[derive(Clone)]
+pub(crate) struct LayerNormSaved<T> {
+    pub x: GpuArray<T>,
+    pub mean: GpuArray<T>,
+    pub rstd: GpuArray<T>,
+}
+
+/// Layer norm of `x` over its last dimension, with optional `weight` and `bias` of that
+/// dimension's size (checked by the caller).
+pub(crate) fn layer_norm<T: Element>(
+    x: &GpuArray<T>,
+    weight: Option<&GpuArray<T>>,
+    bias: Option<&GpuArray<T>>,
+    eps: f64,
+) -> Result<(GpuArray<T>, LayerNormSaved<T>)> {
+    let op = "layer_norm";
+    let (rows, width) = rows_of(x.shape());
+    let out = GpuArray::<T>::uninit(op, x.device(), x.shape())?;
+    let mean = GpuArray::<T>::uninit(op, x.device(), &[rows])?;
+    let rstd = GpuArray::<T>::uninit(op, x.device(), &[rows])?;
+    // p0 out, p1 x, p2 weight (0: none), p3 bias (0: none), p4 mean, p5 rstd;
+    // i0 rows, i1 width; f0 eps.
+    let mut args = KernelArgs::default();
+    args.p[..6].copy_from_slice(&[
+        out.ptr(),
+        x.ptr(),
+        weight.map_or(0, GpuArray::ptr),
+        bias.map_or(0, GpuArray::ptr),
+        mean.ptr(),
+        rstd.ptr(),
+    ]);
+    args.i[..2].copy_from_slice(&[rows as i64, width as i64]);
+    args.f[0] = eps;
+    out.launch(&LAYER_NORM_ROWS, rows, &args)?;
+    let saved = LayerNormSaved {
+        x: x.clone(),
+        mean,
+        rstd,
+    };
+    Ok((out, saved))
+}
+
+/// The gradient of layer norm with respect to its input, given `grad` = d(loss)/d(out).
+pub(crate) fn layer_norm_input_grad<T: Element>(
+    grad: &GpuArray<T>,
+    saved: &LayerNormSaved<T>,
+    weight: Option<&GpuArray<T>>,
+) -> Result<GpuArray<T>> {
+    let (rows, width) = rows_of(saved.x.shape());
+    let dx = GpuArray::<T>::uninit("layer_norm backward", grad.device(), saved.x.shape())?;
+    // p0 dx, p1 g, p2 x, p3 weight (0: none), p4 mean, p5 rstd; i0 rows, i1 width.
+    let mut args = KernelArgs::default();
+    args.p[..6].copy_from_slice(&[
+        dx.ptr(),
+        grad.ptr(),
+        saved.x.ptr(),
+        weight.map_or(0, GpuArray::ptr),
+        saved.mean.ptr(),
+        saved.rstd.ptr(),
+    ]);
+    args.i[..2].copy_from_slice(&[rows as i64, width as i64]);
+    dx.launch(&LAYER_NORM_ROWS_BACKWARD, rows, &args)?;
+    Ok(dx)
+}
+
+/// The gradients of layer norm's weight and bias, in that order.
+pub(crate) type AffineGrads<T> = (Option<GpuArray<T>>, Option<GpuArray<T>>);
+
+/// The gradients of layer norm's weight and bias (`[width]`), each only when asked for.
+pub(crate) fn layer_norm_affine_grads<T: Element>(
+    grad: &GpuArray<T>,
+    saved: &LayerNormSaved<T>,
+    need_weight: bool,
+    need_bias: bool,
+) -> Result<AffineGrads<T>> {
+    let op = "layer_norm backward";
+    let (rows, width) = rows_of(saved.x.shape());
+    let make = |needed: bool| {
+        needed
+            .then(|| GpuArray::<T>::uninit(op, grad.device(), &[width]))
+            .transpose()
+    };
+    let (dweight, dbias) = (make(need_weight)?, make(need_bias)?);
+    if dweight.is_none() && dbias.is_none() {
+        return Ok((None, None));
+    }
+    // p0 dweight (0: not needed), p1 dbias (0: not needed), p2 g, p3 x, p4 mean, p5 rstd;
+    // i0 width, i1 rows.
+    let mut args = KernelArgs::default();
+    args.p[..6].copy_from_slice(&[
+        dweight.as_ref().map_or(0, GpuArray::ptr),
+        dbias.as_ref().map_or(0, GpuArray::ptr),
+        grad.ptr(),
+        saved.x.ptr(),
+        saved.mean.ptr(),
+        saved.rstd.ptr(),
+    ]);
+    args.i[..2].copy_from_slice(&[width as i64, rows as i64]);
+    grad.launch(&LAYER_NORM_AFFINE_BACKWARD, width, &args)?;
+    Ok((dweight, dbias))
+}
+
+/// The targets of a cross-entropy: one label per row (validated on the host), the
+/// ignored label and the label smoothing.
+#[derive(Clone)]
+pub(crate) struct Targets {
+    pub labels: GpuArray<i64>,
+    pub ignore_index: Option<i64>,
+    pub smoothing: f64,
+}
+
+impl Targets {
+    /// Fills slots i2 (whether a label is ignored), i3 (which) and f0 (smoothing), shared
+    /// by both cross-entropy kernels.
+    fn fill(&self, args: &mut KernelArgs) {
+        args.i[2] = i64::from(self.ignore_index.is_some());
+        args.i[3] = self.ignore_index.unwrap_or(0);
+        args.f[0] = self.smoothing;
+    }
+
+    /// `(rows, classes)` of `logits`: one row per label, even when there are no classes
+    /// (then every label is ignored and every loss is 0).
+    fn rows_of<T: Copy + Default>(&self, logits: &GpuArray<T>) -> (usize, usize) {
+        (
+            self.labels.len(),
+            logits.shape().last().copied().unwrap_or(1),
+        )
+    }
+}
+
+/// Per-row cross-entropy losses of `logits` (`[rows]`, 0 for ignored rows), and each
+/// row's log-sum-exp for the backward.
+pub(crate) fn cross_entropy<T: Element>(
+    logits: &GpuArray<T>,
+    targets: &Targets,
+) -> Result<(GpuArray<T>, GpuArray<T>)> {
+    let op = "cross_entropy";
+    let (rows, classes) = targets.rows_of(logits);
+    let loss = GpuArray::<T>::uninit(op, logits.device(), &[rows])?;
+    let lse = GpuArray::<T>::uninit(op, logits.device(), &[rows])?;
+    // p0 loss, p1 lse, p2 logits, p3 labels; i0 rows, i1 classes, i2 has ignore,
+    // i3 ignored label; f0 smoothing.
+    let mut args = KernelArgs::default();
+    args.p[..4].copy_from_slice(&[loss.ptr(), lse.ptr(), logits.ptr(), targets.labels.ptr()]);
+    args.i[..2].copy_from_slice(&[rows as i64, classes as i64]);
+    targets.fill(&mut args);
+    loss.launch(&CROSS_ENTROPY_ROWS, rows, &args)?;
+    Ok((loss, lse))
+}
+
+/// `Σ losses` as a 0-d array, or their mean over `mean_over` rows (the rows not ignored,
+/// which may be fewer than the losses).
+pub(crate) fn sum_losses<T: Element>(
+    losses: &GpuArray<T>,
+    mean_over: Option<usize>,
+) -> Result<GpuArray<T>> {
+    let (total, _) = reduce_dim(losses, 0, ReduceKind::Sum)?;
+    match mean_over {
+        None => Ok(total),
+        Some(count) => unary(UnaryKind::Scale, &total, 1.0 / count as f64),
+    }
+}
+
+/// The gradient of the cross-entropy with respect to `logits`. `upstream` is d(loss)/d of
+/// each row's loss (`per_row`) or of their sum, divided by `divisor` (the counted rows
+/// of a mean, else 1).
+pub(crate) fn cross_entropy_backward<T: Element>(
+    upstream: &GpuArray<T>,
+    per_row: bool,
+    divisor: f64,
+    logits: &GpuArray<T>,
+    lse: &GpuArray<T>,
+    targets: &Targets,
+) -> Result<GpuArray<T>> {
+    let (rows, classes) = targets.rows_of(logits);
+    let dx = GpuArray::<T>::uninit("cross_entropy backward", logits.device(), logits.shape())?;
+    // p0 dx, p1 logits, p2 lse, p3 labels, p4 upstream; i0 rows, i1 classes, i2 has
+    // ignore, i3 ignored label, i4 per row; f0 smoothing, f1 divisor.
+    let mut args = KernelArgs::default();
+    args.p[..5].copy_from_slice(&[
+        dx.ptr(),
+        logits.ptr(),
+        lse.ptr(),
+        targets.labels.ptr(),
+        upstream.ptr(),
+    ]);
+    args.i[..2].copy_from_slice(&[rows as i64, classes as i64]);
+    targets.fill(&mut args);
+    args.i[4] = i64::from(per_row);
+    args.f[1] = divisor;
+    dx.launch(&CROSS_ENTROPY_ROWS_BACKWARD, rows, &args)?;
+    Ok(dx)
 }

@@ -1,7 +1,197 @@
-//! Device math of the shape and index ops (transpose, permute, narrow, concat, embedding, masked_fill, dropout).
+//! Device math of the shape and index ops (transpose, permute, narrow, concat, embedding,
+//! masked_fill, dropout). Device arrays are contiguous, so the shape ops copy: a strided
+//! gather reads a view of an array (permute, narrow) and a strided scatter writes into a
+//! view of one (concat, narrow's gradient).
 
-use super::{Kernel, KernelArgs};
+use super::ops::{check_rank, contiguous_strides};
+use super::{GpuArray, Kernel, KernelArgs};
+use crate::{Element, Error, Result};
 
 kernels! {
     SHAPE_KERNELS:
+    GATHER_STRIDED = "gather_strided": gather_strided_f32, gather_strided_f64;
+    SCATTER_STRIDED = "scatter_strided": scatter_strided_f32, scatter_strided_f64;
+    EMBEDDING = "embedding": embedding_f32, embedding_f64;
+    EMBEDDING_BACKWARD = "embedding_backward": embedding_backward_f32, embedding_backward_f64;
+    MASKED_FILL = "masked_fill": masked_fill_f32, masked_fill_f64;
+    DROPOUT = "dropout": dropout_f32, dropout_f64;
+}
+
+/// The slots `gather_strided` and `scatter_strided` share (see `shape.cu`): p0 out, p1 x;
+/// i0 elements iterated, i1 ndim, i2 the view's offset, i[3..11) the iterated `shape`,
+/// i[11..19) the view's `strides`. The caller has checked the rank.
+fn strided_args(out: u64, x: u64, shape: &[usize], offset: usize, strides: &[usize]) -> KernelArgs {
+    let mut args = KernelArgs::default();
+    args.p[..2].copy_from_slice(&[out, x]);
+    args.i[0] = shape.iter().product::<usize>() as i64;
+    args.i[1] = shape.len() as i64;
+    args.i[2] = offset as i64;
+    for (d, (&size, &stride)) in shape.iter().zip(strides).enumerate() {
+        args.i[3 + d] = size as i64;
+        args.i[11 + d] = stride as i64;
+    }
+    args
+}
+
+/// A new array of `shape` read from the view of `x` starting at `offset` with `strides`.
+fn gather<T: Element>(
+    op: &'static str,
+    x: &GpuArray<T>,
+    shape: &[usize],
+    offset: usize,
+    strides: &[usize],
+) -> Result<GpuArray<T>> {
+    check_rank(op, shape)?;
+    let out = GpuArray::<T>::uninit(op, x.device(), shape)?;
+    let args = strided_args(out.ptr(), x.ptr(), shape, offset, strides);
+    out.launch(&GATHER_STRIDED, out.len(), &args)?;
+    Ok(out)
+}
+
+/// Writes `x` into the view of `out` (of `x`'s shape) starting at `offset` with `strides`.
+fn scatter_into<T: Element>(
+    op: &'static str,
+    out: &GpuArray<T>,
+    x: &GpuArray<T>,
+    offset: usize,
+    strides: &[usize],
+) -> Result<()> {
+    check_rank(op, x.shape())?;
+    let args = strided_args(out.ptr(), x.ptr(), x.shape(), offset, strides);
+    out.launch(&SCATTER_STRIDED, x.len(), &args)
+}
+
+/// `x` with its dimensions reordered (`order`, already checked to be a permutation):
+/// output dimension `i` is input dimension `order[i]`.
+pub(crate) fn permute<T: Element>(
+    op: &'static str,
+    x: &GpuArray<T>,
+    order: &[usize],
+) -> Result<GpuArray<T>> {
+    let strides = contiguous_strides(x.shape());
+    let shape: Vec<usize> = order.iter().map(|&d| x.shape()[d]).collect();
+    let strides: Vec<usize> = order.iter().map(|&d| strides[d]).collect();
+    gather(op, x, &shape, 0, &strides)
+}
+
+/// Elements `start..start + len` of `x` along `dim` (already checked in range).
+pub(crate) fn narrow<T: Element>(
+    op: &'static str,
+    x: &GpuArray<T>,
+    dim: usize,
+    start: usize,
+    len: usize,
+) -> Result<GpuArray<T>> {
+    let strides = contiguous_strides(x.shape());
+    let mut shape = x.shape().to_vec();
+    shape[dim] = len;
+    gather(op, x, &shape, start * strides[dim], &strides)
+}
+
+/// Gradient of `narrow` for an input of `shape`: `grad` placed at `start` along `dim`,
+/// zeros elsewhere.
+pub(crate) fn narrow_backward<T: Element>(
+    op: &'static str,
+    grad: &GpuArray<T>,
+    shape: &[usize],
+    dim: usize,
+    start: usize,
+) -> Result<GpuArray<T>> {
+    check_rank(op, shape)?;
+    let out = GpuArray::full(op, grad.device(), shape, T::zero())?;
+    let strides = contiguous_strides(shape);
+    scatter_into(op, &out, grad, start * strides[dim], &strides)?;
+    Ok(out)
+}
+
+/// `parts` joined along `dim`; their other dimensions (already checked) agree.
+pub(crate) fn concat<T: Element>(
+    op: &'static str,
+    parts: &[&GpuArray<T>],
+    dim: usize,
+) -> Result<GpuArray<T>> {
+    let Some(first) = parts.first() else {
+        return Err(Error::invalid(op, "needs at least one tensor"));
+    };
+    let mut shape = first.shape().to_vec();
+    shape[dim] = parts.iter().map(|part| part.shape()[dim]).sum();
+    check_rank(op, &shape)?;
+    // Uninitialised is enough: the parts' sizes along `dim` add up, so they cover it.
+    let out = GpuArray::<T>::uninit(op, first.device(), &shape)?;
+    let strides = contiguous_strides(&shape);
+    let mut start = 0;
+    for part in parts {
+        scatter_into(op, &out, part, start * strides[dim], &strides)?;
+        start += part.shape()[dim];
+    }
+    Ok(out)
+}
+
+/// Rows of `table` `[vocab, hidden]` picked by `ids` (checked in range by the caller),
+/// laid out as `shape` (the ids' shape, then `hidden`).
+pub(crate) fn embedding<T: Element>(
+    table: &GpuArray<T>,
+    ids: &GpuArray<i64>,
+    shape: &[usize],
+) -> Result<GpuArray<T>> {
+    let out = GpuArray::<T>::uninit("embedding", table.device(), shape)?;
+    // Slots of `embedding` (index.cu): p0 out, p1 table, p2 ids; i0 rows, i1 hidden.
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[out.ptr(), table.ptr(), ids.ptr()]);
+    args.i[0] = ids.len() as i64;
+    args.i[1] = table.shape()[1] as i64;
+    out.launch(&EMBEDDING, out.len(), &args)?;
+    Ok(out)
+}
+
+/// Gradient of `embedding` for a table of `table_shape`: each row of `grad` added into
+/// the row of its id (repeated ids accumulate).
+pub(crate) fn embedding_backward<T: Element>(
+    grad: &GpuArray<T>,
+    ids: &GpuArray<i64>,
+    table_shape: &[usize],
+) -> Result<GpuArray<T>> {
+    let table_grad = GpuArray::full("embedding backward", grad.device(), table_shape, T::zero())?;
+    // Slots of `embedding_backward` (index.cu): p0 table_grad, p1 grad, p2 ids; i0 rows,
+    // i1 hidden.
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[table_grad.ptr(), grad.ptr(), ids.ptr()]);
+    args.i[0] = ids.len() as i64;
+    args.i[1] = table_shape[1] as i64;
+    table_grad.launch(&EMBEDDING_BACKWARD, grad.len(), &args)?;
+    Ok(table_grad)
+}
+
+/// `x` with `value` where `mask` (1 = fill, of `x`'s shape) is set; with `value` 0 it is
+/// also the gradient.
+pub(crate) fn masked_fill<T: Element>(
+    x: &GpuArray<T>,
+    mask: &GpuArray<u8>,
+    value: f64,
+) -> Result<GpuArray<T>> {
+    let out = GpuArray::<T>::uninit("masked_fill", x.device(), x.shape())?;
+    // Slots of `masked_fill` (index.cu): p0 out, p1 x, p2 mask; i0 n; f0 value.
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr(), mask.ptr()]);
+    args.i[0] = out.len() as i64;
+    args.f[0] = value;
+    out.launch(&MASKED_FILL, out.len(), &args)?;
+    Ok(out)
+}
+
+/// `x` times `scale` where `keep` (of `x`'s shape) is set and times 0 elsewhere: dropout's
+/// output, and with the gradient for `x` its backward.
+pub(crate) fn dropout<T: Element>(
+    x: &GpuArray<T>,
+    keep: &GpuArray<u8>,
+    scale: f64,
+) -> Result<GpuArray<T>> {
+    let out = GpuArray::<T>::uninit("dropout", x.device(), x.shape())?;
+    // Slots of `dropout` (index.cu): p0 out, p1 x, p2 keep; i0 n; f0 scale.
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr(), keep.ptr()]);
+    args.i[0] = out.len() as i64;
+    args.f[0] = scale;
+    out.launch(&DROPOUT, out.len(), &args)?;
+    Ok(out)
 }

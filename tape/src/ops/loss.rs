@@ -2,8 +2,10 @@
 
 use ndarray::{Array1, ArrayD, Ix2, IxDyn};
 
-use super::reshape_owned;
-use crate::tape::record;
+use super::{on_device, reshape_owned};
+use crate::gpu::row_ops::{self as device, Targets};
+use crate::gpu::GpuArray;
+use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
 const OP: &str = "cross_entropy";
@@ -78,6 +80,10 @@ impl<T: Element> Tensor<T> {
                 format!("label {bad} out of range for {classes} classes"),
             ));
         }
+        if let Some([logits]) = on_device(OP, [self])? {
+            let counted = labels.iter().filter(|&&l| !ignored(l)).count();
+            return self.cross_entropy_on_device(logits, labels, lead, options, counted);
+        }
 
         let logits = reshape_owned(OP, self.cpu(OP)?.to_owned(), &[rows, classes])?
             .into_dimensionality::<Ix2>()
@@ -144,6 +150,48 @@ impl<T: Element> Tensor<T> {
                     row[label as usize] -= g * (T::one() - eps);
                 }
                 Ok(vec![Some(reshape_owned(OP, logits.into_dyn(), &shape)?)])
+            })
+        })
+    }
+}
+
+impl<T: Element> Tensor<T> {
+    /// Cross-entropy of device `logits` (this tensor's array, `[lead..., classes]`) against
+    /// `labels`, already validated, of which `counted` are not ignored.
+    fn cross_entropy_on_device(
+        &self,
+        logits: &GpuArray<T>,
+        labels: &[i64],
+        lead: &[usize],
+        options: &CrossEntropyOptions,
+        counted: usize,
+    ) -> Result<Tensor<T>> {
+        let targets = Targets {
+            labels: GpuArray::from_host(OP, logits.device(), labels, &[labels.len()])?,
+            ignore_index: options.ignore_index,
+            smoothing: options.label_smoothing,
+        };
+        let (losses, lse) = device::cross_entropy(logits, &targets)?;
+        let reduction = options.reduction;
+        let out = match reduction {
+            Reduction::None => losses.reshaped(lead),
+            Reduction::Sum => device::sum_losses(&losses, None)?,
+            Reduction::Mean => device::sum_losses(&losses, Some(counted))?,
+        };
+        let logits = logits.clone();
+        record_tensor(OP, &[self], Tensor::from_gpu(out), || {
+            Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                let grad = grad.device_array(OP, logits.device())?;
+                // As on the CPU: a mean's upstream gradient is shared by the counted rows.
+                let divisor = match reduction {
+                    Reduction::Mean => counted as f64,
+                    Reduction::Sum | Reduction::None => 1.0,
+                };
+                let per_row = reduction == Reduction::None;
+                let dx = device::cross_entropy_backward(
+                    grad, per_row, divisor, &logits, &lse, &targets,
+                )?;
+                Ok(vec![Some(Tensor::from_gpu(dx))])
             })
         })
     }

@@ -107,7 +107,20 @@ pub(crate) fn on_device<'a, T: Element, const N: usize>(
     op: &'static str,
     tensors: [&'a Tensor<T>; N],
 ) -> Result<Option<[&'a GpuArray<T>; N]>> {
-    let first = tensors[0].device();
+    let Some(arrays) = all_on_device(op, &tensors)? else {
+        return Ok(None);
+    };
+    Ok(Some(std::array::from_fn(|i| arrays[i])))
+}
+
+/// [`on_device`] for any number of tensors (`None` for none).
+pub(crate) fn all_on_device<'a, T: Element>(
+    op: &'static str,
+    tensors: &[&'a Tensor<T>],
+) -> Result<Option<Vec<&'a GpuArray<T>>>> {
+    let Some(first) = tensors.first().map(|t| t.device()) else {
+        return Ok(None);
+    };
     if let Some(other) = tensors.iter().find(|t| t.device() != first) {
         return Err(Error::DeviceMismatch {
             op,
@@ -118,10 +131,11 @@ pub(crate) fn on_device<'a, T: Element, const N: usize>(
     if first == crate::Device::Cpu {
         return Ok(None);
     }
-    Ok(Some(tensors.map(|t| {
-        t.gpu()
-            .expect("a tensor on a non-CPU device has device storage")
-    })))
+    tensors
+        .iter()
+        .map(|&t| t.device_array(op, first))
+        .collect::<Result<_>>()
+        .map(Some)
 }
 
 /// Wraps device gradients as tensors for the tape.

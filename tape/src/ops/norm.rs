@@ -2,8 +2,10 @@
 
 use ndarray::{Array1, Array2, ArrayD, Axis, Ix2, Zip};
 
-use super::reshape_owned;
-use crate::tape::record;
+use super::{on_device, reshape_owned};
+use crate::gpu::row_ops as device;
+use crate::gpu::GpuArray;
+use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
 const OP: &str = "layer_norm";
@@ -29,6 +31,11 @@ impl<T: Element> Tensor<T> {
                     format!("weight and bias must have shape [{width}]"),
                 ));
             }
+        }
+        // A missing weight or bias stands in as `self`, so only present ones can mismatch.
+        let present = [self, weight.unwrap_or(self), bias.unwrap_or(self)];
+        if let Some(arrays) = on_device(OP, present)? {
+            return self.layer_norm_on_device(arrays, weight, bias, eps);
         }
         let rows = self.numel().checked_div(width).unwrap_or(0);
         let input = reshape_owned(OP, self.cpu(OP)?.to_owned(), &[rows, width])?;
@@ -84,6 +91,49 @@ impl<T: Element> Tensor<T> {
                 }
                 if let Some(Some(g)) = grads.first_mut() {
                     *g = reshape_owned(OP, std::mem::take(g), &shape)?;
+                }
+                Ok(grads)
+            })
+        })
+    }
+}
+
+impl<T: Element> Tensor<T> {
+    /// Layer norm on a device: `arrays` are the device arrays of this tensor, `weight` and
+    /// `bias` (this tensor's again where those are absent).
+    fn layer_norm_on_device(
+        &self,
+        arrays: [&GpuArray<T>; 3],
+        weight: Option<&Tensor<T>>,
+        bias: Option<&Tensor<T>>,
+        eps: f64,
+    ) -> Result<Tensor<T>> {
+        let [x, weight_array, bias_array] = arrays;
+        let weight_array = weight.map(|_| weight_array);
+        let bias_array = bias.map(|_| bias_array);
+        let (out, saved) = device::layer_norm(x, weight_array, bias_array, eps)?;
+        let mut inputs = vec![self];
+        inputs.extend(weight);
+        inputs.extend(bias);
+        let weight = weight_array.cloned();
+        let has_bias = bias.is_some();
+        record_tensor(OP, &inputs, Tensor::from_gpu(out), || {
+            Box::new(move |grad: Tensor<T>, needs: &[bool]| {
+                let grad = grad.device_array(OP, saved.x.device())?;
+                let dx = needs[0]
+                    .then(|| device::layer_norm_input_grad(grad, &saved, weight.as_ref()))
+                    .transpose()?;
+                // Inputs are [x, weight?, bias?].
+                let need_weight = weight.is_some() && needs[1];
+                let need_bias = has_bias && needs[1 + usize::from(weight.is_some())];
+                let (dweight, dbias) =
+                    device::layer_norm_affine_grads(grad, &saved, need_weight, need_bias)?;
+                let mut grads = vec![dx.map(Tensor::from_gpu)];
+                if weight.is_some() {
+                    grads.push(dweight.map(Tensor::from_gpu));
+                }
+                if has_bias {
+                    grads.push(dbias.map(Tensor::from_gpu));
                 }
                 Ok(grads)
             })

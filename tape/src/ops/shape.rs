@@ -1,8 +1,10 @@
-//! Shape ops: reshape, transpose/permute (strided views, no copy), narrow, concat, split.
+//! Shape ops: reshape, transpose/permute (strided views, no copy, on the CPU), narrow,
+//! concat, split.
 
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
 
-use super::{check_dim, on_device, reshape_owned};
+use super::{all_on_device, check_dim, on_device, reshape_owned};
+use crate::gpu::shape_ops as device;
 use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
@@ -52,7 +54,8 @@ impl<T: Element> Tensor<T> {
         })
     }
 
-    /// Swaps dimensions `dim0` and `dim1` (a view; no elements are copied).
+    /// Swaps dimensions `dim0` and `dim1` (a view on the CPU; a copy on a device, whose
+    /// arrays are always contiguous).
     pub fn transpose(&self, dim0: usize, dim1: usize) -> Result<Tensor<T>> {
         check_dim("transpose", dim0, self.shape())?;
         check_dim("transpose", dim1, self.shape())?;
@@ -79,11 +82,23 @@ impl<T: Element> Tensor<T> {
                 "the order must be a permutation of the dimensions",
             ));
         }
-        let out = self.cpu(op)?.clone().permuted_axes(IxDyn(order));
         let mut inverse = vec![0; order.len()];
         for (i, &d) in order.iter().enumerate() {
             inverse[d] = i;
         }
+        if let Some([x]) = on_device(op, [self])? {
+            let out = device::permute(op, x, order)?;
+            let device = x.device();
+            return record_tensor(op, &[self], Tensor::from_gpu(out), || {
+                Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                    let grad = grad.device_array(op, device)?;
+                    Ok(vec![Some(Tensor::from_gpu(device::permute(
+                        op, grad, &inverse,
+                    )?))])
+                })
+            });
+        }
+        let out = self.cpu(op)?.clone().permuted_axes(IxDyn(order));
         record(op, &[self], out, || {
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
                 Ok(vec![Some(grad.permuted_axes(IxDyn(&inverse)))])
@@ -91,7 +106,7 @@ impl<T: Element> Tensor<T> {
         })
     }
 
-    /// Elements `start..start + len` along `dim` (a view).
+    /// Elements `start..start + len` along `dim` (a view on the CPU, a copy on a device).
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor<T>> {
         const OP: &str = "narrow";
         check_dim(OP, dim, self.shape())?;
@@ -102,6 +117,17 @@ impl<T: Element> Tensor<T> {
                 &[self.shape()],
                 format!("range {start}..{start}+{len} exceeds dimension {dim} of size {size}"),
             ));
+        }
+        if let Some([x]) = on_device(OP, [self])? {
+            let out = device::narrow(OP, x, dim, start, len)?;
+            let (shape, device) = (x.shape().to_vec(), x.device());
+            return record_tensor(OP, &[self], Tensor::from_gpu(out), || {
+                Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                    let grad = grad.device_array(OP, device)?;
+                    let full = device::narrow_backward(OP, grad, &shape, dim, start)?;
+                    Ok(vec![Some(Tensor::from_gpu(full))])
+                })
+            });
         }
         let input = self.cpu(OP)?;
         let mut out = input.clone();
@@ -139,13 +165,34 @@ impl<T: Element> Tensor<T> {
                 format!("all dimensions except {dim} must match"),
             ));
         }
+        let sizes: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
+        if let Some(parts) = all_on_device(OP, tensors)? {
+            let out = device::concat(OP, &parts, dim)?;
+            let device = out.device();
+            return record_tensor(OP, tensors, Tensor::from_gpu(out), || {
+                Box::new(move |grad: Tensor<T>, needs: &[bool]| {
+                    let grad = grad.device_array(OP, device)?;
+                    let mut start = 0;
+                    sizes
+                        .iter()
+                        .zip(needs)
+                        .map(|(&size, &need)| {
+                            let part = need
+                                .then(|| device::narrow(OP, grad, dim, start, size))
+                                .transpose();
+                            start += size;
+                            Ok(part?.map(Tensor::from_gpu))
+                        })
+                        .collect()
+                })
+            });
+        }
         let views = tensors
             .iter()
             .map(|t| t.cpu(OP).map(|a| a.view()))
             .collect::<Result<Vec<_>>>()?;
         let out = ndarray::concatenate(Axis(dim), &views)
             .map_err(|e| Error::shape(OP, &shapes, e.to_string()))?;
-        let sizes: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
         record(OP, tensors, out.into_shared(), || {
             Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
                 let mut start = 0;

@@ -2,7 +2,9 @@
 
 use ndarray::{ArrayD, Axis, Zip};
 
-use crate::tape::record;
+use super::on_device;
+use crate::gpu::row_ops::{self as device, SoftmaxKind};
+use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
 fn last_axis<T: Element>(op: &'static str, tensor: &Tensor<T>) -> Result<Axis> {
@@ -17,9 +19,28 @@ fn last_axis<T: Element>(op: &'static str, tensor: &Tensor<T>) -> Result<Axis> {
 }
 
 impl<T: Element> Tensor<T> {
+    /// `op` of kind `kind` on a device, recorded with its backward; `None` for CPU tensors.
+    fn softmax_on_device(&self, op: &'static str, kind: SoftmaxKind) -> Result<Option<Tensor<T>>> {
+        let Some([x]) = on_device(op, [self])? else {
+            return Ok(None);
+        };
+        let y = device::softmax(x, kind)?;
+        record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
+            Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                let grad = grad.device_array(op, y.device())?;
+                let dx = device::softmax_backward(grad, &y, kind)?;
+                Ok(vec![Some(Tensor::from_gpu(dx))])
+            })
+        })
+        .map(Some)
+    }
+
     /// Softmax along the last dimension.
     pub fn softmax(&self) -> Result<Tensor<T>> {
         let axis = last_axis("softmax", self)?;
+        if let Some(out) = self.softmax_on_device("softmax", SoftmaxKind::Softmax)? {
+            return Ok(out);
+        }
         let mut out = self.cpu("softmax")?.as_standard_layout().into_owned();
         for mut lane in out.lanes_mut(axis) {
             let max = lane.fold(T::neg_infinity(), |m, &x| m.max(x));
@@ -49,6 +70,9 @@ impl<T: Element> Tensor<T> {
     /// Log-softmax along the last dimension.
     pub fn log_softmax(&self) -> Result<Tensor<T>> {
         let axis = last_axis("log_softmax", self)?;
+        if let Some(out) = self.softmax_on_device("log_softmax", SoftmaxKind::LogSoftmax)? {
+            return Ok(out);
+        }
         let mut out = self.cpu("log_softmax")?.as_standard_layout().into_owned();
         for mut lane in out.lanes_mut(axis) {
             let max = lane.fold(T::neg_infinity(), |m, &x| m.max(x));

@@ -39,12 +39,18 @@ impl Inputs {
     }
 }
 
+/// A computation under test: inputs to output.
+type Computation<'a, T> = dyn Fn(&[Tensor<T>]) -> Result<Tensor<T>> + 'a;
+
+/// What one device computed: the output's values and shape, and each input's gradient.
+struct Run<T> {
+    output: Vec<T>,
+    shape: Vec<usize>,
+    grads: Vec<Vec<T>>,
+}
+
 /// Output and input gradients of `f` on `device`, for `loss = Σ f(inputs) · weights`.
-fn run<T: Element>(
-    device: Device,
-    values: &[Tensor<T>],
-    f: &dyn Fn(&[Tensor<T>]) -> Result<Tensor<T>>,
-) -> Result<(Vec<T>, Vec<usize>, Vec<Vec<T>>)> {
+fn run<T: Element>(device: Device, values: &[Tensor<T>], f: &Computation<'_, T>) -> Result<Run<T>> {
     let tape = Tape::<T>::new();
     let params: Vec<Parameter<T>> = values
         .iter()
@@ -73,7 +79,11 @@ fn run<T: Element>(
             None => Ok(vec![T::zero(); p.numel()]),
         })
         .collect::<Result<_>>()?;
-    Ok((out.to_vec()?, out.shape().to_vec(), grads))
+    Ok(Run {
+        output: out.to_vec()?,
+        shape: out.shape().to_vec(),
+        grads,
+    })
 }
 
 fn max_difference<T: Element>(a: &[T], b: &[T]) -> f64 {
@@ -97,11 +107,17 @@ pub fn check<T: Element>(
         .iter()
         .map(|s| Tensor::uniform(s, inputs.low, inputs.high, &mut generator))
         .collect();
-    let (cpu_out, cpu_shape, cpu_grads) =
-        run(Device::Cpu, &values, &f).unwrap_or_else(|e| panic!("{name} on cpu: {e}"));
+    let Run {
+        output: cpu_out,
+        shape: cpu_shape,
+        grads: cpu_grads,
+    } = run(Device::Cpu, &values, &f).unwrap_or_else(|e| panic!("{name} on cpu: {e}"));
     for device in devices() {
-        let (out, shape, grads) =
-            run(device, &values, &f).unwrap_or_else(|e| panic!("{name} on {device}: {e}"));
+        let Run {
+            output: out,
+            shape,
+            grads,
+        } = run(device, &values, &f).unwrap_or_else(|e| panic!("{name} on {device}: {e}"));
         assert_eq!(shape, cpu_shape, "{name} on {device}: output shape");
         let scale = cpu_out
             .iter()

@@ -7,6 +7,7 @@
 
 typedef unsigned long long u64;
 typedef long long i64;
+typedef unsigned char u8;
 
 /* Device addresses, integer and floating arguments; the meaning of each slot is
  * documented at the kernel and mirrored by the Rust caller. */

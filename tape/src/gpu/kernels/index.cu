@@ -1,1 +1,50 @@
-/* Filled in by the index kernels. */
+/* Index kernels: embedding lookup, masked fill, dropout. Slot meanings are mirrored by
+ * tape/src/gpu/shape_ops.rs. */
+
+/* out[r, h] = table[ids[r], h].  p0 out [rows, hidden], p1 table [vocab, hidden], p2 ids
+ * (i64, checked in range on the host); i0 rows, i1 hidden. */
+KERNEL(SFX(embedding)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* table = (const real*)A->p[1];
+    const i64* ids = (const i64*)A->p[2];
+    i64 hidden = A->i[1];
+    FOR_EACH(j, A->i[0] * hidden) out[j] = table[ids[j / hidden] * hidden + j % hidden];
+}
+
+/* Gradient of `embedding`: table_grad[ids[r], h] += g[r, h]. Repeated ids hit the same
+ * row, hence the atomic add.  p0 table_grad (zeroed), p1 g [rows, hidden], p2 ids;
+ * i0 rows, i1 hidden. */
+KERNEL(SFX(embedding_backward)) {
+    const KernelArgs* A = ARGS;
+    real* table_grad = (real*)A->p[0];
+    const real* g = (const real*)A->p[1];
+    const i64* ids = (const i64*)A->p[2];
+    i64 hidden = A->i[1];
+    FOR_EACH(j, A->i[0] * hidden) {
+        ATOMIC_ADD(&table_grad[ids[j / hidden] * hidden + j % hidden], g[j]);
+    }
+}
+
+/* out[i] = mask[i] ? f0 : x[i]; with f0 = 0 it is also the gradient.  p0 out, p1 x,
+ * p2 mask (u8, 1 = fill); i0 n; f0 the fill value. */
+KERNEL(SFX(masked_fill)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* x = (const real*)A->p[1];
+    const u8* mask = (const u8*)A->p[2];
+    real value = (real)A->f[0];
+    FOR_EACH(i, A->i[0]) out[i] = mask[i] ? value : x[i];
+}
+
+/* out[i] = x[i] * (keep[i] ? f0 : 0), the CPU's product (so a dropped inf gives NaN there
+ * too); the same kernel gives the gradient.  p0 out, p1 x, p2 keep (u8); i0 n; f0 the
+ * scale of kept elements, 1/(1-p). */
+KERNEL(SFX(dropout)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* x = (const real*)A->p[1];
+    const u8* keep = (const u8*)A->p[2];
+    real scale = (real)A->f[0];
+    FOR_EACH(i, A->i[0]) out[i] = x[i] * (keep[i] ? scale : (real)0);
+}

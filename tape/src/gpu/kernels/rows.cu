@@ -1,1 +1,227 @@
-/* Filled in by the rows kernels. */
+/* Row kernels: softmax, log-softmax, layer norm and cross-entropy over the last dimension
+ * of a tensor viewed as [rows, width]. Slot meanings are mirrored by
+ * tape/src/gpu/row_ops.rs.
+ *
+ * One index per row (per column for the affine gradients) keeps to the kernel rules and
+ * is exact; a block per row with a shared-memory reduction would be faster for long rows,
+ * but needs block synchronisation that the emulator cannot model. Rows read in full are
+ * never empty: softmax and layer norm have no rows when the width is 0, and a
+ * cross-entropy row with 0 classes can only be ignored (any label is out of range). */
+
+/* The largest element of a row. A NaN anywhere makes the row's result NaN whichever
+ * value is taken, as on the CPU. */
+DEVFN real SFX(row_max)(const real* row, i64 width) {
+    real max = row[0];
+    for (i64 j = 1; j < width; ++j)
+        if (row[j] > max) max = row[j];
+    return max;
+}
+
+/* log Σ exp(row), with the maximum subtracted so that no exponential overflows. */
+DEVFN real SFX(row_log_sum_exp)(const real* row, i64 width) {
+    real max = SFX(row_max)(row, width);
+    real total = (real)0;
+    for (i64 j = 0; j < width; ++j) total += EXP(row[j] - max);
+    return LOG(total) + max;
+}
+
+/* Softmax (i2 = 0) or log-softmax (i2 = 1) of each row.  p0 out, p1 x; i0 rows, i1 width. */
+KERNEL(SFX(softmax_rows)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* x = (const real*)A->p[1];
+    i64 width = A->i[1];
+    int log_form = A->i[2] != 0;
+    FOR_EACH(r, A->i[0]) {
+        const real* row = x + r * width;
+        real* y = out + r * width;
+        if (log_form) {
+            real log_total = SFX(row_log_sum_exp)(row, width);
+            for (i64 j = 0; j < width; ++j) y[j] = row[j] - log_total;
+        } else {
+            real max = SFX(row_max)(row, width);
+            real total = (real)0;
+            for (i64 j = 0; j < width; ++j) {
+                y[j] = EXP(row[j] - max);
+                total += y[j];
+            }
+            for (i64 j = 0; j < width; ++j) y[j] /= total;
+        }
+    }
+}
+
+/* Gradient of `softmax_rows` from its output y: softmax dx = y ⊙ (g − Σ g⊙y), log-softmax
+ * dx = g − exp(y) · Σ g.  p0 dx, p1 g, p2 y; i0 rows, i1 width, i2 as in `softmax_rows`. */
+KERNEL(SFX(softmax_rows_backward)) {
+    const KernelArgs* A = ARGS;
+    real* dx = (real*)A->p[0];
+    const real* g = (const real*)A->p[1];
+    const real* y = (const real*)A->p[2];
+    i64 width = A->i[1];
+    int log_form = A->i[2] != 0;
+    FOR_EACH(r, A->i[0]) {
+        i64 base = r * width;
+        real acc = (real)0;
+        for (i64 j = 0; j < width; ++j) acc += log_form ? g[base + j] : g[base + j] * y[base + j];
+        for (i64 j = 0; j < width; ++j) {
+            i64 k = base + j;
+            dx[k] = log_form ? g[k] - EXP(y[k]) * acc : y[k] * (g[k] - acc);
+        }
+    }
+}
+
+/* Layer norm of each row: out = (x − mean) · rstd · weight + bias, rstd = 1/√(var + f0)
+ * with the biased variance; mean and rstd are kept for the backward.  p0 out, p1 x,
+ * p2 weight [width] (0: none), p3 bias [width] (0: none), p4 mean [rows], p5 rstd [rows];
+ * i0 rows, i1 width; f0 eps. */
+KERNEL(SFX(layer_norm_rows)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* x = (const real*)A->p[1];
+    const real* weight = (const real*)A->p[2];
+    const real* bias = (const real*)A->p[3];
+    real* means = (real*)A->p[4];
+    real* rstds = (real*)A->p[5];
+    i64 width = A->i[1];
+    real count = (real)width;
+    real eps = (real)A->f[0];
+    FOR_EACH(r, A->i[0]) {
+        const real* row = x + r * width;
+        real* y = out + r * width;
+        real total = (real)0;
+        for (i64 j = 0; j < width; ++j) total += row[j];
+        real mean = total / count;
+        real squares = (real)0;
+        for (i64 j = 0; j < width; ++j) squares += (row[j] - mean) * (row[j] - mean);
+        real rstd = (real)1 / SQRT(squares / count + eps);
+        for (i64 j = 0; j < width; ++j) {
+            real v = (row[j] - mean) * rstd;
+            if (weight) v *= weight[j];
+            if (bias) v += bias[j];
+            y[j] = v;
+        }
+        means[r] = mean;
+        rstds[r] = rstd;
+    }
+}
+
+/* Input gradient of `layer_norm_rows`: dx = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ ⊙ x̂)) with
+ * ĝ = g ⊙ weight and x̂ = (x − mean) · rstd.  p0 dx, p1 g, p2 x, p3 weight (0: none),
+ * p4 mean, p5 rstd; i0 rows, i1 width. */
+KERNEL(SFX(layer_norm_rows_backward)) {
+    const KernelArgs* A = ARGS;
+    real* dx = (real*)A->p[0];
+    const real* g = (const real*)A->p[1];
+    const real* x = (const real*)A->p[2];
+    const real* weight = (const real*)A->p[3];
+    const real* means = (const real*)A->p[4];
+    const real* rstds = (const real*)A->p[5];
+    i64 width = A->i[1];
+    real count = (real)width;
+    FOR_EACH(r, A->i[0]) {
+        i64 base = r * width;
+        real mean = means[r], rstd = rstds[r];
+        real sum_g = (real)0, sum_gx = (real)0;
+        for (i64 j = 0; j < width; ++j) {
+            real g_hat = weight ? g[base + j] * weight[j] : g[base + j];
+            sum_g += g_hat;
+            sum_gx += g_hat * ((x[base + j] - mean) * rstd);
+        }
+        real mean_g = sum_g / count, mean_gx = sum_gx / count;
+        for (i64 j = 0; j < width; ++j) {
+            real g_hat = weight ? g[base + j] * weight[j] : g[base + j];
+            real x_hat = (x[base + j] - mean) * rstd;
+            dx[base + j] = rstd * (g_hat - mean_g - x_hat * mean_gx);
+        }
+    }
+}
+
+/* Weight and bias gradients of `layer_norm_rows`, one index per column summing over the
+ * rows (so no atomics): dweight = Σ g ⊙ x̂, dbias = Σ g.  p0 dweight (0: not needed),
+ * p1 dbias (0: not needed), p2 g, p3 x, p4 mean, p5 rstd; i0 width, i1 rows. */
+KERNEL(SFX(layer_norm_affine_backward)) {
+    const KernelArgs* A = ARGS;
+    real* dweight = (real*)A->p[0];
+    real* dbias = (real*)A->p[1];
+    const real* g = (const real*)A->p[2];
+    const real* x = (const real*)A->p[3];
+    const real* means = (const real*)A->p[4];
+    const real* rstds = (const real*)A->p[5];
+    i64 width = A->i[0], rows = A->i[1];
+    FOR_EACH(c, width) {
+        real sum_gx = (real)0, sum_g = (real)0;
+        for (i64 r = 0; r < rows; ++r) {
+            i64 k = r * width + c;
+            sum_gx += g[k] * ((x[k] - means[r]) * rstds[r]);
+            sum_g += g[k];
+        }
+        if (dweight) dweight[c] = sum_gx;
+        if (dbias) dbias[c] = sum_g;
+    }
+}
+
+/* Cross-entropy of each row of logits against its label, with label smoothing f0:
+ * loss = (1 − ε)(lse − x[label]) + ε(lse − mean(x)), 0 for an ignored row; lse (log Σ exp
+ * of the row, left unset for ignored rows) is kept for the backward.  p0 loss [rows], p1 lse [rows], p2 logits,
+ * p3 labels (i64, checked in range on the host); i0 rows, i1 classes, i2 whether i3 is an
+ * ignored label, i3 the ignored label; f0 ε. */
+KERNEL(SFX(cross_entropy_rows)) {
+    const KernelArgs* A = ARGS;
+    real* loss = (real*)A->p[0];
+    real* lses = (real*)A->p[1];
+    const real* x = (const real*)A->p[2];
+    const i64* labels = (const i64*)A->p[3];
+    i64 classes = A->i[1];
+    int has_ignore = A->i[2] != 0;
+    i64 ignore = A->i[3];
+    real eps = (real)A->f[0];
+    FOR_EACH(r, A->i[0]) {
+        const real* row = x + r * classes;
+        i64 label = labels[r];
+        /* Checked first: an ignored row may be empty (0 classes), and needs no lse. */
+        if (has_ignore && label == ignore) {
+            loss[r] = (real)0;
+            continue;
+        }
+        real lse = SFX(row_log_sum_exp)(row, classes);
+        lses[r] = lse;
+        real total = (real)0;
+        for (i64 j = 0; j < classes; ++j) total += row[j];
+        real nll = lse - row[label];
+        real smooth = lse - total / (real)classes;
+        loss[r] = ((real)1 - eps) * nll + eps * smooth;
+    }
+}
+
+/* Gradient of `cross_entropy_rows`: dx = u · (softmax − ε/C − (1 − ε)·[c = label]), 0 for an
+ * ignored row, where u is the row's upstream gradient divided by f1.  p0 dx, p1 logits,
+ * p2 lse, p3 labels, p4 upstream (one per row if i4, else one for all); i0 rows,
+ * i1 classes, i2 and i3 as in `cross_entropy_rows`, i4 whether upstream is per row;
+ * f0 ε, f1 divisor of upstream (the counted rows for a mean, else 1). */
+KERNEL(SFX(cross_entropy_rows_backward)) {
+    const KernelArgs* A = ARGS;
+    real* dx = (real*)A->p[0];
+    const real* x = (const real*)A->p[1];
+    const real* lses = (const real*)A->p[2];
+    const i64* labels = (const i64*)A->p[3];
+    const real* upstream = (const real*)A->p[4];
+    i64 classes = A->i[1];
+    int has_ignore = A->i[2] != 0;
+    i64 ignore = A->i[3];
+    int per_row = A->i[4] != 0;
+    real eps = (real)A->f[0];
+    real divisor = (real)A->f[1];
+    FOR_EACH(r, A->i[0]) {
+        i64 base = r * classes;
+        i64 label = labels[r];
+        if (has_ignore && label == ignore) {
+            for (i64 j = 0; j < classes; ++j) dx[base + j] = (real)0;
+            continue;
+        }
+        real u = (per_row ? upstream[r] : upstream[0]) / divisor;
+        real uniform = eps / (real)classes;
+        real lse = lses[r];
+        for (i64 j = 0; j < classes; ++j) dx[base + j] = u * (EXP(x[base + j] - lse) - uniform);
+        dx[base + label] -= u * ((real)1 - eps);
+    }
+}

@@ -1,1 +1,31 @@
-/* Filled in by the shape kernels. */
+/* Shape kernels: copies between contiguous arrays and strided views of them (device
+ * arrays are always contiguous, so permute, narrow and concat move data). Slot meanings
+ * are mirrored by tape/src/gpu/shape_ops.rs.
+ *
+ * Both kernels take the same slots: p0 out, p1 x; i0 elements iterated, i1 ndim, i2 the
+ * view's offset, i[3..11) the iterated shape, i[11..19) the view's strides. */
+
+/* Gather: out[i] = x[offset + sum_d coord_d(i) * stride_d], iterating over out's shape. */
+KERNEL(SFX(gather_strided)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* x = (const real*)A->p[1];
+    FOR_EACH(i, A->i[0]) {
+        i64 at;
+        STRIDED_OFFSET(at, i, A->i[1], A->i + 3, A->i + 11);
+        out[i] = x[A->i[2] + at];
+    }
+}
+
+/* Scatter: out[offset + sum_d coord_d(i) * stride_d] = x[i], iterating over x's shape.
+ * The views written are one-to-one, so iterations never touch the same element. */
+KERNEL(SFX(scatter_strided)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* x = (const real*)A->p[1];
+    FOR_EACH(i, A->i[0]) {
+        i64 at;
+        STRIDED_OFFSET(at, i, A->i[1], A->i + 3, A->i + 11);
+        out[A->i[2] + at] = x[i];
+    }
+}

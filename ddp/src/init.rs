@@ -76,7 +76,9 @@ pub(crate) fn broadcast_from_rank0(
         dp.broadcast_slice(&mut flat, 0)?;
         if dp.rank() != 0 {
             for slot in &info.params {
-                let value = Tensor::from_vec(flat[slot.range()].to_vec(), &slot.shape)?;
+                let device = params[slot.index].value().device();
+                let value = Tensor::from_vec(flat[slot.range()].to_vec(), &slot.shape)?
+                    .to_device(device)?;
                 params[slot.index].set_value(value)?;
             }
         }

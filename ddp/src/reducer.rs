@@ -220,7 +220,10 @@ impl Reducer {
             for slot in &info.params {
                 let grad = if globally_used[slot.index] > 0 {
                     let values = bucket::read_f32(&mut buffer, slot.range())?;
-                    Some(Tensor::from_vec(values, &slot.shape)?)
+                    // Buckets live in host memory; the gradient goes back to its parameter's
+                    // device.
+                    let device = self.params[slot.index].value().device();
+                    Some(Tensor::from_vec(values, &slot.shape)?.to_device(device)?)
                 } else {
                     // Unused on every rank: leave no gradient, so optimizers skip it.
                     None

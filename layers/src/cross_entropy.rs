@@ -147,11 +147,14 @@ impl VocabParallelCrossEntropy {
         saved.push(logits.clone());
         saved.push(Tensor::from_vec(log_norm, &[rows])?);
         let total: f32 = losses.iter().sum();
-        Ok(match self.options.reduction {
+        let loss = match self.options.reduction {
             Reduction::None => Tensor::from_vec(losses, &self.lead_shape)?,
             Reduction::Sum => Tensor::scalar(total),
             Reduction::Mean => Tensor::scalar(total / self.counted() as f32),
-        })
+        };
+        // The arithmetic above runs on the host (it is dominated by the two all-reduces);
+        // the loss lives where the logits do.
+        Ok(loss.to_device(logits.device())?)
     }
 
     fn backward_inner(&self, grad_output: &Tensor, saved: &[Tensor]) -> Result<Tensor> {
@@ -182,7 +185,7 @@ impl VocabParallelCrossEntropy {
                 chunk[t] -= g * (1.0 - eps);
             }
         }
-        Ok(Tensor::from_vec(grad, logits.shape())?)
+        Ok(Tensor::from_vec(grad, logits.shape())?.to_device(logits.device())?)
     }
 }
 

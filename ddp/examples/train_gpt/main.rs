@@ -44,12 +44,6 @@ enum Backend {
     Mpi,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Device {
-    Cpu,
-    Cuda,
-}
-
 #[derive(Parser, Debug)]
 #[command(about = "Train a small byte-level GPT with tensor + data parallelism")]
 struct Args {
@@ -90,9 +84,10 @@ struct Args {
     /// Communication backend.
     #[arg(long, value_enum, default_value_t = Backend::Local)]
     backend: Backend,
-    /// Where tensors live and compute.
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    device: Device,
+    /// Where tensors live and compute: cpu, cuda:N (build with `--features tape/cuda`), or
+    /// emulated (the CUDA code path run on the host; slow, for checking).
+    #[arg(long, default_value = "cpu")]
+    device: tape::Device,
     /// Save the trained weights as a sharded checkpoint (one safetensors file per
     /// tensor-parallel rank) in this directory.
     #[arg(long, value_name = "DIR")]
@@ -138,9 +133,6 @@ fn describe(error: &anyhow::Error) -> String {
 }
 
 fn run(args: &Args) -> Result<()> {
-    if args.device == Device::Cuda {
-        bail!("--device cuda: the CUDA backend is not built yet; use --device cpu");
-    }
     let corpus = match &args.data {
         Some(path) => Corpus::from_file(path, args.seq)?,
         None => Corpus::builtin(),
@@ -284,6 +276,7 @@ fn train_config(args: &Args) -> TrainConfig {
         },
         tp: args.tp,
         sequence_parallel: args.sequence_parallel,
+        device: args.device,
         batch: args.batch,
         steps: args.steps,
         seed: args.seed,
@@ -297,7 +290,7 @@ fn train_config(args: &Args) -> TrainConfig {
 fn announce(args: &Args, corpus: &Corpus, dp: usize) {
     println!(
         "GPT: {} layers, hidden {}, {} heads, context {} | TP {} × DP {} = {} ranks{} on the \
-         {} backend, cpu | {} steps of {} sequences | data: {} ({} bytes)",
+         {} backend, {} | {} steps of {} sequences | data: {} ({} bytes)",
         args.layers,
         args.hidden,
         args.heads,
@@ -314,6 +307,7 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
             Backend::Local => "local",
             Backend::Mpi => "mpi",
         },
+        args.device,
         args.steps,
         args.batch * dp,
         corpus.source,

@@ -25,6 +25,8 @@ pub struct TrainConfig {
     pub model: GptConfig,
     pub tp: usize,
     pub sequence_parallel: bool,
+    /// Where parameters and activations live.
+    pub device: tape::Device,
     /// Rows of the batch each data-parallel rank trains on.
     pub batch: usize,
     pub steps: usize,
@@ -55,6 +57,10 @@ pub fn train_rank(
     let model = Gpt::new(&tp, config.model, config.seed)?;
     if let Some(dir) = &config.resume {
         model.load(dir)?;
+    }
+    for sharded in model.parameters() {
+        let value = sharded.param.value().to_device(config.device)?;
+        sharded.param.set_value(value)?;
     }
 
     // DDP averages every gradient over "dp"; parameters that saw only this rank's part of

@@ -127,6 +127,9 @@ pub struct Setup {
     /// different noise in the serial and parallel runs. Models with attention use 1e-3,
     /// which keeps such noise below the tolerance and leaves real gradients Adam-scaled.
     pub adam_eps: f64,
+    /// Where the parallel run keeps parameters and activations (the serial reference
+    /// always runs on the CPU).
+    pub device: tape::Device,
 }
 
 impl Setup {
@@ -149,6 +152,7 @@ impl Setup {
                 Arch::Mlp => 1e-8,
                 Arch::Blocks(_) => 1e-3,
             },
+            device: tape::Device::Cpu,
         }
     }
 
@@ -246,6 +250,10 @@ pub fn train_rank(
     let (tp_rank, dp_rank) = (state.tp_rank(), state.dp_rank());
     let tp = TensorParallel::from_state(&state).with_sequence_parallel(setup.sequence_parallel);
     let net = Net::new(&tp, setup.arch, &setup.config(), &setup.init())?;
+    for p in net.parameters() {
+        p.param
+            .set_value(p.param.value().to_device(setup.device)?)?;
+    }
 
     let sharded = net.parameters();
     let mut hook = NamedGroupReduction::new();
@@ -278,6 +286,7 @@ pub fn train_rank(
                 .narrow(0, seq_start, seq_len)
         };
         let (x, target) = (rows(&x)?, rows(&target)?);
+        let (x, target) = (x.to_device(setup.device)?, target.to_device(setup.device)?);
         let tape = Tape::new();
         opt.zero_grad();
         let output = net.forward(&tape, &x, &mut rng)?;

@@ -244,6 +244,19 @@ impl NcclCommunicator {
         })
     }
 
+    /// The streams of a call's input and output, both checked to be device memory here.
+    fn io_streams<'v>(
+        &self,
+        op: OpKind,
+        input: &BufRef<'v>,
+        output: &BufMut<'v>,
+    ) -> Result<[&'v CudaStream; 2]> {
+        Ok([
+            self.stream_of(op, "input", input.memory(), input.cuda_stream())?,
+            self.stream_of(op, "output", output.memory(), output.cuda_stream())?,
+        ])
+    }
+
     /// Runs one call: queues it behind the work on `streams`, then waits for it under
     /// the watchdog. `count` is the number of elements this rank moves (0: nothing to
     /// do). Any failure once the call is under way aborts the communicator: this rank
@@ -598,10 +611,7 @@ impl Communicator for NcclCommunicator {
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
         let kind = OpKind::AllGather;
         self.check().all_gather(&input, &output, None)?;
-        let streams = [
-            self.stream_of(kind, "input", input.memory(), input.cuda_stream())?,
-            self.stream_of(kind, "output", output.memory(), output.cuda_stream())?,
-        ];
+        let streams = self.io_streams(kind, &input, &output)?;
         let (from, to) = (input.device_ptr(), output.device_ptr());
         let (count, dtype) = (input.len(), nccl_dtype(input.dtype()));
         self.run(kind, &streams, count, |comm, s| {
@@ -614,10 +624,7 @@ impl Communicator for NcclCommunicator {
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
         let kind = OpKind::AllGatherV;
         let (_, counts) = self.check().all_gather(&input, &output, Some(counts))?;
-        let streams = [
-            self.stream_of(kind, "input", input.memory(), input.cuda_stream())?,
-            self.stream_of(kind, "output", output.memory(), output.cuda_stream())?,
-        ];
+        let streams = self.io_streams(kind, &input, &output)?;
         let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
         let me = self.rank;
         self.run(kind, &streams, counts.iter().sum(), |comm, s| {
@@ -652,10 +659,7 @@ impl Communicator for NcclCommunicator {
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let kind = OpKind::ReduceScatter;
         self.check().reduce_scatter(&input, &output, None, op)?;
-        let streams = [
-            self.stream_of(kind, "input", input.memory(), input.cuda_stream())?,
-            self.stream_of(kind, "output", output.memory(), output.cuda_stream())?,
-        ];
+        let streams = self.io_streams(kind, &input, &output)?;
         let (from, to) = (input.device_ptr(), output.device_ptr());
         let (count, dtype) = (output.len(), nccl_dtype(input.dtype()));
         self.run(kind, &streams, count, |comm, s| {
@@ -678,10 +682,7 @@ impl Communicator for NcclCommunicator {
         let (_, counts) = self
             .check()
             .reduce_scatter(&input, &output, Some(counts), op)?;
-        let streams = [
-            self.stream_of(kind, "input", input.memory(), input.cuda_stream())?,
-            self.stream_of(kind, "output", output.memory(), output.cuda_stream())?,
-        ];
+        let streams = self.io_streams(kind, &input, &output)?;
         let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
         let me = self.rank;
         self.run(kind, &streams, counts.iter().sum(), |comm, s| {
@@ -726,10 +727,7 @@ impl Communicator for NcclCommunicator {
         let kind = OpKind::AllToAllV;
         self.check()
             .all_to_all_v(&input, send_counts, &output, recv_counts)?;
-        let streams = [
-            self.stream_of(kind, "input", input.memory(), input.cuda_stream())?,
-            self.stream_of(kind, "output", output.memory(), output.cuda_stream())?,
-        ];
+        let streams = self.io_streams(kind, &input, &output)?;
         let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
         let count = input.len() + output.len();
         self.run(kind, &streams, count, |comm, s| {

@@ -128,21 +128,8 @@ impl RankCore {
         counts: &[usize],
         stream: &CudaStream,
     ) -> Result<()> {
-        let esize = input.dtype().size_in_bytes();
-        let (src, out) = (input.device_ptr(), output.device_ptr());
-        self.device_call(
-            sig,
-            stream,
-            |ex| ex.send_ptr = src as usize,
-            |seq| {
-                for (r, offset) in offsets(counts).into_iter().enumerate() {
-                    let peer = self.peer(r, seq).send_ptr as u64;
-                    let dst = out + (offset * esize) as u64;
-                    cuda::copy_async(dst, peer, counts[r] * esize, stream)?;
-                }
-                Ok(())
-            },
-        )
+        // Every peer sends its whole input to every rank.
+        self.device_collect(sig, input, output, counts, stream, |_| 0)
     }
 
     pub(super) fn device_reduce_scatter(
@@ -177,6 +164,25 @@ impl RankCore {
         recv_counts: &[usize],
         stream: &CudaStream,
     ) -> Result<()> {
+        let rank = self.rank;
+        // A peer's block for us starts after its blocks for lower ranks.
+        self.device_collect(sig, input, output, recv_counts, stream, |peer| {
+            let sends = peer.sig.counts.as_deref().unwrap_or_default();
+            sends[..rank].iter().sum()
+        })
+    }
+
+    /// Fills block r of `output` (`recv_counts[r]` elements) from peer r's input,
+    /// starting `send_offset(peer)` elements into it.
+    fn device_collect(
+        &self,
+        sig: CallSignature,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        recv_counts: &[usize],
+        stream: &CudaStream,
+        send_offset: impl Fn(&group::Exchange) -> usize,
+    ) -> Result<()> {
         let esize = input.dtype().size_in_bytes();
         let (src, out) = (input.device_ptr(), output.device_ptr());
         self.device_call(
@@ -186,11 +192,9 @@ impl RankCore {
             |seq| {
                 for (r, recv_offset) in offsets(recv_counts).into_iter().enumerate() {
                     let peer = self.peer(r, seq);
-                    let peer_sends = peer.sig.counts.as_deref().unwrap_or_default();
-                    let send_offset: usize = peer_sends[..self.rank].iter().sum();
                     cuda::copy_async(
                         out + (recv_offset * esize) as u64,
-                        (peer.send_ptr + send_offset * esize) as u64,
+                        (peer.send_ptr + send_offset(peer) * esize) as u64,
                         recv_counts[r] * esize,
                         stream,
                     )?;

@@ -249,21 +249,23 @@ pub(crate) struct Operand {
     pub batch_stride: usize,
 }
 
-/// `c[batch] = op(a)[m,k] · op(b)[k,n]` for row-major matrices, through the
-/// column-major GEMM: a row-major matrix is its transpose in column-major order, so
-/// `C = A·B` is computed as `Cᵀ = Bᵀ·Aᵀ` without moving data.
+/// `op(a)[m,k] · op(b)[k,n]` for each of `batch` row-major matrices, into a new array of
+/// `shape`, through the column-major GEMM: a row-major matrix is its transpose in
+/// column-major order, so `C = A·B` is computed as `Cᵀ = Bᵀ·Aᵀ` without moving data.
 #[allow(clippy::too_many_arguments)] // the GEMM's own parameters
-pub(crate) fn matmul_into<T: Element>(
-    out: &GpuArray<T>,
+pub(crate) fn matmul<T: Element>(
+    device: crate::Device,
+    shape: &[usize],
     a: Operand,
     b: Operand,
     m: usize,
     n: usize,
     k: usize,
     batch: usize,
-) -> Result<()> {
+) -> Result<GpuArray<T>> {
+    let out = GpuArray::<T>::uninit("matmul", device, shape)?;
     if out.len() == 0 {
-        return Ok(());
+        return Ok(out);
     }
     let gemm = Gemm {
         precision: Precision::of::<T>(),
@@ -290,10 +292,12 @@ pub(crate) fn matmul_into<T: Element>(
         let mut args = KernelArgs::default();
         args.p[0] = out.ptr();
         args.i[0] = out.len() as i64;
-        return out.launch(&super::FILL, out.len(), &args);
+        out.launch(&super::FILL, out.len(), &args)?;
+        return Ok(out);
     }
     // SAFETY: the extents follow from the operands' checked shapes.
-    unsafe { out.backend().gemm(&gemm) }
+    unsafe { out.backend().gemm(&gemm)? };
+    Ok(out)
 }
 
 impl<T: Copy + Default> GpuArray<T> {

@@ -6,7 +6,7 @@ use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, Axis, Ix2, Ix3};
 
 use super::{device_grads, on_device};
-use crate::gpu::ops::{matmul_into, Operand};
+use crate::gpu::ops::{self as device_ops, Operand};
 use crate::gpu::GpuArray;
 use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
@@ -151,23 +151,6 @@ fn operand<T: Copy + Default>(
     }
 }
 
-/// `op(a)·op(b)` into a new `[batch…, m, n]` array (see [`matmul_into`]).
-#[allow(clippy::too_many_arguments)] // the product's whole description
-fn product<T: Element>(
-    shape: &[usize],
-    a: Operand,
-    b: Operand,
-    m: usize,
-    n: usize,
-    k: usize,
-    batch: usize,
-    device: crate::Device,
-) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit(OP, device, shape)?;
-    matmul_into(&out, a, b, m, n, k, batch)?;
-    Ok(out)
-}
-
 impl<T: Element> Tensor<T> {
     fn matmul_on_device(
         &self,
@@ -201,7 +184,8 @@ impl<T: Element> Tensor<T> {
         } else {
             (0, 0, 0)
         };
-        let out = product(
+        let out = device_ops::matmul(
+            device,
             &out_shape,
             operand(a, false, stride_a),
             operand(b, false, stride_b),
@@ -209,7 +193,6 @@ impl<T: Element> Tensor<T> {
             n,
             k,
             batch,
-            device,
         )?;
         record_tensor(OP, &[self, other], Tensor::from_gpu(out), || {
             let (a, b) = (a.clone(), b.clone());
@@ -218,7 +201,8 @@ impl<T: Element> Tensor<T> {
                 // dA = G·Bᵀ and dB = Aᵀ·G, per batch entry (folded batches sum into dB).
                 let grad_a = needs[0]
                     .then(|| {
-                        product(
+                        device_ops::matmul(
+                            device,
                             a.shape(),
                             operand(g, false, stride_g),
                             operand(&b, true, stride_b),
@@ -226,13 +210,13 @@ impl<T: Element> Tensor<T> {
                             k,
                             n,
                             batch,
-                            device,
                         )
                     })
                     .transpose()?;
                 let grad_b = needs[1]
                     .then(|| {
-                        product(
+                        device_ops::matmul(
+                            device,
                             b.shape(),
                             operand(&a, true, stride_a),
                             operand(g, false, stride_g),
@@ -240,7 +224,6 @@ impl<T: Element> Tensor<T> {
                             n,
                             m,
                             batch,
-                            device,
                         )
                     })
                     .transpose()?;

@@ -23,7 +23,47 @@ pub(crate) type TensorBackwardFn<T> =
 
 enum NodeKind<T: Element> {
     Leaf(Parameter<T>),
-    Op(TensorBackwardFn<T>),
+    /// A CPU op: its gradients stay plain arrays, with no tensor wrapping per node.
+    Cpu(BackwardFn<T>),
+    /// An op on any device.
+    Any(TensorBackwardFn<T>),
+}
+
+/// A gradient in flight during backward: an array from CPU ops, a tensor from others.
+enum Grad<T: Element> {
+    Cpu(ArrayD<T>),
+    Tensor(Tensor<T>),
+}
+
+impl<T: Element> Grad<T> {
+    fn into_tensor(self) -> Tensor<T> {
+        match self {
+            Grad::Cpu(array) => Tensor::from_array(array),
+            Grad::Tensor(tensor) => tensor,
+        }
+    }
+
+    fn into_array(self, op: &'static str) -> Result<ArrayD<T>> {
+        match self {
+            Grad::Cpu(array) => Ok(array),
+            Grad::Tensor(tensor) => tensor.into_cpu_array(op),
+        }
+    }
+
+    /// Adds `other` in place (CPU arrays) or into a new tensor (devices, mixed).
+    fn accumulate(self, other: Grad<T>) -> Result<Grad<T>> {
+        match (self, other) {
+            (Grad::Cpu(mut mine), Grad::Cpu(theirs)) => {
+                mine += &theirs;
+                Ok(Grad::Cpu(mine))
+            }
+            (mine, theirs) => {
+                let mut sum = mine.into_tensor();
+                sum.accumulate("backward", &theirs.into_tensor())?;
+                Ok(Grad::Tensor(sum))
+            }
+        }
+    }
 }
 
 struct Node<T: Element> {
@@ -184,7 +224,7 @@ impl<T: Element> Tape<T> {
         op: &'static str,
         inputs: &[&Tensor<T>],
         output: Tensor<T>,
-        backward: TensorBackwardFn<T>,
+        backward: NodeKind<T>,
     ) -> Result<Tensor<T>> {
         let mut state = self.shared.state.lock();
         let mut input_nodes = Vec::with_capacity(inputs.len());
@@ -199,7 +239,7 @@ impl<T: Element> Tape<T> {
         }
         let node = state.nodes.len();
         state.nodes.push(Node {
-            kind: Some(NodeKind::Op(backward)),
+            kind: Some(backward),
             inputs: input_nodes,
         });
         let mut tensor = output;
@@ -221,15 +261,8 @@ pub(crate) fn record<T: Element>(
     output: ArcArray<T, IxDyn>,
     make_backward: impl FnOnce() -> BackwardFn<T>,
 ) -> Result<Tensor<T>> {
-    record_tensor(op, inputs, Tensor::from_shared(output), || {
-        let backward = make_backward();
-        Box::new(move |grad: Tensor<T>, needs: &[bool]| {
-            let grads = backward(grad.into_cpu_array(op)?, needs)?;
-            Ok(grads
-                .into_iter()
-                .map(|g| g.map(Tensor::from_array))
-                .collect())
-        })
+    record_node(op, inputs, Tensor::from_shared(output), || {
+        NodeKind::Cpu(make_backward())
     })
 }
 
@@ -239,6 +272,15 @@ pub(crate) fn record_tensor<T: Element>(
     inputs: &[&Tensor<T>],
     output: Tensor<T>,
     make_backward: impl FnOnce() -> TensorBackwardFn<T>,
+) -> Result<Tensor<T>> {
+    record_node(op, inputs, output, || NodeKind::Any(make_backward()))
+}
+
+fn record_node<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: Tensor<T>,
+    make_backward: impl FnOnce() -> NodeKind<T>,
 ) -> Result<Tensor<T>> {
     let mut tape: Option<&Tape<T>> = None;
     for input in inputs {
@@ -325,9 +367,9 @@ fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: Tensor<T
         }
     }
 
-    let mut grads: Vec<Option<Tensor<T>>> = Vec::with_capacity(nodes.len());
+    let mut grads: Vec<Option<Grad<T>>> = Vec::with_capacity(nodes.len());
     grads.resize_with(nodes.len(), || None);
-    grads[root] = Some(seed);
+    grads[root] = Some(Grad::Tensor(seed));
 
     // Tape order is a topological order, so walking it backwards visits every node after
     // all of its consumers.
@@ -338,20 +380,30 @@ fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: Tensor<T
         let inputs = std::mem::take(&mut nodes[index].inputs);
         let backward = match nodes[index].kind.take() {
             None => continue,
-            Some(NodeKind::Op(backward)) => backward,
             Some(NodeKind::Leaf(param)) => {
                 // Only the root can be a leaf that nobody finished yet; others were
                 // finished when their last contribution arrived.
                 if let Some(grad) = grads[index].take() {
-                    param.accumulate_and_notify(grad)?;
+                    param.accumulate_and_notify(grad.into_tensor())?;
                 }
                 continue;
             }
+            Some(op) => op,
         };
-        let input_grads = match grads[index].take() {
+        let input_grads: Vec<Option<Grad<T>>> = match grads[index].take() {
             Some(grad) => {
                 let needs: Vec<bool> = inputs.iter().map(Option::is_some).collect();
-                backward(grad, &needs)?
+                match backward {
+                    NodeKind::Cpu(backward) => backward(grad.into_array("backward")?, &needs)?
+                        .into_iter()
+                        .map(|g| g.map(Grad::Cpu))
+                        .collect(),
+                    NodeKind::Any(backward) => backward(grad.into_tensor(), &needs)?
+                        .into_iter()
+                        .map(|g| g.map(Grad::Tensor))
+                        .collect(),
+                    NodeKind::Leaf(_) => unreachable!("leaves were handled above"),
+                }
             }
             None => Vec::new(),
         };
@@ -361,16 +413,16 @@ fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: Tensor<T
             let grad = input_grads.next().flatten();
             let Some(input) = input else { continue };
             if let Some(grad) = grad {
-                match &mut grads[input] {
-                    Some(existing) => existing.accumulate("backward", &grad)?,
-                    slot => *slot = Some(grad),
-                }
+                grads[input] = Some(match grads[input].take() {
+                    Some(existing) => existing.accumulate(grad)?,
+                    None => grad,
+                });
             }
             pending[input] -= 1;
             if pending[input] == 0 {
                 if let Some(NodeKind::Leaf(param)) = &nodes[input].kind {
                     if let Some(grad) = grads[input].take() {
-                        param.accumulate_and_notify(grad)?;
+                        param.accumulate_and_notify(grad.into_tensor())?;
                     }
                 }
             }

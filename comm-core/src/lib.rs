@@ -98,7 +98,7 @@ pub use dtype::{reduce_slices, DType, Element, ReduceOp};
 pub use error::{CallSignature, Error, OpKind, Result};
 pub use local::{run_local, LocalCommunicator, LocalLauncher};
 #[cfg(feature = "cuda")]
-pub use nccl::NcclCommunicator;
+pub use nccl::{NcclCommunicator, NcclWork};
 pub use work::Work;
 
 #[doc(hidden)]

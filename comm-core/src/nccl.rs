@@ -57,8 +57,12 @@
 //!   until their watchdog fires.
 //! * f16 and bf16 are reduced by NCCL in its own precision, not in f32 with one rounding as
 //!   on the other backends; sums of many values can differ in the last bits.
-//! * Non-blocking operations ([`Communicator::start`]) own host buffers, which NCCL cannot
-//!   read: `start` returns [`Error::InvalidBuffer`].
+//! * Non-blocking operations on device buffers are the `*_async` methods
+//!   ([`NcclCommunicator::all_reduce_async`], `all_gather_async`, `reduce_scatter_async`):
+//!   the returned [`NcclWork`] orders a compute stream after the collective with an event
+//!   (`wait_on`) and waits on the host under the watchdog (`wait`, or on drop).
+//!   [`Communicator::start`] takes host buffers, which NCCL cannot read: it returns
+//!   [`Error::InvalidBuffer`].
 //! * Zero-element calls, and the empty blocks of the `_v` calls, return without calling
 //!   NCCL (every rank skips the same ones).
 //! * NCCL ≤ 2.29 refuses two ranks on one GPU ("Duplicate GPU detected", an error on every
@@ -114,8 +118,6 @@ struct State {
     comm: std::result::Result<RawComm, String>,
     /// Calls issued so far; numbers calls in errors.
     seq: u64,
-    /// Recorded behind each call's NCCL work; the watchdog polls it.
-    done: CudaEvent,
 }
 
 /// An `ncclComm_t`, used only under [`NcclCommunicator::state`]'s lock or in drop.
@@ -128,7 +130,6 @@ unsafe impl Send for RawComm {}
 /// What each rank sets up on its own before any rank talks to NCCL.
 struct Local {
     stream: Arc<CudaStream>,
-    done: CudaEvent,
     barrier_buf: CudaSlice<f32>,
     timeout: Duration,
     nranks: c_int,
@@ -185,7 +186,6 @@ impl NcclCommunicator {
             state: Mutex::new(State {
                 comm: Ok(comm),
                 seq: 0,
-                done: local.done,
             }),
             bootstrap,
         })
@@ -257,10 +257,7 @@ impl NcclCommunicator {
         ])
     }
 
-    /// Runs one call: queues it behind the work on `streams`, then waits for it under
-    /// the watchdog. `count` is the number of elements this rank moves (0: nothing to
-    /// do). Any failure once the call is under way aborts the communicator: this rank
-    /// could no longer pair its later calls with its peers'.
+    /// Runs one call and waits for it (see [`start`](Self::start)).
     fn run(
         &self,
         op: OpKind,
@@ -268,33 +265,59 @@ impl NcclCommunicator {
         count: usize,
         enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Queued,
     ) -> Result<()> {
-        let mut state = self.state.lock();
-        let comm = match &state.comm {
-            Ok(comm) => comm.0,
-            Err(cause) => {
-                return Err(Error::Broken {
-                    group: self.name.clone(),
-                    cause: cause.clone(),
-                })
-            }
-        };
-        let seq = state.seq;
-        state.seq += 1;
-        if count == 0 {
-            return Ok(());
-        }
-        self.issue(&state, comm, streams, enqueue)
-            .and_then(|()| self.watch(&state, comm, op, seq))
-            .map_err(|e| abort(&mut state, e))
+        self.start(op, streams, count, enqueue)?.wait()
     }
 
+    /// Queues one call behind the work on `streams` and returns without waiting. `count`
+    /// is the number of elements this rank moves (0: nothing to do). Any failure once the
+    /// call is under way aborts the communicator: this rank could no longer pair its
+    /// later calls with its peers'.
+    fn start<'a>(
+        &'a self,
+        op: OpKind,
+        streams: &[&CudaStream],
+        count: usize,
+        enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Queued,
+    ) -> Result<NcclWork<'a>> {
+        let mut state = self.state.lock();
+        let comm = self.live(&state)?;
+        let seq = state.seq;
+        state.seq += 1;
+        let done = if count == 0 {
+            None
+        } else {
+            let issued = self.issue(comm, streams, enqueue);
+            Some(issued.map_err(|e| abort(&mut state, e))?)
+        };
+        Ok(NcclWork {
+            communicator: self,
+            op,
+            seq,
+            done,
+            started: Instant::now(),
+            _buffers: std::marker::PhantomData,
+        })
+    }
+
+    /// The live NCCL communicator, or `Error::Broken` with why it was aborted.
+    fn live(&self, state: &State) -> Result<sys::ncclComm_t> {
+        match &state.comm {
+            Ok(comm) => Ok(comm.0),
+            Err(cause) => Err(Error::Broken {
+                group: self.name.clone(),
+                cause: cause.clone(),
+            }),
+        }
+    }
+
+    /// Queues the NCCL work on our stream behind `streams`; returns an event recorded
+    /// after it.
     fn issue(
         &self,
-        state: &State,
         comm: sys::ncclComm_t,
         streams: &[&CudaStream],
         enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Queued,
-    ) -> Result<()> {
+    ) -> Result<CudaEvent> {
         for (i, stream) in streams.iter().enumerate() {
             if streams[..i]
                 .iter()
@@ -313,18 +336,22 @@ impl NcclCommunicator {
         cuda::bind(&self.stream)?;
         enqueue(comm, self.stream.cu_stream().cast())
             .map_err(|(call, e)| nccl_error(call, &self.name, &e))?;
-        state
-            .done
-            .record(&self.stream)
+        self.stream
+            .record_event(None)
             .map_err(cuda::driver_error("cuEventRecord"))
     }
 
-    /// Waits for the call's NCCL work, polling NCCL's asynchronous error and the clock.
-    fn watch(&self, state: &State, comm: sys::ncclComm_t, op: OpKind, seq: u64) -> Result<()> {
-        let started = Instant::now();
+    /// Waits for `done`, polling NCCL's asynchronous error and the clock.
+    fn watch(
+        &self,
+        comm: sys::ncclComm_t,
+        done: &CudaEvent,
+        op: OpKind,
+        seq: u64,
+        started: Instant,
+    ) -> Result<()> {
         loop {
-            let finished = state
-                .done
+            let finished = done
                 .try_is_complete()
                 .map_err(cuda::driver_error("cuEventQuery"))?;
             // Checked after completion too: kernels that NCCL stopped on an error end.
@@ -362,6 +389,116 @@ impl NcclCommunicator {
     }
 }
 
+/// A collective in flight on an NCCL communicator, from its `*_async` methods: the call's
+/// buffers stay borrowed until it is waited for. [`wait_on`](Self::wait_on) orders a
+/// compute stream after it on the device (the host goes on queueing work);
+/// [`wait`](Self::wait) waits on the host under the watchdog. Dropping it waits too,
+/// because the buffers may be freed right after.
+#[must_use = "a collective in flight must be waited for"]
+pub struct NcclWork<'a> {
+    communicator: &'a NcclCommunicator,
+    op: OpKind,
+    seq: u64,
+    /// Recorded after the call's NCCL work; `None` when nothing was queued.
+    done: Option<CudaEvent>,
+    started: Instant,
+    _buffers: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl NcclWork<'_> {
+    /// Makes `stream` wait, on the device, until the collective has finished: work queued
+    /// on it afterwards sees the result. Call [`wait`](Self::wait) before the buffers are
+    /// reused from the host or freed.
+    pub fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+        match &self.done {
+            Some(done) => stream
+                .wait(done)
+                .map_err(cuda::driver_error("cuStreamWaitEvent")),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until the collective has finished, under the watchdog: an NCCL error or the
+    /// timeout aborts the communicator and is returned.
+    pub fn wait(mut self) -> Result<()> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        let Some(done) = self.done.take() else {
+            return Ok(());
+        };
+        let nccl = self.communicator;
+        let mut state = nccl.state.lock();
+        let comm = nccl.live(&state)?;
+        nccl.watch(comm, &done, self.op, self.seq, self.started)
+            .map_err(|e| abort(&mut state, e))
+    }
+}
+
+impl Drop for NcclWork<'_> {
+    fn drop(&mut self) {
+        // An error here has aborted the communicator, so later calls report it as Broken.
+        let _ = self.finish();
+    }
+}
+
+impl NcclCommunicator {
+    /// [`Communicator::all_reduce`] without waiting: see [`NcclWork`].
+    pub fn all_reduce_async<'a>(&'a self, buf: BufMut<'a>, op: ReduceOp) -> Result<NcclWork<'a>> {
+        let kind = OpKind::AllReduce;
+        self.check().all_reduce(&buf, op)?;
+        let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
+        let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
+        self.start(kind, &[stream], count, |comm, s| {
+            // SAFETY: as for the blocking calls; in place, as NCCL allows. The work
+            // borrows `buf` until it has been waited for.
+            let r =
+                unsafe { nccl::all_reduce(src(ptr), dst(ptr), count, dtype, nccl_op(op), comm, s) };
+            queued("ncclAllReduce", r)
+        })
+    }
+
+    /// [`Communicator::all_gather`] without waiting: see [`NcclWork`].
+    pub fn all_gather_async<'a>(
+        &'a self,
+        input: BufRef<'a>,
+        output: BufMut<'a>,
+    ) -> Result<NcclWork<'a>> {
+        let kind = OpKind::AllGather;
+        self.check().all_gather(&input, &output, None)?;
+        let streams = self.io_streams(kind, &input, &output)?;
+        let (from, to) = (input.device_ptr(), output.device_ptr());
+        let (count, dtype) = (input.len(), nccl_dtype(input.dtype()));
+        self.start(kind, &streams, count, |comm, s| {
+            // SAFETY: as for the blocking calls; the work borrows both buffers.
+            let r = unsafe { nccl::all_gather(src(from), dst(to), count, dtype, comm, s) };
+            queued("ncclAllGather", r)
+        })
+    }
+
+    /// [`Communicator::reduce_scatter`] without waiting: see [`NcclWork`].
+    pub fn reduce_scatter_async<'a>(
+        &'a self,
+        input: BufRef<'a>,
+        output: BufMut<'a>,
+        op: ReduceOp,
+    ) -> Result<NcclWork<'a>> {
+        let kind = OpKind::ReduceScatter;
+        self.check().reduce_scatter(&input, &output, None, op)?;
+        let streams = self.io_streams(kind, &input, &output)?;
+        let (from, to) = (input.device_ptr(), output.device_ptr());
+        let (count, dtype) = (output.len(), nccl_dtype(input.dtype()));
+        self.start(kind, &streams, count, |comm, s| {
+            // SAFETY: as for the blocking calls; the work borrows both buffers.
+            let r = unsafe {
+                nccl::reduce_scatter(src(from), dst(to), count, dtype, nccl_op(op), comm, s)
+            };
+            queued("ncclReduceScatter", r)
+        })
+    }
+}
+
 /// Aborts the communicator (if still live) because of `error`, which later calls report
 /// as the cause, and returns `error`.
 fn abort(state: &mut State, error: Error) -> Error {
@@ -391,15 +528,11 @@ fn open_locally(bootstrap: &dyn Communicator, device: usize) -> Result<Local> {
     let stream = ctx
         .new_stream()
         .map_err(cuda::driver_error("cuStreamCreate"))?;
-    let done = ctx
-        .new_event(None)
-        .map_err(cuda::driver_error("cuEventCreate"))?;
     let barrier_buf = stream
         .alloc_zeros::<f32>(1)
         .map_err(cuda::driver_error("cuMemAlloc"))?;
     Ok(Local {
         stream,
-        done,
         barrier_buf,
         timeout,
         nranks,
@@ -583,16 +716,7 @@ impl Communicator for NcclCommunicator {
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        let kind = OpKind::AllReduce;
-        self.check().all_reduce(&buf, op)?;
-        let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
-        let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
-        self.run(kind, &[stream], count, |comm, s| {
-            // SAFETY: see above; in place, as NCCL allows.
-            let r =
-                unsafe { nccl::all_reduce(src(ptr), dst(ptr), count, dtype, nccl_op(op), comm, s) };
-            queued("ncclAllReduce", r)
-        })
+        self.all_reduce_async(buf, op)?.wait()
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
@@ -609,16 +733,7 @@ impl Communicator for NcclCommunicator {
     }
 
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        let kind = OpKind::AllGather;
-        self.check().all_gather(&input, &output, None)?;
-        let streams = self.io_streams(kind, &input, &output)?;
-        let (from, to) = (input.device_ptr(), output.device_ptr());
-        let (count, dtype) = (input.len(), nccl_dtype(input.dtype()));
-        self.run(kind, &streams, count, |comm, s| {
-            // SAFETY: see above.
-            let r = unsafe { nccl::all_gather(src(from), dst(to), count, dtype, comm, s) };
-            queued("ncclAllGather", r)
-        })
+        self.all_gather_async(input, output)?.wait()
     }
 
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
@@ -657,18 +772,7 @@ impl Communicator for NcclCommunicator {
     }
 
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        let kind = OpKind::ReduceScatter;
-        self.check().reduce_scatter(&input, &output, None, op)?;
-        let streams = self.io_streams(kind, &input, &output)?;
-        let (from, to) = (input.device_ptr(), output.device_ptr());
-        let (count, dtype) = (output.len(), nccl_dtype(input.dtype()));
-        self.run(kind, &streams, count, |comm, s| {
-            // SAFETY: see above.
-            let r = unsafe {
-                nccl::reduce_scatter(src(from), dst(to), count, dtype, nccl_op(op), comm, s)
-            };
-            queued("ncclReduceScatter", r)
-        })
+        self.reduce_scatter_async(input, output, op)?.wait()
     }
 
     fn reduce_scatter_v(

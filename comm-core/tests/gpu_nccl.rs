@@ -134,6 +134,40 @@ fn one_rank_collectives_match_the_reference() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The non-blocking calls: a compute stream ordered after the collective by `wait_on`
+/// sees its result without the host waiting first; `wait` then completes it.
+#[test]
+fn async_collectives_order_a_compute_stream_by_event() -> anyhow::Result<()> {
+    if let Some(reason) = skip_reason() {
+        println!("skipped: {reason}");
+        return Ok(());
+    }
+    run_local(1, |comm| -> anyhow::Result<()> {
+        let ctx = cuda::context(0)?;
+        let (data_stream, compute) = (ctx.new_stream()?, ctx.new_stream()?);
+        let nccl = NcclCommunicator::new(Arc::new(comm), 0)?.with_timeout(TEST_TIMEOUT);
+        let mut x = data_stream.clone_htod(&[1.0f32, 2.0, 3.0])?;
+        let mut gathered = data_stream.alloc_zeros::<f32>(3)?;
+        {
+            let reduce =
+                nccl.all_reduce_async(BufMut::cuda(&mut x, &data_stream)?, ReduceOp::Sum)?;
+            reduce.wait_on(&compute)?;
+            reduce.wait()?;
+        }
+        let input = data_stream.clone_htod(&[4.0f32, 5.0, 6.0])?;
+        let gather = nccl.all_gather_async(
+            BufRef::cuda(&input, &data_stream)?,
+            BufMut::cuda(&mut gathered, &data_stream)?,
+        )?;
+        gather.wait_on(&compute)?;
+        drop(gather); // waits on the host
+        ensure!(compute.clone_dtoh(&x)? == vec![1.0, 2.0, 3.0]);
+        ensure!(compute.clone_dtoh(&gathered)? == vec![4.0, 5.0, 6.0]);
+        Ok(())
+    })?;
+    Ok(())
+}
+
 #[test]
 fn bad_calls_are_rejected_before_communicating() -> anyhow::Result<()> {
     if let Some(reason) = skip_reason() {

@@ -234,7 +234,9 @@ mod device {
             S: DevicePtr<T>,
         {
             check_device(slice.stream(), stream)?;
-            // Dropping the guard records this use on `stream` for cudarc's own tracking.
+            // Dropping the guard records a use on `stream` for cudarc's event tracking now,
+            // before the collective is queued: blocking calls are complete when they return,
+            // and `NcclWork::wait_on` orders other streams after non-blocking ones.
             let (ptr, _record) = slice.device_ptr(stream);
             Ok(BufRef {
                 ptr: ptr as usize as *const u8,

@@ -287,7 +287,7 @@ impl NcclCommunicator {
             None
         } else {
             let issued = self.issue(comm, streams, enqueue);
-            Some(issued.map_err(|e| abort(&mut state, e))?)
+            Some(issued.map_err(|e| self.abort(&mut state, e))?)
         };
         Ok(NcclWork {
             communicator: self,
@@ -297,6 +297,20 @@ impl NcclCommunicator {
             started: Instant::now(),
             _buffers: std::marker::PhantomData,
         })
+    }
+
+    /// Aborts the communicator because of `error` (see [`abort_comm`]), then waits, at most
+    /// another timeout, for the work NCCL had queued on our stream to end, so that the
+    /// caller's buffers are not released while NCCL kernels may still touch them.
+    fn abort(&self, state: &mut State, error: Error) -> Error {
+        let error = abort_comm(state, error);
+        if let Ok(drained) = self.stream.record_event(None) {
+            let started = Instant::now();
+            while !drained.try_is_complete().unwrap_or(true) && started.elapsed() < self.timeout {
+                std::thread::sleep(POLL_INTERVAL);
+            }
+        }
+        error
     }
 
     /// The live NCCL communicator, or `Error::Broken` with why it was aborted.
@@ -432,7 +446,7 @@ impl NcclWork<'_> {
         let mut state = nccl.state.lock();
         let comm = nccl.live(&state)?;
         nccl.watch(comm, &done, self.op, self.seq, self.started)
-            .map_err(|e| abort(&mut state, e))
+            .map_err(|e| nccl.abort(&mut state, e))
     }
 }
 
@@ -501,7 +515,7 @@ impl NcclCommunicator {
 
 /// Aborts the communicator (if still live) because of `error`, which later calls report
 /// as the cause, and returns `error`.
-fn abort(state: &mut State, error: Error) -> Error {
+fn abort_comm(state: &mut State, error: Error) -> Error {
     if let Ok(comm) = std::mem::replace(&mut state.comm, Err(error.to_string())) {
         // SAFETY: a live communicator that nothing uses after this (we hold the lock and
         // replaced it). A failed abort leaves nothing better to do.

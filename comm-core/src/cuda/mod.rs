@@ -60,13 +60,13 @@ impl Library {
                  machine with an NVIDIA GPU has it"
             }
             Library::Nvrtc => {
-                "; it ships with the CUDA toolkit (lib64/) or the `nvidia-cuda-nvrtc-cu12` \
-                 Python package (nvidia/cuda_nvrtc/lib/)"
+                "; it ships with the CUDA toolkit (lib64/) or the `nvidia-cuda-nvrtc` Python \
+                 packages; names other than libnvrtc.so and libnvrtc.so.12 (e.g. CUDA 13's \
+                 libnvrtc.so.13) need a `libnvrtc.so` symlink in a directory on LD_LIBRARY_PATH"
             }
             Library::Nccl => {
-                "; a pip-installed NCCL (`nvidia-nccl-cu12`, nvidia/nccl/lib/) has only \
-                 libnccl.so.2: put a directory holding a `libnccl.so` symlink to it on \
-                 LD_LIBRARY_PATH"
+                "; a pip-installed NCCL (`nvidia-nccl-cu12`/`-cu13`) has only libnccl.so.2: \
+                 put a directory holding a `libnccl.so` symlink to it on LD_LIBRARY_PATH"
             }
         }
     }
@@ -112,7 +112,28 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
             available,
         });
     }
-    CudaContext::new(ordinal).map_err(driver_error("cuDevicePrimaryCtxRetain"))
+    let context = CudaContext::new(ordinal).map_err(driver_error("cuDevicePrimaryCtxRetain"))?;
+    keep_pool_memory(&context)?;
+    Ok(context)
+}
+
+/// Makes the device's default memory pool keep freed memory: with the default release
+/// threshold (0) it returns memory to the OS at every synchronize, and every device
+/// collective synchronizes, so each scratch allocation would be mapped afresh.
+fn keep_pool_memory(context: &CudaContext) -> Result<()> {
+    use cudarc::driver::{result, sys};
+    let mut threshold = u64::MAX;
+    // SAFETY: the default pool of a live device; the attribute takes a u64.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(context.cu_device())
+            .map_err(driver_error("cuDeviceGetDefaultMemPool"))?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .map_err(driver_error("cuMemPoolSetAttribute"))
+    }
 }
 
 /// Why GPU work cannot run here (no driver, no device), or `None` when device 0 is

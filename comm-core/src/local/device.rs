@@ -7,38 +7,55 @@
 //! own device and reduce it there with an NVRTC kernel, so no kernel ever dereferences
 //! another device's memory.
 //!
-//! Ordering: a rank waits for its buffer's stream before publishing (peers may read as
-//! soon as everyone has arrived), queues its work on that stream and waits for it again
-//! before the closing barrier, after which no peer touches its memory. A call therefore
-//! returns with its result complete, as on the host.
+//! Ordering: a rank waits for its buffers' streams before publishing (peers may read as
+//! soon as everyone has arrived), queues its work on the input's stream and waits for it
+//! again before the closing barrier, after which no peer touches its memory. A call
+//! therefore returns with its result complete, as on the host. A rank whose share fails
+//! (a CUDA error) waits for what it queued, then fails its peers with `PeerLost` instead
+//! of arriving: they must not return a result with that share missing.
 
 use super::{chunk, group, RankCore};
 use crate::buffer::{BufMut, BufRef};
 use crate::calls::offsets;
 use crate::cuda::{self, Scratch};
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{CallSignature, Result};
+use crate::error::{CallSignature, Error, Result};
 use cudarc::driver::CudaStream;
 
 impl RankCore {
-    /// Runs one device collective: publish, rendezvous, `work`, wait, close.
+    /// Runs one device collective: publish, rendezvous, `work` (queued on `stream`),
+    /// wait, close. `output`, the output buffer's stream when it has its own, is waited
+    /// for before publishing too.
     fn device_call(
         &self,
         sig: CallSignature,
         stream: &CudaStream,
+        output: Option<&CudaStream>,
         publish: impl FnOnce(&mut group::Exchange),
         work: impl FnOnce(u64) -> Result<()>,
     ) -> Result<()> {
         cuda::bind(stream)?;
         cuda::synchronize(stream)?;
+        if let Some(output) = output {
+            cuda::synchronize(output)?;
+        }
         let counters = &mut *self.counters.lock();
         let op = sig.op;
         let seq = self.begin(counters, sig, publish)?;
-        // Arrive at the closing barrier even when our share failed, so that peers are
-        // not left waiting for a rank that is still alive.
-        let result = work(seq).and_then(|()| cuda::synchronize(stream));
-        let closed = self.barrier_step(counters, op, seq);
-        result.and(closed)
+        if let Err(err) = work(seq).and_then(|()| cuda::synchronize(stream)) {
+            // Copies into peers' buffers may still be queued: let them end before anyone
+            // reuses the memory (a second failure changes nothing), then fail the peers.
+            let _ = cuda::synchronize(stream);
+            self.group.break_with(&Error::PeerLost {
+                group: self.name().to_string(),
+                op,
+                seq,
+                rank: self.rank,
+                world_rank: self.group.world_ranks[self.rank],
+            });
+            return Err(err);
+        }
+        self.barrier_step(counters, op, seq)
     }
 
     /// Queues `out = op over ranks of (peer address + byte_offset)[..count]`.
@@ -84,6 +101,7 @@ impl RankCore {
         self.device_call(
             sig,
             stream,
+            None,
             |ex| ex.recv_ptr = ptr as usize,
             |seq| {
                 let mine = ptr + (start * esize) as u64;
@@ -109,6 +127,7 @@ impl RankCore {
         self.device_call(
             sig,
             stream,
+            None,
             |ex| ex.send_ptr = ptr as usize,
             |seq| {
                 if self.rank == root {
@@ -148,6 +167,7 @@ impl RankCore {
         self.device_call(
             sig,
             stream,
+            output.cuda_stream(),
             |ex| ex.send_ptr = src as usize,
             |seq| {
                 let addr = |ex: &group::Exchange| ex.send_ptr;
@@ -188,6 +208,7 @@ impl RankCore {
         self.device_call(
             sig,
             stream,
+            output.cuda_stream(),
             |ex| ex.send_ptr = src as usize,
             |seq| {
                 for (r, recv_offset) in offsets(recv_counts).into_iter().enumerate() {

@@ -31,12 +31,14 @@ const DRIVER: Library = Library {
 };
 const NVRTC: Library = Library {
     file: "libnvrtc.so",
-    purpose: "compiling the tensor kernels (CUDA toolkit lib64/, or pip `nvidia-cuda-nvrtc-cu12`)",
+    purpose: "compiling the tensor kernels (CUDA toolkit lib64/, or pip `nvidia-cuda-nvrtc`; \
+              CUDA 13's libnvrtc.so.13 needs a `libnvrtc.so` symlink)",
     present: cudarc::nvrtc::sys::is_culib_present,
 };
 const CUBLAS: Library = Library {
     file: "libcublas.so",
-    purpose: "matrix products (CUDA toolkit lib64/, or pip `nvidia-cublas-cu12`)",
+    purpose: "matrix products (CUDA toolkit lib64/, or pip `nvidia-cublas`; CUDA 13's \
+              libcublas.so.13 needs a `libcublas.so` symlink)",
     present: cudarc::cublas::sys::is_culib_present,
 };
 
@@ -61,6 +63,24 @@ fn failure(device: Device, op: &'static str) -> impl Fn(String) -> Error {
         op,
         device,
         message,
+    }
+}
+
+/// Makes the device's default memory pool keep freed memory (the default threshold, 0,
+/// returns it at every synchronize, and uploads and downloads synchronize).
+fn keep_pool_memory(context: &CudaContext) -> std::result::Result<(), String> {
+    use cudarc::driver::{result, sys};
+    let mut threshold = u64::MAX;
+    // SAFETY: the default pool of a live device; the attribute takes a u64.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(context.cu_device())
+            .map_err(|e| format!("{e}"))?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .map_err(|e| format!("{e}"))
     }
 }
 
@@ -157,6 +177,7 @@ impl CudaBackend {
             )));
         }
         let context = CudaContext::new(ordinal).map_err(|e| fail("open device")(format!("{e}")))?;
+        keep_pool_memory(&context).map_err(fail("cuMemPoolSetAttribute"))?;
         let stream = context
             .new_stream()
             .map_err(|e| fail("create stream")(format!("{e}")))?;
@@ -343,7 +364,10 @@ impl Backend for CudaBackend {
                     } else {
                         cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH
                     };
-                    cublas_sys::cublasSetMathMode(blas.0, mode);
+                    let status = cublas_sys::cublasSetMathMode(blas.0, mode);
+                    if status != cublas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                        return Err(self.fail("cublasSetMathMode")(format!("{status:?}")));
+                    }
                     let (alpha, beta) = (g.alpha as f32, g.beta as f32);
                     cudarc::cublas::result::sgemm_strided_batched(
                         blas.0,

@@ -1,5 +1,7 @@
 /* CUDA flavour of the kernel macros (compiled by NVRTC). */
-#define KERNEL(name) extern "C" __global__ void name(const KernelArgs args_)
+/* __grid_constant__ keeps the argument block in constant parameter memory even though
+ * kernels take its address (needs compute capability 7.0; the minimum target is 7.5). */
+#define KERNEL(name) extern "C" __global__ void name(const __grid_constant__ KernelArgs args_)
 #define ARGS (&args_)
 #define DEVFN static __device__ __forceinline__
 #define FOR_EACH(i, n)                                                          \

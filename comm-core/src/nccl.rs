@@ -611,6 +611,19 @@ fn queued(call: &'static str, result: std::result::Result<NcclStatus, NcclError>
 /// Queues several NCCL calls as one group (one launch, and a rank's sends cannot block its
 /// receives). The group is closed even when a call fails: NCCL counts open groups per
 /// thread, and one left open would swallow this thread's later calls.
+/// Queues `each(rank, offset, count)` for every rank's non-empty block of `counts`, as one
+/// NCCL group.
+fn per_block(counts: &[usize], mut each: impl FnMut(usize, usize, usize) -> Queued) -> Queued {
+    grouped(|| {
+        for (r, offset) in offsets(counts).into_iter().enumerate() {
+            if counts[r] > 0 {
+                each(r, offset, counts[r])?;
+            }
+        }
+        Ok(())
+    })
+}
+
 fn grouped(calls: impl FnOnce() -> Queued) -> Queued {
     queued("ncclGroupStart", nccl::group_start())?;
     let queued_calls = calls();
@@ -757,30 +770,24 @@ impl Communicator for NcclCommunicator {
         let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
         let me = self.rank;
         self.run(kind, &streams, counts.iter().sum(), |comm, s| {
-            grouped(|| {
-                // One broadcast per rank into its block of the output: NCCL has no
-                // all-gather with per-rank counts.
-                for (r, offset) in offsets(&counts).into_iter().enumerate() {
-                    if counts[r] == 0 {
-                        continue;
-                    }
-                    let block = at(to, offset, dt);
-                    let send = if r == me { from } else { block };
-                    // SAFETY: see above; `send` is read on the root only.
-                    let res = unsafe {
-                        nccl::broadcast(
-                            src(send),
-                            dst(block),
-                            counts[r],
-                            nccl_dtype(dt),
-                            peer(r),
-                            comm,
-                            s,
-                        )
-                    };
-                    queued("ncclBroadcast", res)?;
-                }
-                Ok(())
+            // One broadcast per rank into its block of the output: NCCL has no all-gather
+            // with per-rank counts.
+            per_block(&counts, |r, offset, count| {
+                let block = at(to, offset, dt);
+                let send = if r == me { from } else { block };
+                // SAFETY: see above; `send` is read on the root only.
+                let res = unsafe {
+                    nccl::broadcast(
+                        src(send),
+                        dst(block),
+                        count,
+                        nccl_dtype(dt),
+                        peer(r),
+                        comm,
+                        s,
+                    )
+                };
+                queued("ncclBroadcast", res)
             })
         })
     }
@@ -804,33 +811,27 @@ impl Communicator for NcclCommunicator {
         let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
         let me = self.rank;
         self.run(kind, &streams, counts.iter().sum(), |comm, s| {
-            grouped(|| {
-                // One reduction per rank of its block onto that rank: NCCL has no
-                // reduce-scatter with per-rank counts.
-                for (r, offset) in offsets(&counts).into_iter().enumerate() {
-                    if counts[r] == 0 {
-                        continue;
-                    }
-                    let block = at(from, offset, dt);
-                    // NCCL writes the receive buffer on the root only; elsewhere it gets
-                    // the block itself (in place), which is never written.
-                    let recv = if r == me { to } else { block };
-                    // SAFETY: see above.
-                    let res = unsafe {
-                        nccl::reduce(
-                            src(block),
-                            dst(recv),
-                            counts[r],
-                            nccl_dtype(dt),
-                            nccl_op(op),
-                            peer(r),
-                            comm,
-                            s,
-                        )
-                    };
-                    queued("ncclReduce", res)?;
-                }
-                Ok(())
+            // One reduction per rank of its block onto that rank: NCCL has no
+            // reduce-scatter with per-rank counts.
+            per_block(&counts, |r, offset, count| {
+                let block = at(from, offset, dt);
+                // NCCL writes the receive buffer on the root only; elsewhere it gets the
+                // block itself (in place), which is never written.
+                let recv = if r == me { to } else { block };
+                // SAFETY: see above.
+                let res = unsafe {
+                    nccl::reduce(
+                        src(block),
+                        dst(recv),
+                        count,
+                        nccl_dtype(dt),
+                        nccl_op(op),
+                        peer(r),
+                        comm,
+                        s,
+                    )
+                };
+                queued("ncclReduce", res)
             })
         })
     }

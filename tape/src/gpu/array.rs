@@ -51,8 +51,12 @@ impl<T: Copy + Default> GpuArray<T> {
     /// Uninitialised memory for `shape`; the caller's kernel writes every element.
     pub(crate) fn uninit(op: &'static str, device: Device, shape: &[usize]) -> Result<Self> {
         let backend = backend(op, device)?;
-        let len: usize = shape.iter().product();
-        let bytes = len * std::mem::size_of::<T>();
+        let bytes = shape
+            .iter()
+            .try_fold(std::mem::size_of::<T>(), |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| {
+                crate::Error::shape(op, &[shape], "the tensor's size in bytes overflows usize")
+            })?;
         // SAFETY: a fresh allocation owned by the returned array.
         let ptr = unsafe { backend.alloc(bytes)? };
         Ok(GpuArray {
@@ -126,6 +130,10 @@ impl<T: Copy + Default> GpuArray<T> {
 
     pub(crate) fn shape(&self) -> &[usize] {
         &self.shape
+    }
+
+    pub(crate) fn ndim(&self) -> usize {
+        self.shape.len()
     }
 
     pub(crate) fn len(&self) -> usize {

@@ -10,9 +10,10 @@ use crate::{Device, Error, Result};
 
 pub(crate) struct Emulator;
 
-fn layout(bytes: usize) -> Layout {
+/// The host layout of a `bytes`-byte device allocation; `None` past `isize::MAX` bytes.
+fn layout(bytes: usize) -> Option<Layout> {
     // 16-byte alignment: enough for f64 and i64, like cudaMalloc's (stronger) guarantee.
-    Layout::from_size_align(bytes.max(16), 16).expect("allocation size overflows isize")
+    Layout::from_size_align(bytes.max(16), 16).ok()
 }
 
 impl Backend for Emulator {
@@ -21,21 +22,26 @@ impl Backend for Emulator {
     }
 
     unsafe fn alloc(&self, bytes: usize) -> Result<u64> {
+        let out_of_memory = || Error::Device {
+            op: "alloc",
+            device: Device::Emulated,
+            message: format!("out of host memory allocating {bytes} bytes"),
+        };
+        let layout = layout(bytes).ok_or_else(out_of_memory)?;
         // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc(layout(bytes)) };
+        let ptr = unsafe { std::alloc::alloc(layout) };
         if ptr.is_null() {
-            return Err(Error::Device {
-                op: "alloc",
-                device: Device::Emulated,
-                message: format!("out of host memory allocating {bytes} bytes"),
-            });
+            return Err(out_of_memory());
         }
         Ok(ptr as u64)
     }
 
     unsafe fn free(&self, ptr: u64, bytes: usize) {
-        // SAFETY: allocated by `alloc` with the same size.
-        unsafe { std::alloc::dealloc(ptr as *mut u8, layout(bytes)) }
+        // `alloc` succeeded with this size, so its layout exists.
+        if let Some(layout) = layout(bytes) {
+            // SAFETY: allocated by `alloc` with the same layout.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) }
+        }
     }
 
     unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {

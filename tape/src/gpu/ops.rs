@@ -299,9 +299,3 @@ pub(crate) fn matmul<T: Element>(
     unsafe { out.backend().gemm(&gemm)? };
     Ok(out)
 }
-
-impl<T: Copy + Default> GpuArray<T> {
-    pub(crate) fn ndim(&self) -> usize {
-        self.shape().len()
-    }
-}

@@ -95,6 +95,9 @@ pub(crate) struct GroupShared {
     broken: Mutex<Option<Breakage>>,
     is_broken: AtomicBool,
     parked: AtomicUsize,
+    /// Bumped by every wake-up, so a waiter can check its condition without holding
+    /// `park_lock` and still never miss a wake-up (an event count).
+    wake_generation: AtomicU64,
     park_lock: Mutex<()>,
     park_cv: Condvar,
     /// `mailboxes[src * size + dst]`.
@@ -158,6 +161,7 @@ impl GroupShared {
             broken: Mutex::new(None),
             is_broken: AtomicBool::new(false),
             parked: AtomicUsize::new(0),
+            wake_generation: AtomicU64::new(0),
             park_lock: Mutex::new(()),
             park_cv: Condvar::new(),
             mailboxes: (0..size * size).map(|_| Mailbox::default()).collect(),
@@ -263,6 +267,7 @@ impl GroupShared {
     }
 
     fn wake_all(&self) {
+        self.wake_generation.fetch_add(1, Ordering::SeqCst);
         let _guard = self.park_lock.lock();
         self.park_cv.notify_all();
     }
@@ -381,12 +386,15 @@ impl GroupShared {
                 continue;
             }
             // Park; peers wake us on arrival, and the slice bounds how late we notice a
-            // peer that died without waking anyone.
+            // peer that died without waking anyone. `ready` runs outside `park_lock`
+            // because it may itself wake others (a receive does); a wake-up between the
+            // check and the wait shows as a new generation, so it is not lost.
             let slice = Duration::from_millis(2).min(self.timeout - waited);
             self.parked.fetch_add(1, Ordering::SeqCst);
-            {
+            let generation = self.wake_generation.load(Ordering::SeqCst);
+            if !ready(self) {
                 let mut guard = self.park_lock.lock();
-                if !ready(self) {
+                if self.wake_generation.load(Ordering::SeqCst) == generation {
                     self.park_cv.wait_for(&mut guard, slice);
                 }
             }
@@ -436,5 +444,49 @@ impl GroupShared {
         )?;
         // `wait_for` returns Ok only once `ready` saw a message, which it keeps in `taken`.
         taken.ok_or_else(|| Error::Config("internal: receive finished without a message".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    /// A receive's readiness check wakes the sender. It used to run under `park_lock`,
+    /// so a message that arrived just as the receiver parked deadlocked the receiver on
+    /// its own lock (a 1-in-20 hang of the 8-rank collectives test on CI). The check
+    /// below reports ready, and wakes, exactly when the waiter is about to park.
+    #[test]
+    fn a_readiness_check_that_wakes_others_cannot_deadlock_a_parking_waiter() {
+        let group = GroupShared::new(
+            "world".into(),
+            vec![0],
+            WorldShared::new(1),
+            Duration::from_secs(5),
+        );
+        let (done, finished) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut took = false;
+            let result = group.wait_for(
+                0,
+                OpKind::Recv,
+                0,
+                false,
+                |g| {
+                    // Like a receive, which keeps the message it took: ready stays ready.
+                    if !took && g.parked.load(Ordering::SeqCst) > 0 {
+                        took = true;
+                        g.wake_all();
+                    }
+                    took
+                },
+                |_| Vec::new(),
+            );
+            let _ = done.send(result.is_ok());
+        });
+        let ready = finished
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the waiter deadlocked instead of returning");
+        assert!(ready);
     }
 }

@@ -37,7 +37,14 @@ cargo fmt --all --check
 echo "==> cargo clippy"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
 echo "==> cargo test"
-cargo test --workspace --all-features
+# A hung test must fail the run with its name on screen (the harness prints "has been
+# running for over 60 seconds"), not use up CI's whole budget; the suite takes minutes.
+status=0
+timeout -k 30 40m cargo test --workspace --all-features || status=$?
+if [ "$status" -ne 0 ]; then
+    [ "$status" -eq 124 ] && echo "cargo test did not finish in 40 minutes: a test hung" >&2
+    exit "$status"
+fi
 
 echo "==> MPI test binaries under mpirun"
 mpi_tests=$(cargo test --workspace --all-features --no-run --message-format=json 2>/dev/null |

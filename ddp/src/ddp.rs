@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use comm_core::{Communicator, DType};
@@ -149,7 +150,7 @@ impl DistributedDataParallel {
     /// be moved into hooks and custom ops.
     pub fn progress(&self) -> SyncProgress {
         SyncProgress {
-            reducer: Arc::downgrade(&self.reducer),
+            started: Arc::downgrade(self.reducer.lock().started_counter()),
             total: self.buckets.len(),
         }
     }
@@ -183,9 +184,12 @@ impl Drop for NoSync<'_> {
 
 /// How many buckets of the current step have started their all-reduce
 /// (from [`DistributedDataParallel::progress`]).
+///
+/// It reads a counter the reducer publishes, never the reducer's lock, so it may be
+/// called from anywhere, a [`CommHook`](crate::CommHook) running inside a step included.
 #[derive(Clone)]
 pub struct SyncProgress {
-    reducer: Weak<Mutex<Reducer>>,
+    started: Weak<AtomicUsize>,
     total: usize,
 }
 
@@ -193,9 +197,9 @@ impl SyncProgress {
     /// Buckets whose reduction has started in the current step (0 once the
     /// `DistributedDataParallel` is dropped).
     pub fn buckets_started(&self) -> usize {
-        self.reducer
+        self.started
             .upgrade()
-            .map_or(0, |reducer| reducer.lock().buckets_started())
+            .map_or(0, |started| started.load(Ordering::Acquire))
     }
 
     /// Number of buckets.

@@ -21,6 +21,10 @@ use crate::error::Result;
 
 /// How a bucket is reduced across the data-parallel group. Implementations must issue
 /// the same collectives on every rank for the same bucket.
+///
+/// Hooks run while the `DistributedDataParallel` that owns them is busy with a step, so
+/// they must not call its methods (they would wait for themselves); a
+/// [`SyncProgress`](crate::SyncProgress) handle is safe to read.
 pub trait CommHook: Send + Sync {
     /// Short name for messages.
     fn name(&self) -> &str;

@@ -16,6 +16,7 @@
 //! back out of [`Work::wait`]; a bucket whose storage was lost with a failed operation
 //! gets a fresh allocation on its next use.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use comm_core::{Buffer, Communicator, CommunicatorExt, DType, ReduceOp, Work};
@@ -38,6 +39,9 @@ pub(crate) struct Reducer {
     ready: Vec<bool>,
     /// The next bucket to launch; all earlier ones are in flight or done.
     next_launch: usize,
+    /// `next_launch`, published for [`SyncProgress`](crate::SyncProgress), which must not
+    /// lock the reducer: it is read from hooks that may run while the reducer is locked.
+    started: Arc<AtomicUsize>,
     pub(crate) sync_enabled: bool,
     overlap: bool,
     find_unused: bool,
@@ -88,15 +92,17 @@ impl Reducer {
             slot_of,
             state,
             next_launch: 0,
+            started: Arc::new(AtomicUsize::new(0)),
             sync_enabled: true,
             overlap: options.overlap,
             find_unused: options.find_unused,
         }
     }
 
-    /// Buckets whose reduction has started in the current step.
-    pub(crate) fn buckets_started(&self) -> usize {
-        self.next_launch
+    /// The count of buckets whose reduction has started in the current step, readable
+    /// without the reducer's lock.
+    pub(crate) fn started_counter(&self) -> &Arc<AtomicUsize> {
+        &self.started
     }
 
     /// The grad-ready hook of parameter `index`.
@@ -160,6 +166,7 @@ impl Reducer {
                 .unwrap_or_else(|| Buffer::zeros(self.wire_dtype, numel));
             state.work = Some(self.hook.start(self.dp.as_ref(), storage)?);
             self.next_launch += 1;
+            self.started.store(self.next_launch, Ordering::Release);
         }
         Ok(())
     }
@@ -240,6 +247,7 @@ impl Reducer {
     fn reset_step(&mut self) {
         self.ready.fill(false);
         self.next_launch = 0;
+        self.started.store(0, Ordering::Release);
         for (state, info) in self.state.iter_mut().zip(self.buckets.iter()) {
             state.work = None;
             state.pending = info.params.len();

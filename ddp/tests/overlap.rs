@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
-use comm_core::run_local;
-use ddp::{DdpConfig, DistributedDataParallel, SyncProgress};
+use comm_core::{run_local, Buffer, Communicator, Work};
+use ddp::{AllReduceAvg, CommHook, DdpConfig, DistributedDataParallel, SyncProgress};
 use tape::{CustomOp, Parameter, Tape, Tensor};
 
 /// Identity op whose backward records how many buckets had started by then.
@@ -136,5 +136,68 @@ fn a_bucket_ready_early_waits_for_earlier_buckets() -> Result<()> {
         ))
     })?;
     assert_eq!(seen, vec![(0, 2); 2]);
+    Ok(())
+}
+
+/// Records, as each bucket starts, how many buckets the progress handle says had started.
+struct ProgressLoggingHook {
+    progress: Arc<Mutex<Option<SyncProgress>>>,
+    seen: Arc<Mutex<Vec<usize>>>,
+}
+
+impl CommHook for ProgressLoggingHook {
+    fn name(&self) -> &str {
+        "progress-logging"
+    }
+    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work> {
+        if let Some(progress) = self.progress.lock().expect("slot").as_ref() {
+            self.seen
+                .lock()
+                .expect("log")
+                .push(progress.buckets_started());
+        }
+        AllReduceAvg.start(dp, bucket)
+    }
+}
+
+/// A comm hook runs while the DDP's reducer is locked; the progress handle must not take
+/// that lock (it used to, and the rank deadlocked on itself).
+#[test]
+fn a_comm_hook_may_read_progress() -> Result<()> {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let logs = run_local(2, |comm| -> Result<Vec<usize>> {
+            let w: Vec<Parameter> = (1..=3)
+                .map(|i| Parameter::new(format!("w{i}"), Tensor::full(&[2], 0.5)))
+                .collect();
+            let progress = Arc::new(Mutex::new(None));
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let config = DdpConfig {
+                comm_hook: Arc::new(ProgressLoggingHook {
+                    progress: progress.clone(),
+                    seen: seen.clone(),
+                }),
+                ..one_bucket_per_param(true)
+            };
+            let ddp = DistributedDataParallel::new(w.clone(), Arc::new(comm), config)?;
+            *progress.lock().expect("slot") = Some(ddp.progress());
+            let tape = Tape::new();
+            let loss = w
+                .iter()
+                .map(|p| tape.watch(p).sum())
+                .reduce(|a, b| a?.add(&b?))
+                .expect("three parameters")?;
+            ddp.backward(&loss)?;
+            let log = seen.lock().expect("log").clone();
+            Ok(log)
+        });
+        let _ = done.send(logs.map_err(|e| e.to_string()));
+    });
+    let logs = finished
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("a comm hook reading progress deadlocked the rank")
+        .map_err(anyhow::Error::msg)?;
+    // Each bucket sees the ones before it as started.
+    assert_eq!(logs, vec![vec![0, 1, 2]; 2]);
     Ok(())
 }

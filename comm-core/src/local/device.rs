@@ -14,7 +14,7 @@
 //! (a CUDA error) waits for what it queued, then fails its peers with `PeerLost` instead
 //! of arriving: they must not return a result with that share missing.
 
-use super::{chunk, group, RankCore};
+use super::{chunk, group, Phase, RankCore};
 use crate::buffer::{BufMut, BufRef};
 use crate::calls::offsets;
 use crate::cuda::{self, Scratch};
@@ -44,7 +44,8 @@ impl RankCore {
         let seq = self.begin(counters, sig, publish)?;
         if let Err(err) = work(seq).and_then(|()| cuda::synchronize(stream)) {
             // Copies into peers' buffers may still be queued: let them end before anyone
-            // reuses the memory (a second failure changes nothing), then fail the peers.
+            // reuses the memory (a second failure changes nothing), then fail the peers,
+            // and leave only once they no longer use our buffers either.
             let _ = cuda::synchronize(stream);
             self.group.break_with(&Error::PeerLost {
                 group: self.name().to_string(),
@@ -53,9 +54,10 @@ impl RankCore {
                 rank: self.rank,
                 world_rank: self.group.world_ranks[self.rank],
             });
+            let _ = self.barrier_step(counters, op, seq, Phase::Close);
             return Err(err);
         }
-        self.barrier_step(counters, op, seq)
+        self.barrier_step(counters, op, seq, Phase::Close)
     }
 
     /// Queues `out = op over ranks of (peer address + byte_offset)[..count]`.

@@ -7,6 +7,11 @@
 //! and only until they arrive at the first barrier of call `seq + 1`. The owner writes
 //! `exchange[seq % 2]` again at call `seq + 2`, which it can only reach after every peer
 //! has arrived at call `seq + 1`'s first barrier, i.e. after they stopped reading.
+//!
+//! Buffers published for direct access follow the same rule through the closing barrier:
+//! a rank leaves a call only once every peer reached it or is gone, and an opening
+//! barrier is decided once for all ranks (completed, or aborted by a timeout), so no peer
+//! touches a buffer after its owner returned.
 
 use crate::buffer::{Buffer, MemoryKind};
 use crate::error::{CallSignature, Error, OpKind, Result};
@@ -32,6 +37,28 @@ impl WorldShared {
             saw_lost_peer: (0..size).map(|_| AtomicBool::new(false)).collect(),
         })
     }
+}
+
+/// Which barrier of a call: after the opening one peers read and write each other's
+/// buffers, after the closing one they no longer do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Bounded by the timeout: a rank may never come.
+    Open,
+    /// Unbounded: every rank past the opening barrier runs only copies and reductions
+    /// before it arrives here (or is lost), and a rank that left early could have its
+    /// buffers written after it returned.
+    Close,
+}
+
+/// How long [`GroupShared::wait_for`] may wait.
+#[derive(Clone, Copy)]
+pub(crate) enum Patience<'a> {
+    /// Fails fast on a lost peer, and with `Timeout` after the group's timeout unless the
+    /// function, asked then, finds the wait complete after all.
+    Bounded(&'a dyn Fn(&GroupShared) -> bool),
+    /// Until `ready`, which must itself count lost peers.
+    UntilReady,
 }
 
 /// What a rank publishes for one call.
@@ -98,6 +125,9 @@ pub(crate) struct GroupShared {
     /// Bumped by every wake-up, so a waiter can check its condition without holding
     /// `park_lock` and still never miss a wake-up (an event count).
     wake_generation: AtomicU64,
+    /// The last opening barrier decided, as `epoch << 1 | aborted`: a rank that times
+    /// out and the last rank to arrive race to decide it, and all follow the winner.
+    decided: AtomicU64,
     park_lock: Mutex<()>,
     park_cv: Condvar,
     /// `mailboxes[src * size + dst]`.
@@ -162,6 +192,7 @@ impl GroupShared {
             is_broken: AtomicBool::new(false),
             parked: AtomicUsize::new(0),
             wake_generation: AtomicU64::new(0),
+            decided: AtomicU64::new(0),
             park_lock: Mutex::new(()),
             park_cv: Condvar::new(),
             mailboxes: (0..size * size).map(|_| Mailbox::default()).collect(),
@@ -279,35 +310,112 @@ impl GroupShared {
         &self,
         rank: usize,
         epoch: u64,
-        op: OpKind,
-        seq: u64,
+        call: (OpKind, u64),
         spin: bool,
+        phase: Phase,
     ) -> Result<()> {
+        let (op, seq) = call;
         self.slots[rank].arrived.store(epoch, Ordering::SeqCst);
         if self.parked.load(Ordering::SeqCst) > 0 {
             self.wake_all();
         }
-        self.wait_for(
-            rank,
-            op,
-            seq,
-            spin,
-            |g| g.missing(epoch).next().is_none(),
-            |g| g.missing(epoch).collect(),
-        )
+        match phase {
+            Phase::Open => {
+                let completed = |g: &GroupShared| g.decide(epoch, false);
+                self.wait_for(
+                    rank,
+                    op,
+                    seq,
+                    spin,
+                    |g| g.missing(epoch).next().is_none(),
+                    |g| g.missing(epoch).collect(),
+                    Patience::Bounded(&completed),
+                )?;
+                if self.decide(epoch, true) {
+                    return Ok(());
+                }
+                // A peer timed out here before the last rank arrived: nobody may use the
+                // buffers it published.
+                self.note_consequence(rank);
+                Err(Error::Broken {
+                    group: self.name.clone(),
+                    cause: self.breakage().map_or_else(
+                        || format!("a peer timed out in call {seq} ({op})"),
+                        |b| b.message,
+                    ),
+                })
+            }
+            Phase::Close => {
+                self.wait_for(
+                    rank,
+                    op,
+                    seq,
+                    spin,
+                    |g| (0..g.size()).all(|r| !g.is_missing(r, epoch) || g.is_lost(r)),
+                    |_| Vec::new(),
+                    Patience::UntilReady,
+                )?;
+                if let Some(err) = self.breakage().and_then(|b| self.lost_error(&b, op, seq)) {
+                    self.note_consequence(rank);
+                    return Err(err);
+                }
+                match (0..self.size()).find(|&r| self.is_missing(r, epoch)) {
+                    None => Ok(()),
+                    Some(lost) => {
+                        let err = Error::PeerLost {
+                            group: self.name.clone(),
+                            op,
+                            seq,
+                            rank: lost,
+                            world_rank: self.world_ranks[lost],
+                        };
+                        self.break_with(&err);
+                        self.note_consequence(rank);
+                        Err(err)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Decides opening barrier `epoch` as completed (every rank arrived) or aborted (a
+    /// rank timed out), unless it is decided already; returns whether it completed.
+    fn decide(&self, epoch: u64, completed: bool) -> bool {
+        let proposal = epoch << 1 | u64::from(!completed);
+        let mut current = self.decided.load(Ordering::Acquire);
+        loop {
+            match (current >> 1).cmp(&epoch) {
+                // Later barriers happen only after this one completed.
+                std::cmp::Ordering::Greater => return true,
+                std::cmp::Ordering::Equal => return current & 1 == 0,
+                std::cmp::Ordering::Less => {}
+            }
+            match self.decided.compare_exchange_weak(
+                current,
+                proposal,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return completed,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    fn is_missing(&self, rank: usize, epoch: u64) -> bool {
+        // SeqCst, not Acquire: with the arriving rank's SeqCst store of `arrived` and load
+        // of `parked`, and a parking waiter's increment of `parked` and this load, one of
+        // the two must see the other, so an arrival never skips waking a parked waiter.
+        self.slots[rank].arrived.load(Ordering::SeqCst) < epoch
     }
 
     fn missing(&self, epoch: u64) -> impl Iterator<Item = usize> + '_ {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter(move |(_, s)| s.arrived.load(Ordering::Acquire) < epoch)
-            .map(|(r, _)| r)
+        (0..self.size()).filter(move |&r| self.is_missing(r, epoch))
     }
 
     /// Waits (as group rank `me`) until `ready` holds: spins, then yields, then parks in
-    /// short slices, checking for lost peers (among `waiting_on`) and the timeout on every
-    /// slow-path round.
+    /// short slices. With [`Patience::Bounded`] every slow-path round also checks for lost
+    /// peers (among `waiting_on`) and the timeout.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn wait_for(
         &self,
@@ -317,6 +425,7 @@ impl GroupShared {
         spin: bool,
         mut ready: impl FnMut(&GroupShared) -> bool,
         waiting_on: impl Fn(&GroupShared) -> Vec<usize>,
+        patience: Patience<'_>,
     ) -> Result<()> {
         let start = Instant::now();
         let window = if spin {
@@ -340,45 +449,54 @@ impl GroupShared {
             if ready(self) {
                 return Ok(());
             }
-            // A peer lost mid-call fails everyone at once; a peer's timeout does not: the
-            // ranks waiting with it time out on their own clocks and name the missing.
-            if let Some(err) = self.breakage().and_then(|b| self.lost_error(&b, op, seq)) {
-                self.note_consequence(me);
-                return Err(err);
-            }
-            // Liveness first, then who is still missing: a peer's arrival happens-before
-            // its departure, so a peer that arrived and then left (finished its part and
-            // dropped its communicator) is never mistaken for a lost one. The reverse
-            // order raced: a stale "missing" list, then a departure seen later.
-            let lost: Vec<usize> = (0..self.size()).filter(|&r| self.is_lost(r)).collect();
-            if !lost.is_empty() && ready(self) {
-                return Ok(());
-            }
-            if let Some(lost) = waiting_on(self).into_iter().find(|r| lost.contains(r)) {
-                let err = Error::PeerLost {
-                    group: self.name.clone(),
-                    op,
-                    seq,
-                    rank: lost,
-                    world_rank: self.world_ranks[lost],
-                };
-                self.break_with(&err);
-                self.note_consequence(me);
-                return Err(err);
-            }
-            let waited = start.elapsed();
-            if waited >= self.timeout {
-                let missing = waiting_on(self);
-                let err = Error::Timeout {
-                    group: self.name.clone(),
-                    op,
-                    seq,
-                    missing_world: missing.iter().map(|&r| self.world_ranks[r]).collect(),
-                    missing,
-                    waited,
-                };
-                self.break_with(&err);
-                return Err(err);
+            let mut slice = Duration::from_millis(2);
+            if let Patience::Bounded(completed) = patience {
+                // A peer lost mid-call fails everyone at once; a peer's timeout does not:
+                // the ranks waiting with it time out on their own clocks and name the
+                // missing.
+                if let Some(err) = self.breakage().and_then(|b| self.lost_error(&b, op, seq)) {
+                    self.note_consequence(me);
+                    return Err(err);
+                }
+                // Liveness first, then who is still missing: a peer's arrival
+                // happens-before its departure, so a peer that arrived and then left
+                // (finished its part and dropped its communicator) is never mistaken for a
+                // lost one. The reverse order raced: a stale "missing" list, then a
+                // departure seen later.
+                let lost: Vec<usize> = (0..self.size()).filter(|&r| self.is_lost(r)).collect();
+                if !lost.is_empty() && ready(self) {
+                    return Ok(());
+                }
+                if let Some(lost) = waiting_on(self).into_iter().find(|r| lost.contains(r)) {
+                    let err = Error::PeerLost {
+                        group: self.name.clone(),
+                        op,
+                        seq,
+                        rank: lost,
+                        world_rank: self.world_ranks[lost],
+                    };
+                    self.break_with(&err);
+                    self.note_consequence(me);
+                    return Err(err);
+                }
+                let waited = start.elapsed();
+                if waited >= self.timeout {
+                    if completed(self) {
+                        return Ok(());
+                    }
+                    let missing = waiting_on(self);
+                    let err = Error::Timeout {
+                        group: self.name.clone(),
+                        op,
+                        seq,
+                        missing_world: missing.iter().map(|&r| self.world_ranks[r]).collect(),
+                        missing,
+                        waited,
+                    };
+                    self.break_with(&err);
+                    return Err(err);
+                }
+                slice = slice.min(self.timeout - waited);
             }
             rounds += 1;
             if rounds < 64 {
@@ -389,7 +507,6 @@ impl GroupShared {
             // peer that died without waking anyone. `ready` runs outside `park_lock`
             // because it may itself wake others (a receive does); a wake-up between the
             // check and the wait shows as a new generation, so it is not lost.
-            let slice = Duration::from_millis(2).min(self.timeout - waited);
             self.parked.fetch_add(1, Ordering::SeqCst);
             let generation = self.wake_generation.load(Ordering::SeqCst);
             if !ready(self) {
@@ -418,6 +535,7 @@ impl GroupShared {
             true,
             |_| mailbox.taken.load(Ordering::Acquire) > ticket,
             |_| vec![dst],
+            Patience::Bounded(&|_| false),
         )
     }
 
@@ -441,6 +559,7 @@ impl GroupShared {
                 taken.is_some()
             },
             |_| vec![src],
+            Patience::Bounded(&|_| false),
         )?;
         // `wait_for` returns Ok only once `ready` saw a message, which it keeps in `taken`.
         taken.ok_or_else(|| Error::Config("internal: receive finished without a message".into()))
@@ -481,6 +600,7 @@ mod tests {
                     took
                 },
                 |_| Vec::new(),
+                Patience::Bounded(&|_| false),
             );
             let _ = done.send(result.is_ok());
         });
@@ -488,5 +608,56 @@ mod tests {
             .recv_timeout(Duration::from_secs(20))
             .expect("the waiter deadlocked instead of returning");
         assert!(ready);
+    }
+
+    fn two_rank_group(timeout: Duration) -> Arc<GroupShared> {
+        GroupShared::new("world".into(), vec![0, 1], WorldShared::new(2), timeout)
+    }
+
+    /// Between the barriers of a call a peer may still write into our buffers, so the
+    /// closing barrier waits for it however long it takes (it only copies and reduces).
+    #[test]
+    fn a_closing_barrier_waits_for_a_slow_peer_past_the_timeout() {
+        let group = two_rank_group(Duration::from_millis(50));
+        let call = (OpKind::AllReduce, 0);
+        let slow = Duration::from_millis(200);
+        let (left, slow_arrived) = std::thread::scope(|s| {
+            let fast = s.spawn(|| {
+                group.barrier(0, 1, call, true, Phase::Open)?;
+                group.barrier(0, 2, call, true, Phase::Close)?;
+                Ok::<_, Error>(Instant::now())
+            });
+            let late = s.spawn(|| {
+                group.barrier(1, 1, call, true, Phase::Open)?;
+                std::thread::sleep(slow);
+                let arrived = Instant::now();
+                group.barrier(1, 2, call, true, Phase::Close)?;
+                Ok::<_, Error>(arrived)
+            });
+            (fast.join().unwrap(), late.join().unwrap())
+        });
+        let (left, slow_arrived) = (left.unwrap(), slow_arrived.unwrap());
+        assert!(left >= slow_arrived, "rank 0 left before its peer was done");
+    }
+
+    /// A rank that times out at an opening barrier returns and may free its buffers, so
+    /// a peer arriving just after must not go on to use them.
+    #[test]
+    fn a_rank_arriving_after_its_peer_timed_out_does_not_proceed() {
+        let group = two_rank_group(Duration::from_millis(50));
+        let call = (OpKind::AllReduce, 0);
+        let (first, late) = std::thread::scope(|s| {
+            let first = s.spawn(|| group.barrier(0, 1, call, true, Phase::Open));
+            let late = s.spawn(|| {
+                // Arrive only once rank 0 has given up on us.
+                while group.decided.load(Ordering::Acquire) == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                group.barrier(1, 1, call, true, Phase::Open)
+            });
+            (first.join().unwrap(), late.join().unwrap())
+        });
+        assert!(matches!(first, Err(Error::Timeout { .. })), "{first:?}");
+        assert!(matches!(late, Err(Error::Broken { .. })), "{late:?}");
     }
 }

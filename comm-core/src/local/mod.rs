@@ -18,7 +18,7 @@ use crate::communicator::{AsyncOp, Communicator};
 use crate::dtype::{reduce_raw, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::work::{ProgressQueue, Work};
-use group::{GroupShared, Message, WorldShared};
+use group::{GroupShared, Message, Phase, WorldShared};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -433,7 +433,7 @@ impl RankCore {
             ex.sig = sig;
             exchange(ex);
         }
-        self.barrier_step(counters, op, seq)?;
+        self.barrier_step(counters, op, seq, Phase::Open)?;
         // SAFETY: every rank arrived at this call's first barrier.
         let sigs: Vec<&CallSignature> = (0..self.group.size())
             .map(|r| unsafe { &self.group.exchange(r, seq).sig })
@@ -454,14 +454,21 @@ impl RankCore {
         if staged {
             Ok(())
         } else {
-            self.barrier_step(counters, op, seq)
+            self.barrier_step(counters, op, seq, Phase::Close)
         }
     }
 
-    fn barrier_step(&self, counters: &mut Counters, op: OpKind, seq: u64) -> Result<()> {
+    fn barrier_step(
+        &self,
+        counters: &mut Counters,
+        op: OpKind,
+        seq: u64,
+        phase: Phase,
+    ) -> Result<()> {
         counters.epoch += 1;
         let spin = !self.queue.is_current_thread();
-        self.group.barrier(self.rank, counters.epoch, op, seq, spin)
+        self.group
+            .barrier(self.rank, counters.epoch, (op, seq), spin, phase)
     }
 
     /// A peer's published record for call `seq`.
@@ -506,7 +513,7 @@ impl RankCore {
             // during this phase chunk `self.rank` of every buffer is ours alone.
             unsafe { reduce_raw::<T>(op, &sources, &outputs, count) }
         });
-        self.barrier_step(counters, kind, seq)
+        self.barrier_step(counters, kind, seq, Phase::Close)
     }
 
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
@@ -539,7 +546,7 @@ impl RankCore {
             // SAFETY: the root's buffer has `bytes` bytes and it waits for us below.
             unsafe { std::ptr::copy_nonoverlapping(src, ptr as *mut u8, bytes) };
         }
-        self.barrier_step(counters, kind, seq)
+        self.barrier_step(counters, kind, seq, Phase::Close)
     }
 
     fn all_gather(
@@ -644,7 +651,7 @@ impl RankCore {
                 )
             };
         }
-        self.barrier_step(counters, kind, seq)
+        self.barrier_step(counters, kind, seq, Phase::Close)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -682,7 +689,7 @@ impl RankCore {
                 }
             }
         }
-        self.barrier_step(counters, kind, seq)?;
+        self.barrier_step(counters, kind, seq, Phase::Close)?;
         let Some(c) = color else { return Ok(None) };
         let shared = self.group.slot(self.rank).split_result.lock().take();
         let new_rank = members_of(c).iter().position(|&r| r == self.rank);

@@ -5,6 +5,7 @@ use comm_core::{
     run_local, CallSignature, Communicator, CommunicatorExt, DType, Error, LocalLauncher, OpKind,
     ReduceOp,
 };
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// Far below the default 300 s timeout: proves a failure was detected, not waited out.
@@ -368,6 +369,43 @@ fn two_ranks_sending_first_time_out_instead_of_hanging() {
         } => assert_eq!(missing, &vec![1 - rank]),
         other => panic!("expected a send timeout, got {other}"),
     }
+}
+
+#[test]
+fn a_receive_after_its_send_timed_out_fails_instead_of_taking_the_message() {
+    // The timed-out send broke the group; its message must not surface as a success.
+    let send_failed = AtomicBool::new(false);
+    let outcomes = LocalLauncher::new(2)
+        .unwrap()
+        .timeout(Duration::from_millis(50))
+        .run_each(|comm| {
+            if comm.rank() == 0 {
+                let sent = comm.send_slice(&[7u8], 1);
+                send_failed.store(true, Ordering::SeqCst);
+                sent
+            } else {
+                while !send_failed.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                comm.recv_slice(&mut [0u8], 0)
+            }
+        });
+    let errors: Vec<Error> = outcomes
+        .into_iter()
+        .map(|r| r.expect_err("both ranks must fail").1)
+        .collect();
+    let (sender, receiver) = (errors[0].root_cause(), errors[1].root_cause());
+    assert!(
+        matches!(
+            sender,
+            Error::Timeout {
+                op: OpKind::Send,
+                ..
+            }
+        ),
+        "{sender}"
+    );
+    assert!(matches!(receiver, Error::Broken { .. }), "{receiver}");
 }
 
 #[test]

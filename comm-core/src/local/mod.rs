@@ -713,6 +713,8 @@ impl RankCore {
 
     fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
         self.check().peer(OpKind::Recv, "source", src)?;
+        // A broken group may hold the message of a send that already failed.
+        self.group.check_broken(self.rank, OpKind::Recv, 0)?;
         let seq = {
             let mut counters = self.counters.lock();
             counters.recvs += 1;

@@ -30,6 +30,9 @@ use crate::reducer::{Reducer, ReducerOptions};
 /// nothing).
 pub struct DistributedDataParallel {
     reducer: Arc<Mutex<Reducer>>,
+    /// The reducer's published launch count, so that [`progress`](Self::progress) takes
+    /// no lock either.
+    buckets_started: Arc<AtomicUsize>,
     params: Vec<Parameter>,
     buckets: Arc<Vec<BucketInfo>>,
     dp: Arc<dyn Communicator>,
@@ -51,7 +54,7 @@ impl DistributedDataParallel {
             init::broadcast_from_rank0(dp.as_ref(), &params, &buckets)?;
         }
         let wire_dtype = config.comm_hook.wire_dtype();
-        let reducer = Arc::new(Mutex::new(Reducer::new(
+        let reducer = Reducer::new(
             dp.clone(),
             params.clone(),
             buckets.clone(),
@@ -60,7 +63,9 @@ impl DistributedDataParallel {
                 overlap: config.overlap_grad_reduce,
                 find_unused: config.find_unused_parameters,
             },
-        )));
+        );
+        let buckets_started = reducer.started_counter().clone();
+        let reducer = Arc::new(Mutex::new(reducer));
         for (index, param) in params.iter().enumerate() {
             let reducer: Weak<Mutex<Reducer>> = Arc::downgrade(&reducer);
             param.register_grad_hook(move |param| {
@@ -73,6 +78,7 @@ impl DistributedDataParallel {
         }
         Ok(DistributedDataParallel {
             reducer,
+            buckets_started,
             params,
             buckets,
             dp,
@@ -150,7 +156,7 @@ impl DistributedDataParallel {
     /// be moved into hooks and custom ops.
     pub fn progress(&self) -> SyncProgress {
         SyncProgress {
-            started: Arc::downgrade(self.reducer.lock().started_counter()),
+            started: Arc::downgrade(&self.buckets_started),
             total: self.buckets.len(),
         }
     }

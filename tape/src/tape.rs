@@ -23,6 +23,10 @@ pub(crate) type TensorBackwardFn<T> =
 
 enum NodeKind<T: Element> {
     Leaf(Parameter<T>),
+    Op(OpBackward<T>),
+}
+
+enum OpBackward<T: Element> {
     /// A CPU op: its gradients stay plain arrays, with no tensor wrapping per node.
     Cpu(BackwardFn<T>),
     /// An op on any device.
@@ -224,7 +228,7 @@ impl<T: Element> Tape<T> {
         op: &'static str,
         inputs: &[&Tensor<T>],
         output: Tensor<T>,
-        backward: NodeKind<T>,
+        backward: OpBackward<T>,
     ) -> Result<Tensor<T>> {
         let mut state = self.shared.state.lock();
         let mut input_nodes = Vec::with_capacity(inputs.len());
@@ -239,7 +243,7 @@ impl<T: Element> Tape<T> {
         }
         let node = state.nodes.len();
         state.nodes.push(Node {
-            kind: Some(backward),
+            kind: Some(NodeKind::Op(backward)),
             inputs: input_nodes,
         });
         let mut tensor = output;
@@ -262,7 +266,7 @@ pub(crate) fn record<T: Element>(
     make_backward: impl FnOnce() -> BackwardFn<T>,
 ) -> Result<Tensor<T>> {
     record_node(op, inputs, Tensor::from_shared(output), || {
-        NodeKind::Cpu(make_backward())
+        OpBackward::Cpu(make_backward())
     })
 }
 
@@ -273,14 +277,14 @@ pub(crate) fn record_tensor<T: Element>(
     output: Tensor<T>,
     make_backward: impl FnOnce() -> TensorBackwardFn<T>,
 ) -> Result<Tensor<T>> {
-    record_node(op, inputs, output, || NodeKind::Any(make_backward()))
+    record_node(op, inputs, output, || OpBackward::Any(make_backward()))
 }
 
 fn record_node<T: Element>(
     op: &'static str,
     inputs: &[&Tensor<T>],
     output: Tensor<T>,
-    make_backward: impl FnOnce() -> NodeKind<T>,
+    make_backward: impl FnOnce() -> OpBackward<T>,
 ) -> Result<Tensor<T>> {
     let mut tape: Option<&Tape<T>> = None;
     for input in inputs {
@@ -388,21 +392,20 @@ fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: Tensor<T
                 }
                 continue;
             }
-            Some(op) => op,
+            Some(NodeKind::Op(backward)) => backward,
         };
         let input_grads: Vec<Option<Grad<T>>> = match grads[index].take() {
             Some(grad) => {
                 let needs: Vec<bool> = inputs.iter().map(Option::is_some).collect();
                 match backward {
-                    NodeKind::Cpu(backward) => backward(grad.into_array("backward")?, &needs)?
+                    OpBackward::Cpu(backward) => backward(grad.into_array("backward")?, &needs)?
                         .into_iter()
                         .map(|g| g.map(Grad::Cpu))
                         .collect(),
-                    NodeKind::Any(backward) => backward(grad.into_tensor(), &needs)?
+                    OpBackward::Any(backward) => backward(grad.into_tensor(), &needs)?
                         .into_iter()
                         .map(|g| g.map(Grad::Tensor))
                         .collect(),
-                    NodeKind::Leaf(_) => unreachable!("leaves were handled above"),
                 }
             }
             None => Vec::new(),

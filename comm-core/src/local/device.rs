@@ -11,15 +11,16 @@
 //! soon as everyone has arrived), queues its work on the input's stream and waits for it
 //! again before the closing barrier, after which no peer touches its memory. A call
 //! therefore returns with its result complete, as on the host. A rank whose share fails
-//! (a CUDA error) waits for what it queued, then fails its peers with `PeerLost` instead
-//! of arriving: they must not return a result with that share missing.
+//! (a CUDA error) waits for what it queued and marks the call failed with `PeerLost`
+//! before it arrives at the closing barrier: its peers must not return a result with that
+//! share missing, and it must not return while they still use its buffers.
 
 use super::{chunk, group, Phase, RankCore};
 use crate::buffer::{BufMut, BufRef};
 use crate::calls::offsets;
 use crate::cuda::{self, Scratch};
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{CallSignature, Error, Result};
+use crate::error::{CallSignature, Result};
 use cudarc::driver::CudaStream;
 
 impl RankCore {
@@ -47,13 +48,7 @@ impl RankCore {
             // reuses the memory (a second failure changes nothing), then fail the peers,
             // and leave only once they no longer use our buffers either.
             let _ = cuda::synchronize(stream);
-            self.group.break_with(&Error::PeerLost {
-                group: self.name().to_string(),
-                op,
-                seq,
-                rank: self.rank,
-                world_rank: self.group.world_ranks[self.rank],
-            });
+            self.group.declare_lost(op, seq, self.rank);
             let _ = self.barrier_step(counters, op, seq, Phase::Close);
             return Err(err);
         }

@@ -92,9 +92,9 @@ unsafe impl Sync for Slot {}
 #[derive(Clone)]
 struct Breakage {
     message: String,
-    /// The lost peer (group rank, world rank) when that is the cause, so that every rank
-    /// reports the same `PeerLost`.
-    lost: Option<(usize, usize)>,
+    /// The lost peer's group rank when that is the cause, so that every rank reports the
+    /// same `PeerLost`.
+    lost: Option<usize>,
 }
 
 /// Messages from one rank to another, with counters that let the sender wait until the
@@ -268,13 +268,25 @@ impl GroupShared {
     }
 
     fn lost_error(&self, breakage: &Breakage, op: OpKind, seq: u64) -> Option<Error> {
-        breakage.lost.map(|(rank, world_rank)| Error::PeerLost {
+        breakage.lost.map(|rank| self.peer_lost(op, seq, rank))
+    }
+
+    fn peer_lost(&self, op: OpKind, seq: u64, rank: usize) -> Error {
+        Error::PeerLost {
             group: self.name.clone(),
             op,
             seq,
             rank,
-            world_rank,
-        })
+            world_rank: self.world_ranks[rank],
+        }
+    }
+
+    /// Breaks the group because group rank `lost` is gone or failed its share of call
+    /// `seq`; returns the error every rank of the call reports.
+    pub(crate) fn declare_lost(&self, op: OpKind, seq: u64, lost: usize) -> Error {
+        let err = self.peer_lost(op, seq, lost);
+        self.break_with(&err);
+        err
     }
 
     /// Marks the group unusable: its ranks' barrier counts no longer agree.
@@ -282,9 +294,7 @@ impl GroupShared {
         let mut broken = self.broken.lock();
         if broken.is_none() {
             let lost = match err {
-                Error::PeerLost {
-                    rank, world_rank, ..
-                } => Some((*rank, *world_rank)),
+                Error::PeerLost { rank, .. } => Some(*rank),
                 _ => None,
             };
             *broken = Some(Breakage {
@@ -362,14 +372,7 @@ impl GroupShared {
                 match (0..self.size()).find(|&r| self.is_missing(r, epoch)) {
                     None => Ok(()),
                     Some(lost) => {
-                        let err = Error::PeerLost {
-                            group: self.name.clone(),
-                            op,
-                            seq,
-                            rank: lost,
-                            world_rank: self.world_ranks[lost],
-                        };
-                        self.break_with(&err);
+                        let err = self.declare_lost(op, seq, lost);
                         self.note_consequence(rank);
                         Err(err)
                     }
@@ -468,14 +471,7 @@ impl GroupShared {
                     return Ok(());
                 }
                 if let Some(lost) = waiting_on(self).into_iter().find(|r| lost.contains(r)) {
-                    let err = Error::PeerLost {
-                        group: self.name.clone(),
-                        op,
-                        seq,
-                        rank: lost,
-                        world_rank: self.world_ranks[lost],
-                    };
-                    self.break_with(&err);
+                    let err = self.declare_lost(op, seq, lost);
                     self.note_consequence(me);
                     return Err(err);
                 }

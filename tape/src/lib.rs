@@ -81,6 +81,7 @@ pub mod ops;
 pub mod optim;
 mod parameter;
 mod random;
+mod schedule;
 mod tape;
 mod tensor;
 
@@ -92,8 +93,9 @@ pub use gradcheck::{gradcheck, GradCheckOptions};
 pub use ndarray;
 pub use ops::custom::CustomOp;
 pub use ops::{causal_mask, CrossEntropyOptions, Gelu, Reduction};
-pub use optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+pub use optim::{AdamW, AdamWConfig, Optimizer, OptimizerState, ParamState, Sgd, SgdConfig};
 pub use parameter::{GradHook, ParamId, Parameter};
 pub use random::Generator;
+pub use schedule::{LrDecay, LrSchedule};
 pub use tape::Tape;
 pub use tensor::Tensor;

@@ -1,10 +1,12 @@
-//! Optimizers with PyTorch semantics: [`Sgd`] (momentum, weight decay) and [`AdamW`].
+//! Optimizers with PyTorch semantics: [`Sgd`] (momentum, weight decay) and [`AdamW`],
+//! with optional [`LrSchedule`]s and their state for checkpoints ([`OptimizerState`]).
 
 use ndarray::{ArrayD, Zip};
 
 use crate::gpu::optim_ops::{adamw_step, sgd_step, SgdStep};
 use crate::gpu::GpuArray;
-use crate::{Element, Parameter, Result};
+use crate::schedule::LrSchedule;
+use crate::{Device, Element, Error, Parameter, Result, Tensor};
 
 /// Something that updates parameters from their gradients.
 pub trait Optimizer<T: Element = f32> {
@@ -13,6 +15,20 @@ pub trait Optimizer<T: Element = f32> {
 
     /// The parameters being optimised.
     fn params(&self) -> &[Parameter<T>];
+
+    /// The learning rate the next [`step`](Self::step) uses.
+    fn lr(&self) -> f64;
+
+    /// A copy of everything besides the parameters that the next steps depend on: the
+    /// step count and each parameter's buffers. Restoring it with
+    /// [`load_state`](Self::load_state) into an optimizer over the same parameters makes
+    /// the following steps bit-identical to this optimizer's.
+    fn state(&self) -> Result<OptimizerState<T>>;
+
+    /// Restores a [`state`](Self::state); each buffer moves to its parameter's device.
+    /// A state for other parameters (count, shapes or buffer names) is an error and
+    /// changes nothing.
+    fn load_state(&mut self, state: &OptimizerState<T>) -> Result<()>;
 
     /// Clears every parameter's gradient.
     fn zero_grad(&self) {
@@ -55,10 +71,14 @@ impl SgdConfig {
 pub struct Sgd<T: Element = f32> {
     params: Vec<Parameter<T>>,
     config: SgdConfig,
+    clock: Clock,
     momentum_buffers: Vec<Option<ArrayD<T>>>,
     /// Momentum buffers of parameters that live on a device.
     device_buffers: Vec<Option<GpuArray<T>>>,
 }
+
+/// Name of SGD's buffer in an [`OptimizerState`], as in `torch.optim.SGD`'s state.
+const MOMENTUM_BUFFER: &str = "momentum_buffer";
 
 impl<T: Element> Sgd<T> {
     /// An optimizer over `params`.
@@ -68,19 +88,22 @@ impl<T: Element> Sgd<T> {
         Sgd {
             params,
             config,
+            clock: Clock::default(),
             momentum_buffers,
             device_buffers,
         }
     }
 
-    /// Changes the learning rate (for schedules).
-    pub fn set_lr(&mut self, lr: f64) {
-        self.config.lr = lr;
+    /// Takes each step's learning rate from `schedule` instead of `config.lr`.
+    pub fn with_schedule(mut self, schedule: LrSchedule) -> Self {
+        self.clock.schedule = Some(schedule);
+        self
     }
 }
 
 impl<T: Element> Optimizer<T> for Sgd<T> {
     fn step(&mut self) -> Result<()> {
+        self.config.lr = self.clock.advance(self.config.lr);
         let c = self.config;
         let (lr, wd) = (T::from_f64(c.lr), T::from_f64(c.weight_decay));
         let (mu, damp) = (T::from_f64(c.momentum), T::from_f64(1.0 - c.dampening));
@@ -141,6 +164,47 @@ impl<T: Element> Optimizer<T> for Sgd<T> {
     fn params(&self) -> &[Parameter<T>] {
         &self.params
     }
+
+    fn lr(&self) -> f64 {
+        self.clock.next_lr(self.config.lr)
+    }
+
+    fn state(&self) -> Result<OptimizerState<T>> {
+        let params = (self.momentum_buffers.iter().zip(&self.device_buffers))
+            .map(|(host, device)| {
+                let buffer = match (host, device) {
+                    (Some(array), _) => Some(Tensor::from_array(array.clone())),
+                    (None, Some(array)) => Some(Tensor::from_gpu(array.duplicate("Sgd::state")?)),
+                    (None, None) => None,
+                };
+                Ok(ParamState {
+                    steps: 0,
+                    buffers: buffer
+                        .map(|b| (MOMENTUM_BUFFER.to_string(), b))
+                        .into_iter()
+                        .collect(),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(OptimizerState {
+            steps: self.clock.steps,
+            params,
+        })
+    }
+
+    fn load_state(&mut self, state: &OptimizerState<T>) -> Result<()> {
+        let slots = state.restore(&self.params, &[MOMENTUM_BUFFER], "Sgd::load_state")?;
+        for (i, slot) in slots.into_iter().enumerate() {
+            let (host, device) = match slot {
+                Some((_, mut buffers)) => buffers.remove(0),
+                None => (None, None),
+            };
+            self.momentum_buffers[i] = host;
+            self.device_buffers[i] = device;
+        }
+        self.clock.steps = state.steps;
+        Ok(())
+    }
 }
 
 /// Settings of [`AdamW`] (defaults as `torch.optim.AdamW`).
@@ -178,9 +242,13 @@ type DeviceAdamState<T> = (GpuArray<T>, GpuArray<T>, u32);
 pub struct AdamW<T: Element = f32> {
     params: Vec<Parameter<T>>,
     config: AdamWConfig,
+    clock: Clock,
     moments: Vec<Option<AdamState<T>>>,
     device_moments: Vec<Option<DeviceAdamState<T>>>,
 }
+
+/// Names of AdamW's buffers in an [`OptimizerState`], as in `torch.optim.AdamW`'s state.
+const ADAM_BUFFERS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 
 impl<T: Element> AdamW<T> {
     /// An optimizer over `params`.
@@ -190,19 +258,22 @@ impl<T: Element> AdamW<T> {
         AdamW {
             params,
             config,
+            clock: Clock::default(),
             moments,
             device_moments,
         }
     }
 
-    /// Changes the learning rate (for schedules).
-    pub fn set_lr(&mut self, lr: f64) {
-        self.config.lr = lr;
+    /// Takes each step's learning rate from `schedule` instead of `config.lr`.
+    pub fn with_schedule(mut self, schedule: LrSchedule) -> Self {
+        self.clock.schedule = Some(schedule);
+        self
     }
 }
 
 impl<T: Element> Optimizer<T> for AdamW<T> {
     fn step(&mut self) -> Result<()> {
+        self.config.lr = self.clock.advance(self.config.lr);
         let c = self.config;
         let (beta1, beta2) = c.betas;
         for (i, param) in self.params.iter().enumerate() {
@@ -271,5 +342,181 @@ impl<T: Element> Optimizer<T> for AdamW<T> {
 
     fn params(&self) -> &[Parameter<T>] {
         &self.params
+    }
+
+    fn lr(&self) -> f64 {
+        self.clock.next_lr(self.config.lr)
+    }
+
+    fn state(&self) -> Result<OptimizerState<T>> {
+        let params = (self.moments.iter().zip(&self.device_moments))
+            .map(|(host, device)| {
+                let (m, v, steps) = match (host, device) {
+                    (Some((m, v, steps)), _) => (
+                        Tensor::from_array(m.clone()),
+                        Tensor::from_array(v.clone()),
+                        *steps,
+                    ),
+                    (None, Some((m, v, steps))) => (
+                        Tensor::from_gpu(m.duplicate("AdamW::state")?),
+                        Tensor::from_gpu(v.duplicate("AdamW::state")?),
+                        *steps,
+                    ),
+                    (None, None) => return Ok(ParamState::default()),
+                };
+                Ok(ParamState {
+                    steps: u64::from(steps),
+                    buffers: vec![(ADAM_BUFFERS[0].into(), m), (ADAM_BUFFERS[1].into(), v)],
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(OptimizerState {
+            steps: self.clock.steps,
+            params,
+        })
+    }
+
+    fn load_state(&mut self, state: &OptimizerState<T>) -> Result<()> {
+        let slots = state.restore(&self.params, &ADAM_BUFFERS, "AdamW::load_state")?;
+        for (i, slot) in slots.into_iter().enumerate() {
+            self.moments[i] = None;
+            self.device_moments[i] = None;
+            let Some((steps, mut buffers)) = slot else {
+                continue;
+            };
+            let steps = u32::try_from(steps).map_err(|_| {
+                Error::invalid("AdamW::load_state", format!("{steps} steps exceed u32"))
+            })?;
+            match (buffers.remove(0), buffers.remove(0)) {
+                ((Some(m), _), (Some(v), _)) => self.moments[i] = Some((m, v, steps)),
+                ((_, Some(m)), (_, Some(v))) => self.device_moments[i] = Some((m, v, steps)),
+                _ => unreachable!("restore places every buffer of a parameter on one device"),
+            }
+        }
+        self.clock.steps = state.steps;
+        Ok(())
+    }
+}
+
+/// Counts optimizer steps and, with a schedule, sets each step's learning rate.
+#[derive(Debug, Clone, Copy, Default)]
+struct Clock {
+    steps: u64,
+    schedule: Option<LrSchedule>,
+}
+
+impl Clock {
+    /// The learning rate of the next step (`lr` without a schedule).
+    fn next_lr(&self, lr: f64) -> f64 {
+        self.schedule.map_or(lr, |s| s.lr(self.steps + 1))
+    }
+
+    /// Counts a step and returns its learning rate.
+    fn advance(&mut self, lr: f64) -> f64 {
+        let lr = self.next_lr(lr);
+        self.steps += 1;
+        lr
+    }
+}
+
+/// What an optimizer keeps besides the parameters, from [`Optimizer::state`].
+#[derive(Debug, Clone)]
+pub struct OptimizerState<T: Element = f32> {
+    /// Steps taken: the position on the learning-rate schedule.
+    pub steps: u64,
+    /// One entry per parameter, in [`Optimizer::params`] order.
+    pub params: Vec<ParamState<T>>,
+}
+
+/// One parameter's optimizer buffers.
+#[derive(Debug, Clone)]
+pub struct ParamState<T: Element = f32> {
+    /// Updates applied to this parameter (AdamW's bias correction counts them; a
+    /// parameter without a gradient is not updated). 0 for SGD.
+    pub steps: u64,
+    /// Named buffers of the parameter's shape (`exp_avg` and `exp_avg_sq` for AdamW,
+    /// `momentum_buffer` for SGD with momentum), as in PyTorch's optimizer state; empty
+    /// before the parameter's first update.
+    pub buffers: Vec<(String, Tensor<T>)>,
+}
+
+impl<T: Element> Default for ParamState<T> {
+    fn default() -> Self {
+        ParamState {
+            steps: 0,
+            buffers: Vec::new(),
+        }
+    }
+}
+
+/// A restored buffer, on the host or on its parameter's device.
+type Placed<T> = (Option<ArrayD<T>>, Option<GpuArray<T>>);
+
+impl<T: Element> OptimizerState<T> {
+    /// Checks the state against `params` and an optimizer's buffer names, and places each
+    /// parameter's buffers (in `names` order) where the parameter lives. `None` for a
+    /// parameter with no buffers yet.
+    fn restore(
+        &self,
+        params: &[Parameter<T>],
+        names: &[&str],
+        op: &'static str,
+    ) -> Result<Vec<Option<(u64, Vec<Placed<T>>)>>> {
+        if self.params.len() != params.len() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "the state holds {} parameters, the optimizer {}; restore it into an \
+                     optimizer over the same parameters",
+                    self.params.len(),
+                    params.len()
+                ),
+            ));
+        }
+        params
+            .iter()
+            .zip(&self.params)
+            .map(|(param, entry)| {
+                if entry.buffers.is_empty() {
+                    return Ok(None);
+                }
+                let found: Vec<&str> = entry.buffers.iter().map(|(n, _)| n.as_str()).collect();
+                if found != names {
+                    return Err(Error::invalid(
+                        op,
+                        format!(
+                            "'{}' has buffers {found:?}; this optimizer keeps {names:?}",
+                            param.name()
+                        ),
+                    ));
+                }
+                let device = param.value().device();
+                let placed = entry
+                    .buffers
+                    .iter()
+                    .map(|(_, buffer)| {
+                        if buffer.shape() != param.shape() {
+                            return Err(Error::shape(
+                                op,
+                                &[&param.shape(), buffer.shape()],
+                                format!("a buffer of '{}' has another shape", param.name()),
+                            ));
+                        }
+                        Ok(match device {
+                            Device::Cpu => (Some(buffer.to_array()?), None),
+                            _ => {
+                                let on_device = buffer.to_device(device)?;
+                                let array = on_device
+                                    .gpu()
+                                    .ok_or(Error::UnsupportedDevice { op, device })?;
+                                // A private copy: the optimizer updates it in place.
+                                (None, Some(array.duplicate(op)?))
+                            }
+                        })
+                    })
+                    .collect::<Result<_>>()?;
+                Ok(Some((entry.steps, placed)))
+            })
+            .collect()
     }
 }

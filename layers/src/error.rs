@@ -61,6 +61,17 @@ pub enum Error {
         /// What is wrong and what would be right.
         reason: String,
     },
+    /// A random stream was given a seed that another stream of the tracker already uses,
+    /// so the two would draw the same numbers.
+    #[error("{op}: seed {seed} already exists (stream '{stream}' uses it); give each stream its own seed")]
+    DuplicateSeed {
+        /// The function.
+        op: &'static str,
+        /// The seed asked for.
+        seed: u64,
+        /// The stream that already has it.
+        stream: String,
+    },
     /// A checkpoint file is missing, malformed, or does not match the model.
     #[error("checkpoint {path}: {reason}")]
     Checkpoint {

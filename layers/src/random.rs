@@ -12,6 +12,9 @@ pub const MODEL_PARALLEL_SEED_OFFSET: u64 = 2718;
 /// Name of the stream that differs between tensor-parallel ranks.
 pub const MODEL_PARALLEL_STREAM: &str = "model-parallel-rng";
 
+/// Name of the stream shared by every tensor-parallel rank.
+pub const DEFAULT_STREAM: &str = "default";
+
 /// Named random streams, as Megatron-Core's `CudaRNGStatesTracker`.
 ///
 /// * the **default** stream, seeded `seed` on every tensor-parallel rank: dropout on
@@ -21,12 +24,29 @@ pub const MODEL_PARALLEL_STREAM: &str = "model-parallel-rng";
 ///   activations (attention probabilities of this rank's heads, sequence-parallel
 ///   parts) draws independent masks on each rank.
 ///
-/// Further streams can be added by name (e.g. for expert parallelism).
+/// Further streams can be added by name (e.g. for expert parallelism). Every stream has
+/// its own seed: two streams seeded alike would draw the same masks.
 #[derive(Debug, Clone)]
 pub struct RngTracker {
-    default: Generator,
-    model_parallel: Generator,
-    extra: BTreeMap<String, Generator>,
+    default: Stream,
+    model_parallel: Stream,
+    extra: BTreeMap<String, Stream>,
+}
+
+/// A generator with the seed it started from, remembered so that seeds stay unique.
+#[derive(Debug, Clone)]
+struct Stream {
+    seed: u64,
+    generator: Generator,
+}
+
+impl Stream {
+    fn new(seed: u64) -> Self {
+        Stream {
+            seed,
+            generator: Generator::new(seed),
+        }
+    }
 }
 
 impl RngTracker {
@@ -36,52 +56,63 @@ impl RngTracker {
             .wrapping_add(MODEL_PARALLEL_SEED_OFFSET)
             .wrapping_add(tp_rank as u64);
         RngTracker {
-            default: Generator::new(seed),
-            model_parallel: Generator::new(model_parallel_seed),
+            default: Stream::new(seed),
+            model_parallel: Stream::new(model_parallel_seed),
             extra: BTreeMap::new(),
         }
     }
 
     /// The stream shared by every tensor-parallel rank.
     pub fn default_stream(&mut self) -> &mut Generator {
-        &mut self.default
+        &mut self.default.generator
     }
 
     /// The stream private to this tensor-parallel rank.
     pub fn model_parallel_stream(&mut self) -> &mut Generator {
-        &mut self.model_parallel
+        &mut self.model_parallel.generator
     }
 
-    /// Adds a stream; a name already taken (including `"default"` and
-    /// [`MODEL_PARALLEL_STREAM`]) is an error, as in Megatron.
+    /// Adds a stream. A name already taken (including [`DEFAULT_STREAM`] and
+    /// [`MODEL_PARALLEL_STREAM`]) is [`Error::Config`]; a seed another stream already
+    /// uses (the default seed, this rank's model-parallel seed, an added stream's) is
+    /// [`Error::DuplicateSeed`], as Megatron's `seed … already exists`.
     pub fn add(&mut self, name: &str, seed: u64) -> Result<()> {
-        if name == "default" || name == MODEL_PARALLEL_STREAM || self.extra.contains_key(name) {
+        const OP: &str = "RngTracker::add";
+        if self.streams().any(|(taken, _)| taken == name) {
             return Err(Error::config(
-                "RngTracker::add",
+                OP,
                 format!("a stream named '{name}' already exists"),
             ));
         }
-        self.extra.insert(name.to_string(), Generator::new(seed));
+        if let Some((owner, _)) = self.streams().find(|(_, stream)| stream.seed == seed) {
+            return Err(Error::DuplicateSeed {
+                op: OP,
+                seed,
+                stream: owner.to_string(),
+            });
+        }
+        self.extra.insert(name.to_string(), Stream::new(seed));
         Ok(())
     }
 
     /// The stream called `name`, or an error naming the known ones.
     pub fn stream(&mut self, name: &str) -> Result<&mut Generator> {
         match name {
-            "default" => return Ok(&mut self.default),
-            MODEL_PARALLEL_STREAM => return Ok(&mut self.model_parallel),
+            DEFAULT_STREAM => return Ok(&mut self.default.generator),
+            MODEL_PARALLEL_STREAM => return Ok(&mut self.model_parallel.generator),
             _ => {}
         }
         let known: Vec<String> = self.extra.keys().cloned().collect();
-        self.extra.get_mut(name).ok_or_else(|| {
-            Error::config(
+        match self.extra.get_mut(name) {
+            Some(stream) => Ok(&mut stream.generator),
+            None => Err(Error::config(
                 "RngTracker::stream",
                 format!(
-                    "no stream named '{name}'; known: default, {MODEL_PARALLEL_STREAM}, {}",
+                    "no stream named '{name}'; known: {DEFAULT_STREAM}, {MODEL_PARALLEL_STREAM}, {}",
                     known.join(", ")
                 ),
-            )
-        })
+            )),
+        }
     }
 
     /// The stream for dropout on activations that are sharded across tensor-parallel
@@ -92,5 +123,19 @@ impl RngTracker {
         } else {
             self.default_stream()
         }
+    }
+
+    /// Every stream with its name: default, model-parallel, then the added ones by name.
+    fn streams(&self) -> impl Iterator<Item = (&str, &Stream)> {
+        [
+            (DEFAULT_STREAM, &self.default),
+            (MODEL_PARALLEL_STREAM, &self.model_parallel),
+        ]
+        .into_iter()
+        .chain(
+            self.extra
+                .iter()
+                .map(|(name, stream)| (name.as_str(), stream)),
+        )
     }
 }

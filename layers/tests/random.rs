@@ -1,7 +1,7 @@
 //! The RNG tracker's streams: the default stream is shared by tensor-parallel ranks, the
 //! model-parallel stream is seeded `seed + 2718 + tp_rank`, as Megatron-Core's.
 
-use layers::{MasterInit, RngTracker, MODEL_PARALLEL_STREAM};
+use layers::{MasterInit, RngTracker, DEFAULT_STREAM, MODEL_PARALLEL_STREAM};
 use tape::Generator;
 
 #[test]
@@ -36,6 +36,32 @@ fn named_streams_are_unique() -> layers::Result<()> {
     assert!(tracker.add("expert", 78).is_err());
     assert!(tracker.add(MODEL_PARALLEL_STREAM, 78).is_err());
     assert!(tracker.stream("missing").is_err());
+    Ok(())
+}
+
+/// Megatron's `test_cuda_rng_states_tracker`: a seed already in use is rejected, whether
+/// the default stream, this rank's model-parallel stream or an added stream holds it.
+#[test]
+fn seeds_are_unique_across_streams() -> layers::Result<()> {
+    let mut tracker = RngTracker::new(1, 3);
+    tracker.add("expert", 77)?;
+    for (seed, owner) in [
+        (1, DEFAULT_STREAM),
+        (1 + 2718 + 3, MODEL_PARALLEL_STREAM),
+        (77, "expert"),
+    ] {
+        match tracker.add("other", seed) {
+            Err(layers::Error::DuplicateSeed {
+                seed: got, stream, ..
+            }) => assert_eq!((got, stream.as_str()), (seed, owner)),
+            other => panic!("seed {seed}: expected DuplicateSeed, got {other:?}"),
+        }
+    }
+    // The failed attempts added nothing: the name is still free, with a fresh seed.
+    tracker.add("other", 78)?;
+    assert_eq!(*tracker.stream("other")?, Generator::new(78));
+    // Rank 0's model-parallel seed is free on rank 3.
+    tracker.add("rank0-seed", 1 + 2718)?;
     Ok(())
 }
 

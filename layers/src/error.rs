@@ -72,6 +72,13 @@ pub enum Error {
         /// The stream that already has it.
         stream: String,
     },
+    /// A saved [`RngState`](crate::RngState) does not fit the tracker it is restored
+    /// into (streams missing or extra, other seeds, malformed generator words).
+    #[error("RngTracker::restore: {reason}")]
+    RngStateMismatch {
+        /// What differs, naming the stream.
+        reason: String,
+    },
     /// A checkpoint file is missing, malformed, or does not match the model.
     #[error("checkpoint {path}: {reason}")]
     Checkpoint {

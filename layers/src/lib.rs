@@ -111,7 +111,10 @@ pub use parallel::{
     all_reduce_sequence_parallel_grads, part_of, Module, ShardedParameter, Sharding,
     TensorParallel, TP_GROUP,
 };
-pub use random::{RngTracker, DEFAULT_STREAM, MODEL_PARALLEL_SEED_OFFSET, MODEL_PARALLEL_STREAM};
+pub use random::{
+    RngState, RngStreamState, RngTracker, DEFAULT_STREAM, MODEL_PARALLEL_SEED_OFFSET,
+    MODEL_PARALLEL_STREAM,
+};
 pub use transformer::{
     BlockConfig, LayerNorm, ParallelMlp, ParallelSelfAttention, TransformerBlock,
 };

@@ -15,6 +15,27 @@ pub const MODEL_PARALLEL_STREAM: &str = "model-parallel-rng";
 /// Name of the stream shared by every tensor-parallel rank.
 pub const DEFAULT_STREAM: &str = "default";
 
+/// Saved state of every stream of an [`RngTracker`], for resuming a run with exactly the
+/// draws it would have made: plain data, to be written into a checkpoint in any format.
+/// (In JSON, write the words as integers with a reader that keeps all 64 bits, or as
+/// strings: readers that parse numbers as `f64` lose bits above 2⁵³.)
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RngState {
+    /// Every stream: default, model-parallel, then the added ones by name.
+    pub streams: Vec<RngStreamState>,
+}
+
+/// One stream of an [`RngState`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RngStreamState {
+    /// The stream's name ([`DEFAULT_STREAM`], [`MODEL_PARALLEL_STREAM`] or an added one).
+    pub name: String,
+    /// The seed the stream started from.
+    pub seed: u64,
+    /// The generator's internal state ([`Generator::state`]).
+    pub words: Vec<u64>,
+}
+
 /// Named random streams, as Megatron-Core's `CudaRNGStatesTracker`.
 ///
 /// * the **default** stream, seeded `seed` on every tensor-parallel rank: dropout on
@@ -123,6 +144,63 @@ impl RngTracker {
         } else {
             self.default_stream()
         }
+    }
+
+    /// Every stream's seed and generator state; [`restore`](Self::restore) continues
+    /// from here with bit-identical draws.
+    pub fn state(&self) -> RngState {
+        RngState {
+            streams: self
+                .streams()
+                .map(|(name, stream)| RngStreamState {
+                    name: name.to_string(),
+                    seed: stream.seed,
+                    words: stream.generator.state(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Puts every stream back where [`state`](Self::state) found it. Build the tracker as
+    /// the saved one was (same seed, tensor-parallel rank and added streams), then
+    /// restore. The state must hold exactly this tracker's streams, each with the seed it
+    /// has here (so a state saved on another rank or with another seed is refused);
+    /// anything else is [`Error::RngStateMismatch`], and the tracker is left unchanged.
+    pub fn restore(&mut self, state: &RngState) -> Result<()> {
+        let mismatch = |reason: String| Error::RngStateMismatch { reason };
+        let mut restored: BTreeMap<&str, Generator> = BTreeMap::new();
+        for saved in &state.streams {
+            let name = saved.name.as_str();
+            let Some((_, stream)) = self.streams().find(|(known, _)| *known == name) else {
+                return Err(mismatch(format!(
+                    "the state has a stream '{name}' that this tracker lacks; add it first"
+                )));
+            };
+            if stream.seed != saved.seed {
+                return Err(mismatch(format!(
+                    "stream '{name}' is seeded {} here but {} in the state (saved with \
+                     another seed or on another tensor-parallel rank?)",
+                    stream.seed, saved.seed
+                )));
+            }
+            let generator = Generator::from_state(&saved.words)
+                .map_err(|error| mismatch(format!("stream '{name}': {error}")))?;
+            if restored.insert(name, generator).is_some() {
+                return Err(mismatch(format!("stream '{name}' appears twice")));
+            }
+        }
+        if let Some((missing, _)) = self
+            .streams()
+            .find(|(name, _)| !restored.contains_key(name))
+        {
+            return Err(mismatch(format!(
+                "the state lacks this tracker's stream '{missing}'"
+            )));
+        }
+        for (name, generator) in restored {
+            *self.stream(name)? = generator;
+        }
+        Ok(())
     }
 
     /// Every stream with its name: default, model-parallel, then the added ones by name.

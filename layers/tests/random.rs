@@ -1,7 +1,9 @@
 //! The RNG tracker's streams: the default stream is shared by tensor-parallel ranks, the
 //! model-parallel stream is seeded `seed + 2718 + tp_rank`, as Megatron-Core's.
 
-use layers::{MasterInit, RngTracker, DEFAULT_STREAM, MODEL_PARALLEL_STREAM};
+use layers::{
+    MasterInit, RngState, RngStreamState, RngTracker, DEFAULT_STREAM, MODEL_PARALLEL_STREAM,
+};
 use tape::Generator;
 
 #[test]
@@ -62,6 +64,103 @@ fn seeds_are_unique_across_streams() -> layers::Result<()> {
     assert_eq!(*tracker.stream("other")?, Generator::new(78));
     // Rank 0's model-parallel seed is free on rank 3.
     tracker.add("rank0-seed", 1 + 2718)?;
+    Ok(())
+}
+
+/// Some draws of every kind from every stream, as bits so that equality is exact.
+fn draws(tracker: &mut RngTracker) -> layers::Result<Vec<u64>> {
+    let mut out = Vec::new();
+    for name in [DEFAULT_STREAM, MODEL_PARALLEL_STREAM, "expert"] {
+        let stream = tracker.stream(name)?;
+        out.push(stream.next_u64());
+        out.push(stream.uniform().to_bits());
+        out.push(stream.normal().to_bits());
+        out.push(stream.normal().to_bits());
+    }
+    Ok(out)
+}
+
+fn tracker_with_expert(tp_rank: usize) -> layers::Result<RngTracker> {
+    let mut tracker = RngTracker::new(1234, tp_rank);
+    tracker.add("expert", 5)?;
+    Ok(tracker)
+}
+
+#[test]
+fn restored_state_continues_with_identical_draws() -> layers::Result<()> {
+    let mut original = tracker_with_expert(1)?;
+    draws(&mut original)?;
+    let saved = original.state();
+    assert_eq!(
+        saved
+            .streams
+            .iter()
+            .map(|s| (s.name.as_str(), s.seed, s.words.len()))
+            .collect::<Vec<_>>(),
+        [
+            (DEFAULT_STREAM, 1234, 4),
+            (MODEL_PARALLEL_STREAM, 1234 + 2718 + 1, 4),
+            ("expert", 5, 4)
+        ]
+    );
+    let want = draws(&mut original)?;
+
+    let mut resumed = tracker_with_expert(1)?;
+    let fresh = draws(&mut resumed.clone())?;
+    assert_ne!(fresh, want, "a fresh tracker draws something else");
+    resumed.restore(&saved)?;
+    assert_eq!(draws(&mut resumed)?, want);
+    assert_eq!(resumed.state(), original.state());
+    Ok(())
+}
+
+#[test]
+fn restore_rejects_states_of_other_streams_and_leaves_the_tracker_alone() -> layers::Result<()> {
+    let saved = tracker_with_expert(0)?.state();
+    let mut missing = saved.clone();
+    missing.streams.pop();
+    let mut extra = saved.clone();
+    extra.streams.push(RngStreamState {
+        name: "unknown".into(),
+        seed: 9,
+        words: vec![1, 2, 3, 4],
+    });
+    let mut doubled = saved.clone();
+    doubled.streams.push(saved.streams[2].clone());
+    let mut short = saved.clone();
+    short.streams[1].words.pop();
+    let mut zeros = saved.clone();
+    zeros.streams[0].words = vec![0; 4];
+    let cases: [(&str, &RngState, &str); 6] = [
+        ("missing", &missing, "lacks this tracker's stream 'expert'"),
+        ("extra", &extra, "stream 'unknown' that this tracker lacks"),
+        ("doubled", &doubled, "'expert' appears twice"),
+        ("short", &short, "expected 4 state words, got 3"),
+        ("zeros", &zeros, "all-zero"),
+        (
+            "other rank",
+            &tracker_with_expert(1)?.state(),
+            "seeded 3952 here but 3953",
+        ),
+    ];
+    for (what, state, mention) in cases {
+        let mut tracker = tracker_with_expert(0)?;
+        draws(&mut tracker)?;
+        let before = tracker.state();
+        match tracker.restore(state) {
+            Err(error @ layers::Error::RngStateMismatch { .. }) => {
+                let text = error.to_string();
+                assert!(text.contains(mention), "{what}: {text}");
+            }
+            other => panic!("{what}: expected RngStateMismatch, got {other:?}"),
+        }
+        assert_eq!(tracker.state(), before, "{what}: the tracker changed");
+    }
+    // A tracker that lacks the added stream refuses the state that has it.
+    assert!(matches!(
+        RngTracker::new(1234, 0).restore(&saved),
+        Err(layers::Error::RngStateMismatch { .. })
+    ));
     Ok(())
 }
 

@@ -1,6 +1,8 @@
 //! A small seeded generator (xoshiro256**), passed explicitly wherever randomness is needed
 //! so that no global random state exists and runs are reproducible.
 
+use crate::{Error, Result};
+
 /// Seeded pseudo-random generator for initialisation and dropout.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Generator {
@@ -22,6 +24,40 @@ impl Generator {
         Generator {
             state: [next(), next(), next(), next()],
         }
+    }
+
+    /// Number of words in [`state`](Self::state).
+    pub const STATE_WORDS: usize = 4;
+
+    /// The whole internal state, [`STATE_WORDS`](Self::STATE_WORDS) words: a generator
+    /// rebuilt from it by [`from_state`](Self::from_state) continues with exactly the
+    /// same draws (no sample is cached between calls, not even Box–Muller's second one).
+    pub fn state(&self) -> Vec<u64> {
+        self.state.to_vec()
+    }
+
+    /// The generator whose internal state is `words`, as returned by
+    /// [`state`](Self::state). Another number of words, or all zeros (a state xoshiro
+    /// never leaves, so it could not come from `state`), is [`Error::InvalidArgument`].
+    pub fn from_state(words: &[u64]) -> Result<Self> {
+        const OP: &str = "Generator::from_state";
+        let state: [u64; Self::STATE_WORDS] = words.try_into().map_err(|_| {
+            Error::invalid(
+                OP,
+                format!(
+                    "expected {} state words, got {}",
+                    Self::STATE_WORDS,
+                    words.len()
+                ),
+            )
+        })?;
+        if state == [0; Self::STATE_WORDS] {
+            return Err(Error::invalid(
+                OP,
+                "an all-zero state would draw only zeros; use the words Generator::state returned",
+            ));
+        }
+        Ok(Generator { state })
     }
 
     /// Next 64 random bits.

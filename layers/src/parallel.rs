@@ -193,7 +193,8 @@ pub trait Module {
 /// Sums, over the tensor-parallel group, the gradients of the parameters whose
 /// [`grad_reduce_group`](ShardedParameter::grad_reduce_group) asks for it. Call it after
 /// backward when no DDP hook does so. Every rank must call it; a parameter without a
-/// gradient contributes zeros.
+/// gradient contributes zeros. The reduction runs on the host; the summed gradient goes
+/// back to the parameter's device.
 pub fn all_reduce_sequence_parallel_grads(
     module: &dyn Module,
     group: &Arc<dyn Communicator>,
@@ -209,7 +210,10 @@ pub fn all_reduce_sequence_parallel_grads(
             None => vec![0.0; param.numel()],
         };
         group.all_reduce_slice(&mut grad, ReduceOp::Sum)?;
-        param.set_grad(Some(Tensor::from_vec(grad, &param.shape())?))?;
+        let device = param.value().device();
+        param.set_grad(Some(
+            Tensor::from_vec(grad, &param.shape())?.to_device(device)?,
+        ))?;
     }
     Ok(())
 }

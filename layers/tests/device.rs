@@ -1,13 +1,17 @@
 //! A tensor-parallel transformer block with its parameters and activations on a device
 //! equals the same block on the CPU: output, input gradient and every parameter gradient,
 //! for TP 1 and 2 with sequence parallelism off and on. Runs on the emulator everywhere
-//! and on `cuda:0` when a GPU is present (otherwise prints `skipped: …`).
+//! and on `cuda:0` when a GPU is present (otherwise prints `skipped: …`). The
+//! sequence-parallel gradient reduction leaves gradients on their parameters' device.
 
 mod common;
 
 use comm_core::run_local;
 use common::{assert_close, part, tp_context, AnyResult};
-use layers::{BlockConfig, MasterInit, Module, RngTracker, TransformerBlock};
+use layers::{
+    all_reduce_sequence_parallel_grads, BlockConfig, LayerNorm, MasterInit, Module, RngTracker,
+    TransformerBlock,
+};
 use tape::{Device, Generator, Parameter, Tape, Tensor};
 
 const SEQ: usize = 4;
@@ -83,6 +87,56 @@ fn transformer_block_on_a_device_equals_the_cpu() -> AnyResult<()> {
                 for ((name, g), (_, w)) in have.2.iter().zip(&want.2) {
                     assert_close(&format!("{what} grad of {name}"), g, w);
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Per rank, the layer norm's gradients after the sequence-parallel reduction (on the host).
+fn reduced_norm_grads(device: Device) -> AnyResult<Vec<Vec<Tensor>>> {
+    let mut rng = Generator::new(5);
+    let input = Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut rng);
+    let weights = Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut rng);
+    Ok(run_local(2, |comm| -> AnyResult<Vec<Tensor>> {
+        let tp = tp_context(comm, true);
+        let norm = LayerNorm::new(&tp, "norm", HIDDEN, 1e-5, &MasterInit::new(7, 0.2))?;
+        for p in norm.parameters() {
+            p.param.set_value(p.param.value().to_device(device)?)?;
+        }
+        let (rank, size) = (tp.rank(), tp.size());
+        let x = part(&input, 0, rank, size).to_device(device)?;
+        let w = part(&weights, 0, rank, size).to_device(device)?;
+        norm.forward(&Tape::new(), &x)?.mul(&w)?.sum()?.backward()?;
+        all_reduce_sequence_parallel_grads(&norm, tp.group())?;
+        norm.parameters()
+            .into_iter()
+            .map(|p| {
+                let grad = p.param.grad().expect("every parameter gets a gradient");
+                assert_eq!(
+                    grad.device(),
+                    device,
+                    "{} grad stays on the device",
+                    p.param.name()
+                );
+                Ok(grad.to_device(Device::Cpu)?)
+            })
+            .collect()
+    })?)
+}
+
+#[test]
+fn sequence_parallel_grad_reduction_keeps_gradients_on_the_device() -> AnyResult<()> {
+    let cpu = reduced_norm_grads(Device::Cpu)?;
+    // Reduced: both ranks hold the gradient of the whole sequence.
+    for (a, b) in cpu[0].iter().zip(&cpu[1]) {
+        assert_close("cpu rank 1 vs rank 0", b, a);
+    }
+    for device in devices() {
+        let got = reduced_norm_grads(device)?;
+        for (rank, (have, want)) in got.iter().zip(&cpu).enumerate() {
+            for (index, (g, w)) in have.iter().zip(want).enumerate() {
+                assert_close(&format!("{device} rank {rank} grad {index}"), g, w);
             }
         }
     }

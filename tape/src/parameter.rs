@@ -96,16 +96,26 @@ impl<T: Element> Parameter<T> {
         self.shared.grad.lock().take()
     }
 
-    /// Replaces the gradient (e.g. with an all-reduced one); its shape must match the value.
+    /// Replaces the gradient (e.g. with an all-reduced one); its shape and device must
+    /// match the value's ([`Error::Shape`], [`Error::DeviceMismatch`]), since optimizers
+    /// and backward's accumulation run on the value's device.
     pub fn set_grad(&self, grad: Option<Tensor<T>>) -> Result<()> {
+        const OP: &str = "Parameter::set_grad";
         if let Some(grad) = &grad {
-            let shape = self.shape();
-            if grad.shape() != shape.as_slice() {
+            let value = self.shared.value.lock();
+            if grad.shape() != value.shape() {
                 return Err(Error::shape(
-                    "Parameter::set_grad",
-                    &[&shape, grad.shape()],
+                    OP,
+                    &[value.shape(), grad.shape()],
                     "gradient shape must equal the parameter's",
                 ));
+            }
+            if grad.device() != value.device() {
+                return Err(Error::DeviceMismatch {
+                    op: OP,
+                    first: value.device(),
+                    second: grad.device(),
+                });
             }
         }
         *self.shared.grad.lock() = grad.map(|g| g.detach());

@@ -126,3 +126,28 @@ fn unsupported_device_and_bad_backward_calls() -> Result<()> {
     ));
     Ok(())
 }
+
+#[test]
+fn set_grad_rejects_a_gradient_on_another_device() -> Result<()> {
+    let on_device = Parameter::new("w", Tensor::<f32>::zeros(&[2]).to_device(Device::Emulated)?);
+    let on_host = Parameter::new("b", Tensor::<f32>::zeros(&[2]));
+    let host_grad = Tensor::<f32>::ones(&[2]);
+    let device_grad = host_grad.to_device(Device::Emulated)?;
+    for (param, grad, first, second) in [
+        (&on_device, &host_grad, Device::Emulated, Device::Cpu),
+        (&on_host, &device_grad, Device::Cpu, Device::Emulated),
+    ] {
+        match param.set_grad(Some(grad.clone())) {
+            Err(Error::DeviceMismatch {
+                op: "Parameter::set_grad",
+                first: f,
+                second: s,
+            }) => assert_eq!((f, s), (first, second)),
+            other => panic!("{}: expected DeviceMismatch, got {other:?}", param.name()),
+        }
+        assert!(param.grad().is_none(), "a refused gradient is not stored");
+    }
+    on_device.set_grad(Some(device_grad.clone()))?;
+    assert_eq!(on_device.grad().map(|g| g.device()), Some(Device::Emulated));
+    Ok(())
+}

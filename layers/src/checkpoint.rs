@@ -7,22 +7,40 @@
 //! `tp_size` and each parameter's [`Sharding`] in text form (`sharding.<name>` =
 //! `replicated` or `split:<dim>:<full_len>`), so a checkpoint can be re-cut without the
 //! model's code.
+//!
+//! An optimizer's state ([`tape::OptimizerState`]) is saved beside the weights in
+//! `optim_tp_{rank}_of_{n}.safetensors`: each buffer is a tensor `<parameter>/<buffer>`
+//! sharded like its parameter, so it is re-cut to another tensor-parallel size the same
+//! way ([`save_optimizer_shard`], [`load_optimizer_state`]).
+//!
+//! Files are written to a temporary name and renamed into place, so a reader sees a
+//! whole file or the previous one, never a torn write; they are read through a memory
+//! map.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
-use tape::Tensor;
+use tape::{Optimizer, OptimizerState, ParamState, Tensor};
 
 use crate::error::{Error, Result};
 use crate::parallel::{Module, Sharding};
 
 const SHARDING_PREFIX: &str = "sharding.";
+/// Metadata key of the optimizer's step count.
+const STEPS_KEY: &str = "optimizer_steps";
+/// Metadata key prefix of each parameter's own update count.
+const PARAM_STEPS_PREFIX: &str = "steps.";
 
 /// The file of rank `tp_rank` in a checkpoint of tensor-parallel size `tp_size`.
 pub fn shard_path(dir: &Path, tp_rank: usize, tp_size: usize) -> PathBuf {
     dir.join(format!("tp_{tp_rank}_of_{tp_size}.safetensors"))
+}
+
+/// The optimizer-state file of rank `tp_rank` beside [`shard_path`]'s.
+pub fn optimizer_shard_path(dir: &Path, tp_rank: usize, tp_size: usize) -> PathBuf {
+    dir.join(format!("optim_tp_{tp_rank}_of_{tp_size}.safetensors"))
 }
 
 /// One rank's file: its parameter parts with their shardings.
@@ -120,6 +138,14 @@ pub fn read_full_checkpoint(
     let shards = (0..tp_size)
         .map(|rank| read_shard(&shard_path(dir, rank, tp_size)))
         .collect::<Result<Vec<_>>>()?;
+    join_shards(&shards, |rank| shard_path(dir, rank, tp_size))
+}
+
+/// Every tensor of `shards` (rank order) joined into its full form.
+fn join_shards(
+    shards: &[Shard],
+    path_of: impl Fn(usize) -> PathBuf,
+) -> Result<BTreeMap<String, (Sharding, Tensor)>> {
     let mut full = BTreeMap::new();
     for (name, (sharding, _)) in &shards[0].tensors {
         let parts = shards
@@ -128,8 +154,8 @@ pub fn read_full_checkpoint(
             .map(|(rank, shard)| match shard.tensors.get(name) {
                 Some((s, tensor)) if s == sharding => Ok(tensor.clone()),
                 _ => Err(Error::checkpoint(
-                    shard_path(dir, rank, tp_size),
-                    format!("parameter '{name}' is missing or sharded differently than on rank 0"),
+                    path_of(rank),
+                    format!("tensor '{name}' is missing or sharded differently than on rank 0"),
                 )),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -140,12 +166,144 @@ pub fn read_full_checkpoint(
 
 /// Writes one rank's file.
 pub fn write_shard(shard: &Shard, dir: &Path, tp_rank: usize, tp_size: usize) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
-        path: dir.to_path_buf(),
-        source,
-    })?;
-    let path = shard_path(dir, tp_rank, tp_size);
-    let mut metadata = HashMap::new();
+    write_file(
+        shard,
+        dir,
+        &shard_path(dir, tp_rank, tp_size),
+        tp_rank,
+        tp_size,
+        HashMap::new(),
+    )
+}
+
+/// Reads one rank's file.
+pub fn read_shard(path: &Path) -> Result<Shard> {
+    Ok(read_file(path)?.0)
+}
+
+/// Writes this rank's part of `optimizer`'s state to
+/// [`optimizer_shard_path`]`(dir, tp_rank, tp_size)`. The optimizer's parameters must be
+/// `module`'s, in [`Module::parameters`] order, which gives each buffer its sharding.
+pub fn save_optimizer_shard<O: Optimizer + ?Sized>(
+    module: &dyn Module,
+    optimizer: &O,
+    dir: &Path,
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<()> {
+    let path = optimizer_shard_path(dir, tp_rank, tp_size);
+    let params = module.parameters();
+    let state = optimizer.state()?;
+    let same_params = params.len() == optimizer.params().len()
+        && (params.iter().zip(optimizer.params())).all(|(a, b)| a.param.id() == b.id());
+    if !same_params {
+        return Err(Error::checkpoint(
+            &path,
+            "the optimizer's parameters are not the module's, in Module::parameters order",
+        ));
+    }
+    let mut shard = Shard::default();
+    let mut metadata = HashMap::from([(STEPS_KEY.to_string(), state.steps.to_string())]);
+    for (sharded, entry) in params.iter().zip(&state.params) {
+        let name = sharded.param.name();
+        metadata.insert(
+            format!("{PARAM_STEPS_PREFIX}{name}"),
+            entry.steps.to_string(),
+        );
+        for (buffer, tensor) in &entry.buffers {
+            let key = format!("{name}/{buffer}");
+            shard
+                .tensors
+                .insert(key, (sharded.sharding, tensor.clone()));
+        }
+    }
+    write_file(&shard, dir, &path, tp_rank, tp_size, metadata)
+}
+
+/// The optimizer state for this rank's parameters of `module` (tensor-parallel rank
+/// `tp_rank` of `tp_size`), from a checkpoint saved at tensor-parallel size `saved_size`:
+/// each buffer is joined from the saved parts and cut again like its parameter. Give it
+/// to [`Optimizer::load_state`].
+pub fn load_optimizer_state(
+    module: &dyn Module,
+    dir: &Path,
+    saved_size: usize,
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<OptimizerState> {
+    if saved_size == 0 {
+        return Err(Error::checkpoint(
+            dir,
+            "the saved tensor-parallel size must be positive",
+        ));
+    }
+    let files = (0..saved_size)
+        .map(|rank| read_file(&optimizer_shard_path(dir, rank, saved_size)))
+        .collect::<Result<Vec<_>>>()?;
+    let first = optimizer_shard_path(dir, 0, saved_size);
+    let metadata = &files[0].1;
+    let number = |key: &str| -> Result<u64> {
+        metadata
+            .get(key)
+            .and_then(|text| text.parse().ok())
+            .ok_or_else(|| Error::checkpoint(&first, format!("no valid '{key}' in the metadata")))
+    };
+    let shards: Vec<Shard> = files.iter().map(|(shard, _)| shard.clone()).collect();
+    let mut full = join_shards(&shards, |rank| optimizer_shard_path(dir, rank, saved_size))?;
+    let params = module
+        .parameters()
+        .iter()
+        .map(|sharded| {
+            let name = sharded.param.name();
+            let prefix = format!("{name}/");
+            let keys: Vec<String> = full
+                .keys()
+                .filter(|key| key.starts_with(&prefix))
+                .cloned()
+                .collect();
+            let buffers = keys
+                .into_iter()
+                .filter_map(|key| full.remove_entry(&key))
+                .map(|(key, (sharding, tensor))| {
+                    let part = sharding.shard(&tensor, tp_rank, tp_size)?;
+                    Ok((key[prefix.len()..].to_string(), part))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(ParamState {
+                steps: number(&format!("{PARAM_STEPS_PREFIX}{name}"))?,
+                buffers,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(stray) = full.keys().next() {
+        return Err(Error::checkpoint(
+            &first,
+            format!(
+                "'{stray}' belongs to no parameter of the model; was it saved from another model?"
+            ),
+        ));
+    }
+    Ok(OptimizerState {
+        steps: number(STEPS_KEY)?,
+        params,
+    })
+}
+
+/// Writes `shard` to `path` with its shardings, `tp_rank`/`tp_size` and `metadata` in
+/// the header: to a temporary file first, renamed into place once complete.
+fn write_file(
+    shard: &Shard,
+    dir: &Path,
+    path: &Path,
+    tp_rank: usize,
+    tp_size: usize,
+    mut metadata: HashMap<String, String>,
+) -> Result<()> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
     metadata.insert("tp_rank".to_string(), tp_rank.to_string());
     metadata.insert("tp_size".to_string(), tp_size.to_string());
     let mut bytes = Vec::with_capacity(shard.tensors.len());
@@ -164,14 +322,25 @@ pub fn write_shard(shard: &Shard, dir: &Path, tp_rank: usize, tp_size: usize) ->
             TensorView::new(Dtype::F32, shape.clone(), data).map(|view| (*name, view))
         })
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| Error::checkpoint(&path, e.to_string()))?;
-    safetensors::serialize_to_file(views, Some(metadata), &path)
-        .map_err(|e| Error::checkpoint(&path, e.to_string()))
+        .map_err(|e| Error::checkpoint(path, e.to_string()))?;
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(format!(".tmp-{}", std::process::id()));
+    let temporary = PathBuf::from(temporary);
+    safetensors::serialize_to_file(views, Some(metadata), &temporary)
+        .map_err(|e| Error::checkpoint(&temporary, e.to_string()))?;
+    std::fs::rename(&temporary, path).map_err(io(path))
 }
 
-/// Reads one rank's file.
-pub fn read_shard(path: &Path) -> Result<Shard> {
-    let bytes = std::fs::read(path).map_err(|source| Error::Io {
+/// Reads a file written by [`write_file`]: its tensors with their shardings, and the
+/// header's metadata.
+fn read_file(path: &Path) -> Result<(Shard, HashMap<String, String>)> {
+    let file = std::fs::File::open(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: the map is only read, and checkpoint files are never modified in place:
+    // writers rename a new file over the old one, which leaves this mapping intact.
+    let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
     })?;
@@ -199,5 +368,5 @@ pub fn read_shard(path: &Path) -> Result<Shard> {
         let tensor = Tensor::from_vec(values, view.shape())?;
         shard.tensors.insert(name.to_string(), (sharding, tensor));
     }
-    Ok(shard)
+    Ok((shard, metadata))
 }

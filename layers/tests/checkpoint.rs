@@ -1,5 +1,6 @@
-//! Sharded safetensors checkpoints: save/load round trips, and conversion TP=4 → 2 → 1
-//! (with uneven splits) that reproduces the serial model's parameters exactly.
+//! Sharded safetensors checkpoints: save/load round trips, conversion TP=4 → 2 → 1
+//! (with uneven splits) that reproduces the serial model's parameters exactly, and
+//! optimizer state that resumes bit-identically at the same or another TP size.
 
 mod common;
 
@@ -7,8 +8,12 @@ use std::path::PathBuf;
 
 use comm_core::run_local;
 use common::{tp_context, AnyResult};
-use layers::checkpoint::{convert_checkpoint, load_shard, read_full_checkpoint, save_shard};
+use layers::checkpoint::{
+    convert_checkpoint, load_optimizer_state, load_shard, optimizer_shard_path,
+    read_full_checkpoint, save_optimizer_shard, save_shard,
+};
 use layers::{BlockConfig, MasterInit, Module, TransformerBlock};
+use tape::{AdamW, AdamWConfig, Optimizer};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("layers-ckpt-{}-{name}", std::process::id()));
@@ -118,6 +123,111 @@ fn loading_into_a_mismatched_model_is_an_error() -> AnyResult<()> {
         assert!(matches!(
             load_shard(&block, &dir, tp.rank(), 4),
             Err(layers::Error::Io { .. })
+        ));
+        Ok(())
+    })?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// One AdamW step on `block` with a gradient computed elementwise from each value, so
+/// every tensor-parallel size updates each element of the full model identically.
+fn adamw_step(block: &TransformerBlock, optimizer: &mut AdamW) -> AnyResult<()> {
+    for sharded in block.parameters() {
+        let value = sharded.param.value();
+        let grad = value.mul(&value)?.sub(&value.scale(0.1)?)?;
+        sharded.param.set_grad(Some(grad))?;
+    }
+    Ok(optimizer.step()?)
+}
+
+fn adamw(block: &TransformerBlock) -> AdamW {
+    let params = block.parameters().into_iter().map(|p| p.param).collect();
+    AdamW::new(params, AdamWConfig::default())
+}
+
+#[test]
+fn optimizer_state_resumes_exactly_at_the_same_and_another_tp_size() -> AnyResult<()> {
+    let dir = scratch("optimizer");
+    let init = MasterInit::new(3, 0.5).with_bias_std(0.1);
+    // Two steps at TP 2, save, then the third step: the reference.
+    let continued = run_local(2, |comm| -> AnyResult<_> {
+        let tp = tp_context(comm, false);
+        let block = TransformerBlock::new(&tp, "b", &config(), &init)?;
+        let mut optimizer = adamw(&block);
+        adamw_step(&block, &mut optimizer)?;
+        adamw_step(&block, &mut optimizer)?;
+        save_shard(&block, &dir, tp.rank(), tp.size())?;
+        save_optimizer_shard(&block, &optimizer, &dir, tp.rank(), tp.size())?;
+        adamw_step(&block, &mut optimizer)?;
+        Ok(common::values_of(&block))
+    })?;
+    // Resume into models built from other weights, at TP 2 and at TP 1.
+    let resume = |tp_size: usize| {
+        run_local(tp_size, |comm| -> AnyResult<_> {
+            let tp = tp_context(comm, false);
+            let block = TransformerBlock::new(&tp, "b", &config(), &MasterInit::new(8, 1.0))?;
+            let full = read_full_checkpoint(&dir, 2)?;
+            for sharded in block.parameters() {
+                let (sharding, tensor) = &full[sharded.param.name()];
+                sharded
+                    .param
+                    .set_value(sharding.shard(tensor, tp.rank(), tp.size())?)?;
+            }
+            let mut optimizer = adamw(&block);
+            let state = load_optimizer_state(&block, &dir, 2, tp.rank(), tp.size())?;
+            assert_eq!(state.steps, 2);
+            optimizer.load_state(&state)?;
+            adamw_step(&block, &mut optimizer)?;
+            Ok(common::values_of(&block))
+        })
+    };
+    assert_eq!(
+        format!("{:?}", resume(2)?),
+        format!("{continued:?}"),
+        "TP 2 → TP 2 resume must be bit-identical"
+    );
+    let serial = resume(1)?;
+    for (index, (name, sharding, value)) in serial[0].iter().enumerate() {
+        let parts: Vec<_> = continued.iter().map(|r| r[index].2.clone()).collect();
+        assert_eq!(
+            value.to_vec()?,
+            sharding.unshard(&parts)?.to_vec()?,
+            "{name} at TP 1"
+        );
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn optimizer_state_of_another_model_is_an_error() -> AnyResult<()> {
+    let dir = scratch("optimizer-mismatch");
+    let init = MasterInit::new(1, 0.5);
+    run_local(1, |comm| -> AnyResult<()> {
+        let tp = tp_context(comm, false);
+        let block = TransformerBlock::new(&tp, "b", &config(), &init)?;
+        let mut optimizer = adamw(&block);
+        adamw_step(&block, &mut optimizer)?;
+        save_optimizer_shard(&block, &optimizer, &dir, 0, 1)?;
+        let other = TransformerBlock::new(&tp, "other", &config(), &init)?;
+        assert!(matches!(
+            load_optimizer_state(&other, &dir, 1, 0, 1),
+            Err(layers::Error::Checkpoint { .. })
+        ));
+        // An optimizer over other parameters cannot be saved as this module's.
+        assert!(matches!(
+            save_optimizer_shard(&other, &optimizer, &dir, 0, 1),
+            Err(layers::Error::Checkpoint { .. })
+        ));
+        // A torn file (as a crash in the middle of a write would leave without the
+        // rename) is reported, not misread.
+        let path = optimizer_shard_path(&dir, 0, 1);
+        let bytes = std::fs::read(&path)?;
+        std::fs::write(&path, &bytes[..bytes.len() / 2])?;
+        assert!(matches!(
+            load_optimizer_state(&block, &dir, 1, 0, 1),
+            Err(layers::Error::Checkpoint { .. })
         ));
         Ok(())
     })?;

@@ -8,7 +8,8 @@
 //! stays within its byte cap; the first bucket has a smaller cap (1 MiB by default) so
 //! that communication starts as early as possible, the others a larger one (25 MiB).
 //! A single parameter larger than the cap gets a bucket of its own. The assignment
-//! depends only on the parameter sizes and the caps, so it is identical on every rank.
+//! depends only on the parameter sizes and the caps, so it is identical on every rank of
+//! the data-parallel group; ranks of a tensor-parallel group may differ (uneven shards).
 //!
 //! Caps are measured in bytes of f32 gradient, whatever dtype a comm hook sends, so
 //! that switching on compression does not change which collectives run.

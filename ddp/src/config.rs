@@ -1,9 +1,11 @@
-//! [`DdpConfig`]: bucket sizes, unused-parameter handling, overlap and the comm hook.
+//! [`DdpConfig`]: bucket sizes, unused-parameter handling, overlap, the comm hook and the
+//! extra model-parallel reductions.
 
 use std::fmt;
 use std::sync::Arc;
 
 use crate::hook::{AllReduceAvg, CommHook};
+use crate::named::NamedGroupReduction;
 
 /// Cap of every bucket after the first, in bytes of f32 gradient (PyTorch's
 /// `bucket_cap_mb = 25`).
@@ -31,8 +33,12 @@ pub struct DdpConfig {
     /// (Megatron's `overlap_grad_reduce`). With `false`, every bucket starts in
     /// `finish`, after backward: useful to measure what the overlap saves.
     pub overlap_grad_reduce: bool,
-    /// How buckets are reduced ([`AllReduceAvg`] by default).
+    /// How buckets are reduced over the data-parallel group ([`AllReduceAvg`] by
+    /// default).
     pub comm_hook: Arc<dyn CommHook>,
+    /// Parameters whose gradients are also summed over named model-parallel groups at the
+    /// end of [`finish`](crate::DistributedDataParallel::finish) (none by default).
+    pub extra_reductions: NamedGroupReduction,
 }
 
 impl Default for DdpConfig {
@@ -43,6 +49,7 @@ impl Default for DdpConfig {
             find_unused_parameters: false,
             overlap_grad_reduce: true,
             comm_hook: Arc::new(AllReduceAvg),
+            extra_reductions: NamedGroupReduction::new(),
         }
     }
 }
@@ -55,6 +62,7 @@ impl fmt::Debug for DdpConfig {
             .field("find_unused_parameters", &self.find_unused_parameters)
             .field("overlap_grad_reduce", &self.overlap_grad_reduce)
             .field("comm_hook", &self.comm_hook.name())
+            .field("extra_reductions", &self.extra_reductions)
             .finish()
     }
 }

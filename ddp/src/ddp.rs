@@ -42,12 +42,16 @@ pub struct DistributedDataParallel {
 impl DistributedDataParallel {
     /// Wraps `params` (in registration order, i.e. the order the model creates and uses
     /// them in forward) for data-parallel training over `dp`. Collective over `dp`.
+    ///
+    /// Every parameter marked in [`DdpConfig::extra_reductions`] must be among `params`
+    /// ([`Error::InvalidMark`] otherwise).
     pub fn new(
         params: Vec<Parameter>,
         dp: Arc<dyn Communicator>,
         config: DdpConfig,
     ) -> Result<DistributedDataParallel> {
         validate(&params, &config)?;
+        let extra_reductions = config.extra_reductions.resolve(&params)?;
         init::verify_shapes(dp.as_ref(), &params)?;
         let buckets = Arc::new(layout(&params, &config));
         if dp.size() > 1 {
@@ -62,6 +66,7 @@ impl DistributedDataParallel {
                 hook: config.comm_hook,
                 overlap: config.overlap_grad_reduce,
                 find_unused: config.find_unused_parameters,
+                extra_reductions,
             },
         );
         let buckets_started = reducer.started_counter().clone();
@@ -115,7 +120,8 @@ impl DistributedDataParallel {
     }
 
     /// Waits for every bucket of this step (starting those that have not started yet)
-    /// and leaves the averaged gradients in the parameters. A no-op inside
+    /// and leaves the averaged gradients in the parameters, then sums the gradients
+    /// marked in [`DdpConfig::extra_reductions`] over their groups. A no-op inside
     /// [`no_sync`](Self::no_sync).
     ///
     /// Parameters that got no gradient are zeros in their buckets with

@@ -11,8 +11,10 @@
 //! gradients are rounded into a 16-bit bucket as they are copied in, so compression
 //! halves the bucket memory instead of adding a second copy.
 //!
-//! Built-in hooks: [`AllReduceAvg`] (the default), [`CompressedAllReduce`] (bf16 or
-//! fp16) and [`NamedGroupReduction`](crate::NamedGroupReduction).
+//! Built-in hooks: [`AllReduceAvg`] (the default) and [`CompressedAllReduce`] (bf16 or
+//! fp16). A hook is only the data-parallel reduction; the model-parallel reductions of
+//! [`NamedGroupReduction`](crate::NamedGroupReduction) run after all buckets, outside
+//! any hook.
 
 use comm_core::{AsyncOp, Buffer, Communicator, DType, ReduceOp, Work};
 

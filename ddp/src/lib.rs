@@ -64,20 +64,31 @@
 //! ```
 //!
 //! # Comm hooks
-//! [`DdpConfig::comm_hook`] chooses how buckets travel: [`AllReduceAvg`] (default),
-//! [`CompressedAllReduce`] (bf16/fp16 buckets, half the memory and traffic), or
-//! [`NamedGroupReduction`], which additionally sums marked parameters' gradients over
-//! named model-parallel groups (sequence-parallel layer norms over `"tp"`, tied
-//! embeddings over `"embedding"`; see its docs for an example). Implement [`CommHook`]
-//! for anything else.
+//! [`DdpConfig::comm_hook`] chooses how buckets travel over the data-parallel group:
+//! [`AllReduceAvg`] (default), [`CompressedAllReduce`] (bf16/fp16 buckets, half the
+//! memory and traffic), or your own [`CommHook`].
+//!
+//! # Model-parallel groups
+//! Some gradients must also be summed over a model-parallel group after the
+//! data-parallel average (Megatron's `finalize_model_grads`): sequence-parallel layer
+//! norms over `"tp"`, tied embeddings over `"embedding"`. Mark them in a
+//! [`NamedGroupReduction`] and pass it as [`DdpConfig::extra_reductions`] (see its docs
+//! for an example).
 //!
 //! # How it works
 //! * [`bucket`](BucketInfo) layout — parameters in reverse registration order, a small
-//!   first bucket, then buckets up to a byte cap; identical on every rank.
+//!   first bucket, then buckets up to a byte cap; identical on every rank of the
+//!   data-parallel group (which holds the same shapes), but not across a
+//!   tensor-parallel group, whose ranks hold shards of different sizes when a dimension
+//!   does not divide evenly.
 //! * `reducer` — grad-ready hooks copy each gradient into its bucket (rounded to the hook's
 //!   wire dtype) and start a bucket's non-blocking all-reduce once it is complete and
 //!   every earlier bucket has started; `finish` waits for them in order, runs the hook's
 //!   post-processing and writes the averages back into the parameters.
+//! * extra reductions — then `finish` runs, per named group in registry order, one f32
+//!   SUM all-reduce of the group's marked gradients, coalesced in registration order.
+//!   They never depend on the bucket layout, so every member of a group issues the same
+//!   collectives with the same counts.
 //! * `init` — the construction-time shape check and broadcast from DP rank 0.
 //!
 //! **Gradient buffer.** tape's gradients are separate tensors, so buckets do not alias

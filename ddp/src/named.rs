@@ -1,39 +1,49 @@
-//! Extra reductions in named groups for marked parameters (the comm hook of seed 003's
-//! `init_ddp_model_and_reduction_hooks`).
+//! Extra reductions over named model-parallel groups for marked parameters (Megatron's
+//! `finalize_model_grads`, seed 003's `init_ddp_model_and_reduction_hooks`).
 //!
 //! Some parameters are replicated across a model-parallel group as well as across the
 //! data-parallel one, and every replica computes only part of their gradient. After the
 //! data-parallel average, such a parameter's gradient must also be *summed* over that
-//! group. [`NamedGroupReduction`] does this for parameters marked with group names from
-//! [`ParallelState`]'s registry, after its inner hook's reduction:
+//! group. [`NamedGroupReduction`] records which parameters, with group names from
+//! [`ParallelState`]'s registry:
 //!
-//! * **Sequence-parallel layer norms** (Megatron `finalize_model_grads`,
-//!   `_allreduce_layernorm_grads`): with sequence parallelism each TP rank normalises a
-//!   slice of the sequence, so layer-norm weight and bias gradients are partial sums;
-//!   mark them with `"tp"`.
+//! * **Sequence-parallel layer norms** (`_allreduce_layernorm_grads`): with sequence
+//!   parallelism each TP rank normalises a slice of the sequence, so layer-norm weight
+//!   and bias gradients are partial sums: `"tp"`.
 //! * **Tied embeddings** (`_allreduce_word_embedding_grads`): the first and last pipeline
 //!   stages each hold a copy of the word embedding; mark the copy on both stages with
 //!   `"embedding"` so both receive the sum of the two gradients.
 //! * **Context parallelism** (seed 003): parameters whose gradients are partial over
 //!   `"cp"` or `"tp-cp"`.
 //!
-//! Groups are processed in registry order ([`ParallelState::group_names`]), the same on
-//! every rank whatever order the marks were made in. Within a bucket, marked parameters
-//! that lie next to each other are reduced as one collective, in place in the bucket.
+//! The reductions run at the end of
+//! [`finish`](crate::DistributedDataParallel::finish), after every bucket has been
+//! reduced and written back, and never inside a bucket: bucket boundaries follow each
+//! rank's own parameter sizes, which differ between the ranks of a tensor-parallel group
+//! when shards are uneven, while a collective needs the same count on every member.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
-use comm_core::{Buffer, Communicator, DType, ReduceOp, Work};
+use comm_core::{Communicator, CommunicatorExt, ReduceOp};
 use parallel_state::ParallelState;
-use tape::{ParamId, Parameter};
+use tape::{ParamId, Parameter, Tensor};
 
 use crate::error::{Error, Result};
-use crate::hook::{AllReduceAvg, CommHook, ReducedBucket};
 
-/// A comm hook that runs an inner hook (by default [`AllReduceAvg`]) and then sums the
-/// gradients of marked parameters over named groups.
+/// Which parameters' gradients DDP also sums over which named model-parallel groups,
+/// after the data-parallel average. Hand it to DDP as
+/// [`DdpConfig::extra_reductions`](crate::DdpConfig::extra_reductions).
+///
+/// In [`finish`](crate::DistributedDataParallel::finish), once the data-parallel average
+/// is in every parameter, each group (in [`ParallelState::group_names`] order, whatever
+/// order the marks were made in) gets one SUM all-reduce, in f32 whatever the comm hook's
+/// wire dtype: its marked parameters' whole gradients in registration order, coalesced.
+/// Every member of a group must therefore mark parameters of the same shapes in the same
+/// registration order. A marked parameter without a gradient takes part as zeros; it
+/// receives the sum when some member had a gradient for it, and keeps no gradient when
+/// none had.
 ///
 /// ```
 /// use comm_core::run_local;
@@ -47,9 +57,9 @@ use crate::hook::{AllReduceAvg, CommHook, ReducedBucket};
 /// let grads = run_local(4, |comm| -> ddp::Result<Vec<f32>> {
 ///     let state = ParallelState::new(Arc::new(comm), layout.clone())?;
 ///     let ln = Parameter::new("ln.weight", Tensor::ones(&[2]));
-///     let mut hook = NamedGroupReduction::new();
-///     hook.mark(&state, &ln, &["tp"])?;
-///     let config = DdpConfig { comm_hook: Arc::new(hook), ..DdpConfig::default() };
+///     let mut marks = NamedGroupReduction::new();
+///     marks.mark(&state, &ln, &["tp"])?;
+///     let config = DdpConfig { extra_reductions: marks, ..DdpConfig::default() };
 ///     let ddp = DistributedDataParallel::new(vec![ln.clone()], state.dp().clone(), config)?;
 ///
 ///     // World rank r contributes a gradient of r + 1 to each element.
@@ -62,38 +72,32 @@ use crate::hook::{AllReduceAvg, CommHook, ReducedBucket};
 /// assert!(grads.iter().all(|g| g == &vec![5.0, 5.0]));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
+#[derive(Clone, Default)]
 pub struct NamedGroupReduction {
-    inner: Arc<dyn CommHook>,
+    /// Sorted by registry position.
     groups: Vec<MarkedGroup>,
 }
 
+#[derive(Clone)]
 struct MarkedGroup {
     name: String,
     /// Position in the registry, which orders the reductions identically on every rank.
     registry_position: usize,
     comm: Arc<dyn Communicator>,
-    params: HashSet<ParamId>,
+    /// The marked parameters, with their names for error messages.
+    params: HashMap<ParamId, String>,
 }
 
 impl NamedGroupReduction {
-    /// Averages over the data-parallel group with [`AllReduceAvg`], then runs the
-    /// extra reductions.
+    /// No marks: DDP only averages over the data-parallel group.
     pub fn new() -> Self {
-        NamedGroupReduction::with_inner(Arc::new(AllReduceAvg))
-    }
-
-    /// Runs `inner` (e.g. a [`CompressedAllReduce`](crate::CompressedAllReduce)) for the
-    /// data-parallel reduction, then the extra reductions, in `inner`'s wire dtype.
-    pub fn with_inner(inner: Arc<dyn CommHook>) -> Self {
-        NamedGroupReduction {
-            inner,
-            groups: Vec::new(),
-        }
+        Self::default()
     }
 
     /// Marks `param` for an extra SUM all-reduce over each group in `groups` (names from
     /// `state`'s registry). Every rank holding `param` must mark it the same way; this
-    /// rank must be a member of each group.
+    /// rank must be a member of each group. Marking a parameter twice for a group is the
+    /// same as once.
     pub fn mark(
         &mut self,
         state: &ParallelState,
@@ -110,22 +114,22 @@ impl NamedGroupReduction {
                 });
             }
             let comm = state.group_named(group)?;
-            let registry_position = state
-                .group_names()
-                .iter()
-                .position(|name| *name == group)
-                .unwrap_or(usize::MAX);
             if !self.groups.iter().any(|g| g.name == group) {
+                let registry_position = state
+                    .group_names()
+                    .iter()
+                    .position(|name| *name == group)
+                    .unwrap_or(usize::MAX);
                 self.groups.push(MarkedGroup {
                     name: group.to_string(),
                     registry_position,
                     comm: comm.clone(),
-                    params: HashSet::new(),
+                    params: HashMap::new(),
                 });
                 self.groups.sort_by_key(|g| g.registry_position);
             }
             if let Some(marked) = self.groups.iter_mut().find(|g| g.name == group) {
-                marked.params.insert(param.id());
+                marked.params.insert(param.id(), param.name().to_string());
             }
         }
         Ok(())
@@ -135,67 +139,98 @@ impl NamedGroupReduction {
     pub fn groups_of(&self, param: &Parameter) -> Vec<&str> {
         self.groups
             .iter()
-            .filter(|g| g.params.contains(&param.id()))
+            .filter(|g| g.params.contains_key(&param.id()))
             .map(|g| g.name.as_str())
             .collect()
     }
-}
 
-impl Default for NamedGroupReduction {
-    fn default() -> Self {
-        NamedGroupReduction::new()
+    /// The reductions to run over `params` (DDP's parameters, in registration order):
+    /// each group's members as registration indices. Groups of one rank are left out.
+    /// Fails on a mark for a parameter that is not in `params`.
+    pub(crate) fn resolve(&self, params: &[Parameter]) -> Result<Vec<GroupReduction>> {
+        let registered: HashSet<ParamId> = params.iter().map(Parameter::id).collect();
+        let mut reductions = Vec::new();
+        for group in &self.groups {
+            let mut strangers: Vec<&String> = group
+                .params
+                .iter()
+                .filter(|(id, _)| !registered.contains(id))
+                .map(|(_, name)| name)
+                .collect();
+            strangers.sort();
+            if let Some(name) = strangers.first() {
+                return Err(Error::InvalidMark {
+                    name: name.to_string(),
+                    group: group.name.clone(),
+                    reason: "it is not one of the parameters given to DistributedDataParallel"
+                        .into(),
+                });
+            }
+            if group.comm.size() < 2 {
+                continue;
+            }
+            reductions.push(GroupReduction {
+                comm: group.comm.clone(),
+                members: (0..params.len())
+                    .filter(|&i| group.params.contains_key(&params[i].id()))
+                    .collect(),
+            });
+        }
+        Ok(reductions)
     }
 }
 
 impl fmt::Debug for NamedGroupReduction {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NamedGroupReduction")
-            .field("inner", &self.inner.name())
-            .field(
-                "groups",
-                &self
-                    .groups
+        f.debug_map()
+            .entries(
+                self.groups
                     .iter()
-                    .map(|g| (g.name.as_str(), g.params.len()))
-                    .collect::<Vec<_>>(),
+                    .map(|g| (g.name.as_str(), g.params.len())),
             )
             .finish()
     }
 }
 
-impl CommHook for NamedGroupReduction {
-    fn name(&self) -> &str {
-        "named-group-reduction"
-    }
+/// One group's extra reduction, resolved against DDP's parameters.
+pub(crate) struct GroupReduction {
+    comm: Arc<dyn Communicator>,
+    /// Registration indices of the marked parameters, ascending.
+    members: Vec<usize>,
+}
 
-    fn wire_dtype(&self) -> DType {
-        self.inner.wire_dtype()
-    }
+impl GroupReduction {
+    /// Sums the members' gradients over the group in one f32 all-reduce.
+    pub(crate) fn run(&self, params: &[Parameter]) -> Result<()> {
+        let grads: Vec<Option<Tensor>> = self.members.iter().map(|&i| params[i].grad()).collect();
+        let numel: usize = self.members.iter().map(|&i| params[i].numel()).sum();
+        let mut flat = Vec::with_capacity(numel + self.members.len());
+        for (&i, grad) in self.members.iter().zip(&grads) {
+            match grad {
+                Some(grad) => flat.extend(grad.to_vec()?),
+                None => flat.resize(flat.len() + params[i].numel(), 0.0),
+            }
+        }
+        // One has-gradient flag per member rides along, so that a parameter no member
+        // has a gradient for keeps none, and one that some member has gets the sum.
+        flat.extend(grads.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }));
+        self.comm.all_reduce_slice(&mut flat, ReduceOp::Sum)?;
 
-    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work> {
-        self.inner.start(dp, bucket)
-    }
-
-    fn after_reduce(&self, bucket: &mut ReducedBucket<'_>) -> Result<()> {
-        self.inner.after_reduce(bucket)?;
-        for group in &self.groups {
-            if group.comm.size() < 2 {
+        let (values, flags) = flat.split_at(numel);
+        let mut offset = 0;
+        for ((&i, grad), &flag) in self.members.iter().zip(&grads).zip(flags) {
+            let param = &params[i];
+            let range = offset..offset + param.numel();
+            offset = range.end;
+            if flag == 0.0 {
                 continue;
             }
-            let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
-            for param in bucket
-                .params()
-                .iter()
-                .filter(|p| group.params.contains(&p.id))
-            {
-                match runs.last_mut() {
-                    Some(run) if run.end == param.offset => run.end += param.numel,
-                    _ => runs.push(param.range()),
-                }
-            }
-            for run in runs {
-                bucket.all_reduce_range(group.comm.as_ref(), run, ReduceOp::Sum)?;
-            }
+            // Back to where the gradient lived (the parameter's device when it had none).
+            let device = grad
+                .as_ref()
+                .map_or_else(|| param.value().device(), Tensor::device);
+            let summed = Tensor::from_vec(values[range].to_vec(), &param.shape())?;
+            param.set_grad(Some(summed.to_device(device)?))?;
         }
         Ok(())
     }

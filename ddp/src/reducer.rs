@@ -8,7 +8,9 @@
 //!    order on every rank, even when gradients complete in a different order.
 //! 2. **Finish** — parameters that got no gradient are either filled with zeros
 //!    (`find_unused_parameters`) or reported; the remaining buckets start; each bucket is
-//!    waited for in order, post-processed by the comm hook and written back.
+//!    waited for in order, post-processed by the comm hook and written back. Then the
+//!    extra model-parallel reductions run on the written-back gradients, one per named
+//!    group (see [`NamedGroupReduction`](crate::NamedGroupReduction)).
 //! 3. **Reset** — ready flags are cleared for the next step. Any failure also resets, so
 //!    one bad step never leaves the next one waiting for a bucket that cannot fire.
 //!
@@ -25,6 +27,7 @@ use tape::{Parameter, Tensor};
 use crate::bucket::{self, BucketInfo};
 use crate::error::{Error, Result};
 use crate::hook::{CommHook, ReducedBucket};
+use crate::named::GroupReduction;
 
 pub(crate) struct Reducer {
     dp: Arc<dyn Communicator>,
@@ -45,6 +48,8 @@ pub(crate) struct Reducer {
     pub(crate) sync_enabled: bool,
     overlap: bool,
     find_unused: bool,
+    /// Run after every bucket is written back, in order.
+    extra_reductions: Vec<GroupReduction>,
 }
 
 struct BucketState {
@@ -58,6 +63,7 @@ pub(crate) struct ReducerOptions {
     pub(crate) hook: Arc<dyn CommHook>,
     pub(crate) overlap: bool,
     pub(crate) find_unused: bool,
+    pub(crate) extra_reductions: Vec<GroupReduction>,
 }
 
 impl Reducer {
@@ -96,6 +102,7 @@ impl Reducer {
             sync_enabled: true,
             overlap: options.overlap,
             find_unused: options.find_unused,
+            extra_reductions: options.extra_reductions,
         }
     }
 
@@ -238,6 +245,9 @@ impl Reducer {
                 self.params[slot.index].set_grad(grad)?;
             }
             self.state[index].storage = Some(buffer);
+        }
+        for reduction in &self.extra_reductions {
+            reduction.run(&self.params)?;
         }
         Ok(())
     }

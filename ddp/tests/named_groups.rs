@@ -1,18 +1,18 @@
-//! Seed 003's comm hook: after the DP average, marked parameters are summed over named
-//! groups — checked against hand-computed values.
+//! Seed 003's extra reductions: after the DP average, marked parameters are summed over
+//! named groups — checked against hand-computed values.
 
 use std::sync::Arc;
 
 use anyhow::Result;
 use comm_core::run_local;
-use ddp::{DdpConfig, DistributedDataParallel, Error, NamedGroupReduction};
+use ddp::{CompressedAllReduce, DdpConfig, DistributedDataParallel, Error, NamedGroupReduction};
 use parallel_state::{ParallelState, RankLayout};
 use tape::{Parameter, Tape, Tensor};
 
 /// TP = 2 × DP = 2 on 4 ranks: TP groups {0,1} {2,3}, DP groups {0,2} {1,3}.
 /// Parameters (registration order) `a` (marked "tp"), `b` (unmarked), `c` (marked "tp"),
-/// all in one bucket, so the marked ones form two separate runs. World rank r's gradient is
-/// `r + 1` for `a`, `10(r + 1)` for `b` and `100(r + 1)` for `c`.
+/// in one bucket, with an unmarked one between the marked ones. World rank r's gradient
+/// is `r + 1` for `a`, `10(r + 1)` for `b` and `100(r + 1)` for `c`.
 #[test]
 fn tp_marked_gradients_are_dp_averaged_then_tp_summed() -> Result<()> {
     let layout = RankLayout::builder(4).tp(2).build()?;
@@ -23,13 +23,13 @@ fn tp_marked_gradients_are_dp_averaged_then_tp_summed() -> Result<()> {
             Parameter::new("b", Tensor::ones(&[3])),
             Parameter::new("c", Tensor::ones(&[1])),
         ];
-        let mut hook = NamedGroupReduction::new();
-        hook.mark(&state, &params[0], &["tp"])?;
-        hook.mark(&state, &params[2], &["tp"])?;
-        assert_eq!(hook.groups_of(&params[0]), vec!["tp"]);
-        assert!(hook.groups_of(&params[1]).is_empty());
+        let mut marks = NamedGroupReduction::new();
+        marks.mark(&state, &params[0], &["tp"])?;
+        marks.mark(&state, &params[2], &["tp"])?;
+        assert_eq!(marks.groups_of(&params[0]), vec!["tp"]);
+        assert!(marks.groups_of(&params[1]).is_empty());
         let config = DdpConfig {
-            comm_hook: Arc::new(hook),
+            extra_reductions: marks,
             ..DdpConfig::default()
         };
         let ddp = DistributedDataParallel::new(params.clone(), state.dp().clone(), config)?;
@@ -69,10 +69,10 @@ fn tied_embedding_gradients_are_summed_over_the_embedding_group() -> Result<()> 
     let grads = run_local(4, |comm| -> Result<Vec<f32>> {
         let state = ParallelState::new(Arc::new(comm), layout.clone())?;
         let embedding = Parameter::new("word_embeddings", Tensor::ones(&[2, 2]));
-        let mut hook = NamedGroupReduction::new();
-        hook.mark(&state, &embedding, &["embedding"])?;
+        let mut marks = NamedGroupReduction::new();
+        marks.mark(&state, &embedding, &["embedding"])?;
         let config = DdpConfig {
-            comm_hook: Arc::new(hook),
+            extra_reductions: marks,
             ..DdpConfig::default()
         };
         let ddp =
@@ -97,13 +97,101 @@ fn marking_rejects_the_dp_group_and_unknown_names() -> Result<()> {
     run_local(2, |comm| -> Result<()> {
         let state = ParallelState::new(Arc::new(comm), layout.clone())?;
         let p = Parameter::new("p", Tensor::ones(&[1]));
-        let mut hook = NamedGroupReduction::new();
-        let err = hook.mark(&state, &p, &["dp"]).unwrap_err();
+        let mut marks = NamedGroupReduction::new();
+        let err = marks.mark(&state, &p, &["dp"]).unwrap_err();
         assert!(matches!(err, Error::InvalidMark { .. }), "{err}");
-        let err = hook.mark(&state, &p, &["no-such-group"]).unwrap_err();
+        let err = marks.mark(&state, &p, &["no-such-group"]).unwrap_err();
         assert!(matches!(err, Error::ParallelState(_)), "{err}");
         assert!(err.to_string().contains("no-such-group"), "{err}");
+
+        // A mark for a parameter DDP was not given.
+        marks.mark(&state, &p, &["tp"])?;
+        let other = Parameter::new("other", Tensor::ones(&[1]));
+        let config = DdpConfig {
+            extra_reductions: marks,
+            ..DdpConfig::default()
+        };
+        let err =
+            DistributedDataParallel::new(vec![other], state.dp().clone(), config).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidMark { ref name, .. } if name == "p"),
+            "{err}"
+        );
         Ok(())
     })?;
+    Ok(())
+}
+
+/// The extra reductions run on the f32 gradients, not in a 16-bit bucket: TP ranks
+/// contribute 1 and 2⁻⁸ (both exact in bf16), whose sum 1 + 2⁻⁸ bf16 cannot hold.
+#[test]
+fn extra_reductions_sum_in_f32_under_a_bf16_comm_hook() -> Result<()> {
+    let layout = RankLayout::builder(2).tp(2).build()?;
+    let grads = run_local(2, |comm| -> Result<Vec<f32>> {
+        let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+        let p = Parameter::new("ln.weight", Tensor::ones(&[3]));
+        let mut marks = NamedGroupReduction::new();
+        marks.mark(&state, &p, &["tp"])?;
+        let config = DdpConfig {
+            comm_hook: Arc::new(CompressedAllReduce::bf16()),
+            extra_reductions: marks,
+            ..DdpConfig::default()
+        };
+        let ddp = DistributedDataParallel::new(vec![p.clone()], state.dp().clone(), config)?;
+        let scale = if state.tp_rank() == 0 {
+            1.0
+        } else {
+            2f64.powi(-8)
+        };
+        let tape = Tape::new();
+        ddp.backward(&tape.watch(&p).scale(scale)?.sum()?)?;
+        Ok(p.grad()
+            .map(|g| g.to_vec())
+            .transpose()?
+            .unwrap_or_default())
+    })?;
+    assert_eq!(grads, vec![vec![1.0 + 2f32.powi(-8); 3]; 2]);
+    Ok(())
+}
+
+/// TP = 2, DP = 1, `find_unused_parameters`: `used_by_one` gets a gradient (3) on TP rank
+/// 0 only, `unused` on neither. Both still take part in the one coalesced reduction: the
+/// first ends with the sum on both ranks, the second with no gradient.
+#[test]
+fn marked_parameters_without_gradients_take_part_as_zeros() -> Result<()> {
+    let layout = RankLayout::builder(2).tp(2).build()?;
+    let grads = run_local(2, |comm| -> Result<Vec<Option<Vec<f32>>>> {
+        let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+        let params = vec![
+            Parameter::new("used", Tensor::ones(&[2])),
+            Parameter::new("used_by_one", Tensor::ones(&[2])),
+            Parameter::new("unused", Tensor::ones(&[1])),
+        ];
+        let mut marks = NamedGroupReduction::new();
+        for p in &params {
+            marks.mark(&state, p, &["tp"])?;
+        }
+        let config = DdpConfig {
+            find_unused_parameters: true,
+            extra_reductions: marks,
+            ..DdpConfig::default()
+        };
+        let ddp = DistributedDataParallel::new(params.clone(), state.dp().clone(), config)?;
+        let tape = Tape::new();
+        let mut loss = tape.watch(&params[0]).sum()?;
+        if state.tp_rank() == 0 {
+            loss = loss.add(&tape.watch(&params[1]).scale(3.0)?.sum()?)?;
+        }
+        ddp.backward(&loss)?;
+        Ok(params
+            .iter()
+            .map(|p| p.grad().map(|g| g.to_vec()).transpose())
+            .collect::<tape::Result<_>>()?)
+    })?;
+    for g in &grads {
+        assert_eq!(g[0], Some(vec![2.0; 2]));
+        assert_eq!(g[1], Some(vec![3.0; 2]));
+        assert_eq!(g[2], None);
+    }
     Ok(())
 }

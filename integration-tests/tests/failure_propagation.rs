@@ -1,6 +1,6 @@
 //! DESIGN.md invariant 4 end to end: a rank that fails (returns an error, or panics)
 //! before backward in a TP = 2 × DP = 2 training step (`layers` model, `ddp` over the DP
-//! group, `NamedGroupReduction` over `"tp"`) makes every other rank's training step return
+//! group, extra reductions over `"tp"`) makes every other rank's training step return
 //! a typed error — `comm_core::Error::PeerLost` or `Broken`, found through the `layers` /
 //! `ddp` / `mappings` / `tape` error chains — well under 5 s (the collective timeout is
 //! set to 30 s, so only the lost-peer detection can be that fast), and the launcher

@@ -8,7 +8,7 @@
 //!
 //! The transformer-block tests run with sequence parallelism, so layer norms and
 //! row-parallel biases see only part of the sequence; their gradients are summed over the
-//! TP group inside DDP's comm hook (`ddp::NamedGroupReduction`, marked from `layers`'
+//! TP group by DDP's extra reductions (`ddp::NamedGroupReduction`, marked from `layers`'
 //! `Module::parameters()` where `grad_reduce_group == Some("tp")`).
 
 mod support;

@@ -225,7 +225,7 @@ pub struct RankResult {
     /// This rank's loss of each step: the DP rank's loss without sequence parallelism,
     /// this TP rank's share of it (they sum to it) with.
     pub losses: Vec<f32>,
-    /// Parameters marked for the extra `"tp"` reduction in DDP's comm hook.
+    /// Parameters marked for DDP's extra `"tp"` reduction.
     pub marked: Vec<String>,
     /// Every parameter after the last step, with its sharding.
     pub params: Vec<(String, Sharding, Tensor)>,
@@ -236,7 +236,7 @@ pub struct RankResult {
 pub type BeforeBackward<'a> = &'a (dyn Fn(usize, usize) -> Result<(), BoxError> + Sync);
 
 /// One rank of a TP × DP training run: `ParallelState` over `comm`, the model from the
-/// master weights, DDP over the DP group with `NamedGroupReduction` summing the
+/// master weights, DDP over the DP group with extra reductions summing the
 /// sequence-parallel gradients over `"tp"`, and `setup.steps` optimizer steps on this
 /// rank's part of each global batch.
 pub fn train_rank(
@@ -256,17 +256,17 @@ pub fn train_rank(
     }
 
     let sharded = net.parameters();
-    let mut hook = NamedGroupReduction::new();
+    let mut marks = NamedGroupReduction::new();
     let mut marked = Vec::new();
     for p in &sharded {
         if p.grad_reduce_group == Some(TP_GROUP) {
-            hook.mark(&state, &p.param, &[TP_GROUP])?;
+            marks.mark(&state, &p.param, &[TP_GROUP])?;
             marked.push(p.param.name().to_string());
         }
     }
     let params: Vec<Parameter> = sharded.iter().map(|p| p.param.clone()).collect();
     let config = DdpConfig {
-        comm_hook: Arc::new(hook),
+        extra_reductions: marks,
         ..small_buckets()
     };
     let ddp = DistributedDataParallel::new(params.clone(), state.dp().clone(), config)?;

@@ -1,6 +1,8 @@
 //! Cross-entropy over logits whose vocabulary dimension is divided among the
 //! tensor-parallel ranks (Megatron-Core's `vocab_parallel_cross_entropy`), exact for every
-//! tensor-parallel size, label smoothing included.
+//! tensor-parallel size, label smoothing included; and its per-token form, normalised by
+//! the non-ignored tokens of the whole data-parallel batch (Megatron's
+//! `calculate_per_token_loss`).
 
 use std::sync::Arc;
 
@@ -21,6 +23,12 @@ const OP: &str = "vocab_parallel_cross_entropy";
 /// by the **global** vocabulary size (Megatron-Core divides by the local shard's, so its
 /// smoothed loss changes with the tensor-parallel size). Backward is fused and local:
 /// `softmax − (1−ε)·one-hot − ε/V`, scaled by the upstream gradient.
+///
+/// With [`Reduction::Mean`], rows whose label is the ignore index do not count; when no
+/// row counts, the loss is 0 and so is its gradient (the sum over no rows), not 0/0.
+/// Under data parallelism each rank's mean covers only its own tokens, so averaging it
+/// over the ranks weights ranks with many ignored tokens too much; see
+/// [`vocab_parallel_cross_entropy_per_token`].
 pub fn vocab_parallel_cross_entropy(
     logits: &Tensor,
     labels: &[i64],
@@ -84,6 +92,79 @@ pub fn vocab_parallel_cross_entropy(
     Tensor::apply(Arc::new(op), &[logits]).map_err(unwrap_own_error)
 }
 
+/// One data-parallel rank's share of the per-token loss of the whole data-parallel batch;
+/// see [`vocab_parallel_cross_entropy_per_token`].
+#[derive(Debug, Clone)]
+pub struct TokenLoss {
+    /// `Σ(this rank's token losses) · dp_size / global_tokens` (0 when `global_tokens`
+    /// is 0), differentiable: call `backward` on it, then let DDP average the gradients.
+    pub loss: Tensor,
+    /// Tokens whose label is not the ignore index, over the data-parallel group.
+    pub global_tokens: usize,
+    /// The loss over those tokens, `Σ token losses / global_tokens` (0 without tokens):
+    /// the same on every rank, for reporting.
+    pub global_mean: f32,
+}
+
+/// Cross-entropy normalised by the non-ignored tokens of the whole data-parallel batch
+/// (Megatron-Core's `calculate_per_token_loss`), for batches whose ranks ignore different
+/// numbers of tokens (padding).
+///
+/// Arguments are those of [`vocab_parallel_cross_entropy`] plus the data-parallel group
+/// `dp_group`, whose every rank must call this function (after the tensor-parallel
+/// all-reduces, it all-reduces this rank's loss sum and token count over `dp_group`).
+/// `options.reduction` must be [`Reduction::Mean`] (the default): the result is a mean,
+/// over the global batch. The returned [`TokenLoss::loss`] is scaled so that
+///
+/// * its average over the data-parallel ranks is the mean loss of the global batch's
+///   non-ignored tokens, and
+/// * after DDP **averages** the gradients over `dp_group`, every parameter's gradient is
+///   the gradient of that global mean, as one rank holding the whole batch would get.
+///
+/// Each call normalises by the tokens of its own global micro-batch: under gradient
+/// accumulation, micro-batches are weighted equally, not by their token counts.
+pub fn vocab_parallel_cross_entropy_per_token(
+    logits: &Tensor,
+    labels: &[i64],
+    tp_group: &Arc<dyn Communicator>,
+    vocab_size: usize,
+    options: &CrossEntropyOptions,
+    dp_group: &Arc<dyn Communicator>,
+) -> Result<TokenLoss> {
+    const OP: &str = "vocab_parallel_cross_entropy_per_token";
+    if options.reduction != Reduction::Mean {
+        return Err(Error::config(
+            OP,
+            format!(
+                "reduction {:?}: the per-token loss is a mean over the global batch; use \
+                 Reduction::Mean, or vocab_parallel_cross_entropy for other reductions",
+                options.reduction
+            ),
+        ));
+    }
+    let sum_options = CrossEntropyOptions {
+        reduction: Reduction::Sum,
+        ..*options
+    };
+    let local_sum =
+        vocab_parallel_cross_entropy(logits, labels, tp_group, vocab_size, &sum_options)?;
+    let local_tokens = labels
+        .iter()
+        .filter(|&&l| options.ignore_index != Some(l))
+        .count();
+    // f64 keeps token counts exact up to 2^53.
+    let mut totals = [f64::from(local_sum.item()?), local_tokens as f64];
+    dp_group.all_reduce_slice(&mut totals, ReduceOp::Sum)?;
+    let [global_sum, global_tokens] = totals;
+    // No token anywhere: every rank's sum is 0 and stays 0 with its gradient.
+    let tokens = global_tokens.max(1.0);
+    Ok(TokenLoss {
+        loss: local_sum.scale(dp_group.size() as f64 / tokens)?,
+        global_tokens: global_tokens as usize,
+        global_mean: (global_sum / tokens) as f32,
+    })
+}
+
 /// Errors raised inside the op's forward come back wrapped by the tape.
 fn unwrap_own_error(error: tape::Error) -> Error {
     match error {
@@ -107,8 +188,10 @@ struct VocabParallelCrossEntropy {
 }
 
 impl VocabParallelCrossEntropy {
-    fn counted(&self) -> usize {
-        self.kept.iter().filter(|&&k| k).count()
+    /// The divisor of [`Reduction::Mean`]: the non-ignored rows, or 1 when there are
+    /// none (their sum is 0, so the mean is 0 rather than 0/0).
+    fn mean_divisor(&self) -> f32 {
+        self.kept.iter().filter(|&&k| k).count().max(1) as f32
     }
 
     fn forward_inner(&self, logits: &Tensor, saved: &mut Vec<Tensor>) -> Result<Tensor> {
@@ -150,7 +233,7 @@ impl VocabParallelCrossEntropy {
         let loss = match self.options.reduction {
             Reduction::None => Tensor::from_vec(losses, &self.lead_shape)?,
             Reduction::Sum => Tensor::scalar(total),
-            Reduction::Mean => Tensor::scalar(total / self.counted() as f32),
+            Reduction::Mean => Tensor::scalar(total / self.mean_divisor()),
         };
         // The arithmetic above runs on the host (it is dominated by the two all-reduces);
         // the loss lives where the logits do.
@@ -165,7 +248,7 @@ impl VocabParallelCrossEntropy {
         let upstream: Vec<f32> = match self.options.reduction {
             Reduction::None => grad_output.to_vec()?,
             Reduction::Sum => vec![grad_output.item()?; rows],
-            Reduction::Mean => vec![grad_output.item()? / self.counted() as f32; rows],
+            Reduction::Mean => vec![grad_output.item()? / self.mean_divisor(); rows],
         };
         let width = logits.shape().last().copied().unwrap_or(1);
         let eps = self.options.label_smoothing as f32;

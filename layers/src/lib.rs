@@ -4,7 +4,8 @@
 //! * [`ColumnParallelLinear`] and [`RowParallelLinear`], with bias, `gather_output`,
 //!   `input_is_parallel`, `skip_bias_add` and sequence parallelism;
 //! * [`VocabParallelEmbedding`] and [`vocab_parallel_cross_entropy`] over a vocabulary
-//!   divided among ranks (unevenly when needed, see [`VocabRange`]);
+//!   divided among ranks (unevenly when needed, see [`VocabRange`]), with a per-token
+//!   form over the data-parallel batch ([`vocab_parallel_cross_entropy_per_token`]);
 //! * [`LayerNorm`], [`ParallelMlp`], [`ParallelSelfAttention`] and a pre-norm
 //!   [`TransformerBlock`];
 //! * initialisation from seeded master weights ([`MasterInit`]): any tensor-parallel size
@@ -102,7 +103,9 @@ mod parallel;
 mod random;
 mod transformer;
 
-pub use cross_entropy::vocab_parallel_cross_entropy;
+pub use cross_entropy::{
+    vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_per_token, TokenLoss,
+};
 pub use embedding::{VocabParallelEmbedding, VocabRange};
 pub use error::{Error, Result};
 pub use init::MasterInit;

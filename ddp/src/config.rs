@@ -38,6 +38,9 @@ pub struct DdpConfig {
     pub comm_hook: Arc<dyn CommHook>,
     /// Parameters whose gradients are also summed over named model-parallel groups at the
     /// end of [`finish`](crate::DistributedDataParallel::finish) (none by default).
+    /// [`DistributedDataParallel::for_model`](crate::DistributedDataParallel::for_model)
+    /// adds the model's own marks to these: a parameter is reduced over the union of the
+    /// groups either marks it with.
     pub extra_reductions: NamedGroupReduction,
 }
 

@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use comm_core::{Communicator, DType};
+use layers::Module;
+use parallel_state::ParallelState;
 use parking_lot::Mutex;
 use tape::{Parameter, Tensor};
 
@@ -89,6 +91,32 @@ impl DistributedDataParallel {
             dp,
             wire_dtype,
         })
+    }
+
+    /// Wraps every parameter of `model` (in [`Module::parameters`] order) for
+    /// data-parallel training over `state`'s data-parallel group, with the extra
+    /// model-parallel reductions the parameters ask for themselves: each parameter whose
+    /// [`grad_reduce_group`](layers::ShardedParameter::grad_reduce_group) names a group
+    /// (sequence-parallel layer norms and row-parallel biases: `"tp"`) is marked for it.
+    /// Marks already in [`DdpConfig::extra_reductions`] are kept, so a parameter is
+    /// summed over every group either source names (each once). Collective over the
+    /// data-parallel group.
+    pub fn for_model(
+        model: &dyn Module,
+        state: &ParallelState,
+        config: DdpConfig,
+    ) -> Result<DistributedDataParallel> {
+        let mut config = config;
+        let mut params = Vec::new();
+        for sharded in model.parameters() {
+            if let Some(group) = sharded.grad_reduce_group {
+                config
+                    .extra_reductions
+                    .mark(state, &sharded.param, &[group])?;
+            }
+            params.push(sharded.param);
+        }
+        DistributedDataParallel::new(params, state.dp().clone(), config)
     }
 
     /// The parameters, in registration order.

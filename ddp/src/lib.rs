@@ -71,9 +71,43 @@
 //! # Model-parallel groups
 //! Some gradients must also be summed over a model-parallel group after the
 //! data-parallel average (Megatron's `finalize_model_grads`): sequence-parallel layer
-//! norms over `"tp"`, tied embeddings over `"embedding"`. Mark them in a
-//! [`NamedGroupReduction`] and pass it as [`DdpConfig::extra_reductions`] (see its docs
-//! for an example).
+//! norms and row-parallel biases over `"tp"`, tied embeddings over `"embedding"`.
+//! [`DistributedDataParallel::for_model`] takes a `layers` model and derives these
+//! reductions from its parameters' own
+//! [`grad_reduce_group`](layers::ShardedParameter::grad_reduce_group), so nothing needs
+//! marking by hand:
+//! ```
+//! use comm_core::run_local;
+//! use ddp::{DdpConfig, DistributedDataParallel};
+//! use layers::{LayerNorm, MasterInit, Module, TensorParallel};
+//! use parallel_state::{ParallelState, RankLayout};
+//! use std::sync::Arc;
+//! use tape::{Generator, Tape, Tensor};
+//!
+//! // TP = 2 × DP = 2 with sequence parallelism: each rank normalises 2 of its
+//! // replica's 4 sequence positions.
+//! let layout = RankLayout::builder(4).tp(2).build()?;
+//! let grads = run_local(4, |comm| -> Result<Vec<f32>, Box<dyn std::error::Error + Send + Sync>> {
+//!     let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+//!     let tp = TensorParallel::from_state(&state).with_sequence_parallel(true);
+//!     let ln = LayerNorm::new(&tp, "ln", 3, 1e-5, &MasterInit::new(1, 0.1))?;
+//!     let ddp = DistributedDataParallel::for_model(&ln, &state, DdpConfig::default())?;
+//!
+//!     // This rank's [sequence part, batch, hidden] = [2, 1, 3].
+//!     let x = Tensor::randn(&[2, 1, 3], 1.0, &mut Generator::new(state.rank() as u64));
+//!     ddp.backward(&ln.forward(&Tape::new(), &x)?.sum()?)?;
+//!     let bias = ln.parameters()[1].param.clone();
+//!     Ok(bias.grad().expect("a gradient").to_vec()?)
+//! })?;
+//! // d(Σ output)/d bias counts positions: 2 per rank, summed over the TP pair to the
+//! // replica's 4 (the serial model's), the same on both DP replicas.
+//! assert!(grads.iter().all(|g| g == &vec![4.0; 3]));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//! For parameters the model does not mark (tied embeddings across pipeline stages), add
+//! marks to a [`NamedGroupReduction`] and pass it as [`DdpConfig::extra_reductions`]
+//! (see its docs); [`DistributedDataParallel::new`] takes plain parameters and only
+//! those marks.
 //!
 //! # How it works
 //! * [`bucket`](BucketInfo) layout — parameters in reverse registration order, a small

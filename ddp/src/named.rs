@@ -34,7 +34,9 @@ use crate::error::{Error, Result};
 
 /// Which parameters' gradients DDP also sums over which named model-parallel groups,
 /// after the data-parallel average. Hand it to DDP as
-/// [`DdpConfig::extra_reductions`](crate::DdpConfig::extra_reductions).
+/// [`DdpConfig::extra_reductions`](crate::DdpConfig::extra_reductions);
+/// [`DistributedDataParallel::for_model`](crate::DistributedDataParallel::for_model)
+/// adds a `layers` model's own marks to it, which is all most models need.
 ///
 /// In [`finish`](crate::DistributedDataParallel::finish), once the data-parallel average
 /// is in every parameter, each group (in [`ParallelState::group_names`] order, whatever
@@ -218,17 +220,15 @@ impl GroupReduction {
 
         let (values, flags) = flat.split_at(numel);
         let mut offset = 0;
-        for ((&i, grad), &flag) in self.members.iter().zip(&grads).zip(flags) {
+        for (&i, &flag) in self.members.iter().zip(flags) {
             let param = &params[i];
             let range = offset..offset + param.numel();
             offset = range.end;
             if flag == 0.0 {
                 continue;
             }
-            // Back to where the gradient lived (the parameter's device when it had none).
-            let device = grad
-                .as_ref()
-                .map_or_else(|| param.value().device(), Tensor::device);
+            // A gradient lives on its parameter's device.
+            let device = param.value().device();
             let summed = Tensor::from_vec(values[range].to_vec(), &param.shape())?;
             param.set_grad(Some(summed.to_device(device)?))?;
         }

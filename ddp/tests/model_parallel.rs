@@ -210,3 +210,38 @@ fn uneven_tp_shards_with_sequence_parallelism_give_the_serial_gradients() -> Res
     assert_equals_serial(&ranks, &serial_grads()?);
     Ok(())
 }
+
+/// `for_model` marks the model's sequence-parallel parameters itself. A manual mark in
+/// the config for a parameter the model marks too joins it (the union): the gradient is
+/// summed once, not twice.
+#[test]
+fn for_model_derives_the_reductions_from_the_model() -> Result<()> {
+    let ranks = parallel_grads(|model, state| {
+        let marked: Vec<String> = model
+            .parameters()
+            .iter()
+            .filter(|p| p.grad_reduce_group.is_some())
+            .map(|p| p.param.name().to_string())
+            .collect();
+        assert_eq!(
+            marked,
+            [
+                "block.ln1.weight",
+                "block.ln1.bias",
+                "block.attention.proj.bias",
+                "block.ln2.weight",
+                "block.ln2.bias",
+                "block.mlp.fc2.bias"
+            ]
+        );
+        let mut marks = NamedGroupReduction::new();
+        marks.mark(state, &model.parameters()[0].param, &["tp"])?;
+        let config = DdpConfig {
+            extra_reductions: marks,
+            ..small_buckets()
+        };
+        DistributedDataParallel::for_model(model, state, config)
+    })?;
+    assert_equals_serial(&ranks, &serial_grads()?);
+    Ok(())
+}

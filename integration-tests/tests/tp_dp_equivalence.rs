@@ -8,8 +8,9 @@
 //!
 //! The transformer-block tests run with sequence parallelism, so layer norms and
 //! row-parallel biases see only part of the sequence; their gradients are summed over the
-//! TP group by DDP's extra reductions (`ddp::NamedGroupReduction`, marked from `layers`'
-//! `Module::parameters()` where `grad_reduce_group == Some("tp")`).
+//! TP group by DDP's extra reductions (`DistributedDataParallel::for_model` marks the
+//! parameters of `layers`' `Module::parameters()` whose `grad_reduce_group` is
+//! `Some("tp")`).
 
 mod support;
 

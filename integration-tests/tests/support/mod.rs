@@ -7,7 +7,7 @@ use std::error::Error as StdError;
 use std::sync::Arc;
 
 use comm_core::{Communicator, LocalCommunicator};
-use ddp::{DdpConfig, DistributedDataParallel, NamedGroupReduction};
+use ddp::{DdpConfig, DistributedDataParallel};
 use layers::{
     part_of, BlockConfig, MasterInit, Module, ParallelMlp, RngTracker, ShardedParameter, Sharding,
     TensorParallel, TransformerBlock, TP_GROUP,
@@ -225,7 +225,7 @@ pub struct RankResult {
     /// This rank's loss of each step: the DP rank's loss without sequence parallelism,
     /// this TP rank's share of it (they sum to it) with.
     pub losses: Vec<f32>,
-    /// Parameters marked for DDP's extra `"tp"` reduction.
+    /// Parameters that ask for DDP's extra `"tp"` reduction (`grad_reduce_group`).
     pub marked: Vec<String>,
     /// Every parameter after the last step, with its sharding.
     pub params: Vec<(String, Sharding, Tensor)>,
@@ -236,8 +236,8 @@ pub struct RankResult {
 pub type BeforeBackward<'a> = &'a (dyn Fn(usize, usize) -> Result<(), BoxError> + Sync);
 
 /// One rank of a TP × DP training run: `ParallelState` over `comm`, the model from the
-/// master weights, DDP over the DP group with extra reductions summing the
-/// sequence-parallel gradients over `"tp"`, and `setup.steps` optimizer steps on this
+/// master weights, DDP over the DP group (`DistributedDataParallel::for_model`, whose
+/// extra reductions sum the sequence-parallel gradients over `"tp"`), and `setup.steps` optimizer steps on this
 /// rank's part of each global batch.
 pub fn train_rank(
     comm: LocalCommunicator,
@@ -256,20 +256,13 @@ pub fn train_rank(
     }
 
     let sharded = net.parameters();
-    let mut marks = NamedGroupReduction::new();
-    let mut marked = Vec::new();
-    for p in &sharded {
-        if p.grad_reduce_group == Some(TP_GROUP) {
-            marks.mark(&state, &p.param, &[TP_GROUP])?;
-            marked.push(p.param.name().to_string());
-        }
-    }
+    let marked = sharded
+        .iter()
+        .filter(|p| p.grad_reduce_group == Some(TP_GROUP))
+        .map(|p| p.param.name().to_string())
+        .collect();
     let params: Vec<Parameter> = sharded.iter().map(|p| p.param.clone()).collect();
-    let config = DdpConfig {
-        extra_reductions: marks,
-        ..small_buckets()
-    };
-    let ddp = DistributedDataParallel::new(params.clone(), state.dp().clone(), config)?;
+    let ddp = DistributedDataParallel::for_model(&net, &state, small_buckets())?;
     let mut opt = optimizer(setup, params);
     let mut rng = RngTracker::new(1234, tp_rank);
 

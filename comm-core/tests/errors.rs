@@ -203,6 +203,81 @@ fn a_rank_that_returns_early_is_a_lost_peer() {
     );
 }
 
+/// The review's example end to end: rank 0 hands a clone of its communicator to a thread
+/// that runs a large all-reduce, and returns an error before that thread even starts.
+/// The clone can still take part, so rank 1 waits for it instead of calling it lost and
+/// returning while the clone uses (and writes into) rank 1's buffer.
+#[test]
+fn a_clone_of_a_failed_ranks_communicator_still_takes_part_in_its_calls() {
+    const LEN: usize = 1 << 15; // 128 KiB of f32: the direct path
+    let clone_result = std::sync::Mutex::new(None);
+    let outcomes = std::thread::scope(|scope| {
+        LocalLauncher::new(2).unwrap().run_each(|comm| {
+            if comm.rank() == 1 {
+                let mut x = vec![1.0f32; LEN];
+                comm.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+                return Ok(x);
+            }
+            let clone = std::sync::Arc::new(comm);
+            let result = &clone_result;
+            scope.spawn(move || {
+                // Late enough that rank 0's closure has long returned.
+                std::thread::sleep(Duration::from_millis(50));
+                let mut x = vec![2.0f32; LEN];
+                let outcome = clone.all_reduce_slice(&mut x, ReduceOp::Sum).map(|()| x);
+                *result.lock().unwrap() = Some(outcome);
+            });
+            Err(Error::Config("rank 0 gives up".into()))
+        })
+    });
+    let clone = clone_result.into_inner().unwrap().expect("the clone ran");
+    let rank1 = outcomes[1].as_ref().map_err(|(_, e)| e.to_string());
+    for (who, result) in [
+        ("rank 1", rank1),
+        ("the clone", clone.as_ref().map_err(|e| e.to_string())),
+    ] {
+        let x = result.unwrap_or_else(|e| panic!("{who}: {e}"));
+        assert!(x.iter().all(|&v| v == 3.0), "{who} got a wrong sum");
+    }
+    assert!(matches!(
+        &outcomes[0],
+        Err((_, Error::RankFailed { rank: 0, .. }))
+    ));
+}
+
+/// A clone keeps a failed rank alive only until it is dropped; then peers fail promptly.
+#[test]
+fn dropping_the_last_clone_of_a_failed_ranks_communicator_releases_its_peers() {
+    let hold = Duration::from_millis(100);
+    let start = Instant::now();
+    let rank1_failed_after = std::sync::OnceLock::new();
+    let err = std::thread::scope(|scope| {
+        run_local(2, |comm| {
+            if comm.rank() == 1 {
+                let result = comm.barrier();
+                rank1_failed_after.get_or_init(|| start.elapsed());
+                return result;
+            }
+            scope.spawn(move || {
+                std::thread::sleep(hold);
+                drop(comm);
+            });
+            Err(Error::Config("rank 0 gives up".into()))
+        })
+    })
+    .unwrap_err();
+    let waited = *rank1_failed_after.get().expect("rank 1 ran");
+    assert!(
+        waited >= hold,
+        "rank 1 gave up on a live clone after {waited:?}"
+    );
+    assert!(
+        waited < PROMPT,
+        "rank 1 noticed the drop only after {waited:?}"
+    );
+    assert!(matches!(err, Error::RankFailed { rank: 0, .. }), "{err}");
+}
+
 #[test]
 fn a_rank_that_errors_out_releases_its_peers() {
     let err = run_local(4, |comm| {

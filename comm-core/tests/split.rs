@@ -96,9 +96,9 @@ fn sibling_groups_run_collectives_concurrently_from_threads() {
 }
 
 #[test]
-fn a_failure_in_one_sub_group_reaches_the_others_through_the_world() {
-    // Rank 3 dies; rank 1, waiting in a sub-group with rank 3, gets PeerLost naming world
-    // rank 3 even though the sub-group never saw it drop a sub-communicator first.
+fn a_rank_that_fails_is_lost_in_its_sub_groups_too() {
+    // Rank 3 dies; unwinding drops its sub-communicator, so rank 1, waiting in a sub-group
+    // with rank 3, fails instead of waiting for the timeout.
     let err = run_local(4, |comm| {
         let pairs = comm
             .split(Some(comm.rank() as u32 % 2), 0, "pairs")?
@@ -110,4 +110,33 @@ fn a_failure_in_one_sub_group_reaches_the_others_through_the_world() {
     })
     .unwrap_err();
     assert!(matches!(err, Error::RankFailed { rank: 3, .. }), "{err}");
+}
+
+#[test]
+fn a_sub_communicator_keeps_its_rank_alive_in_the_sub_group() {
+    // Rank 0 fails and drops its world communicator, but a thread still holds its
+    // sub-communicator and runs a call on it: that call must complete, not be refused
+    // because rank 0's closure returned.
+    let sub_result = std::sync::Mutex::new(None);
+    let outcomes = std::thread::scope(|scope| {
+        comm_core::LocalLauncher::new(2).unwrap().run_each(|comm| {
+            let pair = comm.split(Some(0), 0, "pair")?.expect("member");
+            if comm.rank() == 1 {
+                let mut x = vec![1.0f32; 1 << 15];
+                pair.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+                return Ok(x[0]);
+            }
+            let result = &sub_result;
+            scope.spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                let mut x = vec![2.0f32; 1 << 15];
+                *result.lock().unwrap() = Some(pair.all_reduce_slice(&mut x, ReduceOp::Sum));
+            });
+            Err(Error::Config("rank 0 gives up".into()))
+        })
+    });
+    let rank1 = outcomes[1].as_ref().map_err(|(_, e)| e.to_string());
+    assert_eq!(rank1, Ok(&3.0));
+    let sub = sub_result.into_inner().unwrap().expect("the thread ran");
+    assert!(sub.is_ok(), "{sub:?}");
 }

@@ -11,7 +11,9 @@
 //! Buffers published for direct access follow the same rule through the closing barrier:
 //! a rank leaves a call only once every peer reached it or is gone, and an opening
 //! barrier is decided once for all ranks (completed, or aborted by a timeout), so no peer
-//! touches a buffer after its owner returned.
+//! touches a buffer after its owner returned. "Gone" means that no handle on the peer's
+//! communicator is left: a handle inside a call keeps it alive, so a peer cannot be gone
+//! between the barriers of a call it entered.
 
 use crate::buffer::{Buffer, MemoryKind};
 use crate::error::{CallSignature, Error, OpKind, Result};
@@ -22,9 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Liveness of every rank of one `run_local` world.
+/// What every group of one `run_local` world reports to the launcher.
 pub(crate) struct WorldShared {
-    pub(crate) dead: Vec<AtomicBool>,
     /// Ranks that saw a lost peer or a broken group: whatever error type their code
     /// returns, their failure is a consequence of another rank's, not a root cause.
     pub(crate) saw_lost_peer: Vec<AtomicBool>,
@@ -33,7 +34,6 @@ pub(crate) struct WorldShared {
 impl WorldShared {
     pub(crate) fn new(size: usize) -> Arc<WorldShared> {
         Arc::new(WorldShared {
-            dead: (0..size).map(|_| AtomicBool::new(false)).collect(),
             saw_lost_peer: (0..size).map(|_| AtomicBool::new(false)).collect(),
         })
     }
@@ -46,8 +46,8 @@ pub(crate) enum Phase {
     /// Bounded by the timeout: a rank may never come.
     Open,
     /// Unbounded: every rank past the opening barrier runs only copies and reductions
-    /// before it arrives here (or is lost), and a rank that left early could have its
-    /// buffers written after it returned.
+    /// before it arrives here, and a rank that left early could have its buffers written
+    /// after it returned. A peer cannot be lost in between (its call holds a handle).
     Close,
 }
 
@@ -228,10 +228,11 @@ impl GroupShared {
         unsafe { &*self.slots[rank].exchange[(seq % 2) as usize].get() }
     }
 
-    /// Whether group rank `r` is gone: it dropped its communicator or its thread failed.
+    /// Whether group rank `r` is gone: its communicator is dropped, so it can never
+    /// arrive again. Its launcher closure returning is not enough: a thread it shared the
+    /// communicator with (through an `Arc`) may be inside a call, using our buffers.
     fn is_lost(&self, r: usize) -> bool {
         self.slots[r].dropped.load(Ordering::Acquire)
-            || self.world.dead[self.world_ranks[r]].load(Ordering::Acquire)
     }
 
     pub(crate) fn mark_dropped(&self, rank: usize) {
@@ -655,5 +656,86 @@ mod tests {
         });
         assert!(matches!(first, Err(Error::Timeout { .. })), "{first:?}");
         assert!(matches!(late, Err(Error::Broken { .. })), "{late:?}");
+    }
+
+    /// The review's use-after-free: rank 0 gives a clone of its communicator to a thread
+    /// that runs a large (direct) all-reduce, then returns an error. The thread writes its
+    /// share into rank 1's buffer between the call's barriers, so rank 1 must not return
+    /// before the thread reached the closing barrier, however long its share takes. The
+    /// thread runs the all-reduce's own steps so that its share is deterministically late:
+    /// it writes once rank 1 returned, or after 300 ms. Rank 1's buffer outlives the
+    /// world, so on a regression a late write is seen, not undefined behaviour.
+    #[test]
+    fn a_closing_barrier_waits_for_a_clone_of_a_rank_whose_closure_returned() {
+        use crate::buffer::BufMut;
+        use crate::communicator::{Communicator, CommunicatorExt};
+        use crate::dtype::{reduce_raw, ReduceOp};
+        use crate::local::{chunk, LocalLauncher};
+        const LEN: usize = 1 << 15; // 128 KiB of f32: the direct path
+        const SHARE_DELAY: Duration = Duration::from_millis(300);
+        let victim = Mutex::new(vec![1.0f32; LEN]);
+        let rank1_returned = AtomicBool::new(false);
+        // (whether rank 1 had returned when the clone wrote its share, the clone's result)
+        let clone_outcome = Mutex::new(None);
+        let outcomes = std::thread::scope(|scope| {
+            LocalLauncher::new(2)
+                .unwrap()
+                .timeout(Duration::from_secs(10))
+                .run_each(|comm| {
+                    let group = comm.core.group.clone();
+                    if comm.rank() == 1 {
+                        // Enter only once the clone has: rank 1 then waits for it at the
+                        // closing barrier, not the opening one.
+                        while group.slots[0].arrived.load(Ordering::SeqCst) == 0 {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                        let mut buf = victim.lock();
+                        let result = comm.all_reduce_slice(&mut buf[..], ReduceOp::Sum);
+                        rank1_returned.store(true, Ordering::SeqCst);
+                        return result;
+                    }
+                    let comm = Arc::new(comm);
+                    let clone = Arc::clone(&comm);
+                    // Disconnects when this closure returns.
+                    let (_closure_alive, closure_returned) = mpsc::channel::<()>();
+                    let (returned, outcome) = (&rank1_returned, &clone_outcome);
+                    scope.spawn(move || {
+                        let core = &clone.core;
+                        let mut own = vec![2.0f32; LEN];
+                        let mut buf = BufMut::from(&mut own);
+                        let ptr = buf.host_ptr_mut() as usize;
+                        let sig = core.check().all_reduce(&buf, ReduceOp::Sum).unwrap();
+                        let counters = &mut *core.counters.lock();
+                        let seq = core.begin(counters, sig, |ex| ex.recv_ptr = ptr).unwrap();
+                        // A slow share, started only once rank 0's closure returned.
+                        let _ = closure_returned.recv();
+                        let deadline = Instant::now() + SHARE_DELAY;
+                        while !returned.load(Ordering::SeqCst) && Instant::now() < deadline {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                        let rank1_had_returned = returned.load(Ordering::SeqCst);
+                        let (start, count) = chunk(LEN, 2, 0);
+                        let rows: Vec<*const f32> = (0..2)
+                            .map(|r| (core.peer(r, seq).recv_ptr as *const f32).wrapping_add(start))
+                            .collect();
+                        let outputs: Vec<*mut f32> = rows.iter().map(|&p| p.cast_mut()).collect();
+                        // SAFETY: both buffers hold LEN elements and are still alive (rank
+                        // 1's outlives the world); chunk 0 is this rank's alone.
+                        unsafe { reduce_raw::<f32>(ReduceOp::Sum, &rows, &outputs, count) };
+                        let closed =
+                            core.barrier_step(counters, OpKind::AllReduce, seq, Phase::Close);
+                        *outcome.lock() = Some((rank1_had_returned, closed));
+                    });
+                    Err(Error::Config("rank 0 gives up".into()))
+                })
+        });
+        let (rank1_had_returned, closed) = clone_outcome.into_inner().unwrap();
+        assert!(
+            !rank1_had_returned,
+            "rank 1 returned while rank 0's clone was still writing into its buffer"
+        );
+        assert!(closed.is_ok(), "{closed:?}");
+        assert!(outcomes[1].is_ok(), "{:?}", outcomes[1].as_ref().err());
+        assert!(victim.into_inner().iter().all(|&x| x == 3.0));
     }
 }

@@ -146,7 +146,7 @@ impl LocalLauncher {
             let handles: Vec<_> = (0..self.size)
                 .map(|rank| {
                     let comm = LocalCommunicator::new(group.clone(), rank);
-                    let (f, world, clock) = (&f, &world, &failure_clock);
+                    let (f, clock) = (&f, &failure_clock);
                     std::thread::Builder::new()
                         .name(format!("rank-{rank}"))
                         .spawn_scoped(scope, move || {
@@ -159,8 +159,8 @@ impl LocalLauncher {
                                     format!("panicked: {}", panic_message(panic.as_ref())).into()
                                 }
                             };
-                            // Peers blocked on this rank see it at their next check.
-                            world.dead[rank].store(true, Ordering::Release);
+                            // Peers learn of the failure when the communicator is dropped,
+                            // not here: a clone another thread holds may be mid-call.
                             let order = clock.fetch_add(1, Ordering::SeqCst);
                             Err((
                                 order,
@@ -224,7 +224,9 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// One rank's handle on a local group. Dropping it tells the peers this rank is gone:
-/// their pending and later collectives fail with [`Error::PeerLost`].
+/// their pending and later collectives fail with [`Error::PeerLost`]. Shared through an
+/// `Arc`, the rank stays alive for its peers until the last clone is dropped, even after
+/// its launcher closure returned.
 pub struct LocalCommunicator {
     core: Arc<RankCore>,
     /// False for the progress thread's handle, whose drop must not signal departure.

@@ -452,6 +452,9 @@ impl<T: Element> Default for ParamState<T> {
 /// A restored buffer, on the host or on its parameter's device.
 type Placed<T> = (Option<ArrayD<T>>, Option<GpuArray<T>>);
 
+/// A parameter's restored update count and buffers; `None` before its first update.
+type Restored<T> = Option<(u64, Vec<Placed<T>>)>;
+
 impl<T: Element> OptimizerState<T> {
     /// Checks the state against `params` and an optimizer's buffer names, and places each
     /// parameter's buffers (in `names` order) where the parameter lives. `None` for a
@@ -461,7 +464,7 @@ impl<T: Element> OptimizerState<T> {
         params: &[Parameter<T>],
         names: &[&str],
         op: &'static str,
-    ) -> Result<Vec<Option<(u64, Vec<Placed<T>>)>>> {
+    ) -> Result<Vec<Restored<T>>> {
         if self.params.len() != params.len() {
             return Err(Error::invalid(
                 op,

@@ -2,24 +2,30 @@
 //! parallelism (`ddp`), by default TP = 2 × DP = 2 as four rank threads on the CPU:
 //!
 //! ```text
-//! cargo run --release -p ddp --example train_gpt
-//! cargo run --release -p ddp --example train_gpt -- --check     # also TP = DP = 1, compare
-//! cargo run --release -p ddp --example train_gpt -- --data my.txt --steps 300
-//! cargo build --release -p ddp --features mpi --example train_gpt
-//! mpirun -n 4 target/release/examples/train_gpt --backend mpi
+//! cargo run --release -p train-gpt
+//! cargo run --release -p train-gpt -- --check     # also TP = DP = 1, compare
+//! cargo run --release -p train-gpt -- --data my.txt --steps 300
+//! cargo run --release -p train-gpt -- --steps 100 --save ckpt
+//! cargo run --release -p train-gpt -- --steps 200 --resume ckpt
+//! cargo build --release -p train-gpt --features mpi
+//! mpirun -n 4 target/release/train-gpt --backend mpi
 //! ```
 //!
 //! Model: vocabulary-parallel token embedding + learned position embedding → `--layers`
 //! pre-norm transformer blocks → final layer norm → column-parallel head (logits stay
 //! divided over the vocabulary) → vocabulary-parallel cross-entropy. Every rank builds
-//! its part from the same seeded master weights, and each data-parallel rank trains on its
-//! rows of the same global batch, so any TP × DP layout follows the one-rank run up to
+//! its part from the same seeded master weights, and each data-parallel rank reads only its
+//! rows of the same global batches, so any TP × DP layout follows the one-rank run up to
 //! f32 rounding; `--check` measures that.
 //!
 //! Output: a progress bar on stderr (plain lines on stdout when stderr is not a terminal),
-//! the loss curve as `loss.csv` and `loss.svg` in `--out` (default `target/train_gpt`,
-//! relative to the current directory), and a few lines sampled from the trained model.
+//! the loss curve as `loss.csv` (and the held-out validation loss as `validation.csv`)
+//! and both as `loss.svg` in `--out` (default `target/train_gpt`, relative to the current
+//! directory), and a few lines sampled from the trained model. `--save` writes a
+//! checkpoint that `--resume` continues exactly: the same TP × DP layout reproduces the
+//! uninterrupted run's losses bit for bit.
 
+mod checkpoint;
 mod data;
 mod model;
 mod report;
@@ -34,7 +40,8 @@ use report::Progress;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use train::{train_rank, RankResult, TrainConfig};
+use tape::LrDecay;
+use train::{train_rank, RankResult, Schedule, TrainConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Backend {
@@ -68,15 +75,36 @@ struct Args {
     /// Sequences per data-parallel rank per step (global batch = batch · dp).
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// Optimizer steps.
+    /// The step to stop at; a resumed run counts the saved steps too.
     #[arg(long, default_value_t = 500)]
     steps: usize,
     /// Seed of the master weights, the batches and the sampling.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
-    /// Peak AdamW learning rate (linear warm-up, then cosine decay to a tenth).
+    /// Peak AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
+    /// Learning rate at the end of the decay [default: a tenth of --lr].
+    #[arg(long)]
+    min_lr: Option<f64>,
+    /// Steps of linear warm-up from 0 to --lr.
+    #[arg(long, default_value_t = 20)]
+    lr_warmup_steps: u64,
+    /// The step at which the decay reaches --min-lr (warm-up included). Fixed rather
+    /// than derived from --steps, so that a run cut short and resumed follows the same
+    /// schedule as an uninterrupted one.
+    #[arg(long, default_value_t = 500)]
+    lr_decay_steps: u64,
+    /// Shape of the decay after the warm-up.
+    #[arg(long, value_enum, default_value_t = Decay::Cosine)]
+    lr_decay: Decay,
+    /// Validation loss on the held-out tenth of the data every this many steps and after
+    /// the last one; 0 turns it off.
+    #[arg(long, default_value_t = 50)]
+    eval_interval: usize,
+    /// Global batches of held-out text each validation reads.
+    #[arg(long, default_value_t = 2)]
+    eval_batches: usize,
     /// Split activations outside the tensor-parallel regions along the sequence
     /// (Megatron's sequence parallelism); needs --seq >= --tp.
     #[arg(long)]
@@ -88,13 +116,15 @@ struct Args {
     /// emulated (the CUDA code path run on the host; slow, for checking).
     #[arg(long, default_value = "cpu")]
     device: tape::Device,
-    /// Save the trained weights as a sharded checkpoint (one safetensors file per
-    /// tensor-parallel rank) in this directory.
+    /// Save a checkpoint at the end in this directory: the weights and the AdamW state
+    /// (safetensors, one file per tensor-parallel rank), the random streams, the step,
+    /// data position and loss history.
     #[arg(long, value_name = "DIR")]
     save: Option<PathBuf>,
-    /// Start from the weights of a checkpoint written by --save, at any --tp. Only the
-    /// weights are restored: the optimizer state is not saved, and the learning-rate
-    /// schedule and the batches start again from step 1.
+    /// Continue a run saved with --save, up to --steps: weights, optimizer state,
+    /// schedule position, random streams and data position are restored. Any --tp works
+    /// (the shards are re-cut); the global batch (--batch × data-parallel size) and the
+    /// model sizes must be the saved ones.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// Train on this text file instead of the built-in documentation corpus.
@@ -107,6 +137,13 @@ struct Args {
     /// print the largest per-step loss difference as the last line.
     #[arg(long)]
     check: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Decay {
+    Constant,
+    Linear,
+    Cosine,
 }
 
 fn main() -> ExitCode {
@@ -137,14 +174,7 @@ fn run(args: &Args) -> Result<()> {
         Some(path) => Corpus::from_file(path, args.seq)?,
         None => Corpus::builtin(),
     };
-    ensure!(
-        corpus.len() > args.seq,
-        "the {} has {} bytes, fewer than one training window of --seq {} + 1; pass a \
-         smaller --seq",
-        corpus.source,
-        corpus.len(),
-        args.seq
-    );
+    corpus.check_window(args.seq)?;
     match args.backend {
         Backend::Local => run_local_backend(args, &corpus),
         Backend::Mpi => run_mpi_backend(args, &corpus),
@@ -212,8 +242,8 @@ fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
 fn run_mpi_backend(_: &Args, _: &Corpus) -> Result<()> {
     bail!(
         "--backend mpi: this binary was built without MPI; build it with `cargo build \
-         --release -p ddp --features mpi --example train_gpt` and run it under \
-         `mpirun -n 4 target/release/examples/train_gpt --backend mpi`"
+         --release -p train-gpt --features mpi` and run it under `mpirun -n 4 \
+         target/release/train-gpt --backend mpi`"
     )
 }
 
@@ -259,8 +289,18 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
         args.lr > 0.0 && args.lr.is_finite(),
         "--lr must be positive"
     );
+    let schedule = schedule(args);
+    tape::LrSchedule::new(
+        schedule.lr,
+        schedule.min_lr,
+        schedule.warmup_steps,
+        schedule.decay_steps,
+        schedule.decay,
+    )?;
+    ensure!(args.eval_batches >= 1, "--eval-batches must be at least 1");
     if let Some(dir) = &args.resume {
-        model::saved_tp_size(dir)?;
+        let saved = checkpoint::TrainerState::read(dir)?;
+        saved.check_compatible(&train_config(args).model, args.batch * dp, args.steps)?;
     }
     Ok(())
 }
@@ -280,10 +320,26 @@ fn train_config(args: &Args) -> TrainConfig {
         batch: args.batch,
         steps: args.steps,
         seed: args.seed,
-        lr: args.lr,
+        schedule: schedule(args),
+        eval_interval: args.eval_interval,
+        eval_batches: args.eval_batches,
         resume: args.resume.clone(),
         save: args.save.clone(),
         sample: true,
+    }
+}
+
+fn schedule(args: &Args) -> Schedule {
+    Schedule {
+        lr: args.lr,
+        min_lr: args.min_lr.unwrap_or(args.lr / 10.0),
+        warmup_steps: args.lr_warmup_steps,
+        decay_steps: args.lr_decay_steps,
+        decay: match args.lr_decay {
+            Decay::Constant => LrDecay::Constant,
+            Decay::Linear => LrDecay::Linear,
+            Decay::Cosine => LrDecay::Cosine,
+        },
     }
 }
 
@@ -325,12 +381,23 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         losses[losses.len() - 1],
         losses.len()
     );
+    if let Some((step, loss)) = result.validation.last() {
+        println!("validation loss: {loss:.4} at step {step}");
+    }
     std::fs::create_dir_all(&args.out)?;
     let (csv, svg) = (args.out.join("loss.csv"), args.out.join("loss.svg"));
-    report::write_csv(&csv, losses)?;
-    let title = format!("train_gpt: TP {} × DP {dp}, {}", args.tp, corpus.source);
-    report::write_svg(&svg, losses, &title)?;
-    println!("loss curve: {} and {}", csv.display(), svg.display());
+    let training: Vec<(usize, f32)> = (1..).zip(losses.iter().copied()).collect();
+    report::write_csv(&csv, &training)?;
+    let validation_csv = args.out.join("validation.csv");
+    report::write_csv(&validation_csv, &result.validation)?;
+    let title = format!("train-gpt: TP {} × DP {dp}, {}", args.tp, corpus.source);
+    report::write_svg(&svg, &training, &result.validation, &title)?;
+    println!(
+        "loss curve: {}, {} and {}",
+        csv.display(),
+        validation_csv.display(),
+        svg.display()
+    );
     if let Some(dir) = &args.save {
         println!("checkpoint: {}", dir.display());
     }
@@ -360,6 +427,7 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<Vec<f32>> {
         batch: args.batch * dp,
         save: None,
         sample: false,
+        eval_interval: 0,
         ..train_config(args)
     };
     let progress = Progress::new("check", args.steps, args.batch * dp * args.seq);

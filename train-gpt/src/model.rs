@@ -4,12 +4,14 @@
 //! cross-entropy.
 
 use anyhow::{Context, Result};
+use comm_core::Communicator;
 use layers::{
-    checkpoint, vocab_parallel_cross_entropy, BlockConfig, ColumnParallelLinear, LayerNorm,
-    LinearOptions, MasterInit, Module, RngTracker, ShardedParameter, Sharding, TensorParallel,
-    TransformerBlock, VocabParallelEmbedding, TP_GROUP,
+    checkpoint, vocab_parallel_cross_entropy_per_token, BlockConfig, ColumnParallelLinear,
+    LayerNorm, LinearOptions, MasterInit, Module, RngTracker, ShardedParameter, Sharding,
+    TensorParallel, TokenLoss, TransformerBlock, VocabParallelEmbedding, TP_GROUP,
 };
 use std::path::Path;
+use std::sync::Arc;
 use tape::{CrossEntropyOptions, Parameter, Tape, Tensor};
 
 /// Standard deviation of the master weights (GPT-2's).
@@ -104,14 +106,23 @@ impl Gpt {
         Ok(self.head.forward(tape, &hidden)?.output)
     }
 
-    /// Mean cross-entropy of `logits` against `labels` (laid out like the ids).
-    pub fn loss(&self, logits: &Tensor, labels: &[i64]) -> Result<Tensor> {
-        Ok(vocab_parallel_cross_entropy(
+    /// Cross-entropy of `logits` against `labels` (laid out like the ids) as this
+    /// data-parallel rank's share of the mean over every token of the global batch
+    /// (Megatron's per-token loss): the average over `dp` of the values is that mean, and
+    /// DDP's average of the gradients is its gradient, whatever each rank's token count.
+    pub fn loss(
+        &self,
+        logits: &Tensor,
+        labels: &[i64],
+        dp: &Arc<dyn Communicator>,
+    ) -> Result<TokenLoss> {
+        Ok(vocab_parallel_cross_entropy_per_token(
             logits,
             labels,
             self.tp.group(),
             self.config.vocab,
             &CrossEntropyOptions::default(),
+            dp,
         )?)
     }
 
@@ -123,10 +134,9 @@ impl Gpt {
         self.config
     }
 
-    /// Restores the weights from a checkpoint saved at any tensor-parallel size: the shards
-    /// are joined into full tensors and this rank keeps its part.
-    pub fn load(&self, dir: &Path) -> Result<()> {
-        let saved_tp = saved_tp_size(dir)?;
+    /// Restores the weights from a checkpoint saved at tensor-parallel size `saved_tp`
+    /// (any size): the shards are joined into full tensors and this rank keeps its part.
+    pub fn load(&self, dir: &Path, saved_tp: usize) -> Result<()> {
         let full = checkpoint::read_full_checkpoint(dir, saved_tp)?;
         for sharded in self.parameters() {
             let name = sharded.param.name();
@@ -174,24 +184,4 @@ impl Module for Gpt {
         params.extend(self.head.parameters());
         params
     }
-}
-
-/// The tensor-parallel size a checkpoint directory was saved with (from `tp_0_of_N`).
-pub fn saved_tp_size(dir: &Path) -> Result<usize> {
-    let entries = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot read the checkpoint directory {}", dir.display()))?;
-    for entry in entries {
-        let name = entry?.file_name();
-        let size = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("tp_0_of_")?.strip_suffix(".safetensors"))
-            .and_then(|n| n.parse().ok());
-        if let Some(size) = size {
-            return Ok(size);
-        }
-    }
-    anyhow::bail!(
-        "{} holds no checkpoint (no tp_0_of_<N>.safetensors); pass a directory written by --save",
-        dir.display()
-    )
 }

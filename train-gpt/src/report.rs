@@ -65,28 +65,39 @@ impl Progress {
     }
 }
 
-pub fn write_csv(path: &Path, losses: &[f32]) -> Result<()> {
+/// `step,loss` rows.
+pub fn write_csv(path: &Path, losses: &[(usize, f32)]) -> Result<()> {
     let mut text = String::from("step,loss\n");
-    for (i, loss) in losses.iter().enumerate() {
-        text.push_str(&format!("{},{loss}\n", i + 1));
+    for (step, loss) in losses {
+        text.push_str(&format!("{step},{loss}\n"));
     }
     std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// A self-contained SVG line chart of loss against step.
-pub fn write_svg(path: &Path, losses: &[f32], title: &str) -> Result<()> {
+/// A self-contained SVG line chart of the training loss against step, with the
+/// validation loss as a second line and a legend.
+pub fn write_svg(
+    path: &Path,
+    training: &[(usize, f32)],
+    validation: &[(usize, f32)],
+    title: &str,
+) -> Result<()> {
     let (width, height, margin) = (640.0, 360.0, 50.0);
-    let max = losses.iter().copied().fold(f32::MIN, f32::max);
-    let min = losses.iter().copied().fold(f32::MAX, f32::min);
+    let all = training.iter().chain(validation);
+    let max = all.clone().map(|p| p.1).fold(f32::MIN, f32::max);
+    let min = all.map(|p| p.1).fold(f32::MAX, f32::min);
     let span = (max - min).max(1e-6);
-    let steps = losses.len().max(2) - 1;
-    let x = |i: usize| margin + (width - 2.0 * margin) * i as f32 / steps as f32;
+    let last = training.last().map_or(1, |p| p.0);
+    let steps = last.max(2) - 1;
+    let x = |step: usize| margin + (width - 2.0 * margin) * (step - 1) as f32 / steps as f32;
     let y = |l: f32| height - margin - (height - 2.0 * margin) * (l - min) / span;
-    let points: Vec<String> = losses
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| format!("{:.1},{:.1}", x(i), y(l)))
-        .collect();
+    let points = |series: &[(usize, f32)]| {
+        series
+            .iter()
+            .map(|&(step, l)| format!("{:.1},{:.1}", x(step), y(l)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     let svg = format!(
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
@@ -98,17 +109,25 @@ pub fn write_svg(path: &Path, losses: &[f32], title: &str) -> Result<()> {
 <text x="{cx}" y="{label_y}" text-anchor="middle">step</text>
 <text x="{value_x}" y="{top_y}" text-anchor="end">{max:.3}</text>
 <text x="{value_x}" y="{bottom}" text-anchor="end">{min:.3}</text>
-<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{points}"/>
+<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{training}"/>
+<polyline fill="none" stroke="#ff7f0e" stroke-width="2" points="{validation}"/>
+<line x1="{legend_x}" y1="40" x2="{legend_line}" y2="40" stroke="#1f77b4" stroke-width="2"/>
+<text x="{legend_text}" y="44">training</text>
+<line x1="{legend_x}" y1="58" x2="{legend_line}" y2="58" stroke="#ff7f0e" stroke-width="2"/>
+<text x="{legend_text}" y="62">validation (held out)</text>
 </svg>
 "##,
         cx = width / 2.0,
         bottom = height - margin,
         right = width - margin,
         label_y = height - margin + 18.0,
-        last = losses.len(),
         value_x = margin - 6.0,
         top_y = margin + 4.0,
-        points = points.join(" "),
+        legend_x = width - margin - 170.0,
+        legend_line = width - margin - 150.0,
+        legend_text = width - margin - 144.0,
+        training = points(training),
+        validation = points(validation),
         title = escape_xml(title),
     );
     std::fs::write(path, svg).with_context(|| format!("cannot write {}", path.display()))

@@ -1,17 +1,19 @@
 //! One rank's training loop: tensor parallelism inside the model, data parallelism through
-//! DDP over the data-parallel group, AdamW, and text sampling at the end.
+//! DDP over the data-parallel group, AdamW on a learning-rate schedule, a held-out
+//! validation loss, exact resume, and text sampling at the end.
 
-use crate::data::Corpus;
+use crate::checkpoint::{self, TrainerState};
+use crate::data::{Corpus, DistributedSampler};
 use crate::model::{Gpt, GptConfig};
 use crate::report::Progress;
 use anyhow::Result;
-use comm_core::{Communicator, CommunicatorExt, ReduceOp};
-use ddp::{DdpConfig, DistributedDataParallel, NamedGroupReduction};
+use comm_core::Communicator;
+use ddp::{DdpConfig, DistributedDataParallel};
 use layers::{Module, RngTracker, TensorParallel};
 use parallel_state::{ParallelState, RankLayout};
 use std::path::PathBuf;
 use std::sync::Arc;
-use tape::{AdamW, AdamWConfig, Generator, Optimizer, Tape};
+use tape::{AdamW, AdamWConfig, Generator, LrDecay, LrSchedule, Optimizer, Tape};
 
 /// Text the trained model continues, one sample each.
 const PROMPTS: &[&str] = &["The tensor", "Each rank ", "pub fn new"];
@@ -29,17 +31,34 @@ pub struct TrainConfig {
     pub device: tape::Device,
     /// Rows of the batch each data-parallel rank trains on.
     pub batch: usize,
+    /// The step to end at (counted from the start of the run, resumed steps included).
     pub steps: usize,
     pub seed: u64,
-    pub lr: f64,
+    pub schedule: Schedule,
+    /// Validation loss every this many steps (and after the last one); 0 turns it off.
+    pub eval_interval: usize,
+    /// Global batches of held-out windows each validation runs.
+    pub eval_batches: usize,
     pub resume: Option<PathBuf>,
     pub save: Option<PathBuf>,
     pub sample: bool,
 }
 
-/// What a rank brings back: the global mean loss of every step, and sampled text.
+/// The learning-rate schedule's settings (see [`LrSchedule::new`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Schedule {
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    pub decay_steps: u64,
+    pub decay: LrDecay,
+}
+
+/// What a rank brings back: the global mean loss of every step (resumed ones included),
+/// the validation losses by step, and sampled text.
 pub struct RankResult {
     pub losses: Vec<f32>,
+    pub validation: Vec<(usize, f32)>,
     pub samples: Vec<String>,
 }
 
@@ -52,80 +71,108 @@ pub fn train_rank(
     progress: Option<&Progress>,
 ) -> Result<RankResult> {
     let layout = RankLayout::builder(world.size()).tp(config.tp).build()?;
-    let state = ParallelState::new(world, layout)?;
+    let state = ParallelState::new(world.clone(), layout)?;
     let tp = TensorParallel::from_state(&state).with_sequence_parallel(config.sequence_parallel);
     let model = Gpt::new(&tp, config.model, config.seed)?;
-    if let Some(dir) = &config.resume {
-        model.load(dir)?;
-    }
+    let (dp_rank, dp_size) = (state.dp_rank(), state.dp_size());
+    let global_batch = config.batch * dp_size;
+    let saved = match &config.resume {
+        Some(dir) => {
+            let saved = TrainerState::read(dir)?;
+            saved.check_compatible(&config.model, global_batch, config.steps)?;
+            model.load(dir, saved.tp)?;
+            Some(saved)
+        }
+        None => None,
+    };
     for sharded in model.parameters() {
         let value = sharded.param.value().to_device(config.device)?;
         sharded.param.set_value(value)?;
     }
 
-    // DDP averages every gradient over "dp"; parameters that saw only this rank's part of
-    // the sequence (sequence parallelism) are also summed over "tp" by the hook.
-    let params = model.parameters();
-    let mut hook = NamedGroupReduction::new();
-    for sharded in &params {
-        if let Some(group) = sharded.grad_reduce_group {
-            hook.mark(&state, &sharded.param, &[group])?;
-        }
-    }
-    let params: Vec<_> = params.into_iter().map(|p| p.param).collect();
-    let ddp = DistributedDataParallel::new(
-        params.clone(),
-        state.dp().clone(),
-        DdpConfig {
-            comm_hook: Arc::new(hook),
-            ..DdpConfig::default()
-        },
-    )?;
-    let mut optimizer = AdamW::new(
-        params,
-        AdamWConfig {
-            lr: config.lr,
-            ..AdamWConfig::default()
-        },
-    );
+    // Every gradient is averaged over "dp"; DDP reads from the model which parameters
+    // also need a sum over a model-parallel group (sequence-parallel norms over "tp").
+    let ddp = DistributedDataParallel::for_model(&model, &state, DdpConfig::default())?;
+    let s = config.schedule;
+    let schedule = LrSchedule::new(s.lr, s.min_lr, s.warmup_steps, s.decay_steps, s.decay)?;
+    let adamw = AdamWConfig {
+        lr: s.lr,
+        ..AdamWConfig::default()
+    };
+    let mut optimizer = AdamW::new(ddp.parameters().to_vec(), adamw).with_schedule(schedule);
     // No dropout is configured, so the streams are never drawn from; the blocks still
-    // take a tracker, seeded as Megatron seeds it.
+    // take a tracker, seeded as Megatron seeds it, and checkpoints keep it.
     let mut rng = RngTracker::new(config.seed, tp.rank());
+    let (mut losses, mut validation) = (Vec::with_capacity(config.steps), Vec::new());
+    if let (Some(dir), Some(saved)) = (&config.resume, &saved) {
+        let state =
+            layers::checkpoint::load_optimizer_state(&model, dir, saved.tp, tp.rank(), tp.size())?;
+        optimizer.load_state(&state)?;
+        checkpoint::restore_rng(dir, saved, &mut rng, tp.rank(), tp.size())?;
+        losses.extend_from_slice(&saved.losses);
+        validation.extend_from_slice(&saved.validation);
+    }
 
-    let (dp_rank, dp_size) = (state.dp_rank(), state.dp_size());
     let seq = config.model.seq;
-    let mut losses = Vec::with_capacity(config.steps);
-    for step in 0..config.steps {
-        let (inputs, targets) = corpus.batch(config.seed, step, config.batch * dp_size, seq);
+    let mut sampler = DistributedSampler::new(
+        corpus.training_windows(seq),
+        config.seed,
+        config.batch,
+        dp_rank,
+        dp_size,
+    );
+    for step in losses.len()..config.steps {
         // This rank's rows of the global batch, transposed to the layers' [seq, batch].
-        let rows = dp_rank * config.batch..(dp_rank + 1) * config.batch;
-        let ids = sequence_first(&inputs[rows.start * seq..rows.end * seq], seq);
-        let labels = sequence_first(&targets[rows.start * seq..rows.end * seq], seq);
+        let (inputs, targets) = corpus.rows(&sampler.starts(step), seq);
+        let ids = sequence_first(&inputs, seq);
+        let labels = sequence_first(&targets, seq);
 
-        optimizer.set_lr(learning_rate(config.lr, step, config.steps));
         optimizer.zero_grad();
         let tape = Tape::new();
         let logits = model.forward(&tape, &ids, seq, config.batch, &mut rng)?;
-        let loss = model.loss(&logits, &labels)?;
-        ddp.backward(&loss)?;
+        let loss = model.loss(&logits, &labels, state.dp())?;
+        ddp.backward(&loss.loss)?;
         optimizer.step()?;
-
-        // Every rank's mean is over the same number of rows, so their average over the
-        // data-parallel group is the mean over the global batch.
-        let mut global = [loss.item()?];
-        state.dp().all_reduce_slice(&mut global, ReduceOp::Avg)?;
-        losses.push(global[0]);
+        losses.push(loss.global_mean);
         if let Some(progress) = progress {
-            progress.step(step + 1, global[0]);
+            progress.step(step + 1, loss.global_mean);
+        }
+        let done = step + 1;
+        if config.eval_interval > 0 && (done % config.eval_interval == 0 || done == config.steps) {
+            let loss = validation_loss(&model, &state, corpus, config, &mut rng)?;
+            validation.push((done, loss));
         }
     }
     if let Some(progress) = progress {
         progress.finish();
     }
 
-    // Data-parallel replicas are identical: one of them writes the tensor-parallel shards.
-    if let (Some(dir), 0) = (&config.save, dp_rank) {
-        model.save(dir)?;
+    if let Some(dir) = &config.save {
+        // Data-parallel replicas are identical: one of them writes the tensor-parallel
+        // shards; world rank 0 writes the trainer state last, once every shard is there.
+        if dp_rank == 0 {
+            model.save(dir)?;
+            layers::checkpoint::save_optimizer_shard(
+                &model,
+                &optimizer,
+                dir,
+                tp.rank(),
+                tp.size(),
+            )?;
+            checkpoint::save_rng(dir, &rng, tp.rank(), tp.size())?;
+        }
+        world.barrier()?;
+        if world.rank() == 0 {
+            TrainerState {
+                tp: tp.size(),
+                model: config.model,
+                global_batch,
+                losses: losses.clone(),
+                validation: validation.clone(),
+            }
+            .write(dir)?;
+        }
+        world.barrier()?;
     }
     let mut samples = Vec::new();
     if config.sample {
@@ -135,7 +182,37 @@ pub fn train_rank(
             samples.push(String::from_utf8_lossy(&text).into_owned());
         }
     }
-    Ok(RankResult { losses, samples })
+    Ok(RankResult {
+        losses,
+        validation,
+        samples,
+    })
+}
+
+/// The mean loss over the held-out windows: `eval_batches` global batches, each
+/// data-parallel rank evaluating its rows of each, the token mean taken over all of them.
+fn validation_loss(
+    model: &Gpt,
+    state: &ParallelState,
+    corpus: &Corpus,
+    config: &TrainConfig,
+    rng: &mut RngTracker,
+) -> Result<f32> {
+    let seq = config.model.seq;
+    let global_batch = config.batch * state.dp_size();
+    let starts = corpus.validation_starts(seq, global_batch * config.eval_batches);
+    let mut total = 0.0;
+    for batch in starts.chunks(global_batch) {
+        let rows = &batch[state.dp_rank() * config.batch..(state.dp_rank() + 1) * config.batch];
+        let (inputs, targets) = corpus.rows(rows, seq);
+        let (ids, labels) = (sequence_first(&inputs, seq), sequence_first(&targets, seq));
+        let tape = Tape::new();
+        total += tape.no_grad(|| -> Result<f32> {
+            let logits = model.forward(&tape, &ids, seq, config.batch, rng)?;
+            Ok(model.loss(&logits, &labels, state.dp())?.global_mean)
+        })?;
+    }
+    Ok(total / config.eval_batches as f32)
 }
 
 /// Row-major `[rows, seq]` to sequence-first `[seq, rows]`.
@@ -144,19 +221,6 @@ fn sequence_first<T: Copy>(rows: &[T], seq: usize) -> Vec<T> {
     (0..seq)
         .flat_map(|s| (0..batch).map(move |b| rows[b * seq + s]))
         .collect()
-}
-
-/// A linear warm-up over a tenth of the steps (at least 20, at most half), then cosine
-/// decay to a tenth of `peak`: a small model on a small corpus reaches a lower loss in few
-/// steps than with a constant rate, and short runs do not start with loss spikes (which
-/// would also amplify the f32 rounding differences `--check` measures).
-fn learning_rate(peak: f64, step: usize, steps: usize) -> f64 {
-    let warmup = (steps / 10).max(20.min(steps / 2)).max(1);
-    if step < warmup {
-        return peak * (step + 1) as f64 / warmup as f64;
-    }
-    let progress = (step - warmup) as f64 / (steps - warmup).max(1) as f64;
-    peak * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
 }
 
 /// Continues `prompt` by [`SAMPLE_BYTES`] bytes. Every tensor-parallel rank gathers the

@@ -1,0 +1,209 @@
+//! What a checkpoint holds besides the weights and the optimizer state (which `layers`
+//! writes per tensor-parallel rank): the trainer's position and history in
+//! `trainer_state.json`, and each tensor-parallel rank's random streams in
+//! `rng_tp_{rank}_of_{size}.json`. Every file is written to a temporary name and renamed
+//! into place; `trainer_state.json` is written last, so a directory that has it is whole.
+
+use crate::model::GptConfig;
+use anyhow::{bail, ensure, Context, Result};
+use layers::{RngState, RngStreamState, RngTracker};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+const TRAINER_STATE: &str = "trainer_state.json";
+/// Changes whenever the files' layout does.
+const FORMAT: u64 = 1;
+
+/// The run's position: the step (the number of losses), the data position (steps ×
+/// global batch samples), and what the next run must agree with.
+pub struct TrainerState {
+    /// Tensor-parallel size of the saved shards.
+    pub tp: usize,
+    pub model: GptConfig,
+    pub global_batch: usize,
+    /// The global mean loss of every step so far.
+    pub losses: Vec<f32>,
+    /// Validation losses by step.
+    pub validation: Vec<(usize, f32)>,
+}
+
+impl TrainerState {
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let m = &self.model;
+        let state = json!({
+            "format": FORMAT,
+            "step": self.losses.len(),
+            "consumed_samples": self.losses.len() * self.global_batch,
+            "global_batch": self.global_batch,
+            "tp": self.tp,
+            "model": {"vocab": m.vocab, "layers": m.layers, "hidden": m.hidden,
+                      "heads": m.heads, "seq": m.seq},
+            // f32 → f64 is exact and JSON keeps f64 exactly, so the curve resumes
+            // bit-identically.
+            "losses": self.losses,
+            "validation": self.validation,
+        });
+        write_atomically(
+            &dir.join(TRAINER_STATE),
+            &serde_json::to_string_pretty(&state)?,
+        )
+    }
+
+    pub fn read(dir: &Path) -> Result<TrainerState> {
+        let path = dir.join(TRAINER_STATE);
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "{} holds no complete checkpoint (no {TRAINER_STATE}); pass a directory \
+                 written by --save",
+                dir.display()
+            )
+        })?;
+        let state: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display()))?;
+        let bad = || {
+            format!(
+                "{} is malformed; was it written by train-gpt?",
+                path.display()
+            )
+        };
+        let number = |value: &Value| value.as_u64().map(|n| n as usize).with_context(bad);
+        ensure!(
+            state["format"].as_u64() == Some(FORMAT),
+            "{} has format {}, this program reads format {FORMAT}",
+            path.display(),
+            state["format"]
+        );
+        let model = &state["model"];
+        let losses = state["losses"]
+            .as_array()
+            .with_context(bad)?
+            .iter()
+            .map(|v| v.as_f64().map(|l| l as f32).with_context(bad))
+            .collect::<Result<Vec<_>>>()?;
+        let validation = state["validation"]
+            .as_array()
+            .with_context(bad)?
+            .iter()
+            .map(|pair| {
+                Ok((
+                    number(&pair[0])?,
+                    pair[1].as_f64().with_context(bad)? as f32,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(TrainerState {
+            tp: number(&state["tp"])?,
+            model: GptConfig {
+                vocab: number(&model["vocab"])?,
+                layers: number(&model["layers"])?,
+                hidden: number(&model["hidden"])?,
+                heads: number(&model["heads"])?,
+                seq: number(&model["seq"])?,
+            },
+            global_batch: number(&state["global_batch"])?,
+            losses,
+            validation,
+        })
+    }
+
+    /// Checks that a run with these settings can continue this one.
+    pub fn check_compatible(
+        &self,
+        model: &GptConfig,
+        global_batch: usize,
+        steps: usize,
+    ) -> Result<()> {
+        let (s, m) = (&self.model, model);
+        ensure!(
+            (s.vocab, s.layers, s.hidden, s.heads, s.seq)
+                == (m.vocab, m.layers, m.hidden, m.heads, m.seq),
+            "the checkpoint is of a model with --layers {} --hidden {} --heads {} --seq {}; \
+             pass those",
+            s.layers,
+            s.hidden,
+            s.heads,
+            s.seq
+        );
+        ensure!(
+            self.global_batch == global_batch,
+            "the checkpoint trained on global batches of {} sequences; pass --batch and \
+             --dp whose product is {} so the data continues where it stopped",
+            self.global_batch,
+            self.global_batch
+        );
+        if self.losses.len() >= steps {
+            bail!(
+                "the checkpoint is already at step {}; pass --steps above it",
+                self.losses.len()
+            );
+        }
+        Ok(())
+    }
+}
+
+fn rng_path(dir: &Path, tp_rank: usize, tp_size: usize) -> PathBuf {
+    dir.join(format!("rng_tp_{tp_rank}_of_{tp_size}.json"))
+}
+
+/// Writes this tensor-parallel rank's random streams.
+pub fn save_rng(dir: &Path, rng: &RngTracker, tp_rank: usize, tp_size: usize) -> Result<()> {
+    let streams: Vec<Value> = rng
+        .state()
+        .streams
+        .iter()
+        .map(|s| json!({"name": s.name, "seed": s.seed, "words": s.words}))
+        .collect();
+    let text = serde_json::to_string_pretty(&json!({ "streams": streams }))?;
+    write_atomically(&rng_path(dir, tp_rank, tp_size), &text)
+}
+
+/// Restores the random streams saved by the same tensor-parallel rank. At another
+/// tensor-parallel size the ranks' private streams have no counterpart: the tracker
+/// keeps its fresh seeds then (the demo draws from no stream: it has no dropout).
+pub fn restore_rng(
+    dir: &Path,
+    saved: &TrainerState,
+    rng: &mut RngTracker,
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<()> {
+    if saved.tp != tp_size {
+        return Ok(());
+    }
+    let path = rng_path(dir, tp_rank, tp_size);
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let value: Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", path.display()))?;
+    let bad = || format!("{} is malformed", path.display());
+    let streams = value["streams"]
+        .as_array()
+        .with_context(bad)?
+        .iter()
+        .map(|s| {
+            Ok(RngStreamState {
+                name: s["name"].as_str().with_context(bad)?.to_string(),
+                seed: s["seed"].as_u64().with_context(bad)?,
+                words: s["words"]
+                    .as_array()
+                    .with_context(bad)?
+                    .iter()
+                    .map(|w| w.as_u64().with_context(bad))
+                    .collect::<Result<_>>()?,
+            })
+        })
+        .collect::<Result<_>>()?;
+    rng.restore(&RngState { streams })?;
+    Ok(())
+}
+
+fn write_atomically(path: &Path, text: &str) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let temporary = path.with_extension(format!("json.tmp-{}", std::process::id()));
+    std::fs::write(&temporary, text)
+        .with_context(|| format!("cannot write {}", temporary.display()))?;
+    std::fs::rename(&temporary, path)
+        .with_context(|| format!("cannot rename {} into place", temporary.display()))
+}

@@ -369,6 +369,9 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
         corpus.source,
         corpus.len()
     );
+    if let Some(dir) = &args.resume {
+        println!("resuming the run saved in {}", dir.display());
+    }
 }
 
 /// On world rank 0 after training: the loss curve, the samples and, with --check, the

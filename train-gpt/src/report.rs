@@ -5,6 +5,7 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 /// Shared by the rank threads; only world rank 0 reports to it.
@@ -13,6 +14,9 @@ pub struct Progress {
     label: &'static str,
     steps: usize,
     started: Instant,
+    /// The step before the first one reported (a resumed run starts past 0), for the
+    /// throughput; `usize::MAX` until then.
+    first: AtomicUsize,
     tokens_per_step: usize,
 }
 
@@ -35,13 +39,18 @@ impl Progress {
             label,
             steps,
             started: Instant::now(),
+            first: AtomicUsize::new(usize::MAX),
             tokens_per_step,
         }
     }
 
     pub fn step(&self, step: usize, loss: f32) {
+        let _ = self
+            .first
+            .compare_exchange(usize::MAX, step - 1, Ordering::Relaxed, Ordering::Relaxed);
+        let done = step - self.first.load(Ordering::Relaxed);
         let tokens_per_s =
-            (step * self.tokens_per_step) as f64 / self.started.elapsed().as_secs_f64();
+            (done * self.tokens_per_step) as f64 / self.started.elapsed().as_secs_f64();
         match &self.bar {
             Some(bar) => {
                 bar.set_position(step as u64);

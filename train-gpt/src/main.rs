@@ -202,6 +202,22 @@ fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
     let mpi = comm_core::mpi::MpiWorld::init()?;
     let world: Arc<dyn Communicator> = Arc::new(mpi.world()?);
     let size = world.size();
+    if size == 1 && args.tp * args.dp.unwrap_or(1) > 1 {
+        let ranks = args.tp * args.dp.unwrap_or(2);
+        bail!(
+            "--backend mpi found 1 process, but --tp {} needs {ranks}; start one process \
+             per rank with `mpirun -n {ranks} {} --backend mpi ...`{}",
+            args.tp,
+            std::env::args()
+                .next()
+                .unwrap_or_else(|| "train-gpt".into()),
+            if launched_by_mpirun() {
+                ""
+            } else {
+                " (this process was not started by mpirun)"
+            }
+        );
+    }
     let dp = match args.dp {
         Some(dp) => dp,
         None if size % args.tp == 0 => size / args.tp,
@@ -236,6 +252,14 @@ fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
         finish(args, corpus, dp, result)?;
     }
     Ok(())
+}
+
+/// Whether a launcher (OpenMPI, MPICH/PMI, Slurm's PMIx) started this process.
+#[cfg(feature = "mpi")]
+fn launched_by_mpirun() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|name| std::env::var_os(name).is_some())
 }
 
 #[cfg(not(feature = "mpi"))]

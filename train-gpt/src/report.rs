@@ -45,9 +45,9 @@ impl Progress {
     }
 
     pub fn step(&self, step: usize, loss: f32) {
-        let _ = self
-            .first
-            .compare_exchange(usize::MAX, step - 1, Ordering::Relaxed, Ordering::Relaxed);
+        let _ =
+            self.first
+                .compare_exchange(usize::MAX, step - 1, Ordering::Relaxed, Ordering::Relaxed);
         let done = step - self.first.load(Ordering::Relaxed);
         let tokens_per_s =
             (done * self.tokens_per_step) as f64 / self.started.elapsed().as_secs_f64();

@@ -6,7 +6,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::data::{Corpus, DistributedSampler};
 use crate::model::{Gpt, GptConfig};
 use crate::report::Progress;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use comm_core::Communicator;
 use ddp::{DdpConfig, DistributedDataParallel};
 use layers::{Module, RngTracker, TensorParallel};
@@ -131,6 +131,19 @@ pub fn train_rank(
         let tape = Tape::new();
         let logits = model.forward(&tape, &ids, seq, config.batch, &mut rng)?;
         let loss = model.loss(&logits, &labels, state.dp())?;
+        // Every rank holds the same global mean, so all of them stop here together.
+        if !loss.global_mean.is_finite() {
+            bail!(
+                "step {}: the loss is {} (step {} had {}): training diverged; lower --lr \
+                 (now {}) or lengthen --lr-warmup-steps (now {})",
+                step + 1,
+                loss.global_mean,
+                step,
+                losses.last().map_or("none".into(), |l: &f32| l.to_string()),
+                config.schedule.lr,
+                config.schedule.warmup_steps
+            );
+        }
         ddp.backward(&loss.loss)?;
         optimizer.step()?;
         losses.push(loss.global_mean);

@@ -1,0 +1,46 @@
+//! Runs that cannot go on stop with a message saying why and what to change, and a
+//! non-zero exit code, instead of training on.
+
+use std::process::Command;
+
+fn train(args: &[&str]) -> (bool, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
+        .args([
+            "--layers", "1", "--hidden", "16", "--heads", "2", "--seq", "16",
+        ])
+        .args([
+            "--out",
+            &std::env::temp_dir()
+                .join("train-gpt-failures")
+                .to_string_lossy(),
+        ])
+        .args(args)
+        .output()
+        .expect("the train-gpt binary runs");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_diverging_run_stops_at_the_first_non_finite_loss() {
+    let (ok, stderr) = train(&["--lr", "1e9", "--steps", "5"]);
+    assert!(!ok, "a NaN loss must not exit 0");
+    assert!(
+        stderr.contains("training diverged") && stderr.contains("lower --lr"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("the loss is NaN") || stderr.contains("the loss is inf"),
+        "{stderr}"
+    );
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn the_mpi_backend_without_mpirun_says_how_to_launch() {
+    let (ok, stderr) = train(&["--backend", "mpi", "--steps", "1"]);
+    assert!(!ok);
+    assert!(stderr.contains("mpirun -n 4"), "{stderr}");
+}

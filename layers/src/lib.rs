@@ -84,8 +84,10 @@
 //! tensor-parallel regions hold this rank's part of the sequence (the first dimension).
 //! Layer norms and row-parallel biases then see only that part, so their gradients must
 //! be summed over the tensor-parallel group after backward: they are the parameters whose
-//! [`ShardedParameter::grad_reduce_group`] is `Some("tp")`, which DDP's named-group hook
-//! reduces, or [`all_reduce_sequence_parallel_grads`] does by hand.
+//! [`ShardedParameter::grad_reduce_group`] is `Some("tp")`. `ddp`'s
+//! `DistributedDataParallel::for_model` turns these into its extra reductions, run after
+//! the data-parallel average; without DDP, [`all_reduce_sequence_parallel_grads`] does it
+//! by hand.
 //!
 //! # Uneven splits
 //! Sizes the group does not divide (vocabulary, MLP width, sequence) are split by

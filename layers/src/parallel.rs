@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 
 /// Name of the group whose ranks must sum the gradients of
 /// [sequence-parallel parameters](ShardedParameter::grad_reduce_group): the
-/// tensor-parallel group, as `ParallelState` names it for DDP's named-group hook.
+/// tensor-parallel group, as `ParallelState` names it for DDP's extra reductions.
 pub const TP_GROUP: &str = "tp";
 
 /// The tensor-parallel group a layer runs on, and whether activations outside the
@@ -179,7 +179,8 @@ pub struct ShardedParameter {
     /// `Some(TP_GROUP)` for parameters used on sequence-split activations (layer norms
     /// and row-parallel biases under sequence parallelism): each rank's gradient covers
     /// only its part of the sequence, so the gradients must be summed over the
-    /// tensor-parallel group after backward (DDP's named-group hook, or
+    /// tensor-parallel group after backward (by DDP's extra reductions, which
+    /// `DistributedDataParallel::for_model` derives from this field, or by
     /// [`all_reduce_sequence_parallel_grads`]).
     pub grad_reduce_group: Option<&'static str>,
 }
@@ -192,9 +193,9 @@ pub trait Module {
 
 /// Sums, over the tensor-parallel group, the gradients of the parameters whose
 /// [`grad_reduce_group`](ShardedParameter::grad_reduce_group) asks for it. Call it after
-/// backward when no DDP hook does so. Every rank must call it; a parameter without a
-/// gradient contributes zeros. The reduction runs on the host; the summed gradient goes
-/// back to the parameter's device.
+/// backward when DDP does not reduce them (DDP built with `for_model` does). Every rank
+/// must call it; a parameter without a gradient contributes zeros. The reduction runs on
+/// the host; the summed gradient goes back to the parameter's device.
 pub fn all_reduce_sequence_parallel_grads(
     module: &dyn Module,
     group: &Arc<dyn Communicator>,

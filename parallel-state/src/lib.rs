@@ -65,9 +65,10 @@
 //! ```
 //!
 //! # Named groups
-//! Code written against named groups (a DDP comm hook that reduces some parameters in
-//! `"tp-cp"` as well as `"dp"`) looks them up by name; user-defined rank lists join the
-//! registry with [`ParallelState::add_group`], also collective.
+//! Code written against named groups (DDP's extra reductions, which sum some parameters'
+//! gradients over `"tp"` or `"tp-cp"` after the `"dp"` average) looks them up by name;
+//! user-defined rank lists join the registry with [`ParallelState::add_group`], also
+//! collective.
 //! ```
 //! use comm_core::run_local;
 //! use parallel_state::{ParallelState, RankLayout};

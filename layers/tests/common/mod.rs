@@ -97,7 +97,7 @@ pub fn full_grads(ranks: &[Vec<(String, Sharding, Tensor)>]) -> BTreeMap<String,
 /// Runs a sequence-first model (`[s, b, h] → [s, b, h]`) on `tp_size` ranks with loss
 /// `Σ output ⊙ weights`. Without sequence parallelism every rank gets the whole input and
 /// its outputs must agree; with it, rank r gets part r of the sequence. Sequence-parallel
-/// gradients are all-reduced explicitly, as DDP's named-group hook would.
+/// gradients are all-reduced explicitly, as DDP's extra reductions would.
 pub fn run_sequence_model<M: Module>(
     tp_size: usize,
     sequence_parallel: bool,

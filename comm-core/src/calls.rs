@@ -354,3 +354,7 @@ pub(crate) fn signatures_agree(sigs: &[&CallSignature]) -> bool {
         OpKind::Barrier | OpKind::Split | OpKind::Send | OpKind::Recv => true,
     }
 }
+
+#[cfg(test)]
+#[path = "calls_tests.rs"]
+mod tests;

@@ -54,7 +54,7 @@ pub(crate) enum Phase {
 /// How long [`GroupShared::wait_for`] may wait.
 #[derive(Clone, Copy)]
 pub(crate) enum Patience<'a> {
-    /// Fails fast on a lost peer, and with `Timeout` after the group's timeout unless the
+    /// Fails fast on a lost peer, and with `Timeout` after the group's timeout, unless the
     /// function, asked then, finds the wait complete after all.
     Bounded(&'a dyn Fn(&GroupShared) -> bool),
     /// Until `ready`, which must itself count lost peers.
@@ -459,6 +459,13 @@ impl GroupShared {
                 // the ranks waiting with it time out on their own clocks and name the
                 // missing.
                 if let Some(err) = self.breakage().and_then(|b| self.lost_error(&b, op, seq)) {
+                    // Unless the barrier completed since `ready` was checked and a peer
+                    // past it then failed its device share: peers past it use our buffers
+                    // and wait for us at the closing barrier, which reports the loss.
+                    // Deciding also keeps a late arrival from passing once we leave.
+                    if completed(self) {
+                        return Ok(());
+                    }
                     self.note_consequence(me);
                     return Err(err);
                 }
@@ -737,5 +744,78 @@ mod tests {
         assert!(closed.is_ok(), "{closed:?}");
         assert!(outcomes[1].is_ok(), "{:?}", outcomes[1].as_ref().err());
         assert!(victim.into_inner().iter().all(|&x| x == 3.0));
+    }
+
+    /// A rank whose device share fails declares itself lost after passing the opening
+    /// barrier, then waits at the closing one for every peer that passed it too. A peer
+    /// still in that opening barrier's slow path (readiness checked, loss not yet) used
+    /// to see the loss and return `PeerLost` from a barrier that had completed: it never
+    /// arrived at the closing barrier, so the failing rank waited there until the peer's
+    /// communicator was dropped, and a third rank could still be writing into the peer's
+    /// buffers after it returned. Rank 1 runs the opening barrier's own wait with a
+    /// readiness check that, once rank 1 has parked, lets rank 0 pass and fail exactly
+    /// between rank 1's readiness check and its check for a lost peer.
+    #[test]
+    fn a_rank_in_a_completed_opening_barrier_goes_on_when_a_peer_then_fails_its_share() {
+        let group = two_rank_group(Duration::from_secs(10));
+        let call = (OpKind::AllReduce, 0);
+        let (op, seq) = call;
+        let (release, released) = mpsc::channel::<()>();
+        let (failed, has_failed) = mpsc::channel::<()>();
+        let (opened, closed, failing) = std::thread::scope(|s| {
+            // Rank 0 as `device_call` runs it when its share fails.
+            let shared = &group;
+            let failing = s.spawn(move || {
+                let group = shared;
+                released.recv().unwrap();
+                group.barrier(0, 1, call, true, Phase::Open)?;
+                group.declare_lost(op, seq, 0);
+                failed.send(()).unwrap();
+                group.barrier(0, 2, call, true, Phase::Close)
+            });
+            // Rank 1: `barrier(1, 1, call, false, Phase::Open)`, step by step.
+            group.slots[1].arrived.store(1, Ordering::SeqCst);
+            let (mut parked, mut let_through) = (false, false);
+            let opened = group
+                .wait_for(
+                    1,
+                    op,
+                    seq,
+                    false,
+                    |g| {
+                        let ready = g.missing(1).next().is_none();
+                        // The first check after a park starts a slow-path round.
+                        if parked && !let_through {
+                            let_through = true;
+                            release.send(()).unwrap();
+                            has_failed.recv().unwrap();
+                        }
+                        parked |= g.parked.load(Ordering::SeqCst) > 0;
+                        ready
+                    },
+                    |g| g.missing(1).collect(),
+                    Patience::Bounded(&|g| g.decide(1, false)),
+                )
+                .map(|()| group.decide(1, true));
+            let closed = match opened {
+                Ok(true) => Some(group.barrier(1, 2, call, false, Phase::Close)),
+                _ => None,
+            };
+            // Rank 1's communicator is dropped once its call returned: on a regression
+            // that is what lets rank 0 leave its closing barrier.
+            group.mark_dropped(1);
+            (opened, closed, failing.join().unwrap())
+        });
+        assert!(
+            matches!(opened, Ok(true)),
+            "rank 1 left an opening barrier that completed with {opened:?}, so it never \
+             reached the closing barrier where rank 0 waited for it"
+        );
+        for result in [closed.unwrap(), failing] {
+            assert!(
+                matches!(result, Err(Error::PeerLost { rank: 0, .. })),
+                "{result:?}"
+            );
+        }
     }
 }

@@ -36,7 +36,7 @@ fn all_invalid_buffer(errors: &[Error], expected: OpKind) {
 #[test]
 fn input_and_output_of_one_call_must_share_a_dtype() {
     let errors = errors_of(2, |comm| {
-        let mut out = vec![0f64; 4];
+        let mut out = [0f64; 4];
         comm.all_gather(BufRef::from(&[1f32, 2.0][..]), BufMut::from(&mut out[..]))
     });
     for err in &errors {

@@ -3,6 +3,7 @@
 use crate::buffer::{BufMut, BufRef, Buffer};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::Result;
+use crate::flight_recorder::FlightRecord;
 use crate::work::Work;
 use std::sync::Arc;
 
@@ -85,6 +86,13 @@ pub trait Communicator: Send + Sync {
     /// Starts a non-blocking operation that owns its buffers; the returned [`Work`]
     /// gives the result buffer back.
     fn start(&self, op: AsyncOp) -> Result<Work>;
+
+    /// The flight recorder's recent calls in this group (see
+    /// [`flight_recorder`](crate::flight_recorder)): every rank's on the local backend,
+    /// this rank's on `mpi` and `nccl`; empty when the recorder is off.
+    fn flight_record(&self) -> FlightRecord {
+        FlightRecord::default()
+    }
 }
 
 /// A non-blocking operation: it owns its buffers until [`Work::wait`] hands the result

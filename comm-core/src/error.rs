@@ -2,6 +2,7 @@
 
 use crate::buffer::MemoryKind;
 use crate::dtype::{DType, ReduceOp};
+use crate::flight_recorder::FlightRecord;
 use std::fmt;
 use std::time::Duration;
 
@@ -150,7 +151,8 @@ pub enum Error {
         "timeout in group '{group}': {op} (call #{seq}) waited {waited:?} and ranks {missing:?} \
          (world ranks {missing_world:?}) never arrived; they are stuck elsewhere or issue \
          collectives in a different order. Raise the limit with FERROTRON_TIMEOUT_SECS or \
-         the backend's timeout setting if they are merely slow"
+         the backend's timeout setting if they are merely slow{}",
+        history.summary()
     )]
     Timeout {
         /// Group name.
@@ -165,6 +167,10 @@ pub enum Error {
         missing_world: Vec<usize>,
         /// How long this rank waited.
         waited: Duration,
+        /// The flight recorder's recent calls: every rank's on the local backend, this
+        /// rank's (and the file it was written to) on NCCL; empty when the recorder is
+        /// off.
+        history: Box<FlightRecord>,
     },
 
     /// A peer failed (error, panic) or dropped its communicator, so this call can never
@@ -172,7 +178,8 @@ pub enum Error {
     #[error(
         "peer lost in group '{group}': rank {rank} (world rank {world_rank}) failed or dropped \
          its communicator, so {op} (call #{seq}) cannot complete; look for that rank's own \
-         error, which is the root cause"
+         error, which is the root cause{}",
+        history.summary()
     )]
     PeerLost {
         /// Group name.
@@ -185,6 +192,9 @@ pub enum Error {
         rank: usize,
         /// World rank of the lost peer.
         world_rank: usize,
+        /// The flight recorder's recent calls of every rank (local backend); empty when
+        /// the recorder is off.
+        history: Box<FlightRecord>,
     },
 
     /// A previous failure (timeout, lost peer) left this group unusable.

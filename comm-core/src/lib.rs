@@ -85,6 +85,7 @@ mod communicator;
 pub mod cuda;
 mod dtype;
 mod error;
+pub mod flight_recorder;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -96,6 +97,7 @@ pub use buffer::{BufMut, BufRef, Buffer, MemoryKind};
 pub use communicator::{AsyncOp, Communicator, CommunicatorExt};
 pub use dtype::{reduce_slices, DType, Element, ReduceOp};
 pub use error::{CallSignature, Error, OpKind, Result};
+pub use flight_recorder::{CallRecord, CallState, FlightRecord, RankHistory};
 pub use local::{run_local, LocalCommunicator, LocalLauncher};
 #[cfg(feature = "cuda")]
 pub use nccl::{NcclCommunicator, NcclWork};

@@ -28,6 +28,7 @@ use crate::calls::{offsets, signatures_agree, CallCheck};
 use crate::communicator::{AsyncOp, Communicator};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
+use crate::flight_recorder::{self, CallRecord, Dump, FlightRecord, Recorder, Ticket};
 use crate::work::{ProgressQueue, Work};
 use half::{bf16, f16};
 use mpi::environment::Universe;
@@ -35,6 +36,7 @@ use mpi::ffi;
 use mpi::Threading;
 use parking_lot::Mutex;
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Environment variable that turns on the cross-rank signature check (`1`, `true`).
@@ -222,6 +224,10 @@ struct MpiCore {
     /// on one communicator from several threads never interleave.
     seq: Mutex<u64>,
     queue: ProgressQueue,
+    /// This rank's last calls; written under `seq`'s lock.
+    recorder: Recorder,
+    /// Messages sent and received, for the flight recorder; changed under `seq`'s lock.
+    messages: [AtomicU64; 2],
 }
 
 impl Drop for MpiCore {
@@ -271,6 +277,7 @@ impl MpiCommunicator {
             "MPI_Allgather",
         )?;
         let queue = ProgressQueue::new(format!("{name}-mpi-progress-{rank}"));
+        let recorder = Recorder::new(flight_recorder::capacity_from_env()?);
         Ok(MpiCommunicator {
             core: Arc::new(MpiCore {
                 comm,
@@ -281,6 +288,8 @@ impl MpiCommunicator {
                 world_ranks: world_ranks.into_iter().map(|r| r as usize).collect(),
                 seq: Mutex::new(0),
                 queue,
+                recorder,
+                messages: [AtomicU64::new(0), AtomicU64::new(0)],
             }),
             owner: true,
         })
@@ -301,10 +310,45 @@ impl MpiCommunicator {
         let mut seq = self.core.seq.lock();
         let this = *seq;
         *seq += 1;
-        if self.core.env.check {
-            self.agree(sig, this)?;
+        let record = self.core.recorder.start(&CallRecord::collective(this, sig));
+        let result = if self.core.env.check {
+            self.agree(sig, this).and_then(|()| call())
+        } else {
+            call()
+        };
+        self.recorded(record, result)
+    }
+
+    /// Records how a call ended. An MPI failure (a lost peer, say) also writes this
+    /// rank's flight record to a file and names it in the error: a stuck peer cannot be
+    /// asked, so the user collects every rank's file.
+    fn recorded<T>(&self, record: Ticket, result: Result<T>) -> Result<T> {
+        self.core.recorder.end(record, result.is_ok());
+        result.map_err(|e| match e {
+            Error::Mpi(_) => self.dump().attach(e),
+            other => other,
+        })
+    }
+
+    /// Records the start of this rank's next send or receive; call under `seq`'s lock.
+    fn start_message(&self, op: OpKind, dtype: DType, count: usize, peer: usize) -> Ticket {
+        let counter = &self.core.messages[usize::from(op == OpKind::Recv)];
+        let seq = counter.load(Ordering::Relaxed);
+        counter.store(seq + 1, Ordering::Relaxed);
+        let call = CallRecord::message(seq, op, dtype, count, peer);
+        self.core.recorder.start(&call)
+    }
+
+    fn dump(&self) -> Dump<'_> {
+        let core = &self.core;
+        Dump {
+            backend: "mpi",
+            group: &core.name,
+            rank: core.rank,
+            size: core.size,
+            world_rank: core.world_ranks[core.rank],
+            recorder: &core.recorder,
         }
-        call()
     }
 
     /// All-gathers every rank's signature and checks them like the local backend does.
@@ -715,8 +759,9 @@ impl Communicator for MpiCommunicator {
         let count = self.int(OpKind::Send, "count", buf.len())?;
         self.core.queue.wait_idle();
         let _order = self.core.seq.lock();
+        let record = self.start_message(OpKind::Send, buf.dtype(), buf.len(), dest);
         // SAFETY: `buf` holds `count` elements of its dtype.
-        check_rc(
+        let sent = check_rc(
             unsafe {
                 ffi::MPI_Ssend(
                     send_ptr(&buf),
@@ -728,7 +773,8 @@ impl Communicator for MpiCommunicator {
                 )
             },
             "MPI_Ssend",
-        )
+        );
+        self.recorded(record, sent)
     }
 
     fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
@@ -741,50 +787,54 @@ impl Communicator for MpiCommunicator {
         self.check().peer(OpKind::Recv, "source", src)?;
         self.core.queue.wait_idle();
         let seq = self.core.seq.lock();
-        let dtype = raw_dtype(buf.dtype());
-        // SAFETY: MPI_Status is plain data that MPI_Probe fills in.
-        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-        let mut count: c_int = 0;
-        // SAFETY: valid communicator and out-pointers.
-        unsafe {
-            check_rc(
-                ffi::MPI_Probe(src as c_int, 0, self.core.comm.0, &mut status),
-                "MPI_Probe",
-            )?;
-            check_rc(
-                ffi::MPI_Get_count(&status, dtype, &mut count),
-                "MPI_Get_count",
-            )?;
-        }
-        if usize::try_from(count).ok() != Some(buf.len()) {
-            let mut sent = self.check().signature(OpKind::Send, Some(buf.dtype()), 0);
-            sent.rank = src;
-            sent.count = usize::try_from(count).unwrap_or(0);
-            return Err(Error::Mismatch {
-                group: self.core.name.clone(),
-                seq: *seq,
-                calls: vec![
-                    sent,
-                    self.check()
-                        .signature(OpKind::Recv, Some(buf.dtype()), buf.len()),
-                ],
-            });
-        }
-        // SAFETY: the probed message has exactly `count` elements, which `buf` holds.
-        check_rc(
+        let record = self.start_message(OpKind::Recv, buf.dtype(), buf.len(), src);
+        let received = (|| {
+            let dtype = raw_dtype(buf.dtype());
+            // SAFETY: MPI_Status is plain data that MPI_Probe fills in.
+            let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+            let mut count: c_int = 0;
+            // SAFETY: valid communicator and out-pointers.
             unsafe {
-                ffi::MPI_Recv(
-                    recv_ptr(&mut buf),
-                    count,
-                    dtype,
-                    src as c_int,
-                    0,
-                    self.core.comm.0,
-                    ffi::RSMPI_STATUS_IGNORE,
-                )
-            },
-            "MPI_Recv",
-        )
+                check_rc(
+                    ffi::MPI_Probe(src as c_int, 0, self.core.comm.0, &mut status),
+                    "MPI_Probe",
+                )?;
+                check_rc(
+                    ffi::MPI_Get_count(&status, dtype, &mut count),
+                    "MPI_Get_count",
+                )?;
+            }
+            if usize::try_from(count).ok() != Some(buf.len()) {
+                let mut sent = self.check().signature(OpKind::Send, Some(buf.dtype()), 0);
+                sent.rank = src;
+                sent.count = usize::try_from(count).unwrap_or(0);
+                return Err(Error::Mismatch {
+                    group: self.core.name.clone(),
+                    seq: *seq,
+                    calls: vec![
+                        sent,
+                        self.check()
+                            .signature(OpKind::Recv, Some(buf.dtype()), buf.len()),
+                    ],
+                });
+            }
+            // SAFETY: the probed message has exactly `count` elements, which `buf` holds.
+            check_rc(
+                unsafe {
+                    ffi::MPI_Recv(
+                        recv_ptr(&mut buf),
+                        count,
+                        dtype,
+                        src as c_int,
+                        0,
+                        self.core.comm.0,
+                        ffi::RSMPI_STATUS_IGNORE,
+                    )
+                },
+                "MPI_Recv",
+            )
+        })();
+        self.recorded(record, received)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -828,6 +878,10 @@ impl Communicator for MpiCommunicator {
             Some(world_rank),
         )?;
         Ok(Some(Arc::new(comm)))
+    }
+
+    fn flight_record(&self) -> FlightRecord {
+        self.dump().record()
     }
 
     fn start(&self, op: AsyncOp) -> Result<Work> {

@@ -47,7 +47,9 @@
 //! [`NcclCommunicator::with_timeout`]) the call is [`Error::Timeout`], which names no
 //! missing rank because NCCL cannot tell which one is late. Either way the NCCL
 //! communicator is aborted (NCCL's kernels stop) and every later call returns
-//! [`Error::Broken`].
+//! [`Error::Broken`]. The error names the file this rank's last calls were written to
+//! (the [flight recorder](crate::flight_recorder)): collect every rank's file to see which
+//! one stopped where.
 //!
 //! # Limits
 //! * Each call checks its own arguments (lengths, counts, roots, `Avg` on integers) before
@@ -76,7 +78,8 @@ use crate::calls::{offsets, CallCheck};
 use crate::communicator::{AsyncOp, Communicator, CommunicatorExt};
 use crate::cuda::{self, Library};
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, OpKind, Result};
+use crate::error::{CallSignature, Error, OpKind, Result};
+use crate::flight_recorder::{self, CallRecord, Dump, FlightRecord, Recorder, Ticket};
 use crate::work::Work;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nccl::result::{self as nccl, NcclError, NcclStatus};
@@ -109,6 +112,8 @@ pub struct NcclCommunicator {
     /// One element that `barrier` all-reduces.
     barrier_buf: CudaSlice<f32>,
     state: Mutex<State>,
+    /// This rank's last calls; written under `state`'s lock.
+    recorder: Recorder,
 }
 
 /// What calls change, behind one lock: NCCL forbids using a communicator from two threads
@@ -132,6 +137,7 @@ struct Local {
     stream: Arc<CudaStream>,
     barrier_buf: CudaSlice<f32>,
     timeout: Duration,
+    flight_recorder: usize,
     nranks: c_int,
     rank: c_int,
 }
@@ -187,6 +193,7 @@ impl NcclCommunicator {
                 comm: Ok(comm),
                 seq: 0,
             }),
+            recorder: Recorder::new(local.flight_recorder),
             bootstrap,
         })
     }
@@ -260,33 +267,43 @@ impl NcclCommunicator {
     /// Runs one call and waits for it (see [`start`](Self::start)).
     fn run(
         &self,
-        op: OpKind,
+        call: (&CallSignature, Option<usize>),
         streams: &[&CudaStream],
         count: usize,
         enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Queued,
     ) -> Result<()> {
-        self.start(op, streams, count, enqueue)?.wait()
+        self.start(call, streams, count, enqueue)?.wait()
     }
 
-    /// Queues one call behind the work on `streams` and returns without waiting. `count`
-    /// is the number of elements this rank moves (0: nothing to do). Any failure once the
-    /// call is under way aborts the communicator: this rank could no longer pair its
-    /// later calls with its peers'.
+    /// Queues one call (its signature, and the peer of a send or receive) behind the
+    /// work on `streams` and returns without waiting. `count` is the number of elements
+    /// this rank moves (0: nothing to do). Any failure once the call is under way aborts
+    /// the communicator: this rank could no longer pair its later calls with its peers'.
     fn start<'a>(
         &'a self,
-        op: OpKind,
+        (sig, peer): (&CallSignature, Option<usize>),
         streams: &[&CudaStream],
         count: usize,
         enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Queued,
     ) -> Result<NcclWork<'a>> {
+        let op = sig.op;
         let mut state = self.state.lock();
-        let comm = self.live(&state)?;
         let seq = state.seq;
+        let record = self.recorder.start(&CallRecord {
+            peer,
+            ..CallRecord::collective(seq, sig)
+        });
+        let comm = self
+            .live(&state)
+            .inspect_err(|_| self.recorder.end(record, false))?;
         state.seq += 1;
         let done = if count == 0 {
+            self.recorder.end(record, true);
             None
         } else {
-            let issued = self.issue(comm, streams, enqueue);
+            let issued = self.issue(comm, streams, enqueue).inspect_err(|_| {
+                self.recorder.end(record, false);
+            });
             Some(issued.map_err(|e| self.abort(&mut state, e))?)
         };
         Ok(NcclWork {
@@ -294,6 +311,7 @@ impl NcclCommunicator {
             op,
             seq,
             done,
+            record,
             started: Instant::now(),
             _buffers: std::marker::PhantomData,
         })
@@ -301,7 +319,9 @@ impl NcclCommunicator {
 
     /// Aborts the communicator because of `error` (see [`abort_comm`]), then waits, at most
     /// another timeout, for the work NCCL had queued on our stream to end, so that the
-    /// caller's buffers are not released while NCCL kernels may still touch them.
+    /// caller's buffers are not released while NCCL kernels may still touch them. The
+    /// error names the file this rank's flight record was written to: a stuck peer
+    /// cannot be asked, so the user collects every rank's file.
     fn abort(&self, state: &mut State, error: Error) -> Error {
         let error = abort_comm(state, error);
         if let Ok(drained) = self.stream.record_event(None) {
@@ -310,7 +330,22 @@ impl NcclCommunicator {
                 std::thread::sleep(POLL_INTERVAL);
             }
         }
-        error
+        self.dump().attach(error)
+    }
+
+    fn dump(&self) -> Dump<'_> {
+        Dump {
+            backend: "nccl",
+            group: &self.name,
+            rank: self.rank,
+            size: self.size,
+            world_rank: self
+                .world_ranks
+                .get(self.rank)
+                .copied()
+                .unwrap_or(self.rank),
+            recorder: &self.recorder,
+        }
     }
 
     /// The live NCCL communicator, or `Error::Broken` with why it was aborted.
@@ -382,6 +417,8 @@ impl NcclCommunicator {
                     missing: Vec::new(),
                     missing_world: Vec::new(),
                     waited,
+                    // Filled by `abort`: this rank's record and the file it went to.
+                    history: Box::default(),
                 });
             }
             if waited < SPIN {
@@ -415,6 +452,8 @@ pub struct NcclWork<'a> {
     seq: u64,
     /// Recorded after the call's NCCL work; `None` when nothing was queued.
     done: Option<CudaEvent>,
+    /// The call's flight record, ended when the work is waited for.
+    record: Ticket,
     started: Instant,
     _buffers: std::marker::PhantomData<&'a mut [u8]>,
 }
@@ -444,9 +483,12 @@ impl NcclWork<'_> {
         };
         let nccl = self.communicator;
         let mut state = nccl.state.lock();
-        let comm = nccl.live(&state)?;
-        nccl.watch(comm, &done, self.op, self.seq, self.started)
-            .map_err(|e| nccl.abort(&mut state, e))
+        let comm = nccl
+            .live(&state)
+            .inspect_err(|_| nccl.recorder.end(self.record, false))?;
+        let watched = nccl.watch(comm, &done, self.op, self.seq, self.started);
+        nccl.recorder.end(self.record, watched.is_ok());
+        watched.map_err(|e| nccl.abort(&mut state, e))
     }
 }
 
@@ -461,10 +503,10 @@ impl NcclCommunicator {
     /// [`Communicator::all_reduce`] without waiting: see [`NcclWork`].
     pub fn all_reduce_async<'a>(&'a self, buf: BufMut<'a>, op: ReduceOp) -> Result<NcclWork<'a>> {
         let kind = OpKind::AllReduce;
-        self.check().all_reduce(&buf, op)?;
+        let sig = self.check().all_reduce(&buf, op)?;
         let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
         let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
-        self.start(kind, &[stream], count, |comm, s| {
+        self.start((&sig, None), &[stream], count, |comm, s| {
             // SAFETY: as for the blocking calls; in place, as NCCL allows. The work
             // borrows `buf` until it has been waited for.
             let r =
@@ -480,11 +522,11 @@ impl NcclCommunicator {
         output: BufMut<'a>,
     ) -> Result<NcclWork<'a>> {
         let kind = OpKind::AllGather;
-        self.check().all_gather(&input, &output, None)?;
+        let (sig, _) = self.check().all_gather(&input, &output, None)?;
         let streams = self.io_streams(kind, &input, &output)?;
         let (from, to) = (input.device_ptr(), output.device_ptr());
         let (count, dtype) = (input.len(), nccl_dtype(input.dtype()));
-        self.start(kind, &streams, count, |comm, s| {
+        self.start((&sig, None), &streams, count, |comm, s| {
             // SAFETY: as for the blocking calls; the work borrows both buffers.
             let r = unsafe { nccl::all_gather(src(from), dst(to), count, dtype, comm, s) };
             queued("ncclAllGather", r)
@@ -499,11 +541,11 @@ impl NcclCommunicator {
         op: ReduceOp,
     ) -> Result<NcclWork<'a>> {
         let kind = OpKind::ReduceScatter;
-        self.check().reduce_scatter(&input, &output, None, op)?;
+        let (sig, _) = self.check().reduce_scatter(&input, &output, None, op)?;
         let streams = self.io_streams(kind, &input, &output)?;
         let (from, to) = (input.device_ptr(), output.device_ptr());
         let (count, dtype) = (output.len(), nccl_dtype(input.dtype()));
-        self.start(kind, &streams, count, |comm, s| {
+        self.start((&sig, None), &streams, count, |comm, s| {
             // SAFETY: as for the blocking calls; the work borrows both buffers.
             let r = unsafe {
                 nccl::reduce_scatter(src(from), dst(to), count, dtype, nccl_op(op), comm, s)
@@ -526,6 +568,7 @@ fn abort_comm(state: &mut State, error: Error) -> Error {
 
 fn open_locally(bootstrap: &dyn Communicator, device: usize) -> Result<Local> {
     let timeout = crate::local::timeout_from_env()?;
+    let flight_recorder = flight_recorder::capacity_from_env()?;
     let int = |what: &str, value: usize| {
         c_int::try_from(value).map_err(|_| {
             Error::Config(format!(
@@ -549,6 +592,7 @@ fn open_locally(bootstrap: &dyn Communicator, device: usize) -> Result<Local> {
         stream,
         barrier_buf,
         timeout,
+        flight_recorder,
         nranks,
         rank,
     })
@@ -748,10 +792,10 @@ impl Communicator for NcclCommunicator {
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
         let kind = OpKind::Broadcast;
-        self.check().broadcast(&buf, root)?;
+        let sig = self.check().broadcast(&buf, root)?;
         let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
         let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
-        self.run(kind, &[stream], count, |comm, s| {
+        self.run((&sig, None), &[stream], count, |comm, s| {
             // SAFETY: see above; in place, as NCCL allows.
             let r =
                 unsafe { nccl::broadcast(src(ptr), dst(ptr), count, dtype, peer(root), comm, s) };
@@ -765,11 +809,11 @@ impl Communicator for NcclCommunicator {
 
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
         let kind = OpKind::AllGatherV;
-        let (_, counts) = self.check().all_gather(&input, &output, Some(counts))?;
+        let (sig, counts) = self.check().all_gather(&input, &output, Some(counts))?;
         let streams = self.io_streams(kind, &input, &output)?;
         let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
         let me = self.rank;
-        self.run(kind, &streams, counts.iter().sum(), |comm, s| {
+        self.run((&sig, None), &streams, counts.iter().sum(), |comm, s| {
             // One broadcast per rank into its block of the output: NCCL has no all-gather
             // with per-rank counts.
             per_block(&counts, |r, offset, count| {
@@ -804,13 +848,13 @@ impl Communicator for NcclCommunicator {
         op: ReduceOp,
     ) -> Result<()> {
         let kind = OpKind::ReduceScatterV;
-        let (_, counts) = self
+        let (sig, counts) = self
             .check()
             .reduce_scatter(&input, &output, Some(counts), op)?;
         let streams = self.io_streams(kind, &input, &output)?;
         let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
         let me = self.rank;
-        self.run(kind, &streams, counts.iter().sum(), |comm, s| {
+        self.run((&sig, None), &streams, counts.iter().sum(), |comm, s| {
             // One reduction per rank of its block onto that rank: NCCL has no
             // reduce-scatter with per-rank counts.
             per_block(&counts, |r, offset, count| {
@@ -844,12 +888,13 @@ impl Communicator for NcclCommunicator {
         recv_counts: &[usize],
     ) -> Result<()> {
         let kind = OpKind::AllToAllV;
-        self.check()
+        let sig = self
+            .check()
             .all_to_all_v(&input, send_counts, &output, recv_counts)?;
         let streams = self.io_streams(kind, &input, &output)?;
         let (from, to, dt) = (input.device_ptr(), output.device_ptr(), input.dtype());
         let count = input.len() + output.len();
-        self.run(kind, &streams, count, |comm, s| {
+        self.run((&sig, None), &streams, count, |comm, s| {
             grouped(|| {
                 // Empty pairs are skipped on both sides: a rank's send count to r is r's
                 // receive count from it.
@@ -894,8 +939,9 @@ impl Communicator for NcclCommunicator {
         let kind = OpKind::Send;
         self.check().peer(kind, "destination", dest)?;
         let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
+        let sig = self.check().signature(kind, Some(buf.dtype()), buf.len());
         let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
-        self.run(kind, &[stream], count, |comm, s| {
+        self.run((&sig, Some(dest)), &[stream], count, |comm, s| {
             // SAFETY: see above.
             let r = unsafe { nccl::send(src(ptr), count, dtype, peer(dest), comm, s) };
             queued("ncclSend", r)
@@ -906,8 +952,9 @@ impl Communicator for NcclCommunicator {
         let kind = OpKind::Recv;
         self.check().peer(kind, "source", source)?;
         let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
+        let sig = self.check().signature(kind, Some(buf.dtype()), buf.len());
         let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
-        self.run(kind, &[stream], count, |comm, s| {
+        self.run((&sig, Some(source)), &[stream], count, |comm, s| {
             // SAFETY: see above.
             let r = unsafe { nccl::recv(dst(ptr), count, dtype, peer(source), comm, s) };
             queued("ncclRecv", r)
@@ -917,7 +964,8 @@ impl Communicator for NcclCommunicator {
     fn barrier(&self) -> Result<()> {
         // Only the communicator's stream touches this buffer, and calls are serialised.
         let (ptr, _record) = self.barrier_buf.device_ptr(&self.stream);
-        self.run(OpKind::Barrier, &[], 1, |comm, s| {
+        let sig = self.check().signature(OpKind::Barrier, None, 0);
+        self.run((&sig, None), &[], 1, |comm, s| {
             // SAFETY: one f32 of our own device memory, alive as long as `self`.
             let r = unsafe {
                 nccl::all_reduce(
@@ -951,6 +999,10 @@ impl Communicator for NcclCommunicator {
         };
         let comm = NcclCommunicator::new(sub, self.device)?.with_timeout(self.timeout);
         Ok(Some(Arc::new(comm)))
+    }
+
+    fn flight_record(&self) -> FlightRecord {
+        self.dump().record()
     }
 
     fn start(&self, op: AsyncOp) -> Result<Work> {

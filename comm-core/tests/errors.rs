@@ -123,6 +123,7 @@ fn a_panicking_rank_makes_peers_fail_with_peer_lost() {
                     op: OpKind::AllReduce,
                     seq: 0,
                     group,
+                    ..
                 }) => assert_eq!(group, "world"),
                 other => panic!("expected PeerLost from rank 2, got {other:?}"),
             },

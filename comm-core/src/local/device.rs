@@ -40,19 +40,20 @@ impl RankCore {
         if let Some(output) = output {
             cuda::synchronize(output)?;
         }
-        let counters = &mut *self.counters.lock();
-        let op = sig.op;
-        let seq = self.begin(counters, sig, publish)?;
-        if let Err(err) = work(seq).and_then(|()| cuda::synchronize(stream)) {
-            // Copies into peers' buffers may still be queued: let them end before anyone
-            // reuses the memory (a second failure changes nothing), then fail the peers,
-            // and leave only once they no longer use our buffers either.
-            let _ = cuda::synchronize(stream);
-            self.group.declare_lost(op, seq, self.rank);
-            let _ = self.barrier_step(counters, op, seq, Phase::Close);
-            return Err(err);
-        }
-        self.barrier_step(counters, op, seq, Phase::Close)
+        self.call(|counters| {
+            let op = sig.op;
+            let seq = self.begin(counters, sig, publish)?;
+            if let Err(err) = work(seq).and_then(|()| cuda::synchronize(stream)) {
+                // Copies into peers' buffers may still be queued: let them end before anyone
+                // reuses the memory (a second failure changes nothing), then fail the peers,
+                // and leave only once they no longer use our buffers either.
+                let _ = cuda::synchronize(stream);
+                self.group.declare_lost(op, seq, self.rank);
+                let _ = self.barrier_step(counters, op, seq, Phase::Close);
+                return Err(err);
+            }
+            self.barrier_step(counters, op, seq, Phase::Close)
+        })
     }
 
     /// Queues `out = op over ranks of (peer address + byte_offset)[..count]`.

@@ -17,6 +17,7 @@
 
 use crate::buffer::{Buffer, MemoryKind};
 use crate::error::{CallSignature, Error, OpKind, Result};
+use crate::flight_recorder::{FlightRecord, RankHistory, Recorder};
 use parking_lot::{Condvar, Mutex};
 use std::cell::UnsafeCell;
 use std::collections::VecDeque;
@@ -29,12 +30,20 @@ pub(crate) struct WorldShared {
     /// Ranks that saw a lost peer or a broken group: whatever error type their code
     /// returns, their failure is a consequence of another rank's, not a root cause.
     pub(crate) saw_lost_peer: Vec<AtomicBool>,
+    /// Calls each rank's flight recorder keeps, in every group of the world.
+    pub(crate) flight_recorder: usize,
 }
 
 impl WorldShared {
+    #[cfg(test)]
     pub(crate) fn new(size: usize) -> Arc<WorldShared> {
+        WorldShared::with_flight_recorder(size, crate::flight_recorder::DEFAULT_FLIGHT_RECORDER)
+    }
+
+    pub(crate) fn with_flight_recorder(size: usize, flight_recorder: usize) -> Arc<WorldShared> {
         Arc::new(WorldShared {
             saw_lost_peer: (0..size).map(|_| AtomicBool::new(false)).collect(),
+            flight_recorder,
         })
     }
 }
@@ -119,6 +128,9 @@ pub(crate) struct GroupShared {
     /// Computed once: asking the OS for the core count reads cgroup files (tens of µs).
     spin_window: Duration,
     slots: Vec<Slot>,
+    /// Each rank's last calls: written by the rank, read by any peer without a lock.
+    /// Outside the slots, whose layout the barrier's cache behaviour depends on.
+    recorders: Vec<Recorder>,
     broken: Mutex<Option<Breakage>>,
     is_broken: AtomicBool,
     parked: AtomicUsize,
@@ -155,6 +167,7 @@ impl GroupShared {
         timeout: Duration,
     ) -> Arc<GroupShared> {
         let size = world_ranks.len();
+        let flight_recorder = world.flight_recorder;
         let empty = || {
             UnsafeCell::new(Exchange {
                 sig: CallSignature {
@@ -188,6 +201,7 @@ impl GroupShared {
                     split_result: Mutex::new(None),
                 })
                 .collect(),
+            recorders: (0..size).map(|_| Recorder::new(flight_recorder)).collect(),
             broken: Mutex::new(None),
             is_broken: AtomicBool::new(false),
             parked: AtomicUsize::new(0),
@@ -205,6 +219,28 @@ impl GroupShared {
 
     pub(crate) fn slot(&self, rank: usize) -> &Slot {
         &self.slots[rank]
+    }
+
+    /// Group rank `rank`'s flight recorder; only that rank starts records in it.
+    pub(crate) fn recorder(&self, rank: usize) -> &Recorder {
+        &self.recorders[rank]
+    }
+
+    /// Every rank's recent calls, read without a lock (empty when recording is off).
+    pub(crate) fn flight_record(&self) -> FlightRecord {
+        if self.world.flight_recorder == 0 {
+            return FlightRecord::default();
+        }
+        FlightRecord {
+            ranks: (0..self.size())
+                .map(|r| RankHistory {
+                    rank: r,
+                    world_rank: self.world_ranks[r],
+                    calls: self.recorders[r].calls(),
+                })
+                .collect(),
+            file: None,
+        }
     }
 
     /// This rank's own exchange record for `seq`.
@@ -279,6 +315,7 @@ impl GroupShared {
             seq,
             rank,
             world_rank: self.world_ranks[rank],
+            history: Box::new(self.flight_record()),
         }
     }
 
@@ -496,6 +533,7 @@ impl GroupShared {
                         missing_world: missing.iter().map(|&r| self.world_ranks[r]).collect(),
                         missing,
                         waited,
+                        history: Box::new(self.flight_record()),
                     };
                     self.break_with(&err);
                     return Err(err);

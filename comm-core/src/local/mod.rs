@@ -17,6 +17,7 @@ use crate::calls::{offsets, signatures_agree, CallCheck};
 use crate::communicator::{AsyncOp, Communicator};
 use crate::dtype::{reduce_raw, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
+use crate::flight_recorder::{self, CallRecord, FlightRecord, Ticket};
 use crate::work::{ProgressQueue, Work};
 use group::{GroupShared, Message, Phase, WorldShared};
 use parking_lot::Mutex;
@@ -61,10 +62,12 @@ where
 pub struct LocalLauncher {
     size: usize,
     timeout: Duration,
+    flight_recorder: usize,
 }
 
 impl LocalLauncher {
-    /// A world of `size` ranks with the default timeout (or [`TIMEOUT_ENV`]).
+    /// A world of `size` ranks with the default timeout (or [`TIMEOUT_ENV`]) and flight
+    /// recorder (or [`FLIGHT_RECORDER_ENV`](flight_recorder::FLIGHT_RECORDER_ENV)).
     pub fn new(size: usize) -> Result<LocalLauncher> {
         if size == 0 {
             return Err(Error::Config(
@@ -74,12 +77,21 @@ impl LocalLauncher {
         Ok(LocalLauncher {
             size,
             timeout: timeout_from_env()?,
+            flight_recorder: flight_recorder::capacity_from_env()?,
         })
     }
 
     /// How long a collective waits for its peers before returning [`Error::Timeout`].
     pub fn timeout(mut self, timeout: Duration) -> LocalLauncher {
         self.timeout = timeout;
+        self
+    }
+
+    /// How many recent calls each rank keeps per group for error reports (see
+    /// [`flight_recorder`]); 0 turns recording off. At most
+    /// [`MAX_FLIGHT_RECORDER`](flight_recorder::MAX_FLIGHT_RECORDER) are kept.
+    pub fn flight_recorder(mut self, calls: usize) -> LocalLauncher {
+        self.flight_recorder = calls.min(flight_recorder::MAX_FLIGHT_RECORDER);
         self
     }
 
@@ -134,7 +146,7 @@ impl LocalLauncher {
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
         F: Fn(LocalCommunicator) -> std::result::Result<T, E> + Sync,
     {
-        let world = WorldShared::new(self.size);
+        let world = WorldShared::with_flight_recorder(self.size, self.flight_recorder);
         let group = GroupShared::new(
             "world".to_string(),
             (0..self.size).collect(),
@@ -243,6 +255,8 @@ struct Counters {
     /// Messages sent and received (for error messages).
     sends: u64,
     recvs: u64,
+    /// The flight record of the collective in progress, which [`RankCore::call`] ends.
+    open: Ticket,
 }
 
 struct RankCore {
@@ -264,6 +278,7 @@ impl LocalCommunicator {
                     epoch: 0,
                     sends: 0,
                     recvs: 0,
+                    open: Ticket::NONE,
                 }),
                 queue,
             }),
@@ -274,6 +289,12 @@ impl LocalCommunicator {
     /// The timeout this group's collectives use.
     pub fn timeout(&self) -> Duration {
         self.core.group.timeout
+    }
+
+    /// Every rank's recent calls in this group, as a timeout or a lost peer reports them
+    /// (see [`flight_recorder`]); empty when the recorder is off.
+    pub fn flight_record(&self) -> FlightRecord {
+        self.core.group.flight_record()
     }
 }
 
@@ -379,6 +400,9 @@ impl Communicator for LocalCommunicator {
             .split(color, key, name)?
             .map(|c| Arc::new(c) as Arc<dyn Communicator>))
     }
+    fn flight_record(&self) -> FlightRecord {
+        self.core.group.flight_record()
+    }
     fn start(&self, op: AsyncOp) -> Result<Work> {
         let handle = LocalCommunicator {
             core: self.core.clone(),
@@ -425,6 +449,11 @@ impl RankCore {
         sig: CallSignature,
         exchange: impl FnOnce(&mut group::Exchange),
     ) -> Result<u64> {
+        // Recorded before anything can fail: a rank that reached a call shows it.
+        counters.open = self
+            .group
+            .recorder(self.rank)
+            .start(&CallRecord::collective(counters.seq, &sig));
         self.group.check_broken(self.rank, sig.op, counters.seq)?;
         let seq = counters.seq;
         counters.seq += 1;
@@ -448,6 +477,30 @@ impl RankCore {
             });
         }
         Ok(seq)
+    }
+
+    /// Runs one call under the counters lock (calls on a communicator never interleave)
+    /// and records how the collective that `begin` started ended.
+    fn call<T>(&self, body: impl FnOnce(&mut Counters) -> Result<T>) -> Result<T> {
+        let counters = &mut *self.counters.lock();
+        let result = body(counters);
+        let open = std::mem::replace(&mut counters.open, Ticket::NONE);
+        self.group.recorder(self.rank).end(open, result.is_ok());
+        result
+    }
+
+    /// Records the start of this rank's next send or receive; returns its number.
+    fn start_message(&self, op: OpKind, buf: (crate::DType, usize), peer: usize) -> (u64, Ticket) {
+        let mut counters = self.counters.lock();
+        let count = if op == OpKind::Send {
+            &mut counters.sends
+        } else {
+            &mut counters.recvs
+        };
+        let seq = *count;
+        *count += 1;
+        let call = CallRecord::message(seq, op, buf.0, buf.1, peer);
+        (seq, self.group.recorder(self.rank).start(&call))
     }
 
     /// Ends a call: peers may still be reading our buffers directly unless the data went
@@ -489,33 +542,34 @@ impl RankCore {
         }
         let (len, dtype) = (buf.len(), buf.dtype());
         let ptr = buf.host_ptr_mut() as usize;
-        let counters = &mut *self.counters.lock();
-        if buf.byte_len() <= SMALL_MESSAGE_BYTES {
-            let seq = self.begin(counters, sig, |ex| stage(ex, buf.as_ref()))?;
+        self.call(|counters| {
+            if buf.byte_len() <= SMALL_MESSAGE_BYTES {
+                let seq = self.begin(counters, sig, |ex| stage(ex, buf.as_ref()))?;
+                let n = self.group.size();
+                crate::with_dtype!(dtype, T => {
+                    let sources: Vec<*const T> =
+                        (0..n).map(|r| self.peer(r, seq).staging.as_ptr().cast()).collect();
+                    // SAFETY: agreed signatures mean every staging area holds `len` elements.
+                    unsafe { reduce_raw::<T>(op, &sources, &[ptr as *mut T], len) }
+                });
+                return Ok(());
+            }
+            // Rank r reduces chunk r of every rank's buffer and writes the result into chunk r
+            // of every buffer: each byte is read once and written once (the minimum), and
+            // no rank touches another's chunk, so in-place is safe with two barriers.
+            let seq = self.begin(counters, sig, |ex| ex.recv_ptr = ptr)?;
             let n = self.group.size();
+            let (start, count) = chunk(len, n, self.rank);
             crate::with_dtype!(dtype, T => {
                 let sources: Vec<*const T> =
-                    (0..n).map(|r| self.peer(r, seq).staging.as_ptr().cast()).collect();
-                // SAFETY: agreed signatures mean every staging area holds `len` elements.
-                unsafe { reduce_raw::<T>(op, &sources, &[ptr as *mut T], len) }
+                    (0..n).map(|r| at::<T>(self.peer(r, seq).recv_ptr, start)).collect();
+                let outputs: Vec<*mut T> = sources.iter().map(|&p| p.cast_mut()).collect();
+                // SAFETY: every rank's buffer has `len` elements (agreed signatures), and
+                // during this phase chunk `self.rank` of every buffer is ours alone.
+                unsafe { reduce_raw::<T>(op, &sources, &outputs, count) }
             });
-            return Ok(());
-        }
-        // Rank r reduces chunk r of every rank's buffer and writes the result into chunk r
-        // of every buffer: each byte is read once and written once (the minimum), and
-        // no rank touches another's chunk, so in-place is safe with two barriers.
-        let seq = self.begin(counters, sig, |ex| ex.recv_ptr = ptr)?;
-        let n = self.group.size();
-        let (start, count) = chunk(len, n, self.rank);
-        crate::with_dtype!(dtype, T => {
-            let sources: Vec<*const T> =
-                (0..n).map(|r| at::<T>(self.peer(r, seq).recv_ptr, start)).collect();
-            let outputs: Vec<*mut T> = sources.iter().map(|&p| p.cast_mut()).collect();
-            // SAFETY: every rank's buffer has `len` elements (agreed signatures), and
-            // during this phase chunk `self.rank` of every buffer is ours alone.
-            unsafe { reduce_raw::<T>(op, &sources, &outputs, count) }
-        });
-        self.barrier_step(counters, kind, seq, Phase::Close)
+            self.barrier_step(counters, kind, seq, Phase::Close)
+        })
     }
 
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
@@ -528,27 +582,28 @@ impl RankCore {
         let bytes = buf.byte_len();
         let ptr = buf.host_ptr_mut() as usize;
         let is_root = self.rank == root;
-        let counters = &mut *self.counters.lock();
-        if bytes <= SMALL_MESSAGE_BYTES {
-            let seq = self.begin(counters, sig, |ex| {
-                if is_root {
-                    stage(ex, buf.as_ref())
+        self.call(|counters| {
+            if bytes <= SMALL_MESSAGE_BYTES {
+                let seq = self.begin(counters, sig, |ex| {
+                    if is_root {
+                        stage(ex, buf.as_ref())
+                    }
+                })?;
+                if !is_root {
+                    let src = self.peer(root, seq).staging.as_ptr().cast::<u8>();
+                    // SAFETY: the root staged `bytes` bytes (agreed dtype and count).
+                    unsafe { std::ptr::copy_nonoverlapping(src, ptr as *mut u8, bytes) };
                 }
-            })?;
+                return Ok(());
+            }
+            let seq = self.begin(counters, sig, |ex| ex.send_ptr = ptr)?;
             if !is_root {
-                let src = self.peer(root, seq).staging.as_ptr().cast::<u8>();
-                // SAFETY: the root staged `bytes` bytes (agreed dtype and count).
+                let src = self.peer(root, seq).send_ptr as *const u8;
+                // SAFETY: the root's buffer has `bytes` bytes and it waits for us below.
                 unsafe { std::ptr::copy_nonoverlapping(src, ptr as *mut u8, bytes) };
             }
-            return Ok(());
-        }
-        let seq = self.begin(counters, sig, |ex| ex.send_ptr = ptr)?;
-        if !is_root {
-            let src = self.peer(root, seq).send_ptr as *const u8;
-            // SAFETY: the root's buffer has `bytes` bytes and it waits for us below.
-            unsafe { std::ptr::copy_nonoverlapping(src, ptr as *mut u8, bytes) };
-        }
-        self.barrier_step(counters, kind, seq, Phase::Close)
+            self.barrier_step(counters, kind, seq, Phase::Close)
+        })
     }
 
     fn all_gather(
@@ -566,22 +621,23 @@ impl RankCore {
         let esize = input.dtype().size_in_bytes();
         let small = counts.iter().max().copied().unwrap_or(0) * esize <= SMALL_MESSAGE_BYTES;
         let out = output.host_ptr_mut();
-        let counters = &mut *self.counters.lock();
-        let seq = self.begin(counters, sig, |ex| publish_send(ex, input, small))?;
-        for (r, offset) in offsets(&counts).into_iter().enumerate() {
-            let peer = self.peer(r, seq);
-            let src = if small {
-                peer.staging.as_ptr().cast::<u8>()
-            } else {
-                peer.send_ptr as *const u8
-            };
-            // SAFETY: rank r published counts[r] elements (agreed counts); output holds
-            // the sum of counts, checked above.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src, out.add(offset * esize), counts[r] * esize)
-            };
-        }
-        self.finish(counters, kind, seq, small)
+        self.call(|counters| {
+            let seq = self.begin(counters, sig, |ex| publish_send(ex, input, small))?;
+            for (r, offset) in offsets(&counts).into_iter().enumerate() {
+                let peer = self.peer(r, seq);
+                let src = if small {
+                    peer.staging.as_ptr().cast::<u8>()
+                } else {
+                    peer.send_ptr as *const u8
+                };
+                // SAFETY: rank r published counts[r] elements (agreed counts); output holds
+                // the sum of counts, checked above.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src, out.add(offset * esize), counts[r] * esize)
+                };
+            }
+            self.finish(counters, kind, seq, small)
+        })
     }
 
     fn reduce_scatter(
@@ -601,22 +657,23 @@ impl RankCore {
         let out = output.host_ptr_mut() as usize;
         let offset = offsets(&counts)[self.rank];
         let count = counts[self.rank];
-        let counters = &mut *self.counters.lock();
-        let seq = self.begin(counters, sig, |ex| publish_send(ex, input, small))?;
-        let n = self.group.size();
-        crate::with_dtype!(input.dtype(), T => {
-            let sources: Vec<*const T> = (0..n)
-                .map(|r| {
-                    let peer = self.peer(r, seq);
-                    let base = if small { peer.staging.as_ptr() as usize } else { peer.send_ptr };
-                    at::<T>(base, offset)
-                })
-                .collect();
-            // SAFETY: every input holds `total` elements (agreed signatures) and our
-            // output, a distinct buffer, holds `count`.
-            unsafe { reduce_raw::<T>(op, &sources, &[out as *mut T], count) }
-        });
-        self.finish(counters, kind, seq, small)
+        self.call(|counters| {
+            let seq = self.begin(counters, sig, |ex| publish_send(ex, input, small))?;
+            let n = self.group.size();
+            crate::with_dtype!(input.dtype(), T => {
+                let sources: Vec<*const T> = (0..n)
+                    .map(|r| {
+                        let peer = self.peer(r, seq);
+                        let base = if small { peer.staging.as_ptr() as usize } else { peer.send_ptr };
+                        at::<T>(base, offset)
+                    })
+                    .collect();
+                // SAFETY: every input holds `total` elements (agreed signatures) and our
+                // output, a distinct buffer, holds `count`.
+                unsafe { reduce_raw::<T>(op, &sources, &[out as *mut T], count) }
+            });
+            self.finish(counters, kind, seq, small)
+        })
     }
 
     fn all_to_all_v(
@@ -637,91 +694,99 @@ impl RankCore {
         let esize = input.dtype().size_in_bytes();
         let in_ptr = input.host_ptr() as usize;
         let out = output.host_ptr_mut();
-        let counters = &mut *self.counters.lock();
-        let seq = self.begin(counters, sig, |ex| ex.send_ptr = in_ptr)?;
-        for (r, recv_offset) in offsets(recv_counts).into_iter().enumerate() {
-            let peer = self.peer(r, seq);
-            let peer_sends = peer.sig.counts.as_deref().unwrap_or_default();
-            let send_offset: usize = peer_sends[..self.rank].iter().sum();
-            // SAFETY: agreed signatures guarantee peer_sends[self.rank] == recv_counts[r]
-            // and that the peer's input holds the sum of its send counts.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    at::<u8>(peer.send_ptr, send_offset * esize),
-                    out.add(recv_offset * esize),
-                    recv_counts[r] * esize,
-                )
-            };
-        }
-        self.barrier_step(counters, kind, seq, Phase::Close)
+        self.call(|counters| {
+            let seq = self.begin(counters, sig, |ex| ex.send_ptr = in_ptr)?;
+            for (r, recv_offset) in offsets(recv_counts).into_iter().enumerate() {
+                let peer = self.peer(r, seq);
+                let peer_sends = peer.sig.counts.as_deref().unwrap_or_default();
+                let send_offset: usize = peer_sends[..self.rank].iter().sum();
+                // SAFETY: agreed signatures guarantee peer_sends[self.rank] == recv_counts[r]
+                // and that the peer's input holds the sum of its send counts.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        at::<u8>(peer.send_ptr, send_offset * esize),
+                        out.add(recv_offset * esize),
+                        recv_counts[r] * esize,
+                    )
+                };
+            }
+            self.barrier_step(counters, kind, seq, Phase::Close)
+        })
     }
 
     fn barrier(&self) -> Result<()> {
-        let counters = &mut *self.counters.lock();
-        let sig = self.check().signature(OpKind::Barrier, None, 0);
-        self.begin(counters, sig, |_| {}).map(drop)
+        self.call(|counters| {
+            let sig = self.check().signature(OpKind::Barrier, None, 0);
+            self.begin(counters, sig, |_| {}).map(drop)
+        })
     }
 
     fn split(&self, color: Option<u32>, key: u32, name: &str) -> Result<Option<LocalCommunicator>> {
         let kind = OpKind::Split;
-        let counters = &mut *self.counters.lock();
-        let sig = self.check().signature(kind, None, 0);
-        let seq = self.begin(counters, sig, |ex| ex.split = (color, key))?;
-        let n = self.group.size();
-        let members_of = |c: u32| {
-            let mut members: Vec<usize> = (0..n)
-                .filter(|&r| self.peer(r, seq).split.0 == Some(c))
-                .collect();
-            members.sort_by_key(|&r| (self.peer(r, seq).split.1, r));
-            members
-        };
-        if let Some(c) = color {
-            let members = members_of(c);
-            // The lowest-ranked member creates the group for everyone in it.
-            if members.iter().min() == Some(&self.rank) {
-                let world_ranks = members.iter().map(|&r| self.group.world_ranks[r]).collect();
-                let shared = GroupShared::new(
-                    name.to_string(),
-                    world_ranks,
-                    self.group.world.clone(),
-                    self.group.timeout,
-                );
-                for &m in &members {
-                    *self.group.slot(m).split_result.lock() = Some(shared.clone());
+        self.call(|counters| {
+            let sig = self.check().signature(kind, None, 0);
+            let seq = self.begin(counters, sig, |ex| ex.split = (color, key))?;
+            let n = self.group.size();
+            let members_of = |c: u32| {
+                let mut members: Vec<usize> = (0..n)
+                    .filter(|&r| self.peer(r, seq).split.0 == Some(c))
+                    .collect();
+                members.sort_by_key(|&r| (self.peer(r, seq).split.1, r));
+                members
+            };
+            if let Some(c) = color {
+                let members = members_of(c);
+                // The lowest-ranked member creates the group for everyone in it.
+                if members.iter().min() == Some(&self.rank) {
+                    let world_ranks = members.iter().map(|&r| self.group.world_ranks[r]).collect();
+                    let shared = GroupShared::new(
+                        name.to_string(),
+                        world_ranks,
+                        self.group.world.clone(),
+                        self.group.timeout,
+                    );
+                    for &m in &members {
+                        *self.group.slot(m).split_result.lock() = Some(shared.clone());
+                    }
                 }
             }
-        }
-        self.barrier_step(counters, kind, seq, Phase::Close)?;
-        let Some(c) = color else { return Ok(None) };
-        let shared = self.group.slot(self.rank).split_result.lock().take();
-        let new_rank = members_of(c).iter().position(|&r| r == self.rank);
-        match (shared, new_rank) {
-            (Some(shared), Some(new_rank)) => Ok(Some(LocalCommunicator::new(shared, new_rank))),
-            _ => unreachable!("the leader fills every member's slot before the barrier"),
-        }
+            self.barrier_step(counters, kind, seq, Phase::Close)?;
+            let Some(c) = color else { return Ok(None) };
+            let shared = self.group.slot(self.rank).split_result.lock().take();
+            let new_rank = members_of(c).iter().position(|&r| r == self.rank);
+            match (shared, new_rank) {
+                (Some(shared), Some(new_rank)) => {
+                    Ok(Some(LocalCommunicator::new(shared, new_rank)))
+                }
+                _ => unreachable!("the leader fills every member's slot before the barrier"),
+            }
+        })
     }
 
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
         self.check().peer(OpKind::Send, "destination", dest)?;
-        self.group.check_broken(self.rank, OpKind::Send, 0)?;
-        let data = send_payload(buf)?;
-        let seq = {
-            let mut counters = self.counters.lock();
-            counters.sends += 1;
-            counters.sends - 1
-        };
-        self.group.send(self.rank, dest, Message { data }, seq)
+        let (seq, record) = self.start_message(OpKind::Send, (buf.dtype(), buf.len()), dest);
+        let result = self
+            .group
+            .check_broken(self.rank, OpKind::Send, 0)
+            .and_then(|()| send_payload(buf))
+            .and_then(|data| self.group.send(self.rank, dest, Message { data }, seq));
+        self.group.recorder(self.rank).end(record, result.is_ok());
+        result
     }
 
-    fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
+    fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
         self.check().peer(OpKind::Recv, "source", src)?;
+        let (seq, record) = self.start_message(OpKind::Recv, (buf.dtype(), buf.len()), src);
+        let result = self.receive_into(buf, src, seq);
+        self.group.recorder(self.rank).end(record, result.is_ok());
+        result
+    }
+
+    /// The receive of message number `seq` from `src`.
+    fn receive_into(&self, mut buf: BufMut<'_>, src: usize, seq: u64) -> Result<()> {
         // A broken group may hold the message of a send that already failed.
         self.group.check_broken(self.rank, OpKind::Recv, 0)?;
-        let seq = {
-            let mut counters = self.counters.lock();
-            counters.recvs += 1;
-            counters.recvs - 1
-        };
         let msg = self.group.receive(src, self.rank, seq)?;
         if msg.data.dtype() != buf.dtype() || msg.data.len() != buf.len() {
             let mut sent =

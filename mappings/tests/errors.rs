@@ -201,3 +201,32 @@ fn backward_errors_come_out_of_backward() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn ranks_that_differ_only_in_the_gather_dim_fail_everywhere() -> Result<()> {
+    let got = kinds(2, |rank, g| all_to_all(&zeros(&[2, 2]), g, 0, rank, None))?;
+    assert_eq!(got, vec!["shapes"; 2]);
+    let got = kinds(2, |rank, g| all_to_all(&zeros(&[2, 2]), g, rank, 1, None))?;
+    assert_eq!(got, vec!["shapes"; 2]);
+    Ok(())
+}
+
+#[test]
+fn a_peer_rejection_names_exactly_the_ranks_that_rejected() -> Result<()> {
+    let named = run_local(4, |comm| -> Result<Option<Vec<usize>>> {
+        let rank = comm.rank();
+        let group: Group = Arc::new(comm);
+        // Ranks 1 and 2 pass 1-d tensors where the others pass 2-d ones.
+        let x = if rank == 1 || rank == 2 {
+            zeros(&[2])
+        } else {
+            zeros(&[2, 2])
+        };
+        Ok(match gather_from_region(&x, &group, 1, None) {
+            Err(Error::PeerRejected { ranks, .. }) => Some(ranks),
+            _ => None,
+        })
+    })?;
+    assert_eq!(named, vec![Some(vec![1, 2]), None, None, Some(vec![1, 2])]);
+    Ok(())
+}

@@ -3,7 +3,8 @@
 # Installs what it needs on Debian/Ubuntu (skipping what is present), then runs:
 # rustfmt, clippy with every feature, all workspace tests (unit, integration, doc; the
 # doctests include every Rust example of the mdBook), the MPI test binaries under mpirun
-# with 2 and 4 ranks, and builds the mdBook.
+# with 2 and 4 ranks, the check that mismatched MPI calls fail every rank with no setting,
+# and builds the mdBook.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,6 +63,24 @@ for ranks in 2 4; do
     done
 done
 echo "mpi: $passed passed, 0 failed"
+
+echo "==> mismatched MPI calls fail every rank, with no environment variable set"
+cargo build -q -p comm-core --all-features --example mismatch
+for ranks in 2 4; do
+    # Each rank's exit status, through a shell: mpirun alone ends the job at the first
+    # failing rank and reports only that one.
+    out=$(env -u FERROTRON_MPI_CHECK timeout 60 mpirun --oversubscribe -n "$ranks" \
+        sh -c '"$0"; echo "exit status $?"' target/debug/examples/mismatch 2>&1) || true
+    failed=$(grep -c '^exit status 1$' <<<"$out" || true)
+    reported=$(grep -c ': Mismatch: ' <<<"$out" || true)
+    if [ "$failed" -ne "$ranks" ] || [ "$reported" -ne "$ranks" ]; then
+        echo "$out" >&2
+        echo "expected all $ranks ranks to report Mismatch and exit 1: $reported reported it," \
+            "$failed exited 1" >&2
+        exit 1
+    fi
+    echo "--> mpirun -n $ranks mismatch: all $ranks ranks reported Mismatch and exited 1"
+done
 
 echo "==> mdbook build docs"
 mdbook build docs

@@ -91,6 +91,8 @@ pub mod local;
 pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+#[cfg(any(feature = "mpi", feature = "cuda", test))]
+mod signature;
 mod work;
 
 pub use buffer::{BufMut, BufRef, Buffer, MemoryKind};

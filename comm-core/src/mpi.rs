@@ -19,16 +19,24 @@
 //! `MPI_THREAD_MULTIPLE`.
 //!
 //! MPI itself cannot tell that ranks disagree about a call; it hangs or corrupts memory.
-//! With [`CHECK_ENV`]`=1` (or [`MpiWorld::init_checked`]) every collective first
-//! all-gathers its [`CallSignature`] and turns a disagreement into
-//! [`Error::Mismatch`] on every rank.
+//! So by default every collective first all-gathers its [`CallSignature`] and turns a
+//! disagreement into [`Error::Mismatch`] on every rank, naming op, group, sequence number
+//! and each rank's arguments; the communicator stays usable. All-reduces, broadcasts and
+//! all-gathers of up to 1 KiB per rank (less from 8 ranks on) send their data in that same
+//! all-gather and finish from it, so for them the check costs no extra exchange (and a
+//! barrier is the exchange itself); larger calls pay one small all-gather before MPI's
+//! own collective. [`CHECK_ENV`]`=0` skips the check, for users who want MPI's raw latency
+//! and accept a hang or corrupted memory when ranks disagree. All ranks must use the same
+//! setting: [`MpiWorld::world`] compares it and returns [`Error::Config`] on every rank
+//! when it differs. Point-to-point calls compare the message length instead.
 
 use crate::buffer::{BufMut, BufRef};
-use crate::calls::{offsets, signatures_agree, CallCheck};
+use crate::calls::{offsets, CallCheck};
 use crate::communicator::{AsyncOp, Communicator};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{self, CallRecord, Dump, FlightRecord, Recorder, Ticket};
+use crate::signature;
 use crate::work::{ProgressQueue, Work};
 use half::{bf16, f16};
 use mpi::environment::Universe;
@@ -39,7 +47,8 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// Environment variable that turns on the cross-rank signature check (`1`, `true`).
+/// Environment variable for the cross-rank signature check: on unless it is `0` (or
+/// `false`, `no`, `off`).
 pub const CHECK_ENV: &str = "FERROTRON_MPI_CHECK";
 
 /// The MPI library for this process: initialised once, finalised when it and every
@@ -54,23 +63,10 @@ struct MpiEnv {
 }
 
 impl MpiWorld {
-    /// Initialises MPI with `MPI_THREAD_MULTIPLE`; the signature check follows
-    /// [`CHECK_ENV`].
+    /// Initialises MPI with `MPI_THREAD_MULTIPLE`. Collectives compare their signatures
+    /// across ranks unless [`CHECK_ENV`] is `0`.
     pub fn init() -> Result<MpiWorld> {
-        let check = match std::env::var(CHECK_ENV) {
-            Err(_) => false,
-            Ok(v) => match v.trim() {
-                "1" | "true" | "yes" => true,
-                "0" | "false" | "no" | "" => false,
-                other => {
-                    return Err(Error::Config(format!(
-                        "{CHECK_ENV}={other:?}: use 1 to check every collective's signature \
-                         across ranks, or 0"
-                    )))
-                }
-            },
-        };
-        MpiWorld::init_with(check)
+        MpiWorld::init_with(signature::switch_from_env(CHECK_ENV, true)?)
     }
 
     /// Initialises MPI with the cross-rank signature check on, whatever the environment.
@@ -240,8 +236,9 @@ impl Drop for MpiCore {
 }
 
 impl MpiCommunicator {
-    /// Wraps a communicator we own: returns errors instead of aborting, and learns the
-    /// members' world ranks (given, or gathered).
+    /// Wraps a communicator we own: returns errors instead of aborting, learns the
+    /// members' world ranks (given, or gathered) and checks, in the same all-gather, that
+    /// every member has the signature check set alike.
     fn adopt(
         comm: RawComm,
         name: String,
@@ -259,17 +256,18 @@ impl MpiCommunicator {
             check_rc(ffi::MPI_Comm_size(comm.0, &mut size), "MPI_Comm_size")?;
         }
         let (rank, size) = (rank as usize, size as usize);
-        let mut world_ranks = vec![0i64; size];
-        let mine = world_rank.unwrap_or(rank) as i64;
-        // SAFETY: one i64 sent, `size` received, buffers sized accordingly.
+        // Per rank: its world rank and whether it checks signatures.
+        let mut gathered = vec![0i64; 2 * size];
+        let mine = [world_rank.unwrap_or(rank) as i64, env.check as i64];
+        // SAFETY: two i64 sent, `2 * size` received, buffers sized accordingly.
         check_rc(
             unsafe {
                 ffi::MPI_Allgather(
-                    (&mine as *const i64).cast(),
-                    1,
+                    mine.as_ptr().cast(),
+                    2,
                     ffi::RSMPI_INT64_T,
-                    world_ranks.as_mut_ptr().cast(),
-                    1,
+                    gathered.as_mut_ptr().cast(),
+                    2,
                     ffi::RSMPI_INT64_T,
                     comm.0,
                 )
@@ -278,21 +276,33 @@ impl MpiCommunicator {
         )?;
         let queue = ProgressQueue::new(format!("{name}-mpi-progress-{rank}"));
         let recorder = Recorder::new(flight_recorder::capacity_from_env()?);
-        Ok(MpiCommunicator {
+        let communicator = MpiCommunicator {
             core: Arc::new(MpiCore {
                 comm,
                 env,
                 name,
                 rank,
                 size,
-                world_ranks: world_ranks.into_iter().map(|r| r as usize).collect(),
+                world_ranks: gathered.chunks(2).map(|r| r[0] as usize).collect(),
                 seq: Mutex::new(0),
                 queue,
                 recorder,
                 messages: [AtomicU64::new(0), AtomicU64::new(0)],
             }),
             owner: true,
-        })
+        };
+        // A rank that skips the check would pair its peers' signature all-gather with its
+        // own collective: refuse on every rank instead (dropping frees the communicator).
+        let unchecked: Vec<usize> = (0..size).filter(|&r| gathered[2 * r + 1] == 0).collect();
+        if !unchecked.is_empty() && unchecked.len() < size {
+            return Err(Error::Config(format!(
+                "{CHECK_ENV} differs between the ranks of group '{}': ranks {unchecked:?} skip \
+                 the signature check and the others run it; set it alike on every rank \
+                 (e.g. `mpirun -x {CHECK_ENV}`)",
+                communicator.core.name
+            )));
+        }
+        Ok(communicator)
     }
 
     fn check(&self) -> CallCheck<'_> {
@@ -303,18 +313,53 @@ impl MpiCommunicator {
         }
     }
 
-    /// Runs `call` under the communicator's lock after the queued operations and, in
-    /// check mode, after all ranks agreed on `sig`.
+    /// Runs `call` under the communicator's lock after the queued operations and, unless
+    /// the check is off, after all ranks agreed on `sig`.
     fn collective<T>(&self, sig: &CallSignature, call: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.collective_inline(sig, None, |_| call())
+    }
+
+    /// [`collective`](Self::collective) for a call that can finish from the check's
+    /// exchange: `data` (this rank's host bytes, read before `call` runs) travels with the
+    /// signature when it fits in [`inline_words`], and then `call` gets every rank's copy
+    /// and needs no MPI call of its own; otherwise, or with the check off, `call` gets
+    /// `None`. Whether it fits depends only on the agreed signature (op, dtype, count), so
+    /// every rank takes the same path.
+    fn collective_inline<T>(
+        &self,
+        sig: &CallSignature,
+        data: Option<BufRef<'_>>,
+        call: impl FnOnce(Option<Inlined<'_>>) -> Result<T>,
+    ) -> Result<T> {
         self.core.queue.wait_idle();
         let mut seq = self.core.seq.lock();
         let this = *seq;
         *seq += 1;
         let record = self.core.recorder.start(&CallRecord::collective(this, sig));
         let result = if self.core.env.check {
-            self.agree(sig, this).and_then(|()| call())
+            let size = self.core.size;
+            let mut extra = vec![0i64; inline_words(size)];
+            let data = data.filter(|d| d.byte_len() <= extra.len() * 8);
+            if let Some(data) = data.filter(|d| !d.is_empty()) {
+                // SAFETY: a host view of `byte_len` readable bytes (callers stage device
+                // memory first), which `extra` can hold; the two do not overlap.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        data.host_ptr(),
+                        extra.as_mut_ptr().cast(),
+                        data.byte_len(),
+                    )
+                };
+            }
+            self.agree(sig, this, &extra).and_then(|words| {
+                call(data.map(|_| Inlined {
+                    words: &words,
+                    stride: signature::words(size) + extra.len(),
+                    header: signature::words(size),
+                }))
+            })
         } else {
-            call()
+            call(None)
         };
         self.recorded(record, result)
     }
@@ -351,40 +396,29 @@ impl MpiCommunicator {
         }
     }
 
-    /// All-gathers every rank's signature and checks them like the local backend does.
-    fn agree(&self, sig: &CallSignature, seq: u64) -> Result<()> {
-        let n = self.core.size;
-        let mine = encode(sig, n);
-        let mut all = vec![0i64; mine.len() * n];
-        // SAFETY: every rank sends the same fixed-size record (5 + 2n words).
-        check_rc(
-            unsafe {
-                ffi::MPI_Allgather(
-                    mine.as_ptr().cast(),
-                    mine.len() as c_int,
-                    ffi::RSMPI_INT64_T,
-                    all.as_mut_ptr().cast(),
-                    mine.len() as c_int,
-                    ffi::RSMPI_INT64_T,
-                    self.core.comm.0,
-                )
-            },
-            "MPI_Allgather (signature check)",
-        )?;
-        let calls: Vec<CallSignature> = all
-            .chunks(mine.len())
-            .enumerate()
-            .map(|(rank, words)| decode(rank, words, n))
-            .collect();
-        if signatures_agree(&calls.iter().collect::<Vec<_>>()) {
-            Ok(())
-        } else {
-            Err(Error::Mismatch {
-                group: self.core.name.clone(),
-                seq,
-                calls,
-            })
-        }
+    /// All-gathers every rank's signature (and `extra` words) and checks them like the
+    /// local backend does (see [`signature::agree`]); returns every rank's words.
+    fn agree(&self, sig: &CallSignature, seq: u64, extra: &[i64]) -> Result<Vec<i64>> {
+        let size = self.core.size;
+        signature::agree(&self.core.name, seq, size, sig, extra, |mine, all| {
+            // SAFETY: every rank sends the same fixed number of words
+            // (`signature::words(size) + inline_words(size)`) and `all` holds `size`
+            // times as many.
+            check_rc(
+                unsafe {
+                    ffi::MPI_Allgather(
+                        mine.as_ptr().cast(),
+                        mine.len() as c_int,
+                        ffi::RSMPI_INT64_T,
+                        all.as_mut_ptr().cast(),
+                        mine.len() as c_int,
+                        ffi::RSMPI_INT64_T,
+                        self.core.comm.0,
+                    )
+                },
+                "MPI_Allgather (signature check)",
+            )
+        })
     }
 
     fn int(&self, op: OpKind, what: &str, value: usize) -> Result<c_int> {
@@ -506,6 +540,39 @@ impl MpiCommunicator {
     }
 }
 
+/// Words of data per rank that travel with the signature check: all-reduces,
+/// broadcasts and all-gathers of up to 1 KiB per rank finish from the check's
+/// all-gather instead of making a second MPI call, so the check costs them one exchange,
+/// not two. Every rank sends this much (padded) with every check, whatever its call, so
+/// it is small: each message of the exchange stays below the shared-memory transports'
+/// eager limit (4 KiB), and from 8 ranks on the budget shrinks (to none from 32 ranks on,
+/// where the exchange itself grows with the group).
+fn inline_words(size: usize) -> usize {
+    (1024 / size.max(1))
+        .saturating_sub(signature::words(size))
+        .min(128)
+}
+
+/// Every rank's copy of a small call's data, from the check's all-gather.
+struct Inlined<'a> {
+    words: &'a [i64],
+    /// Words per rank: its signature, then its data.
+    stride: usize,
+    /// Words of signature before the data.
+    header: usize,
+}
+
+impl Inlined<'_> {
+    /// The start of rank `rank`'s data: as many bytes as that rank passed, which the
+    /// agreed signature says is as many as this rank passed. Aligned to 8 bytes, enough
+    /// for every element type.
+    fn from(&self, rank: usize) -> *const u8 {
+        self.words[rank * self.stride + self.header..]
+            .as_ptr()
+            .cast()
+    }
+}
+
 /// Turns a sum into an average (`Avg` is only accepted for float types).
 fn average_in_place(buf: &mut BufMut<'_>, op: ReduceOp, n: usize) {
     if op != ReduceOp::Avg {
@@ -515,55 +582,6 @@ fn average_in_place(buf: &mut BufMut<'_>, op: ReduceOp, n: usize) {
         values.iter_mut().for_each(|x| *x /= n as f32);
     } else if let Some(values) = buf.as_host_slice_mut::<f64>() {
         values.iter_mut().for_each(|x| *x /= n as f64);
-    }
-}
-
-/// Fixed-size encoding of a signature for the check-mode all-gather: five words, then
-/// the counts and receive counts (`-1` when absent).
-fn encode(sig: &CallSignature, n: usize) -> Vec<i64> {
-    let index = |found: Option<usize>| found.map_or(-1, |i| i as i64);
-    let mut words = vec![
-        index(OpKind::ALL.iter().position(|&o| o == sig.op)),
-        index(
-            sig.dtype
-                .and_then(|d| DType::ALL.iter().position(|&x| x == d)),
-        ),
-        index(
-            sig.reduce
-                .and_then(|r| ReduceOp::ALL.iter().position(|&x| x == r)),
-        ),
-        sig.count as i64,
-        index(sig.root),
-    ];
-    for counts in [&sig.counts, &sig.recv_counts] {
-        match counts {
-            // A list of the wrong length is caught locally before any check runs.
-            Some(c) if c.len() == n => words.extend(c.iter().map(|&x| x as i64)),
-            _ => words.extend(std::iter::repeat_n(-1, n)),
-        }
-    }
-    words
-}
-
-fn decode(rank: usize, words: &[i64], n: usize) -> CallSignature {
-    let pick = |w: i64| usize::try_from(w).ok();
-    let list = |from: usize| {
-        let part = &words[from..from + n];
-        (part.first() != Some(&-1)).then(|| part.iter().map(|&x| x as usize).collect())
-    };
-    CallSignature {
-        rank,
-        op: pick(words[0])
-            .and_then(|i| OpKind::ALL.get(i).copied())
-            .unwrap_or(OpKind::Barrier),
-        dtype: pick(words[1]).and_then(|i| DType::ALL.get(i).copied()),
-        reduce: pick(words[2]).and_then(|i| ReduceOp::ALL.get(i).copied()),
-        count: pick(words[3]).unwrap_or(0),
-        root: pick(words[4]),
-        // Device buffers are staged through host memory before the check runs.
-        memory: crate::MemoryKind::Host,
-        counts: list(5),
-        recv_counts: list(5 + n),
     }
 }
 
@@ -598,9 +616,23 @@ impl Communicator for MpiCommunicator {
             return crate::cuda::staged_inout(buf, stream, |host| self.all_reduce(host, op));
         }
         let sig = self.check().all_reduce(&buf, op)?;
-        self.collective(&sig, || match buf.dtype() {
+        // SAFETY: read (copied into the check's exchange) before `call` writes `buf`.
+        let data =
+            unsafe { BufRef::from_raw_host(buf.as_ref().host_ptr(), buf.len(), buf.dtype()) };
+        self.collective_inline(&sig, Some(data), |inlined| match (inlined, buf.dtype()) {
+            (Some(all), dtype) => {
+                let (len, out) = (buf.len(), recv_ptr(&mut buf));
+                crate::with_dtype!(dtype, T => {
+                    let sources: Vec<*const T> =
+                        (0..self.core.size).map(|r| all.from(r).cast()).collect();
+                    // SAFETY: agreed signatures: every rank sent `len` elements of `T`,
+                    // which `out` holds; the sources are the exchange's, not `buf`.
+                    unsafe { crate::dtype::reduce_raw::<T>(op, &sources, &[out.cast()], len) }
+                });
+                Ok(())
+            }
             // 16-bit floats reduce through an f32 copy anyway.
-            DType::F16 | DType::BF16 => {
+            (None, DType::F16 | DType::BF16) => {
                 // SAFETY: the view aliases `buf` only while `reduce` reads it into f32
                 // before writing any output.
                 let input = unsafe {
@@ -608,7 +640,7 @@ impl Communicator for MpiCommunicator {
                 };
                 self.reduce(OpKind::AllReduce, input, buf, None, op)
             }
-            dtype => {
+            (None, dtype) => {
                 // SAFETY: MPI_IN_PLACE tells MPI to read the input from the output buffer.
                 let in_place = unsafe { ferrotron_mpi_in_place() };
                 let out = recv_ptr(&mut buf);
@@ -634,7 +666,17 @@ impl Communicator for MpiCommunicator {
         }
         let sig = self.check().broadcast(&buf, root)?;
         let count = self.int(OpKind::Broadcast, "count", buf.len())?;
-        self.collective(&sig, || {
+        // SAFETY: read (copied into the check's exchange) before `call` writes `buf`.
+        let data =
+            unsafe { BufRef::from_raw_host(buf.as_ref().host_ptr(), buf.len(), buf.dtype()) };
+        self.collective_inline(&sig, Some(data), |inlined| {
+            if let Some(all) = inlined {
+                let n = buf.byte_len();
+                let out = recv_ptr(&mut buf);
+                // SAFETY: agreed signatures: the root sent `n` bytes, which `buf` holds.
+                unsafe { std::ptr::copy_nonoverlapping(all.from(root), out.cast(), n) };
+                return Ok(());
+            }
             // SAFETY: `buf` holds `count` elements of its dtype.
             check_rc(
                 unsafe {
@@ -839,10 +881,17 @@ impl Communicator for MpiCommunicator {
 
     fn barrier(&self) -> Result<()> {
         let sig = self.check().signature(OpKind::Barrier, None, 0);
-        self.collective(&sig, || {
-            // SAFETY: valid communicator.
-            check_rc(unsafe { ffi::MPI_Barrier(self.core.comm.0) }, "MPI_Barrier")
-        })
+        // The check's all-gather is itself a barrier: no rank leaves it before every rank
+        // has sent its words.
+        self.collective_inline(
+            &sig,
+            Some(BufRef::from(&[0u8; 0][..])),
+            |inlined| match inlined {
+                Some(_) => Ok(()),
+                // SAFETY: valid communicator.
+                None => check_rc(unsafe { ffi::MPI_Barrier(self.core.comm.0) }, "MPI_Barrier"),
+            },
+        )
     }
 
     fn split(
@@ -908,7 +957,18 @@ impl MpiCommunicator {
         let recvs = self.ints(kind, "count", counts)?;
         let displs = self.ints(kind, "offset", &offsets(counts))?;
         let dtype = raw_dtype(input.dtype());
-        self.collective(&sig, || {
+        // Equal counts only: whether per-rank counts fit would differ between ranks.
+        let data = (kind == OpKind::AllGather).then_some(input);
+        self.collective_inline(&sig, data, |inlined| {
+            if let Some(all) = inlined {
+                let (per, out) = (input.byte_len(), recv_ptr(&mut output).cast::<u8>());
+                for r in 0..self.core.size {
+                    // SAFETY: agreed signatures: rank r sent `per` bytes, and the output
+                    // holds `size * per`.
+                    unsafe { std::ptr::copy_nonoverlapping(all.from(r), out.add(r * per), per) };
+                }
+                return Ok(());
+            }
             // SAFETY: lengths validated against the counts by `CallCheck`.
             check_rc(
                 unsafe {

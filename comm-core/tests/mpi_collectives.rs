@@ -1,13 +1,15 @@
-//! The collective suite over the MPI backend, with the cross-rank signature check on.
-//! Run it as `mpirun -n 4 target/debug/deps/mpi_collectives-*`; `cargo test` runs it as a
-//! single rank. Every rank runs the same deterministic cases; rank 0 prints the summary.
+//! The collective suite over the MPI backend as users get it: `MpiWorld::init()` with no
+//! environment variable, so the cross-rank signature check runs by default. Run it as
+//! `mpirun -n 4 target/debug/deps/mpi_collectives-*`; `cargo test` runs it as a single
+//! rank. Every rank runs the same deterministic cases; rank 0 prints the summary.
 
 mod support;
 
 use anyhow::{ensure, Context};
-use comm_core::mpi::MpiWorld;
+use comm_core::mpi::{MpiWorld, CHECK_ENV};
 use comm_core::{
-    AsyncOp, Buffer, Communicator, CommunicatorExt, DType, Element, Error, OpKind, ReduceOp,
+    AsyncOp, Buffer, CallSignature, Communicator, CommunicatorExt, DType, Element, Error, OpKind,
+    ReduceOp,
 };
 use support::{data, offsets, reduced};
 
@@ -123,43 +125,122 @@ fn split_and_async(world: &dyn Communicator) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn mismatch_is_detected(world: &dyn Communicator) -> anyhow::Result<()> {
-    if world.size() < 2 {
-        return Ok(());
-    }
-    let result = world.all_reduce_slice(&mut vec![0f32; 2 + world.rank()], ReduceOp::Sum);
-    match result {
-        Err(Error::Mismatch { calls, .. }) => {
-            ensure!(calls.len() == world.size());
-            ensure!(calls
-                .iter()
-                .all(|c| c.count == 2 + c.rank && c.op == OpKind::AllReduce));
-        }
-        other => anyhow::bail!("expected Mismatch, got {other:?}"),
-    }
-    let result = if world.rank() == 0 {
-        world.barrier()
-    } else {
-        world.broadcast_slice(&mut [0i32], 0)
+/// Runs one call that disagrees across ranks and checks that this rank got `Mismatch`
+/// naming the group, a sequence number every rank agrees on, and every rank's own
+/// arguments (`expect(sig)` for each rank's decoded signature); then that the group is
+/// still usable.
+fn expect_mismatch(
+    world: &dyn Communicator,
+    kind: &str,
+    call: impl FnOnce() -> comm_core::Result<()>,
+    expect: impl Fn(&CallSignature) -> bool,
+) -> anyhow::Result<()> {
+    let (group, seq, calls) = match call() {
+        Err(Error::Mismatch { group, seq, calls }) => (group, seq, calls),
+        other => anyhow::bail!("{kind}: expected Mismatch, got {other:?}"),
     };
+    ensure!(group == "world", "{kind}: group {group:?}");
+    ensure!(calls.len() == world.size(), "{kind}: {calls:?}");
+    for (rank, sig) in calls.iter().enumerate() {
+        ensure!(
+            sig.rank == rank && expect(sig),
+            "{kind}: rank {rank}'s call is {sig}"
+        );
+    }
+    let seqs = world.all_gather_vec(&[seq as i64])?;
     ensure!(
-        matches!(result, Err(Error::Mismatch { .. })),
-        "op mismatch: {result:?}"
+        seqs.iter().all(|&s| s == seq as i64),
+        "{kind}: ranks report calls {seqs:?}"
     );
     // The check leaves the communicator usable.
     let mut x = [1i32];
     world.all_reduce_slice(&mut x, ReduceOp::Sum)?;
-    ensure!(x[0] == world.size() as i32);
+    ensure!(
+        x[0] == world.size() as i32,
+        "{kind}: sum after the mismatch"
+    );
+    Ok(())
+}
+
+/// Each kind of disagreement (count, op, dtype, root) is `Mismatch` on every rank.
+fn mismatch_is_detected(world: &dyn Communicator) -> anyhow::Result<()> {
+    let (r, n) = (world.rank(), world.size());
+    if n < 2 {
+        return Ok(());
+    }
+    let last = n - 1;
+    // Count: rank 1 passes a buffer too large to ride the check's exchange, the others
+    // one small enough: the exchange has one size whatever the call, so it still pairs.
+    let count = |rank: usize| if rank == 1 { 1000 } else { 4 };
+    expect_mismatch(
+        world,
+        "count",
+        || world.all_reduce_slice(&mut vec![0f32; count(r)], ReduceOp::Sum),
+        |c| c.op == OpKind::AllReduce && c.count == count(c.rank),
+    )?;
+    // Op: the last rank calls a barrier while the others broadcast.
+    expect_mismatch(
+        world,
+        "op",
+        || {
+            if r == last {
+                world.barrier()
+            } else {
+                world.broadcast_slice(&mut [0i32; 3], 0)
+            }
+        },
+        |c| {
+            c.op == if c.rank == last {
+                OpKind::Barrier
+            } else {
+                OpKind::Broadcast
+            }
+        },
+    )?;
+    // Dtype: odd ranks all-gather f64, even ranks f32, same element count.
+    let dtype = |rank: usize| {
+        if rank % 2 == 1 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    };
+    expect_mismatch(
+        world,
+        "dtype",
+        || match dtype(r) {
+            DType::F64 => world.all_gather_vec(&[r as f64; 3]).map(drop),
+            _ => world.all_gather_vec(&[r as f32; 3]).map(drop),
+        },
+        |c| c.op == OpKind::AllGather && c.dtype == Some(dtype(c.rank)) && c.count == 3,
+    )?;
+    // Root: the last rank names itself as the root, the others rank 0.
+    let root = |rank: usize| if rank == last { last } else { 0 };
+    expect_mismatch(
+        world,
+        "root",
+        || world.broadcast_slice(&mut [r as u8; 5], root(r)),
+        |c| c.op == OpKind::Broadcast && c.root == Some(root(c.rank)),
+    )?;
     Ok(())
 }
 
 fn main() -> anyhow::Result<()> {
-    let mpi = MpiWorld::init_checked()?;
+    let mpi = MpiWorld::init()?;
+    // This binary tests the default: with the check switched off, its mismatch cases
+    // would be undefined behaviour in MPI, not errors.
+    anyhow::ensure!(
+        mpi.checks_signatures(),
+        "MpiWorld::init() runs without the signature check; unset {CHECK_ENV} (it is {:?})",
+        std::env::var(CHECK_ENV).unwrap_or_default()
+    );
     let world = mpi.world()?;
     let mut results: Vec<(String, anyhow::Result<()>)> = Vec::new();
     for dtype in DType::ALL {
         for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(dtype)) {
-            for len in [0usize, 7, 20_000] {
+            // 256 f32 (1 KiB) and fewer ride the signature check's exchange at up to 7
+            // ranks; 257 and 20,000 take MPI's own collectives.
+            for len in [0usize, 7, 256, 257, 20_000] {
                 let name = format!("collectives {dtype} {op} len={len}");
                 let outcome = comm_core::with_dtype!(dtype, T => collectives::<T>(&world, op, len));
                 results.push((name, outcome));

@@ -51,12 +51,25 @@
 //! (the [flight recorder](crate::flight_recorder)): collect every rank's file to see which
 //! one stopped where.
 //!
+//! # Signature check (opt-in)
+//! Each call checks its own arguments (lengths, counts, roots, `Avg` on integers) before
+//! communicating. By default ranks do not compare their calls, as NCCL does not: ranks
+//! issuing different collectives get wrong results or a timeout. With [`CHECK_ENV`]`=1`
+//! (or [`NcclCommunicator::new_with_check`]), as with PyTorch's
+//! `TORCH_DISTRIBUTED_DEBUG=DETAIL`, every collective first all-gathers its encoded
+//! [`CallSignature`] on the device (a few dozen bytes per rank, one `ncclAllGather` on the
+//! communicator's stream, waited for under the watchdog) and compares them on the host
+//! with the rule of the other backends: a disagreement is [`Error::Mismatch`] on every
+//! rank, naming op, group, sequence number and each rank's arguments, and the
+//! communicator stays usable. Zero-element calls are checked too. The check makes every
+//! call wait on the host for that all-gather (so the `*_async` calls return only once all
+//! ranks have issued the call) and costs one more small NCCL collective per call. Sends
+//! and receives pair two ranks, not the group, and are not compared. Every rank must use
+//! the same setting: creation compares it and fails on every rank when it differs.
+//!
 //! # Limits
-//! * Each call checks its own arguments (lengths, counts, roots, `Avg` on integers) before
-//!   communicating, but ranks do not compare their calls as the local backend does: ranks
-//!   issuing different collectives get wrong results or a timeout, not
-//!   [`Error::Mismatch`]. A call rejected on some ranks only leaves the others waiting
-//!   until their watchdog fires.
+//! * Without the signature check, a call rejected on some ranks only leaves the others
+//!   waiting until their watchdog fires.
 //! * f16 and bf16 are reduced by NCCL in its own precision, not in f32 with one rounding as
 //!   on the other backends; sums of many values can differ in the last bits.
 //! * Non-blocking operations on device buffers are the `*_async` methods
@@ -80,8 +93,9 @@ use crate::cuda::{self, Library};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{self, CallRecord, Dump, FlightRecord, Recorder, Ticket};
+use crate::signature;
 use crate::work::Work;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::result::{self as nccl, NcclError, NcclStatus};
 use cudarc::nccl::sys;
 use parking_lot::Mutex;
@@ -96,6 +110,10 @@ const SPIN: Duration = Duration::from_millis(1);
 /// The pause between polls after [`SPIN`]: long collectives cost little CPU and gain
 /// little latency.
 const POLL_INTERVAL: Duration = Duration::from_micros(50);
+
+/// Environment variable that turns on the cross-rank signature check (`1`; off by
+/// default, see the module docs).
+pub const CHECK_ENV: &str = "FERROTRON_NCCL_CHECK";
 
 /// One rank's handle on an NCCL communicator over the GPUs of a group.
 pub struct NcclCommunicator {
@@ -123,6 +141,15 @@ struct State {
     comm: std::result::Result<RawComm, String>,
     /// Calls issued so far; numbers calls in errors.
     seq: u64,
+    /// The signature check's device buffers, when the check is on.
+    check: Option<CheckBuffers>,
+}
+
+/// Device memory for the signature check's all-gather: this rank's encoded signature and
+/// every rank's.
+struct CheckBuffers {
+    send: CudaSlice<i64>,
+    recv: CudaSlice<i64>,
 }
 
 /// An `ncclComm_t`, used only under [`NcclCommunicator::state`]'s lock or in drop.
@@ -138,6 +165,7 @@ struct Local {
     barrier_buf: CudaSlice<f32>,
     timeout: Duration,
     flight_recorder: usize,
+    check: Option<CheckBuffers>,
     nranks: c_int,
     rank: c_int,
 }
@@ -146,12 +174,33 @@ impl NcclCommunicator {
     /// Creates this rank's NCCL communicator on CUDA device `device`, over the ranks of
     /// `bootstrap` (same ranks, same order, same name). Every rank of `bootstrap` must
     /// call it; a failure on any rank is an error on all of them (see the module docs).
+    /// Collectives compare their signatures across ranks when [`CHECK_ENV`] is `1`.
     pub fn new(bootstrap: Arc<dyn Communicator>, device: usize) -> Result<NcclCommunicator> {
+        NcclCommunicator::open(bootstrap, device, None)
+    }
+
+    /// [`new`](Self::new) with the cross-rank signature check on or off, whatever
+    /// [`CHECK_ENV`] says; every rank must pass the same `check`.
+    pub fn new_with_check(
+        bootstrap: Arc<dyn Communicator>,
+        device: usize,
+        check: bool,
+    ) -> Result<NcclCommunicator> {
+        NcclCommunicator::open(bootstrap, device, Some(check))
+    }
+
+    /// Creates the communicator; `check` `None` reads [`CHECK_ENV`].
+    fn open(
+        bootstrap: Arc<dyn Communicator>,
+        device: usize,
+        check: Option<bool>,
+    ) -> Result<NcclCommunicator> {
         let boot = &*bootstrap;
-        let local = open_locally(boot, device);
+        let local = open_locally(boot, device, check);
         let agreed = agree(boot, "open its CUDA device and NCCL", local.as_ref().err());
         let local = local?;
         agreed?;
+        same_check(boot, local.check.is_some())?;
 
         // Only now: the id starts a listener on rank 0 that waits for every rank, and it
         // would wait forever for a peer that already gave up.
@@ -192,6 +241,7 @@ impl NcclCommunicator {
             state: Mutex::new(State {
                 comm: Ok(comm),
                 seq: 0,
+                check: local.check,
             }),
             recorder: Recorder::new(local.flight_recorder),
             bootstrap,
@@ -208,6 +258,12 @@ impl NcclCommunicator {
     /// How long a call waits for NCCL before aborting the communicator.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Whether collectives compare their signatures across ranks first (see the module
+    /// docs); groups made by `split` inherit it.
+    pub fn checks_signatures(&self) -> bool {
+        self.state.lock().check.is_some()
     }
 
     /// The CUDA device this rank's buffers must live on.
@@ -297,6 +353,8 @@ impl NcclCommunicator {
             .live(&state)
             .inspect_err(|_| self.recorder.end(record, false))?;
         state.seq += 1;
+        self.cross_check(&mut state, comm, sig, seq)
+            .inspect_err(|_| self.recorder.end(record, false))?;
         let done = if count == 0 {
             self.recorder.end(record, true);
             None
@@ -315,6 +373,80 @@ impl NcclCommunicator {
             started: Instant::now(),
             _buffers: std::marker::PhantomData,
         })
+    }
+
+    /// With the signature check on, all-gathers every rank's encoded signature on the
+    /// device and compares them (see [`signature::agree`]): a disagreement is
+    /// [`Error::Mismatch`] on every rank and leaves the communicator usable, a failure of
+    /// the all-gather itself aborts it. Sends and receives pair two ranks, not the group,
+    /// and are not compared.
+    fn cross_check(
+        &self,
+        state: &mut State,
+        comm: sys::ncclComm_t,
+        sig: &CallSignature,
+        seq: u64,
+    ) -> Result<()> {
+        let Some(buffers) = state.check.as_mut() else {
+            return Ok(());
+        };
+        if matches!(sig.op, OpKind::Send | OpKind::Recv) {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let checked = signature::agree(&self.name, seq, self.size, sig, &[], |mine, all| {
+            self.all_gather_words(comm, buffers, mine, all, (sig.op, seq, started))
+        });
+        match checked {
+            Ok(_) => Ok(()),
+            Err(mismatch @ Error::Mismatch { .. }) => Err(mismatch),
+            Err(e) => Err(self.abort(state, e)),
+        }
+    }
+
+    /// The check's all-gather: `mine` to the device, `ncclAllGather` on our stream (behind
+    /// what it already runs), waited for under the watchdog as call `seq` started at
+    /// `started`, and every rank's words back into `all`.
+    fn all_gather_words(
+        &self,
+        comm: sys::ncclComm_t,
+        buffers: &mut CheckBuffers,
+        mine: &[i64],
+        all: &mut [i64],
+        (op, seq, started): (OpKind, u64, Instant),
+    ) -> Result<()> {
+        self.stream
+            .memcpy_htod(mine, &mut buffers.send)
+            .map_err(cuda::driver_error("cuMemcpyHtoDAsync"))?;
+        let done = {
+            let (send, _read) = buffers.send.device_ptr(&self.stream);
+            let (recv, _write) = buffers.recv.device_ptr_mut(&self.stream);
+            let count = mine.len();
+            self.issue(comm, &[], |comm, s| {
+                // SAFETY: `send` holds `count` words of our device memory and `recv`
+                // `size` times as many (both sized at creation for this group); only our
+                // stream uses them, and `watch` below waits for the all-gather before
+                // they are read back or reused.
+                let r = unsafe {
+                    nccl::all_gather(
+                        src(send),
+                        dst(recv),
+                        count,
+                        sys::ncclDataType_t::ncclInt64,
+                        comm,
+                        s,
+                    )
+                };
+                queued("ncclAllGather (signature check)", r)
+            })?
+        };
+        self.watch(comm, &done, op, seq, started)?;
+        self.stream
+            .memcpy_dtoh(&buffers.recv, all)
+            .map_err(cuda::driver_error("cuMemcpyDtoHAsync"))?;
+        self.stream
+            .synchronize()
+            .map_err(cuda::driver_error("cuStreamSynchronize"))
     }
 
     /// Aborts the communicator because of `error` (see [`abort_comm`]), then waits, at most
@@ -566,9 +698,14 @@ fn abort_comm(state: &mut State, error: Error) -> Error {
     error
 }
 
-fn open_locally(bootstrap: &dyn Communicator, device: usize) -> Result<Local> {
+/// `check` `None` reads [`CHECK_ENV`].
+fn open_locally(bootstrap: &dyn Communicator, device: usize, check: Option<bool>) -> Result<Local> {
     let timeout = crate::local::timeout_from_env()?;
     let flight_recorder = flight_recorder::capacity_from_env()?;
+    let check = match check {
+        Some(check) => check,
+        None => signature::switch_from_env(CHECK_ENV, false)?,
+    };
     let int = |what: &str, value: usize| {
         c_int::try_from(value).map_err(|_| {
             Error::Config(format!(
@@ -588,14 +725,46 @@ fn open_locally(bootstrap: &dyn Communicator, device: usize) -> Result<Local> {
     let barrier_buf = stream
         .alloc_zeros::<f32>(1)
         .map_err(cuda::driver_error("cuMemAlloc"))?;
+    let check = if check {
+        let words = signature::words(bootstrap.size());
+        let alloc = |len: usize| {
+            stream
+                .alloc_zeros::<i64>(len)
+                .map_err(cuda::driver_error("cuMemAlloc"))
+        };
+        Some(CheckBuffers {
+            send: alloc(words)?,
+            recv: alloc(words * bootstrap.size())?,
+        })
+    } else {
+        None
+    };
     Ok(Local {
         stream,
         barrier_buf,
         timeout,
         flight_recorder,
+        check,
         nranks,
         rank,
     })
+}
+
+/// Every rank must check signatures or none: a rank that skips the check would pair its
+/// peers' signature all-gather with its own collective. Returns [`Error::Config`] on
+/// every rank when the setting differs.
+fn same_check(bootstrap: &dyn Communicator, check: bool) -> Result<()> {
+    let all = bootstrap.all_gather_vec(&[i64::from(check)])?;
+    let on: Vec<usize> = (0..all.len()).filter(|&r| all[r] != 0).collect();
+    if on.is_empty() || on.len() == all.len() {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "{CHECK_ENV} differs between the ranks of group '{}': ranks {on:?} compare \
+         signatures and the others do not; set it alike on every rank (e.g. \
+         `mpirun -x {CHECK_ENV}`), or pass the same value to `new_with_check`",
+        bootstrap.name()
+    )))
 }
 
 fn init_rank(local: &Local, id: sys::ncclUniqueId, group: &str) -> Result<RawComm> {
@@ -997,7 +1166,9 @@ impl Communicator for NcclCommunicator {
         let Some(sub) = self.bootstrap.split(color, key, name)? else {
             return Ok(None);
         };
-        let comm = NcclCommunicator::new(sub, self.device)?.with_timeout(self.timeout);
+        let check = self.checks_signatures();
+        let comm =
+            NcclCommunicator::open(sub, self.device, Some(check))?.with_timeout(self.timeout);
         Ok(Some(Arc::new(comm)))
     }
 

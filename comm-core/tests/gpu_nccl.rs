@@ -10,8 +10,8 @@ use anyhow::{bail, ensure, Context};
 use comm_core::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
 use comm_core::cuda::{self, Library};
 use comm_core::{
-    run_local, AsyncOp, BufMut, BufRef, Buffer, Communicator, DType, Element, Error, LocalLauncher,
-    NcclCommunicator, ReduceOp,
+    run_local, AsyncOp, BufMut, BufRef, Buffer, CallSignature, Communicator, DType, Element, Error,
+    LocalLauncher, NcclCommunicator, OpKind, ReduceOp,
 };
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -131,6 +131,123 @@ fn one_rank_collectives_match_the_reference() -> anyhow::Result<()> {
         ensure!(nccl.backend() == "nccl" && nccl.size() == 1 && nccl.rank() == 0);
         check_every_dtype(&nccl, &stream)
     })?;
+    Ok(())
+}
+
+/// With the signature check on, every collective (zero-element calls included) still
+/// matches the reference, and a group made by `split` runs with it too.
+#[test]
+fn one_rank_collectives_pass_the_signature_check() -> anyhow::Result<()> {
+    if let Some(reason) = skip_reason() {
+        println!("skipped: {reason}");
+        return Ok(());
+    }
+    run_local(1, |comm| -> anyhow::Result<()> {
+        let stream = cuda::context(0)?.new_stream()?;
+        let nccl =
+            NcclCommunicator::new_with_check(Arc::new(comm), 0, true)?.with_timeout(TEST_TIMEOUT);
+        ensure!(nccl.checks_signatures());
+        check_every_dtype(&nccl, &stream)?;
+        let single = nccl.split(Some(0), 0, "single")?.context("member")?;
+        check_collectives::<f32>(&*single, &stream)
+    })?;
+    Ok(())
+}
+
+/// With the signature check on, each kind of disagreement (count, op, dtype, root) is
+/// `Mismatch` on every rank, naming each rank's call, and the communicator stays usable.
+#[test]
+fn two_ranks_with_the_check_report_each_mismatch_on_every_rank() -> anyhow::Result<()> {
+    let Some(count) = two_rank_devices()? else {
+        return Ok(());
+    };
+    run_local(2, |comm| -> anyhow::Result<()> {
+        let r = comm.rank();
+        let device = r % count;
+        let stream = cuda::context(device)?.new_stream()?;
+        let nccl = NcclCommunicator::new_with_check(Arc::new(comm), device, true)?
+            .with_timeout(TEST_TIMEOUT);
+        let mut floats = Dev::new(&stream, &[1.0f32; 5])?;
+        let mut doubles = Dev::new(&stream, &[1.0f64; 4])?;
+        let sum = ReduceOp::Sum;
+
+        // Count: rank 1 passes five elements, rank 0 four.
+        let mut view = floats.slice.slice_mut(..4 + r);
+        let outcome = nccl.all_reduce(BufMut::cuda(&mut view, &stream)?, sum);
+        expect_mismatch("count", outcome, |c| {
+            c.op == OpKind::AllReduce && c.count == 4 + c.rank
+        })?;
+        // Op: rank 1 calls a barrier, rank 0 an all-reduce.
+        let outcome = if r == 1 {
+            nccl.barrier()
+        } else {
+            nccl.all_reduce(BufMut::cuda(&mut floats.view_mut(), &stream)?, sum)
+        };
+        expect_mismatch("op", outcome, |c| {
+            c.op == [OpKind::AllReduce, OpKind::Barrier][c.rank]
+        })?;
+        // Dtype: rank 1 all-reduces f64, rank 0 f32, four elements each.
+        let outcome = if r == 1 {
+            nccl.all_reduce(BufMut::cuda(&mut doubles.view_mut(), &stream)?, sum)
+        } else {
+            let mut view = floats.slice.slice_mut(..4);
+            nccl.all_reduce(BufMut::cuda(&mut view, &stream)?, sum)
+        };
+        expect_mismatch("dtype", outcome, |c| {
+            c.dtype == Some([DType::F32, DType::F64][c.rank]) && c.count == 4
+        })?;
+        // Root: each rank names itself.
+        let outcome = nccl.broadcast(BufMut::cuda(&mut floats.view_mut(), &stream)?, r);
+        expect_mismatch("root", outcome, |c| c.root == Some(c.rank))?;
+
+        // Still usable, and nothing above moved data.
+        nccl.all_reduce(BufMut::cuda(&mut floats.view_mut(), &stream)?, sum)?;
+        ensure_close("after the mismatches", &floats.read(&stream)?, &[2.0f32; 5])
+    })?;
+    Ok(())
+}
+
+/// `Mismatch` at the same call on both ranks, with `expect` true of each rank's call.
+fn expect_mismatch(
+    what: &str,
+    outcome: comm_core::Result<()>,
+    expect: impl Fn(&CallSignature) -> bool,
+) -> anyhow::Result<()> {
+    match outcome {
+        Err(Error::Mismatch { calls, .. }) => {
+            ensure!(calls.len() == 2, "{what}: {calls:?}");
+            for (rank, call) in calls.iter().enumerate() {
+                ensure!(
+                    call.rank == rank && expect(call),
+                    "{what}: rank {rank}'s {call}"
+                );
+            }
+            Ok(())
+        }
+        other => bail!("{what}: expected Mismatch, got {other:?}"),
+    }
+}
+
+/// A rank that checks signatures cannot join one that does not: creation fails on both.
+#[test]
+fn ranks_with_different_check_settings_fail_to_create() -> anyhow::Result<()> {
+    let Some(count) = two_rank_devices()? else {
+        return Ok(());
+    };
+    let errors = run_local(2, |comm| {
+        let device = comm.rank() % count;
+        let check = comm.rank() == 0;
+        Ok::<_, Error>(NcclCommunicator::new_with_check(Arc::new(comm), device, check).err())
+    })?;
+    for (rank, error) in errors.iter().enumerate() {
+        match error {
+            Some(Error::Config(message)) => ensure!(
+                message.contains("FERROTRON_NCCL_CHECK") && message.contains("ranks [0]"),
+                "rank {rank}: {message}"
+            ),
+            other => bail!("rank {rank}: expected Config, got {other:?}"),
+        }
+    }
     Ok(())
 }
 

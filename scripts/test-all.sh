@@ -67,18 +67,22 @@ echo "mpi: $passed passed, 0 failed"
 echo "==> mismatched MPI calls fail every rank, with no environment variable set"
 cargo build -q -p comm-core --all-features --example mismatch
 for ranks in 2 4; do
-    # Each rank's exit status, through a shell: mpirun alone ends the job at the first
-    # failing rank and reports only that one.
-    out=$(env -u FERROTRON_MPI_CHECK timeout 60 mpirun --oversubscribe -n "$ranks" \
-        sh -c '"$0"; echo "exit status $?"' target/debug/examples/mismatch 2>&1) || true
-    failed=$(grep -c '^exit status 1$' <<<"$out" || true)
-    reported=$(grep -c ': Mismatch: ' <<<"$out" || true)
+    # Each rank writes its own file: mpirun interleaves the ranks' stderr, and alone it
+    # ends the job at the first failing rank and reports only that one.
+    reports=$(mktemp -d)
+    env -u FERROTRON_MPI_CHECK REPORTS="$reports" timeout 60 mpirun --oversubscribe -x REPORTS \
+        -n "$ranks" sh -c '"$0" >"$REPORTS/$OMPI_COMM_WORLD_RANK" 2>&1
+            echo "exit status $?" >>"$REPORTS/$OMPI_COMM_WORLD_RANK"' \
+        target/debug/examples/mismatch >/dev/null 2>&1 || true
+    failed=$(cat "$reports"/* | grep -c '^exit status 1$' || true)
+    reported=$(cat "$reports"/* | grep -c ': Mismatch: ' || true)
     if [ "$failed" -ne "$ranks" ] || [ "$reported" -ne "$ranks" ]; then
-        echo "$out" >&2
+        tail -n +1 "$reports"/* >&2
         echo "expected all $ranks ranks to report Mismatch and exit 1: $reported reported it," \
             "$failed exited 1" >&2
         exit 1
     fi
+    rm -r "$reports"
     echo "--> mpirun -n $ranks mismatch: all $ranks ranks reported Mismatch and exited 1"
 done
 

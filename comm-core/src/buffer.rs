@@ -165,6 +165,17 @@ impl<'a> BufRef<'a> {
     pub(crate) fn host_ptr(&self) -> *const u8 {
         self.ptr
     }
+
+    /// A host copy of the elements, wherever they live.
+    pub(crate) fn to_host(self) -> Result<Buffer> {
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = self.cuda_stream() {
+            return crate::cuda::to_host(self, stream);
+        }
+        let mut host = Buffer::zeros(self.dtype, self.len);
+        host.as_buf_mut().copy_from_host_view(self);
+        Ok(host)
+    }
 }
 
 impl<'a> BufMut<'a> {
@@ -201,6 +212,25 @@ impl<'a> BufMut<'a> {
 
     pub(crate) fn host_ptr_mut(&mut self) -> *mut u8 {
         self.ptr
+    }
+
+    /// Overwrites the elements, wherever they live, with `host`'s (same dtype and length).
+    pub(crate) fn copy_from_host(&mut self, host: &Buffer) -> Result<()> {
+        debug_assert_eq!((host.dtype(), host.len()), (self.dtype, self.len));
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = self.cuda_stream() {
+            return crate::cuda::from_host(host, self, stream);
+        }
+        self.copy_from_host_view(host.as_buf_ref());
+        Ok(())
+    }
+
+    /// Copies `src`'s bytes into this host view (as many as both hold).
+    fn copy_from_host_view(&mut self, src: BufRef<'_>) {
+        let bytes = self.byte_len().min(src.byte_len());
+        // SAFETY: both are host memory valid for `bytes` bytes, and `&mut self` is the
+        // only access to ours; distinct borrows do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.ptr, self.ptr, bytes) };
     }
 }
 

@@ -351,7 +351,7 @@ pub(crate) fn signatures_agree(sigs: &[&CallSignature]) -> bool {
                     recvs.len() == sigs.len() && recvs[s.rank] == sends[peer.rank]
                 })
         }),
-        OpKind::Barrier | OpKind::Split | OpKind::Send | OpKind::Recv => true,
+        OpKind::Barrier | OpKind::Split | OpKind::Send | OpKind::Recv | OpKind::Exchange => true,
     }
 }
 

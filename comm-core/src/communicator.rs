@@ -69,8 +69,19 @@ pub trait Communicator: Send + Sync {
     /// Messages between a pair of ranks arrive in order.
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()>;
     /// Receives the next message from rank `src` into `buf`, which must match the
-    /// message's dtype and length.
+    /// message's dtype and length: else the receiver gets
+    /// [`Error::Mismatch`](crate::Error::Mismatch) (on `local` the sender too; on `mpi`
+    /// the sender's call completes, as MPI only tells the receiver).
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()>;
+    /// Starts every send and receive of `ops` together and returns once all of them have
+    /// completed, as Megatron's `batch_isend_irecv` followed by a wait: two neighbours that
+    /// each send to the other before receiving do not deadlock, whatever order their
+    /// batches list the transfers in. Messages between a pair of ranks arrive in the order
+    /// they were sent, within a batch in their order in `ops`; each receive buffer must
+    /// match its message's dtype and length, else both ranks of that pair get
+    /// [`Error::Mismatch`](crate::Error::Mismatch). Receive an exchange's messages with an
+    /// exchange (on MPI the batch carries a small header; `send`/`recv` do not).
+    fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()>;
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<()>;
     /// Splits the group like `MPI_Comm_split`: ranks passing the same `color` form a new
@@ -92,6 +103,33 @@ pub trait Communicator: Send + Sync {
     /// this rank's on `mpi` and `nccl`; empty when the recorder is off.
     fn flight_record(&self) -> FlightRecord {
         FlightRecord::default()
+    }
+}
+
+/// One transfer of a batched point-to-point [`Communicator::exchange`].
+pub enum P2p<'a> {
+    /// Sends `buf` to rank `peer`.
+    Send {
+        /// The data.
+        buf: BufRef<'a>,
+        /// The destination rank (not this rank).
+        peer: usize,
+    },
+    /// Receives the next message from rank `peer` into `buf`.
+    Recv {
+        /// Where the message goes; its dtype and length must match the message's.
+        buf: BufMut<'a>,
+        /// The source rank (not this rank).
+        peer: usize,
+    },
+}
+
+impl P2p<'_> {
+    /// The other rank of this transfer.
+    pub fn peer(&self) -> usize {
+        match self {
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+        }
     }
 }
 

@@ -34,11 +34,14 @@ pub enum OpKind {
     Send,
     /// `recv`.
     Recv,
+    /// `exchange`: a batch of sends and receives (NCCL records it as one call; the other
+    /// backends record each transfer as a `send` or `recv`).
+    Exchange,
 }
 
 impl OpKind {
     /// Every operation kind, in a fixed order.
-    pub const ALL: [OpKind; 11] = [
+    pub const ALL: [OpKind; 12] = [
         OpKind::AllReduce,
         OpKind::Broadcast,
         OpKind::AllGather,
@@ -50,6 +53,7 @@ impl OpKind {
         OpKind::Split,
         OpKind::Send,
         OpKind::Recv,
+        OpKind::Exchange,
     ];
 
     /// snake_case name as in the API.
@@ -66,6 +70,7 @@ impl OpKind {
             OpKind::Split => "split",
             OpKind::Send => "send",
             OpKind::Recv => "recv",
+            OpKind::Exchange => "exchange",
         }
     }
 }

@@ -32,7 +32,7 @@
 
 use crate::buffer::{BufMut, BufRef};
 use crate::calls::{offsets, CallCheck};
-use crate::communicator::{AsyncOp, Communicator};
+use crate::communicator::{AsyncOp, Communicator, P2p};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{self, CallRecord, Dump, FlightRecord, Recorder, Ticket};
@@ -593,6 +593,314 @@ impl Drop for MpiCommunicator {
     }
 }
 
+/// The tag of an exchange's headers; data travels on tag 0 with `send`/`recv`'s, which
+/// keeps a pair's messages in order across both.
+const HEADER_TAG: c_int = 1;
+
+/// What one side of an exchange transfers with one peer, in order: `(dtype, count)` of
+/// its sends to the peer and of its receives from it.
+#[derive(Clone, Debug, PartialEq)]
+struct PairPlan {
+    sends: Vec<(DType, usize)>,
+    recvs: Vec<(DType, usize)>,
+}
+
+impl PairPlan {
+    fn of(ops: &[P2p<'_>], peer: usize) -> PairPlan {
+        let mut plan = PairPlan {
+            sends: Vec::new(),
+            recvs: Vec::new(),
+        };
+        for op in ops.iter().filter(|op| op.peer() == peer) {
+            match op {
+                P2p::Send { buf, .. } => plan.sends.push((buf.dtype(), buf.len())),
+                P2p::Recv { buf, .. } => plan.recvs.push((buf.dtype(), buf.len())),
+            }
+        }
+        plan
+    }
+
+    fn encode(&self) -> Vec<i64> {
+        let mut words = vec![self.sends.len() as i64, self.recvs.len() as i64];
+        for &(dtype, count) in self.sends.iter().chain(&self.recvs) {
+            let code = DType::ALL.iter().position(|&d| d == dtype).unwrap_or(0);
+            words.extend([code as i64, count as i64]);
+        }
+        words
+    }
+
+    /// `None` for words no `encode` wrote.
+    fn decode(words: &[i64]) -> Option<PairPlan> {
+        let sends = usize::try_from(*words.first()?).ok()?;
+        let recvs = usize::try_from(*words.get(1)?).ok()?;
+        if words.len() != 2 + 2 * (sends + recvs) {
+            return None;
+        }
+        let transfers = words[2..]
+            .chunks(2)
+            .map(|w| Some((*DType::ALL.get(usize::try_from(w[0]).ok()?)?, w[1] as usize)))
+            .collect::<Option<Vec<_>>>()?;
+        let (s, r) = transfers.split_at(sends);
+        Some(PairPlan {
+            sends: s.to_vec(),
+            recvs: r.to_vec(),
+        })
+    }
+}
+
+impl MpiCommunicator {
+    /// An exchange of host buffers, under the communicator's lock. With the check on,
+    /// each pair of ranks first swaps headers listing what it will send and receive, and
+    /// a pair that disagrees transfers nothing and fails on both sides.
+    fn exchange_host(&self, ops: &mut [P2p<'_>], first_recv: u64) -> Result<()> {
+        let mut peers: Vec<usize> = ops.iter().map(P2p::peer).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        let mut refused: Vec<(usize, Error)> = Vec::new();
+        if self.core.env.check {
+            let plans: Vec<(usize, PairPlan)> =
+                peers.iter().map(|&p| (p, PairPlan::of(ops, p))).collect();
+            let headers: Vec<Vec<i64>> = plans.iter().map(|(_, plan)| plan.encode()).collect();
+            let mut requests = Vec::with_capacity(plans.len());
+            for ((peer, _), header) in plans.iter().zip(&headers) {
+                requests.push(self.isend_raw(
+                    header.as_ptr().cast(),
+                    header.len(),
+                    DType::I64,
+                    *peer,
+                    HEADER_TAG,
+                )?);
+            }
+            let mut received = Ok(());
+            for (peer, mine) in &plans {
+                match self.recv_header(*peer) {
+                    Ok(Some(theirs))
+                        if theirs.sends == mine.recvs && theirs.recvs == mine.sends => {}
+                    Ok(theirs) => {
+                        let theirs = theirs.unwrap_or(PairPlan {
+                            sends: Vec::new(),
+                            recvs: Vec::new(),
+                        });
+                        refused.push((*peer, self.pair_mismatch(*peer, mine, &theirs, first_recv)));
+                    }
+                    Err(e) => {
+                        received = Err(e);
+                        break;
+                    }
+                }
+            }
+            self.wait_all(&mut requests)?;
+            received?;
+        }
+        let mut requests = Vec::with_capacity(ops.len());
+        let mut posted = Ok(());
+        for op in ops.iter_mut() {
+            if refused.iter().any(|(p, _)| *p == op.peer()) {
+                continue;
+            }
+            let request = match op {
+                P2p::Send { buf, peer } => {
+                    self.isend_raw(send_ptr(buf), buf.len(), buf.dtype(), *peer, 0)
+                }
+                P2p::Recv { buf, peer } => {
+                    let (len, dtype) = (buf.len(), buf.dtype());
+                    self.irecv_raw(recv_ptr(buf), len, dtype, *peer)
+                }
+            };
+            match request {
+                Ok(request) => requests.push(request),
+                Err(e) => {
+                    posted = Err(e);
+                    break;
+                }
+            }
+        }
+        // Posted transfers borrow `ops`' buffers: they complete before this returns.
+        self.wait_all(&mut requests)?;
+        posted?;
+        refused.into_iter().next().map_or(Ok(()), |(_, e)| Err(e))
+    }
+
+    fn isend_raw(
+        &self,
+        ptr: *const c_void,
+        len: usize,
+        dtype: DType,
+        peer: usize,
+        tag: c_int,
+    ) -> Result<ffi::MPI_Request> {
+        let count = self.int(OpKind::Send, "count", len)?;
+        // SAFETY: a null request handle for MPI to fill in.
+        let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: `ptr` holds `count` elements of `dtype`, alive until `wait_all`.
+        check_rc(
+            unsafe {
+                ffi::MPI_Isend(
+                    ptr,
+                    count,
+                    raw_dtype(dtype),
+                    peer as c_int,
+                    tag,
+                    self.core.comm.0,
+                    &mut request,
+                )
+            },
+            "MPI_Isend",
+        )?;
+        Ok(request)
+    }
+
+    fn irecv_raw(
+        &self,
+        ptr: *mut c_void,
+        len: usize,
+        dtype: DType,
+        peer: usize,
+    ) -> Result<ffi::MPI_Request> {
+        let count = self.int(OpKind::Recv, "count", len)?;
+        // SAFETY: a null request handle for MPI to fill in.
+        let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: `ptr` has room for `count` elements of `dtype`, alive until `wait_all`.
+        check_rc(
+            unsafe {
+                ffi::MPI_Irecv(
+                    ptr,
+                    count,
+                    raw_dtype(dtype),
+                    peer as c_int,
+                    0,
+                    self.core.comm.0,
+                    &mut request,
+                )
+            },
+            "MPI_Irecv",
+        )?;
+        Ok(request)
+    }
+
+    fn wait_all(&self, requests: &mut [ffi::MPI_Request]) -> Result<()> {
+        if requests.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: valid requests from MPI_Isend/MPI_Irecv; statuses are not wanted.
+        check_rc(
+            unsafe {
+                ffi::MPI_Waitall(
+                    requests.len() as c_int,
+                    requests.as_mut_ptr(),
+                    ffi::RSMPI_STATUSES_IGNORE,
+                )
+            },
+            "MPI_Waitall",
+        )
+    }
+
+    /// The header `peer` sent this rank for the current exchange (`None`: not one).
+    fn recv_header(&self, peer: usize) -> Result<Option<PairPlan>> {
+        let dtype = raw_dtype(DType::I64);
+        // SAFETY: MPI_Status is plain data that MPI_Probe fills in.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        let mut count: c_int = 0;
+        // SAFETY: valid communicator and out-pointers.
+        unsafe {
+            check_rc(
+                ffi::MPI_Probe(peer as c_int, HEADER_TAG, self.core.comm.0, &mut status),
+                "MPI_Probe",
+            )?;
+            check_rc(
+                ffi::MPI_Get_count(&status, dtype, &mut count),
+                "MPI_Get_count",
+            )?;
+        }
+        let mut words = vec![0i64; usize::try_from(count).unwrap_or(0)];
+        // SAFETY: `words` holds the probed message's `count` elements.
+        check_rc(
+            unsafe {
+                ffi::MPI_Recv(
+                    words.as_mut_ptr().cast(),
+                    count,
+                    dtype,
+                    peer as c_int,
+                    HEADER_TAG,
+                    self.core.comm.0,
+                    ffi::RSMPI_STATUS_IGNORE,
+                )
+            },
+            "MPI_Recv",
+        )?;
+        Ok(PairPlan::decode(&words))
+    }
+
+    /// The `Mismatch` both ranks of a pair report: the first transfer they disagree on,
+    /// as the sender's send and the receiver's receive (a missing one with no dtype).
+    fn pair_mismatch(&self, peer: usize, mine: &PairPlan, theirs: &PairPlan, seq: u64) -> Error {
+        let me = self.core.rank;
+        let sig = |rank: usize, op: OpKind, transfer: Option<&(DType, usize)>| {
+            let mut s =
+                self.check()
+                    .signature(op, transfer.map(|t| t.0), transfer.map_or(0, |t| t.1));
+            s.rank = rank;
+            s
+        };
+        let first_difference = |sent: &[(DType, usize)], received: &[(DType, usize)]| {
+            (0..sent.len().max(received.len())).find(|&i| sent.get(i) != received.get(i))
+        };
+        let calls = if let Some(i) = first_difference(&theirs.sends, &mine.recvs) {
+            vec![
+                sig(peer, OpKind::Send, theirs.sends.get(i)),
+                sig(me, OpKind::Recv, mine.recvs.get(i)),
+            ]
+        } else {
+            let i = first_difference(&mine.sends, &theirs.recvs).unwrap_or(0);
+            vec![
+                sig(me, OpKind::Send, mine.sends.get(i)),
+                sig(peer, OpKind::Recv, theirs.recvs.get(i)),
+            ]
+        };
+        let mut calls = calls;
+        calls.sort_by_key(|c| c.rank);
+        Error::Mismatch {
+            group: self.core.name.clone(),
+            seq,
+            calls,
+        }
+    }
+
+    /// An exchange with device buffers, staged through host memory.
+    #[cfg(feature = "cuda")]
+    fn exchange_through_host(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        let mut staged: Vec<crate::Buffer> = ops
+            .iter()
+            .map(|op| match op {
+                P2p::Send { buf, .. } => buf.to_host(),
+                P2p::Recv { buf, .. } => Ok(crate::Buffer::zeros(buf.dtype(), buf.len())),
+            })
+            .collect::<Result<_>>()?;
+        let mut host: Vec<P2p<'_>> = ops
+            .iter()
+            .zip(staged.iter_mut())
+            .map(|(op, buf)| match op {
+                P2p::Send { peer, .. } => P2p::Send {
+                    buf: buf.as_buf_ref(),
+                    peer: *peer,
+                },
+                P2p::Recv { peer, .. } => P2p::Recv {
+                    buf: buf.as_buf_mut(),
+                    peer: *peer,
+                },
+            })
+            .collect();
+        self.exchange(&mut host)?;
+        drop(host);
+        for (op, data) in ops.iter_mut().zip(&staged) {
+            if let P2p::Recv { buf, .. } = op {
+                buf.copy_from_host(data)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Communicator for MpiCommunicator {
     fn rank(&self) -> usize {
         self.core.rank
@@ -847,6 +1155,24 @@ impl Communicator for MpiCommunicator {
                 )?;
             }
             if usize::try_from(count).ok() != Some(buf.len()) {
+                // The sender's MPI_Ssend completes only once the message is received:
+                // take it into scratch memory so that the sender does not hang.
+                let mut scratch = crate::Buffer::zeros(buf.dtype(), count.max(0) as usize);
+                // SAFETY: `scratch` holds the probed message's `count` elements.
+                check_rc(
+                    unsafe {
+                        ffi::MPI_Recv(
+                            recv_ptr(&mut scratch.as_buf_mut()),
+                            count,
+                            dtype,
+                            src as c_int,
+                            0,
+                            self.core.comm.0,
+                            ffi::RSMPI_STATUS_IGNORE,
+                        )
+                    },
+                    "MPI_Recv",
+                )?;
                 let mut sent = self.check().signature(OpKind::Send, Some(buf.dtype()), 0);
                 sent.rank = src;
                 sent.count = usize::try_from(count).unwrap_or(0);
@@ -877,6 +1203,47 @@ impl Communicator for MpiCommunicator {
             )
         })();
         self.recorded(record, received)
+    }
+
+    fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if ops.iter().any(|op| match op {
+            P2p::Send { buf, .. } => buf.cuda_stream().is_some(),
+            P2p::Recv { buf, .. } => buf.cuda_stream().is_some(),
+        }) {
+            return self.exchange_through_host(ops);
+        }
+        for op in ops.iter() {
+            let (kind, role, len) = match op {
+                P2p::Send { buf, peer } => (OpKind::Send, "destination", (buf.len(), *peer)),
+                P2p::Recv { buf, peer } => (OpKind::Recv, "source", (buf.len(), *peer)),
+            };
+            self.check().peer(kind, role, len.1)?;
+            self.int(kind, "count", len.0)?;
+        }
+        self.core.queue.wait_idle();
+        let _order = self.core.seq.lock();
+        let first_recv = self.core.messages[1].load(Ordering::Relaxed);
+        let records: Vec<Ticket> = ops
+            .iter()
+            .map(|op| match op {
+                P2p::Send { buf, peer } => {
+                    self.start_message(OpKind::Send, buf.dtype(), buf.len(), *peer)
+                }
+                P2p::Recv { buf, peer } => {
+                    self.start_message(OpKind::Recv, buf.dtype(), buf.len(), *peer)
+                }
+            })
+            .collect();
+        let result = self.exchange_host(ops, first_recv);
+        let last = records.len().saturating_sub(1);
+        for (i, record) in records.into_iter().enumerate() {
+            if i == last {
+                return self.recorded(record, result);
+            }
+            self.core.recorder.end(record, result.is_ok());
+        }
+        result
     }
 
     fn barrier(&self) -> Result<()> {

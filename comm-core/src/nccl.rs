@@ -88,7 +88,7 @@
 
 use crate::buffer::{BufMut, BufRef, MemoryKind};
 use crate::calls::{offsets, CallCheck};
-use crate::communicator::{AsyncOp, Communicator, CommunicatorExt};
+use crate::communicator::{AsyncOp, Communicator, CommunicatorExt, P2p};
 use crate::cuda::{self, Library};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
@@ -378,8 +378,8 @@ impl NcclCommunicator {
     /// With the signature check on, all-gathers every rank's encoded signature on the
     /// device and compares them (see [`signature::agree`]): a disagreement is
     /// [`Error::Mismatch`] on every rank and leaves the communicator usable, a failure of
-    /// the all-gather itself aborts it. Sends and receives pair two ranks, not the group,
-    /// and are not compared.
+    /// the all-gather itself aborts it. Sends, receives and exchanges pair ranks, not the
+    /// group, and are not compared.
     fn cross_check(
         &self,
         state: &mut State,
@@ -390,7 +390,7 @@ impl NcclCommunicator {
         let Some(buffers) = state.check.as_mut() else {
             return Ok(());
         };
-        if matches!(sig.op, OpKind::Send | OpKind::Recv) {
+        if matches!(sig.op, OpKind::Send | OpKind::Recv | OpKind::Exchange) {
             return Ok(());
         }
         let started = Instant::now();
@@ -1127,6 +1127,53 @@ impl Communicator for NcclCommunicator {
             // SAFETY: see above.
             let r = unsafe { nccl::recv(dst(ptr), count, dtype, peer(source), comm, s) };
             queued("ncclRecv", r)
+        })
+    }
+
+    fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        let kind = OpKind::Exchange;
+        let mut streams = Vec::with_capacity(ops.len());
+        // (send?, device pointer, count, dtype, peer) of each transfer.
+        let mut transfers = Vec::with_capacity(ops.len());
+        for op in ops.iter() {
+            let (send, memory, stream, ptr, count, dtype, peer) = match op {
+                P2p::Send { buf, peer } => {
+                    self.check().peer(OpKind::Send, "destination", *peer)?;
+                    let (m, s) = (buf.memory(), buf.cuda_stream());
+                    (true, m, s, buf.device_ptr(), buf.len(), buf.dtype(), *peer)
+                }
+                P2p::Recv { buf, peer } => {
+                    self.check().peer(OpKind::Recv, "source", *peer)?;
+                    let (m, s) = (buf.memory(), buf.cuda_stream());
+                    (false, m, s, buf.device_ptr(), buf.len(), buf.dtype(), *peer)
+                }
+            };
+            streams.push(self.stream_of(kind, "buffer", memory, stream)?);
+            transfers.push((send, ptr, count, dtype, peer));
+        }
+        let total = transfers.iter().map(|t| t.2).sum();
+        let sig = self.check().signature(kind, None, total);
+        self.run((&sig, None), &streams, total, |comm, s| {
+            // One NCCL group: every send and receive is in flight at once, which is what
+            // keeps neighbours that both send first out of deadlock.
+            grouped(|| {
+                for &(send, ptr, count, dtype, to) in transfers.iter().filter(|t| t.2 > 0) {
+                    if send {
+                        // SAFETY: see above.
+                        let r = unsafe {
+                            nccl::send(src(ptr), count, nccl_dtype(dtype), peer(to), comm, s)
+                        };
+                        queued("ncclSend", r)?;
+                    } else {
+                        // SAFETY: see above.
+                        let r = unsafe {
+                            nccl::recv(dst(ptr), count, nccl_dtype(dtype), peer(to), comm, s)
+                        };
+                        queued("ncclRecv", r)?;
+                    }
+                }
+                Ok(())
+            })
         })
     }
 

@@ -9,7 +9,7 @@ use anyhow::{ensure, Context};
 use comm_core::mpi::{MpiWorld, CHECK_ENV};
 use comm_core::{
     AsyncOp, Buffer, CallSignature, Communicator, CommunicatorExt, DType, Element, Error, OpKind,
-    ReduceOp,
+    P2p, ReduceOp,
 };
 use support::{data, offsets, reduced};
 
@@ -225,6 +225,79 @@ fn mismatch_is_detected(world: &dyn Communicator) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A ring where every rank lists its send first (small and large messages, two per
+/// pair so order shows), then a pair that disagrees on a length: `Mismatch` on both of
+/// its ranks, the others' exchange unaffected, and the group usable afterwards.
+fn exchanges(world: &dyn Communicator) -> anyhow::Result<()> {
+    let (r, n) = (world.rank(), world.size());
+    if n < 2 {
+        return Ok(());
+    }
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    for len in [3usize, 300_000] {
+        let (a, b) = (data::<f32>(r, len, 1), data::<f32>(r, 2, 2));
+        let (mut got_a, mut got_b) = (vec![0f32; len], vec![0f32; 2]);
+        world.exchange(&mut [
+            P2p::Send {
+                buf: (&a).into(),
+                peer: right,
+            },
+            P2p::Send {
+                buf: (&b).into(),
+                peer: right,
+            },
+            P2p::Recv {
+                buf: (&mut got_a).into(),
+                peer: left,
+            },
+            P2p::Recv {
+                buf: (&mut got_b).into(),
+                peer: left,
+            },
+        ])?;
+        ensure!(
+            got_a == data::<f32>(left, len, 1),
+            "ring of {len}: first message"
+        );
+        ensure!(
+            got_b == data::<f32>(left, 2, 2),
+            "ring of {len}: second message"
+        );
+    }
+    // Pairs (0, 1), (2, 3): rank 1 expects one element more than rank 0 sends.
+    if r ^ 1 < n {
+        let partner = r ^ 1;
+        let sent = [r as i32; 4];
+        let mut got = vec![0i32; if r == 1 { 5 } else { 4 }];
+        let outcome = world.exchange(&mut [
+            P2p::Send {
+                buf: (&sent[..]).into(),
+                peer: partner,
+            },
+            P2p::Recv {
+                buf: (&mut got).into(),
+                peer: partner,
+            },
+        ]);
+        match (r, outcome) {
+            (0 | 1, Err(Error::Mismatch { calls, .. })) => {
+                ensure!(calls.len() == 2, "{calls:?}");
+                ensure!((calls[0].rank, calls[0].op, calls[0].count) == (0, OpKind::Send, 4));
+                ensure!((calls[1].rank, calls[1].op, calls[1].count) == (1, OpKind::Recv, 5));
+            }
+            (0 | 1, other) => anyhow::bail!("pair (0, 1): expected Mismatch, got {other:?}"),
+            (_, outcome) => {
+                outcome?;
+                ensure!(got == vec![partner as i32; 4], "pair of {r}: {got:?}");
+            }
+        }
+    }
+    let mut x = [1i32];
+    world.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+    ensure!(x[0] == n as i32, "sum after the exchanges");
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let mpi = MpiWorld::init()?;
     // This binary tests the default: with the check switched off, its mismatch cases
@@ -249,6 +322,7 @@ fn main() -> anyhow::Result<()> {
     }
     results.push(("split and async".into(), split_and_async(&world)));
     results.push(("mismatch detection".into(), mismatch_is_detected(&world)));
+    results.push(("exchanges".into(), exchanges(&world)));
     world.barrier()?;
 
     let failed = results.iter().filter(|(_, r)| r.is_err()).count();

@@ -22,7 +22,7 @@ use parking_lot::{Condvar, Mutex};
 use std::cell::UnsafeCell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// What every group of one `run_local` world reports to the launcher.
@@ -118,6 +118,9 @@ struct Mailbox {
 /// A message in flight between two ranks.
 pub(crate) struct Message {
     pub(crate) data: Buffer,
+    /// Set by a receiver whose buffer does not match the message (to its own call), so
+    /// that the sender fails with the same `Mismatch` instead of succeeding alone.
+    pub(crate) rejected: Arc<OnceLock<CallSignature>>,
 }
 
 pub(crate) struct GroupShared {
@@ -561,8 +564,8 @@ impl GroupShared {
         }
     }
 
-    /// Hands `msg` to `dst` and waits until `dst` has taken it, as a collective waits.
-    pub(crate) fn send(&self, src: usize, dst: usize, msg: Message, seq: u64) -> Result<()> {
+    /// Hands `msg` to `dst` without waiting; [`GroupShared::wait_taken`] waits for it.
+    pub(crate) fn post(&self, src: usize, dst: usize, msg: Message) -> u64 {
         let mailbox = &self.mailboxes[src * self.size() + dst];
         let ticket = {
             let mut queue = mailbox.queue.lock();
@@ -570,6 +573,13 @@ impl GroupShared {
             mailbox.posted.fetch_add(1, Ordering::SeqCst)
         };
         self.wake_all();
+        ticket
+    }
+
+    /// Waits, as a collective waits, until `dst` has taken the message `post` numbered
+    /// `ticket`.
+    pub(crate) fn wait_taken(&self, src: usize, dst: usize, ticket: u64, seq: u64) -> Result<()> {
+        let mailbox = &self.mailboxes[src * self.size() + dst];
         self.wait_for(
             src,
             OpKind::Send,
@@ -581,10 +591,18 @@ impl GroupShared {
         )
     }
 
-    /// Takes the next message from `src` to `dst`, waiting as a collective would.
-    pub(crate) fn receive(&self, src: usize, dst: usize, seq: u64) -> Result<Message> {
+    /// Takes the next message from `src` to `dst`, waiting as a collective would. A
+    /// message whose dtype or length differs from `receiver`'s is marked rejected before
+    /// the sender can see it taken.
+    pub(crate) fn receive(
+        &self,
+        src: usize,
+        dst: usize,
+        seq: u64,
+        receiver: &CallSignature,
+    ) -> Result<Message> {
         let mailbox = &self.mailboxes[src * self.size() + dst];
-        let mut taken = None;
+        let mut taken: Option<Message> = None;
         self.wait_for(
             dst,
             OpKind::Recv,
@@ -593,7 +611,12 @@ impl GroupShared {
             |_| {
                 if taken.is_none() {
                     taken = mailbox.queue.lock().pop_front();
-                    if taken.is_some() {
+                    if let Some(msg) = &taken {
+                        if Some(msg.data.dtype()) != receiver.dtype
+                            || msg.data.len() != receiver.count
+                        {
+                            let _ = msg.rejected.set(receiver.clone());
+                        }
                         mailbox.taken.fetch_add(1, Ordering::AcqRel);
                         self.wake_all();
                     }

@@ -12,9 +12,9 @@
 mod device;
 mod group;
 
-use crate::buffer::{BufMut, BufRef, Buffer};
+use crate::buffer::{BufMut, BufRef};
 use crate::calls::{offsets, signatures_agree, CallCheck};
-use crate::communicator::{AsyncOp, Communicator};
+use crate::communicator::{AsyncOp, Communicator, P2p};
 use crate::dtype::{reduce_raw, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{self, CallRecord, FlightRecord, Ticket};
@@ -383,6 +383,10 @@ impl Communicator for LocalCommunicator {
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
         self.core.queue.wait_idle();
         self.core.recv(buf, src)
+    }
+    fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        self.core.queue.wait_idle();
+        self.core.exchange(ops)
     }
     fn barrier(&self) -> Result<()> {
         self.core.queue.wait_idle();
@@ -765,14 +769,8 @@ impl RankCore {
 
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
         self.check().peer(OpKind::Send, "destination", dest)?;
-        let (seq, record) = self.start_message(OpKind::Send, (buf.dtype(), buf.len()), dest);
-        let result = self
-            .group
-            .check_broken(self.rank, OpKind::Send, 0)
-            .and_then(|()| send_payload(buf))
-            .and_then(|data| self.group.send(self.rank, dest, Message { data }, seq));
-        self.group.recorder(self.rank).end(record, result.is_ok());
-        result
+        let posted = self.post(buf, dest)?;
+        self.finish_send(posted)
     }
 
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
@@ -783,12 +781,107 @@ impl RankCore {
         result
     }
 
+    fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        for op in ops.iter() {
+            match op {
+                P2p::Send { peer, .. } => self.check().peer(OpKind::Send, "destination", *peer)?,
+                P2p::Recv { peer, .. } => self.check().peer(OpKind::Recv, "source", *peer)?,
+            }
+        }
+        // Every send is posted before anything waits: a neighbour's receive then never
+        // waits on a send queued behind our own receive, whatever order either lists.
+        let mut posted = Vec::new();
+        for op in ops.iter() {
+            if let P2p::Send { buf, peer } = op {
+                posted.push(self.post(*buf, *peer)?);
+            }
+        }
+        // After a failure the remaining messages are still taken and the remaining sends
+        // still awaited, so that every peer's batch completes too (each posted all of its
+        // sends before receiving) and sees its own mismatch, if any.
+        let mut first_error = None;
+        for op in ops.iter_mut() {
+            if let P2p::Recv { buf, peer } = op {
+                let (seq, record) =
+                    self.start_message(OpKind::Recv, (buf.dtype(), buf.len()), *peer);
+                let result = self.receive_into(buf.reborrow(), *peer, seq);
+                self.group.recorder(self.rank).end(record, result.is_ok());
+                if let Err(e) = result {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        for send in posted {
+            if let Err(e) = self.finish_send(send) {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Starts a send: records it and puts a copy of `buf` in `dest`'s mailbox.
+    fn post(&self, buf: BufRef<'_>, dest: usize) -> Result<PostedSend> {
+        let sig = self
+            .check()
+            .signature(OpKind::Send, Some(buf.dtype()), buf.len());
+        let (seq, record) = self.start_message(OpKind::Send, (buf.dtype(), buf.len()), dest);
+        let rejected = Arc::new(std::sync::OnceLock::new());
+        let ticket = self
+            .group
+            .check_broken(self.rank, OpKind::Send, 0)
+            .and_then(|()| buf.to_host())
+            .map(|data| {
+                let msg = Message {
+                    data,
+                    rejected: rejected.clone(),
+                };
+                self.group.post(self.rank, dest, msg)
+            });
+        match ticket {
+            Ok(ticket) => Ok(PostedSend {
+                sig,
+                dest,
+                seq,
+                record,
+                ticket,
+                rejected,
+            }),
+            Err(e) => {
+                self.group.recorder(self.rank).end(record, false);
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits until the receiver has taken a posted send; a receiver whose buffer did not
+    /// match makes it the same `Mismatch` here.
+    fn finish_send(&self, send: PostedSend) -> Result<()> {
+        let result = self
+            .group
+            .wait_taken(self.rank, send.dest, send.ticket, send.seq)
+            .and_then(|()| match send.rejected.get() {
+                None => Ok(()),
+                Some(receiver) => Err(Error::Mismatch {
+                    group: self.name().to_string(),
+                    seq: send.seq,
+                    calls: vec![send.sig, receiver.clone()],
+                }),
+            });
+        self.group
+            .recorder(self.rank)
+            .end(send.record, result.is_ok());
+        result
+    }
+
     /// The receive of message number `seq` from `src`.
     fn receive_into(&self, mut buf: BufMut<'_>, src: usize, seq: u64) -> Result<()> {
         // A broken group may hold the message of a send that already failed.
         self.group.check_broken(self.rank, OpKind::Recv, 0)?;
-        let msg = self.group.receive(src, self.rank, seq)?;
-        if msg.data.dtype() != buf.dtype() || msg.data.len() != buf.len() {
+        let mine = self
+            .check()
+            .signature(OpKind::Recv, Some(buf.dtype()), buf.len());
+        let msg = self.group.receive(src, self.rank, seq, &mine)?;
+        if msg.rejected.get().is_some() {
             let mut sent =
                 self.check()
                     .signature(OpKind::Send, Some(msg.data.dtype()), msg.data.len());
@@ -796,36 +889,23 @@ impl RankCore {
             return Err(Error::Mismatch {
                 group: self.name().to_string(),
                 seq,
-                calls: vec![
-                    sent,
-                    self.check()
-                        .signature(OpKind::Recv, Some(buf.dtype()), buf.len()),
-                ],
+                calls: vec![sent, mine],
             });
         }
-        #[cfg(feature = "cuda")]
-        if let Some(stream) = buf.cuda_stream() {
-            return crate::cuda::from_host(&msg.data, &mut buf, stream);
-        }
-        crate::with_dtype!(buf.dtype(), T => {
-            if let (Some(dst), Ok(v)) = (buf.as_host_slice_mut::<T>(), msg.data.into_vec::<T>()) {
-                dst.copy_from_slice(&v);
-            }
-        });
-        Ok(())
+        // Device memory goes through the host too, which keeps the mailbox one type;
+        // collectives stay on the devices.
+        buf.copy_from_host(&msg.data)
     }
 }
 
-/// The message a send carries: a host copy of the buffer. Device memory goes through the
-/// host too, which keeps the mailbox one type; collectives stay on the devices.
-fn send_payload(buf: BufRef<'_>) -> Result<Buffer> {
-    #[cfg(feature = "cuda")]
-    if let Some(stream) = buf.cuda_stream() {
-        return crate::cuda::to_host(buf, stream);
-    }
-    Ok(crate::with_dtype!(buf.dtype(), T => {
-        Buffer::from_vec(buf.as_host_slice::<T>().unwrap_or_default().to_vec())
-    }))
+/// A send whose message is in the receiver's mailbox, until the receiver takes it.
+struct PostedSend {
+    sig: CallSignature,
+    dest: usize,
+    seq: u64,
+    record: Ticket,
+    ticket: u64,
+    rejected: Arc<std::sync::OnceLock<CallSignature>>,
 }
 
 /// Publishes a send buffer: a staged copy for small messages, else its address.

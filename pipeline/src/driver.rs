@@ -1,0 +1,471 @@
+//! Runs a plan: forwards and backwards on the user's stages, activations and gradients
+//! between ranks in batched exchanges, one tape per microbatch in flight.
+
+use crate::error::{Error, Result};
+use crate::schedule::{peak_in_flight, Action, Schedule, Transfer};
+use crate::trace::{Span, SpanKind};
+use comm_core::{Communicator, P2p};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+use tape::{Parameter, Tape, Tensor};
+
+/// One model chunk of a pipeline stage, as this rank runs it.
+pub trait Stage {
+    /// The forward of `microbatch` on `tape`. `input` is the previous stage's activation,
+    /// recorded on `tape` so that backward yields its gradient (`None` on the model's first
+    /// stage, which reads its own data). Returns the activation for the next stage, of the
+    /// step's fixed shape, or, on the model's last stage, the microbatch's loss (one
+    /// element). The step's gradients are the mean over microbatches of each loss's.
+    fn forward(
+        &mut self,
+        tape: &Tape,
+        microbatch: usize,
+        input: Option<&Tensor>,
+    ) -> std::result::Result<Tensor, Box<dyn std::error::Error + Send + Sync>>;
+
+    /// Called before each backward of this chunk; `last` is true for its last microbatch.
+    /// A stage under data parallelism turns gradient sync on only then (as DDP's
+    /// `no_sync` for the others), so each gradient is reduced once per step.
+    fn before_backward(&mut self, last: bool) {
+        let _ = last;
+    }
+}
+
+/// What one step runs.
+#[derive(Clone, Debug)]
+pub struct PipelineConfig {
+    /// The schedule.
+    pub schedule: Schedule,
+    /// Microbatches per step.
+    pub microbatches: usize,
+    /// The shape of every activation (and its gradient) between stages, fixed per step.
+    pub shape: Vec<usize>,
+    /// Record a timeline of the step, in microseconds since this instant (use one instant
+    /// for every rank of a process so that their timelines line up).
+    pub trace_epoch: Option<Instant>,
+}
+
+impl PipelineConfig {
+    /// A step of `microbatches` under `schedule`, exchanging tensors of `shape`.
+    pub fn new(schedule: Schedule, microbatches: usize, shape: &[usize]) -> PipelineConfig {
+        PipelineConfig {
+            schedule,
+            microbatches,
+            shape: shape.to_vec(),
+            trace_epoch: None,
+        }
+    }
+}
+
+/// What a step did on this rank.
+#[derive(Clone, Debug, Default)]
+pub struct StepReport {
+    /// Each microbatch's loss, in microbatch order, on the rank holding the model's last
+    /// stage; empty on the others.
+    pub losses: Vec<f32>,
+    /// The most microbatches whose activations this rank held at once.
+    pub peak_in_flight: usize,
+    /// The step's forwards, backwards and exchanges, if tracing was on.
+    pub timeline: Vec<Span>,
+}
+
+impl StepReport {
+    /// The mean of [`losses`](Self::losses) (the step's loss), on the last stage.
+    pub fn mean_loss(&self) -> Option<f32> {
+        (!self.losses.is_empty())
+            .then(|| self.losses.iter().sum::<f32>() / self.losses.len() as f32)
+    }
+}
+
+/// A pipeline over one pipeline-parallel group: this rank is stage `group.rank()` and
+/// holds `schedule.chunks()` model chunks.
+pub struct Pipeline {
+    group: Arc<dyn Communicator>,
+    config: PipelineConfig,
+    plan: Vec<Action>,
+}
+
+impl Pipeline {
+    /// Plans this rank's part of a step. Every rank of `group` must build its pipeline with
+    /// the same configuration.
+    pub fn new(group: Arc<dyn Communicator>, config: PipelineConfig) -> Result<Pipeline> {
+        let plan = config
+            .schedule
+            .plan(group.size(), group.rank(), config.microbatches)?;
+        Ok(Pipeline {
+            group,
+            config,
+            plan,
+        })
+    }
+
+    /// This rank's plan.
+    pub fn plan(&self) -> &[Action] {
+        &self.plan
+    }
+
+    /// The most microbatches this rank will hold at once under the plan.
+    pub fn planned_peak_in_flight(&self) -> usize {
+        peak_in_flight(&self.plan)
+    }
+
+    /// The virtual stage of this rank's chunk `chunk`: `chunk · pp + rank`.
+    pub fn virtual_stage(&self, chunk: usize) -> usize {
+        chunk * self.group.size() + self.group.rank()
+    }
+
+    /// How many virtual stages the model has: `pp · chunks`.
+    pub fn virtual_stages(&self) -> usize {
+        self.group.size() * self.config.schedule.chunks()
+    }
+
+    /// Runs one step over this rank's chunks (as many as the schedule's chunks, in chunk
+    /// order). Parameter gradients accumulate in the stages' parameters.
+    pub fn run(&self, chunks: &mut [&mut dyn Stage]) -> Result<StepReport> {
+        if chunks.len() != self.config.schedule.chunks() {
+            return Err(Error::Config(format!(
+                "the {} schedule runs {} model chunk(s) per rank, but {} were given",
+                self.config.schedule.name(),
+                self.config.schedule.chunks(),
+                chunks.len()
+            )));
+        }
+        let mut step = Step::new(self);
+        for action in &self.plan {
+            let started = Instant::now();
+            let kind = match action {
+                Action::Forward { chunk, microbatch } => {
+                    step.forward(&mut *chunks[*chunk], *chunk, *microbatch)?;
+                    SpanKind::Forward {
+                        chunk: *chunk,
+                        microbatch: *microbatch,
+                    }
+                }
+                Action::Backward { chunk, microbatch } => {
+                    step.backward(&mut *chunks[*chunk], *chunk, *microbatch)?;
+                    SpanKind::Backward {
+                        chunk: *chunk,
+                        microbatch: *microbatch,
+                    }
+                }
+                Action::Exchange(transfers) => {
+                    step.exchange(transfers)?;
+                    SpanKind::Exchange
+                }
+            };
+            if let Some(epoch) = self.config.trace_epoch {
+                step.report.timeline.push(Span::new(kind, epoch, started));
+            }
+        }
+        Ok(step.report)
+    }
+}
+
+type Key = (usize, usize);
+
+/// A microbatch between its forward and its backward on this rank.
+struct InFlight {
+    /// The received activation, whose gradient goes back to the previous stage.
+    input: Option<Parameter>,
+    /// The activation sent on, or the loss.
+    output: Tensor,
+}
+
+/// The bookkeeping of one step on this rank.
+struct Step<'p> {
+    pipeline: &'p Pipeline,
+    in_flight: HashMap<Key, InFlight>,
+    received: HashMap<Key, Tensor>,
+    gradients: HashMap<Key, Tensor>,
+    /// The forwards (backwards) that will need a received activation (gradient), in the
+    /// order the plan runs them: receives fill them in this order.
+    awaiting_input: VecDeque<Key>,
+    awaiting_gradient: VecDeque<Key>,
+    /// The latest forward's output (backward's input gradient) until an exchange sends it.
+    to_send_forward: Option<(Key, Tensor)>,
+    to_send_backward: Option<(Key, Tensor)>,
+    backwards_done: Vec<usize>,
+    report: StepReport,
+}
+
+impl<'p> Step<'p> {
+    fn new(pipeline: &'p Pipeline) -> Step<'p> {
+        let last = pipeline.virtual_stages() - 1;
+        let mut awaiting_input = VecDeque::new();
+        let mut awaiting_gradient = VecDeque::new();
+        for action in &pipeline.plan {
+            match *action {
+                Action::Forward { chunk, microbatch } if pipeline.virtual_stage(chunk) != 0 => {
+                    awaiting_input.push_back((chunk, microbatch))
+                }
+                Action::Backward { chunk, microbatch } if pipeline.virtual_stage(chunk) != last => {
+                    awaiting_gradient.push_back((chunk, microbatch))
+                }
+                _ => {}
+            }
+        }
+        Step {
+            pipeline,
+            in_flight: HashMap::new(),
+            received: HashMap::new(),
+            gradients: HashMap::new(),
+            awaiting_input,
+            awaiting_gradient,
+            to_send_forward: None,
+            to_send_backward: None,
+            backwards_done: vec![0; pipeline.config.schedule.chunks()],
+            report: StepReport::default(),
+        }
+    }
+
+    fn is_last_stage(&self, chunk: usize) -> bool {
+        self.pipeline.virtual_stage(chunk) + 1 == self.pipeline.virtual_stages()
+    }
+
+    fn forward(&mut self, stage: &mut dyn Stage, chunk: usize, microbatch: usize) -> Result<()> {
+        let vstage = self.pipeline.virtual_stage(chunk);
+        let tape = Tape::new();
+        let input = if vstage == 0 {
+            None
+        } else {
+            let value = self
+                .received
+                .remove(&(chunk, microbatch))
+                .ok_or_else(|| out_of_step("an activation", vstage, microbatch))?;
+            Some(Parameter::new("pipeline.input", value))
+        };
+        let watched = input.as_ref().map(|p| tape.watch(p));
+        let output = stage
+            .forward(&tape, microbatch, watched.as_ref())
+            .map_err(|source| Error::Stage {
+                stage: vstage,
+                microbatch,
+                source,
+            })?;
+        if self.is_last_stage(chunk) {
+            if output.numel() != 1 {
+                return Err(Error::Config(format!(
+                    "the last stage's forward must return the microbatch's loss (one \
+                     element), but returned shape {:?}",
+                    output.shape()
+                )));
+            }
+            let losses = &mut self.report.losses;
+            losses.resize(losses.len().max(microbatch + 1), f32::NAN);
+            losses[microbatch] = output.item()?;
+        } else {
+            self.to_send_forward = Some(((chunk, microbatch), output.clone()));
+        }
+        self.in_flight
+            .insert((chunk, microbatch), InFlight { input, output });
+        self.report.peak_in_flight = self.report.peak_in_flight.max(self.in_flight.len());
+        Ok(())
+    }
+
+    fn backward(&mut self, stage: &mut dyn Stage, chunk: usize, microbatch: usize) -> Result<()> {
+        let vstage = self.pipeline.virtual_stage(chunk);
+        let flight = self
+            .in_flight
+            .remove(&(chunk, microbatch))
+            .ok_or_else(|| out_of_step("a forward", vstage, microbatch))?;
+        self.backwards_done[chunk] += 1;
+        stage.before_backward(self.backwards_done[chunk] == self.pipeline.config.microbatches);
+        let seed = if self.is_last_stage(chunk) {
+            let scale = 1.0 / self.pipeline.config.microbatches as f32;
+            Tensor::full(flight.output.shape(), scale).to_device(flight.output.device())?
+        } else {
+            self.gradients
+                .remove(&(chunk, microbatch))
+                .ok_or_else(|| out_of_step("a gradient", vstage, microbatch))?
+                .to_device(flight.output.device())?
+        };
+        // An output that does not depend on anything trainable has nothing to propagate.
+        if flight.output.requires_grad() {
+            flight.output.backward_with_grad(&seed)?;
+        }
+        if let Some(input) = flight.input {
+            let grad = match input.grad() {
+                Some(grad) => grad,
+                None => Tensor::zeros(&input.shape()),
+            };
+            self.to_send_backward = Some(((chunk, microbatch), grad));
+        }
+        Ok(())
+    }
+
+    fn exchange(&mut self, transfers: &[Transfer]) -> Result<()> {
+        let pp = self.pipeline.group.size();
+        let rank = self.pipeline.group.rank();
+        let (next, prev) = ((rank + 1) % pp, (rank + pp - 1) % pp);
+        let expected = &self.pipeline.config.shape;
+        let numel: usize = expected.iter().product();
+        let mut slots = Vec::with_capacity(transfers.len());
+        // A wrong shape of our own is reported after the exchange: the neighbour must
+        // get its message (and its own error) rather than wait for one.
+        let mut own_error = None;
+        for transfer in transfers {
+            let slot = match transfer {
+                Transfer::SendForward | Transfer::SendBackward => {
+                    let forward = *transfer == Transfer::SendForward;
+                    let pending = if forward {
+                        self.to_send_forward.take()
+                    } else {
+                        self.to_send_backward.take()
+                    };
+                    let ((chunk, microbatch), tensor) = pending.ok_or_else(|| {
+                        Error::Config("internal: the plan sends a tensor it has not made".into())
+                    })?;
+                    let vstage = self.pipeline.virtual_stage(chunk);
+                    if tensor.shape() != expected.as_slice() && own_error.is_none() {
+                        own_error = Some(Error::Shape {
+                            stage: vstage,
+                            what: if forward {
+                                "activation sent"
+                            } else {
+                                "gradient sent"
+                            },
+                            microbatch,
+                            got: tensor.shape().iter().map(|&d| d as i64).collect(),
+                            expected: expected.clone(),
+                        });
+                    }
+                    let mut header = vec![vstage as i64, microbatch as i64];
+                    header.extend(tensor.shape().iter().map(|&d| d as i64));
+                    Slot::Send {
+                        peer: if forward { next } else { prev },
+                        header,
+                        data: tensor.to_vec()?,
+                    }
+                }
+                Transfer::RecvForward | Transfer::RecvBackward => {
+                    let forward = *transfer == Transfer::RecvForward;
+                    let key = if forward {
+                        self.awaiting_input.pop_front()
+                    } else {
+                        self.awaiting_gradient.pop_front()
+                    }
+                    .ok_or_else(|| {
+                        Error::Config("internal: the plan receives a tensor nobody needs".into())
+                    })?;
+                    Slot::Recv {
+                        peer: if forward { prev } else { next },
+                        forward,
+                        key,
+                        header: vec![0; 2 + expected.len()],
+                        data: vec![0.0; numel],
+                    }
+                }
+            };
+            slots.push(slot);
+        }
+        let mut ops = Vec::with_capacity(2 * slots.len());
+        for slot in slots.iter_mut() {
+            match slot {
+                Slot::Send { peer, header, data } => {
+                    ops.push(P2p::Send {
+                        buf: (&*header).into(),
+                        peer: *peer,
+                    });
+                    ops.push(P2p::Send {
+                        buf: (&*data).into(),
+                        peer: *peer,
+                    });
+                }
+                Slot::Recv {
+                    peer, header, data, ..
+                } => {
+                    ops.push(P2p::Recv {
+                        buf: header.into(),
+                        peer: *peer,
+                    });
+                    ops.push(P2p::Recv {
+                        buf: data.into(),
+                        peer: *peer,
+                    });
+                }
+            }
+        }
+        let exchanged = self.pipeline.group.exchange(&mut ops);
+        drop(ops);
+        if let Some(error) = own_error {
+            return Err(error);
+        }
+        exchanged?;
+        for slot in slots {
+            let Slot::Recv {
+                forward,
+                key,
+                header,
+                data,
+                ..
+            } = slot
+            else {
+                continue;
+            };
+            let (chunk, microbatch) = key;
+            let vstage = self.pipeline.virtual_stage(chunk);
+            let producer = if forward { vstage - 1 } else { vstage + 1 };
+            if header[..2] != [producer as i64, microbatch as i64] {
+                return Err(out_of_step(
+                    if forward {
+                        "an activation"
+                    } else {
+                        "a gradient"
+                    },
+                    vstage,
+                    microbatch,
+                ));
+            }
+            let dims = &header[2..];
+            if dims
+                .iter()
+                .map(|&d| d as usize)
+                .ne(expected.iter().copied())
+            {
+                return Err(Error::Shape {
+                    stage: vstage,
+                    what: if forward {
+                        "activation received"
+                    } else {
+                        "gradient received"
+                    },
+                    microbatch,
+                    got: dims.to_vec(),
+                    expected: expected.clone(),
+                });
+            }
+            let tensor = Tensor::from_vec(data, expected)?;
+            if forward {
+                self.received.insert(key, tensor);
+            } else {
+                self.gradients.insert(key, tensor);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One transfer's buffers: a header (producing virtual stage, microbatch, shape) and the
+/// data, so that a receiver can tell a misrouted or misshapen tensor from a right one.
+enum Slot {
+    Send {
+        peer: usize,
+        header: Vec<i64>,
+        data: Vec<f32>,
+    },
+    Recv {
+        peer: usize,
+        forward: bool,
+        key: Key,
+        header: Vec<i64>,
+        data: Vec<f32>,
+    },
+}
+
+fn out_of_step(what: &str, stage: usize, microbatch: usize) -> Error {
+    Error::Config(format!(
+        "internal: stage {stage} got {what} for microbatch {microbatch} out of step; every \
+         rank of the pipeline group must run the same schedule and microbatch count"
+    ))
+}

@@ -1,0 +1,47 @@
+//! The pipeline's errors.
+
+/// What can go wrong in a pipeline step.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A bad schedule, microbatch count, layer split or stage list.
+    #[error("pipeline configuration: {0}")]
+    Config(String),
+    /// A stage produced, or its neighbour sent, an activation or gradient whose shape is
+    /// not the step's fixed shape.
+    #[error(
+        "pipeline stage {stage}: the {what} of microbatch {microbatch} has shape {got:?}, \
+         but this step exchanges {expected:?}; every stage boundary of a step carries the \
+         configured shape (`PipelineConfig::shape`)"
+    )]
+    Shape {
+        /// The virtual stage that noticed.
+        stage: usize,
+        /// `"activation sent"`, `"activation received"`, ...
+        what: &'static str,
+        /// The microbatch.
+        microbatch: usize,
+        /// The shape it had.
+        got: Vec<i64>,
+        /// The configured shape.
+        expected: Vec<usize>,
+    },
+    /// The user's stage failed.
+    #[error("pipeline stage {stage}, microbatch {microbatch}: {source}")]
+    Stage {
+        /// The virtual stage.
+        stage: usize,
+        /// The microbatch.
+        microbatch: usize,
+        /// The stage's own error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A transfer between stages failed.
+    #[error(transparent)]
+    Comm(#[from] comm_core::Error),
+    /// The autograd tape failed.
+    #[error(transparent)]
+    Tape(#[from] tape::Error),
+}
+
+/// This crate's result.
+pub type Result<T> = std::result::Result<T, Error>;

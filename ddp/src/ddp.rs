@@ -181,6 +181,13 @@ impl DistributedDataParallel {
         }
     }
 
+    /// Turns gradient sync on or off until the next call, for a caller that cannot hold
+    /// a [`no_sync`](Self::no_sync) guard across its backward passes: a pipeline schedule
+    /// turns it on only for each chunk's last microbatch (Megatron's `no_sync_func`).
+    pub fn set_sync_enabled(&self, enabled: bool) {
+        self.reducer.lock().sync_enabled = enabled;
+    }
+
     /// Whether backward passes currently synchronise gradients.
     pub fn is_sync_enabled(&self) -> bool {
         self.reducer.lock().sync_enabled

@@ -1,0 +1,173 @@
+//! Mistakes are typed errors on every rank they concern, promptly: misshapen tensors
+//! between stages, bad microbatch counts, chunk lists and failing stages.
+
+use comm_core::{Communicator, Error as CommError, LocalLauncher};
+use pipeline::{Error, Pipeline, PipelineConfig, Schedule, Stage};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tape::{Parameter, Tape, Tensor};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// `x · W` on a `[3, 4]` activation (the first stage makes its input from the
+/// microbatch number); the last stage returns the mean as the loss. `distort` changes
+/// the first stage's output.
+struct Linear {
+    weight: Parameter,
+    last: bool,
+    distort: Option<fn(&Tensor) -> tape::Result<Tensor>>,
+    fail: bool,
+}
+
+impl Linear {
+    fn new(last: bool) -> Linear {
+        Linear {
+            weight: Parameter::new("w", Tensor::full(&[4, 4], 0.5)),
+            last,
+            distort: None,
+            fail: false,
+        }
+    }
+}
+
+impl Stage for Linear {
+    fn forward(
+        &mut self,
+        tape: &Tape,
+        mb: usize,
+        input: Option<&Tensor>,
+    ) -> Result<Tensor, BoxError> {
+        if self.fail {
+            return Err("this stage's data loader failed".into());
+        }
+        let x = match input {
+            Some(x) => x.clone(),
+            None => Tensor::full(&[3, 4], mb as f32),
+        };
+        let y = x.matmul(&tape.watch(&self.weight))?;
+        if self.last {
+            return Ok(y.mean()?);
+        }
+        Ok(match self.distort {
+            Some(distort) => distort(&y)?,
+            None => y,
+        })
+    }
+}
+
+/// Runs a two-stage 1F1B step where `tweak` changes stage 0; returns each rank's error.
+fn two_stages(tweak: impl Fn(&mut Linear) + Sync) -> Vec<Error> {
+    LocalLauncher::new(2)
+        .unwrap()
+        .timeout(Duration::from_secs(60))
+        .run_each(|comm| {
+            let group: Arc<dyn Communicator> = Arc::new(comm);
+            let config = PipelineConfig::new(Schedule::OneFOneB, 3, &[3, 4]);
+            let pipeline = Pipeline::new(group.clone(), config)?;
+            let mut stage = Linear::new(group.rank() == 1);
+            if group.rank() == 0 {
+                tweak(&mut stage);
+            }
+            pipeline.run(&mut [&mut stage]).map(drop)
+        })
+        .into_iter()
+        .map(|outcome| match outcome {
+            Err((_, CommError::RankFailed { source, .. })) => *source.downcast::<Error>().unwrap(),
+            other => panic!("expected a failure, got {:?}", other.map(drop)),
+        })
+        .collect()
+}
+
+#[test]
+fn a_transposed_activation_is_a_shape_error_on_both_sides() {
+    let started = Instant::now();
+    let errors = two_stages(|stage| stage.distort = Some(|y| y.reshape(&[4, 3])));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let expect = |err: &Error, what: &str| match err {
+        Error::Shape {
+            stage: _,
+            what: w,
+            microbatch: 0,
+            got,
+            expected,
+        } => {
+            assert_eq!(*w, what);
+            assert_eq!(got, &[4, 3]);
+            assert_eq!(expected, &[3, 4]);
+            assert!(err.to_string().contains("PipelineConfig::shape"), "{err}");
+        }
+        other => panic!("expected a shape error, got {other}"),
+    };
+    expect(&errors[0], "activation sent");
+    expect(&errors[1], "activation received");
+}
+
+#[test]
+fn an_activation_of_another_size_or_rank_count_fails_both_sides() {
+    // Two rows instead of three: the data does not fit the receiver's buffer.
+    let errors = two_stages(|stage| stage.distort = Some(|y| y.narrow(0, 0, 2)));
+    // One dimension instead of two: the header does not fit.
+    let flat = two_stages(|stage| stage.distort = Some(|y| y.reshape(&[12])));
+    for errors in [errors, flat] {
+        assert!(
+            matches!(
+                &errors[0],
+                Error::Shape {
+                    what: "activation sent",
+                    ..
+                }
+            ),
+            "{}",
+            errors[0]
+        );
+        assert!(
+            matches!(&errors[1], Error::Comm(CommError::Mismatch { .. })),
+            "{}",
+            errors[1]
+        );
+    }
+}
+
+#[test]
+fn a_failing_stage_names_itself_and_releases_its_neighbour() {
+    let started = Instant::now();
+    let errors = two_stages(|stage| stage.fail = true);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    match &errors[0] {
+        Error::Stage {
+            stage: 0,
+            microbatch: 0,
+            source,
+        } => {
+            assert!(source.to_string().contains("data loader"))
+        }
+        other => panic!("expected the stage's error, got {other}"),
+    }
+    assert!(
+        matches!(&errors[1], Error::Comm(CommError::PeerLost { rank: 0, .. })),
+        "{}",
+        errors[1]
+    );
+}
+
+#[test]
+fn bad_microbatch_counts_and_chunk_lists_are_configuration_errors() {
+    let outcomes = LocalLauncher::new(4).unwrap().run_each(|comm| {
+        let group: Arc<dyn Communicator> = Arc::new(comm);
+        let interleaved = Schedule::Interleaved { virtual_stages: 2 };
+        let err = Pipeline::new(group.clone(), PipelineConfig::new(interleaved, 6, &[1]))
+            .err()
+            .expect("6 microbatches over 4 stages");
+        assert!(err.to_string().contains("use 4 or 8"), "{err}");
+        let pipeline = Pipeline::new(group, PipelineConfig::new(interleaved, 4, &[1]))?;
+        let mut one = Linear::new(false);
+        let err = pipeline.run(&mut [&mut one]).unwrap_err();
+        assert!(matches!(err, Error::Config(_)), "{err}");
+        assert!(
+            err.to_string().contains("2 model chunk(s) per rank, but 1"),
+            "{err}"
+        );
+        Ok::<_, Error>(())
+    });
+    assert!(outcomes.iter().all(Result::is_ok));
+}

@@ -78,6 +78,13 @@ impl Schedule {
                     "the interleaved schedule needs at least one virtual stage per rank".into(),
                 ));
             }
+            if virtual_stages > 1 && pp == 1 {
+                return Err(Error::Config(
+                    "the interleaved schedule passes activations between ranks; with one \
+                     pipeline stage, put every layer in one chunk (virtual stages 1)"
+                        .into(),
+                ));
+            }
             if microbatches % pp != 0 {
                 let lower = microbatches / pp * pp;
                 let hint = if lower > 0 {

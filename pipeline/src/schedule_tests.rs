@@ -208,7 +208,7 @@ fn every_plan_completes_and_routes_each_message_to_its_consumer() {
             simulate(Schedule::GPipe, pp, m);
             simulate(Schedule::OneFOneB, pp, m);
             for virtual_stages in 1..=3 {
-                if m % pp == 0 {
+                if m % pp == 0 && (pp > 1 || virtual_stages == 1) {
                     simulate(Schedule::Interleaved { virtual_stages }, pp, m);
                 }
             }
@@ -290,6 +290,9 @@ fn bad_microbatch_counts_and_names_are_errors() {
     assert!(Schedule::OneFOneB.plan(2, 2, 4).is_err());
     assert!(Schedule::Interleaved { virtual_stages: 0 }
         .plan(2, 0, 2)
+        .is_err());
+    assert!(Schedule::Interleaved { virtual_stages: 2 }
+        .plan(1, 0, 2)
         .is_err());
     assert!(Schedule::from_name("zero-bubble", 1).is_err());
     for name in ["gpipe", "1f1b", "interleaved"] {

@@ -25,6 +25,9 @@ pub mod book_layers {}
 #[doc = include_str!("../../docs/src/ddp.md")]
 pub mod book_ddp {}
 
+#[doc = include_str!("../../docs/src/pipeline.md")]
+pub mod book_pipeline {}
+
 #[doc = include_str!("../../docs/src/launching.md")]
 pub mod book_launching {}
 

@@ -28,6 +28,11 @@ fn tp_marked_gradients_are_dp_averaged_then_tp_summed() -> Result<()> {
         marks.mark(&state, &params[2], &["tp"])?;
         assert_eq!(marks.groups_of(&params[0]), vec!["tp"]);
         assert!(marks.groups_of(&params[1]).is_empty());
+        // Reductions run in the registry's order, whatever order the marks came in, so
+        // every rank issues them alike.
+        let mut order = NamedGroupReduction::new();
+        order.mark(&state, &params[1], &["tp-cp", "tp"])?;
+        assert_eq!(order.groups_of(&params[1]), vec!["tp", "tp-cp"]);
         let config = DdpConfig {
             extra_reductions: marks,
             ..DdpConfig::default()

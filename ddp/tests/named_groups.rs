@@ -33,6 +33,8 @@ fn tp_marked_gradients_are_dp_averaged_then_tp_summed() -> Result<()> {
         let mut order = NamedGroupReduction::new();
         order.mark(&state, &params[1], &["tp-cp", "tp"])?;
         assert_eq!(order.groups_of(&params[1]), vec!["tp", "tp-cp"]);
+        // Debug output lists each group with its number of marked parameters.
+        assert_eq!(format!("{order:?}"), r#"{"tp": 1, "tp-cp": 1}"#);
         let config = DdpConfig {
             extra_reductions: marks,
             ..DdpConfig::default()

@@ -33,7 +33,7 @@ struct Args {
     virtual_stages: usize,
     /// Milliseconds of one stage's forward (its backward takes twice as long); a rank's
     /// chunks share it.
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, default_value_t = 20.0)]
     forward_ms: f64,
     /// Steps to run; the reported figures are the median step's.
     #[arg(long, default_value_t = 3)]

@@ -232,7 +232,7 @@ fn svg(title: &str, timelines: &[Vec<Span>]) -> String {
         }
     }
     out.push_str(&format!(
-        r#"<text x="{left}" y="{:.1}">forward (blue) and backward (green) of each microbatch; white is idle</text></svg>"#,
+        r#"<text x="{left}" y="{:.1}">forward (blue) and backward (green) of each microbatch, darker for a later chunk; white is idle</text></svg>"#,
         height - 6.0
     ));
     out

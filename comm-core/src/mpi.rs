@@ -597,6 +597,12 @@ impl Drop for MpiCommunicator {
 /// keeps a pair's messages in order across both.
 const HEADER_TAG: c_int = 1;
 
+/// The buffer of a non-blocking transfer: read by a send, written by a receive.
+enum Raw {
+    Send(*const c_void),
+    Recv(*mut c_void),
+}
+
 /// What one side of an exchange transfers with one peer, in order: `(dtype, count)` of
 /// its sends to the peer and of its receives from it.
 #[derive(Clone, Debug, PartialEq)]
@@ -663,8 +669,8 @@ impl MpiCommunicator {
             let headers: Vec<Vec<i64>> = plans.iter().map(|(_, plan)| plan.encode()).collect();
             let mut requests = Vec::with_capacity(plans.len());
             for ((peer, _), header) in plans.iter().zip(&headers) {
-                requests.push(self.isend_raw(
-                    header.as_ptr().cast(),
+                requests.push(self.post(
+                    Raw::Send(header.as_ptr().cast()),
                     header.len(),
                     DType::I64,
                     *peer,
@@ -700,11 +706,11 @@ impl MpiCommunicator {
             }
             let request = match op {
                 P2p::Send { buf, peer } => {
-                    self.isend_raw(send_ptr(buf), buf.len(), buf.dtype(), *peer, 0)
+                    self.post(Raw::Send(send_ptr(buf)), buf.len(), buf.dtype(), *peer, 0)
                 }
                 P2p::Recv { buf, peer } => {
                     let (len, dtype) = (buf.len(), buf.dtype());
-                    self.irecv_raw(recv_ptr(buf), len, dtype, *peer)
+                    self.post(Raw::Recv(recv_ptr(buf)), len, dtype, *peer, 0)
                 }
             };
             match request {
@@ -721,60 +727,38 @@ impl MpiCommunicator {
         refused.into_iter().next().map_or(Ok(()), |(_, e)| Err(e))
     }
 
-    fn isend_raw(
+    /// Posts a non-blocking transfer of `len` elements of `dtype` with `peer`.
+    fn post(
         &self,
-        ptr: *const c_void,
+        transfer: Raw,
         len: usize,
         dtype: DType,
         peer: usize,
         tag: c_int,
     ) -> Result<ffi::MPI_Request> {
-        let count = self.int(OpKind::Send, "count", len)?;
+        let op = match transfer {
+            Raw::Send(_) => OpKind::Send,
+            Raw::Recv(_) => OpKind::Recv,
+        };
+        let count = self.int(op, "count", len)?;
+        let (dtype, peer, comm) = (raw_dtype(dtype), peer as c_int, self.core.comm.0);
         // SAFETY: a null request handle for MPI to fill in.
         let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
-        // SAFETY: `ptr` holds `count` elements of `dtype`, alive until `wait_all`.
-        check_rc(
-            unsafe {
-                ffi::MPI_Isend(
-                    ptr,
-                    count,
-                    raw_dtype(dtype),
-                    peer as c_int,
-                    tag,
-                    self.core.comm.0,
-                    &mut request,
-                )
-            },
-            "MPI_Isend",
-        )?;
-        Ok(request)
-    }
-
-    fn irecv_raw(
-        &self,
-        ptr: *mut c_void,
-        len: usize,
-        dtype: DType,
-        peer: usize,
-    ) -> Result<ffi::MPI_Request> {
-        let count = self.int(OpKind::Recv, "count", len)?;
-        // SAFETY: a null request handle for MPI to fill in.
-        let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
-        // SAFETY: `ptr` has room for `count` elements of `dtype`, alive until `wait_all`.
-        check_rc(
-            unsafe {
-                ffi::MPI_Irecv(
-                    ptr,
-                    count,
-                    raw_dtype(dtype),
-                    peer as c_int,
-                    0,
-                    self.core.comm.0,
-                    &mut request,
-                )
-            },
-            "MPI_Irecv",
-        )?;
+        // SAFETY: the pointer holds (has room for) `count` elements of `dtype`, alive
+        // until `wait_all`.
+        let (rc, call) = unsafe {
+            match transfer {
+                Raw::Send(ptr) => (
+                    ffi::MPI_Isend(ptr, count, dtype, peer, tag, comm, &mut request),
+                    "MPI_Isend",
+                ),
+                Raw::Recv(ptr) => (
+                    ffi::MPI_Irecv(ptr, count, dtype, peer, tag, comm, &mut request),
+                    "MPI_Irecv",
+                ),
+            }
+        };
+        check_rc(rc, call)?;
         Ok(request)
     }
 

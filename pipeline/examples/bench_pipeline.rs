@@ -12,7 +12,7 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use comm_core::{run_local, Communicator};
-use pipeline::{chrome_trace, Pipeline, PipelineConfig, Schedule, Span, SpanKind, Stage};
+use pipeline::{chrome_trace, Action, Pipeline, PipelineConfig, Schedule, Span, Stage};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tape::{Tape, Tensor};
@@ -205,16 +205,16 @@ fn svg(title: &str, timelines: &[Vec<Span>]) -> String {
             y + row / 2.0 + 2.0
         ));
         for span in timeline {
-            let (color, label) = match span.kind {
-                SpanKind::Forward { chunk, microbatch } => (
+            let (color, label) = match span.action {
+                Action::Forward { chunk, microbatch } => (
                     ["#4c78a8", "#2a4d74", "#7fa6d1"][chunk % 3],
                     microbatch.to_string(),
                 ),
-                SpanKind::Backward { chunk, microbatch } => (
+                Action::Backward { chunk, microbatch } => (
                     ["#59a14f", "#2f6b28", "#8cc97f"][chunk % 3],
                     microbatch.to_string(),
                 ),
-                SpanKind::Exchange => continue,
+                Action::Exchange(_) => continue,
             };
             let (x0, x1) = (x(span.start_us), x(span.start_us + span.duration_us));
             out.push_str(&format!(

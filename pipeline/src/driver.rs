@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::schedule::{peak_in_flight, Action, Schedule, Transfer};
-use crate::trace::{Span, SpanKind};
+use crate::trace::Span;
 use comm_core::{Communicator, P2p};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -134,28 +134,19 @@ impl Pipeline {
         let mut step = Step::new(self);
         for action in &self.plan {
             let started = Instant::now();
-            let kind = match action {
+            match action {
                 Action::Forward { chunk, microbatch } => {
-                    step.forward(&mut *chunks[*chunk], *chunk, *microbatch)?;
-                    SpanKind::Forward {
-                        chunk: *chunk,
-                        microbatch: *microbatch,
-                    }
+                    step.forward(&mut *chunks[*chunk], *chunk, *microbatch)?
                 }
                 Action::Backward { chunk, microbatch } => {
-                    step.backward(&mut *chunks[*chunk], *chunk, *microbatch)?;
-                    SpanKind::Backward {
-                        chunk: *chunk,
-                        microbatch: *microbatch,
-                    }
+                    step.backward(&mut *chunks[*chunk], *chunk, *microbatch)?
                 }
-                Action::Exchange(transfers) => {
-                    step.exchange(transfers)?;
-                    SpanKind::Exchange
-                }
-            };
+                Action::Exchange(transfers) => step.exchange(transfers)?,
+            }
             if let Some(epoch) = self.config.trace_epoch {
-                step.report.timeline.push(Span::new(kind, epoch, started));
+                step.report
+                    .timeline
+                    .push(Span::new(action.clone(), epoch, started));
             }
         }
         Ok(step.report)

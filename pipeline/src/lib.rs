@@ -84,4 +84,4 @@ mod trace;
 pub use driver::{Pipeline, PipelineConfig, Stage, StepReport};
 pub use error::{Error, Result};
 pub use schedule::{Action, Schedule, Transfer};
-pub use trace::{chrome_trace, idle_fraction, Span, SpanKind};
+pub use trace::{chrome_trace, Span};

@@ -1,34 +1,14 @@
 //! A step's timeline as Chrome trace events (open the file in Perfetto or
 //! `chrome://tracing`): one row per rank, one box per forward, backward and exchange.
 
+use crate::schedule::Action;
 use std::time::Instant;
 
-/// What a span of the timeline was.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SpanKind {
-    /// A forward of `microbatch` through chunk `chunk`.
-    Forward {
-        /// The model chunk.
-        chunk: usize,
-        /// The microbatch.
-        microbatch: usize,
-    },
-    /// A backward.
-    Backward {
-        /// The model chunk.
-        chunk: usize,
-        /// The microbatch.
-        microbatch: usize,
-    },
-    /// A batched exchange with the neighbours (waiting for them included).
-    Exchange,
-}
-
 /// One timed action of a step.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Span {
     /// What ran.
-    pub kind: SpanKind,
+    pub action: Action,
     /// Start, in microseconds since the step's trace epoch.
     pub start_us: f64,
     /// Duration in microseconds.
@@ -36,10 +16,10 @@ pub struct Span {
 }
 
 impl Span {
-    pub(crate) fn new(kind: SpanKind, epoch: Instant, started: Instant) -> Span {
+    pub(crate) fn new(action: Action, epoch: Instant, started: Instant) -> Span {
         let start_us = started.saturating_duration_since(epoch).as_secs_f64() * 1e6;
         Span {
-            kind,
+            action,
             start_us,
             duration_us: started.elapsed().as_secs_f64() * 1e6,
         }
@@ -47,34 +27,15 @@ impl Span {
 
     /// Whether this span is computation (a forward or backward), not communication.
     pub fn is_compute(&self) -> bool {
-        !matches!(self.kind, SpanKind::Exchange)
+        !matches!(self.action, Action::Exchange(_))
     }
 
     fn label(&self) -> String {
-        match self.kind {
-            SpanKind::Forward { chunk, microbatch } => format!("F{microbatch}.{chunk}"),
-            SpanKind::Backward { chunk, microbatch } => format!("B{microbatch}.{chunk}"),
-            SpanKind::Exchange => "exchange".into(),
+        match self.action {
+            Action::Forward { chunk, microbatch } => format!("F{microbatch}.{chunk}"),
+            Action::Backward { chunk, microbatch } => format!("B{microbatch}.{chunk}"),
+            Action::Exchange(_) => "exchange".into(),
         }
-    }
-}
-
-/// The fraction of `[first start, last end]` of `timeline` spent outside forwards and
-/// backwards: the rank's bubble, exchanges included.
-pub fn idle_fraction(timeline: &[Span]) -> f64 {
-    let (Some(first), Some(last)) = (timeline.first(), timeline.last()) else {
-        return 0.0;
-    };
-    let total = last.start_us + last.duration_us - first.start_us;
-    let busy: f64 = timeline
-        .iter()
-        .filter(|s| s.is_compute())
-        .map(|s| s.duration_us)
-        .sum();
-    if total > 0.0 {
-        (1.0 - busy / total).max(0.0)
-    } else {
-        0.0
     }
 }
 
@@ -88,10 +49,10 @@ pub fn chrome_trace(timelines: &[Vec<Span>]) -> String {
             "args": { "name": format!("pipeline rank {rank}") },
         }));
         for span in timeline {
-            let category = match span.kind {
-                SpanKind::Forward { .. } => "forward",
-                SpanKind::Backward { .. } => "backward",
-                SpanKind::Exchange => "exchange",
+            let category = match span.action {
+                Action::Forward { .. } => "forward",
+                Action::Backward { .. } => "backward",
+                Action::Exchange(_) => "exchange",
             };
             events.push(serde_json::json!({
                 "name": span.label(), "cat": category, "ph": "X", "pid": 0, "tid": rank,

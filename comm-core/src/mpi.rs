@@ -1138,43 +1138,20 @@ impl Communicator for MpiCommunicator {
                     "MPI_Get_count",
                 )?;
             }
-            if usize::try_from(count).ok() != Some(buf.len()) {
-                // The sender's MPI_Ssend completes only once the message is received:
-                // take it into scratch memory so that the sender does not hang.
-                let mut scratch = crate::Buffer::zeros(buf.dtype(), count.max(0) as usize);
-                // SAFETY: `scratch` holds the probed message's `count` elements.
-                check_rc(
-                    unsafe {
-                        ffi::MPI_Recv(
-                            recv_ptr(&mut scratch.as_buf_mut()),
-                            count,
-                            dtype,
-                            src as c_int,
-                            0,
-                            self.core.comm.0,
-                            ffi::RSMPI_STATUS_IGNORE,
-                        )
-                    },
-                    "MPI_Recv",
-                )?;
-                let mut sent = self.check().signature(OpKind::Send, Some(buf.dtype()), 0);
-                sent.rank = src;
-                sent.count = usize::try_from(count).unwrap_or(0);
-                return Err(Error::Mismatch {
-                    group: self.core.name.clone(),
-                    seq: *seq,
-                    calls: vec![
-                        sent,
-                        self.check()
-                            .signature(OpKind::Recv, Some(buf.dtype()), buf.len()),
-                    ],
-                });
-            }
-            // SAFETY: the probed message has exactly `count` elements, which `buf` holds.
+            // A message that does not fit is still taken, into scratch memory: the
+            // sender's MPI_Ssend completes only once its message is received.
+            let fits = usize::try_from(count).ok() == Some(buf.len());
+            let mut scratch =
+                (!fits).then(|| crate::Buffer::zeros(buf.dtype(), count.max(0) as usize));
+            let target = match &mut scratch {
+                Some(scratch) => recv_ptr(&mut scratch.as_buf_mut()),
+                None => recv_ptr(&mut buf),
+            };
+            // SAFETY: `target` has room for the probed message's `count` elements.
             check_rc(
                 unsafe {
                     ffi::MPI_Recv(
-                        recv_ptr(&mut buf),
+                        target,
                         count,
                         dtype,
                         src as c_int,
@@ -1184,7 +1161,22 @@ impl Communicator for MpiCommunicator {
                     )
                 },
                 "MPI_Recv",
-            )
+            )?;
+            if fits {
+                return Ok(());
+            }
+            let mut sent = self.check().signature(OpKind::Send, Some(buf.dtype()), 0);
+            sent.rank = src;
+            sent.count = usize::try_from(count).unwrap_or(0);
+            Err(Error::Mismatch {
+                group: self.core.name.clone(),
+                seq: *seq,
+                calls: vec![
+                    sent,
+                    self.check()
+                        .signature(OpKind::Recv, Some(buf.dtype()), buf.len()),
+                ],
+            })
         })();
         self.recorded(record, received)
     }

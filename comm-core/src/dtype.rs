@@ -447,6 +447,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_dtype_name_parses_back_and_nothing_else_does() {
+        for dtype in DType::ALL {
+            assert_eq!(DType::from_name(dtype.name()), Some(dtype));
+        }
+        assert_eq!(DType::from_name("float32"), None);
+        assert_eq!(DType::from_name(""), None);
+    }
+
+    #[test]
     fn half_types_accumulate_in_f32_and_round_once() {
         // 2048 + 1 + 1 is not representable step by step in f16 (2049 rounds to 2048),
         // but the f32 accumulation gives 2050 exactly.

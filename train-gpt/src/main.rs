@@ -57,9 +57,25 @@ struct Args {
     /// Tensor-parallel size; must divide --heads.
     #[arg(long, default_value_t = 2)]
     tp: usize,
-    /// Data-parallel size [default: 2 with the local backend, world / tp under mpirun].
+    /// Data-parallel size [default: 2 with the local backend, world / (tp · pp) under
+    /// mpirun].
     #[arg(long)]
     dp: Option<usize>,
+    /// Pipeline stages; must divide --layers (times --virtual-stages).
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// Pipeline schedule.
+    #[arg(long, value_enum, default_value_t = PipelineSchedule::OneFOneB)]
+    schedule: PipelineSchedule,
+    /// Model chunks per pipeline stage (the interleaved schedule).
+    #[arg(long, default_value_t = 1)]
+    virtual_stages: usize,
+    /// Microbatches per step; must divide --batch.
+    #[arg(long, default_value_t = 1)]
+    microbatches: usize,
+    /// Write the last step's pipeline timeline as Chrome trace JSON (local backend).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
     /// Transformer blocks.
     #[arg(long, default_value_t = 4)]
     layers: usize,
@@ -140,6 +156,17 @@ struct Args {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PipelineSchedule {
+    /// Every forward, then every backward.
+    Gpipe,
+    /// One forward, one backward (Megatron's default).
+    #[value(name = "1f1b")]
+    OneFOneB,
+    /// 1F1B over --virtual-stages chunks per stage.
+    Interleaved,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Decay {
     Constant,
     Linear,
@@ -186,7 +213,7 @@ fn run_local_backend(args: &Args, corpus: &Corpus) -> Result<()> {
     let dp = args.dp.unwrap_or(2);
     validate(args, dp)?;
     let config = train_config(args);
-    let world = args.tp * dp;
+    let world = args.tp * args.pp * dp;
     announce(args, corpus, dp);
     let progress = Progress::new("train", args.steps, args.batch * dp * args.seq);
     let mut results = run_local(world, |comm| {
@@ -194,6 +221,18 @@ fn run_local_backend(args: &Args, corpus: &Corpus) -> Result<()> {
         let progress = (world.rank() == 0).then_some(&progress);
         train_rank(world, &config, corpus, progress)
     })?;
+    if let Some(path) = &args.trace {
+        // The first tensor- and data-parallel replica's stages, in pipeline order.
+        let mut stages: Vec<_> = results
+            .iter()
+            .filter(|r| r.coordinates.1 == 0 && r.coordinates.2 == 0)
+            .map(|r| (r.coordinates.0, r.timeline.clone()))
+            .collect();
+        stages.sort_by_key(|s| s.0);
+        let timelines: Vec<_> = stages.into_iter().map(|s| s.1).collect();
+        std::fs::write(path, pipeline::chrome_trace(&timelines))?;
+        println!("pipeline timeline of the last step: {}", path.display());
+    }
     finish(args, corpus, dp, results.swap_remove(0))
 }
 
@@ -202,12 +241,15 @@ fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
     let mpi = comm_core::mpi::MpiWorld::init()?;
     let world: Arc<dyn Communicator> = Arc::new(mpi.world()?);
     let size = world.size();
-    if size == 1 && args.tp * args.dp.unwrap_or(1) > 1 {
-        let ranks = args.tp * args.dp.unwrap_or(2);
+    // Ranks of one model replica: tensor- times pipeline-parallel.
+    let mp = args.tp * args.pp;
+    if size == 1 && mp * args.dp.unwrap_or(1) > 1 {
+        let ranks = mp * args.dp.unwrap_or(2);
         bail!(
-            "--backend mpi found 1 process, but --tp {} needs {ranks}; start one process \
-             per rank with `mpirun -n {ranks} {} --backend mpi ...`{}",
+            "--backend mpi found 1 process, but --tp {} × --pp {} needs {ranks}; start one \
+             process per rank with `mpirun -n {ranks} {} --backend mpi ...`{}",
             args.tp,
+            args.pp,
             std::env::args()
                 .next()
                 .unwrap_or_else(|| "train-gpt".into()),
@@ -220,25 +262,28 @@ fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
     }
     let dp = match args.dp {
         Some(dp) => dp,
-        None if size % args.tp == 0 => size / args.tp,
+        None if size % mp == 0 => size / mp,
         None => bail!(
-            "mpirun started {size} processes, which --tp {} does not divide; valid --tp: {}",
+            "mpirun started {size} processes, which --tp {} × --pp {} does not divide; valid \
+             --tp at --pp 1: {}",
             args.tp,
+            args.pp,
             list(&valid_tp(size, args.heads))
         ),
     };
-    if args.tp * dp != size {
-        let fix = if size % args.tp == 0 {
-            format!("pass --dp {}", size / args.tp)
+    if mp * dp != size {
+        let fix = if size % mp == 0 {
+            format!("pass --dp {}", size / mp)
         } else {
             format!("pass a --tp among {}", list(&valid_tp(size, args.heads)))
         };
         bail!(
-            "--tp {} × --dp {dp} = {} ranks, but mpirun started {size}; {fix}, or run \
-             mpirun -n {}",
+            "--tp {} × --pp {} × --dp {dp} = {} ranks, but mpirun started {size}; {fix}, or \
+             run mpirun -n {}",
             args.tp,
-            args.tp * dp,
-            args.tp * dp
+            args.pp,
+            mp * dp,
+            mp * dp
         );
     }
     validate(args, dp)?;
@@ -322,6 +367,38 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
         schedule.decay,
     )?;
     ensure!(args.eval_batches >= 1, "--eval-batches must be at least 1");
+    ensure!(args.pp >= 1, "--pp must be at least 1");
+    ensure!(
+        args.virtual_stages == 1 || args.schedule == PipelineSchedule::Interleaved,
+        "--virtual-stages {} needs --schedule interleaved",
+        args.virtual_stages
+    );
+    let parts = args.pp * pipeline_schedule(args).chunks();
+    ensure!(
+        parts >= 1 && args.layers % parts == 0,
+        "--layers {} cannot be split evenly over --pp {} × --virtual-stages {} = {parts} \
+         parts; valid --pp × --virtual-stages: {}",
+        args.layers,
+        args.pp,
+        args.virtual_stages,
+        list(&divisors(args.layers))
+    );
+    ensure!(
+        args.microbatches >= 1 && args.batch % args.microbatches == 0,
+        "--microbatches {} must divide --batch {}; valid: {}",
+        args.microbatches,
+        args.batch,
+        list(&divisors(args.batch))
+    );
+    pipeline_schedule(args).validate(args.pp, args.microbatches)?;
+    ensure!(
+        args.pp == 1 || (args.save.is_none() && args.resume.is_none()),
+        "--save and --resume do not support --pp > 1 yet"
+    );
+    ensure!(
+        args.trace.is_none() || args.backend == Backend::Local,
+        "--trace collects every stage's timeline in one process: use the local backend"
+    );
     if let Some(dir) = &args.resume {
         let saved = checkpoint::TrainerState::read(dir)?;
         saved.check_compatible(&train_config(args).model, args.batch * dp, args.steps)?;
@@ -339,6 +416,10 @@ fn train_config(args: &Args) -> TrainConfig {
             seq: args.seq,
         },
         tp: args.tp,
+        pp: args.pp,
+        pipeline: pipeline_schedule(args),
+        microbatches: args.microbatches,
+        trace: args.trace.is_some(),
         sequence_parallel: args.sequence_parallel,
         device: args.device,
         batch: args.batch,
@@ -350,6 +431,16 @@ fn train_config(args: &Args) -> TrainConfig {
         resume: args.resume.clone(),
         save: args.save.clone(),
         sample: true,
+    }
+}
+
+fn pipeline_schedule(args: &Args) -> pipeline::Schedule {
+    match args.schedule {
+        PipelineSchedule::Gpipe => pipeline::Schedule::GPipe,
+        PipelineSchedule::OneFOneB => pipeline::Schedule::OneFOneB,
+        PipelineSchedule::Interleaved => pipeline::Schedule::Interleaved {
+            virtual_stages: args.virtual_stages,
+        },
     }
 }
 
@@ -369,15 +460,30 @@ fn schedule(args: &Args) -> Schedule {
 
 fn announce(args: &Args, corpus: &Corpus, dp: usize) {
     println!(
-        "GPT: {} layers, hidden {}, {} heads, context {} | TP {} × DP {} = {} ranks{} on the \
-         {} backend, {} | {} steps of {} sequences | data: {} ({} bytes)",
+        "GPT: {} layers, hidden {}, {} heads, context {} | TP {} × PP {} × DP {} = {} \
+         ranks{}{} on the {} backend, {} | {} steps of {} sequences | data: {} ({} bytes)",
         args.layers,
         args.hidden,
         args.heads,
         args.seq,
         args.tp,
+        args.pp,
         dp,
-        args.tp * dp,
+        args.tp * args.pp * dp,
+        if args.pp > 1 || args.microbatches > 1 {
+            format!(
+                ", {} schedule, {} microbatches{}",
+                pipeline_schedule(args).name(),
+                args.microbatches,
+                if args.virtual_stages > 1 {
+                    format!(", {} chunks per stage", args.virtual_stages)
+                } else {
+                    String::new()
+                }
+            )
+        } else {
+            String::new()
+        },
         if args.sequence_parallel {
             " with sequence parallelism"
         } else {
@@ -428,9 +534,13 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
     if let Some(dir) = &args.save {
         println!("checkpoint: {}", dir.display());
     }
-    println!("samples:");
-    for sample in &result.samples {
-        println!("  {sample:?}");
+    if args.pp > 1 {
+        println!("validation and samples: not yet with --pp > 1");
+    } else {
+        println!("samples:");
+        for sample in &result.samples {
+            println!("  {sample:?}");
+        }
     }
     if args.check {
         let serial = check_run(args, corpus, dp)?;
@@ -450,6 +560,10 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<Vec<f32>> {
     println!("check: the same steps with TP 1 × DP 1 on one rank");
     let config = TrainConfig {
         tp: 1,
+        pp: 1,
+        pipeline: pipeline::Schedule::OneFOneB,
+        microbatches: 1,
+        trace: false,
         sequence_parallel: false,
         batch: args.batch * dp,
         save: None,

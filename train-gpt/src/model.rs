@@ -27,54 +27,75 @@ pub struct GptConfig {
     pub seq: usize,
 }
 
+/// The whole model, or (under pipeline parallelism) the blocks of one stage, with the
+/// embeddings if it starts the model and the final norm and head if it ends it.
 pub struct Gpt {
     tp: TensorParallel,
     config: GptConfig,
-    embed: VocabParallelEmbedding,
-    position: ShardedParameter,
+    first: Option<Embeddings>,
     blocks: Vec<TransformerBlock>,
-    ln_f: LayerNorm,
-    head: ColumnParallelLinear,
+    last: Option<(LayerNorm, ColumnParallelLinear)>,
+}
+
+struct Embeddings {
+    tokens: VocabParallelEmbedding,
+    position: ShardedParameter,
 }
 
 impl Gpt {
-    /// Builds this rank's part of the model from the seeded master weights, so every
-    /// tensor-parallel size starts from the same full model.
-    pub fn new(tp: &TensorParallel, config: GptConfig, seed: u64) -> Result<Gpt> {
+    /// This rank's part of the model holding blocks `blocks` (all of them for the whole
+    /// model), built from the seeded master weights of the whole model, so every
+    /// tensor- and pipeline-parallel size starts from the same model.
+    pub fn chunk(
+        tp: &TensorParallel,
+        config: GptConfig,
+        seed: u64,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Gpt> {
         let init = MasterInit::new(seed, INIT_STD);
         let block = BlockConfig::new(config.hidden, config.heads);
-        let embed = VocabParallelEmbedding::new(tp, "embed", config.vocab, config.hidden, &init)?;
-        let position = ShardedParameter {
-            param: Parameter::new(
-                "position.weight",
-                init.weight("position.weight", &[config.seq, config.hidden]),
-            ),
-            sharding: Sharding::Replicated,
-            // Under sequence parallelism each rank adds only its rows of the table, so its
-            // gradient is a partial sum over the tensor-parallel group, like a layer norm's.
-            grad_reduce_group: (tp.sequence_parallel() && tp.size() > 1).then_some(TP_GROUP),
+        let first = if blocks.start == 0 {
+            let tokens =
+                VocabParallelEmbedding::new(tp, "embed", config.vocab, config.hidden, &init)?;
+            let position = ShardedParameter {
+                param: Parameter::new(
+                    "position.weight",
+                    init.weight("position.weight", &[config.seq, config.hidden]),
+                ),
+                sharding: Sharding::Replicated,
+                // Under sequence parallelism each rank adds only its rows of the table, so
+                // its gradient is a partial sum over the tensor-parallel group, like a
+                // layer norm's.
+                grad_reduce_group: (tp.sequence_parallel() && tp.size() > 1).then_some(TP_GROUP),
+            };
+            Some(Embeddings { tokens, position })
+        } else {
+            None
         };
-        let blocks = (0..config.layers)
+        let last = if blocks.end == config.layers {
+            let ln_f = LayerNorm::new(tp, "ln_f", config.hidden, block.layer_norm_eps, &init)?;
+            let head = ColumnParallelLinear::new(
+                tp,
+                "head",
+                config.hidden,
+                config.vocab,
+                false,
+                LinearOptions::default(),
+                &init,
+            )?;
+            Some((ln_f, head))
+        } else {
+            None
+        };
+        let blocks = blocks
             .map(|i| TransformerBlock::new(tp, &format!("block{i}"), &block, &init))
             .collect::<layers::Result<Vec<_>>>()?;
-        let ln_f = LayerNorm::new(tp, "ln_f", config.hidden, block.layer_norm_eps, &init)?;
-        let head = ColumnParallelLinear::new(
-            tp,
-            "head",
-            config.hidden,
-            config.vocab,
-            false,
-            LinearOptions::default(),
-            &init,
-        )?;
         Ok(Gpt {
             tp: tp.clone(),
             config,
-            embed,
-            position,
+            first,
             blocks,
-            ln_f,
-            head,
+            last,
         })
     }
 
@@ -87,23 +108,54 @@ impl Gpt {
         batch: usize,
         rng: &mut RngTracker,
     ) -> Result<Tensor> {
-        let tokens = self.embed.forward(tape, ids, &[seq, batch])?;
-        // Under sequence parallelism the embedding holds this rank's part of the sequence.
-        let (start, len) = if self.tp.sequence_parallel() {
-            self.tp.part(seq)?
-        } else {
-            (0, seq)
+        self.forward_chunk(tape, ids, None, seq, batch, rng)
+    }
+
+    /// This part's output: from `ids` (a first part) or the previous part's `input`, the
+    /// next part's input, or the logits (a last part).
+    pub fn forward_chunk(
+        &self,
+        tape: &Tape,
+        ids: &[usize],
+        input: Option<&Tensor>,
+        seq: usize,
+        batch: usize,
+        rng: &mut RngTracker,
+    ) -> Result<Tensor> {
+        let mut hidden = match (&self.first, input) {
+            (Some(first), _) => {
+                let tokens = first.tokens.forward(tape, ids, &[seq, batch])?;
+                // Under sequence parallelism the embedding holds this rank's part of the
+                // sequence.
+                let (start, len) = if self.tp.sequence_parallel() {
+                    self.tp.part(seq)?
+                } else {
+                    (0, seq)
+                };
+                let positions = tape
+                    .watch(&first.position.param)
+                    .narrow(0, start, len)?
+                    .reshape(&[len, 1, self.config.hidden])?;
+                tokens.add(&positions)?
+            }
+            (None, Some(input)) => input.clone(),
+            (None, None) => anyhow::bail!("a later pipeline stage needs its input"),
         };
-        let positions = tape
-            .watch(&self.position.param)
-            .narrow(0, start, len)?
-            .reshape(&[len, 1, self.config.hidden])?;
-        let mut hidden = tokens.add(&positions)?;
         for block in &self.blocks {
             hidden = block.forward(tape, &hidden, rng)?;
         }
-        let hidden = self.ln_f.forward(tape, &hidden)?;
-        Ok(self.head.forward(tape, &hidden)?.output)
+        match &self.last {
+            Some((ln_f, head)) => {
+                let hidden = ln_f.forward(tape, &hidden)?;
+                Ok(head.forward(tape, &hidden)?.output)
+            }
+            None => Ok(hidden),
+        }
+    }
+
+    /// Whether this part ends the model (its output is the logits).
+    pub fn is_last(&self) -> bool {
+        self.last.is_some()
     }
 
     /// Cross-entropy of `logits` against `labels` (laid out like the ids) as this
@@ -177,11 +229,16 @@ impl Gpt {
 impl Module for Gpt {
     /// In the order forward uses them, which DDP's buckets follow.
     fn parameters(&self) -> Vec<ShardedParameter> {
-        let mut params = self.embed.parameters();
-        params.push(self.position.clone());
+        let mut params = Vec::new();
+        if let Some(first) = &self.first {
+            params.extend(first.tokens.parameters());
+            params.push(first.position.clone());
+        }
         params.extend(self.blocks.iter().flat_map(Module::parameters));
-        params.extend(self.ln_f.parameters());
-        params.extend(self.head.parameters());
+        if let Some((ln_f, head)) = &self.last {
+            params.extend(ln_f.parameters());
+            params.extend(head.parameters());
+        }
         params
     }
 }

@@ -7,7 +7,7 @@ use crate::data::{Corpus, DistributedSampler};
 use crate::model::{Gpt, GptConfig};
 use crate::report::Progress;
 use anyhow::{bail, Result};
-use comm_core::Communicator;
+use comm_core::{Communicator, CommunicatorExt};
 use ddp::{DdpConfig, DistributedDataParallel};
 use layers::{Module, RngTracker, TensorParallel};
 use parallel_state::{ParallelState, RankLayout};
@@ -26,6 +26,14 @@ const TEMPERATURE: f32 = 0.8;
 pub struct TrainConfig {
     pub model: GptConfig,
     pub tp: usize,
+    /// Pipeline stages; the layers are split evenly over `pp × chunks` parts.
+    pub pp: usize,
+    /// How each step drives its microbatches through the stages.
+    pub pipeline: pipeline::Schedule,
+    /// Microbatches per step: each data-parallel rank's rows, split evenly.
+    pub microbatches: usize,
+    /// Record the last step's timeline (returned in [`RankResult::timeline`]).
+    pub trace: bool,
     pub sequence_parallel: bool,
     /// Where parameters and activations live.
     pub device: tape::Device,
@@ -60,6 +68,10 @@ pub struct RankResult {
     pub losses: Vec<f32>,
     pub validation: Vec<(usize, f32)>,
     pub samples: Vec<String>,
+    /// Pipeline rank, tensor-parallel rank and data-parallel rank of this rank, and its
+    /// timeline of the last step if tracing.
+    pub coordinates: (usize, usize, usize),
+    pub timeline: Vec<pipeline::Span>,
 }
 
 /// Trains on every rank of `world` (tensor-parallel size `config.tp`, the rest data
@@ -70,45 +82,73 @@ pub fn train_rank(
     corpus: &Corpus,
     progress: Option<&Progress>,
 ) -> Result<RankResult> {
-    let layout = RankLayout::builder(world.size()).tp(config.tp).build()?;
+    let layout = RankLayout::builder(world.size())
+        .tp(config.tp)
+        .pp(config.pp)
+        .build()?;
     let state = ParallelState::new(world.clone(), layout)?;
     let tp = TensorParallel::from_state(&state).with_sequence_parallel(config.sequence_parallel);
-    let model = Gpt::new(&tp, config.model, config.seed)?;
+    // This rank's model chunks: chunk c holds virtual stage c·pp + pp rank's blocks.
+    let chunks = config.pipeline.chunks();
+    let per_part = config.model.layers / (config.pp * chunks);
+    let models = (0..chunks)
+        .map(|c| {
+            let part = c * config.pp + state.pp_rank();
+            Gpt::chunk(
+                &tp,
+                config.model,
+                config.seed,
+                part * per_part..(part + 1) * per_part,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Without pipeline parallelism the one chunk is the whole model, which validation,
+    // checkpoints and sampling use.
+    let whole = (config.pp == 1).then(|| &models[0]);
     let (dp_rank, dp_size) = (state.dp_rank(), state.dp_size());
     let global_batch = config.batch * dp_size;
-    let saved = match &config.resume {
-        Some(dir) => {
+    let saved = match (&config.resume, whole) {
+        (Some(dir), Some(model)) => {
             let saved = TrainerState::read(dir)?;
             saved.check_compatible(&config.model, global_batch, config.steps)?;
             model.load(dir, saved.tp)?;
             Some(saved)
         }
-        None => None,
+        (Some(_), None) => bail!("--resume does not support --pp > 1 yet"),
+        (None, _) => None,
     };
-    for sharded in model.parameters() {
+    for sharded in models.iter().flat_map(Module::parameters) {
         let value = sharded.param.value().to_device(config.device)?;
         sharded.param.set_value(value)?;
     }
 
     // Every gradient is averaged over "dp"; DDP reads from the model which parameters
     // also need a sum over a model-parallel group (sequence-parallel norms over "tp").
-    let ddp = DistributedDataParallel::for_model(&model, &state, DdpConfig::default())?;
+    // One DDP per chunk: a chunk's gradients are complete after its last backward.
+    let ddps = models
+        .iter()
+        .map(|model| DistributedDataParallel::for_model(model, &state, DdpConfig::default()))
+        .collect::<ddp::Result<Vec<_>>>()?;
     let s = config.schedule;
     let schedule = LrSchedule::new(s.lr, s.min_lr, s.warmup_steps, s.decay_steps, s.decay)?;
     let adamw = AdamWConfig {
         lr: s.lr,
         ..AdamWConfig::default()
     };
-    let mut optimizer = AdamW::new(ddp.parameters().to_vec(), adamw).with_schedule(schedule);
+    let parameters = ddps.iter().flat_map(|d| d.parameters().to_vec()).collect();
+    let mut optimizer = AdamW::new(parameters, adamw).with_schedule(schedule);
     // No dropout is configured, so the streams are never drawn from; the blocks still
-    // take a tracker, seeded as Megatron seeds it, and checkpoints keep it.
-    let mut rng = RngTracker::new(config.seed, tp.rank());
+    // take a tracker, seeded as Megatron seeds it, and checkpoints keep the first's.
+    let mut rngs: Vec<RngTracker> = (0..chunks)
+        .map(|_| RngTracker::new(config.seed, tp.rank()))
+        .collect();
     let (mut losses, mut validation) = (Vec::with_capacity(config.steps), Vec::new());
     if let (Some(dir), Some(saved)) = (&config.resume, &saved) {
+        let model = &models[0];
         let state =
-            layers::checkpoint::load_optimizer_state(&model, dir, saved.tp, tp.rank(), tp.size())?;
+            layers::checkpoint::load_optimizer_state(model, dir, saved.tp, tp.rank(), tp.size())?;
         optimizer.load_state(&state)?;
-        checkpoint::restore_rng(dir, saved, &mut rng, tp.rank(), tp.size())?;
+        checkpoint::restore_rng(dir, saved, &mut rngs[0], tp.rank(), tp.size())?;
         losses.extend_from_slice(&saved.losses);
         validation.extend_from_slice(&saved.validation);
     }
@@ -121,38 +161,86 @@ pub fn train_rank(
         dp_rank,
         dp_size,
     );
+    let shape = {
+        let seq = if config.sequence_parallel {
+            tp.part(seq)?.1
+        } else {
+            seq
+        };
+        [seq, config.batch / config.microbatches, config.model.hidden]
+    };
+    let mut timeline = Vec::new();
     for step in losses.len()..config.steps {
-        // This rank's rows of the global batch, transposed to the layers' [seq, batch].
+        // This rank's rows of the global batch, split into microbatches, each transposed
+        // to the layers' [seq, batch].
         let (inputs, targets) = corpus.rows(&sampler.starts(step), seq);
-        let ids = sequence_first(&inputs, seq);
-        let labels = sequence_first(&targets, seq);
+        let rows = config.batch / config.microbatches;
+        let microbatches: Vec<(Vec<usize>, Vec<i64>)> = inputs
+            .chunks(rows * seq)
+            .zip(targets.chunks(rows * seq))
+            .map(|(i, t)| (sequence_first(i, seq), sequence_first(t, seq)))
+            .collect();
 
         optimizer.zero_grad();
-        let tape = Tape::new();
-        let logits = model.forward(&tape, &ids, seq, config.batch, &mut rng)?;
-        let loss = model.loss(&logits, &labels, state.dp())?;
+        let mut pipeline_config =
+            pipeline::PipelineConfig::new(config.pipeline, config.microbatches, &shape);
+        if config.trace && step + 1 == config.steps {
+            state.pp().barrier()?;
+            pipeline_config.trace_epoch = Some(std::time::Instant::now());
+        }
+        let pipe = pipeline::Pipeline::new(state.pp().clone(), pipeline_config)?;
+        let mut stages: Vec<GptStage> = models
+            .iter()
+            .zip(&ddps)
+            .zip(rngs.iter_mut())
+            .map(|((model, ddp), rng)| GptStage {
+                model,
+                ddp,
+                rng,
+                dp: state.dp(),
+                microbatches: &microbatches,
+                seq,
+                global_means: Vec::new(),
+            })
+            .collect();
+        let mut refs: Vec<&mut dyn pipeline::Stage> = stages
+            .iter_mut()
+            .map(|s| s as &mut dyn pipeline::Stage)
+            .collect();
+        let report = pipe.run(&mut refs)?;
+        timeline = report.timeline;
+        for ddp in &ddps {
+            ddp.finish()?;
+        }
+        // The last stage knows the step's loss (the mean over microbatches of each one's
+        // global token mean); every stage learns it.
+        let means: Vec<f32> = stages.iter().flat_map(|s| s.global_means.clone()).collect();
+        let mut step_loss = [means.iter().sum::<f32>() / means.len().max(1) as f32];
+        state.pp().broadcast_slice(&mut step_loss, config.pp - 1)?;
+        let step_loss = step_loss[0];
         // Every rank holds the same global mean, so all of them stop here together.
-        if !loss.global_mean.is_finite() {
+        if !step_loss.is_finite() {
             bail!(
                 "step {}: the loss is {} (step {} had {}): training diverged; lower --lr \
                  (now {}) or lengthen --lr-warmup-steps (now {})",
                 step + 1,
-                loss.global_mean,
+                step_loss,
                 step,
                 losses.last().map_or("none".into(), |l: &f32| l.to_string()),
                 config.schedule.lr,
                 config.schedule.warmup_steps
             );
         }
-        ddp.backward(&loss.loss)?;
         optimizer.step()?;
-        losses.push(loss.global_mean);
+        losses.push(step_loss);
         if let Some(progress) = progress {
-            progress.step(step + 1, loss.global_mean);
+            progress.step(step + 1, step_loss);
         }
         let done = step + 1;
-        if config.eval_interval > 0 && (done % config.eval_interval == 0 || done == config.steps) {
-            let loss = validation_loss(&model, &state, corpus, config, &mut rng)?;
+        let due =
+            config.eval_interval > 0 && (done % config.eval_interval == 0 || done == config.steps);
+        if let (true, Some(model)) = (due, whole) {
+            let loss = validation_loss(model, &state, corpus, config, &mut rngs[0])?;
             validation.push((done, loss));
         }
     }
@@ -160,19 +248,13 @@ pub fn train_rank(
         progress.finish();
     }
 
-    if let Some(dir) = &config.save {
+    if let (Some(dir), Some(model)) = (&config.save, whole) {
         // Data-parallel replicas are identical: one of them writes the tensor-parallel
         // shards; world rank 0 writes the trainer state last, once every shard is there.
         if dp_rank == 0 {
             model.save(dir)?;
-            layers::checkpoint::save_optimizer_shard(
-                &model,
-                &optimizer,
-                dir,
-                tp.rank(),
-                tp.size(),
-            )?;
-            checkpoint::save_rng(dir, &rng, tp.rank(), tp.size())?;
+            layers::checkpoint::save_optimizer_shard(model, &optimizer, dir, tp.rank(), tp.size())?;
+            checkpoint::save_rng(dir, &rngs[0], tp.rank(), tp.size())?;
         }
         world.barrier()?;
         if world.rank() == 0 {
@@ -188,10 +270,10 @@ pub fn train_rank(
         world.barrier()?;
     }
     let mut samples = Vec::new();
-    if config.sample {
+    if let (true, Some(model)) = (config.sample, whole) {
         let mut generator = Generator::new(config.seed);
         for prompt in PROMPTS {
-            let text = generate(&model, prompt.as_bytes(), &mut generator, &mut rng)?;
+            let text = generate(model, prompt.as_bytes(), &mut generator, &mut rngs[0])?;
             samples.push(String::from_utf8_lossy(&text).into_owned());
         }
     }
@@ -199,7 +281,46 @@ pub fn train_rank(
         losses,
         validation,
         samples,
+        coordinates: (state.pp_rank(), tp.rank(), dp_rank),
+        timeline,
     })
+}
+
+/// One model chunk as a pipeline stage: the forward of a microbatch, and on the last
+/// stage its per-token loss, whose global token mean it keeps for reporting.
+struct GptStage<'a> {
+    model: &'a Gpt,
+    ddp: &'a DistributedDataParallel,
+    rng: &'a mut RngTracker,
+    dp: &'a Arc<dyn Communicator>,
+    microbatches: &'a [(Vec<usize>, Vec<i64>)],
+    seq: usize,
+    global_means: Vec<f32>,
+}
+
+impl pipeline::Stage for GptStage<'_> {
+    fn forward(
+        &mut self,
+        tape: &Tape,
+        microbatch: usize,
+        input: Option<&tape::Tensor>,
+    ) -> std::result::Result<tape::Tensor, Box<dyn std::error::Error + Send + Sync>> {
+        let (ids, labels) = &self.microbatches[microbatch];
+        let rows = ids.len() / self.seq;
+        let output = self
+            .model
+            .forward_chunk(tape, ids, input, self.seq, rows, self.rng)?;
+        if !self.model.is_last() {
+            return Ok(output);
+        }
+        let loss = self.model.loss(&output, labels, self.dp)?;
+        self.global_means.push(loss.global_mean);
+        Ok(loss.loss)
+    }
+
+    fn before_backward(&mut self, last: bool) {
+        self.ddp.set_sync_enabled(last);
+    }
 }
 
 /// The mean loss over the held-out windows: `eval_batches` global batches, each

@@ -44,6 +44,9 @@ pub struct PipelineConfig {
     /// Record a timeline of the step, in microseconds since this instant (use one instant
     /// for every rank of a process so that their timelines line up).
     pub trace_epoch: Option<Instant>,
+    /// Run forwards only, recording nothing for backward (evaluation, inference): the
+    /// last stage's outputs come back in [`StepReport::outputs`], of any shape.
+    pub forward_only: bool,
 }
 
 impl PipelineConfig {
@@ -54,6 +57,7 @@ impl PipelineConfig {
             microbatches,
             shape: shape.to_vec(),
             trace_epoch: None,
+            forward_only: false,
         }
     }
 }
@@ -68,6 +72,9 @@ pub struct StepReport {
     pub peak_in_flight: usize,
     /// The step's forwards, backwards and exchanges, if tracing was on.
     pub timeline: Vec<Span>,
+    /// Forward-only steps: each microbatch's output of the model's last stage, in
+    /// microbatch order, on the rank holding it; empty elsewhere.
+    pub outputs: Vec<Tensor>,
 }
 
 impl StepReport {
@@ -90,9 +97,12 @@ impl Pipeline {
     /// Plans this rank's part of a step. Every rank of `group` must build its pipeline with
     /// the same configuration.
     pub fn new(group: Arc<dyn Communicator>, config: PipelineConfig) -> Result<Pipeline> {
-        let plan = config
-            .schedule
-            .plan(group.size(), group.rank(), config.microbatches)?;
+        let (pp, rank, m) = (group.size(), group.rank(), config.microbatches);
+        let plan = if config.forward_only {
+            config.schedule.forward_plan(pp, rank, m)?
+        } else {
+            config.schedule.plan(pp, rank, m)?
+        };
         Ok(Pipeline {
             group,
             config,
@@ -227,13 +237,27 @@ impl<'p> Step<'p> {
             Some(Parameter::new("pipeline.input", value))
         };
         let watched = input.as_ref().map(|p| tape.watch(p));
-        let output = stage
-            .forward(&tape, microbatch, watched.as_ref())
-            .map_err(|source| Error::Stage {
-                stage: vstage,
-                microbatch,
-                source,
-            })?;
+        let forward_only = self.pipeline.config.forward_only;
+        let mut run = || stage.forward(&tape, microbatch, watched.as_ref());
+        let output = if forward_only {
+            tape.no_grad(run)
+        } else {
+            run()
+        }
+        .map_err(|source| Error::Stage {
+            stage: vstage,
+            microbatch,
+            source,
+        })?;
+        if forward_only {
+            self.report.peak_in_flight = 1;
+            if self.is_last_stage(chunk) {
+                self.report.outputs.push(output);
+            } else {
+                self.to_send_forward = Some(((chunk, microbatch), output));
+            }
+            return Ok(());
+        }
         if self.is_last_stage(chunk) {
             if output.numel() != 1 {
                 return Err(Error::Config(format!(

@@ -122,6 +122,26 @@ impl Schedule {
         }
         Ok(plan.actions)
     }
+
+    /// Rank `rank`'s plan for a forward-only step (evaluation, inference): the training
+    /// plan without its backwards and gradient transfers.
+    pub fn forward_plan(self, pp: usize, rank: usize, microbatches: usize) -> Result<Vec<Action>> {
+        let mut plan = Plan::default();
+        for action in self.plan(pp, rank, microbatches)? {
+            match action {
+                Action::Forward { chunk, microbatch } => plan.forward(chunk, microbatch),
+                Action::Backward { .. } => {}
+                Action::Exchange(transfers) => {
+                    let forward = transfers
+                        .into_iter()
+                        .map(|t| (t, matches!(t, SendForward | RecvForward)))
+                        .collect::<Vec<_>>();
+                    plan.exchange(&forward);
+                }
+            }
+        }
+        Ok(plan.actions)
+    }
 }
 
 /// One thing a rank does in a step, in order.

@@ -311,3 +311,64 @@ fn sequence_parallel_stages_match_the_sequence_parallel_model() {
         assert_close(&what, &reference, &pipelined(schedule, (2, 2, 2), true));
     }
 }
+
+/// A forward-only step (evaluation) gives each microbatch's serial loss on the last
+/// stage and records nothing for backward.
+#[test]
+fn forward_only_steps_give_the_serial_losses() {
+    let microbatches = 4;
+    let serial: Vec<f32> = run_local(1, |comm| -> Result<_, BoxError> {
+        let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
+        let mut model = GptChunk::new(&tp, 0..LAYERS)?;
+        (0..microbatches)
+            .map(|mb| Ok(model.run(&Tape::new(), mb * BATCH, BATCH, None)?.item()?))
+            .collect()
+    })
+    .unwrap()
+    .remove(0);
+    for (schedule, pp) in [
+        (Schedule::OneFOneB, 4),
+        (Schedule::GPipe, 2),
+        (Schedule::Interleaved { virtual_stages: 2 }, 2),
+    ] {
+        let outputs = run_local(pp, |comm| -> Result<_, BoxError> {
+            let group: Arc<dyn Communicator> = Arc::new(comm);
+            let tp = TensorParallel::new(
+                group
+                    .clone()
+                    .split(Some(group.rank() as u32), 0, "tp")?
+                    .ok_or("member")?,
+            );
+            let chunks = schedule.chunks();
+            let per_chunk = LAYERS / (pp * chunks);
+            let mut stages = (0..chunks)
+                .map(|c| {
+                    let vstage = c * pp + group.rank();
+                    GptChunk::new(&tp, vstage * per_chunk..(vstage + 1) * per_chunk)
+                })
+                .collect::<layers::Result<Vec<_>>>()?;
+            let mut config = PipelineConfig::new(schedule, microbatches, &[SEQ, BATCH, HIDDEN]);
+            config.forward_only = true;
+            let pipeline = Pipeline::new(group, config)?;
+            let mut refs: Vec<&mut dyn Stage> =
+                stages.iter_mut().map(|s| s as &mut dyn Stage).collect();
+            let report = pipeline.run(&mut refs)?;
+            assert!(report.losses.is_empty());
+            for stage in &stages {
+                assert!(stage.parameters().iter().all(|p| p.param.grad().is_none()));
+            }
+            report
+                .outputs
+                .iter()
+                .map(|t| Ok(t.item()?))
+                .collect::<Result<Vec<f32>, BoxError>>()
+        })
+        .unwrap();
+        let last = &outputs[pp - 1];
+        assert_eq!(last.len(), microbatches, "{}", schedule.name());
+        for (a, b) in serial.iter().zip(last) {
+            assert!((a - b).abs() < 1e-5, "{}: {a} vs {b}", schedule.name());
+        }
+        assert!(outputs[..pp - 1].iter().all(Vec::is_empty));
+    }
+}

@@ -534,13 +534,9 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
     if let Some(dir) = &args.save {
         println!("checkpoint: {}", dir.display());
     }
-    if args.pp > 1 {
-        println!("validation and samples: not yet with --pp > 1");
-    } else {
-        println!("samples:");
-        for sample in &result.samples {
-            println!("  {sample:?}");
-        }
+    println!("samples:");
+    for sample in &result.samples {
+        println!("  {sample:?}");
     }
     if args.check {
         let serial = check_run(args, corpus, dp)?;

@@ -99,20 +99,9 @@ impl Gpt {
         })
     }
 
-    /// This rank's logits `[seq, batch, local vocab]` for `ids` laid out `[seq, batch]`.
-    pub fn forward(
-        &self,
-        tape: &Tape,
-        ids: &[usize],
-        seq: usize,
-        batch: usize,
-        rng: &mut RngTracker,
-    ) -> Result<Tensor> {
-        self.forward_chunk(tape, ids, None, seq, batch, rng)
-    }
-
-    /// This part's output: from `ids` (a first part) or the previous part's `input`, the
-    /// next part's input, or the logits (a last part).
+    /// This part's output for `ids` laid out `[seq, batch]` (a first part) or the previous
+    /// part's `input`: the next part's input, or this rank's logits `[seq, batch, local
+    /// vocab]` (a last part).
     pub fn forward_chunk(
         &self,
         tape: &Tape,

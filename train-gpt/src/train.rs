@@ -102,8 +102,8 @@ pub fn train_rank(
             )
         })
         .collect::<Result<Vec<_>>>()?;
-    // Without pipeline parallelism the one chunk is the whole model, which validation,
-    // checkpoints and sampling use.
+    // Without pipeline parallelism the one chunk is the whole model, which checkpoints
+    // save and load.
     let whole = (config.pp == 1).then(|| &models[0]);
     let (dp_rank, dp_size) = (state.dp_rank(), state.dp_size());
     let global_batch = config.batch * dp_size;
@@ -161,63 +161,20 @@ pub fn train_rank(
         dp_rank,
         dp_size,
     );
-    let shape = {
-        let seq = if config.sequence_parallel {
-            tp.part(seq)?.1
-        } else {
-            seq
-        };
-        [seq, config.batch / config.microbatches, config.model.hidden]
+    let mut chunks = Chunks {
+        models: &models,
+        ddps: &ddps,
+        rngs: &mut rngs,
+        state: &state,
+        config,
     };
     let mut timeline = Vec::new();
     for step in losses.len()..config.steps {
-        // This rank's rows of the global batch, split into microbatches, each transposed
-        // to the layers' [seq, batch].
-        let (inputs, targets) = corpus.rows(&sampler.starts(step), seq);
-        let rows = config.batch / config.microbatches;
-        let microbatches: Vec<(Vec<usize>, Vec<i64>)> = inputs
-            .chunks(rows * seq)
-            .zip(targets.chunks(rows * seq))
-            .map(|(i, t)| (sequence_first(i, seq), sequence_first(t, seq)))
-            .collect();
-
         optimizer.zero_grad();
-        let mut pipeline_config =
-            pipeline::PipelineConfig::new(config.pipeline, config.microbatches, &shape);
-        if config.trace && step + 1 == config.steps {
-            state.pp().barrier()?;
-            pipeline_config.trace_epoch = Some(std::time::Instant::now());
-        }
-        let pipe = pipeline::Pipeline::new(state.pp().clone(), pipeline_config)?;
-        let mut stages: Vec<GptStage> = models
-            .iter()
-            .zip(&ddps)
-            .zip(rngs.iter_mut())
-            .map(|((model, ddp), rng)| GptStage {
-                model,
-                ddp,
-                rng,
-                dp: state.dp(),
-                microbatches: &microbatches,
-                seq,
-                global_means: Vec::new(),
-            })
-            .collect();
-        let mut refs: Vec<&mut dyn pipeline::Stage> = stages
-            .iter_mut()
-            .map(|s| s as &mut dyn pipeline::Stage)
-            .collect();
-        let report = pipe.run(&mut refs)?;
-        timeline = report.timeline;
-        for ddp in &ddps {
-            ddp.finish()?;
-        }
-        // The last stage knows the step's loss (the mean over microbatches of each one's
-        // global token mean); every stage learns it.
-        let means: Vec<f32> = stages.iter().flat_map(|s| s.global_means.clone()).collect();
-        let mut step_loss = [means.iter().sum::<f32>() / means.len().max(1) as f32];
-        state.pp().broadcast_slice(&mut step_loss, config.pp - 1)?;
-        let step_loss = step_loss[0];
+        let microbatches = microbatches(corpus, &sampler.starts(step), config);
+        let trace = config.trace && step + 1 == config.steps;
+        let (step_loss, spans) = chunks.loss(&microbatches, Pass::Train, trace)?;
+        timeline = spans;
         // Every rank holds the same global mean, so all of them stop here together.
         if !step_loss.is_finite() {
             bail!(
@@ -239,9 +196,8 @@ pub fn train_rank(
         let done = step + 1;
         let due =
             config.eval_interval > 0 && (done % config.eval_interval == 0 || done == config.steps);
-        if let (true, Some(model)) = (due, whole) {
-            let loss = validation_loss(model, &state, corpus, config, &mut rngs[0])?;
-            validation.push((done, loss));
+        if due {
+            validation.push((done, validation_loss(&mut chunks, corpus)?));
         }
     }
     if let Some(progress) = progress {
@@ -254,7 +210,7 @@ pub fn train_rank(
         if dp_rank == 0 {
             model.save(dir)?;
             layers::checkpoint::save_optimizer_shard(model, &optimizer, dir, tp.rank(), tp.size())?;
-            checkpoint::save_rng(dir, &rngs[0], tp.rank(), tp.size())?;
+            checkpoint::save_rng(dir, &chunks.rngs[0], tp.rank(), tp.size())?;
         }
         world.barrier()?;
         if world.rank() == 0 {
@@ -270,10 +226,10 @@ pub fn train_rank(
         world.barrier()?;
     }
     let mut samples = Vec::new();
-    if let (true, Some(model)) = (config.sample, whole) {
+    if config.sample {
         let mut generator = Generator::new(config.seed);
         for prompt in PROMPTS {
-            let text = generate(model, prompt.as_bytes(), &mut generator, &mut rngs[0])?;
+            let text = generate(&mut chunks, prompt.as_bytes(), &mut generator)?;
             samples.push(String::from_utf8_lossy(&text).into_owned());
         }
     }
@@ -286,16 +242,130 @@ pub fn train_rank(
     })
 }
 
-/// One model chunk as a pipeline stage: the forward of a microbatch, and on the last
-/// stage its per-token loss, whose global token mean it keeps for reporting.
+/// This rank's chunks of the model with their DDPs and random streams, run as pipeline
+/// stages over `state`'s pipeline group (one stage holding everything at `--pp 1`).
+struct Chunks<'a> {
+    models: &'a [Gpt],
+    ddps: &'a [DistributedDataParallel],
+    rngs: &'a mut [RngTracker],
+    state: &'a ParallelState,
+    config: &'a TrainConfig,
+}
+
+/// What a pass through the stages is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Forward and backward; the last stage computes each microbatch's loss.
+    Train,
+    /// Forward only, with the loss.
+    Evaluate,
+    /// Forward only; the last stage gathers the last position's logits.
+    Logits,
+}
+
+impl Chunks<'_> {
+    /// The mean over `microbatches` of each one's global token-mean loss, on every rank
+    /// (the last stage computes it, then broadcasts it over the pipeline group). Training
+    /// also runs backward and averages the gradients over data parallelism; `trace`
+    /// returns the pass's timeline.
+    fn loss(
+        &mut self,
+        microbatches: &[(Vec<usize>, Vec<i64>)],
+        pass: Pass,
+        trace: bool,
+    ) -> Result<(f32, Vec<pipeline::Span>)> {
+        let seq = self.config.model.seq;
+        let rows = microbatches[0].0.len() / seq;
+        let (results, timeline) = self.run(microbatches, (seq, rows), pass, trace)?;
+        let mut loss = [results.iter().flatten().sum::<f32>() / results.len().max(1) as f32];
+        self.state
+            .pp()
+            .broadcast_slice(&mut loss, self.config.pp - 1)?;
+        Ok((loss[0], timeline))
+    }
+
+    /// The whole vocabulary's logits at the last position of one sequence `ids`, on the
+    /// last stage's ranks (`None` on the others).
+    fn last_logits(&mut self, ids: &[usize]) -> Result<Option<Vec<f32>>> {
+        // The interleaved schedule runs microbatches in groups of the pipeline size.
+        let copies = if self.config.pipeline.chunks() > 1 {
+            self.config.pp
+        } else {
+            1
+        };
+        let microbatches = vec![(ids.to_vec(), Vec::new()); copies];
+        let (mut results, _) = self.run(&microbatches, (ids.len(), 1), Pass::Logits, false)?;
+        Ok((!results.is_empty()).then(|| results.swap_remove(0)))
+    }
+
+    /// One pass over `microbatches` of `(len, rows)` tokens each: what the last stage
+    /// produced for each (its loss, or its logits), and the timeline if `trace`.
+    fn run(
+        &mut self,
+        microbatches: &[(Vec<usize>, Vec<i64>)],
+        (len, rows): (usize, usize),
+        pass: Pass,
+        trace: bool,
+    ) -> Result<(Vec<Vec<f32>>, Vec<pipeline::Span>)> {
+        let tp = self.models[0].tp();
+        // Under sequence parallelism each rank passes on its part of the sequence.
+        let local = if tp.sequence_parallel() {
+            tp.part(len)?.1
+        } else {
+            len
+        };
+        let shape = [local, rows, self.config.model.hidden];
+        let mut config =
+            pipeline::PipelineConfig::new(self.config.pipeline, microbatches.len(), &shape);
+        config.forward_only = pass != Pass::Train;
+        if trace {
+            self.state.pp().barrier()?;
+            config.trace_epoch = Some(std::time::Instant::now());
+        }
+        let pipe = pipeline::Pipeline::new(self.state.pp().clone(), config)?;
+        let mut stages: Vec<GptStage> = self
+            .models
+            .iter()
+            .zip(self.ddps)
+            .zip(self.rngs.iter_mut())
+            .map(|((model, ddp), rng)| GptStage {
+                model,
+                ddp: (pass == Pass::Train).then_some(ddp),
+                rng,
+                dp: self.state.dp(),
+                microbatches,
+                len,
+                pass,
+                results: Vec::new(),
+            })
+            .collect();
+        let mut refs: Vec<&mut dyn pipeline::Stage> = stages
+            .iter_mut()
+            .map(|s| s as &mut dyn pipeline::Stage)
+            .collect();
+        let report = pipe.run(&mut refs)?;
+        if pass == Pass::Train {
+            for ddp in self.ddps {
+                ddp.finish()?;
+            }
+        }
+        let results = stages.into_iter().flat_map(|s| s.results).collect();
+        Ok((results, report.timeline))
+    }
+}
+
+/// One model chunk as a pipeline stage: the forward of a microbatch and, on the last
+/// stage, what the pass is for.
 struct GptStage<'a> {
     model: &'a Gpt,
-    ddp: &'a DistributedDataParallel,
+    ddp: Option<&'a DistributedDataParallel>,
     rng: &'a mut RngTracker,
     dp: &'a Arc<dyn Communicator>,
     microbatches: &'a [(Vec<usize>, Vec<i64>)],
-    seq: usize,
-    global_means: Vec<f32>,
+    len: usize,
+    pass: Pass,
+    /// The last stage's loss (one value) or logits of each microbatch.
+    results: Vec<Vec<f32>>,
 }
 
 impl pipeline::Stage for GptStage<'_> {
@@ -306,45 +376,62 @@ impl pipeline::Stage for GptStage<'_> {
         input: Option<&tape::Tensor>,
     ) -> std::result::Result<tape::Tensor, Box<dyn std::error::Error + Send + Sync>> {
         let (ids, labels) = &self.microbatches[microbatch];
-        let rows = ids.len() / self.seq;
+        let rows = ids.len() / self.len;
         let output = self
             .model
-            .forward_chunk(tape, ids, input, self.seq, rows, self.rng)?;
+            .forward_chunk(tape, ids, input, self.len, rows, self.rng)?;
         if !self.model.is_last() {
             return Ok(output);
         }
+        if self.pass == Pass::Logits {
+            let group = self.model.tp().group();
+            let sizes = mappings::split_sizes(self.model.config().vocab, group.size())?;
+            let last = output.narrow(0, self.len - 1, 1)?;
+            let full = mappings::gather_from_region(&last, group, 2, Some(&sizes))?;
+            self.results.push(full.to_vec()?);
+            return Ok(output);
+        }
         let loss = self.model.loss(&output, labels, self.dp)?;
-        self.global_means.push(loss.global_mean);
+        self.results.push(vec![loss.global_mean]);
         Ok(loss.loss)
     }
 
     fn before_backward(&mut self, last: bool) {
-        self.ddp.set_sync_enabled(last);
+        if let Some(ddp) = self.ddp {
+            ddp.set_sync_enabled(last);
+        }
     }
+}
+
+/// This data-parallel rank's rows `starts` of a global batch, split into the
+/// configured microbatches, each as sequence-first ids and labels.
+fn microbatches(
+    corpus: &Corpus,
+    starts: &[usize],
+    config: &TrainConfig,
+) -> Vec<(Vec<usize>, Vec<i64>)> {
+    let seq = config.model.seq;
+    let (inputs, targets) = corpus.rows(starts, seq);
+    let rows = starts.len() / config.microbatches;
+    inputs
+        .chunks(rows * seq)
+        .zip(targets.chunks(rows * seq))
+        .map(|(i, t)| (sequence_first(i, seq), sequence_first(t, seq)))
+        .collect()
 }
 
 /// The mean loss over the held-out windows: `eval_batches` global batches, each
 /// data-parallel rank evaluating its rows of each, the token mean taken over all of them.
-fn validation_loss(
-    model: &Gpt,
-    state: &ParallelState,
-    corpus: &Corpus,
-    config: &TrainConfig,
-    rng: &mut RngTracker,
-) -> Result<f32> {
-    let seq = config.model.seq;
-    let global_batch = config.batch * state.dp_size();
-    let starts = corpus.validation_starts(seq, global_batch * config.eval_batches);
+fn validation_loss(chunks: &mut Chunks<'_>, corpus: &Corpus) -> Result<f32> {
+    let config = chunks.config;
+    let (dp_rank, dp_size) = (chunks.state.dp_rank(), chunks.state.dp_size());
+    let global_batch = config.batch * dp_size;
+    let starts = corpus.validation_starts(config.model.seq, global_batch * config.eval_batches);
     let mut total = 0.0;
     for batch in starts.chunks(global_batch) {
-        let rows = &batch[state.dp_rank() * config.batch..(state.dp_rank() + 1) * config.batch];
-        let (inputs, targets) = corpus.rows(rows, seq);
-        let (ids, labels) = (sequence_first(&inputs, seq), sequence_first(&targets, seq));
-        let tape = Tape::new();
-        total += tape.no_grad(|| -> Result<f32> {
-            let logits = model.forward(&tape, &ids, seq, config.batch, rng)?;
-            Ok(model.loss(&logits, &labels, state.dp())?.global_mean)
-        })?;
+        let rows = &batch[dp_rank * config.batch..(dp_rank + 1) * config.batch];
+        let microbatches = microbatches(corpus, rows, config);
+        total += chunks.loss(&microbatches, Pass::Evaluate, false)?.0;
     }
     Ok(total / config.eval_batches as f32)
 }
@@ -357,28 +444,23 @@ fn sequence_first<T: Copy>(rows: &[T], seq: usize) -> Vec<T> {
         .collect()
 }
 
-/// Continues `prompt` by [`SAMPLE_BYTES`] bytes. Every tensor-parallel rank gathers the
-/// full last-position logits and draws from the same generator, so they agree on each byte.
-fn generate(
-    model: &Gpt,
-    prompt: &[u8],
-    generator: &mut Generator,
-    rng: &mut RngTracker,
-) -> Result<Vec<u8>> {
-    let GptConfig { vocab, seq, .. } = model.config();
-    let group = model.tp().group();
-    let sizes = mappings::split_sizes(vocab, group.size())?;
+/// Continues `prompt` by [`SAMPLE_BYTES`] bytes. The last stage's tensor-parallel ranks
+/// gather the full last-position logits and draw from the same generator, so they agree
+/// on each byte, which they broadcast to the other stages.
+fn generate(chunks: &mut Chunks<'_>, prompt: &[u8], generator: &mut Generator) -> Result<Vec<u8>> {
+    let seq = chunks.config.model.seq;
     let mut text = prompt.to_vec();
     for _ in 0..SAMPLE_BYTES {
         let context = &text[text.len().saturating_sub(seq)..];
         let ids: Vec<usize> = context.iter().map(|&b| usize::from(b)).collect();
-        let tape = Tape::new();
-        let logits = tape.no_grad(|| -> Result<_> {
-            let logits = model.forward(&tape, &ids, ids.len(), 1, rng)?;
-            let last = logits.narrow(0, ids.len() - 1, 1)?;
-            Ok(mappings::gather_from_region(&last, group, 2, Some(&sizes))?.to_vec()?)
-        })?;
-        text.push(sample(&logits, generator));
+        let mut byte = [chunks
+            .last_logits(&ids)?
+            .map_or(0, |logits| sample(&logits, generator))];
+        chunks
+            .state
+            .pp()
+            .broadcast_slice(&mut byte, chunks.config.pp - 1)?;
+        text.push(byte[0]);
     }
     Ok(text)
 }

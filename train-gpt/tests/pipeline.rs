@@ -3,19 +3,23 @@
 
 use std::process::Command;
 
-/// Runs a small model with `args`; returns success, stdout and stderr.
+/// Runs a small model with `args` (no validation and a scratch --out unless they say);
+/// returns success, stdout and stderr.
 fn train(args: &[&str]) -> (bool, String, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
+    let scratch = std::env::temp_dir().join("train-gpt-pipeline");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_train-gpt"));
+    command
         .args([
             "--layers", "4", "--hidden", "16", "--heads", "2", "--seq", "16",
         ])
-        .args(["--batch", "4", "--steps", "3", "--eval-interval", "0"])
-        .args([
-            "--out",
-            &std::env::temp_dir()
-                .join("train-gpt-pipeline")
-                .to_string_lossy(),
-        ])
+        .args(["--batch", "4", "--steps", "3"]);
+    if !args.contains(&"--eval-interval") {
+        command.args(["--eval-interval", "0"]);
+    }
+    if !args.contains(&"--out") {
+        command.arg("--out").arg(&scratch);
+    }
+    let output = command
         .args(args)
         .output()
         .expect("the train-gpt binary runs");
@@ -66,6 +70,45 @@ fn every_schedule_trains_what_one_rank_trains() {
             .and_then(|x| x.parse().ok())
             .unwrap_or_else(|| panic!("{layout:?}: last line {last:?}"));
         assert!(difference < 1e-4, "{layout:?}: {difference}");
+    }
+}
+
+/// The held-out loss, evaluated through the stages forward only, is the one-stage run's.
+#[test]
+fn validation_through_the_pipeline_matches_one_stage() {
+    let validation = |layout: &[&str], out: &str| -> Vec<f32> {
+        let dir = std::env::temp_dir().join(out);
+        let out = dir.to_string_lossy().into_owned();
+        let (ok, _, stderr) = train(&[layout, &["--eval-interval", "1", "--out", &out]].concat());
+        assert!(ok, "{layout:?}: {stderr}");
+        let csv = std::fs::read_to_string(dir.join("validation.csv")).unwrap();
+        csv.lines()
+            .skip(1)
+            .map(|line| line.split(',').nth(1).unwrap().parse().unwrap())
+            .collect()
+    };
+    let one = validation(&["--tp", "1", "--dp", "1"], "train-gpt-pipeline-pp1");
+    let interleaved = validation(
+        &[
+            "--pp",
+            "2",
+            "--tp",
+            "1",
+            "--dp",
+            "1",
+            "--schedule",
+            "interleaved",
+            "--virtual-stages",
+            "2",
+            "--microbatches",
+            "2",
+        ],
+        "train-gpt-pipeline-pp2",
+    );
+    assert_eq!(one.len(), 3);
+    assert_eq!(one.len(), interleaved.len());
+    for (a, b) in one.iter().zip(&interleaved) {
+        assert!((a - b).abs() < 1e-4, "{a} vs {b}");
     }
 }
 

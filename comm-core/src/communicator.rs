@@ -77,10 +77,11 @@ pub trait Communicator: Send + Sync {
     /// completed, as Megatron's `batch_isend_irecv` followed by a wait: two neighbours that
     /// each send to the other before receiving do not deadlock, whatever order their
     /// batches list the transfers in. Messages between a pair of ranks arrive in the order
-    /// they were sent, within a batch in their order in `ops`; each receive buffer must
-    /// match its message's dtype and length, else both ranks of that pair get
-    /// [`Error::Mismatch`](crate::Error::Mismatch). Receive an exchange's messages with an
-    /// exchange (on MPI the batch carries a small header; `send`/`recv` do not).
+    /// they were sent, within a batch in their order in `ops`; a message sent in one
+    /// batch may be received in another. Each receive buffer must match its message's
+    /// dtype and length, else the receiver gets [`Error::Mismatch`](crate::Error::Mismatch)
+    /// (on `local` the sender too). Receive an exchange's messages with an exchange (on
+    /// MPI each carries a small header; `send`/`recv` do not).
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()>;
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<()>;

@@ -593,9 +593,15 @@ impl Drop for MpiCommunicator {
     }
 }
 
-/// The tag of an exchange's headers; data travels on tag 0 with `send`/`recv`'s, which
-/// keeps a pair's messages in order across both.
+/// The tag of an exchange's headers (each send's dtype and length); data travels on tag 0
+/// with `send`/`recv`'s, which keeps a pair's messages in order across both.
 const HEADER_TAG: c_int = 1;
+
+/// An exchange's header: a send's dtype (its index in `DType::ALL`) and length.
+fn header(dtype: DType, len: usize) -> [i64; 2] {
+    let code = DType::ALL.iter().position(|&d| d == dtype).unwrap_or(0);
+    [code as i64, len as i64]
+}
 
 /// The buffer of a non-blocking transfer: read by a send, written by a receive.
 enum Raw {
@@ -603,128 +609,107 @@ enum Raw {
     Recv(*mut c_void),
 }
 
-/// What one side of an exchange transfers with one peer, in order: `(dtype, count)` of
-/// its sends to the peer and of its receives from it.
-#[derive(Clone, Debug, PartialEq)]
-struct PairPlan {
-    sends: Vec<(DType, usize)>,
-    recvs: Vec<(DType, usize)>,
-}
-
-impl PairPlan {
-    fn of(ops: &[P2p<'_>], peer: usize) -> PairPlan {
-        let mut plan = PairPlan {
-            sends: Vec::new(),
-            recvs: Vec::new(),
-        };
-        for op in ops.iter().filter(|op| op.peer() == peer) {
-            match op {
-                P2p::Send { buf, .. } => plan.sends.push((buf.dtype(), buf.len())),
-                P2p::Recv { buf, .. } => plan.recvs.push((buf.dtype(), buf.len())),
-            }
-        }
-        plan
-    }
-
-    fn encode(&self) -> Vec<i64> {
-        let mut words = vec![self.sends.len() as i64, self.recvs.len() as i64];
-        for &(dtype, count) in self.sends.iter().chain(&self.recvs) {
-            let code = DType::ALL.iter().position(|&d| d == dtype).unwrap_or(0);
-            words.extend([code as i64, count as i64]);
-        }
-        words
-    }
-
-    /// `None` for words no `encode` wrote.
-    fn decode(words: &[i64]) -> Option<PairPlan> {
-        let sends = usize::try_from(*words.first()?).ok()?;
-        let recvs = usize::try_from(*words.get(1)?).ok()?;
-        if words.len() != 2 + 2 * (sends + recvs) {
-            return None;
-        }
-        let transfers = words[2..]
-            .chunks(2)
-            .map(|w| Some((*DType::ALL.get(usize::try_from(w[0]).ok()?)?, w[1] as usize)))
-            .collect::<Option<Vec<_>>>()?;
-        let (s, r) = transfers.split_at(sends);
-        Some(PairPlan {
-            sends: s.to_vec(),
-            recvs: r.to_vec(),
-        })
-    }
-}
-
 impl MpiCommunicator {
     /// An exchange of host buffers, under the communicator's lock. With the check on,
-    /// each pair of ranks first swaps headers listing what it will send and receive, and
-    /// a pair that disagrees transfers nothing and fails on both sides.
+    /// each send is preceded by a header with its dtype and length (on its own tag, so
+    /// headers and data each stay in order between a pair); a receive reads the header
+    /// first and takes a message that does not fit into scratch memory, so that the
+    /// sender completes and the receiver returns `Mismatch`.
     fn exchange_host(&self, ops: &mut [P2p<'_>], first_recv: u64) -> Result<()> {
-        let mut peers: Vec<usize> = ops.iter().map(P2p::peer).collect();
-        peers.sort_unstable();
-        peers.dedup();
-        let mut refused: Vec<(usize, Error)> = Vec::new();
-        if self.core.env.check {
-            let plans: Vec<(usize, PairPlan)> =
-                peers.iter().map(|&p| (p, PairPlan::of(ops, p))).collect();
-            let headers: Vec<Vec<i64>> = plans.iter().map(|(_, plan)| plan.encode()).collect();
-            let mut requests = Vec::with_capacity(plans.len());
-            for ((peer, _), header) in plans.iter().zip(&headers) {
-                requests.push(self.post(
-                    Raw::Send(header.as_ptr().cast()),
-                    header.len(),
-                    DType::I64,
-                    *peer,
-                    HEADER_TAG,
-                )?);
-            }
-            let mut received = Ok(());
-            for (peer, mine) in &plans {
-                match self.recv_header(*peer) {
-                    Ok(Some(theirs))
-                        if theirs.sends == mine.recvs && theirs.recvs == mine.sends => {}
-                    Ok(theirs) => {
-                        let theirs = theirs.unwrap_or(PairPlan {
-                            sends: Vec::new(),
-                            recvs: Vec::new(),
-                        });
-                        refused.push((*peer, self.pair_mismatch(*peer, mine, &theirs, first_recv)));
-                    }
-                    Err(e) => {
-                        received = Err(e);
-                        break;
-                    }
+        let check = self.core.env.check;
+        let sent: Vec<[i64; 2]> = ops
+            .iter()
+            .filter_map(|op| match op {
+                P2p::Send { buf, .. } => Some(header(buf.dtype(), buf.len())),
+                P2p::Recv { .. } => None,
+            })
+            .collect();
+        let recvs = ops.len() - sent.len();
+        let mut announced = vec![[0i64; 2]; if check { recvs } else { 0 }];
+        let mut scratch = Vec::new();
+        let (mut requests, mut header_requests) = (Vec::new(), Vec::new());
+        let posted = self.post_exchange(
+            ops,
+            (&sent, &mut announced),
+            &mut scratch,
+            (&mut requests, &mut header_requests),
+            first_recv,
+        );
+        // Posted transfers borrow `ops`' buffers, the headers and the scratch memory:
+        // whatever happened, they complete before any of those go.
+        let waited = self
+            .wait_all(&mut header_requests)
+            .and(self.wait_all(&mut requests));
+        let mismatch = posted?;
+        waited?;
+        mismatch.map_or(Ok(()), Err)
+    }
+
+    /// Posts the sends (after their headers when checking) and, once the receives'
+    /// headers have arrived, the receives; returns the first mismatch found.
+    fn post_exchange(
+        &self,
+        ops: &mut [P2p<'_>],
+        (sent, announced): (&[[i64; 2]], &mut [[i64; 2]]),
+        scratch: &mut Vec<crate::Buffer>,
+        (requests, header_requests): (&mut Vec<ffi::MPI_Request>, &mut Vec<ffi::MPI_Request>),
+        first_recv: u64,
+    ) -> Result<Option<Error>> {
+        let check = self.core.env.check;
+        let mut sent = sent.iter();
+        for op in ops.iter() {
+            if let P2p::Send { buf, peer } = op {
+                if let (true, Some(header)) = (check, sent.next()) {
+                    let raw = Raw::Send(header.as_ptr().cast());
+                    requests.push(self.post(raw, 2, DType::I64, *peer, HEADER_TAG)?);
                 }
+                let raw = Raw::Send(send_ptr(buf));
+                requests.push(self.post(raw, buf.len(), buf.dtype(), *peer, 0)?);
             }
-            self.wait_all(&mut requests)?;
-            received?;
         }
-        let mut requests = Vec::with_capacity(ops.len());
-        let mut posted = Ok(());
-        for op in ops.iter_mut() {
-            if refused.iter().any(|(p, _)| *p == op.peer()) {
+        let peers = ops
+            .iter()
+            .filter(|op| matches!(op, P2p::Recv { .. }))
+            .map(P2p::peer);
+        for (header, peer) in announced.iter_mut().zip(peers) {
+            let raw = Raw::Recv(header.as_mut_ptr().cast());
+            header_requests.push(self.post(raw, 2, DType::I64, peer, HEADER_TAG)?);
+        }
+        self.wait_all(header_requests)?;
+        let mut mismatch = None;
+        let mut announced = announced.iter();
+        for (i, op) in ops.iter_mut().enumerate() {
+            let P2p::Recv { buf, peer } = op else {
                 continue;
-            }
-            let request = match op {
-                P2p::Send { buf, peer } => {
-                    self.post(Raw::Send(send_ptr(buf)), buf.len(), buf.dtype(), *peer, 0)
-                }
-                P2p::Recv { buf, peer } => {
-                    let (len, dtype) = (buf.len(), buf.dtype());
-                    self.post(Raw::Recv(recv_ptr(buf)), len, dtype, *peer, 0)
-                }
             };
-            match request {
-                Ok(request) => requests.push(request),
-                Err(e) => {
-                    posted = Err(e);
-                    break;
+            let (ptr, dtype, len) = match announced.next() {
+                Some(theirs) if *theirs != header(buf.dtype(), buf.len()) => {
+                    let dtype = DType::ALL
+                        .get(theirs[0] as usize)
+                        .copied()
+                        .unwrap_or(DType::U8);
+                    let len = usize::try_from(theirs[1]).unwrap_or(0);
+                    let mut send = self.check().signature(OpKind::Send, Some(dtype), len);
+                    send.rank = *peer;
+                    let recv = self
+                        .check()
+                        .signature(OpKind::Recv, Some(buf.dtype()), buf.len());
+                    mismatch.get_or_insert(Error::Mismatch {
+                        group: self.core.name.clone(),
+                        seq: first_recv + i as u64,
+                        calls: vec![send, recv],
+                    });
+                    // A buffer's elements live on the heap: they stay put as `scratch`
+                    // grows.
+                    scratch.push(crate::Buffer::zeros(dtype, len));
+                    let taken = scratch.last_mut().map(|b| recv_ptr(&mut b.as_buf_mut()));
+                    (taken.unwrap_or(std::ptr::null_mut()), dtype, len)
                 }
-            }
+                _ => (recv_ptr(buf), buf.dtype(), buf.len()),
+            };
+            requests.push(self.post(Raw::Recv(ptr), len, dtype, *peer, 0)?);
         }
-        // Posted transfers borrow `ops`' buffers: they complete before this returns.
-        self.wait_all(&mut requests)?;
-        posted?;
-        refused.into_iter().next().map_or(Ok(()), |(_, e)| Err(e))
+        Ok(mismatch)
     }
 
     /// Posts a non-blocking transfer of `len` elements of `dtype` with `peer`.
@@ -777,77 +762,6 @@ impl MpiCommunicator {
             },
             "MPI_Waitall",
         )
-    }
-
-    /// The header `peer` sent this rank for the current exchange (`None`: not one).
-    fn recv_header(&self, peer: usize) -> Result<Option<PairPlan>> {
-        let dtype = raw_dtype(DType::I64);
-        // SAFETY: MPI_Status is plain data that MPI_Probe fills in.
-        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-        let mut count: c_int = 0;
-        // SAFETY: valid communicator and out-pointers.
-        unsafe {
-            check_rc(
-                ffi::MPI_Probe(peer as c_int, HEADER_TAG, self.core.comm.0, &mut status),
-                "MPI_Probe",
-            )?;
-            check_rc(
-                ffi::MPI_Get_count(&status, dtype, &mut count),
-                "MPI_Get_count",
-            )?;
-        }
-        let mut words = vec![0i64; usize::try_from(count).unwrap_or(0)];
-        // SAFETY: `words` holds the probed message's `count` elements.
-        check_rc(
-            unsafe {
-                ffi::MPI_Recv(
-                    words.as_mut_ptr().cast(),
-                    count,
-                    dtype,
-                    peer as c_int,
-                    HEADER_TAG,
-                    self.core.comm.0,
-                    ffi::RSMPI_STATUS_IGNORE,
-                )
-            },
-            "MPI_Recv",
-        )?;
-        Ok(PairPlan::decode(&words))
-    }
-
-    /// The `Mismatch` both ranks of a pair report: the first transfer they disagree on,
-    /// as the sender's send and the receiver's receive (a missing one with no dtype).
-    fn pair_mismatch(&self, peer: usize, mine: &PairPlan, theirs: &PairPlan, seq: u64) -> Error {
-        let me = self.core.rank;
-        let sig = |rank: usize, op: OpKind, transfer: Option<&(DType, usize)>| {
-            let mut s =
-                self.check()
-                    .signature(op, transfer.map(|t| t.0), transfer.map_or(0, |t| t.1));
-            s.rank = rank;
-            s
-        };
-        let first_difference = |sent: &[(DType, usize)], received: &[(DType, usize)]| {
-            (0..sent.len().max(received.len())).find(|&i| sent.get(i) != received.get(i))
-        };
-        let calls = if let Some(i) = first_difference(&theirs.sends, &mine.recvs) {
-            vec![
-                sig(peer, OpKind::Send, theirs.sends.get(i)),
-                sig(me, OpKind::Recv, mine.recvs.get(i)),
-            ]
-        } else {
-            let i = first_difference(&mine.sends, &theirs.recvs).unwrap_or(0);
-            vec![
-                sig(me, OpKind::Send, mine.sends.get(i)),
-                sig(peer, OpKind::Recv, theirs.recvs.get(i)),
-            ]
-        };
-        let mut calls = calls;
-        calls.sort_by_key(|c| c.rank);
-        Error::Mismatch {
-            group: self.core.name.clone(),
-            seq,
-            calls,
-        }
     }
 
     /// An exchange with device buffers, staged through host memory.

@@ -81,6 +81,41 @@ fn messages_between_a_pair_keep_their_order() {
     .unwrap();
 }
 
+/// Batches need not mirror each other: a send in one batch meets its receive in
+/// another.
+#[test]
+fn a_send_meets_its_receive_in_another_batch() {
+    run_local(2, |comm| -> anyhow::Result<()> {
+        if comm.rank() == 0 {
+            comm.exchange(&mut [P2p::Send {
+                buf: (&[7i32; 2][..]).into(),
+                peer: 1,
+            }])?;
+            let mut back = [0i32; 3];
+            comm.exchange(&mut [P2p::Recv {
+                buf: (&mut back[..]).into(),
+                peer: 1,
+            }])?;
+            assert_eq!(back, [9; 3]);
+        } else {
+            let mut got = [0i32; 2];
+            comm.exchange(&mut [
+                P2p::Recv {
+                    buf: (&mut got[..]).into(),
+                    peer: 0,
+                },
+                P2p::Send {
+                    buf: (&[9i32; 3][..]).into(),
+                    peer: 0,
+                },
+            ])?;
+            assert_eq!(got, [7; 2]);
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
 /// Ranks 0 and 1 disagree on a message's length, ranks 2 and 3 agree: the first pair
 /// both get `Mismatch` naming the sender's send and the receiver's receive, within
 /// seconds, and the second pair's exchange succeeds with the right numbers.

@@ -1,7 +1,8 @@
 //! What a checkpoint holds besides the weights and the optimizer state (which `layers`
 //! writes per tensor-parallel rank): the trainer's position and history in
 //! `trainer_state.json`, and each tensor-parallel rank's random streams in
-//! `rng_tp_{rank}_of_{size}.json`. Every file is written to a temporary name and renamed
+//! `rng_tp_{rank}_of_{size}.json`. Under pipeline parallelism each stage writes its
+//! files into its own directory, [`stage_dir`]. Every file is written to a temporary name and renamed
 //! into place; `trainer_state.json` is written last, so a directory that has it is whole.
 
 use crate::model::GptConfig;
@@ -19,6 +20,9 @@ const FORMAT: u64 = 1;
 pub struct TrainerState {
     /// Tensor-parallel size of the saved shards.
     pub tp: usize,
+    /// Pipeline stages, and model chunks per stage, the run was split into.
+    pub pp: usize,
+    pub chunks: usize,
     pub model: GptConfig,
     pub global_batch: usize,
     /// The global mean loss of every step so far.
@@ -36,6 +40,8 @@ impl TrainerState {
             "consumed_samples": self.losses.len() * self.global_batch,
             "global_batch": self.global_batch,
             "tp": self.tp,
+            "pp": self.pp,
+            "chunks": self.chunks,
             "model": {"vocab": m.vocab, "layers": m.layers, "hidden": m.hidden,
                       "heads": m.heads, "seq": m.seq},
             // f32 → f64 is exact and JSON keeps f64 exactly, so the curve resumes
@@ -91,8 +97,18 @@ impl TrainerState {
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
+        // Checkpoints written before pipelines existed hold one stage.
+        let or_one = |value: &Value| {
+            if value.is_null() {
+                Ok(1)
+            } else {
+                number(value)
+            }
+        };
         Ok(TrainerState {
             tp: number(&state["tp"])?,
+            pp: or_one(&state["pp"])?,
+            chunks: or_one(&state["chunks"])?,
             model: GptConfig {
                 vocab: number(&model["vocab"])?,
                 layers: number(&model["layers"])?,
@@ -110,9 +126,17 @@ impl TrainerState {
     pub fn check_compatible(
         &self,
         model: &GptConfig,
+        (pp, chunks): (usize, usize),
         global_batch: usize,
         steps: usize,
     ) -> Result<()> {
+        ensure!(
+            (self.pp, self.chunks) == (pp, chunks),
+            "the checkpoint was saved with --pp {} and {} model chunk(s) per stage \
+             (--virtual-stages); resume with those (any --tp and --dp work)",
+            self.pp,
+            self.chunks
+        );
         let (s, m) = (&self.model, model);
         ensure!(
             (s.vocab, s.layers, s.hidden, s.heads, s.seq)
@@ -138,6 +162,16 @@ impl TrainerState {
             );
         }
         Ok(())
+    }
+}
+
+/// Where pipeline stage `pp_rank` of `pp` keeps its files: `dir` itself without
+/// pipeline parallelism, else `dir/pp_{rank}_of_{pp}`.
+pub fn stage_dir(dir: &Path, pp_rank: usize, pp: usize) -> PathBuf {
+    if pp == 1 {
+        dir.to_path_buf()
+    } else {
+        dir.join(format!("pp_{pp_rank}_of_{pp}"))
     }
 }
 

@@ -392,16 +392,18 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
     );
     pipeline_schedule(args).validate(args.pp, args.microbatches)?;
     ensure!(
-        args.pp == 1 || (args.save.is_none() && args.resume.is_none()),
-        "--save and --resume do not support --pp > 1 yet"
-    );
-    ensure!(
         args.trace.is_none() || args.backend == Backend::Local,
         "--trace collects every stage's timeline in one process: use the local backend"
     );
     if let Some(dir) = &args.resume {
         let saved = checkpoint::TrainerState::read(dir)?;
-        saved.check_compatible(&train_config(args).model, args.batch * dp, args.steps)?;
+        let chunks = pipeline_schedule(args).chunks();
+        saved.check_compatible(
+            &train_config(args).model,
+            (args.pp, chunks),
+            args.batch * dp,
+            args.steps,
+        )?;
     }
     Ok(())
 }

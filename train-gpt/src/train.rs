@@ -4,7 +4,7 @@
 
 use crate::checkpoint::{self, TrainerState};
 use crate::data::{Corpus, DistributedSampler};
-use crate::model::{Gpt, GptConfig};
+use crate::model::{Gpt, GptConfig, RankModel};
 use crate::report::Progress;
 use anyhow::{bail, Result};
 use comm_core::{Communicator, CommunicatorExt};
@@ -102,20 +102,20 @@ pub fn train_rank(
             )
         })
         .collect::<Result<Vec<_>>>()?;
-    // Without pipeline parallelism the one chunk is the whole model, which checkpoints
-    // save and load.
-    let whole = (config.pp == 1).then(|| &models[0]);
     let (dp_rank, dp_size) = (state.dp_rank(), state.dp_size());
     let global_batch = config.batch * dp_size;
-    let saved = match (&config.resume, whole) {
-        (Some(dir), Some(model)) => {
+    let stage_dir = |dir: &std::path::Path| checkpoint::stage_dir(dir, state.pp_rank(), config.pp);
+    let saved = match &config.resume {
+        Some(dir) => {
             let saved = TrainerState::read(dir)?;
-            saved.check_compatible(&config.model, global_batch, config.steps)?;
-            model.load(dir, saved.tp)?;
+            let layout = (config.pp, chunks);
+            saved.check_compatible(&config.model, layout, global_batch, config.steps)?;
+            for model in &models {
+                model.load(&stage_dir(dir), saved.tp)?;
+            }
             Some(saved)
         }
-        (Some(_), None) => bail!("--resume does not support --pp > 1 yet"),
-        (None, _) => None,
+        None => None,
     };
     for sharded in models.iter().flat_map(Module::parameters) {
         let value = sharded.param.value().to_device(config.device)?;
@@ -144,11 +144,18 @@ pub fn train_rank(
         .collect();
     let (mut losses, mut validation) = (Vec::with_capacity(config.steps), Vec::new());
     if let (Some(dir), Some(saved)) = (&config.resume, &saved) {
-        let model = &models[0];
-        let state =
-            layers::checkpoint::load_optimizer_state(model, dir, saved.tp, tp.rank(), tp.size())?;
+        let (dir, rank_model) = (stage_dir(dir), RankModel(&models));
+        let state = layers::checkpoint::load_optimizer_state(
+            &rank_model,
+            &dir,
+            saved.tp,
+            tp.rank(),
+            tp.size(),
+        )?;
         optimizer.load_state(&state)?;
-        checkpoint::restore_rng(dir, saved, &mut rngs[0], tp.rank(), tp.size())?;
+        for rng in &mut rngs {
+            checkpoint::restore_rng(&dir, saved, rng, tp.rank(), tp.size())?;
+        }
         losses.extend_from_slice(&saved.losses);
         validation.extend_from_slice(&saved.validation);
     }
@@ -204,18 +211,28 @@ pub fn train_rank(
         progress.finish();
     }
 
-    if let (Some(dir), Some(model)) = (&config.save, whole) {
-        // Data-parallel replicas are identical: one of them writes the tensor-parallel
-        // shards; world rank 0 writes the trainer state last, once every shard is there.
+    if let Some(dir) = &config.save {
+        // Data-parallel replicas are identical: one of them writes each stage's
+        // tensor-parallel shards; world rank 0 writes the trainer state last, once every
+        // shard is there. (Every chunk's random streams are the same: no stream is drawn.)
         if dp_rank == 0 {
-            model.save(dir)?;
-            layers::checkpoint::save_optimizer_shard(model, &optimizer, dir, tp.rank(), tp.size())?;
-            checkpoint::save_rng(dir, &chunks.rngs[0], tp.rank(), tp.size())?;
+            let (dir, rank_model) = (stage_dir(dir), RankModel(&models));
+            rank_model.save(&dir)?;
+            layers::checkpoint::save_optimizer_shard(
+                &rank_model,
+                &optimizer,
+                &dir,
+                tp.rank(),
+                tp.size(),
+            )?;
+            checkpoint::save_rng(&dir, &chunks.rngs[0], tp.rank(), tp.size())?;
         }
         world.barrier()?;
         if world.rank() == 0 {
             TrainerState {
                 tp: tp.size(),
+                pp: config.pp,
+                chunks: config.pipeline.chunks(),
                 model: config.model,
                 global_batch,
                 losses: losses.clone(),

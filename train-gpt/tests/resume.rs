@@ -115,6 +115,50 @@ fn a_resumed_run_writes_the_uninterrupted_runs_losses() {
     std::fs::remove_dir_all(&root).ok();
 }
 
+/// Under pipeline parallelism each stage saves and restores its own chunks: the resumed
+/// interleaved run is the uninterrupted one, row for row; at another --pp it is refused.
+#[test]
+fn a_pipelined_run_resumes_exactly_and_only_at_its_layout() {
+    let root = scratch("resume-pp");
+    let dir = |name: &str| root.join(name).to_string_lossy().into_owned();
+    let (a, b, b2, c) = (dir("A"), dir("B"), dir("B2"), dir("C"));
+    let pipelined = |extra: &[&str]| {
+        let layout = [
+            "--layers",
+            "4",
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--dp",
+            "1",
+            "--schedule",
+            "interleaved",
+            "--virtual-stages",
+            "2",
+            "--microbatches",
+            "2",
+        ];
+        succeed(&[&layout[..], extra].concat())
+    };
+    pipelined(&["--steps", "6", "--out", &a]);
+    pipelined(&["--steps", "3", "--save", &c, "--out", &b]);
+    pipelined(&["--steps", "6", "--resume", &c, "--out", &b2]);
+    assert_eq!(
+        rows(&root.join("B2/loss.csv")),
+        rows(&root.join("A/loss.csv"))
+    );
+    assert_eq!(
+        rows(&root.join("B2/validation.csv")),
+        rows(&root.join("A/validation.csv"))
+    );
+    let output = train(&["--layers", "4", "--steps", "6", "--resume", &c]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "resumed at --pp 1");
+    assert!(stderr.contains("saved with --pp 2"), "{stderr}");
+    std::fs::remove_dir_all(&root).ok();
+}
+
 #[test]
 fn resume_mistakes_are_reported() {
     let root = scratch("mistakes");

@@ -139,8 +139,8 @@ struct Args {
     save: Option<PathBuf>,
     /// Continue a run saved with --save, up to --steps: weights, optimizer state,
     /// schedule position, random streams and data position are restored. Any --tp works
-    /// (the shards are re-cut); the global batch (--batch × data-parallel size) and the
-    /// model sizes must be the saved ones.
+    /// (the shards are re-cut); the global batch (--batch × data-parallel size), the
+    /// model sizes, --pp and --virtual-stages must be the saved ones.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// Train on this text file instead of the built-in documentation corpus.

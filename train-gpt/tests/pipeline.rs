@@ -30,39 +30,24 @@ fn train(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// Two stages, two chunks each, interleaved.
+const INTERLEAVED: &str =
+    "--pp 2 --tp 1 --dp 1 --schedule interleaved --virtual-stages 2 --microbatches 2";
+
+fn words(flags: &str) -> Vec<&str> {
+    flags.split(' ').collect()
+}
+
 #[test]
 fn every_schedule_trains_what_one_rank_trains() {
-    for layout in [
-        &["--pp", "2", "--tp", "2", "--dp", "1", "--microbatches", "2"][..],
-        &[
-            "--pp",
-            "2",
-            "--tp",
-            "1",
-            "--dp",
-            "2",
-            "--schedule",
-            "gpipe",
-            "--microbatches",
-            "4",
-        ],
-        &[
-            "--pp",
-            "2",
-            "--tp",
-            "1",
-            "--dp",
-            "1",
-            "--schedule",
-            "interleaved",
-            "--virtual-stages",
-            "2",
-            "--microbatches",
-            "2",
-        ],
-        &["--pp", "4", "--tp", "1", "--dp", "2", "--microbatches", "4"],
+    for flags in [
+        "--pp 2 --tp 2 --dp 1 --microbatches 2",
+        "--pp 2 --tp 1 --dp 2 --schedule gpipe --microbatches 4",
+        INTERLEAVED,
+        "--pp 4 --tp 1 --dp 2 --microbatches 4",
     ] {
-        let (ok, stdout, stderr) = train(&[layout, &["--check"][..]].concat());
+        let layout = words(flags);
+        let (ok, stdout, stderr) = train(&[&layout[..], &["--check"]].concat());
         assert!(ok, "{layout:?}: {stderr}");
         let last = stdout.lines().last().unwrap_or_default();
         let difference: f32 = last
@@ -88,23 +73,7 @@ fn validation_through_the_pipeline_matches_one_stage() {
             .collect()
     };
     let one = validation(&["--tp", "1", "--dp", "1"], "train-gpt-pipeline-pp1");
-    let interleaved = validation(
-        &[
-            "--pp",
-            "2",
-            "--tp",
-            "1",
-            "--dp",
-            "1",
-            "--schedule",
-            "interleaved",
-            "--virtual-stages",
-            "2",
-            "--microbatches",
-            "2",
-        ],
-        "train-gpt-pipeline-pp2",
-    );
+    let interleaved = validation(&words(INTERLEAVED), "train-gpt-pipeline-pp2");
     assert_eq!(one.len(), 3);
     assert_eq!(one.len(), interleaved.len());
     for (a, b) in one.iter().zip(&interleaved) {

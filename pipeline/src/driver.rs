@@ -8,7 +8,7 @@ use comm_core::{Communicator, P2p};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
-use tape::{Parameter, Tape, Tensor};
+use tape::{GradHandle, Parameter, Tape, Tensor};
 
 /// One model chunk of a pipeline stage, as this rank runs it.
 pub trait Stage {
@@ -169,8 +169,9 @@ type Key = (usize, usize);
 struct InFlight {
     /// The received activation, whose gradient goes back to the previous stage.
     input: Option<Parameter>,
-    /// The activation sent on, or the loss.
-    output: Tensor,
+    /// Where backward starts: the activation sent on, or the loss, without its values
+    /// (Megatron's `deallocate_output_tensor`); `None` if nothing trainable led to it.
+    output: Option<GradHandle>,
 }
 
 /// The bookkeeping of one step on this rank.
@@ -258,6 +259,7 @@ impl<'p> Step<'p> {
             }
             return Ok(());
         }
+        let handle = output.grad_handle();
         if self.is_last_stage(chunk) {
             if output.numel() != 1 {
                 return Err(Error::Config(format!(
@@ -270,10 +272,14 @@ impl<'p> Step<'p> {
             losses.resize(losses.len().max(microbatch + 1), f32::NAN);
             losses[microbatch] = output.item()?;
         } else {
-            self.to_send_forward = Some(((chunk, microbatch), output.clone()));
+            // The next exchange sends it, and then nothing here holds its values.
+            self.to_send_forward = Some(((chunk, microbatch), output));
         }
-        self.in_flight
-            .insert((chunk, microbatch), InFlight { input, output });
+        let flight = InFlight {
+            input,
+            output: handle,
+        };
+        self.in_flight.insert((chunk, microbatch), flight);
         self.report.peak_in_flight = self.report.peak_in_flight.max(self.in_flight.len());
         Ok(())
     }
@@ -286,18 +292,22 @@ impl<'p> Step<'p> {
             .ok_or_else(|| out_of_step("a forward", vstage, microbatch))?;
         self.backwards_done[chunk] += 1;
         stage.before_backward(self.backwards_done[chunk] == self.pipeline.config.microbatches);
-        let seed = if self.is_last_stage(chunk) {
-            let scale = 1.0 / self.pipeline.config.microbatches as f32;
-            Tensor::full(flight.output.shape(), scale).to_device(flight.output.device())?
+        let gradient = if self.is_last_stage(chunk) {
+            None
         } else {
-            self.gradients
-                .remove(&(chunk, microbatch))
-                .ok_or_else(|| out_of_step("a gradient", vstage, microbatch))?
-                .to_device(flight.output.device())?
+            let received = self.gradients.remove(&(chunk, microbatch));
+            Some(received.ok_or_else(|| out_of_step("a gradient", vstage, microbatch))?)
         };
         // An output that does not depend on anything trainable has nothing to propagate.
-        if flight.output.requires_grad() {
-            flight.output.backward_with_grad(&seed)?;
+        if let Some(output) = &flight.output {
+            let seed = match gradient {
+                Some(gradient) => gradient,
+                None => {
+                    let scale = 1.0 / self.pipeline.config.microbatches as f32;
+                    Tensor::full(output.shape(), scale)
+                }
+            };
+            output.backward_with_grad(&seed.to_device(output.device())?)?;
         }
         if let Some(input) = flight.input {
             let grad = match input.grad() {

@@ -97,5 +97,5 @@ pub use optim::{AdamW, AdamWConfig, Optimizer, OptimizerState, ParamState, Sgd, 
 pub use parameter::{GradHook, ParamId, Parameter};
 pub use random::Generator;
 pub use schedule::{LrDecay, LrSchedule};
-pub use tape::Tape;
+pub use tape::{GradHandle, Tape};
 pub use tensor::Tensor;

@@ -321,39 +321,88 @@ impl<T: Element> Tensor<T> {
 
     /// Reverse pass seeded with `grad` (same shape as `self`) as d(loss)/d(self).
     pub fn backward_with_grad(&self, grad: &Tensor<T>) -> Result<()> {
-        if grad.shape() != self.shape() {
-            return Err(Error::shape(
-                "backward_with_grad",
-                &[self.shape(), grad.shape()],
-                "the seed gradient must have the tensor's shape",
-            ));
-        }
-        if grad.device() != self.device() {
-            return Err(Error::DeviceMismatch {
-                op: "backward_with_grad",
-                first: self.device(),
-                second: grad.device(),
-            });
-        }
+        check_seed(self.shape(), self.device(), grad)?;
         self.backward_from(grad.detach())
+    }
+
+    /// What a later [`GradHandle::backward_with_grad`] needs of this tensor, without its
+    /// values: a pipeline stage that has sent an activation on keeps only this (and what
+    /// the recorded ops saved), as Megatron's `deallocate_output_tensor` does. `None`
+    /// when the tensor is not recorded on a tape.
+    pub fn grad_handle(&self) -> Option<GradHandle<T>> {
+        Some(GradHandle {
+            link: self.link.clone()?,
+            shape: self.shape().to_vec(),
+            device: self.device(),
+        })
     }
 
     fn backward_from(&self, seed: Tensor<T>) -> Result<()> {
         let link = self.link.as_ref().ok_or(Error::NotRecorded)?;
-        let mut nodes = {
-            let mut state = link.tape.shared.state.lock();
-            if state.generation != link.generation {
-                return Err(Error::StaleGraph { op: "backward" });
-            }
-            state.leaves.clear();
-            state.generation += 1;
-            // Take the record out so ops (e.g. in hooks) can record a new pass meanwhile.
-            std::mem::take(&mut state.nodes)
-        };
-        let root = link.node;
-        nodes.truncate(root + 1);
-        run_backward(nodes, root, seed)
+        backward_from_link(link, seed)
     }
+}
+
+/// A recorded tensor's place on its tape, shape and device, without its values (see
+/// [`Tensor::grad_handle`]).
+#[derive(Clone)]
+pub struct GradHandle<T: Element = f32> {
+    link: GradLink<T>,
+    shape: Vec<usize>,
+    device: crate::Device,
+}
+
+impl<T: Element> GradHandle<T> {
+    /// The tensor's shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The tensor's device.
+    pub fn device(&self) -> crate::Device {
+        self.device
+    }
+
+    /// Reverse pass seeded with `grad` as d(loss)/d(tensor), as
+    /// [`Tensor::backward_with_grad`] on the tensor would run it.
+    pub fn backward_with_grad(&self, grad: &Tensor<T>) -> Result<()> {
+        check_seed(&self.shape, self.device, grad)?;
+        backward_from_link(&self.link, grad.detach())
+    }
+}
+
+fn check_seed<T: Element>(shape: &[usize], device: crate::Device, grad: &Tensor<T>) -> Result<()> {
+    if grad.shape() != shape {
+        return Err(Error::shape(
+            "backward_with_grad",
+            &[shape, grad.shape()],
+            "the seed gradient must have the tensor's shape",
+        ));
+    }
+    if grad.device() != device {
+        return Err(Error::DeviceMismatch {
+            op: "backward_with_grad",
+            first: device,
+            second: grad.device(),
+        });
+    }
+    Ok(())
+}
+
+fn backward_from_link<T: Element>(link: &GradLink<T>, seed: Tensor<T>) -> Result<()> {
+    let mut nodes = {
+        let mut state = link.tape.shared.state.lock();
+        if state.generation != link.generation {
+            return Err(Error::StaleGraph { op: "backward" });
+        }
+        state.leaves.clear();
+        state.generation += 1;
+        // Take the record out so ops (e.g. in hooks) can record a new pass meanwhile.
+        std::mem::take(&mut state.nodes)
+    };
+    let root = link.node;
+    nodes.truncate(root + 1);
+    run_backward(nodes, root, seed)
 }
 
 fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: Tensor<T>) -> Result<()> {

@@ -211,21 +211,27 @@ fn host_and_device_buffers_cannot_meet_in_one_call() -> anyhow::Result<()> {
         return Ok(());
     };
     // One rank on the host, one on the device: every rank learns of the mismatch.
-    let results = comm_core::LocalLauncher::new(2)?.run_each(move |comm| -> anyhow::Result<()> {
-        let stream = stream_for(comm.rank(), devices)?;
-        let mut host = vec![1.0f32; 8];
-        let mut device = stream.clone_htod(&host)?;
-        let view = if comm.rank() == 0 {
-            BufMut::from(&mut host)
-        } else {
-            BufMut::cuda(&mut device, &stream)?
-        };
-        comm.all_reduce(view, ReduceOp::Sum)?;
-        Ok(())
-    });
+    // The closure returns comm-core's error so that the launcher's `RankFailed` keeps it
+    // (an anyhow error could not be downcast back).
+    let results =
+        comm_core::LocalLauncher::new(2)?.run_each(move |comm| -> comm_core::Result<()> {
+            let stream = cuda::context(comm.rank() % devices)?
+                .new_stream()
+                .map_err(cuda::driver_error("cuStreamCreate"))?;
+            let mut host = vec![1.0f32; 8];
+            let mut device = stream
+                .clone_htod(&host)
+                .map_err(cuda::driver_error("clone_htod"))?;
+            let view = if comm.rank() == 0 {
+                BufMut::from(&mut host)
+            } else {
+                BufMut::cuda(&mut device, &stream)?
+            };
+            comm.all_reduce(view, ReduceOp::Sum)
+        });
     for result in results {
         let (_, err) = result.err().context("mixed memory must fail")?;
-        ensure!(matches!(err, Error::Mismatch { .. }), "{err}");
+        ensure!(matches!(err.root_cause(), Error::Mismatch { .. }), "{err}");
     }
     // Input on the device, output on the host: rejected before communicating.
     run_local(1, move |comm| -> anyhow::Result<()> {

@@ -330,9 +330,12 @@ fn check<T: BenchElement>(
     Ok(())
 }
 
-/// Times `iters` calls; returns the slowest rank's mean microseconds per call.
+/// Times `iters` calls; returns the slowest rank's mean microseconds per call, agreed on
+/// over `control` (a host-memory communicator of the same ranks: NCCL moves device memory
+/// only).
 fn time_op<T: BenchElement>(
     comm: &dyn Communicator,
+    control: &dyn Communicator,
     memory: Memory,
     op: Op,
     count: usize,
@@ -350,7 +353,7 @@ fn time_op<T: BenchElement>(
         buffers.run(comm, op)?;
     }
     let mut elapsed = [start.elapsed().as_secs_f64() * 1e6 / iters as f64];
-    comm.all_reduce_slice(&mut elapsed, ReduceOp::Max)?;
+    control.all_reduce_slice(&mut elapsed, ReduceOp::Max)?;
     Ok(elapsed[0])
 }
 
@@ -366,9 +369,11 @@ fn time_memcpy(bytes: usize, iters: usize) -> f64 {
     start.elapsed().as_secs_f64() * 1e6 / iters as f64
 }
 
-/// Checks and times every size on one rank; rank 0's rows are the result.
+/// Checks and times every size on one rank; rank 0's rows are the result. `control` is
+/// `comm` itself, or for NCCL the host communicator it was bootstrapped from.
 fn bench_rank<T: BenchElement>(
     comm: &dyn Communicator,
+    control: &dyn Communicator,
     args: &Args,
     sizes: &[usize],
 ) -> Result<Vec<Row>> {
@@ -394,7 +399,7 @@ fn bench_rank<T: BenchElement>(
         }
         check::<T>(comm, args.memory, args.op, count)?;
         let iters = args.iters.unwrap_or_else(|| default_iters(bytes));
-        let time_us = time_op::<T>(comm, args.memory, args.op, count, iters)?;
+        let time_us = time_op::<T>(comm, control, args.memory, args.op, count, iters)?;
         rows.push(Row {
             backend: comm.backend(),
             bytes,
@@ -510,7 +515,7 @@ fn main() -> Result<()> {
         Backend::Local => {
             let results = run_local(
                 args.ranks,
-                |comm| comm_core::with_dtype!(dtype, T => bench_rank::<T>(&comm, &args, &sizes)),
+                |comm| comm_core::with_dtype!(dtype, T => bench_rank::<T>(&comm, &comm, &args, &sizes)),
             )?;
             print_rows(&args, args.ranks, &results[0]);
         }
@@ -525,8 +530,9 @@ fn run_nccl(args: &Args, dtype: DType, sizes: &[usize]) -> Result<()> {
     let devices = comm_core::cuda::device_count()?.max(1);
     let results = run_local(args.ranks, |bootstrap| -> Result<Vec<Row>> {
         let device = bootstrap.rank() % devices;
-        let nccl = comm_core::NcclCommunicator::new(std::sync::Arc::new(bootstrap), device)?;
-        comm_core::with_dtype!(dtype, T => bench_rank::<T>(&nccl, args, sizes))
+        let bootstrap = std::sync::Arc::new(bootstrap);
+        let nccl = comm_core::NcclCommunicator::new(bootstrap.clone(), device)?;
+        comm_core::with_dtype!(dtype, T => bench_rank::<T>(&nccl, &*bootstrap, args, sizes))
     })?;
     print_rows(args, args.ranks, &results[0]);
     Ok(())
@@ -562,7 +568,7 @@ mod device_copy {
 fn run_mpi(args: &Args, dtype: DType, sizes: &[usize]) -> Result<()> {
     let mpi = comm_core::mpi::MpiWorld::init()?;
     let world = mpi.world()?;
-    let rows = comm_core::with_dtype!(dtype, T => bench_rank::<T>(&world, args, sizes))?;
+    let rows = comm_core::with_dtype!(dtype, T => bench_rank::<T>(&world, &world, args, sizes))?;
     if world.rank() == 0 {
         print_rows(args, world.size(), &rows);
     }

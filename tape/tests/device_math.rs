@@ -74,6 +74,30 @@ fn reductions() {
     }
 }
 
+/// Long dimensions with few outputs are summed in parts by many threads and the parts
+/// summed again; the results still equal the CPU's.
+#[test]
+fn long_reductions_split_across_threads() {
+    check::<f64>("long sum", Inputs::new(&[&[100_003]]), F64, |x| x[0].sum());
+    // f32 sums of 40 000 terms in another order differ by more than one rounding.
+    check::<f32>("long sum f32", Inputs::new(&[&[40_000]]), 10.0 * F32, |x| {
+        x[0].sum()
+    });
+    check::<f64>("long mean", Inputs::new(&[&[2, 5_000, 3]]), F64, |x| {
+        x[0].mean_dim(1, true)
+    });
+    check::<f64>("long max", Inputs::new(&[&[4_000, 2]]), F64, |x| {
+        x[0].max_dim(0, false)
+    });
+    // A bias's gradient sums the broadcast rows.
+    check::<f64>(
+        "bias over many rows",
+        Inputs::new(&[&[64, 40, 3], &[3]]),
+        F64,
+        |x| x[0].add(&x[1]),
+    );
+}
+
 #[test]
 fn matrix_products() {
     let cases: [(&[usize], &[usize]); 5] = [

@@ -53,6 +53,13 @@ fn layer_norm_with_and_without_affine() {
             t[0].layer_norm(None, Some(&t[1]), 1e-3)
         });
     }
+    // Many rows: the weight and bias gradients are summed in parts (see device_math.rs).
+    check::<f64>(
+        "layer_norm many rows",
+        Inputs::new(&[&[300, 16], &[16], &[16]]),
+        F64,
+        |t| t[0].layer_norm(Some(&t[1]), Some(&t[2]), 1e-5),
+    );
     check::<f64>(
         "layer_norm 1-d",
         Inputs::new(&[&[7], &[7], &[7]]),

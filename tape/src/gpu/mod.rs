@@ -62,7 +62,6 @@ kernels! {
     BINARY = "binary": binary_f32, binary_f64;
     UNARY = "unary": unary_f32, unary_f64;
     UNARY_BACKWARD = "unary_backward": unary_backward_f32, unary_backward_f64;
-    SUM_TO = "sum_to": sum_to_f32, sum_to_f64;
     REDUCE_DIM = "reduce_dim": reduce_dim_f32, reduce_dim_f64;
     EXPAND_DIM = "expand_dim": expand_dim_f32, expand_dim_f64;
     MAX_BACKWARD = "max_backward": max_backward_f32, max_backward_f64;

@@ -71,25 +71,19 @@ pub(crate) fn binary<T: Element>(
     Ok(out)
 }
 
-/// Sums a broadcast gradient down to an operand's `shape`.
+/// Sums a broadcast gradient down to an operand's `shape`, one broadcast dimension at a
+/// time (from the last, so the indices of the others stay put).
 pub(crate) fn sum_to<T: Element>(grad: GpuArray<T>, shape: &[usize]) -> Result<GpuArray<T>> {
-    if grad.shape() == shape {
-        return Ok(grad);
+    let target = padded(shape, grad.ndim());
+    let mut out = grad;
+    for (d, &size) in target.iter().enumerate().rev() {
+        if size == 1 && out.shape()[d] != 1 {
+            let mut kept = out.shape().to_vec();
+            kept[d] = 1;
+            out = sum_dim(&out, d, 1.0)?.reshaped(&kept);
+        }
     }
-    let op = "broadcast backward";
-    check_rank(op, grad.shape())?;
-    let ndim = grad.ndim();
-    let out = GpuArray::<T>::uninit(op, grad.device(), shape)?;
-    let mut args = KernelArgs::default();
-    args.p[..2].copy_from_slice(&[out.ptr(), grad.ptr()]);
-    args.i[0] = out.len() as i64;
-    args.i[1] = ndim as i64;
-    for (d, (&big, small)) in grad.shape().iter().zip(padded(shape, ndim)).enumerate() {
-        args.i[2 + d] = big as i64;
-        args.i[10 + d] = small as i64;
-    }
-    out.launch(&super::SUM_TO, out.len(), &args)?;
-    Ok(out)
+    Ok(out.reshaped(shape))
 }
 
 /// Gradients of `a (op) b` with respect to each operand that needs one.
@@ -173,14 +167,6 @@ pub(crate) fn unary_backward<T: Element>(
     Ok(out)
 }
 
-/// Reductions along one dimension, as numbered in `reduce.cu`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ReduceKind {
-    Sum = 0,
-    Mean = 1,
-    Max = 2,
-}
-
 /// `(outer, dim, inner)` extents of `shape` around dimension `dim`.
 pub(crate) fn around(shape: &[usize], dim: usize) -> (usize, usize, usize) {
     (
@@ -190,27 +176,75 @@ pub(crate) fn around(shape: &[usize], dim: usize) -> (usize, usize, usize) {
     )
 }
 
-/// Reduces dimension `dim` away (the caller reshapes for `keepdim`); for `Max` also the
-/// index of each maximum, for the backward.
-pub(crate) fn reduce_dim<T: Element>(
+/// Into how many runs to split a summed dimension of `extent` elements when `outputs`
+/// sums are wanted: one thread per output leaves the device idle when there are few
+/// outputs (a full sum has one), so each output's run is shared by enough threads to fill
+/// it, and the partial sums are summed again. 1 means no split.
+pub(crate) fn sum_parts(outputs: usize, extent: usize) -> usize {
+    const THREADS: usize = 1 << 16;
+    const MIN_RUN: usize = 32;
+    if outputs >= THREADS || extent < 2 * MIN_RUN {
+        1
+    } else {
+        (THREADS / outputs.max(1)).min(extent / MIN_RUN)
+    }
+}
+
+/// Launches `reduce_dim` over `x` viewed as `[outer, extent, inner]` into `[outer, parts,
+/// inner]` (`kind`: 0 sum, 2 max, as in `reduce.cu`).
+fn launch_reduce<T: Element>(
     x: &GpuArray<T>,
-    dim: usize,
-    kind: ReduceKind,
-) -> Result<(GpuArray<T>, Option<GpuArray<i64>>)> {
-    let op = "reduce";
-    let (outer, extent, inner) = around(x.shape(), dim);
+    (outer, extent, inner): (usize, usize, usize),
+    parts: usize,
+    kind: i64,
+    scale: f64,
+    argmax: Option<&GpuArray<i64>>,
+) -> Result<GpuArray<T>> {
+    let out = GpuArray::<T>::uninit("reduce", x.device(), &[outer, parts, inner])?;
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr(), argmax.map_or(0, GpuArray::ptr)]);
+    args.i[..5].copy_from_slice(&[
+        outer as i64,
+        extent as i64,
+        inner as i64,
+        kind,
+        parts as i64,
+    ]);
+    args.f[0] = scale;
+    out.launch(&super::REDUCE_DIM, outer * parts * inner, &args)?;
+    Ok(out)
+}
+
+/// `scale ·` the sum over dimension `dim`, which is removed (the caller reshapes for
+/// `keepdim`).
+pub(crate) fn sum_dim<T: Element>(x: &GpuArray<T>, dim: usize, scale: f64) -> Result<GpuArray<T>> {
     let mut shape = x.shape().to_vec();
     shape.remove(dim);
-    let out = GpuArray::<T>::uninit(op, x.device(), &shape)?;
-    let argmax = match kind {
-        ReduceKind::Max => Some(GpuArray::<i64>::uninit(op, x.device(), &shape)?),
-        _ => None,
-    };
-    let mut args = KernelArgs::default();
-    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr(), argmax.as_ref().map_or(0, |a| a.ptr())]);
-    args.i[..4].copy_from_slice(&[outer, extent, inner, kind as usize].map(|v| v as i64));
-    out.launch(&super::REDUCE_DIM, outer * inner, &args)?;
-    Ok((out, argmax))
+    let (outer, mut extent, inner) = around(x.shape(), dim);
+    let mut partial = x.clone();
+    loop {
+        let parts = sum_parts(outer * inner, extent);
+        let last = parts == 1;
+        let factor = if last { scale } else { 1.0 };
+        partial = launch_reduce(&partial, (outer, extent, inner), parts, 0, factor, None)?;
+        if last {
+            return Ok(partial.reshaped(&shape));
+        }
+        extent = parts;
+    }
+}
+
+/// The maximum over dimension `dim`, which is removed, and the index of each maximum (the
+/// first of equals), for the backward.
+pub(crate) fn max_dim<T: Element>(
+    x: &GpuArray<T>,
+    dim: usize,
+) -> Result<(GpuArray<T>, GpuArray<i64>)> {
+    let mut shape = x.shape().to_vec();
+    shape.remove(dim);
+    let argmax = GpuArray::<i64>::uninit("reduce", x.device(), &shape)?;
+    let out = launch_reduce(x, around(x.shape(), dim), 1, 2, 1.0, Some(&argmax))?;
+    Ok((out.reshaped(&shape), argmax))
 }
 
 /// Gradient of a reduction over `dim` of an input of `shape`: `grad` (without the

@@ -2,7 +2,7 @@
 //! works on a tensor viewed as `[rows, width]` over its last dimension, with the kernels
 //! of `kernels/rows.cu` (whose argument slots are restated at each caller).
 
-use super::ops::{reduce_dim, unary, ReduceKind, UnaryKind};
+use super::ops::{sum_dim, sum_parts, unary, UnaryKind};
 use super::{GpuArray, Kernel, KernelArgs};
 use crate::{Element, Result};
 
@@ -143,9 +143,11 @@ pub(crate) fn layer_norm_affine_grads<T: Element>(
 ) -> Result<AffineGrads<T>> {
     let op = "layer_norm backward";
     let (rows, width) = rows_of(saved.x.shape());
+    // Each part sums a run of rows; the parts are summed by `sum_dim` (see `sum_parts`).
+    let parts = sum_parts(width, rows);
     let make = |needed: bool| {
         needed
-            .then(|| GpuArray::<T>::uninit(op, grad.device(), &[width]))
+            .then(|| GpuArray::<T>::uninit(op, grad.device(), &[parts, width]))
             .transpose()
     };
     let (dweight, dbias) = (make(need_weight)?, make(need_bias)?);
@@ -153,7 +155,7 @@ pub(crate) fn layer_norm_affine_grads<T: Element>(
         return Ok((None, None));
     }
     // p0 dweight (0: not needed), p1 dbias (0: not needed), p2 g, p3 x, p4 mean, p5 rstd;
-    // i0 width, i1 rows.
+    // i0 width, i1 rows, i2 parts.
     let mut args = KernelArgs::default();
     args.p[..6].copy_from_slice(&[
         dweight.as_ref().map_or(0, GpuArray::ptr),
@@ -163,9 +165,10 @@ pub(crate) fn layer_norm_affine_grads<T: Element>(
         saved.mean.ptr(),
         saved.rstd.ptr(),
     ]);
-    args.i[..2].copy_from_slice(&[width as i64, rows as i64]);
-    grad.launch(&LAYER_NORM_AFFINE_BACKWARD, width, &args)?;
-    Ok((dweight, dbias))
+    args.i[..3].copy_from_slice(&[width as i64, rows as i64, parts as i64]);
+    grad.launch(&LAYER_NORM_AFFINE_BACKWARD, parts * width, &args)?;
+    let total = |partial: Option<GpuArray<T>>| partial.map(|p| sum_dim(&p, 0, 1.0)).transpose();
+    Ok((total(dweight)?, total(dbias)?))
 }
 
 /// The targets of a cross-entropy: one label per row (validated on the host), the
@@ -222,7 +225,7 @@ pub(crate) fn sum_losses<T: Element>(
     losses: &GpuArray<T>,
     mean_over: Option<usize>,
 ) -> Result<GpuArray<T>> {
-    let (total, _) = reduce_dim(losses, 0, ReduceKind::Sum)?;
+    let total = sum_dim(losses, 0, 1.0)?;
     match mean_over {
         None => Ok(total),
         Some(count) => unary(UnaryKind::Scale, &total, 1.0 / count as f64),

@@ -3,7 +3,7 @@
 use ndarray::{ArrayD, Axis, IxDyn, Zip};
 
 use super::{check_dim, on_device};
-use crate::gpu::ops::{self as device, ReduceKind};
+use crate::gpu::ops as device;
 use crate::gpu::GpuArray;
 use crate::tape::{record, record_tensor};
 use crate::{Element, Result, Tensor};
@@ -57,12 +57,7 @@ impl<T: Element> Tensor<T> {
     ) -> Result<Tensor<T>> {
         check_dim(op, dim, self.shape())?;
         if let Some([x]) = on_device(op, [self])? {
-            let kind = if factor == T::one() {
-                ReduceKind::Sum
-            } else {
-                ReduceKind::Mean
-            };
-            let (out, _) = device::reduce_dim(x, dim, kind)?;
+            let out = device::sum_dim(x, dim, factor.into_f64())?;
             return self.record_reduction(op, x, dim, keepdim, out, factor.into_f64(), None);
         }
         let input = self.cpu(op)?;
@@ -101,8 +96,8 @@ impl<T: Element> Tensor<T> {
             ));
         }
         if let Some([x]) = on_device("max_dim", [self])? {
-            let (out, argmax) = device::reduce_dim(x, dim, ReduceKind::Max)?;
-            return self.record_reduction("max_dim", x, dim, keepdim, out, 1.0, argmax);
+            let (out, argmax) = device::max_dim(x, dim)?;
+            return self.record_reduction("max_dim", x, dim, keepdim, out, 1.0, Some(argmax));
         }
         let input = self.cpu("max_dim")?;
         let argmax = Zip::from(input.lanes(Axis(dim))).map_collect(|lane| {

@@ -98,37 +98,3 @@ KERNEL(SFX(unary_backward)) {
     }
 }
 
-/* Gradient of a broadcast operand: out (the operand's shape) = sum of g (the broadcast
- * shape) over the broadcast dimensions.  p0 out, p1 g; i0 out elements, i1 ndim,
- * i[2..10) g's shape, i[10..18) the operand's shape padded with leading 1s. */
-KERNEL(SFX(sum_to)) {
-    const KernelArgs* A = ARGS;
-    real* out = (real*)A->p[0];
-    const real* g = (const real*)A->p[1];
-    int ndim = (int)A->i[1];
-    const i64* big = A->i + 2;
-    const i64* small = A->i + 10;
-    i64 reduced = 1;
-    for (int d = 0; d < ndim; ++d)
-        if (small[d] == 1) reduced *= big[d];
-    FOR_EACH(o, A->i[0]) {
-        real acc = (real)0;
-        for (i64 k = 0; k < reduced; ++k) {
-            i64 rest_out = o, rest_k = k, offset = 0, stride = 1;
-            for (int d = ndim - 1; d >= 0; --d) {
-                i64 c;
-                if (small[d] == 1) {
-                    c = rest_k % big[d];
-                    rest_k /= big[d];
-                } else {
-                    c = rest_out % small[d];
-                }
-                rest_out /= small[d];
-                offset += c * stride;
-                stride *= big[d];
-            }
-            acc += g[offset];
-        }
-        out[o] = acc;
-    }
-}

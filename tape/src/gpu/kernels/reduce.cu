@@ -1,16 +1,21 @@
 /* Reductions along one dimension of a tensor viewed as [outer, dim, inner]. */
 
-/* p0 out [outer, inner], p1 x, p2 argmax (i64, only for max; may be 0); i0 outer, i1 dim,
- * i2 inner, i3 kind (0 sum, 1 mean, 2 max). */
+/* p0 out [outer, parts, inner], p1 x, p2 argmax (i64, only for max; may be 0); i0 outer,
+ * i1 dim, i2 inner, i3 kind (0 sum, 2 max), i4 parts; f0 scale of a sum.  Output slice p
+ * reduces the p-th run of ceil(dim / parts) elements of dim, so that a long dimension is
+ * shared by many threads and summed again by the caller (max always has one part). */
 KERNEL(SFX(reduce_dim)) {
     const KernelArgs* A = ARGS;
     real* out = (real*)A->p[0];
     const real* x = (const real*)A->p[1];
     i64* argmax = (i64*)A->p[2];
-    i64 dim = A->i[1], inner = A->i[2];
+    i64 dim = A->i[1], inner = A->i[2], parts = A->i[4];
     int kind = (int)A->i[3];
-    FOR_EACH(o, A->i[0] * inner) {
-        const real* row = x + (o / inner) * dim * inner + o % inner;
+    i64 run = (dim + parts - 1) / parts;
+    FOR_EACH(t, A->i[0] * parts * inner) {
+        i64 o = t / (parts * inner), part = t / inner % parts;
+        const real* row = x + o * dim * inner + t % inner;
+        i64 begin = part * run, end = begin + run < dim ? begin + run : dim;
         if (kind == 2) {
             real best = row[0];
             i64 at = 0;
@@ -21,12 +26,12 @@ KERNEL(SFX(reduce_dim)) {
                     at = d;
                 }
             }
-            out[o] = best;
-            argmax[o] = at;
+            out[t] = best;
+            argmax[t] = at;
         } else {
             real acc = (real)0;
-            for (i64 d = 0; d < dim; ++d) acc += row[d * inner];
-            out[o] = kind == 1 ? acc / (real)dim : acc;
+            for (i64 d = begin; d < end; ++d) acc += row[d * inner];
+            out[t] = acc * (real)A->f[0];
         }
     }
 }

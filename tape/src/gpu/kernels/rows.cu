@@ -136,9 +136,10 @@ KERNEL(SFX(layer_norm_rows_backward)) {
     }
 }
 
-/* Weight and bias gradients of `layer_norm_rows`, one index per column summing over the
- * rows (so no atomics): dweight = Σ g ⊙ x̂, dbias = Σ g.  p0 dweight (0: not needed),
- * p1 dbias (0: not needed), p2 g, p3 x, p4 mean, p5 rstd; i0 width, i1 rows. */
+/* Weight and bias gradients of `layer_norm_rows` as `parts` partial sums over runs of
+ * ceil(rows / parts) rows, one index per (part, column), so no atomics; the caller sums the
+ * parts: dweight = Σ g ⊙ x̂, dbias = Σ g.  p0 dweight [parts, width] (0: not needed), p1
+ * dbias (likewise), p2 g, p3 x, p4 mean, p5 rstd; i0 width, i1 rows, i2 parts. */
 KERNEL(SFX(layer_norm_affine_backward)) {
     const KernelArgs* A = ARGS;
     real* dweight = (real*)A->p[0];
@@ -147,16 +148,19 @@ KERNEL(SFX(layer_norm_affine_backward)) {
     const real* x = (const real*)A->p[3];
     const real* means = (const real*)A->p[4];
     const real* rstds = (const real*)A->p[5];
-    i64 width = A->i[0], rows = A->i[1];
-    FOR_EACH(c, width) {
+    i64 width = A->i[0], rows = A->i[1], parts = A->i[2];
+    i64 run = (rows + parts - 1) / parts;
+    FOR_EACH(t, parts * width) {
+        i64 c = t % width, begin = t / width * run;
+        i64 end = begin + run < rows ? begin + run : rows;
         real sum_gx = (real)0, sum_g = (real)0;
-        for (i64 r = 0; r < rows; ++r) {
+        for (i64 r = begin; r < end; ++r) {
             i64 k = r * width + c;
             sum_gx += g[k] * ((x[k] - means[r]) * rstds[r]);
             sum_g += g[k];
         }
-        if (dweight) dweight[c] = sum_gx;
-        if (dbias) dbias[c] = sum_g;
+        if (dweight) dweight[t] = sum_gx;
+        if (dbias) dbias[t] = sum_g;
     }
 }
 

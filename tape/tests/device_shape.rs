@@ -136,6 +136,13 @@ fn masked_fill_broadcasts_the_mask() {
         F64,
         |x| x[0].masked_fill(&columns, 0.5),
     );
+    let per_batch = ArrayD::from_shape_fn(IxDyn(&[2, 1, 3]), |i| (i[0] + i[2]) % 2 == 0);
+    check::<f64>(
+        "masked_fill per batch",
+        Inputs::new(&[&[2, 4, 3]]),
+        F64,
+        |x| x[0].masked_fill(&per_batch, 0.5),
+    );
     let full = ArrayD::from_shape_fn(IxDyn(&[3, 5]), |i| (i[0] + 2 * i[1]) % 3 == 0);
     check::<f32>("masked_fill f32", Inputs::new(&[&[3, 5]]), F32, |x| {
         x[0].masked_fill(&full, -2.0)

@@ -169,11 +169,23 @@ pub(crate) fn masked_fill<T: Element>(
     mask: &GpuArray<u8>,
     value: f64,
 ) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit("masked_fill", x.device(), x.shape())?;
-    // Slots of `masked_fill` (index.cu): p0 out, p1 x, p2 mask; i0 n; f0 value.
+    let op = "masked_fill";
+    check_rank(op, x.shape())?;
+    let out = GpuArray::<T>::uninit(op, x.device(), x.shape())?;
+    let ndim = x.ndim();
+    let mut dims = vec![1; ndim - mask.ndim()];
+    dims.extend_from_slice(mask.shape());
+    let strides = contiguous_strides(&dims);
+    // Slots of `masked_fill` (index.cu): p0 out, p1 x, p2 mask; i0 n, i1 ndim, i[2..10)
+    // x's shape, i[10..18) the mask's strides; f0 value.
     let mut args = KernelArgs::default();
     args.p[..3].copy_from_slice(&[out.ptr(), x.ptr(), mask.ptr()]);
     args.i[0] = out.len() as i64;
+    args.i[1] = ndim as i64;
+    for d in 0..ndim {
+        args.i[2 + d] = x.shape()[d] as i64;
+        args.i[10 + d] = if dims[d] == 1 { 0 } else { strides[d] as i64 };
+    }
     args.f[0] = value;
     out.launch(&MASKED_FILL, out.len(), &args)?;
     Ok(out)

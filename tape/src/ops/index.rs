@@ -77,7 +77,7 @@ impl<T: Element> Tensor<T> {
     /// causal mask). `mask` must broadcast to this tensor's shape.
     pub fn masked_fill(&self, mask: &ArrayD<bool>, value: T) -> Result<Tensor<T>> {
         const OP: &str = "masked_fill";
-        let mask = mask.broadcast(IxDyn(self.shape())).ok_or_else(|| {
+        let broadcast = mask.broadcast(IxDyn(self.shape())).ok_or_else(|| {
             Error::shape(
                 OP,
                 &[self.shape(), mask.shape()],
@@ -85,8 +85,10 @@ impl<T: Element> Tensor<T> {
             )
         })?;
         if let Some([x]) = on_device(OP, [self])? {
+            // The mask travels in its own shape (a causal mask is [s, s], the scores
+            // [b, heads, s, s]) and the kernel broadcasts it.
             let fill: Vec<u8> = mask.iter().map(|&masked| u8::from(masked)).collect();
-            let fill = GpuArray::from_host(OP, x.device(), &fill, x.shape())?;
+            let fill = GpuArray::from_host(OP, x.device(), &fill, mask.shape())?;
             let out = device::masked_fill(x, &fill, value.into_f64())?;
             let device = x.device();
             return record_tensor(OP, &[self], Tensor::from_gpu(out), || {
@@ -98,7 +100,7 @@ impl<T: Element> Tensor<T> {
             });
         }
         let input = self.cpu(OP)?;
-        let mask = mask.to_owned();
+        let mask = broadcast.to_owned();
         let out = Zip::from(input)
             .and(&mask)
             .map_collect(|&x, &masked| if masked { value } else { x });

@@ -26,15 +26,20 @@ KERNEL(SFX(embedding_backward)) {
     }
 }
 
-/* out[i] = mask[i] ? f0 : x[i]; with f0 = 0 it is also the gradient.  p0 out, p1 x,
- * p2 mask (u8, 1 = fill); i0 n; f0 the fill value. */
+/* out[i] = mask[i broadcast] ? f0 : x[i]; with f0 = 0 it is also the gradient.  p0 out,
+ * p1 x, p2 mask (u8, 1 = fill, broadcast to x's shape); i0 n, i1 ndim, i[2..10) x's shape,
+ * i[10..18) the mask's strides (0 along the dimensions it is broadcast over); f0 value. */
 KERNEL(SFX(masked_fill)) {
     const KernelArgs* A = ARGS;
     real* out = (real*)A->p[0];
     const real* x = (const real*)A->p[1];
     const u8* mask = (const u8*)A->p[2];
     real value = (real)A->f[0];
-    FOR_EACH(i, A->i[0]) out[i] = mask[i] ? value : x[i];
+    FOR_EACH(i, A->i[0]) {
+        i64 m;
+        STRIDED_OFFSET(m, i, A->i[1], A->i + 2, A->i + 10);
+        out[i] = mask[m] ? value : x[i];
+    }
 }
 
 /* out[i] = x[i] * (keep[i] ? f0 : 0), the CPU's product (so a dropped inf gives NaN there

@@ -8,7 +8,7 @@ use comm_core::{Communicator, P2p};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
-use tape::{GradHandle, Parameter, Tape, Tensor};
+use tape::{Device, GradHandle, Parameter, Tape, Tensor};
 
 /// One model chunk of a pipeline stage, as this rank runs it.
 pub trait Stage {
@@ -47,6 +47,8 @@ pub struct PipelineConfig {
     /// Run forwards only, recording nothing for backward (evaluation, inference): the
     /// last stage's outputs come back in [`StepReport::outputs`], of any shape.
     pub forward_only: bool,
+    /// Where the stages compute: received activations and gradients are placed there.
+    pub device: Device,
 }
 
 impl PipelineConfig {
@@ -58,6 +60,7 @@ impl PipelineConfig {
             shape: shape.to_vec(),
             trace_epoch: None,
             forward_only: false,
+            device: Device::Cpu,
         }
     }
 }
@@ -460,7 +463,8 @@ impl<'p> Step<'p> {
                     expected: expected.clone(),
                 });
             }
-            let tensor = Tensor::from_vec(data, expected)?;
+            let tensor =
+                Tensor::from_vec(data, expected)?.to_device(self.pipeline.config.device)?;
             if forward {
                 self.received.insert(key, tensor);
             } else {

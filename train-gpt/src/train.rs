@@ -335,6 +335,7 @@ impl Chunks<'_> {
         let mut config =
             pipeline::PipelineConfig::new(self.config.pipeline, microbatches.len(), &shape);
         config.forward_only = pass != Pass::Train;
+        config.device = self.config.device;
         if trace {
             self.state.pp().barrier()?;
             config.trace_epoch = Some(std::time::Instant::now());

@@ -45,6 +45,8 @@ fn every_schedule_trains_what_one_rank_trains() {
         "--pp 2 --tp 1 --dp 2 --schedule gpipe --microbatches 4",
         INTERLEAVED,
         "--pp 4 --tp 1 --dp 2 --microbatches 4",
+        // The GPU code path: activations received from a stage go to the device.
+        "--pp 2 --tp 2 --dp 1 --microbatches 2 --sequence-parallel --device emulated",
     ] {
         let layout = words(flags);
         let (ok, stdout, stderr) = train(&[&layout[..], &["--check"]].concat());

@@ -5,6 +5,9 @@
 #                                # binaries with CUDA support into .device-bin/
 #   scripts/gpu-suite.sh run     # on the GPU machine (no Rust needed), from the repo root
 #                                # with .device-bin/ present; logs go to $OUT (or ./gpu-logs)
+#   scripts/gpu-suite.sh tests   # `run`'s two halves on their own, for short device leases
+#   scripts/gpu-suite.sh bench
+#   eval "$(scripts/gpu-suite.sh env)"   # the same LD_LIBRARY_PATH, to run a binary by hand
 #
 # `run` points LD_LIBRARY_PATH at the CUDA, cuBLAS, NVRTC and NCCL libraries of the
 # machine's Python packages (nvidia-*) and toolkit, with unversioned symlinks (cudarc
@@ -38,8 +41,9 @@ for line in sys.stdin:
     cargo build --release -p comm-core --features comm-core/cuda,comm-core/cli --bin comm-bench
     cargo build --release -p tape --features tape/cuda --example bench_device
     cargo build --release -p layers --features tape/cuda --example bench_block
+    cargo build --release -p train-gpt --features cuda
     cp target/release/comm-bench target/release/examples/bench_device \
-        target/release/examples/bench_block "$BIN/"
+        target/release/examples/bench_block target/release/train-gpt "$BIN/"
     # Debug info is most of the size.
     strip --strip-debug "$BIN"/*
     du -sh "$BIN"
@@ -64,12 +68,15 @@ library_path() {
     echo "$links$dirs"
 }
 
-run() {
-    local logs=${OUT:-gpu-logs}
-    mkdir -p "$logs"
+setup() {
     export LD_LIBRARY_PATH="$(library_path):${LD_LIBRARY_PATH:-}"
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+}
+
+tests() {
+    local logs=${OUT:-gpu-logs}
+    mkdir -p "$logs"
     local failed=0
     for test in "$BIN"/test-*; do
         echo "== $test"
@@ -80,6 +87,10 @@ run() {
         }
         grep -E "test result|skipped|panicked" "$logs/$(basename "$test").log" | sort | uniq -c
     done
+    return $failed
+}
+
+bench() {
     echo "== comm-bench"
     "$BIN/comm-bench" --backend nccl --ranks 1 --sizes 1K,1M,64M --json
     for ranks in 2 4; do
@@ -94,14 +105,24 @@ run() {
     "$BIN/bench_block" --tp 1 --device cuda:0 --json
     "$BIN/bench_block" --tp 2 --device cuda:0 --json
     python3 layers/benches/bench_block.py --device cuda --json
-    return $failed
+    echo "== the demo on the GPU: TP 2 x DP 2 (and with PP 2) against the serial run, then timed"
+    local logs=${OUT:-gpu-logs}
+    "$BIN/train-gpt" --device cuda:0 --steps 20 --check --out "$logs/demo" | tail -1
+    "$BIN/train-gpt" --device cuda:0 --pp 2 --layers 2 --steps 20 --check --sequence-parallel \
+        --out "$logs/demo" | tail -1
+    local start=$SECONDS
+    "$BIN/train-gpt" --device cuda:0 --out "$logs/demo" | tail -3
+    echo "default run: $((SECONDS - start)) s"
 }
 
 case "${1:-}" in
 build) build ;;
-run) run ;;
+run) setup; tests; status=$?; bench; exit $status ;;
+tests) setup && tests ;;
+bench) setup && bench ;;
+env) echo "export LD_LIBRARY_PATH=$(library_path):${LD_LIBRARY_PATH:-}" ;;
 *)
-    echo "usage: $0 build|run" >&2
+    echo "usage: $0 build|run|tests|bench|env" >&2
     exit 2
     ;;
 esac

@@ -83,6 +83,19 @@ pub trait Communicator: Send + Sync {
     /// (on `local` the sender too). Receive an exchange's messages with an exchange (on
     /// MPI each carries a small header; `send`/`recv` do not).
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()>;
+    /// Starts sending a copy of `buf` to `dest` and returns at once; the handle's
+    /// [`wait`](P2pWork::wait) returns once `dest` has received it. Messages between a
+    /// pair arrive in the order they were started, whichever of `isend`, `send` and
+    /// `exchange` started them.
+    fn isend(&self, buf: BufRef<'_>, dest: usize) -> Result<P2pWork>;
+    /// Starts receiving the next message from `src` into `buf`, which must match its
+    /// dtype and length; the handle's [`wait`](P2pWork::wait) gives `buf` back filled.
+    /// Receives from one source take messages in the order they were started, whichever
+    /// handle is waited on first, and a started receive takes its message even while
+    /// this rank blocks in another call. A message that does not match fails the wait
+    /// with `Mismatch` (on `local` the sender's too; on MPI a longer message fails it
+    /// with MPI's truncation error). NCCL has neither: use `exchange` there.
+    fn irecv(&self, buf: Buffer, src: usize) -> Result<P2pWork>;
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<()>;
     /// Splits the group like `MPI_Comm_split`: ranks passing the same `color` form a new
@@ -104,6 +117,49 @@ pub trait Communicator: Send + Sync {
     /// this rank's on `mpi` and `nccl`; empty when the recorder is off.
     fn flight_record(&self) -> FlightRecord {
         FlightRecord::default()
+    }
+}
+
+/// A started [`isend`](Communicator::isend) or [`irecv`](Communicator::irecv).
+/// Dropping it without waiting waits (the transfer still uses its buffer), and discards
+/// the result.
+#[must_use = "a P2pWork must be waited on to see its error (dropping it waits too)"]
+pub struct P2pWork {
+    finish: Option<Box<dyn FnOnce() -> Result<Option<Buffer>> + Send>>,
+}
+
+impl P2pWork {
+    /// A transfer that `finish` completes: it returns the received buffer, or `None`
+    /// for a send.
+    pub(crate) fn new(finish: impl FnOnce() -> Result<Option<Buffer>> + Send + 'static) -> Self {
+        P2pWork {
+            finish: Some(Box::new(finish)),
+        }
+    }
+
+    /// Waits for the transfer: a receive's filled buffer, `None` for a send. Ends, like
+    /// a collective, with an error when the peer is lost or times out.
+    pub fn wait(mut self) -> Result<Option<Buffer>> {
+        match self.finish.take() {
+            Some(finish) => finish(),
+            None => Ok(None),
+        }
+    }
+}
+
+impl Drop for P2pWork {
+    fn drop(&mut self) {
+        if let Some(finish) = self.finish.take() {
+            let _ = finish();
+        }
+    }
+}
+
+impl std::fmt::Debug for P2pWork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("P2pWork")
+            .field("done", &self.finish.is_none())
+            .finish()
     }
 }
 

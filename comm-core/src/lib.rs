@@ -96,7 +96,7 @@ mod signature;
 mod work;
 
 pub use buffer::{BufMut, BufRef, Buffer, MemoryKind};
-pub use communicator::{AsyncOp, Communicator, CommunicatorExt, P2p};
+pub use communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
 pub use dtype::{reduce_slices, DType, Element, ReduceOp};
 pub use error::{CallSignature, Error, OpKind, Result};
 pub use flight_recorder::{CallRecord, CallState, FlightRecord, RankHistory};

@@ -32,7 +32,7 @@
 
 use crate::buffer::{BufMut, BufRef};
 use crate::calls::{offsets, CallCheck};
-use crate::communicator::{AsyncOp, Communicator, P2p};
+use crate::communicator::{AsyncOp, Communicator, P2p, P2pWork};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{self, CallRecord, Dump, FlightRecord, Recorder, Ticket};
@@ -597,6 +597,29 @@ impl Drop for MpiCommunicator {
 /// with `send`/`recv`'s, which keeps a pair's messages in order across both.
 const HEADER_TAG: c_int = 1;
 
+/// A request handle moved into a `P2pWork`'s completion.
+struct Request(ffi::MPI_Request);
+// SAFETY: MPI lets any thread complete a request under MPI_THREAD_MULTIPLE.
+unsafe impl Send for Request {}
+
+/// Waits for `request`; for a receive (`dtype` given) returns the elements received.
+fn wait_one(request: &mut ffi::MPI_Request, dtype: Option<DType>) -> Result<Option<usize>> {
+    // SAFETY: MPI_Status is plain data that MPI_Wait fills in.
+    let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+    // SAFETY: a request from MPI_Isend/MPI_Irecv whose buffer is still alive.
+    check_rc(unsafe { ffi::MPI_Wait(request, &mut status) }, "MPI_Wait")?;
+    let Some(dtype) = dtype else {
+        return Ok(None);
+    };
+    let mut count: c_int = 0;
+    // SAFETY: the status MPI_Wait filled in.
+    check_rc(
+        unsafe { ffi::MPI_Get_count(&status, raw_dtype(dtype), &mut count) },
+        "MPI_Get_count",
+    )?;
+    Ok(usize::try_from(count).ok())
+}
+
 /// An exchange's header: a send's dtype (its index in `DType::ALL`) and length.
 fn header(dtype: DType, len: usize) -> [i64; 2] {
     let code = DType::ALL.iter().position(|&d| d == dtype).unwrap_or(0);
@@ -1134,6 +1157,64 @@ impl Communicator for MpiCommunicator {
             self.core.recorder.end(record, result.is_ok());
         }
         result
+    }
+
+    fn isend(&self, buf: BufRef<'_>, dest: usize) -> Result<P2pWork> {
+        self.check().peer(OpKind::Send, "destination", dest)?;
+        // The transfer outlives the borrow: it sends a copy (device memory included).
+        let data = buf.to_host()?;
+        self.core.queue.wait_idle();
+        let request = {
+            let _order = self.core.seq.lock();
+            let record = self.start_message(OpKind::Send, data.dtype(), data.len(), dest);
+            let raw = Raw::Send(send_ptr(&data.as_buf_ref()));
+            let posted = self.post(raw, data.len(), data.dtype(), dest, 0);
+            self.core.recorder.end(record, posted.is_ok());
+            posted?
+        };
+        let (core, request) = (self.core.clone(), Request(request));
+        Ok(P2pWork::new(move || {
+            let mut request = request;
+            let waited = wait_one(&mut request.0, None);
+            drop((data, core));
+            waited.map(|_| None)
+        }))
+    }
+
+    fn irecv(&self, mut buf: crate::Buffer, src: usize) -> Result<P2pWork> {
+        self.check().peer(OpKind::Recv, "source", src)?;
+        self.core.queue.wait_idle();
+        let (dtype, len) = (buf.dtype(), buf.len());
+        let seq = self.core.messages[1].load(Ordering::Relaxed);
+        let request = {
+            let _order = self.core.seq.lock();
+            let record = self.start_message(OpKind::Recv, dtype, len, src);
+            let raw = Raw::Recv(recv_ptr(&mut buf.as_buf_mut()));
+            let posted = self.post(raw, len, dtype, src, 0);
+            self.core.recorder.end(record, posted.is_ok());
+            posted?
+        };
+        let this = MpiCommunicator {
+            core: self.core.clone(),
+            owner: false,
+        };
+        let request = Request(request);
+        Ok(P2pWork::new(move || {
+            let mut request = request;
+            let received = wait_one(&mut request.0, Some(dtype))?;
+            // A shorter message than the buffer leaves it partly unwritten: a mismatch.
+            if received != Some(len) {
+                let mut sent = this.check().signature(OpKind::Send, Some(dtype), 0);
+                sent.rank = src;
+                sent.count = received.unwrap_or(0);
+                return Err(Error::Mismatch {
+                    group: this.core.name.clone(),
+                    seq,
+                    calls: vec![sent, this.check().signature(OpKind::Recv, Some(dtype), len)],
+                });
+            }
+            Ok(Some(buf))
+        }))
     }
 
     fn barrier(&self) -> Result<()> {

@@ -88,7 +88,7 @@
 
 use crate::buffer::{BufMut, BufRef, MemoryKind};
 use crate::calls::{offsets, CallCheck};
-use crate::communicator::{AsyncOp, Communicator, CommunicatorExt, P2p};
+use crate::communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
 use crate::cuda::{self, Library};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
@@ -269,6 +269,18 @@ impl NcclCommunicator {
     /// The CUDA device this rank's buffers must live on.
     pub fn device(&self) -> usize {
         self.device
+    }
+
+    /// NCCL runs a rank's transfers one after another on its stream, so a send started
+    /// alone would wait for its receiver before a later receive could start.
+    fn no_single_transfers(&self, op: OpKind) -> Error {
+        Error::InvalidArgument {
+            op,
+            group: self.name.clone(),
+            detail: "NCCL cannot run a lone non-blocking send or receive without risking a \
+                     deadlock; start sends and receives together with `exchange`"
+                .into(),
+        }
     }
 
     fn check(&self) -> CallCheck<'_> {
@@ -1175,6 +1187,14 @@ impl Communicator for NcclCommunicator {
                 Ok(())
             })
         })
+    }
+
+    fn isend(&self, _: BufRef<'_>, _: usize) -> Result<P2pWork> {
+        Err(self.no_single_transfers(OpKind::Send))
+    }
+
+    fn irecv(&self, _: crate::Buffer, _: usize) -> Result<P2pWork> {
+        Err(self.no_single_transfers(OpKind::Recv))
     }
 
     fn barrier(&self) -> Result<()> {

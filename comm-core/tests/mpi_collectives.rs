@@ -342,6 +342,88 @@ fn exchanges(world: &dyn Communicator) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Started sends and receives: a ring where each rank starts its send first and waits
+/// in reverse order, a blocking receive behind a started one, and started receives of
+/// the wrong length (shorter: `Mismatch`; longer: MPI's truncation error).
+fn started_transfers(world: &dyn Communicator) -> anyhow::Result<()> {
+    let (r, n) = (world.rank(), world.size());
+    if n < 2 {
+        return Ok(());
+    }
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    for len in [3usize, 300_000] {
+        let sent = data::<f32>(r, len, 1);
+        let send = world.isend((&sent).into(), right)?;
+        let first = world.irecv(Buffer::zeros(DType::F32, len), left)?;
+        let second = world.irecv(Buffer::zeros(DType::I64, 2), left)?;
+        let small = world.isend((&[r as i64, 7][..]).into(), right)?;
+        ensure!(
+            second.wait()?.expect("a buffer").into_vec::<i64>()? == vec![left as i64, 7],
+            "started ring of {len}: second message"
+        );
+        ensure!(
+            first.wait()?.expect("a buffer").into_vec::<f32>()? == data::<f32>(left, len, 1),
+            "started ring of {len}: first message"
+        );
+        send.wait()?;
+        small.wait()?;
+    }
+    // A blocking receive takes the message after the one a started receive waits for.
+    let third = world.irecv(Buffer::zeros(DType::U8, 1), left)?;
+    let sends = [
+        world.isend((&[r as u8][..]).into(), right)?,
+        world.isend((&[r as u8 + 100][..]).into(), right)?,
+    ];
+    let mut fourth = [0u8];
+    world.recv_slice(&mut fourth, left)?;
+    ensure!(
+        fourth == [left as u8 + 100],
+        "blocking after started: {fourth:?}"
+    );
+    let third = third.wait()?.expect("a buffer").into_vec::<u8>()?;
+    ensure!(
+        third == vec![left as u8],
+        "started before blocking: {third:?}"
+    );
+    for send in sends {
+        send.wait()?;
+    }
+    // Rank 0 sends 4 then 2 elements; rank 1 starts receives of 5 and of 1.
+    match r {
+        0 => {
+            world.isend((&[1i32; 4][..]).into(), 1)?.wait()?;
+            world.isend((&[2i32; 2][..]).into(), 1)?.wait()?;
+        }
+        1 => {
+            let longer = world.irecv(Buffer::zeros(DType::I32, 5), 0)?;
+            let shorter = world.irecv(Buffer::zeros(DType::I32, 1), 0)?;
+            match longer.wait() {
+                Err(Error::Mismatch { calls, .. }) => ensure!(
+                    calls[0].count == 4 && calls[1].count == 5,
+                    "a longer started receive: {calls:?}"
+                ),
+                other => {
+                    anyhow::bail!("a longer started receive: expected Mismatch, got {other:?}")
+                }
+            }
+            match shorter.wait() {
+                Err(Error::Mpi(message)) => ensure!(
+                    message.to_lowercase().contains("truncat"),
+                    "a shorter started receive: {message}"
+                ),
+                other => {
+                    anyhow::bail!("a shorter started receive: expected truncation, got {other:?}")
+                }
+            }
+        }
+        _ => {}
+    }
+    let mut x = [1i32];
+    world.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+    ensure!(x[0] == n as i32, "sum after the started transfers");
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let mpi = MpiWorld::init()?;
     // This binary tests the default: with the check switched off, its mismatch cases
@@ -367,6 +449,7 @@ fn main() -> anyhow::Result<()> {
     results.push(("split and async".into(), split_and_async(&world)));
     results.push(("mismatch detection".into(), mismatch_is_detected(&world)));
     results.push(("exchanges".into(), exchanges(&world)));
+    results.push(("started transfers".into(), started_transfers(&world)));
     world.barrier()?;
 
     let failed = results.iter().filter(|(_, r)| r.is_err()).count();

@@ -110,10 +110,27 @@ struct Breakage {
 /// receiver has taken its message (sends are rendezvous on every backend).
 #[derive(Default)]
 struct Mailbox {
-    queue: Mutex<VecDeque<Message>>,
+    pending: Mutex<Pending>,
     posted: AtomicU64,
     taken: AtomicU64,
 }
+
+/// What waits in a mailbox: messages nobody has taken yet, or receives started before
+/// their message arrived, never both (whichever comes second is matched at once).
+#[derive(Default)]
+struct Pending {
+    messages: VecDeque<Message>,
+    receives: VecDeque<StartedReceive>,
+}
+
+/// A receive started with `irecv`: the receiver's call, and where its message goes.
+struct StartedReceive {
+    receiver: CallSignature,
+    slot: ReceiveSlot,
+}
+
+/// Where a started receive's message lands, whichever rank's thread matches it.
+pub(crate) type ReceiveSlot = Arc<Mutex<Option<Message>>>;
 
 /// A message in flight between two ranks.
 pub(crate) struct Message {
@@ -564,13 +581,21 @@ impl GroupShared {
         }
     }
 
-    /// Hands `msg` to `dst` without waiting; [`GroupShared::wait_taken`] waits for it.
+    /// Hands `msg` to `dst` without waiting: to its oldest started receive, else into
+    /// its mailbox; [`GroupShared::wait_taken`] waits for it to be taken.
     pub(crate) fn post(&self, src: usize, dst: usize, msg: Message) -> u64 {
         let mailbox = &self.mailboxes[src * self.size() + dst];
         let ticket = {
-            let mut queue = mailbox.queue.lock();
-            queue.push_back(msg);
-            mailbox.posted.fetch_add(1, Ordering::SeqCst)
+            let mut pending = mailbox.pending.lock();
+            let ticket = mailbox.posted.fetch_add(1, Ordering::SeqCst);
+            match pending.receives.pop_front() {
+                Some(started) => {
+                    Self::take(mailbox, &msg, &started.receiver);
+                    *started.slot.lock() = Some(msg);
+                }
+                None => pending.messages.push_back(msg),
+            }
+            ticket
         };
         self.wake_all();
         ticket
@@ -591,9 +616,77 @@ impl GroupShared {
         )
     }
 
-    /// Takes the next message from `src` to `dst`, waiting as a collective would. A
-    /// message whose dtype or length differs from `receiver`'s is marked rejected before
-    /// the sender can see it taken.
+    /// Marks `msg` taken by `receiver`: rejected first when its dtype or length differs,
+    /// so that the sender never sees a mismatched message taken without the rejection.
+    fn take(mailbox: &Mailbox, msg: &Message, receiver: &CallSignature) {
+        if Some(msg.data.dtype()) != receiver.dtype || msg.data.len() != receiver.count {
+            let _ = msg.rejected.set(receiver.clone());
+        }
+        mailbox.taken.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Starts a receive from `src` to `dst` without waiting: it takes the oldest waiting
+    /// message now, or the next one posted, before any later receive does.
+    pub(crate) fn start_receive(
+        &self,
+        src: usize,
+        dst: usize,
+        receiver: CallSignature,
+    ) -> ReceiveSlot {
+        let mailbox = &self.mailboxes[src * self.size() + dst];
+        let slot = ReceiveSlot::default();
+        let taken = {
+            let mut pending = mailbox.pending.lock();
+            match pending.messages.pop_front() {
+                Some(msg) => {
+                    Self::take(mailbox, &msg, &receiver);
+                    *slot.lock() = Some(msg);
+                    true
+                }
+                None => {
+                    let slot = slot.clone();
+                    pending
+                        .receives
+                        .push_back(StartedReceive { receiver, slot });
+                    false
+                }
+            }
+        };
+        if taken {
+            self.wake_all();
+        }
+        slot
+    }
+
+    /// Waits, as a collective waits, for the message of a receive `start_receive`
+    /// started.
+    pub(crate) fn wait_received(
+        &self,
+        src: usize,
+        dst: usize,
+        seq: u64,
+        slot: &ReceiveSlot,
+    ) -> Result<Message> {
+        let mut taken = None;
+        self.wait_for(
+            dst,
+            OpKind::Recv,
+            seq,
+            true,
+            |_| {
+                if taken.is_none() {
+                    taken = slot.lock().take();
+                }
+                taken.is_some()
+            },
+            |_| vec![src],
+            Patience::Bounded(&|_| false),
+        )?;
+        taken.ok_or_else(|| Error::Config("internal: receive finished without a message".into()))
+    }
+
+    /// Takes the next message from `src` to `dst`, waiting as a collective would. Started
+    /// receives take their messages first: while one waits, no message waits.
     pub(crate) fn receive(
         &self,
         src: usize,
@@ -610,14 +703,9 @@ impl GroupShared {
             true,
             |_| {
                 if taken.is_none() {
-                    taken = mailbox.queue.lock().pop_front();
+                    taken = mailbox.pending.lock().messages.pop_front();
                     if let Some(msg) = &taken {
-                        if Some(msg.data.dtype()) != receiver.dtype
-                            || msg.data.len() != receiver.count
-                        {
-                            let _ = msg.rejected.set(receiver.clone());
-                        }
-                        mailbox.taken.fetch_add(1, Ordering::AcqRel);
+                        Self::take(mailbox, msg, receiver);
                         self.wake_all();
                     }
                 }

@@ -12,9 +12,9 @@
 mod device;
 mod group;
 
-use crate::buffer::{BufMut, BufRef};
+use crate::buffer::{BufMut, BufRef, Buffer};
 use crate::calls::{offsets, signatures_agree, CallCheck};
-use crate::communicator::{AsyncOp, Communicator, P2p};
+use crate::communicator::{AsyncOp, Communicator, P2p, P2pWork};
 use crate::dtype::{reduce_raw, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{self, CallRecord, FlightRecord, Ticket};
@@ -387,6 +387,17 @@ impl Communicator for LocalCommunicator {
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
         self.core.queue.wait_idle();
         self.core.exchange(ops)
+    }
+    fn isend(&self, buf: BufRef<'_>, dest: usize) -> Result<P2pWork> {
+        self.core.check().peer(OpKind::Send, "destination", dest)?;
+        let posted = self.core.post(buf, dest)?;
+        let core = self.core.clone();
+        Ok(P2pWork::new(move || {
+            core.finish_send(posted).map(|()| None)
+        }))
+    }
+    fn irecv(&self, buf: Buffer, src: usize) -> Result<P2pWork> {
+        self.core.irecv(buf, src)
     }
     fn barrier(&self) -> Result<()> {
         self.core.queue.wait_idle();
@@ -819,6 +830,27 @@ impl RankCore {
         first_error.map_or(Ok(()), Err)
     }
 
+    /// Starts a receive from `src`; the handle waits for its message like `recv`.
+    fn irecv(self: &Arc<Self>, mut buf: Buffer, src: usize) -> Result<P2pWork> {
+        self.check().peer(OpKind::Recv, "source", src)?;
+        // A broken group may hold the message of a send that already failed.
+        self.group.check_broken(self.rank, OpKind::Recv, 0)?;
+        let (seq, record) = self.start_message(OpKind::Recv, (buf.dtype(), buf.len()), src);
+        let mine = self
+            .check()
+            .signature(OpKind::Recv, Some(buf.dtype()), buf.len());
+        let slot = self.group.start_receive(src, self.rank, mine.clone());
+        let core = self.clone();
+        Ok(P2pWork::new(move || {
+            let result = core
+                .group
+                .wait_received(src, core.rank, seq, &slot)
+                .and_then(|msg| core.accept(msg, buf.as_buf_mut(), src, seq, mine));
+            core.group.recorder(core.rank).end(record, result.is_ok());
+            result.map(|()| Some(buf))
+        }))
+    }
+
     /// Starts a send: records it and puts a copy of `buf` in `dest`'s mailbox.
     fn post(&self, buf: BufRef<'_>, dest: usize) -> Result<PostedSend> {
         let sig = self
@@ -874,13 +906,25 @@ impl RankCore {
     }
 
     /// The receive of message number `seq` from `src`.
-    fn receive_into(&self, mut buf: BufMut<'_>, src: usize, seq: u64) -> Result<()> {
+    fn receive_into(&self, buf: BufMut<'_>, src: usize, seq: u64) -> Result<()> {
         // A broken group may hold the message of a send that already failed.
         self.group.check_broken(self.rank, OpKind::Recv, 0)?;
         let mine = self
             .check()
             .signature(OpKind::Recv, Some(buf.dtype()), buf.len());
         let msg = self.group.receive(src, self.rank, seq, &mine)?;
+        self.accept(msg, buf, src, seq, mine)
+    }
+
+    /// Copies a received message into `buf`, or fails both sides if it did not match.
+    fn accept(
+        &self,
+        msg: Message,
+        mut buf: BufMut<'_>,
+        src: usize,
+        seq: u64,
+        mine: CallSignature,
+    ) -> Result<()> {
         if msg.rejected.get().is_some() {
             let mut sent =
                 self.check()

@@ -1,9 +1,10 @@
-//! Batched point-to-point exchanges on the local backend: neighbours that both send first
-//! complete, messages keep their order, and a receive that does not match its message
-//! fails both ranks of that pair and nobody else, promptly.
+//! Point-to-point transfers on the local backend, batched (`exchange`) and started
+//! (`isend`/`irecv`): neighbours that both send first complete, messages keep their
+//! order, and a receive that does not match its message fails both ranks of that pair
+//! and nobody else, promptly.
 
 use comm_core::{
-    run_local, Communicator, CommunicatorExt, DType, Error, LocalLauncher, OpKind, P2p,
+    run_local, Buffer, Communicator, CommunicatorExt, DType, Error, LocalLauncher, OpKind, P2p,
 };
 use std::time::{Duration, Instant};
 
@@ -192,4 +193,75 @@ fn bad_peers_are_rejected_up_front() {
         Ok(())
     })
     .unwrap();
+}
+
+/// Non-blocking sends and receives: both neighbours start a send before their receive
+/// and complete; receives from one source take messages in start order whichever is
+/// waited on first, before a later blocking `recv`.
+#[test]
+fn isend_and_irecv_complete_in_any_wait_order() {
+    // A wrong match would hang until the timeout: keep it short.
+    let launcher = LocalLauncher::new(2)
+        .unwrap()
+        .timeout(Duration::from_secs(20));
+    launcher
+        .run(|comm| -> anyhow::Result<()> {
+            let (r, other) = (comm.rank(), 1 - comm.rank());
+            let big: Vec<f32> = (0..100_000).map(|i| (i + r) as f32).collect();
+            let send = comm.isend((&big).into(), other)?;
+            let first = comm.irecv(Buffer::zeros(DType::F32, big.len()), other)?;
+            let small = comm.isend((&[r as i64; 3][..]).into(), other)?;
+            let second = comm.irecv(Buffer::zeros(DType::I64, 3), other)?;
+            // Waited in reverse: the second receive still gets the second message.
+            let second = second.wait()?.expect("a buffer").into_vec::<i64>()?;
+            assert_eq!(second, vec![other as i64; 3]);
+            let first = first.wait()?.expect("a buffer").into_vec::<f32>()?;
+            assert_eq!(first[1], (1 + other) as f32);
+            assert!(send.wait()?.is_none() && small.wait()?.is_none());
+            // A started receive is matched while its rank blocks elsewhere: both ranks start
+            // one, then both send, which rendezvous sends could not do without it.
+            let third = comm.irecv(Buffer::zeros(DType::U8, 1), other)?;
+            comm.send_slice(&[r as u8 + 10], other)?;
+            let third = third.wait()?.expect("a buffer").into_vec::<u8>()?;
+            assert_eq!(third, vec![other as u8 + 10]);
+            // A blocking receive takes messages after the started ones.
+            let fourth = comm.irecv(Buffer::zeros(DType::U8, 2), other)?;
+            let fifth = comm.isend((&[r as u8 + 20, r as u8 + 30][..]).into(), other)?;
+            let sixth = comm.isend((&[r as u8 + 40][..]).into(), other)?;
+            let mut last = [0u8];
+            comm.recv_slice(&mut last, other)?;
+            assert_eq!(last, [other as u8 + 40]);
+            let fourth = fourth.wait()?.expect("a buffer").into_vec::<u8>()?;
+            assert_eq!(fourth, vec![other as u8 + 20, other as u8 + 30]);
+            fifth.wait()?;
+            sixth.wait()?;
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// A started receive whose buffer does not match fails, and so does the sender's wait;
+/// a handle dropped unwaited still completes its transfer.
+#[test]
+fn started_transfers_report_mismatches_and_complete_when_dropped() {
+    let outcomes = LocalLauncher::new(2).unwrap().run_each(|comm| {
+        if comm.rank() == 0 {
+            drop(comm.isend((&[1i32; 2][..]).into(), 1)?);
+            comm.isend((&[2i32; 4][..]).into(), 1)?.wait().map(drop)
+        } else {
+            let dropped = comm.irecv(Buffer::zeros(DType::I32, 2), 0)?;
+            drop(dropped);
+            comm.irecv(Buffer::zeros(DType::I32, 3), 0)?
+                .wait()
+                .map(drop)
+        }
+    });
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        let Err((_, Error::RankFailed { source, .. })) = outcome else {
+            panic!("rank {rank}: expected a failure")
+        };
+        let err = source.downcast::<Error>().unwrap();
+        assert!(matches!(*err, Error::Mismatch { .. }), "rank {rank}: {err}");
+        assert!(err.to_string().contains("count=4") && err.to_string().contains("count=3"));
+    }
 }

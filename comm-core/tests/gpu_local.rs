@@ -1,6 +1,7 @@
 //! The local backend over CUDA buffers: every collective, dtype and reduction on device
 //! memory must give exactly what the same call gives on host memory (the host path is
-//! itself checked against a sequential reference in `collectives.rs`).
+//! itself checked against a sequential reference in `collectives.rs` and
+//! `point_to_point.rs`).
 //!
 //! Needs a GPU; without one each test prints `skipped: <reason>` and passes. Ranks are
 //! threads on device `rank % device_count`, so one GPU runs every group size.
@@ -11,7 +12,7 @@ mod support;
 use anyhow::{ensure, Context as _};
 use comm_core::cuda::{self, cudarc::driver::CudaStream};
 use comm_core::{
-    run_local, with_dtype, BufMut, BufRef, Communicator, DType, Element, Error, MemoryKind,
+    run_local, with_dtype, BufMut, BufRef, Communicator, DType, Element, Error, MemoryKind, P2p,
     ReduceOp,
 };
 use std::sync::Arc;
@@ -39,6 +40,8 @@ enum Case {
     ReduceScatterV(ReduceOp),
     AllToAllV,
     SendRecv,
+    /// A ring: each rank sends to its right and receives from its left in one batch.
+    Exchange,
 }
 
 /// Uneven per-rank counts (one rank may get nothing).
@@ -55,6 +58,7 @@ fn a2a(len: usize, src: usize, dst: usize) -> usize {
 fn shape(case: Case, len: usize, rank: usize, n: usize) -> (usize, usize, bool) {
     match case {
         Case::AllReduce(_) | Case::Broadcast | Case::SendRecv => (len, len, true),
+        Case::Exchange => (len, len, false),
         Case::AllGather => (len, len * n, false),
         Case::AllGatherV => {
             let counts = uneven(len, n);
@@ -97,6 +101,17 @@ fn call(
         Case::SendRecv if n % 2 == 0 && rank % 2 == 0 => comm.send(input, rank + 1),
         Case::SendRecv if n % 2 == 0 => comm.recv(output, rank - 1),
         Case::SendRecv => Ok(()),
+        Case::Exchange if n > 1 => comm.exchange(&mut [
+            P2p::Send {
+                buf: input,
+                peer: (rank + 1) % n,
+            },
+            P2p::Recv {
+                buf: output,
+                peer: (rank + n - 1) % n,
+            },
+        ]),
+        Case::Exchange => Ok(()),
     }
 }
 
@@ -150,6 +165,7 @@ fn cases(dtype: DType) -> Vec<Case> {
         Case::AllGatherV,
         Case::AllToAllV,
         Case::SendRecv,
+        Case::Exchange,
     ];
     for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(dtype)) {
         cases.extend([

@@ -22,6 +22,17 @@ pub enum MemoryKind {
         /// The device ordinal.
         device: usize,
     },
+    /// Memory of an emulated device (`tape`'s `Device::Emulated`): host memory that the
+    /// local and MPI backends move as such, kept apart from `Host` so that a call mixing
+    /// the two is caught as it would be on a real device.
+    Emulated,
+}
+
+impl MemoryKind {
+    /// Whether the host can read and write this memory directly (host and emulated).
+    pub fn is_host_addressable(self) -> bool {
+        matches!(self, MemoryKind::Host | MemoryKind::Emulated)
+    }
 }
 
 impl std::fmt::Display for MemoryKind {
@@ -29,6 +40,7 @@ impl std::fmt::Display for MemoryKind {
         match self {
             MemoryKind::Host => f.write_str("host"),
             MemoryKind::Cuda { device } => write!(f, "cuda:{device}"),
+            MemoryKind::Emulated => f.write_str("emulated"),
         }
     }
 }
@@ -44,6 +56,7 @@ pub struct BufRef<'a> {
     ptr: *const u8,
     len: usize,
     dtype: DType,
+    emulated: bool,
     #[cfg(feature = "cuda")]
     stream: Option<StreamRef<'a>>,
     _borrow: PhantomData<&'a [u8]>,
@@ -54,6 +67,7 @@ pub struct BufMut<'a> {
     ptr: *mut u8,
     len: usize,
     dtype: DType,
+    emulated: bool,
     #[cfg(feature = "cuda")]
     stream: Option<StreamRef<'a>>,
     _borrow: PhantomData<&'a mut [u8]>,
@@ -65,6 +79,7 @@ impl<'a, T: Element> From<&'a [T]> for BufRef<'a> {
             ptr: slice.as_ptr().cast(),
             len: slice.len(),
             dtype: T::DTYPE,
+            emulated: false,
             #[cfg(feature = "cuda")]
             stream: None,
             _borrow: PhantomData,
@@ -78,6 +93,7 @@ impl<'a, T: Element> From<&'a mut [T]> for BufMut<'a> {
             ptr: slice.as_mut_ptr().cast(),
             len: slice.len(),
             dtype: T::DTYPE,
+            emulated: false,
             #[cfg(feature = "cuda")]
             stream: None,
             _borrow: PhantomData,
@@ -123,7 +139,11 @@ macro_rules! view_accessors {
                     device: stream.context().ordinal(),
                 };
             }
-            MemoryKind::Host
+            if self.emulated {
+                MemoryKind::Emulated
+            } else {
+                MemoryKind::Host
+            }
         }
         /// The stream device memory is ordered on; `None` for host memory.
         #[cfg(feature = "cuda")]
@@ -136,9 +156,10 @@ macro_rules! view_accessors {
 impl<'a> BufRef<'a> {
     view_accessors!();
 
-    /// The elements as a typed host slice, if the view is host memory of type `T`.
+    /// The elements as a typed host slice, if the view is host (or emulated device)
+    /// memory of type `T`.
     pub fn as_host_slice<T: Element>(&self) -> Option<&'a [T]> {
-        (self.memory() == MemoryKind::Host && self.dtype == T::DTYPE).then(|| {
+        (self.memory().is_host_addressable() && self.dtype == T::DTYPE).then(|| {
             // SAFETY: built from a `&'a [T]` (or `&'a mut [T]`) of this length and type.
             unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.len) }
         })
@@ -155,6 +176,25 @@ impl<'a> BufRef<'a> {
             ptr,
             len,
             dtype,
+            emulated: false,
+            #[cfg(feature = "cuda")]
+            stream: None,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// A view of `len` elements of `dtype` at `ptr` in an emulated device's memory
+    /// ([`MemoryKind::Emulated`]).
+    ///
+    /// # Safety
+    /// `ptr` must be host memory valid for reads of `len` elements of `dtype`, suitably
+    /// aligned, and not written by anything else, for `'a`.
+    pub unsafe fn emulated(ptr: *const u8, len: usize, dtype: DType) -> BufRef<'a> {
+        BufRef {
+            ptr,
+            len,
+            dtype,
+            emulated: true,
             #[cfg(feature = "cuda")]
             stream: None,
             _borrow: PhantomData,
@@ -195,19 +235,39 @@ impl<'a> BufMut<'a> {
             ptr: self.ptr,
             len: self.len,
             dtype: self.dtype,
+            emulated: self.emulated,
             #[cfg(feature = "cuda")]
             stream: self.stream,
             _borrow: PhantomData,
         }
     }
 
-    /// The elements as a typed mutable host slice, if the view is host memory of type `T`.
+    /// The elements as a typed mutable host slice, if the view is host (or emulated
+    /// device) memory of type `T`.
     pub fn as_host_slice_mut<T: Element>(&mut self) -> Option<&mut [T]> {
-        (self.memory() == MemoryKind::Host && self.dtype == T::DTYPE).then(|| {
+        (self.memory().is_host_addressable() && self.dtype == T::DTYPE).then(|| {
             // SAFETY: built from a `&'a mut [T]` of this length and type, and `&mut self`
             // guarantees exclusive access for the returned lifetime.
             unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<T>(), self.len) }
         })
+    }
+
+    /// A writable view of `len` elements of `dtype` at `ptr` in an emulated device's
+    /// memory ([`MemoryKind::Emulated`]).
+    ///
+    /// # Safety
+    /// `ptr` must be host memory valid for reads and writes of `len` elements of `dtype`,
+    /// suitably aligned, and not accessed by anything else, for `'a`.
+    pub unsafe fn emulated(ptr: *mut u8, len: usize, dtype: DType) -> BufMut<'a> {
+        BufMut {
+            ptr,
+            len,
+            dtype,
+            emulated: true,
+            #[cfg(feature = "cuda")]
+            stream: None,
+            _borrow: PhantomData,
+        }
     }
 
     pub(crate) fn host_ptr_mut(&mut self) -> *mut u8 {
@@ -272,6 +332,7 @@ mod device {
                 ptr: ptr as usize as *const u8,
                 len: slice.len(),
                 dtype: T::DTYPE,
+                emulated: false,
                 stream: Some(stream),
                 _borrow: PhantomData,
             })
@@ -297,6 +358,7 @@ mod device {
                 ptr: ptr as usize as *mut u8,
                 len,
                 dtype: T::DTYPE,
+                emulated: false,
                 stream: Some(stream),
                 _borrow: PhantomData,
             })

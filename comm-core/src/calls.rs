@@ -322,7 +322,8 @@ pub(crate) fn signatures_agree(sigs: &[&CallSignature]) -> bool {
             && s.dtype == first.dtype
             && s.reduce == first.reduce
             && s.root == first.root
-            && (s.memory == MemoryKind::Host) == (first.memory == MemoryKind::Host)
+            // Host, emulated or device memory (any device) on every rank.
+            && std::mem::discriminant(&s.memory) == std::mem::discriminant(&first.memory)
     }) {
         return false;
     }

@@ -306,8 +306,8 @@ impl NcclCommunicator {
                 "the {role} lives on CUDA device {d}, but this communicator uses device \
                  {device}; pass a buffer on cuda:{device}"
             ),
-            (MemoryKind::Host, _) => format!(
-                "the {role} is host memory, and NCCL moves device memory only; pass a view \
+            (MemoryKind::Host | MemoryKind::Emulated, _) => format!(
+                "the {role} is {memory} memory, and NCCL moves CUDA memory only; pass a view \
                  of device memory on cuda:{device} (`BufRef::cuda` / `BufMut::cuda`), or \
                  use the local or mpi backend for host buffers"
             ),

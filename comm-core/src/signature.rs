@@ -102,6 +102,7 @@ fn encode(sig: &CallSignature, size: usize) -> Vec<i64> {
         index(sig.root),
         match sig.memory {
             MemoryKind::Host => -1,
+            MemoryKind::Emulated => -2,
             MemoryKind::Cuda { device } => device as i64,
         },
     ]);
@@ -131,7 +132,10 @@ fn decode(rank: usize, words: &[i64], size: usize) -> CallSignature {
         reduce: pick(words[2]).and_then(|i| ReduceOp::ALL.get(i).copied()),
         count: pick(words[3]).unwrap_or(0),
         root: pick(words[4]),
-        memory: pick(words[5]).map_or(MemoryKind::Host, |device| MemoryKind::Cuda { device }),
+        memory: match words[5] {
+            -2 => MemoryKind::Emulated,
+            w => pick(w).map_or(MemoryKind::Host, |device| MemoryKind::Cuda { device }),
+        },
         counts: list(HEADER),
         recv_counts: list(HEADER + size),
     }
@@ -169,6 +173,17 @@ mod tests {
         let words = encode(&full, 3);
         assert_eq!(words.len(), super::words(3));
         assert_eq!(decode(1, &words, 3), full);
+        for memory in [
+            MemoryKind::Host,
+            MemoryKind::Emulated,
+            MemoryKind::Cuda { device: 0 },
+        ] {
+            let placed = CallSignature {
+                memory,
+                ..full.clone()
+            };
+            assert_eq!(decode(1, &encode(&placed, 3), 3), placed);
+        }
         for op in OpKind::ALL {
             for dtype in DType::ALL {
                 let plain = sig(0, op, dtype, 5);
@@ -292,6 +307,16 @@ mod tests {
                 ..sig(r, OpKind::AllGather, DType::F32, 8)
             };
             assert_mismatch(&check_over_local(n, memory), memory);
+            // Emulated device memory on one rank, host memory on the others.
+            let emulated = |r: usize| CallSignature {
+                memory: if r == last {
+                    MemoryKind::Emulated
+                } else {
+                    MemoryKind::Host
+                },
+                ..sig(r, OpKind::AllReduce, DType::F32, 8)
+            };
+            assert_mismatch(&check_over_local(n, emulated), emulated);
             // Per-rank counts that differ between ranks.
             let counts = |r: usize| {
                 let mut c = vec![2; n];

@@ -85,6 +85,7 @@ impl<T: Copy + Default> GpuArray<T> {
                 std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data));
             out.backend().upload(out.ptr(), bytes)?;
         }
+        crate::transfers::count(device, std::mem::size_of_val(data), true);
         Ok(out)
     }
 
@@ -99,6 +100,7 @@ impl<T: Copy + Default> GpuArray<T> {
             );
             self.backend().download(bytes, self.ptr())?;
         }
+        crate::transfers::count(self.device(), std::mem::size_of_val(data.as_slice()), false);
         Ok(data)
     }
 

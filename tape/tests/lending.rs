@@ -1,0 +1,131 @@
+//! Tensors lend their memory to communicators: CPU tensors as host memory, emulated ones
+//! as emulated device memory, with no host↔device copy; new tensors are written in place
+//! by a collective; and the transfer counters count exactly the copies asked for.
+
+use comm_core::{run_local, Communicator, Error as CommError, MemoryKind, ReduceOp};
+use tape::{transfers, Device, Tensor, Transfers};
+
+fn devices() -> [Device; 2] {
+    [Device::Cpu, Device::Emulated]
+}
+
+#[test]
+fn a_lent_view_holds_the_elements_in_row_major_order() -> anyhow::Result<()> {
+    let x = Tensor::<f32>::from_vec((0..6).map(|i| i as f32).collect(), &[2, 3])?;
+    for device in devices() {
+        let on = x.to_device(device)?;
+        let before = transfers(device);
+        let (memory, values) = on.lend(|view| {
+            (
+                view.memory(),
+                view.as_host_slice::<f32>().map(<[f32]>::to_vec),
+            )
+        })?;
+        assert_eq!(
+            transfers(device),
+            before,
+            "{device}: lending copies nothing"
+        );
+        let expected = if device == Device::Cpu {
+            MemoryKind::Host
+        } else {
+            MemoryKind::Emulated
+        };
+        assert_eq!(memory, expected);
+        assert_eq!(values.unwrap(), x.to_vec()?);
+    }
+    // A transposed CPU view lends its elements in the transposed order.
+    let t = x.transpose(0, 1)?;
+    let lent = t.lend(|view| view.as_host_slice::<f32>().map(<[f32]>::to_vec))?;
+    assert_eq!(lent.unwrap(), vec![0., 3., 1., 4., 2., 5.]);
+    Ok(())
+}
+
+#[test]
+fn collectives_write_new_tensors_in_place_on_every_device() -> anyhow::Result<()> {
+    for device in devices() {
+        let results = run_local(2, move |comm| -> anyhow::Result<_> {
+            let r = comm.rank() as f32;
+            let x = Tensor::<f32>::from_vec(vec![r, r + 1.0, r + 2.0], &[3])?.to_device(device)?;
+            let before = transfers(device);
+            let gathered = Tensor::<f32>::filled_by(device, &[2, 3], |out| {
+                x.lend(|input| comm.all_gather(input, out))?
+                    .map_err(anyhow::Error::from)
+            })?;
+            let summed = x.updated_by(|buf| {
+                comm.all_reduce(buf, ReduceOp::Sum)
+                    .map_err(anyhow::Error::from)
+            })?;
+            let moved = transfers(device) - before;
+            assert_eq!((gathered.device(), summed.device()), (device, device));
+            Ok((moved, gathered.to_vec()?, summed.to_vec()?, x.to_vec()?))
+        })?;
+        for (rank, (moved, gathered, summed, x)) in results.into_iter().enumerate() {
+            assert_eq!(moved, Transfers::default(), "{device}: no host round trip");
+            assert_eq!(gathered, [0., 1., 2., 1., 2., 3.]);
+            assert_eq!(summed, [1., 3., 5.]);
+            // The updated tensor is a copy: the original keeps its values.
+            assert_eq!(x[0], rank as f32, "{device}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_failed_write_returns_its_error_and_no_tensor() {
+    for device in devices() {
+        let outcome = Tensor::<f32>::filled_by(device, &[2], |_| -> anyhow::Result<()> {
+            Err(anyhow::anyhow!("the collective failed"))
+        });
+        assert_eq!(outcome.unwrap_err().to_string(), "the collective failed");
+        // A communicator's typed error comes back as itself.
+        let x = Tensor::<f64>::zeros(&[1]).to_device(device).unwrap();
+        let outcome = x.updated_by(|_| -> Result<(), Lent> {
+            Err(Lent::Comm(CommError::Config("no".into())))
+        });
+        assert!(matches!(outcome, Err(Lent::Comm(CommError::Config(_)))));
+    }
+}
+
+/// An error type of the kind a crate above tape defines: communicator or tape errors.
+#[derive(Debug)]
+enum Lent {
+    Comm(CommError),
+    Tape,
+}
+
+impl From<tape::Error> for Lent {
+    fn from(_: tape::Error) -> Self {
+        Lent::Tape
+    }
+}
+
+#[test]
+fn transfers_count_each_copy_and_its_bytes() -> anyhow::Result<()> {
+    let before = transfers(Device::Emulated);
+    let x = Tensor::<f64>::ones(&[3, 2]).to_device(Device::Emulated)?;
+    let y = x.add(&x)?;
+    let _ = y.to_vec()?;
+    let _ = y.sum()?.item()?;
+    let moved = transfers(Device::Emulated) - before;
+    assert_eq!(
+        moved,
+        Transfers {
+            to_device_bytes: 48,
+            to_device_copies: 1,
+            to_host_bytes: 48 + 8,
+            to_host_copies: 2,
+        }
+    );
+    // Another thread's copies are its own.
+    std::thread::spawn(|| {
+        Tensor::<f32>::ones(&[8])
+            .to_device(Device::Emulated)
+            .map(drop)
+    })
+    .join()
+    .unwrap()?;
+    assert_eq!(transfers(Device::Emulated) - before, moved);
+    assert_eq!(transfers(Device::Cpu), Transfers::default());
+    Ok(())
+}

@@ -1,7 +1,7 @@
 //! The non-differentiable steps a mapping runs in its forward or backward pass: each one
 //! collective (or none) over a group, on a whole tensor, returning a new tensor.
 
-use comm_core::{Communicator, CommunicatorExt, ReduceOp};
+use comm_core::{Communicator, ReduceOp};
 use tape::Tensor;
 
 use crate::error::{Error, Result};
@@ -58,7 +58,8 @@ pub(crate) enum Collective {
 }
 
 impl Collective {
-    /// Runs the step on `x`; `op` names the mapping in errors.
+    /// Runs the step on `x`; `op` names the mapping in errors. Collectives read `x`'s own
+    /// memory and write the result's (see `Tensor::lend`), on `x`'s device.
     pub(crate) fn run<T: Scalar>(
         &self,
         op: &'static str,
@@ -67,28 +68,23 @@ impl Collective {
     ) -> Result<Tensor<T>> {
         let comm = |e| Error::from_comm(op, e);
         let rank = group.rank();
-        // Device tensors are exchanged through host memory (the communicator sees host
-        // slices); the result goes back to the input's device.
-        let on_input_device = |t: Tensor<T>| t.to_device(x.device()).map_err(Error::from);
-        let moved = match self {
+        // The packing below is part of the collective, not of the model's graph.
+        let x = &x.detach();
+        let device = x.device();
+        match self {
             Collective::Identity => Ok(x.clone()),
             Collective::AllReduce => {
-                let mut data = x.to_vec()?;
-                group
-                    .all_reduce_slice(&mut data, ReduceOp::Sum)
-                    .map_err(comm)?;
-                Ok(Tensor::from_vec(data, x.shape())?)
+                x.updated_by(|buf| group.all_reduce(buf, ReduceOp::Sum).map_err(comm))
             }
             Collective::Gather(Partition { dim, sizes }) => {
                 let layout = layout_with(op, x.shape(), *dim, sizes[rank])?;
-                let blocks = group
-                    .all_gather_v_vec(&x.to_vec()?, &layout.counts(sizes))
-                    .map_err(comm)?;
+                let counts = layout.counts(sizes);
+                let blocks = Tensor::filled_by(device, &[counts.iter().sum()], |out| {
+                    x.lend(|mine| group.all_gather_v(mine, out, &counts))?
+                        .map_err(comm)
+                })?;
                 let shape = with_len(x.shape(), *dim, sizes.iter().sum());
-                Ok(Tensor::from_vec(
-                    layout.unpack_rank_blocks(blocks, sizes),
-                    &shape,
-                )?)
+                unpack_rank_blocks(&blocks, &shape, *dim, sizes)
             }
             Collective::KeepOwn(Partition { dim, sizes }) => {
                 layout_with(op, x.shape(), *dim, sizes.iter().sum())?;
@@ -96,14 +92,14 @@ impl Collective {
             }
             Collective::ReduceScatter(Partition { dim, sizes }) => {
                 let layout = layout_with(op, x.shape(), *dim, sizes.iter().sum())?;
-                let blocks = layout.pack_rank_blocks(x.to_vec()?, sizes);
-                let mine = group
-                    .reduce_scatter_v_vec(&blocks, &layout.counts(sizes), ReduceOp::Sum)
-                    .map_err(comm)?;
-                Ok(Tensor::from_vec(
-                    mine,
-                    &with_len(x.shape(), *dim, sizes[rank]),
-                )?)
+                let counts = layout.counts(sizes);
+                let blocks = pack_rank_blocks(x, *dim, sizes)?;
+                let shape = with_len(x.shape(), *dim, sizes[rank]);
+                Tensor::filled_by(device, &shape, |mine| {
+                    blocks
+                        .lend(|all| group.reduce_scatter_v(all, mine, &counts, ReduceOp::Sum))?
+                        .map_err(comm)
+                })
             }
             Collective::AllToAll(exchange) => {
                 let Exchange {
@@ -113,26 +109,57 @@ impl Collective {
                     recv_sizes,
                 } = exchange;
                 let sending = layout_with(op, x.shape(), *scatter_dim, send_sizes.iter().sum())?;
-                let blocks = sending.pack_rank_blocks(x.to_vec()?, send_sizes);
+                let blocks = pack_rank_blocks(x, *scatter_dim, send_sizes)?;
                 // Every received part has this rank's part shape except along gather_dim.
                 let part = with_len(x.shape(), *scatter_dim, send_sizes[rank]);
                 let shape = with_len(&part, *gather_dim, recv_sizes.iter().sum());
                 let receiving = DimLayout::new(op, &shape, *gather_dim)?;
-                let received = group
-                    .all_to_all_v_vec(
-                        &blocks,
-                        &sending.counts(send_sizes),
-                        &receiving.counts(recv_sizes),
-                    )
-                    .map_err(comm)?;
-                Ok(Tensor::from_vec(
-                    receiving.unpack_rank_blocks(received, recv_sizes),
-                    &shape,
-                )?)
+                let (sends, recvs) = (sending.counts(send_sizes), receiving.counts(recv_sizes));
+                let received = Tensor::filled_by(device, &[recvs.iter().sum()], |out| {
+                    blocks
+                        .lend(|input| group.all_to_all_v(input, &sends, out, &recvs))?
+                        .map_err(comm)
+                })?;
+                unpack_rank_blocks(&received, &shape, *gather_dim, recv_sizes)
             }
-        };
-        moved.and_then(on_input_device)
+        }
     }
+}
+
+/// `x` (`sizes.sum()` long along `dim`) as one flat tensor of contiguous per-rank blocks
+/// in rank order, what the `_v` collectives move; on `x`'s device.
+fn pack_rank_blocks<T: Scalar>(x: &Tensor<T>, dim: usize, sizes: &[usize]) -> Result<Tensor<T>> {
+    let flat = |t: Tensor<T>| t.reshape(&[t.numel()]);
+    if x.shape()[..dim].iter().all(|&d| d == 1) {
+        // Along the first (non-trivial) dimension the parts already are the blocks.
+        return Ok(flat(x.clone())?);
+    }
+    let blocks = x
+        .split(sizes, dim)?
+        .into_iter()
+        .map(flat)
+        .collect::<tape::Result<Vec<_>>>()?;
+    Ok(Tensor::concat(&blocks.iter().collect::<Vec<_>>(), 0)?)
+}
+
+/// The inverse of [`pack_rank_blocks`]: per-rank blocks joined along `dim` into `shape`.
+fn unpack_rank_blocks<T: Scalar>(
+    blocks: &Tensor<T>,
+    shape: &[usize],
+    dim: usize,
+    sizes: &[usize],
+) -> Result<Tensor<T>> {
+    if shape[..dim].iter().all(|&d| d == 1) {
+        return Ok(blocks.reshape(shape)?);
+    }
+    let layout = DimLayout::new("unpack_rank_blocks", shape, dim)?;
+    let parts = blocks
+        .split(&layout.counts(sizes), 0)?
+        .into_iter()
+        .zip(sizes)
+        .map(|(block, &size)| block.reshape(&with_len(shape, dim, size)))
+        .collect::<tape::Result<Vec<_>>>()?;
+    Ok(Tensor::concat(&parts.iter().collect::<Vec<_>>(), dim)?)
 }
 
 /// `shape` with dimension `dim` set to `len` (unchanged if there is no such dimension;
@@ -157,5 +184,33 @@ fn layout_with(op: &'static str, shape: &[usize], dim: usize, len: usize) -> Res
             sizes: vec![shape[dim]],
             reason: format!("dimension {dim} of shape {shape:?} should be {len} long here"),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tape::Device;
+
+    #[test]
+    fn blocks_round_trip_along_a_middle_dimension_on_every_device() -> Result<()> {
+        for device in [Device::Cpu, Device::Emulated] {
+            // Shape [2, 3, 2] split along dim 1 as [2, 1], and as [3, 0] (an empty part).
+            let x = Tensor::<f32>::from_vec((0..12).map(|i| i as f32).collect(), &[2, 3, 2])?
+                .to_device(device)?;
+            let blocks = pack_rank_blocks(&x, 1, &[2, 1])?;
+            assert_eq!(blocks.device(), device);
+            assert_eq!(
+                blocks.to_vec()?,
+                [0., 1., 2., 3., 6., 7., 8., 9., 4., 5., 10., 11.]
+            );
+            let back = unpack_rank_blocks(&blocks, &[2, 3, 2], 1, &[2, 1])?;
+            assert_eq!((back.shape(), back.to_vec()?), (x.shape(), x.to_vec()?));
+            let blocks = pack_rank_blocks(&x, 1, &[3, 0])?;
+            assert_eq!(blocks.to_vec()?, x.to_vec()?);
+            let back = unpack_rank_blocks(&blocks, &[2, 3, 2], 1, &[3, 0])?;
+            assert_eq!(back.to_vec()?, x.to_vec()?);
+        }
+        Ok(())
     }
 }

@@ -83,42 +83,6 @@ impl DimLayout {
     pub(crate) fn counts(&self, sizes: &[usize]) -> Vec<usize> {
         sizes.iter().map(|s| self.outer * s * self.inner).collect()
     }
-
-    /// Rearranges a whole tensor (`sizes.sum()` long along the dimension) into one
-    /// contiguous block per rank, in rank order.
-    pub(crate) fn pack_rank_blocks<T: Copy>(&self, data: Vec<T>, sizes: &[usize]) -> Vec<T> {
-        if self.outer == 1 {
-            return data;
-        }
-        let row = sizes.iter().sum::<usize>() * self.inner;
-        let mut blocks = Vec::with_capacity(data.len());
-        for (start, size) in offsets(sizes).into_iter().zip(sizes) {
-            let run = size * self.inner;
-            for outer in 0..self.outer {
-                let from = outer * row + start * self.inner;
-                blocks.extend_from_slice(&data[from..from + run]);
-            }
-        }
-        blocks
-    }
-
-    /// The inverse of [`pack_rank_blocks`](Self::pack_rank_blocks): concatenates per-rank
-    /// blocks along the dimension.
-    pub(crate) fn unpack_rank_blocks<T: Copy>(&self, blocks: Vec<T>, sizes: &[usize]) -> Vec<T> {
-        if self.outer == 1 {
-            return blocks;
-        }
-        let block_starts = offsets(&self.counts(sizes));
-        let mut data = Vec::with_capacity(blocks.len());
-        for outer in 0..self.outer {
-            for (block_start, size) in block_starts.iter().zip(sizes) {
-                let run = size * self.inner;
-                let from = block_start + outer * run;
-                data.extend_from_slice(&blocks[from..from + run]);
-            }
-        }
-        data
-    }
 }
 
 #[cfg(test)]
@@ -139,17 +103,5 @@ mod tests {
             })
         ));
         assert!(split_sizes(5, 0).is_err());
-    }
-
-    #[test]
-    fn blocks_round_trip_along_a_middle_dimension() -> Result<()> {
-        // shape [2, 3, 2] split along dim 1 as [2, 1]
-        let layout = DimLayout::new("test", &[2, 3, 2], 1)?;
-        let data: Vec<u32> = (0..12).collect();
-        let blocks = layout.pack_rank_blocks(data.clone(), &[2, 1]);
-        assert_eq!(blocks, vec![0, 1, 2, 3, 6, 7, 8, 9, 4, 5, 10, 11]);
-        assert_eq!(layout.counts(&[2, 1]), vec![8, 4]);
-        assert_eq!(layout.unpack_rank_blocks(blocks, &[2, 1]), data);
-        Ok(())
     }
 }

@@ -315,7 +315,7 @@ impl<T: Element> Tensor<T> {
                 "an implicit output gradient needs a one-element tensor; use backward_with_grad",
             ));
         }
-        let seed = Tensor::ones(self.shape()).to_device(self.device())?;
+        let seed = Tensor::full_on(self.shape(), T::one(), self.device())?;
         self.backward_from(seed)
     }
 

@@ -67,6 +67,16 @@ impl<T: Element> Tensor<T> {
         Self::from_array(ArrayD::from_elem(IxDyn(shape), value))
     }
 
+    /// A tensor of `shape` filled with `value`, made on `device` (no host copy).
+    pub fn full_on(shape: &[usize], value: T, device: Device) -> Result<Self> {
+        match device {
+            Device::Cpu => Ok(Self::full(shape, value)),
+            _ => Ok(Self::from_gpu(GpuArray::full(
+                "full_on", device, shape, value,
+            )?)),
+        }
+    }
+
     /// A tensor of zeros.
     pub fn zeros(shape: &[usize]) -> Self {
         Self::full(shape, T::zero())

@@ -23,6 +23,20 @@ pub struct Transfers {
     pub to_host_copies: u64,
 }
 
+impl std::ops::Add for Transfers {
+    type Output = Transfers;
+
+    /// Both readings' copies together (two measured spans).
+    fn add(self, other: Transfers) -> Transfers {
+        Transfers {
+            to_device_bytes: self.to_device_bytes + other.to_device_bytes,
+            to_device_copies: self.to_device_copies + other.to_device_copies,
+            to_host_bytes: self.to_host_bytes + other.to_host_bytes,
+            to_host_copies: self.to_host_copies + other.to_host_copies,
+        }
+    }
+}
+
 impl std::ops::Sub for Transfers {
     type Output = Transfers;
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{ensure, Result};
 use comm_core::{run_local, Communicator};
-use tape::{Generator, Parameter, Tape, Tensor};
+use tape::{transfers, Device, Generator, Parameter, Tape, Tensor, Transfers};
 
 /// A group handle as the mappings take it.
 pub type Group = Arc<dyn Communicator>;
@@ -49,23 +49,43 @@ pub fn distributed<F>(inputs: &[Tensor<f64>], output: Layout, mapping: F) -> Res
 where
     F: Fn(&Tensor<f64>, &Group) -> mappings::Result<Tensor<f64>> + Sync,
 {
-    let results = run_local(inputs.len(), |comm| -> Result<RankResult> {
+    let on_cpu = distributed_on(Device::Cpu, inputs, output, mapping)?;
+    Ok(on_cpu.into_iter().map(|(result, _)| result).collect())
+}
+
+/// [`distributed`] with inputs, outputs and gradients on `device`; also returns each
+/// rank's host↔device copies between uploading its inputs and downloading its results.
+pub fn distributed_on<F>(
+    device: Device,
+    inputs: &[Tensor<f64>],
+    output: Layout,
+    mapping: F,
+) -> Result<Vec<(RankResult, Transfers)>>
+where
+    F: Fn(&Tensor<f64>, &Group) -> mappings::Result<Tensor<f64>> + Sync,
+{
+    let results = run_local(inputs.len(), |comm| -> Result<(RankResult, Transfers)> {
         let rank = comm.rank();
         let group: Group = Arc::new(comm);
-        let x = Parameter::new("x", inputs[rank].clone());
+        let x = Parameter::new("x", inputs[rank].to_device(device)?);
         let tape = Tape::new();
+        let before = transfers(device);
         let y = mapping(&tape.watch(&x), &group)?;
-        let loss = y.mul(&loss_weight(y.shape(), output, rank))?.sum()?;
-        loss.backward()?;
+        let forward = transfers(device) - before;
+        let weight = loss_weight(y.shape(), output, rank).to_device(device)?;
+        let before = transfers(device);
+        y.mul(&weight)?.sum()?.backward()?;
+        let moved = forward + (transfers(device) - before);
         let grad = match x.grad() {
             Some(g) => g.to_vec()?,
             None => vec![0.0; inputs[rank].numel()],
         };
-        Ok(RankResult {
+        let result = RankResult {
             output: y.to_vec()?,
             shape: y.shape().to_vec(),
             grad,
-        })
+        };
+        Ok((result, moved))
     })?;
     Ok(results)
 }

@@ -2,7 +2,8 @@
 //! equals the same block on the CPU: output, input gradient and every parameter gradient,
 //! for TP 1 and 2 with sequence parallelism off and on. Runs on the emulator everywhere
 //! and on `cuda:0` when a GPU is present (otherwise prints `skipped: …`). The
-//! sequence-parallel gradient reduction leaves gradients on their parameters' device.
+//! sequence-parallel gradient reduction leaves gradients on their parameters' device, and
+//! a step copies nothing between host and device but the causal mask.
 
 mod common;
 
@@ -12,7 +13,7 @@ use layers::{
     all_reduce_sequence_parallel_grads, BlockConfig, LayerNorm, MasterInit, Module, RngTracker,
     TransformerBlock,
 };
-use tape::{Device, Generator, Parameter, Tape, Tensor};
+use tape::{transfers, Device, Generator, Parameter, Tape, Tensor, Transfers};
 
 const SEQ: usize = 4;
 const BATCH: usize = 2;
@@ -43,11 +44,29 @@ fn run_block(tp: usize, sequence_parallel: bool, device: Device) -> AnyResult<Ve
             (input.clone(), weights.clone())
         };
         let x = Parameter::new("input", x.to_device(device)?);
+        let w = w.to_device(device)?;
         let tape = Tape::new();
         let mut rng = RngTracker::new(99, tp.rank());
+        let before = transfers(device);
         let output = block.forward(&tape, &tape.watch(&x), &mut rng)?;
         assert_eq!(output.device(), device, "activations stay on the device");
-        output.mul(&w.to_device(device)?)?.sum()?.backward()?;
+        output.mul(&w)?.sum()?.backward()?;
+        // Tensor-parallel collectives run on device memory: the one host->device copy
+        // left is the causal mask (SEQ² bytes), which is host data.
+        let mask = (SEQ * SEQ) as u64;
+        // (CUDA tensors still lend host copies to communicators: not checked there.)
+        let expected = match device {
+            Device::Cpu => Some(Transfers::default()),
+            Device::Emulated => Some(Transfers {
+                to_device_bytes: mask,
+                to_device_copies: 1,
+                ..Transfers::default()
+            }),
+            Device::Cuda(_) => None,
+        };
+        if let Some(expected) = expected {
+            assert_eq!(transfers(device) - before, expected, "{device}, TP {}", tp.size());
+        }
         let host = |t: Tensor| t.to_device(Device::Cpu);
         let grads = block
             .parameters()

@@ -540,6 +540,13 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
     for sample in &result.samples {
         println!("  {sample:?}");
     }
+    if args.device != tape::Device::Cpu {
+        let moved = result.transfers_per_step;
+        println!(
+            "device transfers per step and rank: to device {} bytes, to host {} bytes",
+            moved.to_device_bytes, moved.to_host_bytes
+        );
+    }
     if args.check {
         let serial = check_run(args, corpus, dp)?;
         let max_difference = losses

@@ -13,7 +13,7 @@ use layers::{Module, RngTracker, TensorParallel};
 use parallel_state::{ParallelState, RankLayout};
 use std::path::PathBuf;
 use std::sync::Arc;
-use tape::{AdamW, AdamWConfig, Generator, LrDecay, LrSchedule, Optimizer, Tape};
+use tape::{AdamW, AdamWConfig, Generator, LrDecay, LrSchedule, Optimizer, Tape, Transfers};
 
 /// Text the trained model continues, one sample each.
 const PROMPTS: &[&str] = &["The tensor", "Each rank ", "pub fn new"];
@@ -72,6 +72,9 @@ pub struct RankResult {
     /// timeline of the last step if tracing.
     pub coordinates: (usize, usize, usize),
     pub timeline: Vec<pipeline::Span>,
+    /// Host↔device copies of a training step on this rank, averaged over the steps after
+    /// the first (which also uploads the model's first use of each constant).
+    pub transfers_per_step: Transfers,
 }
 
 /// Trains on every rank of `world` (tensor-parallel size `config.tp`, the rest data
@@ -176,7 +179,10 @@ pub fn train_rank(
         config,
     };
     let mut timeline = Vec::new();
-    for step in losses.len()..config.steps {
+    let first_step = losses.len();
+    let mut steady_transfers = Vec::new();
+    for step in first_step..config.steps {
+        let before = tape::transfers(config.device);
         optimizer.zero_grad();
         let microbatches = microbatches(corpus, &sampler.starts(step), config);
         let trace = config.trace && step + 1 == config.steps;
@@ -196,6 +202,9 @@ pub fn train_rank(
             );
         }
         optimizer.step()?;
+        if step > first_step || config.steps == first_step + 1 {
+            steady_transfers.push(tape::transfers(config.device) - before);
+        }
         losses.push(step_loss);
         if let Some(progress) = progress {
             progress.step(step + 1, step_loss);
@@ -256,6 +265,7 @@ pub fn train_rank(
         samples,
         coordinates: (state.pp_rank(), tp.rank(), dp_rank),
         timeline,
+        transfers_per_step: mean(&steady_transfers),
     })
 }
 
@@ -498,4 +508,16 @@ fn sample(logits: &[f32], generator: &mut Generator) -> u8 {
         }
     }
     (weights.len() - 1) as u8
+}
+
+/// The mean of per-step transfer counts (none: zero).
+fn mean(steps: &[Transfers]) -> Transfers {
+    let n = steps.len().max(1) as u64;
+    let total = steps.iter().fold(Transfers::default(), |sum, &t| sum + t);
+    Transfers {
+        to_device_bytes: total.to_device_bytes / n,
+        to_device_copies: total.to_device_copies / n,
+        to_host_bytes: total.to_host_bytes / n,
+        to_host_copies: total.to_host_copies / n,
+    }
 }

@@ -65,7 +65,12 @@ fn run_block(tp: usize, sequence_parallel: bool, device: Device) -> AnyResult<Ve
             Device::Cuda(_) => None,
         };
         if let Some(expected) = expected {
-            assert_eq!(transfers(device) - before, expected, "{device}, TP {}", tp.size());
+            assert_eq!(
+                transfers(device) - before,
+                expected,
+                "{device}, TP {}",
+                tp.size()
+            );
         }
         let host = |t: Tensor| t.to_device(Device::Cpu);
         let grads = block

@@ -3,7 +3,7 @@
 //! in Megatron-Core; under sequence parallelism the sequence dimension is this rank's
 //! part outside the tensor-parallel regions.
 
-use tape::{causal_mask, Gelu, Tape, Tensor};
+use tape::{Gelu, Tape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::init::{sharded, MasterInit};
@@ -244,12 +244,9 @@ impl ParallelSelfAttention {
                 .reshape(&[batch * heads, seq, head_dim])?)
         };
         let (query, key, value) = (part(0)?, part(1)?, part(2)?);
-        let scores = query
+        let probs = query
             .matmul(&key.transpose(1, 2)?)?
-            .scale(1.0 / (head_dim as f64).sqrt())?
-            .masked_fill(&causal_mask(seq), f32::NEG_INFINITY)?;
-        let probs = scores
-            .softmax()?
+            .causal_softmax(1.0 / (head_dim as f64).sqrt())?
             .dropout(self.dropout, rng.model_parallel_stream())?;
         let context = probs
             .matmul(&value)?

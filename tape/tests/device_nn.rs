@@ -33,6 +33,23 @@ fn softmax_and_log_softmax() {
 }
 
 #[test]
+fn causal_softmax() {
+    let shapes: [&[usize]; 4] = [&[1, 1], &[5, 5], &[2, 3, 7, 7], &[2, 0, 0]];
+    for shape in shapes {
+        check::<f64>("causal_softmax", Inputs::new(&[shape]), F64, |x| {
+            x[0].causal_softmax(0.3)
+        });
+        let large = Inputs::new(&[shape]).range(-50.0, 50.0);
+        check::<f64>("causal_softmax large", large, F64, |x| {
+            x[0].causal_softmax(2.0)
+        });
+    }
+    check::<f32>("causal_softmax f32", Inputs::new(&[&[4, 9, 9]]), F32, |x| {
+        x[0].causal_softmax(0.125)
+    });
+}
+
+#[test]
 fn layer_norm_with_and_without_affine() {
     for width in [0, 1, 5, 16, 33] {
         let x: &[usize] = &[2, 3, width];

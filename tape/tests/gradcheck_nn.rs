@@ -30,6 +30,55 @@ fn softmax_and_log_softmax() -> Result<()> {
     Ok(())
 }
 
+/// The fused causal softmax: its gradient, and that it equals scale, mask, softmax done
+/// one after another (the composite attention used before), forward and backward.
+#[test]
+fn causal_softmax_equals_scale_mask_softmax() -> Result<()> {
+    let options = GradCheckOptions::default();
+    for (i, shape) in [&[1, 1][..], &[3, 3], &[2, 4, 4]].into_iter().enumerate() {
+        let x = [randn(shape, 20 + i as u64)];
+        gradcheck(|x| x[0].causal_softmax(0.7), &x, &options)?;
+        let n = shape[shape.len() - 1];
+        let tape = tape::Tape::new();
+        let watched = |p: &tape::Parameter<f64>| tape.watch(p);
+        let (fused_x, composite_x) = (
+            tape::Parameter::new("fused", x[0].clone()),
+            tape::Parameter::new("composite", x[0].clone()),
+        );
+        let weights = randn(shape, 30 + i as u64);
+        let fused = watched(&fused_x).causal_softmax(0.7)?;
+        let composite = watched(&composite_x)
+            .scale(0.7)?
+            .masked_fill(&tape::causal_mask(n), f64::NEG_INFINITY)?
+            .softmax()?;
+        fused
+            .mul(&weights)?
+            .sum()?
+            .add(&composite.mul(&weights)?.sum()?)?
+            .backward()?;
+        let close = |a: Vec<f64>, b: Vec<f64>| {
+            a.iter()
+                .zip(&b)
+                .all(|(a, b)| (a - b).abs() <= 1e-14 * (1.0 + b.abs()))
+        };
+        assert!(
+            close(fused.to_vec()?, composite.to_vec()?),
+            "forward {shape:?}"
+        );
+        let grad = |p: &tape::Parameter<f64>| p.grad().expect("a gradient").to_vec();
+        assert!(
+            close(grad(&fused_x)?, grad(&composite_x)?),
+            "backward {shape:?}"
+        );
+    }
+    let err = Tensor::<f32>::zeros(&[2, 3])
+        .causal_softmax(1.0)
+        .unwrap_err();
+    assert!(err.to_string().contains("square"), "{err}");
+    assert!(Tensor::<f32>::zeros(&[3]).causal_softmax(1.0).is_err());
+    Ok(())
+}
+
 #[test]
 fn layer_norm_with_and_without_affine() -> Result<()> {
     let options = GradCheckOptions::default();

@@ -36,14 +36,45 @@ pub(crate) enum SoftmaxKind {
     LogSoftmax = 1,
 }
 
+/// How `softmax_rows` normalises a row: which form, of `scale · x`, over the whole row or
+/// (`causal`, square matrices) the columns up to the row's position in its matrix.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct SoftmaxRows {
+    pub kind: SoftmaxKind,
+    pub scale: f64,
+    pub causal: bool,
+}
+
+impl SoftmaxRows {
+    /// `kind` over whole rows of `x` itself.
+    pub fn plain(kind: SoftmaxKind) -> Self {
+        SoftmaxRows {
+            kind,
+            scale: 1.0,
+            causal: false,
+        }
+    }
+
+    fn args(&self, rows: usize, width: usize) -> KernelArgs {
+        let mut args = KernelArgs::default();
+        args.i[..4].copy_from_slice(&[
+            rows as i64,
+            width as i64,
+            self.kind as i64,
+            i64::from(self.causal),
+        ]);
+        args.f[0] = self.scale;
+        args
+    }
+}
+
 /// Softmax or log-softmax of `x` over its last dimension.
-pub(crate) fn softmax<T: Element>(x: &GpuArray<T>, kind: SoftmaxKind) -> Result<GpuArray<T>> {
+pub(crate) fn softmax<T: Element>(x: &GpuArray<T>, how: SoftmaxRows) -> Result<GpuArray<T>> {
     let (rows, width) = rows_of(x.shape());
     let out = GpuArray::<T>::uninit("softmax", x.device(), x.shape())?;
-    // p0 out, p1 x; i0 rows, i1 width, i2 kind.
-    let mut args = KernelArgs::default();
+    // p0 out, p1 x; i0 rows, i1 width, i2 kind, i3 causal; f0 scale.
+    let mut args = how.args(rows, width);
     args.p[..2].copy_from_slice(&[out.ptr(), x.ptr()]);
-    args.i[..3].copy_from_slice(&[rows as i64, width as i64, kind as i64]);
     out.launch(&SOFTMAX_ROWS, rows, &args)?;
     Ok(out)
 }
@@ -52,14 +83,13 @@ pub(crate) fn softmax<T: Element>(x: &GpuArray<T>, kind: SoftmaxKind) -> Result<
 pub(crate) fn softmax_backward<T: Element>(
     grad: &GpuArray<T>,
     y: &GpuArray<T>,
-    kind: SoftmaxKind,
+    how: SoftmaxRows,
 ) -> Result<GpuArray<T>> {
     let (rows, width) = rows_of(y.shape());
     let dx = GpuArray::<T>::uninit("softmax backward", y.device(), y.shape())?;
-    // p0 dx, p1 g, p2 y; i0 rows, i1 width, i2 kind.
-    let mut args = KernelArgs::default();
+    // p0 dx, p1 g, p2 y; the rest as in `softmax`.
+    let mut args = how.args(rows, width);
     args.p[..3].copy_from_slice(&[dx.ptr(), grad.ptr(), y.ptr()]);
-    args.i[..3].copy_from_slice(&[rows as i64, width as i64, kind as i64]);
     dx.launch(&SOFTMAX_ROWS_BACKWARD, rows, &args)?;
     Ok(dx)
 }

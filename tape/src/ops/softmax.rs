@@ -1,98 +1,167 @@
-//! Softmax and log-softmax along the last dimension, computed stably (max subtracted).
+//! Softmax and log-softmax along the last dimension, computed stably (max subtracted),
+//! and attention's causal softmax with its scale and upper-triangular mask fused in.
 
-use ndarray::{ArrayD, Axis, Zip};
+use ndarray::{ArrayD, ArrayView1, ArrayViewMut1, Axis};
 
 use super::on_device;
-use crate::gpu::row_ops::{self as device, SoftmaxKind};
+use crate::gpu::row_ops::{self as device, SoftmaxKind, SoftmaxRows};
 use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
-fn last_axis<T: Element>(op: &'static str, tensor: &Tensor<T>) -> Result<Axis> {
-    match tensor.ndim() {
-        0 => Err(Error::shape(
-            op,
-            &[tensor.shape()],
-            "needs at least one dimension",
-        )),
-        n => Ok(Axis(n - 1)),
+impl<T: Element> Tensor<T> {
+    /// Softmax along the last dimension.
+    pub fn softmax(&self) -> Result<Tensor<T>> {
+        self.softmax_rows("softmax", SoftmaxRows::plain(SoftmaxKind::Softmax))
+    }
+
+    /// Log-softmax along the last dimension (stable `x − max − log Σ exp(x − max)`).
+    pub fn log_softmax(&self) -> Result<Tensor<T>> {
+        self.softmax_rows("log_softmax", SoftmaxRows::plain(SoftmaxKind::LogSoftmax))
+    }
+
+    /// Causal attention's softmax in one pass (Megatron's
+    /// `scaled_upper_triang_masked_softmax`): the softmax over the last dimension of
+    /// `scale · self`, where row `i` of each `[n, n]` matrix in the last two dimensions
+    /// sees only columns `j ≤ i` and is 0 beyond. It equals
+    /// `self.scale(scale)?.masked_fill(&causal_mask(n), −∞)?.softmax()` without the
+    /// scaled copy or a mask in memory (on a device, nothing uploaded).
+    ///
+    /// ```
+    /// use tape::Tensor;
+    ///
+    /// let scores = Tensor::<f64>::from_vec(vec![1.0, 9.0, 2.0, 2.0], &[2, 2])?;
+    /// let probs = scores.causal_softmax(0.5)?.to_vec()?;
+    /// assert_eq!(probs, vec![1.0, 0.0, 0.5, 0.5]);
+    /// # Ok::<(), tape::Error>(())
+    /// ```
+    pub fn causal_softmax(&self, scale: f64) -> Result<Tensor<T>> {
+        const OP: &str = "causal_softmax";
+        match self.shape() {
+            [.., rows, columns] if rows == columns => self.softmax_rows(
+                OP,
+                SoftmaxRows {
+                    kind: SoftmaxKind::Softmax,
+                    scale,
+                    causal: true,
+                },
+            ),
+            shape => Err(Error::shape(
+                OP,
+                &[shape],
+                "needs square matrices in its last two dimensions ([..., n, n])",
+            )),
+        }
+    }
+
+    fn softmax_rows(&self, op: &'static str, how: SoftmaxRows) -> Result<Tensor<T>> {
+        if self.ndim() == 0 {
+            return Err(Error::shape(
+                op,
+                &[self.shape()],
+                "needs at least one dimension",
+            ));
+        }
+        if let Some([x]) = on_device(op, [self])? {
+            let y = device::softmax(x, how)?;
+            return record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
+                Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                    let grad = grad.device_array(op, y.device())?;
+                    let dx = device::softmax_backward(grad, &y, how)?;
+                    Ok(vec![Some(Tensor::from_gpu(dx))])
+                })
+            });
+        }
+        let mut out = self.cpu(op)?.as_standard_layout().into_owned();
+        for_each_row(op, &mut out, how, |row, _| softmax_row(row, how))?;
+        let out = out.into_shared();
+        record(op, &[self], out.clone(), || {
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
+                let mut grad = if grad.is_standard_layout() {
+                    grad
+                } else {
+                    grad.as_standard_layout().into_owned()
+                };
+                let width = grad.shape().last().copied().unwrap_or(0);
+                let y = out.as_slice().ok_or_else(|| {
+                    Error::shape(op, &[out.shape()], "internal: the output is not row-major")
+                })?;
+                for_each_row(op, &mut grad, how, |g, r| {
+                    softmax_row_backward(g, &y[r * width..r * width + g.len()], how)
+                })?;
+                Ok(vec![Some(grad)])
+            })
+        })
     }
 }
 
-impl<T: Element> Tensor<T> {
-    /// `op` of kind `kind` on a device, recorded with its backward; `None` for CPU tensors.
-    fn softmax_on_device(&self, op: &'static str, kind: SoftmaxKind) -> Result<Option<Tensor<T>>> {
-        let Some([x]) = on_device(op, [self])? else {
-            return Ok(None);
-        };
-        let y = device::softmax(x, kind)?;
-        record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
-            Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                let grad = grad.device_array(op, y.device())?;
-                let dx = device::softmax_backward(grad, &y, kind)?;
-                Ok(vec![Some(Tensor::from_gpu(dx))])
-            })
-        })
-        .map(Some)
+/// Runs `f` on the columns each row of a row-major `array` sees (all of them, or for a
+/// causal softmax those up to the row's position in its matrix), with the row's index;
+/// the columns it does not see are zeroed.
+fn for_each_row<T: Element>(
+    op: &'static str,
+    array: &mut ArrayD<T>,
+    how: SoftmaxRows,
+    mut f: impl FnMut(&mut [T], usize),
+) -> Result<()> {
+    let axis = Axis(array.ndim() - 1);
+    let width = array.len_of(axis);
+    let shape = array.shape().to_vec();
+    for (r, mut lane) in array.lanes_mut(axis).into_iter().enumerate() {
+        let seen = if how.causal { r % width + 1 } else { width };
+        let row = contiguous(op, &shape, &mut lane)?;
+        f(&mut row[..seen], r);
+        row[seen..].fill(T::zero());
     }
+    Ok(())
+}
 
-    /// Softmax along the last dimension.
-    pub fn softmax(&self) -> Result<Tensor<T>> {
-        let axis = last_axis("softmax", self)?;
-        if let Some(out) = self.softmax_on_device("softmax", SoftmaxKind::Softmax)? {
-            return Ok(out);
+fn contiguous<'a, T>(
+    op: &'static str,
+    shape: &[usize],
+    lane: &'a mut ArrayViewMut1<'_, T>,
+) -> Result<&'a mut [T]> {
+    lane.as_slice_mut()
+        .ok_or_else(|| Error::shape(op, &[shape], "internal: a row is not contiguous"))
+}
+
+/// `row ← softmax(scale · row)` (or its log form), in place.
+fn softmax_row<T: Element>(row: &mut [T], how: SoftmaxRows) {
+    let scale = T::from_f64(how.scale);
+    row.iter_mut().for_each(|x| *x *= scale);
+    let max = row.iter().fold(T::neg_infinity(), |m, &x| m.max(x));
+    match how.kind {
+        SoftmaxKind::Softmax => {
+            row.iter_mut().for_each(|x| *x = (*x - max).exp());
+            let total = ArrayView1::from(&*row).sum();
+            row.iter_mut().for_each(|x| *x /= total);
         }
-        let mut out = self.cpu("softmax")?.as_standard_layout().into_owned();
-        for mut lane in out.lanes_mut(axis) {
-            let max = lane.fold(T::neg_infinity(), |m, &x| m.max(x));
-            lane.mapv_inplace(|x| (x - max).exp());
-            let total = lane.sum();
-            lane.mapv_inplace(|x| x / total);
+        SoftmaxKind::LogSoftmax => {
+            let log_total = row
+                .iter()
+                .fold(T::zero(), |acc, &x| acc + (x - max).exp())
+                .ln()
+                + max;
+            row.iter_mut().for_each(|x| *x -= log_total);
         }
-        let out = out.into_shared();
-        record("softmax", &[self], out.clone(), || {
-            Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
-                // dx = y ⊙ (g − Σ g⊙y) per row.
-                Zip::from(grad.lanes_mut(axis))
-                    .and(out.lanes(axis))
-                    .for_each(|mut g, y| {
-                        let dot = Zip::from(&g)
-                            .and(&y)
-                            .fold(T::zero(), |acc, &g, &y| acc + g * y);
-                        Zip::from(&mut g)
-                            .and(&y)
-                            .for_each(|g, &y| *g = y * (*g - dot));
-                    });
-                Ok(vec![Some(grad)])
-            })
-        })
     }
+}
 
-    /// Log-softmax along the last dimension.
-    pub fn log_softmax(&self) -> Result<Tensor<T>> {
-        let axis = last_axis("log_softmax", self)?;
-        if let Some(out) = self.softmax_on_device("log_softmax", SoftmaxKind::LogSoftmax)? {
-            return Ok(out);
+/// `g ← d(loss)/d(x)` from `g = d(loss)/d(y)` and the forward's output `y` of one row:
+/// softmax `scale · y ⊙ (g − Σ g⊙y)`, log-softmax `scale · (g − exp(y) · Σ g)`.
+fn softmax_row_backward<T: Element>(g: &mut [T], y: &[T], how: SoftmaxRows) {
+    let scale = T::from_f64(how.scale);
+    match how.kind {
+        SoftmaxKind::Softmax => {
+            let dot = g.iter().zip(y).fold(T::zero(), |acc, (&g, &y)| acc + g * y);
+            g.iter_mut()
+                .zip(y)
+                .for_each(|(g, &y)| *g = y * (*g - dot) * scale);
         }
-        let mut out = self.cpu("log_softmax")?.as_standard_layout().into_owned();
-        for mut lane in out.lanes_mut(axis) {
-            let max = lane.fold(T::neg_infinity(), |m, &x| m.max(x));
-            let log_total = lane.fold(T::zero(), |acc, &x| acc + (x - max).exp()).ln() + max;
-            lane.mapv_inplace(|x| x - log_total);
+        SoftmaxKind::LogSoftmax => {
+            let total = ArrayView1::from(&*g).sum();
+            g.iter_mut()
+                .zip(y)
+                .for_each(|(g, &y)| *g = (*g - y.exp() * total) * scale);
         }
-        let out = out.into_shared();
-        record("log_softmax", &[self], out.clone(), || {
-            Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
-                // dx = g − softmax ⊙ Σ g per row, with softmax = exp(out).
-                Zip::from(grad.lanes_mut(axis))
-                    .and(out.lanes(axis))
-                    .for_each(|mut g, y| {
-                        let total = g.sum();
-                        Zip::from(&mut g)
-                            .and(&y)
-                            .for_each(|g, &y| *g -= y.exp() * total);
-                    });
-                Ok(vec![Some(grad)])
-            })
-        })
     }
 }

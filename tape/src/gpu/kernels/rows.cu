@@ -25,33 +25,43 @@ DEVFN real SFX(row_log_sum_exp)(const real* row, i64 width) {
     return LOG(total) + max;
 }
 
-/* Softmax (i2 = 0) or log-softmax (i2 = 1) of each row.  p0 out, p1 x; i0 rows, i1 width. */
+/* Softmax (i2 = 0) or log-softmax (i2 = 1) of each row of f0 · x. With i3 = 1 (softmax
+ * of square matrices) row r sees only columns j ≤ r mod width and the others are 0:
+ * Megatron's upper-triangular masked softmax, with no mask in memory.  p0 out, p1 x;
+ * i0 rows, i1 width; f0 scale. */
 KERNEL(SFX(softmax_rows)) {
     const KernelArgs* A = ARGS;
     real* out = (real*)A->p[0];
     const real* x = (const real*)A->p[1];
     i64 width = A->i[1];
     int log_form = A->i[2] != 0;
+    int causal = A->i[3] != 0;
+    real scale = (real)A->f[0];
     FOR_EACH(r, A->i[0]) {
         const real* row = x + r * width;
         real* y = out + r * width;
+        i64 seen = causal ? r % width + 1 : width;
+        for (i64 j = 0; j < seen; ++j) y[j] = row[j] * scale;
         if (log_form) {
-            real log_total = SFX(row_log_sum_exp)(row, width);
-            for (i64 j = 0; j < width; ++j) y[j] = row[j] - log_total;
+            real log_total = SFX(row_log_sum_exp)(y, seen);
+            for (i64 j = 0; j < seen; ++j) y[j] -= log_total;
         } else {
-            real max = SFX(row_max)(row, width);
+            real max = SFX(row_max)(y, seen);
             real total = (real)0;
-            for (i64 j = 0; j < width; ++j) {
-                y[j] = EXP(row[j] - max);
+            for (i64 j = 0; j < seen; ++j) {
+                y[j] = EXP(y[j] - max);
                 total += y[j];
             }
-            for (i64 j = 0; j < width; ++j) y[j] /= total;
+            for (i64 j = 0; j < seen; ++j) y[j] /= total;
         }
+        for (i64 j = seen; j < width; ++j) y[j] = (real)0;
     }
 }
 
-/* Gradient of `softmax_rows` from its output y: softmax dx = y ⊙ (g − Σ g⊙y), log-softmax
- * dx = g − exp(y) · Σ g.  p0 dx, p1 g, p2 y; i0 rows, i1 width, i2 as in `softmax_rows`. */
+/* Gradient of `softmax_rows` from its output y: softmax dx = f0 · y ⊙ (g − Σ g⊙y),
+ * log-softmax dx = f0 · (g − exp(y) · Σ g); with i3 = 1, columns a row does not see get
+ * 0 and take no part in the sums.  p0 dx, p1 g, p2 y; i0 rows, i1 width, i2 and i3 as in
+ * `softmax_rows`; f0 scale. */
 KERNEL(SFX(softmax_rows_backward)) {
     const KernelArgs* A = ARGS;
     real* dx = (real*)A->p[0];
@@ -59,14 +69,18 @@ KERNEL(SFX(softmax_rows_backward)) {
     const real* y = (const real*)A->p[2];
     i64 width = A->i[1];
     int log_form = A->i[2] != 0;
+    int causal = A->i[3] != 0;
+    real scale = (real)A->f[0];
     FOR_EACH(r, A->i[0]) {
         i64 base = r * width;
+        i64 seen = causal ? r % width + 1 : width;
         real acc = (real)0;
-        for (i64 j = 0; j < width; ++j) acc += log_form ? g[base + j] : g[base + j] * y[base + j];
-        for (i64 j = 0; j < width; ++j) {
+        for (i64 j = 0; j < seen; ++j) acc += log_form ? g[base + j] : g[base + j] * y[base + j];
+        for (i64 j = 0; j < seen; ++j) {
             i64 k = base + j;
-            dx[k] = log_form ? g[k] - EXP(y[k]) * acc : y[k] * (g[k] - acc);
+            dx[k] = (log_form ? g[k] - EXP(y[k]) * acc : y[k] * (g[k] - acc)) * scale;
         }
+        for (i64 j = seen; j < width; ++j) dx[base + j] = (real)0;
     }
 }
 

@@ -1,7 +1,7 @@
 //! Finite-difference checks of the elementwise ops, including broadcasting and size-1 dims.
 
 use anyhow::Result;
-use tape::{gradcheck, Gelu, Generator, GradCheckOptions, Tensor};
+use tape::{gradcheck, Gelu, Generator, GradCheckOptions, Parameter, Tape, Tensor};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor<f64> {
     Tensor::randn(shape, 1.0, &mut Generator::new(seed))
@@ -91,5 +91,47 @@ fn forward_values() -> Result<()> {
         x.add(&b)?.to_vec()?,
         vec![9.0, 10.0, 12.0, 19.0, 20.0, 22.0]
     );
+    Ok(())
+}
+
+/// f32 tanh and tanh-GELU (their own vectorised tanh) against the f64 results, forward
+/// and backward, from −12 to 12 (both polynomial branches and the saturated range), to a
+/// few f32 roundings (absolute near zero: the derivative cancels in 1 + tanh).
+#[test]
+fn f32_tanh_and_gelu_follow_f64() -> Result<()> {
+    let values: Vec<f64> = (0..=2400).map(|i| -12.0 + 0.01 * f64::from(i)).collect();
+    let shape = [values.len()];
+    let wide = Tensor::<f64>::from_vec(values.clone(), &shape)?;
+    let narrow = Tensor::<f32>::from_vec(values.iter().map(|&v| v as f32).collect(), &shape)?;
+    type Op32 = fn(&Tensor<f32>) -> tape::Result<Tensor<f32>>;
+    type Op64 = fn(&Tensor<f64>) -> tape::Result<Tensor<f64>>;
+    let cases: [(&str, Op32, Op64); 2] = [
+        ("tanh", |x| x.tanh(), |x| x.tanh()),
+        ("gelu", |x| x.gelu(Gelu::Tanh), |x| x.gelu(Gelu::Tanh)),
+    ];
+    for (name, op32, op64) in cases {
+        let (tape32, tape64) = (Tape::new(), Tape::new());
+        let (p32, p64) = (Parameter::new("x", narrow.clone()), Parameter::new("x", wide.clone()));
+        let y32 = op32(&tape32.watch(&p32))?;
+        let y64 = op64(&tape64.watch(&p64))?;
+        y32.sum()?.backward()?;
+        y64.sum()?.backward()?;
+        let grad = |p: &Parameter<f32>| p.grad().map(|g| g.to_vec()).transpose();
+        let (g32, g64) = (grad(&p32)?, p64.grad().map(|g| g.to_vec()).transpose()?);
+        let (g32, g64) = (g32.unwrap_or_default(), g64.unwrap_or_default());
+        assert_eq!(g32.len(), values.len(), "{name}: no gradient");
+        for (what, got, want) in [
+            ("forward", y32.to_vec()?, y64.to_vec()?),
+            ("backward", g32, g64),
+        ] {
+            for ((&got, want), x) in got.iter().zip(want).zip(&values) {
+                let error = (f64::from(got) - want).abs();
+                assert!(
+                    error <= 1e-6 * want.abs().max(1.0),
+                    "{name} {what} at {x}: {got} vs {want}"
+                );
+            }
+        }
+    }
     Ok(())
 }

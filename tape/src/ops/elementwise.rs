@@ -188,7 +188,7 @@ impl<T: Element> Tensor<T> {
         if let Some(out) = self.unary_on_device("tanh", UnaryKind::Tanh, 1.0)? {
             return Ok(out);
         }
-        let out = self.cpu("tanh")?.mapv(T::tanh).into_shared();
+        let out = self.cpu("tanh")?.mapv(T::tanh_vectorizable).into_shared();
         record("tanh", &[self], out.clone(), || {
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
                 Zip::from(&mut grad)
@@ -229,13 +229,19 @@ impl<T: Element> Tensor<T> {
             return Ok(out);
         }
         let input = self.cpu("gelu")?;
-        let out = input.mapv(|x| gelu_value(x, approximation));
+        // One loop per approximation, so each inner loop is branch-free and vectorises.
+        let out = match approximation {
+            Gelu::Erf => input.mapv(gelu_erf),
+            Gelu::Tanh => input.mapv(gelu_tanh),
+        };
         record("gelu", &[self], out.into_shared(), || {
             let input = input.clone();
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
-                Zip::from(&mut grad)
-                    .and(&input)
-                    .for_each(|g, &x| *g *= gelu_derivative(x, approximation));
+                let chain = Zip::from(&mut grad).and(&input);
+                match approximation {
+                    Gelu::Erf => chain.for_each(|g, &x| *g *= gelu_erf_derivative(x)),
+                    Gelu::Tanh => chain.for_each(|g, &x| *g *= gelu_tanh_derivative(x)),
+                }
                 Ok(vec![Some(grad)])
             })
         })
@@ -286,34 +292,30 @@ fn binary_backward<T: Element>(
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_TANH_COEFF: f64 = 0.044_715;
 
-fn gelu_value<T: Element>(x: T, approximation: Gelu) -> T {
+fn gelu_erf<T: Element>(x: T) -> T {
     let half = T::from_f64(0.5);
-    match approximation {
-        Gelu::Erf => {
-            half * x * (T::one() + (x * T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf())
-        }
-        Gelu::Tanh => {
-            let inner =
-                T::from_f64(SQRT_2_OVER_PI) * (x + T::from_f64(GELU_TANH_COEFF) * x * x * x);
-            half * x * (T::one() + inner.tanh())
-        }
-    }
+    half * x * (T::one() + (x * T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf())
 }
 
-fn gelu_derivative<T: Element>(x: T, approximation: Gelu) -> T {
+fn gelu_erf_derivative<T: Element>(x: T) -> T {
     let half = T::from_f64(0.5);
-    match approximation {
-        Gelu::Erf => {
-            let cdf = half * (T::one() + (x * T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf());
-            let pdf = (-half * x * x).exp() * T::from_f64(0.398_942_280_401_432_7);
-            cdf + x * pdf
-        }
-        Gelu::Tanh => {
-            let c = T::from_f64(SQRT_2_OVER_PI);
-            let k = T::from_f64(GELU_TANH_COEFF);
-            let t = (c * (x + k * x * x * x)).tanh();
-            let dinner = c * (T::one() + T::from_f64(3.0) * k * x * x);
-            half * (T::one() + t) + half * x * (T::one() - t * t) * dinner
-        }
-    }
+    let cdf = half * (T::one() + (x * T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf());
+    let pdf = (-half * x * x).exp() * T::from_f64(0.398_942_280_401_432_7);
+    cdf + x * pdf
+}
+
+#[inline(always)]
+fn gelu_tanh<T: Element>(x: T) -> T {
+    let inner = T::from_f64(SQRT_2_OVER_PI) * (x + T::from_f64(GELU_TANH_COEFF) * x * x * x);
+    T::from_f64(0.5) * x * (T::one() + inner.tanh_vectorizable())
+}
+
+#[inline(always)]
+fn gelu_tanh_derivative<T: Element>(x: T) -> T {
+    let half = T::from_f64(0.5);
+    let c = T::from_f64(SQRT_2_OVER_PI);
+    let k = T::from_f64(GELU_TANH_COEFF);
+    let t = (c * (x + k * x * x * x)).tanh_vectorizable();
+    let dinner = c * (T::one() + T::from_f64(3.0) * k * x * x);
+    half * (T::one() + t) + half * x * (T::one() - t * t) * dinner
 }

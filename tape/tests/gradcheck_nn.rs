@@ -82,7 +82,11 @@ fn causal_softmax_equals_scale_mask_softmax() -> Result<()> {
 #[test]
 fn layer_norm_with_and_without_affine() -> Result<()> {
     let options = GradCheckOptions::default();
-    for (i, shape) in [&[5][..], &[3, 4], &[2, 1, 3]].into_iter().enumerate() {
+    // Widths below, at and past the row kernel's eight-lane blocks.
+    for (i, shape) in [&[5][..], &[3, 4], &[2, 1, 3], &[2, 8], &[3, 19]]
+        .into_iter()
+        .enumerate()
+    {
         let width = *shape.last().unwrap_or(&1);
         let seed = 10 * i as u64;
         let inputs = [
@@ -117,6 +121,13 @@ fn layer_norm_with_and_without_affine() -> Result<()> {
     assert!(
         y.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5),
         "{y:?}"
+    );
+    // A strided (transposed) input normalises as its contiguous copy does.
+    let x = randn(&[11, 3], 7).transpose(0, 1)?;
+    let copy = Tensor::<f64>::from_vec(x.to_vec()?, x.shape())?;
+    assert_eq!(
+        x.layer_norm(None, None, 1e-5)?.to_vec()?,
+        copy.layer_norm(None, None, 1e-5)?.to_vec()?
     );
     Ok(())
 }

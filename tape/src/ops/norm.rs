@@ -1,8 +1,8 @@
 //! Layer normalisation over the last dimension, with a fused backward.
 
-use ndarray::{Array1, Array2, ArrayD, Axis, Ix2, Zip};
+use ndarray::ArrayD;
 
-use super::{on_device, reshape_owned};
+use super::on_device;
 use crate::gpu::row_ops as device;
 use crate::gpu::GpuArray;
 use crate::tape::{record, record_tensor};
@@ -38,32 +38,42 @@ impl<T: Element> Tensor<T> {
             return self.layer_norm_on_device(arrays, weight, bias, eps);
         }
         let rows = self.numel().checked_div(width).unwrap_or(0);
-        let input = reshape_owned(OP, self.cpu(OP)?.to_owned(), &[rows, width])?;
-        let input = input
-            .into_dimensionality::<Ix2>()
-            .map_err(|e| Error::shape(OP, &[&shape], e.to_string()))?;
-        let weight_values = weight.map(|w| w.cpu(OP)).transpose()?.cloned();
-        let bias_values = bias.map(|b| b.cpu(OP)).transpose()?.cloned();
+        let input = self.cpu(OP)?.as_standard_layout();
+        let x = contiguous(OP, &input, &shape)?;
+        let weight_values = weight.map(|w| contiguous_owned(OP, w)).transpose()?;
+        let bias_values = bias.map(|b| contiguous_owned(OP, b)).transpose()?;
 
+        // One pass per row: statistics, then the normalised row and the affine output.
         let eps = T::from_f64(eps);
         let count = T::from_f64(width as f64);
-        let mut normalized = input;
-        let mut inv_std = Array1::zeros(rows);
-        for (mut row, rstd) in normalized.outer_iter_mut().zip(inv_std.iter_mut()) {
-            let mean = row.sum() / count;
-            let var = row.fold(T::zero(), |acc, &x| acc + (x - mean) * (x - mean)) / count;
+        let mut out = vec![T::zero(); x.len()];
+        let mut normalized = vec![T::zero(); x.len()];
+        let mut inv_std = vec![T::zero(); rows];
+        let row_chunks = x.chunks_exact(width.max(1));
+        let out_chunks = out.chunks_exact_mut(width.max(1));
+        let normalized_chunks = normalized.chunks_exact_mut(width.max(1));
+        for (((row, out_row), x_hat), rstd) in row_chunks
+            .zip(out_chunks)
+            .zip(normalized_chunks)
+            .zip(inv_std.iter_mut())
+        {
+            let mean = lane_sum(row, |x| x) / count;
+            let var = lane_sum(row, |x| (x - mean) * (x - mean)) / count;
             *rstd = T::one() / (var + eps).sqrt();
             let r = *rstd;
-            row.mapv_inplace(|x| (x - mean) * r);
+            for (n, &v) in x_hat.iter_mut().zip(row) {
+                *n = (v - mean) * r;
+            }
+            out_row.copy_from_slice(x_hat);
+            if let Some(w) = &weight_values {
+                out_row.iter_mut().zip(w).for_each(|(o, &w)| *o *= w);
+            }
+            if let Some(b) = &bias_values {
+                out_row.iter_mut().zip(b).for_each(|(o, &b)| *o += b);
+            }
         }
-        let mut out = normalized.clone();
-        if let Some(w) = &weight_values {
-            Zip::from(out.rows_mut()).for_each(|mut row| row *= w);
-        }
-        if let Some(b) = &bias_values {
-            Zip::from(out.rows_mut()).for_each(|mut row| row += b);
-        }
-        let out = reshape_owned(OP, out.into_dyn(), &shape)?;
+        let out = ArrayD::from_shape_vec(shape.clone(), out)
+            .map_err(|e| Error::shape(OP, &[&shape], e.to_string()))?;
 
         let mut inputs = vec![self];
         inputs.extend(weight);
@@ -71,26 +81,30 @@ impl<T: Element> Tensor<T> {
         let (has_weight, has_bias) = (weight.is_some(), bias.is_some());
         record(OP, &inputs, out.into_shared(), || {
             Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
-                let grad = reshape_owned(OP, grad, &[rows, width])?
-                    .into_dimensionality::<Ix2>()
-                    .map_err(|e| Error::shape(OP, &[&shape], e.to_string()))?;
-                let mut grads = Vec::with_capacity(3);
-                grads.push(needs[0].then(|| {
-                    input_grad(&grad, &normalized, &inv_std, weight_values.as_ref(), count)
-                        .into_dyn()
-                }));
-                let mut next = 1;
+                let grad = grad.as_standard_layout();
+                let g = contiguous(OP, &grad, &shape)?;
+                let saved = Saved {
+                    normalized: &normalized,
+                    inv_std: &inv_std,
+                    weight: weight_values.as_deref(),
+                    width,
+                };
+                // Inputs are [x, weight?, bias?].
+                let need_weight = has_weight && needs[1];
+                let need_bias = has_bias && needs[1 + usize::from(has_weight)];
+                let backward = saved.backward(g, needs[0], need_weight, need_bias);
+                let as_array = |values: Option<Vec<T>>, shape: &[usize]| {
+                    values
+                        .map(|v| ArrayD::from_shape_vec(shape.to_vec(), v))
+                        .transpose()
+                        .map_err(|e| Error::shape(OP, &[shape], e.to_string()))
+                };
+                let mut grads = vec![as_array(backward.input, &shape)?];
                 if has_weight {
-                    grads.push(
-                        needs[next].then(|| (&grad * &normalized).sum_axis(Axis(0)).into_dyn()),
-                    );
-                    next += 1;
+                    grads.push(as_array(backward.weight, &[width])?);
                 }
                 if has_bias {
-                    grads.push(needs[next].then(|| grad.sum_axis(Axis(0)).into_dyn()));
-                }
-                if let Some(Some(g)) = grads.first_mut() {
-                    *g = reshape_owned(OP, std::mem::take(g), &shape)?;
+                    grads.push(as_array(backward.bias, &[width])?);
                 }
                 Ok(grads)
             })
@@ -141,30 +155,114 @@ impl<T: Element> Tensor<T> {
     }
 }
 
-/// dx = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ ⊙ x̂)) with ĝ = g ⊙ weight, row by row.
-fn input_grad<T: Element>(
-    grad: &Array2<T>,
-    normalized: &Array2<T>,
-    inv_std: &Array1<T>,
-    weight: Option<&ndarray::ArcArray<T, ndarray::IxDyn>>,
-    count: T,
-) -> Array2<T> {
-    let mut out = grad.clone();
-    if let Some(w) = weight {
-        Zip::from(out.rows_mut()).for_each(|mut row| row *= w);
+/// What layer norm's backward reads: the normalised input x̂ (rows × width), each row's
+/// 1/√(var + eps) and the weight.
+struct Saved<'a, T> {
+    normalized: &'a [T],
+    inv_std: &'a [T],
+    weight: Option<&'a [T]>,
+    width: usize,
+}
+
+/// Layer norm's gradients: input (rows × width), weight and bias (width each).
+struct Gradients<T> {
+    input: Option<Vec<T>>,
+    weight: Option<Vec<T>>,
+    bias: Option<Vec<T>>,
+}
+
+impl<T: Element> Saved<'_, T> {
+    /// One pass per row: dx = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ ⊙ x̂)) with ĝ = g ⊙ weight,
+    /// while the weight and bias gradients (Σ over rows of g ⊙ x̂ and of g) accumulate.
+    fn backward(
+        &self,
+        grad: &[T],
+        need_input: bool,
+        need_weight: bool,
+        need_bias: bool,
+    ) -> Gradients<T> {
+        let width = self.width.max(1);
+        let count = T::from_f64(self.width as f64);
+        let mut input = need_input.then(|| vec![T::zero(); grad.len()]);
+        let mut weight = need_weight.then(|| vec![T::zero(); self.width]);
+        let mut bias = need_bias.then(|| vec![T::zero(); self.width]);
+        let mut g_hat = vec![T::zero(); self.width];
+        let rows = grad
+            .chunks_exact(width)
+            .zip(self.normalized.chunks_exact(width));
+        for (row, ((g, x_hat), &rstd)) in rows.zip(self.inv_std).enumerate() {
+            if let Some(dw) = &mut weight {
+                dw.iter_mut()
+                    .zip(g)
+                    .zip(x_hat)
+                    .for_each(|((d, &g), &x)| *d += g * x);
+            }
+            if let Some(db) = &mut bias {
+                db.iter_mut().zip(g).for_each(|(d, &g)| *d += g);
+            }
+            let Some(dx) = &mut input else { continue };
+            g_hat.copy_from_slice(g);
+            if let Some(w) = self.weight {
+                g_hat.iter_mut().zip(w).for_each(|(g, &w)| *g *= w);
+            }
+            let mean_g = lane_sum(&g_hat, |g| g) / count;
+            let mean_gx = lane_dot(&g_hat, x_hat) / count;
+            let dx = &mut dx[row * width..(row + 1) * width];
+            for ((d, &g), &x) in dx.iter_mut().zip(&g_hat).zip(x_hat) {
+                *d = rstd * (g - mean_g - x * mean_gx);
+            }
+        }
+        Gradients {
+            input,
+            weight,
+            bias,
+        }
     }
-    Zip::from(out.rows_mut())
-        .and(normalized.rows())
-        .and(inv_std)
-        .for_each(|mut g_hat, x_hat, &rstd| {
-            let mean_g = g_hat.sum() / count;
-            let mean_gx = Zip::from(&g_hat)
-                .and(&x_hat)
-                .fold(T::zero(), |acc, &g, &x| acc + g * x)
-                / count;
-            Zip::from(&mut g_hat)
-                .and(&x_hat)
-                .for_each(|g, &x| *g = rstd * (*g - mean_g - x * mean_gx));
-        });
-    out
+}
+
+/// Σ f(xᵢ) in eight interleaved partial sums, so the loop vectorises (and rounds less
+/// than one running sum).
+fn lane_sum<T: Element>(values: &[T], f: impl Fn(T) -> T) -> T {
+    let mut lanes = [T::zero(); 8];
+    let chunks = values.chunks_exact(8);
+    let rest = chunks
+        .remainder()
+        .iter()
+        .fold(T::zero(), |acc, &x| acc + f(x));
+    for chunk in chunks {
+        for (lane, &x) in lanes.iter_mut().zip(chunk) {
+            *lane += f(x);
+        }
+    }
+    lanes.iter().fold(rest, |acc, &lane| acc + lane)
+}
+
+/// Σ aᵢ·bᵢ in eight interleaved partial sums.
+fn lane_dot<T: Element>(a: &[T], b: &[T]) -> T {
+    let mut lanes = [T::zero(); 8];
+    let (chunks_a, chunks_b) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest = (chunks_a.remainder().iter().zip(chunks_b.remainder()))
+        .fold(T::zero(), |acc, (&x, &y)| acc + x * y);
+    for (ca, cb) in chunks_a.zip(chunks_b) {
+        for ((lane, &x), &y) in lanes.iter_mut().zip(ca).zip(cb) {
+            *lane += x * y;
+        }
+    }
+    lanes.iter().fold(rest, |acc, &lane| acc + lane)
+}
+
+/// A standard-layout array's elements as one slice.
+fn contiguous<'a, T: Element>(
+    op: &'static str,
+    array: &'a ndarray::CowArray<'_, T, ndarray::IxDyn>,
+    shape: &[usize],
+) -> Result<&'a [T]> {
+    array
+        .as_slice()
+        .ok_or_else(|| Error::shape(op, &[shape], "array is not contiguous after relayout"))
+}
+
+/// A (weight or bias) tensor's elements, copied into a contiguous vector.
+fn contiguous_owned<T: Element>(op: &'static str, tensor: &Tensor<T>) -> Result<Vec<T>> {
+    Ok(tensor.cpu(op)?.iter().copied().collect())
 }

@@ -100,7 +100,7 @@ pub use communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
 pub use dtype::{reduce_slices, DType, Element, ReduceOp};
 pub use error::{CallSignature, Error, OpKind, Result};
 pub use flight_recorder::{CallRecord, CallState, FlightRecord, RankHistory};
-pub use local::{run_local, LocalCommunicator, LocalLauncher};
+pub use local::{local_rank_threads, run_local, LocalCommunicator, LocalLauncher};
 #[cfg(feature = "cuda")]
 pub use nccl::{NcclCommunicator, NcclWork};
 pub use work::Work;

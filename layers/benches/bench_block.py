@@ -63,7 +63,7 @@ def worker(rank, size, args, port, queue):
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=size)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(args.threads)
 
     def shard(full, dim, rank, size):
         return torch.tensor_split(full, size, dim=dim)[rank].to(device).clone().requires_grad_()
@@ -129,6 +129,7 @@ def main():
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="threads per rank")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     if args.device == "cuda":

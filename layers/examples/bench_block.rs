@@ -1,6 +1,7 @@
 //! Times one forward + backward step of a pre-norm transformer block (hidden 512, 8
 //! heads, sequence 128, batch 8, loss = sum of the output) on `--tp` rank threads of the
-//! local backend; prints the median milliseconds per step over the timed steps.
+//! local backend, one thread each unless `--threads N`; prints the median milliseconds per
+//! step over the timed steps.
 //!
 //! `cargo run --release -p layers --example bench_block -- --tp 2 --json`; add
 //! `--device cuda:0` (build with `--features tape/cuda`) to run every rank's block on a
@@ -38,6 +39,7 @@ struct Args {
     json: bool,
     warmup: usize,
     steps: usize,
+    threads: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -47,6 +49,7 @@ fn parse_args() -> Result<Args, String> {
         json: false,
         warmup: 2,
         steps: 10,
+        threads: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -59,6 +62,7 @@ fn parse_args() -> Result<Args, String> {
             "--tp" => args.tp = number("--tp")?,
             "--warmup" => args.warmup = number("--warmup")?,
             "--steps" => args.steps = number("--steps")?.max(1),
+            "--threads" => args.threads = number("--threads")?,
             "--json" => args.json = true,
             "--device" => {
                 let text = it.next().unwrap_or_default();
@@ -66,7 +70,7 @@ fn parse_args() -> Result<Args, String> {
             }
             other => {
                 return Err(format!(
-                    "unknown argument {other}; use --tp T [--device D] [--json] [--warmup N] [--steps N]"
+                    "unknown argument {other}; use --tp T [--device D] [--json] [--warmup N] [--steps N] [--threads N]"
                 ))
             }
         }
@@ -88,6 +92,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let input =
         Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut Generator::new(0)).to_device(device)?;
     let times = run_local(args.tp, |comm| -> layers::Result<Vec<f64>> {
+        tape::set_num_threads(args.threads)?;
         let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
         let block = TransformerBlock::new(
             &tp,

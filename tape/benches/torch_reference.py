@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """PyTorch reference for `cargo run --release -p tape --example bench_tape -- --json`.
 
-Runs the same two benchmarks on one CPU thread and prints the same JSON keys, one object
-per line:
+Runs the same two benchmarks on one CPU thread (`--threads N` for more) and prints the
+same JSON keys, one object per line:
 
-    python3 tape/benches/torch_reference.py
+    python3 tape/benches/torch_reference.py [--threads N]
 """
+import argparse
 import json
 import resource
 import statistics
@@ -65,7 +66,9 @@ def mlp_step():
 
 
 def main():
-    torch.set_num_threads(1)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=1)
+    torch.set_num_threads(parser.parse_args().threads)
     fwd, bwd = tiny_ops()
     ms, rss = mlp_step()
     print(json.dumps({"bench": "tiny_ops", "fwd_us_per_op": round(fwd, 3), "bwd_us_per_node": round(bwd, 3)}))

@@ -1,7 +1,8 @@
 //! Micro-benchmarks of the tape (not run in CI).
 //!
-//! `cargo run --release -p tape --example bench_tape -- --json` prints one JSON object per
-//! line; `tape/benches/torch_reference.py` measures the same with PyTorch.
+//! `cargo run --release -p tape --example bench_tape -- --json [--threads N]` prints one
+//! JSON object per line; `tape/benches/torch_reference.py` measures the same with PyTorch.
+//! One thread unless `--threads` says otherwise.
 
 use std::time::Instant;
 
@@ -103,7 +104,16 @@ fn peak_rss_mb() -> f64 {
 
 fn main() -> Result<()> {
     keep_freed_memory();
-    let json = std::env::args().any(|a| a == "--json");
+    let args: Vec<String> = std::env::args().collect();
+    let json = args.iter().any(|a| a == "--json");
+    let threads = match args.iter().position(|a| a == "--threads") {
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("--threads needs a positive integer"))?,
+        None => 1,
+    };
+    tape::set_num_threads(threads)?;
     let (fwd, bwd) = tiny_ops()?;
     let (ms, rss) = mlp_step()?;
     if json {

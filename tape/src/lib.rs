@@ -8,6 +8,8 @@
 //!   the moment its gradient is complete while the rest of backward still runs.
 //! * [`CustomOp`]: user-defined differentiable ops (e.g. collectives).
 //! * [`Sgd`] and [`AdamW`] optimizers, and [`gradcheck`].
+//! * [`set_num_threads`]: how many threads a thread's matrix products use (default: the
+//!   cores available, shared among local-backend rank threads).
 //!
 //! # Training a linear model
 //! ```
@@ -85,6 +87,7 @@ mod random;
 mod schedule;
 mod tape;
 mod tensor;
+mod threads;
 mod transfers;
 
 pub use device::Device;
@@ -101,4 +104,5 @@ pub use random::Generator;
 pub use schedule::{LrDecay, LrSchedule};
 pub use tape::{GradHandle, Tape};
 pub use tensor::Tensor;
+pub use threads::{num_threads, set_num_threads};
 pub use transfers::{transfers, Transfers};

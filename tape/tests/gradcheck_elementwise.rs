@@ -111,7 +111,10 @@ fn f32_tanh_and_gelu_follow_f64() -> Result<()> {
     ];
     for (name, op32, op64) in cases {
         let (tape32, tape64) = (Tape::new(), Tape::new());
-        let (p32, p64) = (Parameter::new("x", narrow.clone()), Parameter::new("x", wide.clone()));
+        let (p32, p64) = (
+            Parameter::new("x", narrow.clone()),
+            Parameter::new("x", wide.clone()),
+        );
         let y32 = op32(&tape32.watch(&p32))?;
         let y64 = op64(&tape64.watch(&p64))?;
         y32.sum()?.backward()?;

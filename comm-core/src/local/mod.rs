@@ -21,6 +21,7 @@ use crate::flight_recorder::{self, CallRecord, FlightRecord, Ticket};
 use crate::work::{ProgressQueue, Work};
 use group::{GroupShared, Message, Phase, WorldShared};
 use parking_lot::Mutex;
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,6 +56,19 @@ where
     F: Fn(LocalCommunicator) -> std::result::Result<T, E> + Sync,
 {
     LocalLauncher::new(size)?.run(f)
+}
+
+thread_local! {
+    /// The size of the local world whose rank this thread runs; 0 on other threads.
+    static RANK_THREADS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// On a rank thread started by [`run_local`] or [`LocalLauncher`], how many rank threads
+/// its world runs in this process; `None` on any other thread. Compute libraries divide
+/// the cores by it so that ranks as threads do not oversubscribe them (tape's default
+/// thread count does).
+pub fn local_rank_threads() -> Option<usize> {
+    Some(RANK_THREADS.get()).filter(|&size| size > 0)
 }
 
 /// Configures and starts a world of rank threads.
@@ -158,10 +172,11 @@ impl LocalLauncher {
             let handles: Vec<_> = (0..self.size)
                 .map(|rank| {
                     let comm = LocalCommunicator::new(group.clone(), rank);
-                    let (f, clock) = (&f, &failure_clock);
+                    let (f, clock, size) = (&f, &failure_clock, self.size);
                     std::thread::Builder::new()
                         .name(format!("rank-{rank}"))
                         .spawn_scoped(scope, move || {
+                            RANK_THREADS.set(size);
                             let outcome =
                                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)));
                             let error: Box<dyn std::error::Error + Send + Sync> = match outcome {

@@ -1,14 +1,16 @@
 //! Matrix products: 2-D, batched 3-D, and a 3-D batch times a shared 2-D matrix.
 //! Transposed operands are free: [`Tensor::transpose`] is a strided view and the GEMM
-//! (ndarray's matrixmultiply) reads any strides.
+//! (ndarray's matrixmultiply) reads any strides. Large CPU products are split over the
+//! calling thread's [`num_threads`](crate::num_threads).
 
 use ndarray::linalg::general_mat_mul;
-use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, Axis, Ix2, Ix3};
+use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewMut2, Axis, Ix2, Ix3};
 
 use super::{device_grads, on_device};
 use crate::gpu::ops::{self as device_ops, Operand};
 use crate::gpu::GpuArray;
 use crate::tape::{record, record_tensor};
+use crate::threads::{num_threads, run_pieces};
 use crate::{Element, Error, Result, Tensor};
 
 const OP: &str = "matmul";
@@ -31,7 +33,7 @@ impl<T: Element> Tensor<T> {
             return Err(bad("inner dimensions differ"));
         }
         let out = match (a.ndim(), b.ndim()) {
-            (2, 2) => view2(a.view())?.dot(&view2(b.view())?).into_dyn(),
+            (2, 2) => product(&view2(a.view())?, &view2(b.view())?).into_dyn(),
             (3, 2) => batch_times_matrix(view3(a.view())?, view2(b.view())?).into_dyn(),
             (3, 3) if a.shape()[0] == b.shape()[0] => {
                 batched(view3(a.view())?, view3(b.view())?).into_dyn()
@@ -51,8 +53,8 @@ impl<T: Element> Tensor<T> {
                     (2, 2) => {
                         let (a, b, g) = (view2(a)?, view2(b)?, view2(grad.view())?);
                         (
-                            needs[0].then(|| g.dot(&b.t()).into_dyn()),
-                            needs[1].then(|| a.t().dot(&g).into_dyn()),
+                            needs[0].then(|| product(&g, &b.t()).into_dyn()),
+                            needs[1].then(|| product(&a.t(), &g).into_dyn()),
                         )
                     }
                     (3, 2) => {
@@ -92,13 +94,74 @@ fn swap_last<T>(view: ArrayView3<'_, T>) -> ArrayView3<'_, T> {
     view.permuted_axes([0, 2, 1])
 }
 
-/// `[b,m,k]·[b,k,n]`, one GEMM per batch entry.
-fn batched<T: Element>(a: ArrayView3<'_, T>, b: ArrayView3<'_, T>) -> Array3<T> {
-    let (batch, m, n) = (a.shape()[0], a.shape()[1], b.shape()[2]);
-    let mut out = Array3::zeros((batch, m, n));
-    for ((a, b), mut c) in a.outer_iter().zip(b.outer_iter()).zip(out.outer_iter_mut()) {
-        general_mat_mul(T::one(), &a, &b, T::zero(), &mut c);
+/// Below this many multiply-adds per thread a product stays on the calling thread: a
+/// helper thread costs tens of microseconds to start, 2²¹ multiply-adds about as long.
+const MIN_WORK_PER_THREAD: usize = 1 << 21;
+
+/// How many threads a product of `work` multiply-adds uses.
+fn threads_for(work: usize) -> usize {
+    num_threads().min(work / MIN_WORK_PER_THREAD).max(1)
+}
+
+/// `a·b` as a new matrix.
+fn product<T: Element>(a: &ArrayView2<'_, T>, b: &ArrayView2<'_, T>) -> Array2<T> {
+    let threads = threads_for(a.nrows() * a.ncols() * b.ncols());
+    if threads == 1 {
+        return a.dot(b);
     }
+    let mut c = Array2::zeros((a.nrows(), b.ncols()));
+    product_into(a, b, T::zero(), c.view_mut(), threads);
+    c
+}
+
+/// `c ← a·b + beta·c` on `threads` threads, each taking a band of c's rows (or columns,
+/// when c is wider than tall). Bands are multiples of 8 rows or columns, the GEMM kernel's
+/// tile edge, so every element is computed exactly as on one thread.
+fn product_into<T: Element>(
+    a: &ArrayView2<'_, T>,
+    b: &ArrayView2<'_, T>,
+    beta: T,
+    mut c: ArrayViewMut2<'_, T>,
+    threads: usize,
+) {
+    if threads <= 1 {
+        general_mat_mul(T::one(), a, b, beta, &mut c);
+        return;
+    }
+    let (m, n) = c.dim();
+    let by_rows = m >= n;
+    let band = m.max(n).div_ceil(threads).next_multiple_of(8);
+    let pieces: Vec<_> = if by_rows {
+        let bands = a.axis_chunks_iter(Axis(0), band);
+        (bands.zip(c.axis_chunks_iter_mut(Axis(0), band)))
+            .map(|(a, c)| (a, b.view(), c))
+            .collect()
+    } else {
+        let bands = b.axis_chunks_iter(Axis(1), band);
+        (bands.zip(c.axis_chunks_iter_mut(Axis(1), band)))
+            .map(|(b, c)| (a.view(), b, c))
+            .collect()
+    };
+    run_pieces(pieces, |(a, b, mut c)| {
+        general_mat_mul(T::one(), &a, &b, beta, &mut c)
+    });
+}
+
+/// `[b,m,k]·[b,k,n]`, one GEMM per batch entry, the batch split over threads.
+fn batched<T: Element>(a: ArrayView3<'_, T>, b: ArrayView3<'_, T>) -> Array3<T> {
+    let (batch, m, k) = a.dim();
+    let n = b.shape()[2];
+    let mut out = Array3::zeros((batch, m, n));
+    let threads = threads_for(batch * m * k * n).min(batch).max(1);
+    let per_thread = batch.div_ceil(threads).max(1);
+    let chunks = (a.axis_chunks_iter(Axis(0), per_thread))
+        .zip(b.axis_chunks_iter(Axis(0), per_thread))
+        .zip(out.axis_chunks_iter_mut(Axis(0), per_thread));
+    run_pieces(chunks.collect(), |((a, b), mut out)| {
+        for ((a, b), mut c) in a.outer_iter().zip(b.outer_iter()).zip(out.outer_iter_mut()) {
+            general_mat_mul(T::one(), &a, &b, T::zero(), &mut c);
+        }
+    });
     out
 }
 
@@ -107,13 +170,14 @@ fn batch_times_matrix<T: Element>(a: ArrayView3<'_, T>, b: ArrayView2<'_, T>) ->
     let (batch, m, k) = a.dim();
     let n = b.shape()[1];
     if let Ok(rows) = a.into_shape_with_order((batch * m, k)) {
-        if let Ok(out) = rows.dot(&b).into_shape_with_order((batch, m, n)) {
+        if let Ok(out) = product(&rows, &b).into_shape_with_order((batch, m, n)) {
             return out;
         }
     }
     let mut out = Array3::zeros((batch, m, n));
-    for (a, mut c) in a.outer_iter().zip(out.outer_iter_mut()) {
-        general_mat_mul(T::one(), &a, &b, T::zero(), &mut c);
+    let threads = threads_for(m * k * n);
+    for (a, c) in a.outer_iter().zip(out.outer_iter_mut()) {
+        product_into(&a, &b, T::zero(), c, threads);
     }
     out
 }
@@ -129,11 +193,12 @@ fn batch_transpose_times_batch<T: Element>(
         a.into_shape_with_order((batch * m, k)),
         g.into_shape_with_order((batch * m, n)),
     ) {
-        return a2.t().dot(&g2);
+        return product(&a2.t(), &g2);
     }
     let mut out = Array2::zeros((k, n));
+    let threads = threads_for(m * k * n);
     for (a, g) in a.axis_iter(Axis(0)).zip(g.axis_iter(Axis(0))) {
-        general_mat_mul(T::one(), &a.t(), &g, T::one(), &mut out);
+        product_into(&a.t(), &g, T::one(), out.view_mut(), threads);
     }
     out
 }

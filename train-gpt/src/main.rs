@@ -142,6 +142,10 @@ struct Args {
     /// Communication backend.
     #[arg(long, value_enum, default_value_t = Backend::Local)]
     backend: Backend,
+    /// Threads per rank for CPU matrix products [default: this machine's cores divided
+    /// among its ranks, so ranks × threads never exceed the cores].
+    #[arg(long)]
+    threads: Option<usize>,
     /// Where tensors live and compute: cpu, cuda:N (build with `--features tape/cuda`), or
     /// emulated (the CUDA code path run on the host; slow, for checking).
     #[arg(long, default_value = "cpu")]
@@ -232,6 +236,10 @@ fn run_local_backend(args: &Args, corpus: &Corpus) -> Result<()> {
     announce(args, corpus, dp);
     let progress = Progress::new("train", args.steps, args.batch * dp * args.seq);
     let mut results = run_local(world, |comm| {
+        // Unset, tape already divides the cores among this world's rank threads.
+        if let Some(threads) = args.threads {
+            tape::set_num_threads(threads)?;
+        }
         let world: Arc<dyn Communicator> = Arc::new(comm);
         let progress = (world.rank() == 0).then_some(&progress);
         train_rank(world, &config, corpus, progress)
@@ -302,6 +310,14 @@ fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
         );
     }
     validate(args, dp)?;
+    tape::set_num_threads(args.threads.unwrap_or_else(|| {
+        // Processes on this machine as OpenMPI and MPICH report them; else assume all.
+        let ranks_here = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+            .iter()
+            .find_map(|name| std::env::var(name).ok()?.parse().ok())
+            .unwrap_or(size);
+        (tape::num_threads() / ranks_here).max(1)
+    }))?;
     let rank0 = world.rank() == 0;
     if rank0 {
         announce(args, corpus, dp);

@@ -44,3 +44,10 @@ fn the_mpi_backend_without_mpirun_says_how_to_launch() {
     assert!(!ok);
     assert!(stderr.contains("mpirun -n 4"), "{stderr}");
 }
+
+#[test]
+fn zero_threads_per_rank_is_refused() {
+    let (ok, stderr) = train(&["--threads", "0", "--steps", "1"]);
+    assert!(!ok);
+    assert!(stderr.contains("at least one thread"), "{stderr}");
+}

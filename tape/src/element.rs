@@ -98,10 +98,12 @@ fn tanh_f32(x: f32) -> f32 {
 fn exp_nonnegative_f32(y: f32) -> f32 {
     const LN2_HIGH: f32 = 0.693_359_4;
     const LN2_LOW: f32 = -2.121_944_4e-4;
-    // y ≥ 0, so truncation rounds to nearest after adding a half (and compiles to one
-    // SSE2 conversion).
-    let n = (y * std::f32::consts::LOG2_E + 0.5) as i32;
-    let n_float = n as f32;
+    // Adding 1.5·2²³ rounds to the nearest integer and leaves it in the low mantissa bits:
+    // n without a float-to-int conversion, which (saturating in Rust) keeps loops scalar.
+    const ROUNDER: f32 = 12_582_912.0;
+    let shifted = y * std::f32::consts::LOG2_E + ROUNDER;
+    let n_float = shifted - ROUNDER;
+    let n = shifted.to_bits().wrapping_sub(ROUNDER.to_bits());
     let r = y - n_float * LN2_HIGH - n_float * LN2_LOW;
     let polynomial =
         (((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
@@ -112,7 +114,7 @@ fn exp_nonnegative_f32(y: f32) -> f32 {
             * r
             + r
             + 1.0;
-    polynomial * f32::from_bits(((n + 127) as u32) << 23)
+    polynomial * f32::from_bits((n + 127) << 23)
 }
 
 #[cfg(test)]

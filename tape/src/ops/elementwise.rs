@@ -2,7 +2,7 @@
 
 use ndarray::{ArcArray, ArrayD, IxDyn, Zip};
 
-use super::{broadcast_shape, device_grads, on_device, sum_to_shape};
+use super::{broadcast_shape, device_grads, on_device, pointwise, sum_to_shape};
 use crate::gpu::ops::{self as device, BinaryKind, UnaryKind};
 use crate::tape::{record, record_tensor, BackwardFn};
 use crate::{Element, Error, Result, Tensor};
@@ -188,12 +188,10 @@ impl<T: Element> Tensor<T> {
         if let Some(out) = self.unary_on_device("tanh", UnaryKind::Tanh, 1.0)? {
             return Ok(out);
         }
-        let out = self.cpu("tanh")?.mapv(T::tanh_vectorizable).into_shared();
+        let out = pointwise::map(self.cpu("tanh")?, T::tanh_vectorizable).into_shared();
         record("tanh", &[self], out.clone(), || {
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
-                Zip::from(&mut grad)
-                    .and(&out)
-                    .for_each(|g, &y| *g *= T::one() - y * y);
+                pointwise::update_with(&mut grad, &out, |g, y| g * (T::one() - y * y));
                 Ok(vec![Some(grad)])
             })
         })
@@ -231,16 +229,19 @@ impl<T: Element> Tensor<T> {
         let input = self.cpu("gelu")?;
         // One loop per approximation, so each inner loop is branch-free and vectorises.
         let out = match approximation {
-            Gelu::Erf => input.mapv(gelu_erf),
-            Gelu::Tanh => input.mapv(gelu_tanh),
+            Gelu::Erf => pointwise::map(input, gelu_erf),
+            Gelu::Tanh => pointwise::map(input, gelu_tanh),
         };
         record("gelu", &[self], out.into_shared(), || {
             let input = input.clone();
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
-                let chain = Zip::from(&mut grad).and(&input);
                 match approximation {
-                    Gelu::Erf => chain.for_each(|g, &x| *g *= gelu_erf_derivative(x)),
-                    Gelu::Tanh => chain.for_each(|g, &x| *g *= gelu_tanh_derivative(x)),
+                    Gelu::Erf => {
+                        pointwise::update_with(&mut grad, &input, |g, x| g * gelu_erf_derivative(x))
+                    }
+                    Gelu::Tanh => pointwise::update_with(&mut grad, &input, |g, x| {
+                        g * gelu_tanh_derivative(x)
+                    }),
                 }
                 Ok(vec![Some(grad)])
             })

@@ -7,6 +7,7 @@ mod index;
 mod loss;
 mod matmul;
 mod norm;
+mod pointwise;
 mod reduce;
 mod shape;
 mod softmax;

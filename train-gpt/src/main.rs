@@ -580,13 +580,26 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
     }
     if args.check {
         let serial = check_run(args, corpus, dp)?;
-        let max_difference = losses
-            .iter()
-            .zip(&serial)
+        let differences: Vec<f32> = (losses.iter().zip(&serial))
             .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+            .collect();
+        let largest_by = |steps: usize| {
+            differences
+                .iter()
+                .take(steps)
+                .fold(0.0f32, |m, &d| m.max(d))
+        };
         // Display never uses an exponent, so this is a plain decimal number.
-        println!("max loss difference: {max_difference}");
+        println!("max loss difference: {}", largest_by(differences.len()));
+        // Rounding differences grow as training amplifies them; show how fast.
+        let growth: Vec<String> = [1, 10, 100]
+            .into_iter()
+            .filter(|&steps| steps < differences.len())
+            .map(|steps| format!("{:.1e} by step {steps}", largest_by(steps)))
+            .collect();
+        if !growth.is_empty() {
+            println!("largest difference {}", growth.join(", "));
+        }
     }
     Ok(())
 }

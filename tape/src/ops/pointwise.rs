@@ -79,10 +79,16 @@ mod tests {
         let (mut dispatched, mut portable) = (inputs.clone(), inputs.clone());
         each(&mut dispatched, f, Some(&scale));
         each_portable(&mut portable, f, Some(&scale));
-        assert!(dispatched.iter().zip(&portable).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(dispatched
+            .iter()
+            .zip(&portable)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
         let (mut dispatched, mut portable) = (inputs.clone(), inputs);
         each(&mut dispatched, |x, _| x.tanh_vectorizable(), None);
         each_portable(&mut portable, |x, _| x.tanh_vectorizable(), None);
-        assert!(dispatched.iter().zip(&portable).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(dispatched
+            .iter()
+            .zip(&portable)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }

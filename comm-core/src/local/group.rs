@@ -667,22 +667,7 @@ impl GroupShared {
         seq: u64,
         slot: &ReceiveSlot,
     ) -> Result<Message> {
-        let mut taken = None;
-        self.wait_for(
-            dst,
-            OpKind::Recv,
-            seq,
-            true,
-            |_| {
-                if taken.is_none() {
-                    taken = slot.lock().take();
-                }
-                taken.is_some()
-            },
-            |_| vec![src],
-            Patience::Bounded(&|_| false),
-        )?;
-        taken.ok_or_else(|| Error::Config("internal: receive finished without a message".into()))
+        self.wait_for_message(src, dst, seq, || slot.lock().take())
     }
 
     /// Takes the next message from `src` to `dst`, waiting as a collective would. Started
@@ -695,7 +680,23 @@ impl GroupShared {
         receiver: &CallSignature,
     ) -> Result<Message> {
         let mailbox = &self.mailboxes[src * self.size() + dst];
-        let mut taken: Option<Message> = None;
+        self.wait_for_message(src, dst, seq, || {
+            let message = mailbox.pending.lock().messages.pop_front()?;
+            Self::take(mailbox, &message, receiver);
+            self.wake_all();
+            Some(message)
+        })
+    }
+
+    /// Waits, as a collective waits on `src`, until `take` yields the message.
+    fn wait_for_message(
+        &self,
+        src: usize,
+        dst: usize,
+        seq: u64,
+        mut take: impl FnMut() -> Option<Message>,
+    ) -> Result<Message> {
+        let mut taken = None;
         self.wait_for(
             dst,
             OpKind::Recv,
@@ -703,11 +704,7 @@ impl GroupShared {
             true,
             |_| {
                 if taken.is_none() {
-                    taken = mailbox.pending.lock().messages.pop_front();
-                    if let Some(msg) = &taken {
-                        Self::take(mailbox, msg, receiver);
-                        self.wake_all();
-                    }
+                    taken = take();
                 }
                 taken.is_some()
             },

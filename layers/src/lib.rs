@@ -11,7 +11,8 @@
 //! * initialisation from seeded master weights ([`MasterInit`]): any tensor-parallel size
 //!   builds the same model as one rank;
 //! * Megatron's RNG streams ([`RngTracker`]) and sharded safetensors checkpoints
-//!   ([`checkpoint`]) convertible between tensor-parallel sizes.
+//!   ([`checkpoint`]) convertible between tensor-parallel sizes;
+//! * global gradient-norm clipping over the sharded model ([`clip_grad_norm`]).
 //!
 //! Every layer is built with a [`TensorParallel`] context (the tensor-parallel group and
 //! the sequence-parallel switch) and runs on the [`tape`] autograd; the collectives are
@@ -96,6 +97,7 @@
 #![warn(missing_docs)]
 
 pub mod checkpoint;
+mod clip;
 mod cross_entropy;
 mod embedding;
 mod error;
@@ -105,6 +107,7 @@ mod parallel;
 mod random;
 mod transformer;
 
+pub use clip::{clip_grad_norm, GradNorm};
 pub use cross_entropy::{
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_per_token, TokenLoss,
 };

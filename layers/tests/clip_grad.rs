@@ -1,0 +1,154 @@
+//! Gradient-norm clipping on TP ∈ {2, 4}, with and without sequence parallelism, equals
+//! clipping the serial model: the same norm, and the same clipped gradients. A NaN on one
+//! rank is seen by all, and nothing is scaled.
+
+mod common;
+
+use comm_core::run_local;
+use common::{assert_close, full_grads, grads_of, part, tp_context, AnyResult};
+use layers::{
+    all_reduce_sequence_parallel_grads, clip_grad_norm, BlockConfig, GradNorm, MasterInit, Module,
+    RngTracker, Sharding, TransformerBlock,
+};
+use tape::{Generator, Parameter, Tape, Tensor};
+
+const SEQ: usize = 6;
+const BATCH: usize = 2;
+const HIDDEN: usize = 24;
+
+type RankGrads = Vec<(String, Sharding, Tensor)>;
+
+/// One block's forward and backward on `tp` ranks, then clipping to `max_norm` (a
+/// fraction of the serial norm, so it clips); each rank's norm and clipped gradients.
+fn clipped(
+    tp: usize,
+    sequence_parallel: bool,
+    max_norm: f64,
+) -> AnyResult<Vec<(GradNorm, RankGrads)>> {
+    let mut rng = Generator::new(3);
+    let input = Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut rng);
+    let weights = Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut rng);
+    Ok(run_local(tp, |comm| -> AnyResult<(GradNorm, RankGrads)> {
+        let tp = tp_context(comm, sequence_parallel);
+        let config = BlockConfig {
+            ffn_hidden: 50,
+            ..BlockConfig::new(HIDDEN, 4)
+        };
+        let init = MasterInit::new(7, 0.2).with_bias_std(0.1);
+        let block = TransformerBlock::new(&tp, "block", &config, &init)?;
+        let (x, w) = if sequence_parallel {
+            (
+                part(&input, 0, tp.rank(), tp.size()),
+                part(&weights, 0, tp.rank(), tp.size()),
+            )
+        } else {
+            (input.clone(), weights.clone())
+        };
+        let tape = Tape::new();
+        let x = tape.watch(&Parameter::new("x", x));
+        let out = block.forward(&tape, &x, &mut RngTracker::new(1, tp.rank()))?;
+        out.mul(&w)?.sum()?.backward()?;
+        all_reduce_sequence_parallel_grads(&block, tp.group())?;
+        let norm = clip_grad_norm(&block.parameters(), &tp, &[], max_norm)?;
+        Ok((norm, grads_of(&block)))
+    })?)
+}
+
+#[test]
+fn clipping_a_tensor_parallel_block_equals_clipping_the_serial_one() -> AnyResult<()> {
+    // The unclipped serial norm, then a limit at a third of it.
+    let unclipped = clipped(1, false, 1e9)?;
+    let (norm, grads) = &unclipped[0];
+    assert!(!norm.clipped && norm.norm > 0.0);
+    let by_hand: f64 = grads
+        .iter()
+        .flat_map(|(_, _, g)| g.to_vec().unwrap())
+        .map(|v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        (norm.norm - by_hand).abs() <= 1e-5 * by_hand,
+        "{} vs {by_hand}",
+        norm.norm
+    );
+    let max_norm = norm.norm / 3.0;
+    let serial = clipped(1, false, max_norm)?;
+    let serial_grads = full_grads(&[serial[0].1.clone()]);
+    let clipped_norm: f64 = serial_grads
+        .values()
+        .flat_map(|g| g.to_vec().unwrap())
+        .map(|v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        (clipped_norm - max_norm).abs() <= 1e-4 * max_norm,
+        "{clipped_norm} vs {max_norm}"
+    );
+    for tp in [2, 4] {
+        for sequence_parallel in [false, true] {
+            let what = format!("tp={tp} sp={sequence_parallel}");
+            let ranks = clipped(tp, sequence_parallel, max_norm)?;
+            for (rank, (norm, _)) in ranks.iter().enumerate() {
+                assert!(norm.clipped, "{what}: rank {rank} did not clip");
+                let relative = (norm.norm - serial[0].0.norm).abs() / serial[0].0.norm;
+                assert!(
+                    relative <= 1e-5,
+                    "{what}: rank {rank} norm {} vs {}",
+                    norm.norm,
+                    serial[0].0.norm
+                );
+            }
+            let grads: Vec<RankGrads> = ranks.into_iter().map(|(_, g)| g).collect();
+            for (name, grad) in full_grads(&grads) {
+                assert_close(
+                    &format!("{what}: clipped grad of {name}"),
+                    &grad,
+                    &serial_grads[&name],
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_nan_gradient_on_one_rank_is_reported_by_every_rank_and_nothing_is_scaled() -> AnyResult<()> {
+    let outcomes = run_local(2, |comm| -> AnyResult<(GradNorm, Vec<f32>)> {
+        let tp = tp_context(comm, false);
+        let a = Parameter::new("a", Tensor::from_vec(vec![3.0, 4.0], &[2])?);
+        a.set_grad(Some(Tensor::from_vec(vec![30.0, 40.0], &[2])?))?;
+        if tp.rank() == 1 {
+            a.set_grad(Some(Tensor::from_vec(vec![f32::NAN, 1.0], &[2])?))?;
+        }
+        let params = [layers::ShardedParameter {
+            param: a.clone(),
+            sharding: Sharding::Split {
+                dim: 0,
+                full_len: 4,
+            },
+            grad_reduce_group: None,
+        }];
+        let norm = clip_grad_norm(&params, &tp, &[], 1.0)?;
+        Ok((norm, a.grad().expect("grad").to_vec()?))
+    })?;
+    for (rank, (norm, grad)) in outcomes.iter().enumerate() {
+        assert!(!norm.is_finite() && !norm.clipped, "rank {rank}: {norm:?}");
+        if rank == 0 {
+            assert_eq!(grad, &[30.0, 40.0], "rank 0's gradient must stay as it was");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_limit_that_is_not_positive_and_finite_is_refused() -> AnyResult<()> {
+    run_local(1, |comm| -> AnyResult<()> {
+        let tp = tp_context(comm, false);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let err = clip_grad_norm(&[], &tp, &[], bad).unwrap_err();
+            assert!(err.to_string().contains("max_norm"), "{err}");
+        }
+        Ok(())
+    })?;
+    Ok(())
+}

@@ -128,6 +128,10 @@ struct Args {
     /// Shape of the decay after the warm-up.
     #[arg(long, value_enum, default_value_t = Decay::Cosine)]
     lr_decay: Decay,
+    /// Scale the gradients down when their global L2 norm exceeds this (Megatron's
+    /// --clip-grad); a step whose gradient norm is not finite is skipped.
+    #[arg(long, value_name = "NORM")]
+    clip_grad: Option<f64>,
     /// Validation loss on the held-out tenth of the data every this many steps and after
     /// the last one; 0 turns it off.
     #[arg(long, default_value_t = 50)]
@@ -459,6 +463,7 @@ fn train_config(args: &Args) -> TrainConfig {
         steps: args.steps,
         seed: args.seed,
         schedule: schedule(args),
+        clip_grad: args.clip_grad,
         eval_interval: args.eval_interval,
         eval_batches: args.eval_batches,
         resume: args.resume.clone(),

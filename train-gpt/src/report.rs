@@ -65,6 +65,14 @@ impl Progress {
         }
     }
 
+    /// A line of its own, above the bar when there is one.
+    pub fn note(&self, text: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(text),
+            None => println!("{text}"),
+        }
+    }
+
     /// Clears the bar, so the lines printed next (the summary, and `--check`'s last
     /// line) start on a line of their own.
     pub fn finish(&self) {

@@ -43,6 +43,8 @@ pub struct TrainConfig {
     pub steps: usize,
     pub seed: u64,
     pub schedule: Schedule,
+    /// The global gradient norm to clip to, if any.
+    pub clip_grad: Option<f64>,
     /// Validation loss every this many steps (and after the last one); 0 turns it off.
     pub eval_interval: usize,
     /// Global batches of held-out windows each validation runs.
@@ -192,7 +194,7 @@ pub fn train_rank(
         if !step_loss.is_finite() {
             bail!(
                 "step {}: the loss is {} (step {} had {}): training diverged; lower --lr \
-                 (now {}) or lengthen --lr-warmup-steps (now {})",
+                 (now {}), lengthen --lr-warmup-steps (now {}) or clip with --clip-grad",
                 step + 1,
                 step_loss,
                 step,
@@ -201,7 +203,25 @@ pub fn train_rank(
                 config.schedule.warmup_steps
             );
         }
-        optimizer.step()?;
+        let finite_gradients = match config.clip_grad {
+            Some(max_norm) => {
+                // Pipeline stages hold different blocks: their squares add up over "pp".
+                let params: Vec<_> = models.iter().flat_map(Module::parameters).collect();
+                let norm = layers::clip_grad_norm(&params, &tp, &[state.pp()], max_norm)?;
+                if let (false, Some(progress)) = (norm.is_finite(), progress) {
+                    progress.note(&format!(
+                        "step {}: the gradient norm is {}; step skipped on every rank",
+                        step + 1,
+                        norm.norm
+                    ));
+                }
+                norm.is_finite()
+            }
+            None => true,
+        };
+        if finite_gradients {
+            optimizer.step()?;
+        }
         if step > first_step || config.steps == first_step + 1 {
             steady_transfers.push(tape::transfers(config.device) - before);
         }

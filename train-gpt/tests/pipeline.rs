@@ -101,3 +101,34 @@ fn layouts_that_cannot_work_are_refused_with_what_would() {
         assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
 }
+
+/// `--clip-grad` adds the squared gradients over tensor and pipeline ranks as one rank
+/// would: the clipped run equals its one-rank check, and differs from the unclipped run.
+#[test]
+fn clipping_under_every_axis_trains_what_one_rank_trains() {
+    let layout = words("--pp 2 --tp 2 --dp 2 --microbatches 2");
+    let run = |extra: &[&str], out: &str| {
+        let dir = std::env::temp_dir().join(out);
+        let dir = dir.to_string_lossy().into_owned();
+        let (ok, stdout, stderr) = train(&[&layout[..], extra, &["--out", &dir]].concat());
+        assert!(ok, "{extra:?}: {stderr}");
+        stdout
+    };
+    let clipped = run(&["--clip-grad", "0.05", "--check"], "train-gpt-clipped");
+    let difference: f32 = clipped
+        .lines()
+        .find_map(|line| line.strip_prefix("max loss difference: "))
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("no loss difference in {clipped}"));
+    assert!(difference < 1e-4, "clipped: {difference}");
+    // AdamW's step barely depends on a gradient's scale, so look at every digit.
+    run(&[], "train-gpt-unclipped");
+    let curve = |out: &str| {
+        std::fs::read_to_string(std::env::temp_dir().join(out).join("loss.csv")).expect("loss.csv")
+    };
+    assert_ne!(
+        curve("train-gpt-clipped"),
+        curve("train-gpt-unclipped"),
+        "--clip-grad changed nothing"
+    );
+}

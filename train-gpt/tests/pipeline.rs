@@ -38,6 +38,15 @@ fn words(flags: &str) -> Vec<&str> {
     flags.split(' ').collect()
 }
 
+/// The figure of `--check`'s `max loss difference: X` line.
+fn loss_difference(stdout: &str) -> f32 {
+    stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("max loss difference: "))
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("no loss difference in {stdout}"))
+}
+
 #[test]
 fn every_schedule_trains_what_one_rank_trains() {
     for flags in [
@@ -51,11 +60,7 @@ fn every_schedule_trains_what_one_rank_trains() {
         let layout = words(flags);
         let (ok, stdout, stderr) = train(&[&layout[..], &["--check"]].concat());
         assert!(ok, "{layout:?}: {stderr}");
-        let difference: f32 = stdout
-            .lines()
-            .find_map(|line| line.strip_prefix("max loss difference: "))
-            .and_then(|x| x.parse().ok())
-            .unwrap_or_else(|| panic!("{layout:?}: no loss difference in {stdout}"));
+        let difference = loss_difference(&stdout);
         assert!(difference < 1e-4, "{layout:?}: {difference}");
     }
 }
@@ -115,11 +120,7 @@ fn clipping_under_every_axis_trains_what_one_rank_trains() {
         stdout
     };
     let clipped = run(&["--clip-grad", "0.05", "--check"], "train-gpt-clipped");
-    let difference: f32 = clipped
-        .lines()
-        .find_map(|line| line.strip_prefix("max loss difference: "))
-        .and_then(|x| x.parse().ok())
-        .unwrap_or_else(|| panic!("no loss difference in {clipped}"));
+    let difference = loss_difference(&clipped);
     assert!(difference < 1e-4, "clipped: {difference}");
     // AdamW's step barely depends on a gradient's scale, so look at every digit.
     run(&[], "train-gpt-unclipped");

@@ -98,7 +98,10 @@ pub use gradcheck::{gradcheck, GradCheckOptions};
 pub use ndarray;
 pub use ops::custom::CustomOp;
 pub use ops::{causal_mask, CrossEntropyOptions, Gelu, Reduction};
-pub use optim::{AdamW, AdamWConfig, Optimizer, OptimizerState, ParamState, Sgd, SgdConfig};
+pub use optim::{
+    AdamW, AdamWConfig, AdamWUpdate, Optimizer, OptimizerState, ParamOptions, ParamState, Sgd,
+    SgdConfig, SgdUpdate,
+};
 pub use parameter::{GradHook, ParamId, Parameter};
 pub use random::Generator;
 pub use schedule::{LrDecay, LrSchedule};

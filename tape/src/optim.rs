@@ -1,9 +1,9 @@
 //! Optimizers with PyTorch semantics: [`Sgd`] (momentum, weight decay) and [`AdamW`],
 //! with optional [`LrSchedule`]s and their state for checkpoints ([`OptimizerState`]).
 
-use ndarray::{ArrayD, Zip};
+use ndarray::{ArcArray, ArrayD, IxDyn};
 
-use crate::gpu::optim_ops::{adamw_step, sgd_step, SgdStep};
+use crate::gpu::optim_ops::{adamw_step, sgd_step};
 use crate::gpu::GpuArray;
 use crate::schedule::LrSchedule;
 use crate::{Device, Element, Error, Parameter, Result, Tensor};
@@ -70,6 +70,7 @@ impl SgdConfig {
 #[derive(Debug)]
 pub struct Sgd<T: Element = f32> {
     params: Vec<Parameter<T>>,
+    options: Vec<ParamOptions>,
     config: SgdConfig,
     clock: Clock,
     momentum_buffers: Vec<Option<ArrayD<T>>>,
@@ -86,6 +87,7 @@ impl<T: Element> Sgd<T> {
         let momentum_buffers = vec![None; params.len()];
         let device_buffers = vec![None; params.len()];
         Sgd {
+            options: vec![ParamOptions::default(); params.len()],
             params,
             config,
             clock: Clock::default(),
@@ -99,63 +101,45 @@ impl<T: Element> Sgd<T> {
         self.clock.schedule = Some(schedule);
         self
     }
+
+    /// Scales the learning rate and weight decay of each parameter by `options(param)`
+    /// (PyTorch's parameter groups), e.g. [`ParamOptions::no_decay_for_vectors`].
+    pub fn with_param_options(mut self, options: impl Fn(&Parameter<T>) -> ParamOptions) -> Self {
+        self.options = self.params.iter().map(options).collect();
+        self
+    }
 }
 
 impl<T: Element> Optimizer<T> for Sgd<T> {
     fn step(&mut self) -> Result<()> {
         self.config.lr = self.clock.advance(self.config.lr);
         let c = self.config;
-        let (lr, wd) = (T::from_f64(c.lr), T::from_f64(c.weight_decay));
-        let (mu, damp) = (T::from_f64(c.momentum), T::from_f64(1.0 - c.dampening));
         for (i, param) in self.params.iter().enumerate() {
+            let update = SgdUpdate::new(&c, self.options[i]);
             if param.on_device() {
-                let step = SgdStep {
-                    lr: c.lr,
-                    weight_decay: c.weight_decay,
-                    momentum: c.momentum,
-                    dampening: c.dampening,
-                    nesterov: c.nesterov,
-                };
                 let buffer = &mut self.device_buffers[i];
                 param.update_on_device("Sgd::step", |value, grad| {
-                    sgd_step(value, grad, buffer, &step)
+                    sgd_step(value, grad, buffer, &update)
                 })?;
                 continue;
             }
             let buffer = &mut self.momentum_buffers[i];
             param.update_in_place("Sgd::step", |value, grad| {
-                if c.momentum == 0.0 {
-                    Zip::from(value)
-                        .and(grad)
-                        .for_each(|p, &g| *p = *p - lr * (g + wd * *p));
-                    return;
-                }
-                let mut direction = grad.to_owned();
-                if c.weight_decay != 0.0 {
-                    Zip::from(&mut direction)
-                        .and(&*value)
-                        .for_each(|d, &p| *d += wd * p);
-                }
-                let buf = match buffer {
-                    // The first step initialises the buffer with the gradient, undampened.
-                    None => buffer.insert(direction.clone()),
-                    Some(buf) => {
-                        Zip::from(&mut *buf)
-                            .and(&direction)
-                            .for_each(|b, &d| *b = mu * *b + damp * d);
-                        buf
+                let first = update.momentum != 0.0 && buffer.is_none();
+                let buffer = match buffer {
+                    Some(buffer) => Some(buffer),
+                    None if update.momentum != 0.0 => {
+                        Some(buffer.insert(ArrayD::zeros(grad.raw_dim())))
                     }
+                    None => None,
                 };
-                if c.nesterov {
-                    Zip::from(&mut direction)
-                        .and(&*buf)
-                        .for_each(|d, &b| *d += mu * b);
-                } else {
-                    direction.assign(buf);
-                }
-                Zip::from(value)
-                    .and(&direction)
-                    .for_each(|p, &d| *p -= lr * d);
+                with_host_slices(value, grad, |values, grads| {
+                    let buffer = match buffer {
+                        Some(buffer) => host_slice(buffer)?,
+                        None => &mut [],
+                    };
+                    update.apply(values, grads, buffer, first)
+                })
             })?;
         }
         Ok(())
@@ -241,6 +225,7 @@ type DeviceAdamState<T> = (GpuArray<T>, GpuArray<T>, u32);
 #[derive(Debug)]
 pub struct AdamW<T: Element = f32> {
     params: Vec<Parameter<T>>,
+    options: Vec<ParamOptions>,
     config: AdamWConfig,
     clock: Clock,
     moments: Vec<Option<AdamState<T>>>,
@@ -256,6 +241,7 @@ impl<T: Element> AdamW<T> {
         let moments = (0..params.len()).map(|_| None).collect();
         let device_moments = (0..params.len()).map(|_| None).collect();
         AdamW {
+            options: vec![ParamOptions::default(); params.len()],
             params,
             config,
             clock: Clock::default(),
@@ -269,14 +255,21 @@ impl<T: Element> AdamW<T> {
         self.clock.schedule = Some(schedule);
         self
     }
+
+    /// Scales the learning rate and weight decay of each parameter by `options(param)`
+    /// (PyTorch's parameter groups), e.g. [`ParamOptions::no_decay_for_vectors`].
+    pub fn with_param_options(mut self, options: impl Fn(&Parameter<T>) -> ParamOptions) -> Self {
+        self.options = self.params.iter().map(options).collect();
+        self
+    }
 }
 
 impl<T: Element> Optimizer<T> for AdamW<T> {
     fn step(&mut self) -> Result<()> {
         self.config.lr = self.clock.advance(self.config.lr);
         let c = self.config;
-        let (beta1, beta2) = c.betas;
         for (i, param) in self.params.iter().enumerate() {
+            let options = self.options[i];
             if param.on_device() {
                 let state = &mut self.device_moments[i];
                 param.update_on_device("AdamW::step", |value, grad| {
@@ -295,17 +288,8 @@ impl<T: Element> Optimizer<T> for AdamW<T> {
                         }
                     };
                     *step += 1;
-                    let bias1 = 1.0 - beta1.powi(*step as i32);
-                    let bias2_sqrt = (1.0 - beta2.powi(*step as i32)).sqrt();
-                    let coefficients = [
-                        beta1,
-                        beta2,
-                        1.0 - c.lr * c.weight_decay,
-                        c.lr / bias1,
-                        c.eps,
-                        bias2_sqrt,
-                    ];
-                    adamw_step(value, grad, m, v, coefficients)
+                    let update = AdamWUpdate::new(&c, options, *step);
+                    adamw_step(value, grad, m, v, update.coefficients())
                 })?;
                 continue;
             }
@@ -319,22 +303,10 @@ impl<T: Element> Optimizer<T> for AdamW<T> {
                     )
                 });
                 *step += 1;
-                // Step sizes follow torch: lr/(1-β1^t) on m, √(1-β2^t) folded into the denominator.
-                let bias1 = 1.0 - beta1.powi(*step as i32);
-                let bias2_sqrt = (1.0 - beta2.powi(*step as i32)).sqrt();
-                let decay = T::from_f64(1.0 - c.lr * c.weight_decay);
-                let step_size = T::from_f64(c.lr / bias1);
-                let (b1, b2) = (T::from_f64(beta1), T::from_f64(beta2));
-                let (eps, bias2_sqrt) = (T::from_f64(c.eps), T::from_f64(bias2_sqrt));
-                Zip::from(value)
-                    .and(grad)
-                    .and(m)
-                    .and(v)
-                    .for_each(|p, &g, m, v| {
-                        *m = b1 * *m + (T::one() - b1) * g;
-                        *v = b2 * *v + (T::one() - b2) * g * g;
-                        *p = *p * decay - step_size * *m / ((*v).sqrt() / bias2_sqrt + eps);
-                    });
+                let update = AdamWUpdate::new(&c, options, *step);
+                with_host_slices(value, grad, |values, grads| {
+                    update.apply(values, grads, host_slice(m)?, host_slice(v)?)
+                })
             })?;
         }
         Ok(())
@@ -395,6 +367,239 @@ impl<T: Element> Optimizer<T> for AdamW<T> {
         }
         self.clock.steps = state.steps;
         Ok(())
+    }
+}
+
+/// Per-parameter multipliers of an optimizer's learning rate and weight decay: PyTorch's
+/// parameter groups, Megatron's `lr_mult` and `wd_mult`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ParamOptions {
+    /// Multiplies the learning rate (default 1).
+    pub lr_mult: f64,
+    /// Multiplies the weight decay (default 1; 0 turns decay off).
+    pub wd_mult: f64,
+}
+
+impl Default for ParamOptions {
+    fn default() -> Self {
+        ParamOptions {
+            lr_mult: 1.0,
+            wd_mult: 1.0,
+        }
+    }
+}
+
+impl ParamOptions {
+    /// The usual choice (Megatron's default): no weight decay for parameters of fewer than
+    /// two dimensions, which are the biases and the normalisation weights; full decay for
+    /// the matrices.
+    pub fn no_decay_for_vectors<T: Element>(param: &Parameter<T>) -> ParamOptions {
+        ParamOptions {
+            wd_mult: if param.shape().len() < 2 { 0.0 } else { 1.0 },
+            ..ParamOptions::default()
+        }
+    }
+}
+
+/// One SGD update of one parameter's elements, exactly as [`Sgd::step`] applies it; public
+/// so that a sharded optimizer can apply it to its slice of a parameter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdUpdate {
+    /// Learning rate (the parameter's multiplier applied).
+    pub lr: f64,
+    /// Coupled weight decay (the parameter's multiplier applied).
+    pub weight_decay: f64,
+    /// Momentum factor (0: no momentum buffer).
+    pub momentum: f64,
+    /// Dampening of the momentum update.
+    pub dampening: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+}
+
+impl SgdUpdate {
+    /// The update `config` (with this step's learning rate) makes to a parameter with
+    /// `options`.
+    pub fn new(config: &SgdConfig, options: ParamOptions) -> Self {
+        SgdUpdate {
+            lr: config.lr * options.lr_mult,
+            weight_decay: config.weight_decay * options.wd_mult,
+            momentum: config.momentum,
+            dampening: config.dampening,
+            nesterov: config.nesterov,
+        }
+    }
+
+    /// Updates `values` in place from `grads`. With momentum, `buffer` is the momentum
+    /// buffer of the same length, which the parameter's `first` update sets to the
+    /// direction undampened; without, it is ignored.
+    pub fn apply<T: Element>(
+        &self,
+        values: &mut [T],
+        grads: &[T],
+        buffer: &mut [T],
+        first: bool,
+    ) -> Result<()> {
+        let has_momentum = self.momentum != 0.0;
+        check_lengths(
+            "SgdUpdate::apply",
+            values.len(),
+            grads.len(),
+            has_momentum.then_some(buffer.len()),
+        )?;
+        let (lr, wd) = (T::from_f64(self.lr), T::from_f64(self.weight_decay));
+        let (mu, damp) = (
+            T::from_f64(self.momentum),
+            T::from_f64(1.0 - self.dampening),
+        );
+        if !has_momentum {
+            for (p, &g) in values.iter_mut().zip(grads) {
+                *p = *p - lr * (g + wd * *p);
+            }
+            return Ok(());
+        }
+        for ((p, &g), b) in values.iter_mut().zip(grads).zip(buffer.iter_mut()) {
+            let direction = g + wd * *p;
+            *b = if first {
+                direction
+            } else {
+                mu * *b + damp * direction
+            };
+            let step = if self.nesterov {
+                direction + mu * *b
+            } else {
+                *b
+            };
+            *p = *p - lr * step;
+        }
+        Ok(())
+    }
+}
+
+/// One AdamW update of one parameter's elements at a given step count, exactly as
+/// [`AdamW::step`] applies it; public so that a sharded optimizer can apply it to its
+/// slice of a parameter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWUpdate {
+    betas: (f64, f64),
+    eps: f64,
+    /// `1 - lr·weight_decay`: the decoupled decay factor.
+    decay: f64,
+    /// `lr / (1 - β1^t)`.
+    step_size: f64,
+    /// `√(1 - β2^t)`.
+    bias2_sqrt: f64,
+}
+
+impl AdamWUpdate {
+    /// The update `config` (with this step's learning rate) makes to a parameter with
+    /// `options` at its `step`-th update (1 for the first).
+    pub fn new(config: &AdamWConfig, options: ParamOptions, step: u32) -> Self {
+        let lr = config.lr * options.lr_mult;
+        let (beta1, beta2) = config.betas;
+        // Step sizes follow torch: lr/(1-β1^t) on m, √(1-β2^t) folded into the denominator.
+        let step = step as i32;
+        AdamWUpdate {
+            betas: config.betas,
+            eps: config.eps,
+            decay: 1.0 - lr * config.weight_decay * options.wd_mult,
+            step_size: lr / (1.0 - beta1.powi(step)),
+            bias2_sqrt: (1.0 - beta2.powi(step)).sqrt(),
+        }
+    }
+
+    /// The six scalars of the device kernel, in its order.
+    fn coefficients(&self) -> [f64; 6] {
+        [
+            self.betas.0,
+            self.betas.1,
+            self.decay,
+            self.step_size,
+            self.eps,
+            self.bias2_sqrt,
+        ]
+    }
+
+    /// Updates `values` and the moments `m` and `v` (all of the same length) in place
+    /// from `grads`.
+    pub fn apply<T: Element>(
+        &self,
+        values: &mut [T],
+        grads: &[T],
+        m: &mut [T],
+        v: &mut [T],
+    ) -> Result<()> {
+        check_lengths(
+            "AdamWUpdate::apply",
+            values.len(),
+            grads.len(),
+            Some(m.len()),
+        )?;
+        check_lengths(
+            "AdamWUpdate::apply",
+            values.len(),
+            grads.len(),
+            Some(v.len()),
+        )?;
+        let (b1, b2) = (T::from_f64(self.betas.0), T::from_f64(self.betas.1));
+        let (decay, step_size) = (T::from_f64(self.decay), T::from_f64(self.step_size));
+        let (eps, bias2_sqrt) = (T::from_f64(self.eps), T::from_f64(self.bias2_sqrt));
+        for (((p, &g), m), v) in values
+            .iter_mut()
+            .zip(grads)
+            .zip(m.iter_mut())
+            .zip(v.iter_mut())
+        {
+            *m = b1 * *m + (T::one() - b1) * g;
+            *v = b2 * *v + (T::one() - b2) * g * g;
+            *p = *p * decay - step_size * *m / ((*v).sqrt() / bias2_sqrt + eps);
+        }
+        Ok(())
+    }
+}
+
+fn check_lengths(
+    op: &'static str,
+    values: usize,
+    grads: usize,
+    buffer: Option<usize>,
+) -> Result<()> {
+    if grads != values || buffer.is_some_and(|len| len != values) {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "{values} values, {grads} gradients and {} buffer elements: give slices of one length",
+                buffer.map_or("no".to_string(), |len| len.to_string())
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A host array's elements as one slice (arrays the optimizers create are contiguous).
+fn host_slice<T: Element>(array: &mut ArrayD<T>) -> Result<&mut [T]> {
+    array
+        .as_slice_mut()
+        .ok_or_else(|| Error::invalid("optimizer", "an optimizer buffer is not contiguous"))
+}
+
+/// Runs `update` on a parameter's value and gradient as contiguous slices in the same
+/// element order, copying whichever is not in standard layout first.
+fn with_host_slices<T: Element>(
+    value: &mut ArcArray<T, IxDyn>,
+    grad: &ArcArray<T, IxDyn>,
+    update: impl FnOnce(&mut [T], &[T]) -> Result<()>,
+) -> Result<()> {
+    if !value.is_standard_layout() {
+        *value = value.as_standard_layout().into_owned().into_shared();
+    }
+    let grad = grad.as_standard_layout();
+    match (value.as_slice_mut(), grad.as_slice()) {
+        (Some(values), Some(grads)) => update(values, grads),
+        _ => Err(Error::invalid(
+            "optimizer",
+            "a parameter is not contiguous after a copy",
+        )),
     }
 }
 

@@ -167,14 +167,14 @@ impl<T: Element> Parameter<T> {
         update: impl FnOnce(
             &mut ndarray::ArcArray<T, ndarray::IxDyn>,
             &ndarray::ArcArray<T, ndarray::IxDyn>,
-        ),
+        ) -> Result<()>,
     ) -> Result<bool> {
         let grad_slot = self.shared.grad.lock();
         let Some(grad) = grad_slot.as_ref() else {
             return Ok(false);
         };
         let mut value = self.shared.value.lock();
-        update(value.cpu_mut(op)?, grad.cpu(op)?);
+        update(value.cpu_mut(op)?, grad.cpu(op)?)?;
         Ok(true)
     }
 }

@@ -1,21 +1,12 @@
 //! Device math of the optimizer steps (SGD, AdamW), in place on the parameter.
 
 use super::{GpuArray, Kernel, KernelArgs};
-use crate::{Element, Result};
+use crate::{Element, Result, SgdUpdate};
 
 kernels! {
     OPTIM_KERNELS:
     SGD_STEP = "sgd_step": sgd_step_f32, sgd_step_f64;
     ADAMW_STEP = "adamw_step": adamw_step_f32, adamw_step_f64;
-}
-
-/// SGD's hyper-parameters for one step (see `sgd_step` in optim.cu).
-pub(crate) struct SgdStep {
-    pub lr: f64,
-    pub weight_decay: f64,
-    pub momentum: f64,
-    pub dampening: f64,
-    pub nesterov: bool,
 }
 
 /// One SGD step of `param` (written in place); `buffer` is the momentum buffer, `None`
@@ -24,7 +15,7 @@ pub(crate) fn sgd_step<T: Element>(
     param: &GpuArray<T>,
     grad: &GpuArray<T>,
     buffer: &mut Option<GpuArray<T>>,
-    step: &SgdStep,
+    step: &SgdUpdate,
 ) -> Result<()> {
     let has_momentum = step.momentum != 0.0;
     let first = has_momentum && buffer.is_none();

@@ -90,9 +90,23 @@ pub struct BucketInfo {
     pub flat_offset: usize,
     /// Number of gradient elements.
     pub numel: usize,
+    /// Elements of the bucket's buffer: `numel`, padded with zeros under the distributed
+    /// optimizer to a multiple of [`SHARD_ALIGNMENT`] × the data-parallel size, so that
+    /// every rank's shard has the same length and starts on a cache line.
+    pub padded_numel: usize,
 }
 
+/// Elements every shard of a bucket is a multiple of under the distributed optimizer.
+pub const SHARD_ALIGNMENT: usize = 64;
+
 impl BucketInfo {
+    /// This data-parallel rank's shard of the bucket's buffer, as an element range, when
+    /// the bucket is split over `dp` ranks.
+    pub fn shard_range(&self, rank: usize, dp: usize) -> std::ops::Range<usize> {
+        let shard = self.padded_numel / dp.max(1);
+        rank * shard..(rank + 1) * shard
+    }
+
     /// Size of the bucket's gradients in f32 bytes (what the byte caps measure).
     pub fn grad_bytes(&self) -> usize {
         self.numel * GRAD_ELEMENT_BYTES

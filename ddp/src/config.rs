@@ -42,6 +42,14 @@ pub struct DdpConfig {
     /// adds the model's own marks to these: a parameter is reduced over the union of the
     /// groups either marks it with.
     pub extra_reductions: NamedGroupReduction,
+    /// Reduce-scatter buckets instead of all-reducing them, for a
+    /// [`DistributedOptimizer`](crate::DistributedOptimizer) (Megatron's
+    /// `use_distributed_optimizer`): after [`finish`](crate::DistributedDataParallel::finish)
+    /// each rank holds the averaged gradient of its own shard of every bucket, inside the
+    /// DDP, and the parameters hold no gradient. Marked parameters are summed over their
+    /// groups on the whole gradient, before the data-parallel reduction, and sit in
+    /// buckets of their own at the end so that the others still start during backward.
+    pub use_distributed_optimizer: bool,
 }
 
 impl Default for DdpConfig {
@@ -53,6 +61,7 @@ impl Default for DdpConfig {
             overlap_grad_reduce: true,
             comm_hook: Arc::new(AllReduceAvg),
             extra_reductions: NamedGroupReduction::new(),
+            use_distributed_optimizer: false,
         }
     }
 }
@@ -66,6 +75,7 @@ impl fmt::Debug for DdpConfig {
             .field("overlap_grad_reduce", &self.overlap_grad_reduce)
             .field("comm_hook", &self.comm_hook.name())
             .field("extra_reductions", &self.extra_reductions)
+            .field("use_distributed_optimizer", &self.use_distributed_optimizer)
             .finish()
     }
 }

@@ -55,7 +55,19 @@ impl DistributedDataParallel {
         validate(&params, &config)?;
         let extra_reductions = config.extra_reductions.resolve(&params)?;
         init::verify_shapes(dp.as_ref(), &params)?;
-        let buckets = Arc::new(layout(&params, &config));
+        let sharding = config.use_distributed_optimizer.then(|| {
+            let mut marked = vec![false; params.len()];
+            for reduction in &extra_reductions {
+                for &index in reduction.members() {
+                    marked[index] = true;
+                }
+            }
+            Sharding {
+                dp: dp.size(),
+                marked,
+            }
+        });
+        let buckets = Arc::new(layout(&params, &config, sharding.as_ref()));
         if dp.size() > 1 {
             init::broadcast_from_rank0(dp.as_ref(), &params, &buckets)?;
         }
@@ -69,6 +81,7 @@ impl DistributedDataParallel {
                 overlap: config.overlap_grad_reduce,
                 find_unused: config.find_unused_parameters,
                 extra_reductions,
+                deferred: sharding.map(|s| s.marked),
             },
         );
         let buckets_started = reducer.started_counter().clone();
@@ -141,10 +154,22 @@ impl DistributedDataParallel {
 
     /// Bytes of the bucket buffers DDP holds in addition to the gradients: exactly
     /// [`gradient_bytes`](Self::gradient_bytes) with f32 buckets, half of it with a
-    /// 16-bit comm hook. Copies in and out of the buckets add at most one parameter's
-    /// gradient, transiently.
+    /// 16-bit comm hook (plus the shard padding under the distributed optimizer). Copies
+    /// in and out of the buckets add at most one parameter's gradient, transiently.
     pub fn buffer_bytes(&self) -> usize {
-        self.buckets.iter().map(|b| b.numel).sum::<usize>() * self.wire_dtype.size_in_bytes()
+        self.buckets.iter().map(|b| b.padded_numel).sum::<usize>() * self.wire_dtype.size_in_bytes()
+    }
+
+    /// Whether buckets are reduce-scattered for a
+    /// [`DistributedOptimizer`](crate::DistributedOptimizer)
+    /// ([`DdpConfig::use_distributed_optimizer`]).
+    pub fn is_sharded(&self) -> bool {
+        self.reducer.lock().is_sharded()
+    }
+
+    /// The reducer, for the distributed optimizer that consumes its reduced shards.
+    pub(crate) fn reducer(&self) -> &Arc<Mutex<Reducer>> {
+        &self.reducer
     }
 
     /// Waits for every bucket of this step (starting those that have not started yet)
@@ -269,6 +294,13 @@ fn validate(params: &[Parameter], config: &DdpConfig) -> Result<()> {
             config.comm_hook.name()
         )));
     }
+    if config.use_distributed_optimizer && !config.comm_hook.supports_sharding() {
+        return Err(Error::Config(format!(
+            "comm hook '{}' cannot reduce-scatter buckets for the distributed optimizer; \
+             use AllReduceAvg or CompressedAllReduce, or set use_distributed_optimizer = false",
+            config.comm_hook.name()
+        )));
+    }
     let mut seen = HashMap::new();
     for (position, param) in params.iter().enumerate() {
         if let Some(first) = seen.insert(param.id(), position) {
@@ -282,10 +314,46 @@ fn validate(params: &[Parameter], config: &DdpConfig) -> Result<()> {
     Ok(())
 }
 
-fn layout(params: &[Parameter], config: &DdpConfig) -> Vec<BucketInfo> {
+/// What the distributed optimizer's layout needs to know.
+struct Sharding {
+    /// Data-parallel size: every bucket is padded to a multiple of it.
+    dp: usize,
+    /// Parameters with extra model-parallel reductions, by registration index: they go in
+    /// buckets of their own at the end, which start only in `finish`.
+    marked: Vec<bool>,
+}
+
+fn layout(
+    params: &[Parameter],
+    config: &DdpConfig,
+    sharding: Option<&Sharding>,
+) -> Vec<BucketInfo> {
     let numels: Vec<usize> = params.iter().map(Parameter::numel).collect();
+    let assign = |members: Vec<usize>| {
+        let sizes: Vec<usize> = members.iter().map(|&i| numels[i]).collect();
+        bucket::assign(&sizes, config.first_bucket_bytes, config.bucket_cap_bytes)
+            .into_iter()
+            .map(|bucket| {
+                bucket
+                    .into_iter()
+                    .map(|i| members[i])
+                    .collect::<Vec<usize>>()
+            })
+            .collect::<Vec<_>>()
+    };
+    let groups = match sharding {
+        None => assign((0..params.len()).collect()),
+        Some(sharding) => {
+            let (marked, unmarked): (Vec<usize>, Vec<usize>) =
+                (0..params.len()).partition(|&i| sharding.marked[i]);
+            let mut groups = assign(unmarked);
+            groups.extend(assign(marked));
+            groups
+        }
+    };
+    let multiple = sharding.map_or(1, |s| s.dp * bucket::SHARD_ALIGNMENT);
     let mut flat_offset = 0;
-    bucket::assign(&numels, config.first_bucket_bytes, config.bucket_cap_bytes)
+    groups
         .into_iter()
         .enumerate()
         .map(|(index, members)| {
@@ -306,13 +374,15 @@ fn layout(params: &[Parameter], config: &DdpConfig) -> Vec<BucketInfo> {
                     slot
                 })
                 .collect();
+            let padded_numel = offset.div_ceil(multiple) * multiple;
             let info = BucketInfo {
                 index,
                 params,
                 flat_offset,
                 numel: offset,
+                padded_numel,
             };
-            flat_offset += offset;
+            flat_offset += padded_numel;
             info
         })
         .collect()

@@ -40,6 +40,28 @@ pub trait CommHook: Send + Sync {
     /// [`Work`] gives back the bucket holding the data-parallel *average*.
     fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work>;
 
+    /// Whether [`start_reduce_scatter`](Self::start_reduce_scatter) is this hook's
+    /// reduction too, so that it can serve a
+    /// [`DistributedOptimizer`](crate::DistributedOptimizer); DDP refuses other hooks
+    /// under [`DdpConfig::use_distributed_optimizer`](crate::DdpConfig::use_distributed_optimizer).
+    fn supports_sharding(&self) -> bool {
+        false
+    }
+
+    /// Starts the distributed optimizer's reduction of `bucket` (in
+    /// [`wire_dtype`](Self::wire_dtype), a length the group size divides): the [`Work`]
+    /// gives back this rank's contiguous `1/size` of the data-parallel *average*.
+    fn start_reduce_scatter(
+        &self,
+        dp: &dyn Communicator,
+        bucket: Buffer,
+    ) -> comm_core::Result<Work> {
+        dp.start(AsyncOp::ReduceScatter {
+            input: bucket,
+            op: ReduceOp::Avg,
+        })
+    }
+
     /// Post-processes a bucket after its reduction completed and before its gradients
     /// are written back to the parameters. Runs on every rank in bucket order.
     fn after_reduce(&self, bucket: &mut ReducedBucket<'_>) -> Result<()> {
@@ -92,6 +114,10 @@ impl CommHook for AllReduceAvg {
         "allreduce-avg"
     }
 
+    fn supports_sharding(&self) -> bool {
+        true
+    }
+
     fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work> {
         dp.start(AsyncOp::AllReduce {
             buf: bucket,
@@ -134,6 +160,10 @@ impl CommHook for CompressedAllReduce {
 
     fn wire_dtype(&self) -> DType {
         self.dtype
+    }
+
+    fn supports_sharding(&self) -> bool {
+        true
     }
 
     fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work> {

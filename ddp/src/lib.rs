@@ -143,11 +143,13 @@ mod error;
 mod hook;
 mod init;
 mod named;
+mod optimizer;
 mod reducer;
 
-pub use bucket::{BucketInfo, BucketParam};
+pub use bucket::{BucketInfo, BucketParam, SHARD_ALIGNMENT};
 pub use config::{DdpConfig, DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES};
 pub use ddp::{DistributedDataParallel, NoSync, SyncProgress};
 pub use error::{Error, Result, ShapeMismatch};
 pub use hook::{AllReduceAvg, CommHook, CompressedAllReduce, ReducedBucket};
 pub use named::NamedGroupReduction;
+pub use optimizer::DistributedOptimizer;

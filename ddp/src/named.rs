@@ -202,6 +202,11 @@ pub(crate) struct GroupReduction {
 }
 
 impl GroupReduction {
+    /// Registration indices of the marked parameters, ascending.
+    pub(crate) fn members(&self) -> &[usize] {
+        &self.members
+    }
+
     /// Sums the members' gradients over the group in one f32 all-reduce.
     pub(crate) fn run(&self, params: &[Parameter]) -> Result<()> {
         let grads: Vec<Option<Tensor>> = self.members.iter().map(|&i| params[i].grad()).collect();

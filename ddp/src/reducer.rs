@@ -17,6 +17,14 @@
 //! Bucket storage is allocated once and travels into each non-blocking all-reduce and
 //! back out of [`Work::wait`]; a bucket whose storage was lost with a failed operation
 //! gets a fresh allocation on its next use.
+//!
+//! **Sharded** (for the distributed optimizer), a hook moves the gradient into the bucket
+//! and drops the parameter's copy, buckets are reduce-scattered, and `finish` keeps each
+//! bucket's reduced shard for the optimizer instead of writing gradients back. The
+//! reduce-scatter consumes the bucket's storage; the optimizer's parameter all-gather
+//! returns a buffer of the same size, which becomes the next step's storage. Marked
+//! parameters are *deferred*: their hooks do nothing, and `finish` first sums their whole
+//! gradients over their groups, then moves them into their (last) buckets.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -48,8 +56,20 @@ pub(crate) struct Reducer {
     pub(crate) sync_enabled: bool,
     overlap: bool,
     find_unused: bool,
-    /// Run after every bucket is written back, in order.
+    /// Run after every bucket is written back, in order (sharded: before the deferred
+    /// buckets start).
     extra_reductions: Vec<GroupReduction>,
+    /// Sharded: which parameters wait for `finish` (by registration index).
+    deferred: Option<Vec<bool>>,
+    /// Sharded: what the last `finish` produced, until the optimizer takes it.
+    reduced: Option<ReducedShards>,
+}
+
+/// The outcome of a sharded step: per bucket, this rank's shard of the averaged
+/// gradients (in the wire dtype), and which parameters some rank had a gradient for.
+pub(crate) struct ReducedShards {
+    pub(crate) shards: Vec<Buffer>,
+    pub(crate) used: Vec<bool>,
 }
 
 struct BucketState {
@@ -64,6 +84,8 @@ pub(crate) struct ReducerOptions {
     pub(crate) overlap: bool,
     pub(crate) find_unused: bool,
     pub(crate) extra_reductions: Vec<GroupReduction>,
+    /// `Some` to shard: the parameters whose reduction waits for `finish`.
+    pub(crate) deferred: Option<Vec<bool>>,
 }
 
 impl Reducer {
@@ -83,7 +105,7 @@ impl Reducer {
         let state = buckets
             .iter()
             .map(|info| BucketState {
-                storage: Some(Buffer::zeros(wire_dtype, info.numel)),
+                storage: Some(Buffer::zeros(wire_dtype, info.padded_numel)),
                 work: None,
                 pending: info.params.len(),
             })
@@ -103,7 +125,35 @@ impl Reducer {
             overlap: options.overlap,
             find_unused: options.find_unused,
             extra_reductions: options.extra_reductions,
+            deferred: options.deferred,
+            reduced: None,
         }
+    }
+
+    pub(crate) fn is_sharded(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// The shards of the last sharded `finish`, once.
+    pub(crate) fn take_reduced(&mut self) -> Option<ReducedShards> {
+        self.reduced.take()
+    }
+
+    /// Gives bucket `index` its storage back (the optimizer's all-gathered parameters,
+    /// which the next step's gradients overwrite) if it has none and `buffer` fits.
+    pub(crate) fn return_storage(&mut self, index: usize, buffer: Buffer) {
+        let fits = self.buckets.get(index).is_some_and(|info| {
+            buffer.len() == info.padded_numel && buffer.dtype() == self.wire_dtype
+        });
+        if let (true, Some(state)) = (fits, self.state.get_mut(index)) {
+            state.storage.get_or_insert(buffer);
+        }
+    }
+
+    fn is_deferred(&self, index: usize) -> bool {
+        self.deferred
+            .as_ref()
+            .is_some_and(|deferred| deferred[index])
     }
 
     /// The count of buckets whose reduction has started in the current step, readable
@@ -114,7 +164,7 @@ impl Reducer {
 
     /// The grad-ready hook of parameter `index`.
     pub(crate) fn on_grad_ready(&mut self, index: usize, param: &Parameter) -> Result<()> {
-        if !self.sync_enabled {
+        if !self.sync_enabled || self.is_deferred(index) {
             return Ok(());
         }
         let outcome = self.accept_gradient(index, param.grad());
@@ -138,7 +188,8 @@ impl Reducer {
         Ok(())
     }
 
-    /// Copies a gradient (or zeros) into the parameter's slot of its bucket.
+    /// Copies a gradient (or zeros) into the parameter's slot of its bucket; sharded, the
+    /// bucket becomes the gradient's only copy.
     fn copy_in(&mut self, index: usize, grad: Option<Tensor>) -> Result<()> {
         let (bucket_index, position) = self.slot_of[index];
         let info = &self.buckets[bucket_index];
@@ -146,11 +197,15 @@ impl Reducer {
         let state = &mut self.state[info.index];
         let storage = state
             .storage
-            .get_or_insert_with(|| Buffer::zeros(self.wire_dtype, info.numel));
+            .get_or_insert_with(|| Buffer::zeros(self.wire_dtype, info.padded_numel));
         match grad {
-            Some(grad) => bucket::write_f32(storage, range.start, &grad.to_vec()?),
-            None => bucket::zero(storage, range),
+            Some(grad) => bucket::write_f32(storage, range.start, &grad.to_vec()?)?,
+            None => bucket::zero(storage, range)?,
         }
+        if self.deferred.is_some() {
+            self.params[index].zero_grad();
+        }
+        Ok(())
     }
 
     fn mark_ready(&mut self, index: usize) {
@@ -166,12 +221,16 @@ impl Reducer {
             if state.pending > 0 {
                 break;
             }
-            let numel = self.buckets[self.next_launch].numel;
+            let numel = self.buckets[self.next_launch].padded_numel;
             let storage = state
                 .storage
                 .take()
                 .unwrap_or_else(|| Buffer::zeros(self.wire_dtype, numel));
-            state.work = Some(self.hook.start(self.dp.as_ref(), storage)?);
+            state.work = Some(if self.deferred.is_some() {
+                self.hook.start_reduce_scatter(self.dp.as_ref(), storage)?
+            } else {
+                self.hook.start(self.dp.as_ref(), storage)?
+            });
             self.next_launch += 1;
             self.started.store(self.next_launch, Ordering::Release);
         }
@@ -189,6 +248,19 @@ impl Reducer {
     }
 
     fn finish_step(&mut self) -> Result<()> {
+        if let Some(deferred) = self.deferred.clone() {
+            // Sums over model-parallel groups are linear, so running them on the whole
+            // gradients before the data-parallel average gives the same result.
+            for reduction in &self.extra_reductions {
+                reduction.run(&self.params)?;
+            }
+            for index in (0..self.params.len()).filter(|&i| deferred[i]) {
+                if let Some(grad) = self.params[index].grad() {
+                    self.copy_in(index, Some(grad))?;
+                    self.mark_ready(index);
+                }
+            }
+        }
         let missing: Vec<usize> = (0..self.params.len()).filter(|&i| !self.ready[i]).collect();
         let mut locally_used = vec![1i32; self.params.len()];
         if !missing.is_empty() {
@@ -220,10 +292,23 @@ impl Reducer {
             self.dp.all_reduce_slice(&mut locally_used, ReduceOp::Max)?;
         }
         let globally_used = locally_used;
+        if self.deferred.is_some() {
+            let mut shards = Vec::with_capacity(self.buckets.len());
+            for (index, state) in self.state.iter_mut().enumerate() {
+                let work = state.work.take().ok_or_else(|| never_started(index))?;
+                shards.push(work.wait()?);
+            }
+            self.reduced = Some(ReducedShards {
+                shards,
+                used: globally_used.iter().map(|&used| used > 0).collect(),
+            });
+            return Ok(());
+        }
         for index in 0..self.buckets.len() {
-            let work = self.state[index].work.take().ok_or_else(|| {
-                Error::Config(format!("bucket {index} was never started in this step"))
-            })?;
+            let work = self.state[index]
+                .work
+                .take()
+                .ok_or_else(|| never_started(index))?;
             let mut buffer = work.wait()?;
             let info = &self.buckets[index];
             self.hook.after_reduce(&mut ReducedBucket {
@@ -263,4 +348,8 @@ impl Reducer {
             state.pending = info.params.len();
         }
     }
+}
+
+fn never_started(index: usize) -> Error {
+    Error::Config(format!("bucket {index} was never started in this step"))
 }

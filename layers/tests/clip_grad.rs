@@ -152,3 +152,38 @@ fn a_limit_that_is_not_positive_and_finite_is_refused() -> AnyResult<()> {
     })?;
     Ok(())
 }
+
+#[test]
+fn a_norm_at_the_limit_is_scaled_by_megatrons_epsilon_and_one_just_under_it_is_not() -> AnyResult<()>
+{
+    // Gradient [3, 4]: norm 5. Megatron's coefficient is max_norm / (norm + 1e-6).
+    let outcomes = run_local(1, |comm| -> AnyResult<Vec<(GradNorm, Vec<f32>)>> {
+        let tp = tp_context(comm, false);
+        let mut outcomes = Vec::new();
+        for max_norm in [5.0, 5.0 + 1e-6] {
+            let a = Parameter::new("a", Tensor::zeros(&[2]));
+            a.set_grad(Some(Tensor::from_vec(vec![3.0, 4.0], &[2])?))?;
+            let params = [layers::ShardedParameter {
+                param: a.clone(),
+                sharding: Sharding::Replicated,
+                grad_reduce_group: None,
+            }];
+            let norm = clip_grad_norm(&params, &tp, &[], max_norm)?;
+            outcomes.push((norm, a.grad().expect("grad").to_vec()?));
+        }
+        Ok(outcomes)
+    })?
+    .remove(0);
+    let (at_limit, scaled) = &outcomes[0];
+    assert!(at_limit.is_finite() && at_limit.clipped, "{at_limit:?}");
+    let coefficient = (5.0 / (5.0 + 1e-6)) as f32;
+    assert_eq!(scaled, &[3.0 * coefficient, 4.0 * coefficient]);
+    // A coefficient of exactly 1 leaves the gradients alone.
+    let (above_limit, kept) = &outcomes[1];
+    assert!(
+        above_limit.is_finite() && !above_limit.clipped,
+        "{above_limit:?}"
+    );
+    assert_eq!(kept, &[3.0, 4.0]);
+    Ok(())
+}

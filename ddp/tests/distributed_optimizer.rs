@@ -1,0 +1,376 @@
+//! The distributed optimizer against plain DDP with a replicated optimizer: the same
+//! parameters after 5 AdamW and 5 SGD-momentum steps (relative 1e-6) at DP ∈ {2, 3, 4}
+//! with parameters that straddle shards, with and without TP = 2 (sequence-parallel
+//! layer norms summed over TP); the same state; a checkpoint taken at DP = 4 resumes at
+//! DP = 2; misuse is a typed error.
+
+mod support;
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use comm_core::{run_local, Buffer, Communicator, Work};
+use ddp::{CommHook, DdpConfig, DistributedDataParallel, DistributedOptimizer};
+use layers::{BlockConfig, MasterInit, RngTracker, TensorParallel, TransformerBlock};
+use parallel_state::{ParallelState, RankLayout};
+use support::{global_batch, loss, max_relative_error, slice, values, INPUTS, OUTPUTS};
+use tape::{
+    AdamW, AdamWConfig, Generator, Optimizer, OptimizerState, ParamOptions, Parameter, Sgd,
+    SgdConfig, Tape, Tensor,
+};
+
+const STEPS: usize = 5;
+const ROWS: usize = 3;
+/// The MLP's hidden width: 606 + 101 + 303 + 3 parameters, so that shards of 64-element
+/// multiples cut through parameters.
+const WIDE: usize = 101;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Rule {
+    AdamW,
+    Sgd,
+}
+
+const ADAMW: AdamWConfig = AdamWConfig {
+    lr: 0.01,
+    betas: (0.9, 0.999),
+    eps: 1e-8,
+    weight_decay: 0.1,
+};
+
+const SGD: SgdConfig = SgdConfig {
+    lr: 0.05,
+    momentum: 0.9,
+    weight_decay: 0.01,
+    dampening: 0.0,
+    nesterov: false,
+};
+
+/// `relu(x·w1 + b1)·w2 + b2` with a hidden width of [`WIDE`].
+fn wide_mlp(seed: u64) -> Vec<Parameter> {
+    let mut rng = Generator::new(seed);
+    vec![
+        Parameter::new("w1", Tensor::randn(&[INPUTS, WIDE], 0.4, &mut rng)),
+        Parameter::new("b1", Tensor::randn(&[WIDE], 0.1, &mut rng)),
+        Parameter::new("w2", Tensor::randn(&[WIDE, OUTPUTS], 0.4, &mut rng)),
+        Parameter::new("b2", Tensor::randn(&[OUTPUTS], 0.1, &mut rng)),
+    ]
+}
+
+/// Biases without decay and the output layer at half the learning rate: parameter
+/// options go through the sharded update too.
+fn options(param: &Parameter) -> ParamOptions {
+    ParamOptions {
+        lr_mult: if param.name() == "w2" { 0.5 } else { 1.0 },
+        ..ParamOptions::no_decay_for_vectors(param)
+    }
+}
+
+fn replicated(rule: Rule, params: Vec<Parameter>) -> Box<dyn Optimizer> {
+    match rule {
+        Rule::AdamW => Box::new(AdamW::new(params, ADAMW).with_param_options(options)),
+        Rule::Sgd => Box::new(Sgd::new(params, SGD).with_param_options(options)),
+    }
+}
+
+fn sharded(rule: Rule, ddp: &DistributedDataParallel) -> ddp::Result<DistributedOptimizer> {
+    Ok(match rule {
+        Rule::AdamW => DistributedOptimizer::adamw(ddp, ADAMW)?,
+        Rule::Sgd => DistributedOptimizer::sgd(ddp, SGD)?,
+    }
+    .with_param_options(options))
+}
+
+/// Bucket caps that split the MLP into four buckets: [b2], [w2], [b1], [w1].
+fn small_buckets(zero: bool) -> DdpConfig {
+    DdpConfig {
+        first_bucket_bytes: 16,
+        bucket_cap_bytes: 1300,
+        use_distributed_optimizer: zero,
+        ..DdpConfig::default()
+    }
+}
+
+/// Trains the wide MLP for `steps` steps of `rule` over `dp`; with `zero`, through the
+/// distributed optimizer. Starts from `start` (parameter values and optimizer state) when
+/// given, at step `first_step`. Returns the parameters and the optimizer state.
+fn train(
+    dp: Arc<dyn Communicator>,
+    rule: Rule,
+    zero: bool,
+    config: DdpConfig,
+    steps: std::ops::Range<usize>,
+    start: Option<&(Vec<Vec<f32>>, OptimizerState)>,
+) -> Result<(Vec<Vec<f32>>, OptimizerState)> {
+    let (rank, ranks) = (dp.rank(), dp.size());
+    let params = wide_mlp(100 + rank as u64);
+    if let Some((values, _)) = start {
+        for (param, value) in params.iter().zip(values) {
+            param.set_value(Tensor::from_vec(value.clone(), &param.shape())?)?;
+        }
+    }
+    let ddp = DistributedDataParallel::new(
+        params.clone(),
+        dp,
+        DdpConfig {
+            use_distributed_optimizer: zero,
+            ..config
+        },
+    )?;
+    let mut opt: Box<dyn Optimizer> = if zero {
+        Box::new(sharded(rule, &ddp)?)
+    } else {
+        replicated(rule, params.clone())
+    };
+    if let Some((_, state)) = start {
+        opt.load_state(state)?;
+    }
+    let rows = ROWS * 4 / ranks;
+    let tape = Tape::new();
+    for step in steps {
+        let (x, target) = slice(&global_batch(step, ROWS * 4), rank, rows)?;
+        opt.zero_grad();
+        ddp.backward(&loss(&tape, &params, &x, &target)?)?;
+        opt.step()?;
+    }
+    Ok((values(&params)?, opt.state()?))
+}
+
+fn check(dp: usize, rule: Rule, config: DdpConfig) -> Result<()> {
+    let plain = run_local(dp, |comm| {
+        train(Arc::new(comm), rule, false, config.clone(), 0..STEPS, None)
+    })?;
+    let zero = run_local(dp, |comm| {
+        train(Arc::new(comm), rule, true, config.clone(), 0..STEPS, None)
+    })?;
+    for (rank, (values, _)) in zero.iter().enumerate() {
+        let error = max_relative_error(values, &plain[rank].0);
+        assert!(
+            error <= 1e-6,
+            "DP={dp} {rule:?} rank {rank}: relative error {error}"
+        );
+        assert_eq!(values, &zero[0].0, "ranks must hold identical parameters");
+    }
+    Ok(())
+}
+
+#[test]
+fn adamw_and_sgd_equal_plain_ddp_at_dp_2_3_4() -> Result<()> {
+    for dp in [2, 3, 4] {
+        for rule in [Rule::AdamW, Rule::Sgd] {
+            check(dp, rule, small_buckets(false))?;
+            check(dp, rule, DdpConfig::default())?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_state_is_the_replicated_optimizers_and_every_rank_holds_its_share() -> Result<()> {
+    let config = small_buckets(false);
+    for rule in [Rule::AdamW, Rule::Sgd] {
+        let plain = run_local(3, |comm| {
+            train(Arc::new(comm), rule, false, config.clone(), 0..3, None)
+        })?;
+        let zero = run_local(3, |comm| {
+            train(Arc::new(comm), rule, true, config.clone(), 0..3, None)
+        })?;
+        let (want, got) = (&plain[0].1, &zero[2].1);
+        assert_eq!(got.steps, want.steps);
+        for (index, (got, want)) in got.params.iter().zip(&want.params).enumerate() {
+            assert_eq!(got.steps, want.steps, "{rule:?} parameter {index}");
+            let names =
+                |p: &tape::ParamState| p.buffers.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+            assert_eq!(names(got), names(want), "{rule:?} parameter {index}");
+            let buffers = |p: &tape::ParamState| -> Vec<Vec<f32>> {
+                p.buffers.iter().map(|(_, b)| b.to_vec().unwrap()).collect()
+            };
+            let error = max_relative_error(&buffers(got), &buffers(want));
+            assert!(
+                error <= 1e-6,
+                "{rule:?} parameter {index}: relative error {error}"
+            );
+        }
+    }
+    // AdamW's two f32 moments over each rank's third of every padded bucket.
+    let bytes = run_local(3, |comm| -> Result<(usize, usize)> {
+        let params = wide_mlp(1);
+        let ddp = DistributedDataParallel::new(params, Arc::new(comm), small_buckets(true))?;
+        let padded: usize = ddp.buckets().iter().map(|b| b.padded_numel).sum();
+        Ok((
+            DistributedOptimizer::adamw(&ddp, ADAMW)?.state_bytes(),
+            padded,
+        ))
+    })?;
+    for (rank, &(state, padded)) in bytes.iter().enumerate() {
+        assert_eq!(state, 2 * 4 * padded / 3, "rank {rank}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_checkpoint_from_dp_4_resumes_at_dp_2() -> Result<()> {
+    let config = small_buckets(true);
+    for rule in [Rule::AdamW, Rule::Sgd] {
+        let uninterrupted = run_local(4, |comm| {
+            train(Arc::new(comm), rule, true, config.clone(), 0..STEPS, None)
+        })?;
+        let saved = run_local(4, |comm| {
+            train(Arc::new(comm), rule, true, config.clone(), 0..3, None)
+        })?
+        .remove(0);
+        let resumed = run_local(2, |comm| {
+            train(
+                Arc::new(comm),
+                rule,
+                true,
+                config.clone(),
+                3..STEPS,
+                Some(&saved),
+            )
+        })?;
+        for (rank, (values, _)) in resumed.iter().enumerate() {
+            let error = max_relative_error(values, &uninterrupted[0].0);
+            // Only the data-parallel average's rounding differs (4 vs 2 partial means).
+            assert!(
+                error <= 1e-6,
+                "{rule:?} rank {rank}: relative error {error}"
+            );
+        }
+        // The same checkpoint also loads into a replicated optimizer.
+        let replicated = run_local(1, |comm| {
+            train(
+                Arc::new(comm),
+                rule,
+                false,
+                config.clone(),
+                3..STEPS,
+                Some(&saved),
+            )
+        })?;
+        let error = max_relative_error(&replicated[0].0, &uninterrupted[0].0);
+        assert!(error <= 1e-6, "{rule:?} replicated: relative error {error}");
+    }
+    Ok(())
+}
+
+/// TP = 2 × DP = `dp` over a sequence-parallel transformer block: the layer norms' and
+/// row-parallel biases' gradients are summed over TP before the reduce-scatter.
+fn block_parameters(dp: usize, rule: Rule, zero: bool) -> Result<Vec<Vec<Vec<f32>>>> {
+    const SEQ: usize = 4;
+    const BATCH: usize = 2;
+    const HIDDEN: usize = 16;
+    let layout = RankLayout::builder(2 * dp).tp(2).build()?;
+    let mut rng = Generator::new(5);
+    let x = Tensor::randn(&[SEQ, dp * BATCH, HIDDEN], 1.0, &mut rng);
+    let weights = Tensor::randn(&[SEQ, dp * BATCH, HIDDEN], 1.0, &mut rng);
+    let ranks = run_local(2 * dp, |comm| -> Result<Vec<Vec<f32>>> {
+        let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+        let tp = TensorParallel::from_state(&state).with_sequence_parallel(true);
+        let config = BlockConfig {
+            ffn_hidden: 42,
+            ..BlockConfig::new(HIDDEN, 4)
+        };
+        let init = MasterInit::new(7, 0.3).with_bias_std(0.1);
+        let model = TransformerBlock::new(&tp, "block", &config, &init)?;
+        let ddp_config = DdpConfig {
+            use_distributed_optimizer: zero,
+            ..small_buckets(zero)
+        };
+        let ddp = DistributedDataParallel::for_model(&model, &state, ddp_config)?;
+        let params = ddp.parameters().to_vec();
+        // The key bias's gradient is zero up to rounding (softmax ignores a shift), and
+        // the TP sum runs before the DP average here, after it in plain DDP, so its
+        // rounding noise differs; AdamW with a small eps turns that noise into ±lr steps.
+        let adamw = AdamWConfig { eps: 0.1, ..ADAMW };
+        // The loss is a sum over many outputs: a smaller step keeps SGD from diverging.
+        let sgd = SgdConfig { lr: 1e-3, ..SGD };
+        let mut opt: Box<dyn Optimizer> = match (rule, zero) {
+            (Rule::AdamW, true) => Box::new(DistributedOptimizer::adamw(&ddp, adamw)?),
+            (Rule::AdamW, false) => Box::new(AdamW::new(params.clone(), adamw)),
+            (Rule::Sgd, true) => Box::new(DistributedOptimizer::sgd(&ddp, sgd)?),
+            (Rule::Sgd, false) => Box::new(Sgd::new(params.clone(), sgd)),
+        };
+        let seq = SEQ / 2;
+        let part = |t: &Tensor| -> tape::Result<Tensor> {
+            t.narrow(1, state.dp_rank() * BATCH, BATCH)?
+                .narrow(0, state.tp_rank() * seq, seq)
+        };
+        let tape = Tape::new();
+        for step in 0..STEPS {
+            let mut rng = RngTracker::new(5 + step as u64, state.tp_rank());
+            let out = model.forward(&tape, &part(&x)?, &mut rng)?;
+            opt.zero_grad();
+            ddp.backward(&out.mul(&part(&weights)?)?.sum()?)?;
+            opt.step()?;
+        }
+        Ok(values(&params)?)
+    })?;
+    Ok(ranks)
+}
+
+#[test]
+fn tensor_parallel_blocks_equal_plain_ddp_at_dp_2_and_3() -> Result<()> {
+    for dp in [2, 3] {
+        for rule in [Rule::AdamW, Rule::Sgd] {
+            let plain = block_parameters(dp, rule, false)?;
+            let zero = block_parameters(dp, rule, true)?;
+            for (rank, (got, want)) in zero.iter().zip(&plain).enumerate() {
+                let error = max_relative_error(got, want);
+                assert!(
+                    error <= 1e-6,
+                    "TP=2 DP={dp} {rule:?} rank {rank}: relative error {error}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+struct Doubling;
+
+impl CommHook for Doubling {
+    fn name(&self) -> &str {
+        "doubling"
+    }
+
+    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work> {
+        ddp::AllReduceAvg.start(dp, bucket)
+    }
+}
+
+#[test]
+fn misuse_is_a_typed_error() -> Result<()> {
+    run_local(2, |comm| -> Result<()> {
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let params = wide_mlp(1);
+        let plain =
+            DistributedDataParallel::new(params.clone(), comm.clone(), DdpConfig::default())?;
+        let err = DistributedOptimizer::adamw(&plain, ADAMW).unwrap_err();
+        assert!(
+            err.to_string().contains("use_distributed_optimizer"),
+            "{err}"
+        );
+        drop(plain);
+
+        let config = DdpConfig {
+            comm_hook: Arc::new(Doubling),
+            use_distributed_optimizer: true,
+            ..DdpConfig::default()
+        };
+        let err = DistributedDataParallel::new(params.clone(), comm.clone(), config).unwrap_err();
+        assert!(err.to_string().contains("cannot reduce-scatter"), "{err}");
+
+        let ddp = DistributedDataParallel::new(params.clone(), comm.clone(), small_buckets(true))?;
+        let mut opt = DistributedOptimizer::sgd(&ddp, SGD)?;
+        let err = opt.step().unwrap_err();
+        assert!(err.to_string().contains("no reduced gradients"), "{err}");
+
+        let mut state = opt.state()?;
+        state.params.pop();
+        let err = opt.load_state(&state).unwrap_err();
+        assert!(err.to_string().contains("holds 3 parameters"), "{err}");
+        Ok(())
+    })?;
+    Ok(())
+}

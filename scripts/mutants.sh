@@ -21,12 +21,12 @@ if ! cargo mutants --version 2>/dev/null | grep -q "$version"; then
 fi
 
 # package: files (the local backend's group and collectives, the reduction kernel, the
-# call checks, the differentiable collectives, the loss, DDP's buckets and reducer, and
-# the pipeline's schedules and driver).
+# call checks, the differentiable collectives, the loss, the gradient clipping, DDP's
+# buckets and reducer, and the pipeline's schedules and driver).
 declare -A files=(
     [comm-core]="comm-core/src/calls.rs comm-core/src/local/group.rs comm-core/src/local/mod.rs comm-core/src/dtype.rs"
     [mappings]="mappings/src/*.rs"
-    [layers]="layers/src/cross_entropy.rs"
+    [layers]="layers/src/cross_entropy.rs layers/src/clip.rs"
     [ddp]="ddp/src/bucket.rs ddp/src/reducer.rs ddp/src/named.rs"
     [pipeline]="pipeline/src/schedule.rs pipeline/src/driver.rs"
 )

@@ -24,10 +24,9 @@ use comm_core::{run_local, Communicator};
 use ddp::{DdpConfig, DistributedDataParallel};
 use tape::{Generator, Parameter, Tape, Tensor};
 
-const WIDTH: usize = 1024;
-const LAYERS: usize = 8;
-const BATCH: usize = 32;
-const BUCKET_CAP_BYTES: usize = 4 << 20;
+mod support;
+
+use support::{json_number, loss, median, model, BATCH, BUCKET_CAP_BYTES, LAYERS, WIDTH};
 
 #[derive(Parser)]
 #[command(about = "DDP backward/all-reduce overlap benchmark (local backend)")]
@@ -51,33 +50,6 @@ enum Mode {
 }
 
 const MODES: [Mode; 3] = [Mode::Backward, Mode::BackwardThenSync, Mode::Overlapped];
-
-fn model(seed: u64) -> Vec<Parameter> {
-    let mut rng = Generator::new(seed);
-    let std = (1.0 / WIDTH as f64).sqrt();
-    (0..LAYERS)
-        .flat_map(|i| {
-            [
-                Parameter::new(
-                    format!("l{i}.w"),
-                    Tensor::randn(&[WIDTH, WIDTH], std, &mut rng),
-                ),
-                Parameter::new(format!("l{i}.b"), Tensor::zeros(&[WIDTH])),
-            ]
-        })
-        .collect()
-}
-
-fn loss(tape: &Tape, params: &[Parameter], x: &Tensor) -> tape::Result<Tensor> {
-    let mut h = x.clone();
-    for layer in params.chunks(2) {
-        h = h
-            .matmul(&tape.watch(&layer[0]))?
-            .add(&tape.watch(&layer[1]))?
-            .relu()?;
-    }
-    h.mean()
-}
 
 /// Step times (ms) of one mode on this rank, after two warm-up steps.
 fn time_mode(comm: &Arc<dyn Communicator>, mode: Mode, steps: usize) -> Result<Vec<f64>> {
@@ -112,20 +84,6 @@ fn time_mode(comm: &Arc<dyn Communicator>, mode: Mode, steps: usize) -> Result<V
         }
     }
     Ok(times)
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
-/// A finite JSON number (JSON has no NaN or infinity).
-fn json_number(value: f64) -> String {
-    if value.is_finite() {
-        format!("{value:.4}")
-    } else {
-        "null".into()
-    }
 }
 
 fn main() -> Result<()> {

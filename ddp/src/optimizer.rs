@@ -224,14 +224,24 @@ impl DistributedOptimizer {
         let mut gathers = Vec::with_capacity(self.buckets.len());
         for ((index, info), mut shard) in self.buckets.iter().enumerate().zip(reduced.shards) {
             let shard_len = info.padded_numel / self.dp.size().max(1);
-            let grads = bucket::read_f32(&mut shard, 0..shard_len)?;
-            drop(shard);
+            let widened;
+            let grads = match shard.as_buf_ref().as_host_slice::<f32>() {
+                Some(grads) => grads,
+                None => {
+                    widened = bucket::read_f32(&mut shard, 0..shard_len)?;
+                    &widened
+                }
+            };
             let mut values = vec![0.0f32; shard_len];
             for piece in &self.pieces[index] {
                 let range = piece.shard_offset..piece.shard_offset + piece.within_param.len();
                 let param = &self.params[piece.param];
-                let value = param.value().to_vec()?;
-                values[range.clone()].copy_from_slice(&value[piece.within_param.clone()]);
+                let piece_values = param
+                    .value()
+                    .reshape(&[param.numel()])?
+                    .narrow(0, piece.within_param.start, piece.within_param.len())?
+                    .to_vec()?;
+                values[range.clone()].copy_from_slice(&piece_values);
                 if !reduced.used[piece.param] {
                     continue;
                 }

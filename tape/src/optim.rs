@@ -470,7 +470,7 @@ impl SgdUpdate {
             } else {
                 *b
             };
-            *p = *p - lr * step;
+            *p -= lr * step;
         }
         Ok(())
     }

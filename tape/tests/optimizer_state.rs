@@ -6,16 +6,12 @@ use tape::{
     AdamW, AdamWConfig, Device, LrDecay, LrSchedule, Optimizer, Parameter, Sgd, SgdConfig, Tensor,
 };
 
-type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+#[path = "support/optimizers.rs"]
+mod optimizers;
 
-fn parameters(device: Device) -> AnyResult<Vec<Parameter>> {
-    let w = Tensor::from_vec(vec![0.5, -1.0, 2.0, 0.25, -0.75, 1.5], &[2, 3])?;
-    let b = Tensor::from_vec(vec![0.1, -0.2], &[2])?;
-    Ok(vec![
-        Parameter::new("w", w.to_device(device)?),
-        Parameter::new("b", b.to_device(device)?),
-    ])
-}
+use optimizers::parameters;
+
+type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// A gradient that depends on the value, so that the trajectory depends on every step.
 fn step(optimizer: &mut dyn Optimizer) -> AnyResult {

@@ -6,16 +6,12 @@ use tape::{
     AdamW, AdamWConfig, Device, Optimizer, ParamOptions, Parameter, Sgd, SgdConfig, Tensor,
 };
 
-type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+#[path = "support/optimizers.rs"]
+mod optimizers;
 
-fn parameters(device: Device) -> AnyResult<Vec<Parameter>> {
-    let w = Tensor::from_vec(vec![0.5, -1.0, 2.0, 0.25, -0.75, 1.5], &[2, 3])?;
-    let b = Tensor::from_vec(vec![0.1, -0.2], &[2])?;
-    Ok(vec![
-        Parameter::new("w", w.to_device(device)?),
-        Parameter::new("b", b.to_device(device)?),
-    ])
-}
+use optimizers::parameters;
+
+type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// Three steps with a gradient that depends on the value; the final values.
 fn train(optimizer: &mut dyn Optimizer) -> AnyResult<Vec<Vec<f32>>> {

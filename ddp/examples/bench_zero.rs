@@ -106,7 +106,7 @@ fn train(dp: usize, zero: bool) -> Result<Run> {
         let ddp = DistributedDataParallel::new(params.clone(), comm.clone(), config)?;
         let adamw = AdamWConfig::default();
         let mut optimizer: Box<dyn Optimizer> = if zero {
-            Box::new(DistributedOptimizer::adamw(&ddp, adamw)?)
+            Box::new(DistributedOptimizer::adamw([&ddp], adamw)?)
         } else {
             Box::new(AdamW::new(params.clone(), adamw))
         };

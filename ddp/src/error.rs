@@ -17,6 +17,10 @@ pub enum Error {
     #[error(transparent)]
     Tape(#[from] tape::Error),
 
+    /// A layers function (such as the gradient-norm reduction) failed.
+    #[error(transparent)]
+    Layers(#[from] layers::Error),
+
     /// A named group could not be found or joined.
     #[error(transparent)]
     ParallelState(#[from] parallel_state::Error),

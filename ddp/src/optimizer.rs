@@ -9,13 +9,15 @@
 //! as [`tape::AdamW`] and [`tape::Sgd`], and all-gathers the updated values bucket by
 //! bucket into every rank's parameters.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use comm_core::{AsyncOp, Buffer, Communicator, CommunicatorExt, ReduceOp};
+use layers::{GradNorm, LocalSquares, ShardedParameter, TensorParallel};
 use parking_lot::Mutex;
 use tape::{
-    AdamWConfig, AdamWUpdate, LrSchedule, Optimizer, OptimizerState, ParamOptions, ParamState,
-    Parameter, SgdConfig, SgdUpdate, Tensor,
+    AdamWConfig, AdamWUpdate, LrSchedule, Optimizer, OptimizerState, ParamId, ParamOptions,
+    ParamState, Parameter, SgdConfig, SgdUpdate, Tensor,
 };
 
 use crate::bucket::{self, BucketInfo};
@@ -51,7 +53,7 @@ impl Rule {
 /// The part of one parameter that lies in this rank's shard of its bucket.
 #[derive(Debug, Clone)]
 struct Piece {
-    /// The parameter's registration index.
+    /// The parameter's index among the optimizer's parameters.
     param: usize,
     /// The piece's elements within the parameter (flattened, row-major).
     within_param: std::ops::Range<usize>,
@@ -59,15 +61,35 @@ struct Piece {
     shard_offset: usize,
 }
 
+/// One bucket of one of the wrapped DDPs.
+#[derive(Debug, Clone)]
+struct Bucket {
+    /// Which DDP (position in the constructor's list).
+    ddp: usize,
+    /// The optimizer's index of that DDP's first parameter: its slot indices are offset
+    /// by it.
+    first_param: usize,
+    info: BucketInfo,
+}
+
+impl Bucket {
+    fn shard_len(&self, dp: usize) -> usize {
+        self.info.padded_numel / dp.max(1)
+    }
+}
+
 /// An optimizer whose state is split over the data-parallel group: each rank keeps the
 /// moments of `1/dp` of every bucket, so AdamW's state costs `8/dp` bytes per parameter
 /// per rank instead of 8.
 ///
-/// Build the [`DistributedDataParallel`] with
-/// [`use_distributed_optimizer`](crate::DdpConfig::use_distributed_optimizer); after its
-/// [`backward`](DistributedDataParallel::backward), [`step`](Self::step) updates this
-/// rank's shards and all-gathers the parameters, so every rank ends the step with the
-/// parameters plain DDP and a replicated optimizer would have given.
+/// Build each [`DistributedDataParallel`] with
+/// [`use_distributed_optimizer`](crate::DdpConfig::use_distributed_optimizer) (one per
+/// model chunk, as interleaved pipeline schedules have, or one for the whole model);
+/// after their [`backward`](DistributedDataParallel::backward),
+/// [`clip_grad_norm`](Self::clip_grad_norm) optionally clips the reduced shards and
+/// [`step`](Self::step) updates this rank's shards and all-gathers the parameters, so
+/// every rank ends the step with the parameters plain DDP and a replicated optimizer
+/// would have given.
 /// ```
 /// use comm_core::run_local;
 /// use ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
@@ -78,7 +100,7 @@ struct Piece {
 ///     let w = Parameter::new("w", Tensor::ones(&[3, 2]));
 ///     let config = DdpConfig { use_distributed_optimizer: true, ..DdpConfig::default() };
 ///     let ddp = DistributedDataParallel::new(vec![w.clone()], Arc::new(comm), config)?;
-///     let mut adamw = DistributedOptimizer::adamw(&ddp, AdamWConfig::default())?;
+///     let mut adamw = DistributedOptimizer::adamw([&ddp], AdamWConfig::default())?;
 ///     let tape = Tape::new();
 ///     let loss = tape.watch(&w).sum()?;
 ///     ddp.backward(&loss)?; // each rank receives its shard of the averaged gradient
@@ -94,10 +116,13 @@ struct Piece {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct DistributedOptimizer {
-    reducer: Arc<Mutex<Reducer>>,
+    /// The wrapped DDPs' reducers, which hold the reduced shards between backward and
+    /// step.
+    reducers: Vec<Arc<Mutex<Reducer>>>,
     dp: Arc<dyn Communicator>,
     params: Vec<Parameter>,
-    buckets: Vec<BucketInfo>,
+    /// Every bucket of every DDP, in order.
+    buckets: Vec<Bucket>,
     rule: Rule,
     options: Vec<ParamOptions>,
     schedule: Option<LrSchedule>,
@@ -110,42 +135,93 @@ pub struct DistributedOptimizer {
     pieces: Vec<Vec<Piece>>,
     /// Per bucket, the rule's buffers over this rank's shard.
     buffers: Vec<Vec<Vec<f32>>>,
+    /// What the last [`clip_grad_norm`](Self::clip_grad_norm) asks of the next step.
+    clip: Clip,
+}
+
+/// The outcome of a clip that the next step must honour.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Clip {
+    /// Step with the gradients as they are.
+    None,
+    /// Multiply the gradients by this before the update.
+    Scale(f64),
+    /// The norm was not finite and the gradients were dropped; this was it.
+    Dropped(f64),
 }
 
 impl DistributedOptimizer {
-    /// AdamW over `ddp`'s parameters, as [`tape::AdamW`] with `config`.
-    pub fn adamw(ddp: &DistributedDataParallel, config: AdamWConfig) -> Result<Self> {
-        DistributedOptimizer::new(ddp, Rule::AdamW(config))
+    /// AdamW over the parameters of `ddps` (in that order), as [`tape::AdamW`] with
+    /// `config`.
+    pub fn adamw<'a>(
+        ddps: impl IntoIterator<Item = &'a DistributedDataParallel>,
+        config: AdamWConfig,
+    ) -> Result<Self> {
+        DistributedOptimizer::new(ddps, Rule::AdamW(config))
     }
 
-    /// SGD (momentum, weight decay, Nesterov) over `ddp`'s parameters, as [`tape::Sgd`]
-    /// with `config`.
-    pub fn sgd(ddp: &DistributedDataParallel, config: SgdConfig) -> Result<Self> {
-        DistributedOptimizer::new(ddp, Rule::Sgd(config))
+    /// SGD (momentum, weight decay, Nesterov) over the parameters of `ddps` (in that
+    /// order), as [`tape::Sgd`] with `config`.
+    pub fn sgd<'a>(
+        ddps: impl IntoIterator<Item = &'a DistributedDataParallel>,
+        config: SgdConfig,
+    ) -> Result<Self> {
+        DistributedOptimizer::new(ddps, Rule::Sgd(config))
     }
 
-    fn new(ddp: &DistributedDataParallel, rule: Rule) -> Result<Self> {
-        if !ddp.is_sharded() {
+    fn new<'a>(
+        ddps: impl IntoIterator<Item = &'a DistributedDataParallel>,
+        rule: Rule,
+    ) -> Result<Self> {
+        let ddps: Vec<&DistributedDataParallel> = ddps.into_iter().collect();
+        let Some(first) = ddps.first() else {
             return Err(Error::Config(
-                "the distributed optimizer needs a DistributedDataParallel built with \
-                 use_distributed_optimizer = true (its buckets must be reduce-scattered)"
-                    .into(),
+                "the distributed optimizer needs at least one DistributedDataParallel".into(),
             ));
-        }
-        let dp = ddp.communicator().clone();
+        };
+        let dp = first.communicator().clone();
         let (rank, size) = (dp.rank(), dp.size());
-        let buckets = ddp.buckets().to_vec();
+        let (mut reducers, mut params, mut buckets) = (Vec::new(), Vec::new(), Vec::new());
+        for (index, ddp) in ddps.iter().enumerate() {
+            if !ddp.is_sharded() {
+                return Err(Error::Config(
+                    "the distributed optimizer needs DistributedDataParallel built with \
+                     use_distributed_optimizer = true (its buckets must be reduce-scattered)"
+                        .into(),
+                ));
+            }
+            let group = ddp.communicator();
+            if (group.rank(), group.size()) != (rank, size) {
+                return Err(Error::Config(format!(
+                    "DDP #{index} reduces over a group of {} (rank {}), DDP #0 over {size} \
+                     (rank {rank}): every DDP of one distributed optimizer must use the same \
+                     data-parallel group",
+                    group.size(),
+                    group.rank()
+                )));
+            }
+            let first_param = params.len();
+            buckets.extend(ddp.buckets().iter().map(|info| Bucket {
+                ddp: index,
+                first_param,
+                info: info.clone(),
+            }));
+            params.extend_from_slice(ddp.parameters());
+            reducers.push(ddp.reducer().clone());
+        }
         let pieces: Vec<Vec<Piece>> = buckets
             .iter()
-            .map(|info| {
-                let shard = info.shard_range(rank, size);
-                info.params
+            .map(|bucket| {
+                let shard = bucket.info.shard_range(rank, size);
+                bucket
+                    .info
+                    .params
                     .iter()
                     .filter_map(|slot| {
                         let start = slot.offset.max(shard.start);
                         let end = (slot.offset + slot.numel).min(shard.end);
                         (start < end).then(|| Piece {
-                            param: slot.index,
+                            param: bucket.first_param + slot.index,
                             within_param: start - slot.offset..end - slot.offset,
                             shard_offset: start - shard.start,
                         })
@@ -157,14 +233,13 @@ impl DistributedOptimizer {
         // is fixed from the start.
         let buffers = buckets
             .iter()
-            .map(|info| {
-                let len = info.shard_range(rank, size).len();
+            .map(|bucket| {
+                let len = bucket.shard_len(size);
                 rule.buffer_names().iter().map(|_| vec![0.0; len]).collect()
             })
             .collect();
-        let params = ddp.parameters().to_vec();
         Ok(DistributedOptimizer {
-            reducer: ddp.reducer().clone(),
+            reducers,
             dp,
             options: vec![ParamOptions::default(); params.len()],
             updates: vec![0; params.len()],
@@ -175,6 +250,7 @@ impl DistributedOptimizer {
             steps: 0,
             pieces,
             buffers,
+            clip: Clip::None,
         })
     }
 
@@ -207,31 +283,165 @@ impl DistributedOptimizer {
             .map_or(self.rule.base_lr(), |s| s.lr(self.steps + 1))
     }
 
-    /// Updates this rank's shard of every parameter from the reduced gradients of the
-    /// last [`backward`](DistributedDataParallel::backward), then all-gathers the
-    /// parameters. Collective over the data-parallel group. Parameters that no rank had
-    /// a gradient for are not updated.
-    pub fn step(&mut self) -> Result<()> {
-        let reduced = self.reducer.lock().take_reduced().ok_or_else(|| {
-            Error::Config(
+    /// Clips the reduced gradients of the last backward to a global L2 norm of
+    /// `max_norm`, as [`layers::clip_grad_norm`] clips the gradients of plain DDP: the
+    /// same norm (to rounding), the same scale, applied by the next [`step`](Self::step).
+    ///
+    /// `model` names the parameters whose gradients count, with their sharding, in the
+    /// same order on every rank: this rank's model parameters (`Module::parameters` of
+    /// each chunk), less a stage's copy of a weight that another pipeline stage also
+    /// holds. Each must be one of the optimizer's. Every rank's shard squares are summed
+    /// over the data-parallel group, then the tensor-parallel group (counting
+    /// replicated parameters once), then each of `other_groups` (the pipeline group):
+    /// collective over all of them.
+    ///
+    /// When the norm is not finite the gradients are dropped: skip the step on every
+    /// rank (they all see the same norm); a [`step`](Self::step) before the next
+    /// backward is an error that says so.
+    pub fn clip_grad_norm(
+        &mut self,
+        model: &[ShardedParameter],
+        tp: &TensorParallel,
+        other_groups: &[&Arc<dyn Communicator>],
+        max_norm: f64,
+    ) -> Result<GradNorm> {
+        let counted = self.counted(model, tp.rank())?;
+        let mut local = LocalSquares::default();
+        for (ddp, reducer) in self.reducers.iter().enumerate() {
+            let mut reducer = reducer.lock();
+            let reduced = reducer
+                .reduced_mut()
+                .ok_or_else(|| self.nothing_to_step_with())?;
+            let buckets = self
+                .buckets
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.ddp == ddp);
+            for ((index, bucket), shard) in buckets.zip(reduced.shards.iter_mut()) {
+                let first_param = bucket.first_param;
+                let widened;
+                let grads = match shard.as_buf_ref().as_host_slice::<f32>() {
+                    Some(grads) => grads,
+                    None => {
+                        widened = bucket::read_f32(shard, 0..bucket.shard_len(self.dp.size()))?;
+                        &widened
+                    }
+                };
+                for piece in &self.pieces[index] {
+                    if counted[piece.param] && reduced.used[piece.param - first_param] {
+                        let range =
+                            piece.shard_offset..piece.shard_offset + piece.within_param.len();
+                        local.add(
+                            grads[range]
+                                .iter()
+                                .map(|&g| f64::from(g) * f64::from(g))
+                                .sum(),
+                        );
+                    }
+                }
+            }
+        }
+        let groups: Vec<&Arc<dyn Communicator>> = [&self.dp, tp.group()]
+            .into_iter()
+            .chain(other_groups.iter().copied())
+            .collect();
+        let norm = layers::reduce_grad_norm(local, &groups, max_norm)?;
+        self.clip = if !norm.is_finite() {
+            for reducer in &self.reducers {
+                reducer.lock().take_reduced();
+            }
+            Clip::Dropped(norm.norm)
+        } else if norm.clipped {
+            Clip::Scale(norm.scale)
+        } else {
+            Clip::None
+        };
+        Ok(norm)
+    }
+
+    /// Which of the optimizer's parameters `model` counts in a norm on this tensor rank.
+    fn counted(&self, model: &[ShardedParameter], tp_rank: usize) -> Result<Vec<bool>> {
+        let index_of: HashMap<ParamId, usize> = self
+            .params
+            .iter()
+            .enumerate()
+            .map(|(index, param)| (param.id(), index))
+            .collect();
+        let mut counted = vec![false; self.params.len()];
+        for sharded in model {
+            let index = index_of.get(&sharded.param.id()).ok_or_else(|| {
+                Error::Config(format!(
+                    "'{}' is not one of the distributed optimizer's parameters: its gradient \
+                     is not in the optimizer's shards; pass the parameters of the model the \
+                     DDPs wrap",
+                    sharded.param.name()
+                ))
+            })?;
+            counted[*index] = !sharded.is_tensor_parallel_duplicate(tp_rank);
+        }
+        Ok(counted)
+    }
+
+    fn nothing_to_step_with(&self) -> Error {
+        match self.clip {
+            Clip::Dropped(norm) => Error::Config(format!(
+                "no gradients to step with: clip_grad_norm found a gradient norm of {norm} \
+                 and dropped them; skip the step when GradNorm::is_finite() is false, and \
+                 run backward again"
+            )),
+            _ => Error::Config(
                 "no reduced gradients to step with: run DistributedDataParallel::backward \
                  (or finish) with gradient sync on before each step"
                     .into(),
-            )
-        })?;
+            ),
+        }
+    }
+
+    /// Every DDP's reduced shards of the last backward, as one list over the buckets,
+    /// with which parameters some rank had a gradient for.
+    fn take_reduced(&self) -> Result<(Vec<Buffer>, Vec<bool>)> {
+        let (mut shards, mut used) = (Vec::new(), Vec::new());
+        for reducer in &self.reducers {
+            let reduced = reducer
+                .lock()
+                .take_reduced()
+                .ok_or_else(|| self.nothing_to_step_with())?;
+            shards.extend(reduced.shards);
+            used.extend(reduced.used);
+        }
+        Ok((shards, used))
+    }
+
+    /// Updates this rank's shard of every parameter from the reduced gradients of the
+    /// last [`backward`](DistributedDataParallel::backward) (clipped, if
+    /// [`clip_grad_norm`](Self::clip_grad_norm) said so), then all-gathers the
+    /// parameters. Collective over the data-parallel group. Parameters that no rank had
+    /// a gradient for are not updated.
+    pub fn step(&mut self) -> Result<()> {
+        let (shards, used) = self.take_reduced()?;
+        let scale = match std::mem::replace(&mut self.clip, Clip::None) {
+            Clip::Scale(scale) => scale as f32,
+            Clip::None | Clip::Dropped(_) => 1.0,
+        };
         let lr = self.next_lr();
         self.steps += 1;
         let mut gathers = Vec::with_capacity(self.buckets.len());
-        for ((index, info), mut shard) in self.buckets.iter().enumerate().zip(reduced.shards) {
-            let shard_len = info.padded_numel / self.dp.size().max(1);
-            let widened;
-            let grads = match shard.as_buf_ref().as_host_slice::<f32>() {
-                Some(grads) => grads,
-                None => {
-                    widened = bucket::read_f32(&mut shard, 0..shard_len)?;
-                    &widened
-                }
+        for ((index, bucket), mut shard) in self.buckets.iter().enumerate().zip(shards) {
+            let shard_len = bucket.shard_len(self.dp.size());
+            let host = shard.as_buf_ref().as_host_slice::<f32>().is_some();
+            let mut widened = if host {
+                Vec::new()
+            } else {
+                bucket::read_f32(&mut shard, 0..shard_len)?
             };
+            let mut view = shard.as_buf_mut();
+            let grads = match view.as_host_slice_mut::<f32>() {
+                Some(grads) if host => grads,
+                _ => widened.as_mut_slice(),
+            };
+            if scale != 1.0 {
+                grads.iter_mut().for_each(|g| *g *= scale);
+            }
             let mut values = vec![0.0f32; shard_len];
             for piece in &self.pieces[index] {
                 let range = piece.shard_offset..piece.shard_offset + piece.within_param.len();
@@ -242,7 +452,7 @@ impl DistributedOptimizer {
                     .narrow(0, piece.within_param.start, piece.within_param.len())?
                     .to_vec()?;
                 values[range.clone()].copy_from_slice(&piece_values);
-                if !reduced.used[piece.param] {
+                if !used[piece.param] {
                     continue;
                 }
                 let first = self.updates[piece.param] == 0;
@@ -276,19 +486,25 @@ impl DistributedOptimizer {
                 input: Buffer::from_vec(values),
             })?);
         }
-        for (info, work) in self.buckets.iter().zip(gathers) {
+        for (bucket, work) in self.buckets.iter().zip(gathers) {
             let gathered = work.wait()?;
             let values = gathered
                 .as_buf_ref()
                 .as_host_slice::<f32>()
                 .ok_or_else(|| Error::Config("an all-gathered bucket is not host f32".into()))?;
-            for slot in info.params.iter().filter(|slot| reduced.used[slot.index]) {
-                let param = &self.params[slot.index];
+            for slot in &bucket.info.params {
+                let index = bucket.first_param + slot.index;
+                if !used[index] {
+                    continue;
+                }
+                let param = &self.params[index];
                 let device = param.value().device();
                 let value = Tensor::from_vec(values[slot.range()].to_vec(), &slot.shape)?;
                 param.set_value(value.to_device(device)?)?;
             }
-            self.reducer.lock().return_storage(info.index, gathered);
+            self.reducers[bucket.ddp]
+                .lock()
+                .return_storage(bucket.info.index, gathered);
         }
         Ok(())
     }
@@ -302,12 +518,15 @@ impl DistributedOptimizer {
         self.dp.all_reduce_slice(&mut updates, ReduceOp::Max)?;
         let names = self.rule.buffer_names();
         let mut params = vec![ParamState::default(); self.params.len()];
-        for (info, buffers) in self.buckets.iter().zip(&self.buffers) {
+        for (bucket, buffers) in self.buckets.iter().zip(&self.buffers) {
             for (name, shard) in names.iter().zip(buffers) {
                 let full: Vec<f32> = self.dp.all_gather_vec(shard)?;
-                for slot in info.params.iter().filter(|slot| updates[slot.index] > 0.0) {
-                    let buffer = Tensor::from_vec(full[slot.range()].to_vec(), &slot.shape)?;
-                    params[slot.index].buffers.push((name.to_string(), buffer));
+                for slot in &bucket.info.params {
+                    let index = bucket.first_param + slot.index;
+                    if updates[index] > 0.0 {
+                        let buffer = Tensor::from_vec(full[slot.range()].to_vec(), &slot.shape)?;
+                        params[index].buffers.push((name.to_string(), buffer));
+                    }
                 }
             }
         }

@@ -139,6 +139,11 @@ impl Reducer {
         self.reduced.take()
     }
 
+    /// The shards of the last sharded `finish`, left in place (to clip them).
+    pub(crate) fn reduced_mut(&mut self) -> Option<&mut ReducedShards> {
+        self.reduced.as_mut()
+    }
+
     /// Gives bucket `index` its storage back (the optimizer's all-gathered parameters,
     /// which the next step's gradients overwrite) if it has none and `buffer` fits.
     pub(crate) fn return_storage(&mut self, index: usize, buffer: Buffer) {

@@ -75,8 +75,8 @@ fn replicated(rule: Rule, params: Vec<Parameter>) -> Box<dyn Optimizer> {
 
 fn sharded(rule: Rule, ddp: &DistributedDataParallel) -> ddp::Result<DistributedOptimizer> {
     Ok(match rule {
-        Rule::AdamW => DistributedOptimizer::adamw(ddp, ADAMW)?,
-        Rule::Sgd => DistributedOptimizer::sgd(ddp, SGD)?,
+        Rule::AdamW => DistributedOptimizer::adamw([ddp], ADAMW)?,
+        Rule::Sgd => DistributedOptimizer::sgd([ddp], SGD)?,
     }
     .with_param_options(options))
 }
@@ -198,7 +198,7 @@ fn the_state_is_the_replicated_optimizers_and_every_rank_holds_its_share() -> Re
         let ddp = DistributedDataParallel::new(params, Arc::new(comm), small_buckets(true))?;
         let padded: usize = ddp.buckets().iter().map(|b| b.padded_numel).sum();
         Ok((
-            DistributedOptimizer::adamw(&ddp, ADAMW)?.state_bytes(),
+            DistributedOptimizer::adamw([&ddp], ADAMW)?.state_bytes(),
             padded,
         ))
     })?;
@@ -286,9 +286,9 @@ fn block_parameters(dp: usize, rule: Rule, zero: bool) -> Result<Vec<Vec<Vec<f32
         // The loss is a sum over many outputs: a smaller step keeps SGD from diverging.
         let sgd = SgdConfig { lr: 1e-3, ..SGD };
         let mut opt: Box<dyn Optimizer> = match (rule, zero) {
-            (Rule::AdamW, true) => Box::new(DistributedOptimizer::adamw(&ddp, adamw)?),
+            (Rule::AdamW, true) => Box::new(DistributedOptimizer::adamw([&ddp], adamw)?),
             (Rule::AdamW, false) => Box::new(AdamW::new(params.clone(), adamw)),
-            (Rule::Sgd, true) => Box::new(DistributedOptimizer::sgd(&ddp, sgd)?),
+            (Rule::Sgd, true) => Box::new(DistributedOptimizer::sgd([&ddp], sgd)?),
             (Rule::Sgd, false) => Box::new(Sgd::new(params.clone(), sgd)),
         };
         let seq = SEQ / 2;
@@ -346,7 +346,7 @@ fn misuse_is_a_typed_error() -> Result<()> {
         let params = wide_mlp(1);
         let plain =
             DistributedDataParallel::new(params.clone(), comm.clone(), DdpConfig::default())?;
-        let err = DistributedOptimizer::adamw(&plain, ADAMW).unwrap_err();
+        let err = DistributedOptimizer::adamw([&plain], ADAMW).unwrap_err();
         assert!(
             err.to_string().contains("use_distributed_optimizer"),
             "{err}"
@@ -362,7 +362,7 @@ fn misuse_is_a_typed_error() -> Result<()> {
         assert!(err.to_string().contains("cannot reduce-scatter"), "{err}");
 
         let ddp = DistributedDataParallel::new(params.clone(), comm.clone(), small_buckets(true))?;
-        let mut opt = DistributedOptimizer::sgd(&ddp, SGD)?;
+        let mut opt = DistributedOptimizer::sgd([&ddp], SGD)?;
         let err = opt.step().unwrap_err();
         assert!(err.to_string().contains("no reduced gradients"), "{err}");
 

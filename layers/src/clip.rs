@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use comm_core::{Communicator, CommunicatorExt, ReduceOp};
 
-use crate::{Error, Result, ShardedParameter, Sharding, TensorParallel};
+use crate::{Error, Result, ShardedParameter, TensorParallel};
 
 const OP: &str = "clip_grad_norm";
 
@@ -17,6 +17,9 @@ pub struct GradNorm {
     pub norm: f64,
     /// Whether the gradients were scaled down to the maximum norm.
     pub clipped: bool,
+    /// The factor the gradients were multiplied by: `max_norm / (norm + 1e-6)` when
+    /// clipped, else 1.
+    pub scale: f64,
 }
 
 impl GradNorm {
@@ -31,45 +34,106 @@ impl GradNorm {
 /// model exceeds `max_norm`, as PyTorch's `clip_grad_norm_` on the serial model would.
 ///
 /// `params` are this rank's parameters; the norm sums their squares over the
-/// tensor-parallel group, counting [`Sharding::Replicated`] parameters once (on tensor
-/// rank 0), and then over each of `other_groups` (the pipeline group, whose stages hold
-/// different parameters; leave out a stage's copy of a weight that another stage also
-/// holds, such as a tied output embedding). Data-parallel replicas hold the same
-/// gradients after DDP's reduction, so the data-parallel group is not one of them.
-/// Gradients that are absent count as zero. Every rank of those groups must call it
-/// with its parameters in the same order; they all get the same [`GradNorm`].
+/// tensor-parallel group, counting [`Sharding::Replicated`](crate::Sharding) parameters
+/// once (see [`ShardedParameter::is_tensor_parallel_duplicate`]), and then over each of
+/// `other_groups` (the pipeline group, whose stages hold different parameters; leave out
+/// a stage's copy of a weight that another stage also holds, such as a tied output
+/// embedding). Data-parallel replicas hold the same gradients after DDP's reduction, so
+/// the data-parallel group is not one of them. Gradients that are absent count as zero,
+/// but when no rank holds any gradient the call is an error: backward has not run, or
+/// the gradients live elsewhere (ddp's distributed optimizer keeps them in its shards
+/// and clips them itself). Every rank of those groups must call it with its parameters
+/// in the same order; they all get the same [`GradNorm`].
 pub fn clip_grad_norm(
     params: &[ShardedParameter],
     tp: &TensorParallel,
     other_groups: &[&Arc<dyn Communicator>],
     max_norm: f64,
 ) -> Result<GradNorm> {
-    if !(max_norm.is_finite() && max_norm > 0.0) {
-        return Err(Error::config(
-            OP,
-            format!("max_norm must be a positive finite number, got {max_norm}"),
-        ));
-    }
-    let mut squares = [0.0f64];
+    check_max_norm(max_norm)?;
+    let mut local = LocalSquares::default();
     for sharded in params {
-        let counted = sharded.sharding != Sharding::Replicated || tp.rank() == 0;
-        if let (true, Some(grad)) = (counted, sharded.param.grad()) {
-            squares[0] += f64::from(grad.mul(&grad)?.sum()?.item()?);
+        if sharded.is_tensor_parallel_duplicate(tp.rank()) {
+            continue;
+        }
+        if let Some(grad) = sharded.param.grad() {
+            local.add(f64::from(grad.mul(&grad)?.sum()?.item()?));
         }
     }
-    for group in std::iter::once(tp.group()).chain(other_groups.iter().copied()) {
-        group.all_reduce_slice(&mut squares, ReduceOp::Sum)?;
-    }
-    let norm = squares[0].sqrt();
-    // Megatron's epsilon: a norm just at the limit is left as it is.
-    let coefficient = max_norm / (norm + 1e-6);
-    let clipped = norm.is_finite() && coefficient < 1.0;
-    if clipped {
+    let groups: Vec<&Arc<dyn Communicator>> = std::iter::once(tp.group())
+        .chain(other_groups.iter().copied())
+        .collect();
+    let norm = reduce_grad_norm(local, &groups, max_norm)?;
+    if norm.clipped {
         for sharded in params {
             if let Some(grad) = sharded.param.grad() {
-                sharded.param.set_grad(Some(grad.scale(coefficient)?))?;
+                sharded.param.set_grad(Some(grad.scale(norm.scale)?))?;
             }
         }
     }
-    Ok(GradNorm { norm, clipped })
+    Ok(norm)
+}
+
+/// This rank's share of a gradient norm: the sum of its squared gradient elements, and
+/// how many gradients contributed to it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LocalSquares {
+    /// The sum of the squares of the elements counted on this rank.
+    pub sum: f64,
+    /// The gradients (or pieces of gradients) they came from.
+    pub gradients: usize,
+}
+
+impl LocalSquares {
+    /// Counts one more gradient whose squared elements sum to `sum`.
+    pub fn add(&mut self, sum: f64) {
+        self.sum += sum;
+        self.gradients += 1;
+    }
+}
+
+/// The model's gradient norm from every rank's [`LocalSquares`]: summed over each of
+/// `groups` in turn (collective over each), then whether and by what to scale to stay
+/// within `max_norm`, with Megatron's epsilon (`max_norm / (norm + 1e-6)`, so a norm at
+/// the limit is scaled by just under 1). The building block of [`clip_grad_norm`] for
+/// gradients held elsewhere than in the parameters, such as ddp's distributed-optimizer
+/// shards. Scales nothing itself.
+pub fn reduce_grad_norm(
+    local: LocalSquares,
+    groups: &[&Arc<dyn Communicator>],
+    max_norm: f64,
+) -> Result<GradNorm> {
+    check_max_norm(max_norm)?;
+    // The count travels with the sum so that every rank sees the same total.
+    let mut totals = [local.sum, local.gradients as f64];
+    for group in groups {
+        group.all_reduce_slice(&mut totals, ReduceOp::Sum)?;
+    }
+    if totals[1] == 0.0 {
+        return Err(Error::config(
+            OP,
+            "no rank holds a gradient: run backward before clipping (under ddp's \
+             distributed optimizer the gradients are in its shards: clip with \
+             DistributedOptimizer::clip_grad_norm)",
+        ));
+    }
+    let norm = totals[0].sqrt();
+    let coefficient = max_norm / (norm + 1e-6);
+    let clipped = norm.is_finite() && coefficient < 1.0;
+    Ok(GradNorm {
+        norm,
+        clipped,
+        scale: if clipped { coefficient } else { 1.0 },
+    })
+}
+
+fn check_max_norm(max_norm: f64) -> Result<()> {
+    if max_norm.is_finite() && max_norm > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::config(
+            OP,
+            format!("max_norm must be a positive finite number, got {max_norm}"),
+        ))
+    }
 }

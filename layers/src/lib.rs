@@ -107,7 +107,7 @@ mod parallel;
 mod random;
 mod transformer;
 
-pub use clip::{clip_grad_norm, GradNorm};
+pub use clip::{clip_grad_norm, reduce_grad_norm, GradNorm, LocalSquares};
 pub use cross_entropy::{
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_per_token, TokenLoss,
 };

@@ -185,6 +185,16 @@ pub struct ShardedParameter {
     pub grad_reduce_group: Option<&'static str>,
 }
 
+impl ShardedParameter {
+    /// Whether this rank's copy repeats one that tensor-parallel rank 0 also holds
+    /// ([`Sharding::Replicated`] on any other rank), so that sums over the model, such
+    /// as the gradient norm, count it once (Megatron's
+    /// `param_is_not_tensor_parallel_duplicate`, negated).
+    pub fn is_tensor_parallel_duplicate(&self, tp_rank: usize) -> bool {
+        self.sharding == Sharding::Replicated && tp_rank != 0
+    }
+}
+
 /// Anything made of sharded parameters.
 pub trait Module {
     /// Every parameter, in a fixed order that is the same on every rank.

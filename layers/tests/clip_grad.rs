@@ -176,14 +176,48 @@ fn a_norm_at_the_limit_is_scaled_by_megatrons_epsilon_and_one_just_under_it_is_n
     .remove(0);
     let (at_limit, scaled) = &outcomes[0];
     assert!(at_limit.is_finite() && at_limit.clipped, "{at_limit:?}");
-    let coefficient = (5.0 / (5.0 + 1e-6)) as f32;
+    assert_eq!(at_limit.scale, 5.0 / (5.0 + 1e-6));
+    let coefficient = at_limit.scale as f32;
     assert_eq!(scaled, &[3.0 * coefficient, 4.0 * coefficient]);
     // A coefficient of exactly 1 leaves the gradients alone.
     let (above_limit, kept) = &outcomes[1];
     assert!(
-        above_limit.is_finite() && !above_limit.clipped,
+        above_limit.is_finite() && !above_limit.clipped && above_limit.scale == 1.0,
         "{above_limit:?}"
     );
     assert_eq!(kept, &[3.0, 4.0]);
+    Ok(())
+}
+
+#[test]
+fn clipping_without_any_gradient_is_an_error_on_every_rank_not_a_zero_norm() -> AnyResult<()> {
+    // Rank 1 holds no gradient while rank 0 does: a norm. Then neither does: an error on
+    // both (under a sharded DDP the gradients are not in the parameters at all).
+    let outcomes = run_local(2, |comm| -> AnyResult<(f64, String)> {
+        let tp = tp_context(comm, false);
+        let a = Parameter::new("a", Tensor::zeros(&[2]));
+        if tp.rank() == 0 {
+            a.set_grad(Some(Tensor::from_vec(vec![3.0, 4.0], &[2])?))?;
+        }
+        let params = [layers::ShardedParameter {
+            param: a.clone(),
+            sharding: Sharding::Split {
+                dim: 0,
+                full_len: 4,
+            },
+            grad_reduce_group: None,
+        }];
+        let partly = clip_grad_norm(&params, &tp, &[], 100.0)?;
+        a.zero_grad();
+        let err = clip_grad_norm(&params, &tp, &[], 100.0).unwrap_err();
+        Ok((partly.norm, err.to_string()))
+    })?;
+    for (rank, (norm, err)) in outcomes.iter().enumerate() {
+        assert_eq!(*norm, 5.0, "rank {rank}");
+        assert!(
+            err.contains("no rank holds a gradient"),
+            "rank {rank}: {err}"
+        );
+    }
     Ok(())
 }

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
-use tape::{Optimizer, OptimizerState, ParamState, Tensor};
+use tape::{Optimizer, OptimizerState, ParamState, Parameter, Tensor};
 
 use crate::error::{Error, Result};
 use crate::parallel::{Module, Sharding};
@@ -191,11 +191,28 @@ pub fn save_optimizer_shard<O: Optimizer + ?Sized>(
     tp_rank: usize,
     tp_size: usize,
 ) -> Result<()> {
-    let path = optimizer_shard_path(dir, tp_rank, tp_size);
-    let params = module.parameters();
     let state = optimizer.state()?;
-    let same_params = params.len() == optimizer.params().len()
-        && (params.iter().zip(optimizer.params())).all(|(a, b)| a.param.id() == b.id());
+    save_optimizer_state(module, optimizer.params(), &state, dir, tp_rank, tp_size)
+}
+
+/// [`save_optimizer_shard`] from a state taken already: for optimizers whose
+/// [`Optimizer::state`] is collective (ddp's distributed optimizer gathers its shards
+/// over the data-parallel group), every rank takes the state and one of them writes it.
+/// `params` are the optimizer's parameters, which must be `module`'s in order.
+pub fn save_optimizer_state(
+    module: &dyn Module,
+    params: &[Parameter],
+    state: &OptimizerState,
+    dir: &Path,
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<()> {
+    let path = optimizer_shard_path(dir, tp_rank, tp_size);
+    let optimizer_params = params;
+    let params = module.parameters();
+    let same_params = params.len() == optimizer_params.len()
+        && state.params.len() == params.len()
+        && (params.iter().zip(optimizer_params)).all(|(a, b)| a.param.id() == b.id());
     if !same_params {
         return Err(Error::checkpoint(
             &path,

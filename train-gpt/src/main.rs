@@ -132,6 +132,11 @@ struct Args {
     /// --clip-grad); a step whose gradient norm is not finite is skipped.
     #[arg(long, value_name = "NORM")]
     clip_grad: Option<f64>,
+    /// Shard AdamW's moments over the data-parallel ranks (Megatron's distributed
+    /// optimizer, ZeRO-1/2): gradients are reduce-scattered, each rank updates its shard
+    /// and the parameters are all-gathered. Same results; checkpoints load either way.
+    #[arg(long)]
+    use_distributed_optimizer: bool,
     /// Validation loss on the held-out tenth of the data every this many steps and after
     /// the last one; 0 turns it off.
     #[arg(long, default_value_t = 50)]
@@ -464,6 +469,7 @@ fn train_config(args: &Args) -> TrainConfig {
         seed: args.seed,
         schedule: schedule(args),
         clip_grad: args.clip_grad,
+        distributed_optimizer: args.use_distributed_optimizer,
         eval_interval: args.eval_interval,
         eval_batches: args.eval_batches,
         resume: args.resume.clone(),
@@ -499,7 +505,7 @@ fn schedule(args: &Args) -> Schedule {
 fn announce(args: &Args, corpus: &Corpus, dp: usize) {
     println!(
         "GPT: {} layers, hidden {}, {} heads, context {} | TP {} × PP {} × DP {} = {} \
-         ranks{}{} on the {} backend, {} | {} steps of {} sequences | data: {} ({} bytes)",
+         ranks{}{}{} on the {} backend, {} | {} steps of {} sequences | data: {} ({} bytes)",
         args.layers,
         args.hidden,
         args.heads,
@@ -524,6 +530,11 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
         },
         if args.sequence_parallel {
             " with sequence parallelism"
+        } else {
+            ""
+        },
+        if args.use_distributed_optimizer {
+            ", AdamW sharded over DP"
         } else {
             ""
         },
@@ -623,6 +634,7 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<Vec<f32>> {
         save: None,
         sample: false,
         eval_interval: 0,
+        distributed_optimizer: false,
         ..train_config(args)
     };
     let progress = Progress::new("check", args.steps, args.batch * dp * args.seq);

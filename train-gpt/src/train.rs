@@ -8,8 +8,8 @@ use crate::model::{Gpt, GptConfig, RankModel};
 use crate::report::Progress;
 use anyhow::{bail, Result};
 use comm_core::{Communicator, CommunicatorExt};
-use ddp::{DdpConfig, DistributedDataParallel};
-use layers::{Module, RngTracker, TensorParallel};
+use ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
+use layers::{GradNorm, Module, RngTracker, ShardedParameter, TensorParallel};
 use parallel_state::{ParallelState, RankLayout};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -45,6 +45,9 @@ pub struct TrainConfig {
     pub schedule: Schedule,
     /// The global gradient norm to clip to, if any.
     pub clip_grad: Option<f64>,
+    /// Shard AdamW's state over the data-parallel group (ZeRO-1/2) instead of keeping
+    /// all of it on every rank.
+    pub distributed_optimizer: bool,
     /// Validation loss every this many steps (and after the last one); 0 turns it off.
     pub eval_interval: usize,
     /// Global batches of held-out windows each validation runs.
@@ -130,9 +133,13 @@ pub fn train_rank(
     // Every gradient is averaged over "dp"; DDP reads from the model which parameters
     // also need a sum over a model-parallel group (sequence-parallel norms over "tp").
     // One DDP per chunk: a chunk's gradients are complete after its last backward.
+    let ddp_config = DdpConfig {
+        use_distributed_optimizer: config.distributed_optimizer,
+        ..DdpConfig::default()
+    };
     let ddps = models
         .iter()
-        .map(|model| DistributedDataParallel::for_model(model, &state, DdpConfig::default()))
+        .map(|model| DistributedDataParallel::for_model(model, &state, ddp_config.clone()))
         .collect::<ddp::Result<Vec<_>>>()?;
     let s = config.schedule;
     let schedule = LrSchedule::new(s.lr, s.min_lr, s.warmup_steps, s.decay_steps, s.decay)?;
@@ -140,8 +147,13 @@ pub fn train_rank(
         lr: s.lr,
         ..AdamWConfig::default()
     };
-    let parameters = ddps.iter().flat_map(|d| d.parameters().to_vec()).collect();
-    let mut optimizer = AdamW::new(parameters, adamw).with_schedule(schedule);
+    let mut optimizer = if config.distributed_optimizer {
+        let sharded = DistributedOptimizer::adamw(&ddps, adamw)?.with_schedule(schedule);
+        TrainOptimizer::Distributed(sharded)
+    } else {
+        let parameters = ddps.iter().flat_map(|d| d.parameters().to_vec()).collect();
+        TrainOptimizer::Replicated(AdamW::new(parameters, adamw).with_schedule(schedule))
+    };
     // No dropout is configured, so the streams are never drawn from; the blocks still
     // take a tracker, seeded as Megatron seeds it, and checkpoints keep the first's.
     let mut rngs: Vec<RngTracker> = (0..chunks)
@@ -157,7 +169,7 @@ pub fn train_rank(
             tp.rank(),
             tp.size(),
         )?;
-        optimizer.load_state(&state)?;
+        optimizer.as_dyn().load_state(&state)?;
         for rng in &mut rngs {
             checkpoint::restore_rng(&dir, saved, rng, tp.rank(), tp.size())?;
         }
@@ -185,7 +197,7 @@ pub fn train_rank(
     let mut steady_transfers = Vec::new();
     for step in first_step..config.steps {
         let before = tape::transfers(config.device);
-        optimizer.zero_grad();
+        optimizer.as_dyn().zero_grad();
         let microbatches = microbatches(corpus, &sampler.starts(step), config);
         let trace = config.trace && step + 1 == config.steps;
         let (step_loss, spans) = chunks.loss(&microbatches, Pass::Train, trace)?;
@@ -207,7 +219,7 @@ pub fn train_rank(
             Some(max_norm) => {
                 // Pipeline stages hold different blocks: their squares add up over "pp".
                 let params: Vec<_> = models.iter().flat_map(Module::parameters).collect();
-                let norm = layers::clip_grad_norm(&params, &tp, &[state.pp()], max_norm)?;
+                let norm = optimizer.clip_grad_norm(&params, &tp, &[state.pp()], max_norm)?;
                 if let (false, Some(progress)) = (norm.is_finite(), progress) {
                     progress.note(&format!(
                         "step {}: the gradient norm is {}; step skipped on every rank",
@@ -220,7 +232,7 @@ pub fn train_rank(
             None => true,
         };
         if finite_gradients {
-            optimizer.step()?;
+            optimizer.as_dyn().step()?;
         }
         if step > first_step || config.steps == first_step + 1 {
             steady_transfers.push(tape::transfers(config.device) - before);
@@ -244,12 +256,15 @@ pub fn train_rank(
         // Data-parallel replicas are identical: one of them writes each stage's
         // tensor-parallel shards; world rank 0 writes the trainer state last, once every
         // shard is there. (Every chunk's random streams are the same: no stream is drawn.)
+        // Every data-parallel rank takes the optimizer state: sharded, that gathers it.
+        let optimizer_state = optimizer.as_dyn().state()?;
         if dp_rank == 0 {
             let (dir, rank_model) = (stage_dir(dir), RankModel(&models));
             rank_model.save(&dir)?;
-            layers::checkpoint::save_optimizer_shard(
+            layers::checkpoint::save_optimizer_state(
                 &rank_model,
-                &optimizer,
+                optimizer.as_dyn().params(),
+                &optimizer_state,
                 &dir,
                 tp.rank(),
                 tp.size(),
@@ -287,6 +302,40 @@ pub fn train_rank(
         timeline,
         transfers_per_step: mean(&steady_transfers),
     })
+}
+
+/// AdamW kept whole on every data-parallel rank, or sharded over them.
+enum TrainOptimizer {
+    Replicated(AdamW),
+    Distributed(DistributedOptimizer),
+}
+
+impl TrainOptimizer {
+    fn as_dyn(&mut self) -> &mut dyn Optimizer {
+        match self {
+            TrainOptimizer::Replicated(adamw) => adamw,
+            TrainOptimizer::Distributed(adamw) => adamw,
+        }
+    }
+
+    /// Clips the gradients the next step uses: the parameters' (replicated) or the
+    /// reduced shards' (distributed).
+    fn clip_grad_norm(
+        &mut self,
+        params: &[ShardedParameter],
+        tp: &TensorParallel,
+        other_groups: &[&Arc<dyn Communicator>],
+        max_norm: f64,
+    ) -> Result<GradNorm> {
+        Ok(match self {
+            TrainOptimizer::Replicated(_) => {
+                layers::clip_grad_norm(params, tp, other_groups, max_norm)?
+            }
+            TrainOptimizer::Distributed(adamw) => {
+                adamw.clip_grad_norm(params, tp, other_groups, max_norm)?
+            }
+        })
+    }
 }
 
 /// This rank's chunks of the model with their DDPs and random streams, run as pipeline

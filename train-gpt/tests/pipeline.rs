@@ -35,7 +35,7 @@ const INTERLEAVED: &str =
     "--pp 2 --tp 1 --dp 1 --schedule interleaved --virtual-stages 2 --microbatches 2";
 
 fn words(flags: &str) -> Vec<&str> {
-    flags.split(' ').collect()
+    flags.split_whitespace().collect()
 }
 
 /// The figure of `--check`'s `max loss difference: X` line.
@@ -54,6 +54,9 @@ fn every_schedule_trains_what_one_rank_trains() {
         "--pp 2 --tp 1 --dp 2 --schedule gpipe --microbatches 4",
         INTERLEAVED,
         "--pp 4 --tp 1 --dp 2 --microbatches 4",
+        // AdamW sharded over DP, across the chunks of an interleaved schedule.
+        "--pp 2 --tp 2 --dp 2 --schedule interleaved --virtual-stages 2 --microbatches 2 \
+         --use-distributed-optimizer",
         // The GPU code path: activations received from a stage go to the device.
         "--pp 2 --tp 2 --dp 1 --microbatches 2 --sequence-parallel --device emulated",
     ] {
@@ -107,8 +110,9 @@ fn layouts_that_cannot_work_are_refused_with_what_would() {
     }
 }
 
-/// `--clip-grad` adds the squared gradients over tensor and pipeline ranks as one rank
-/// would: the clipped run equals its one-rank check, and differs from the unclipped run.
+/// `--clip-grad` adds the squared gradients over tensor and pipeline ranks (and, with the
+/// distributed optimizer, data-parallel shards) as one rank would: the clipped run equals
+/// its one-rank check, and differs from the unclipped run.
 #[test]
 fn clipping_under_every_axis_trains_what_one_rank_trains() {
     let layout = words("--pp 2 --tp 2 --dp 2 --microbatches 2");
@@ -122,6 +126,18 @@ fn clipping_under_every_axis_trains_what_one_rank_trains() {
     let clipped = run(&["--clip-grad", "0.05", "--check"], "train-gpt-clipped");
     let difference = loss_difference(&clipped);
     assert!(difference < 1e-4, "clipped: {difference}");
+    // The distributed optimizer clips its reduced shards to the same norm.
+    let sharded = [
+        "--clip-grad",
+        "0.05",
+        "--check",
+        "--use-distributed-optimizer",
+    ];
+    let difference = loss_difference(&run(&sharded, "train-gpt-clipped-sharded"));
+    assert!(
+        difference < 1e-4,
+        "clipped, sharded optimizer: {difference}"
+    );
     // AdamW's step barely depends on a gradient's scale, so look at every digit.
     run(&[], "train-gpt-unclipped");
     let curve = |out: &str| {

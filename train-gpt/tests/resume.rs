@@ -115,6 +115,59 @@ fn a_resumed_run_writes_the_uninterrupted_runs_losses() {
     std::fs::remove_dir_all(&root).ok();
 }
 
+/// The distributed optimizer saves the whole AdamW state: its run resumes at another
+/// data-parallel size, sharded or not, on the curve of the uninterrupted plain run.
+#[test]
+fn a_distributed_optimizer_run_resumes_at_another_dp_size_and_unsharded() {
+    let root = scratch("zero");
+    let dir = |name: &str| root.join(name).to_string_lossy().into_owned();
+    let zero = "--use-distributed-optimizer";
+    succeed(&["--steps", "6", "--out", &dir("A")]);
+    succeed(&[
+        "--steps",
+        "3",
+        zero,
+        "--save",
+        &dir("C"),
+        "--out",
+        &dir("B"),
+    ]);
+    // The global batch stays 16: 4 ranks of 4, then 1 rank of 16.
+    let dp4 = ["--dp", "4", "--batch", "4"];
+    succeed(
+        &[
+            &dp4[..],
+            &[
+                "--steps",
+                "6",
+                zero,
+                "--resume",
+                &dir("C"),
+                "--out",
+                &dir("D4"),
+            ],
+        ]
+        .concat(),
+    );
+    let dp1 = ["--dp", "1", "--batch", "16"];
+    succeed(
+        &[
+            &dp1[..],
+            &["--steps", "6", "--resume", &dir("C"), "--out", &dir("D1")],
+        ]
+        .concat(),
+    );
+    let reference = losses(&root.join("A/loss.csv"));
+    for run in ["B", "D4", "D1"] {
+        let curve = losses(&root.join(run).join("loss.csv"));
+        assert_eq!(curve.len(), if run == "B" { 3 } else { 6 }, "{run}");
+        for (step, (a, b)) in reference.iter().zip(&curve).enumerate() {
+            assert!((a - b).abs() < 1e-4, "{run} step {}: {a} vs {b}", step + 1);
+        }
+    }
+    std::fs::remove_dir_all(&root).ok();
+}
+
 /// Under pipeline parallelism each stage saves and restores its own chunks: the resumed
 /// interleaved run is the uninterrupted one, row for row; at another --pp it is refused.
 #[test]

@@ -445,13 +445,8 @@ impl DistributedOptimizer {
             let mut values = vec![0.0f32; shard_len];
             for piece in &self.pieces[index] {
                 let range = piece.shard_offset..piece.shard_offset + piece.within_param.len();
-                let param = &self.params[piece.param];
-                let piece_values = param
-                    .value()
-                    .reshape(&[param.numel()])?
-                    .narrow(0, piece.within_param.start, piece.within_param.len())?
-                    .to_vec()?;
-                values[range.clone()].copy_from_slice(&piece_values);
+                self.params[piece.param]
+                    .read_flat(piece.within_param.start, &mut values[range.clone()])?;
                 if !used[piece.param] {
                     continue;
                 }
@@ -497,10 +492,7 @@ impl DistributedOptimizer {
                 if !used[index] {
                     continue;
                 }
-                let param = &self.params[index];
-                let device = param.value().device();
-                let value = Tensor::from_vec(values[slot.range()].to_vec(), &slot.shape)?;
-                param.set_value(value.to_device(device)?)?;
+                self.params[index].write_flat(0, &values[slot.range()])?;
             }
             self.reducers[bucket.ddp]
                 .lock()

@@ -85,6 +85,52 @@ impl<T: Element> Parameter<T> {
         Ok(())
     }
 
+    /// Copies elements `offset..offset + out.len()` of the value (flattened, row-major)
+    /// into `out`: no allocation for a host value (a device value is copied to the host
+    /// whole first).
+    pub fn read_flat(&self, offset: usize, out: &mut [T]) -> Result<()> {
+        const OP: &str = "Parameter::read_flat";
+        let value = self.shared.value.lock();
+        let range = flat_range(OP, value.numel(), offset, out.len())?;
+        match value.cpu(OP) {
+            Ok(array) => match array.as_slice() {
+                Some(all) => out.copy_from_slice(&all[range]),
+                None => out
+                    .iter_mut()
+                    .zip(array.iter().skip(offset))
+                    .for_each(|(o, v)| *o = *v),
+            },
+            Err(_) => out.copy_from_slice(&value.to_vec()?[range]),
+        }
+        Ok(())
+    }
+
+    /// Overwrites elements `offset..offset + values.len()` of the value (flattened,
+    /// row-major) in place: no allocation for a host value that nothing else holds (one
+    /// that a tensor still shares is copied first, so that tensor keeps its values); a
+    /// device value is replaced by an updated copy.
+    pub fn write_flat(&self, offset: usize, values: &[T]) -> Result<()> {
+        const OP: &str = "Parameter::write_flat";
+        let mut value = self.shared.value.lock();
+        let range = flat_range(OP, value.numel(), offset, values.len())?;
+        if let Ok(array) = value.cpu_mut(OP) {
+            match array.as_slice_mut() {
+                Some(all) => all[range].copy_from_slice(values),
+                None => array
+                    .iter_mut()
+                    .skip(offset)
+                    .zip(values)
+                    .for_each(|(a, v)| *a = *v),
+            }
+            return Ok(());
+        }
+        let mut host = value.to_vec()?;
+        host[range].copy_from_slice(values);
+        let (shape, device) = (value.shape().to_vec(), value.device());
+        *value = Tensor::from_vec(host, &shape)?.to_device(device)?;
+        Ok(())
+    }
+
     /// The accumulated gradient, or `None` if no backward reached this parameter since the
     /// last [`zero_grad`](Parameter::zero_grad).
     pub fn grad(&self) -> Option<Tensor<T>> {
@@ -211,5 +257,22 @@ impl<T: Element> fmt::Debug for Parameter<T> {
             .field("shape", &self.shape())
             .field("has_grad", &self.shared.grad.lock().is_some())
             .finish()
+    }
+}
+
+/// `offset..offset + len` if it lies within `numel` elements.
+fn flat_range(
+    op: &'static str,
+    numel: usize,
+    offset: usize,
+    len: usize,
+) -> Result<std::ops::Range<usize>> {
+    match offset.checked_add(len) {
+        Some(end) if end <= numel => Ok(offset..end),
+        _ => Err(Error::shape(
+            op,
+            &[&[numel], &[offset, len]],
+            "elements offset..offset + len must lie within the parameter",
+        )),
     }
 }

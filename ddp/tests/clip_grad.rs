@@ -132,7 +132,7 @@ fn snapshot(params: &[layers::ShardedParameter]) -> tape::Result<Vec<Tensor>> {
         .iter()
         .map(|s| {
             let value = s.param.value();
-            Tensor::from_vec(value.to_vec()?, &value.shape())
+            Tensor::from_vec(value.to_vec()?, value.shape())
         })
         .collect()
 }

@@ -50,6 +50,15 @@ impl std::fmt::Display for MemoryKind {
 #[cfg(feature = "cuda")]
 pub(crate) type StreamRef<'a> = &'a cudarc::driver::CudaStream;
 
+/// How a view of device memory is ordered: the stream its contents are ordered on, and
+/// the stream of the allocation itself (cudarc frees it there), which may differ.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy)]
+pub(crate) struct DeviceOrder<'a> {
+    stream: StreamRef<'a>,
+    owner: StreamRef<'a>,
+}
+
 /// A read-only view of `len` elements of one dtype.
 #[derive(Clone, Copy)]
 pub struct BufRef<'a> {
@@ -58,7 +67,7 @@ pub struct BufRef<'a> {
     dtype: DType,
     emulated: bool,
     #[cfg(feature = "cuda")]
-    stream: Option<StreamRef<'a>>,
+    stream: Option<DeviceOrder<'a>>,
     _borrow: PhantomData<&'a [u8]>,
 }
 
@@ -69,7 +78,7 @@ pub struct BufMut<'a> {
     dtype: DType,
     emulated: bool,
     #[cfg(feature = "cuda")]
-    stream: Option<StreamRef<'a>>,
+    stream: Option<DeviceOrder<'a>>,
     _borrow: PhantomData<&'a mut [u8]>,
 }
 
@@ -134,9 +143,9 @@ macro_rules! view_accessors {
         /// Where the elements live.
         pub fn memory(&self) -> MemoryKind {
             #[cfg(feature = "cuda")]
-            if let Some(stream) = self.stream {
+            if let Some(order) = self.stream {
                 return MemoryKind::Cuda {
-                    device: stream.context().ordinal(),
+                    device: order.stream.context().ordinal(),
                 };
             }
             if self.emulated {
@@ -148,7 +157,15 @@ macro_rules! view_accessors {
         /// The stream device memory is ordered on; `None` for host memory.
         #[cfg(feature = "cuda")]
         pub(crate) fn cuda_stream(&self) -> Option<StreamRef<'a>> {
+            self.stream.map(|order| order.stream)
+        }
+
+        /// The streams that must not run past a collective still using this memory: the
+        /// one it is ordered on and the one that frees it. Empty for host memory.
+        #[cfg(feature = "cuda")]
+        pub(crate) fn cuda_holders(&self) -> Vec<StreamRef<'a>> {
             self.stream
+                .map_or_else(Vec::new, |o| vec![o.stream, o.owner])
         }
     };
 }
@@ -333,7 +350,10 @@ mod device {
                 len: slice.len(),
                 dtype: T::DTYPE,
                 emulated: false,
-                stream: Some(stream),
+                stream: Some(super::DeviceOrder {
+                    stream,
+                    owner: slice.stream(),
+                }),
                 _borrow: PhantomData,
             })
         }
@@ -353,13 +373,19 @@ mod device {
         {
             check_device(slice.stream(), stream)?;
             let len = slice.len();
-            let (ptr, _record) = slice.device_ptr_mut(stream);
+            let ptr = {
+                let (ptr, _record) = slice.device_ptr_mut(stream);
+                ptr
+            };
+            // Only the device memory is written through the view; the slice itself is
+            // only read (for the stream that frees it) from here on.
+            let owner = (slice as &'a S).stream();
             Ok(BufMut {
                 ptr: ptr as usize as *mut u8,
                 len,
                 dtype: T::DTYPE,
                 emulated: false,
-                stream: Some(stream),
+                stream: Some(super::DeviceOrder { stream, owner }),
                 _borrow: PhantomData,
             })
         }

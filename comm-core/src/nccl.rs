@@ -588,7 +588,11 @@ impl NcclCommunicator {
 /// buffers stay borrowed until it is waited for. [`wait_on`](Self::wait_on) orders a
 /// compute stream after it on the device (the host goes on queueing work);
 /// [`wait`](Self::wait) waits on the host under the watchdog. Dropping it waits too,
-/// because the buffers may be freed right after.
+/// because the buffers may be freed right after. Leaking it (`mem::forget`) is safe: the
+/// streams the buffers are ordered on and allocated on wait for the collective on the
+/// device from the moment it is queued, so nothing later queued on them (freeing a buffer
+/// included) can run before NCCL is done with it; only the call's flight record stays
+/// open.
 #[must_use = "a collective in flight must be waited for"]
 pub struct NcclWork<'a> {
     communicator: &'a NcclCommunicator,
@@ -613,6 +617,21 @@ impl NcclWork<'_> {
                 .map_err(cuda::driver_error("cuStreamWaitEvent")),
             None => Ok(()),
         }
+    }
+
+    /// Makes `holders` (the streams its buffers are ordered on and allocated on) wait for
+    /// the collective on the device, so that whatever is queued on them next, freeing or
+    /// overwriting a buffer included, follows it even when this handle is leaked with
+    /// `mem::forget` instead of waited for (what PyTorch's `recordStream` ensures).
+    fn held_by(self, holders: &[&CudaStream]) -> Result<Self> {
+        if let Some(done) = &self.done {
+            for stream in holders {
+                stream
+                    .wait(done)
+                    .map_err(cuda::driver_error("cuStreamWaitEvent"))?;
+            }
+        }
+        Ok(self)
     }
 
     /// Waits until the collective has finished, under the watchdog: an NCCL error or the
@@ -652,11 +671,13 @@ impl NcclCommunicator {
         let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
         self.start((&sig, None), &[stream], count, |comm, s| {
             // SAFETY: as for the blocking calls; in place, as NCCL allows. The work
-            // borrows `buf` until it has been waited for.
+            // borrows `buf` until it has been waited for, and its streams follow the
+            // call in case the work is leaked.
             let r =
                 unsafe { nccl::all_reduce(src(ptr), dst(ptr), count, dtype, nccl_op(op), comm, s) };
             queued("ncclAllReduce", r)
-        })
+        })?
+        .held_by(&buf.cuda_holders())
     }
 
     /// [`Communicator::all_gather`] without waiting: see [`NcclWork`].
@@ -674,7 +695,8 @@ impl NcclCommunicator {
             // SAFETY: as for the blocking calls; the work borrows both buffers.
             let r = unsafe { nccl::all_gather(src(from), dst(to), count, dtype, comm, s) };
             queued("ncclAllGather", r)
-        })
+        })?
+        .held_by(&[input.cuda_holders(), output.cuda_holders()].concat())
     }
 
     /// [`Communicator::reduce_scatter`] without waiting: see [`NcclWork`].
@@ -695,7 +717,8 @@ impl NcclCommunicator {
                 nccl::reduce_scatter(src(from), dst(to), count, dtype, nccl_op(op), comm, s)
             };
             queued("ncclReduceScatter", r)
-        })
+        })?
+        .held_by(&[input.cuda_holders(), output.cuda_holders()].concat())
     }
 }
 
@@ -928,9 +951,12 @@ impl Drop for NcclCommunicator {
         if let Ok(comm) = &self.state.get_mut().comm {
             // NCCL frees its device memory in the current context.
             let _ = cuda::bind(&self.stream);
+            // A leaked `NcclWork` may have left its call queued: let it finish first.
+            let _ = self.stream.synchronize();
             // SAFETY: we own the communicator and no call is in flight: every call waits
-            // for its NCCL work, and `&mut self` excludes new ones. A failure cannot be
-            // reported from drop and leaks only the communicator.
+            // for its NCCL work (or the synchronize above did), and `&mut self` excludes
+            // new ones. A failure cannot be reported from drop and leaks only the
+            // communicator.
             let _ = unsafe { nccl::comm_destroy(comm.0) };
         }
     }

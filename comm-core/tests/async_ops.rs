@@ -90,3 +90,26 @@ fn dropping_a_communicator_with_work_pending_finishes_the_work_first() {
     });
     assert_eq!(results.unwrap(), vec![2.0, 2.0]);
 }
+
+/// A leaked handle (`mem::forget`) is safe: the operation owns its buffer, so nothing
+/// the program allocates afterwards can be written by it, and the group goes on.
+#[test]
+fn a_leaked_handle_leaves_later_allocations_and_calls_intact() {
+    let results = run_local(2, |comm| -> anyhow::Result<()> {
+        let r = comm.rank();
+        for i in 0..3 {
+            let work = comm.all_reduce_async(data::<f32>(r, 50_000, i), ReduceOp::Sum)?;
+            std::mem::forget(work);
+            let fresh = vec![7.0f32; 50_000];
+            let mut token = [r as i64 + 1];
+            comm.all_reduce_slice(&mut token, ReduceOp::Sum)?;
+            anyhow::ensure!(token[0] == 3, "the next call after a leak");
+            anyhow::ensure!(
+                fresh.iter().all(|&v| v == 7.0),
+                "a later allocation was written"
+            );
+        }
+        Ok(())
+    });
+    results.unwrap();
+}

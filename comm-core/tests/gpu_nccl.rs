@@ -285,6 +285,33 @@ fn async_collectives_order_a_compute_stream_by_event() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A non-blocking call whose handle is leaked instead of waited for: freeing its buffer
+/// and allocating again on the buffer's stream follows the collective on the device, so
+/// the new allocation (often the same memory) keeps what was written to it.
+#[test]
+fn a_leaked_collective_cannot_write_into_a_later_allocation() -> anyhow::Result<()> {
+    if let Some(reason) = skip_reason() {
+        println!("skipped: {reason}");
+        return Ok(());
+    }
+    run_local(1, |comm| -> anyhow::Result<()> {
+        let stream = cuda::context(0)?.new_stream()?;
+        let nccl = NcclCommunicator::new(Arc::new(comm), 0)?.with_timeout(TEST_TIMEOUT);
+        // Large enough that the collective is still running when the host goes on.
+        let n = 1 << 24;
+        for _ in 0..3 {
+            let mut x = stream.clone_htod(&vec![1.0f32; n])?;
+            let work = nccl.all_reduce_async(BufMut::cuda(&mut x, &stream)?, ReduceOp::Sum)?;
+            std::mem::forget(work);
+            drop(x);
+            let y = stream.clone_htod(&vec![2.0f32; n])?;
+            ensure!(stream.clone_dtoh(&y)?.iter().all(|&v| v == 2.0));
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
+
 #[test]
 fn bad_calls_are_rejected_before_communicating() -> anyhow::Result<()> {
     if let Some(reason) = skip_reason() {

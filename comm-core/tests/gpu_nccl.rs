@@ -31,6 +31,23 @@ fn skip_reason() -> Option<String> {
         .or_else(cuda::unavailable_reason)
 }
 
+/// Runs `body` on one rank with an NCCL communicator on GPU 0 and a new stream of it;
+/// without a GPU or NCCL, says why and passes.
+fn on_one_gpu(
+    body: impl Fn(&NcclCommunicator, &Arc<CudaStream>) -> anyhow::Result<()> + Sync,
+) -> anyhow::Result<()> {
+    if let Some(reason) = skip_reason() {
+        println!("skipped: {reason}");
+        return Ok(());
+    }
+    run_local(1, |comm| -> anyhow::Result<()> {
+        let stream = cuda::context(0)?.new_stream()?;
+        let nccl = NcclCommunicator::new(Arc::new(comm), 0)?.with_timeout(TEST_TIMEOUT);
+        body(&nccl, &stream)
+    })?;
+    Ok(())
+}
+
 /// The device count when two ranks can share the GPUs: two devices, or NCCL's multi-rank
 /// switch on a single one.
 fn two_rank_devices() -> anyhow::Result<Option<usize>> {
@@ -121,17 +138,10 @@ fn a_rank_without_its_device_fails_every_rank() -> anyhow::Result<()> {
 
 #[test]
 fn one_rank_collectives_match_the_reference() -> anyhow::Result<()> {
-    if let Some(reason) = skip_reason() {
-        println!("skipped: {reason}");
-        return Ok(());
-    }
-    run_local(1, |comm| -> anyhow::Result<()> {
-        let stream = cuda::context(0)?.new_stream()?;
-        let nccl = NcclCommunicator::new(Arc::new(comm), 0)?.with_timeout(TEST_TIMEOUT);
+    on_one_gpu(|nccl, stream| {
         ensure!(nccl.backend() == "nccl" && nccl.size() == 1 && nccl.rank() == 0);
-        check_every_dtype(&nccl, &stream)
-    })?;
-    Ok(())
+        check_every_dtype(nccl, stream)
+    })
 }
 
 /// With the signature check on, every collective (zero-element calls included) still
@@ -290,26 +300,19 @@ fn async_collectives_order_a_compute_stream_by_event() -> anyhow::Result<()> {
 /// the new allocation (often the same memory) keeps what was written to it.
 #[test]
 fn a_leaked_collective_cannot_write_into_a_later_allocation() -> anyhow::Result<()> {
-    if let Some(reason) = skip_reason() {
-        println!("skipped: {reason}");
-        return Ok(());
-    }
-    run_local(1, |comm| -> anyhow::Result<()> {
-        let stream = cuda::context(0)?.new_stream()?;
-        let nccl = NcclCommunicator::new(Arc::new(comm), 0)?.with_timeout(TEST_TIMEOUT);
+    on_one_gpu(|nccl, stream| {
         // Large enough that the collective is still running when the host goes on.
         let n = 1 << 24;
         for _ in 0..3 {
             let mut x = stream.clone_htod(&vec![1.0f32; n])?;
-            let work = nccl.all_reduce_async(BufMut::cuda(&mut x, &stream)?, ReduceOp::Sum)?;
+            let work = nccl.all_reduce_async(BufMut::cuda(&mut x, stream)?, ReduceOp::Sum)?;
             std::mem::forget(work);
             drop(x);
             let y = stream.clone_htod(&vec![2.0f32; n])?;
             ensure!(stream.clone_dtoh(&y)?.iter().all(|&v| v == 2.0));
         }
         Ok(())
-    })?;
-    Ok(())
+    })
 }
 
 #[test]

@@ -436,8 +436,8 @@ impl DistributedOptimizer {
             };
             let mut view = shard.as_buf_mut();
             let grads = match view.as_host_slice_mut::<f32>() {
-                Some(grads) if host => grads,
-                _ => widened.as_mut_slice(),
+                Some(grads) => grads,
+                None => widened.as_mut_slice(),
             };
             if scale != 1.0 {
                 grads.iter_mut().for_each(|g| *g *= scale);

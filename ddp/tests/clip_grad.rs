@@ -16,13 +16,12 @@ use layers::{
     TransformerBlock,
 };
 use parallel_state::{ParallelState, RankLayout};
-use support::max_relative_error;
+use support::{max_relative_error, tp_block, BLOCK_HIDDEN as HIDDEN};
 use tape::{Generator, Optimizer, Sgd, SgdConfig, Tape, Tensor};
 
 const SEQ: usize = 4;
 /// Rows of the global batch.
 const ROWS: usize = 4;
-const HIDDEN: usize = 16;
 
 /// Plain SGD at lr 1: a step subtracts the clipped gradient itself.
 const SGD: SgdConfig = SgdConfig {
@@ -60,13 +59,7 @@ fn train(
     let weights = Tensor::randn(&[SEQ, ROWS, HIDDEN], 1.0, &mut rng);
     Ok(comm_core::run_local(tp * dp, |comm| -> Result<RankRun> {
         let state = ParallelState::new(Arc::new(comm), layout.clone())?;
-        let tp = TensorParallel::from_state(&state).with_sequence_parallel(tp > 1);
-        let config = BlockConfig {
-            ffn_hidden: 42,
-            ..BlockConfig::new(HIDDEN, 4)
-        };
-        let init = MasterInit::new(7, 0.3).with_bias_std(0.1);
-        let model = TransformerBlock::new(&tp, "block", &config, &init)?;
+        let (tp, model) = tp_block(&state, tp > 1)?;
         let ddp_config = DdpConfig {
             use_distributed_optimizer: zero,
             // Several buckets, so that the norm sums shards of more than one.
@@ -234,6 +227,90 @@ fn a_nan_gradient_on_one_rank_skips_the_step_on_every_rank_and_training_goes_on(
                 "{name} TP={tp}: update relative error {error}"
             );
         }
+    }
+    Ok(())
+}
+
+/// Two model chunks, each with its DDP (as an interleaved pipeline stage holds them),
+/// under one distributed optimizer: clipped over both, stepped as plain DDP steps them.
+fn two_chunks(zero: bool) -> Result<Vec<(GradNorm, Vec<Vec<f32>>)>> {
+    let layout = RankLayout::builder(2).build()?;
+    let mut rng = Generator::new(12);
+    let x = Tensor::randn(&[SEQ, ROWS, HIDDEN], 1.0, &mut rng);
+    let weights = Tensor::randn(&[SEQ, ROWS, HIDDEN], 1.0, &mut rng);
+    Ok(comm_core::run_local(2, |comm| -> Result<_> {
+        let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+        let (tp, first) = tp_block(&state, false)?;
+        let (_, second) = tp_block(&state, false)?;
+        let config = DdpConfig {
+            use_distributed_optimizer: zero,
+            bucket_cap_bytes: 4 * 1024,
+            ..DdpConfig::default()
+        };
+        let ddps = [
+            DistributedDataParallel::for_model(&first, &state, config.clone())?,
+            DistributedDataParallel::for_model(&second, &state, config)?,
+        ];
+        let model: Vec<_> = [first.parameters(), second.parameters()].concat();
+        let mut zero_opt = zero
+            .then(|| DistributedOptimizer::sgd(&ddps, SGD))
+            .transpose()?;
+        if let Some(opt) = &zero_opt {
+            // The chunks' parameters, in the order the DDPs were given.
+            let ids =
+                |params: &[tape::Parameter]| params.iter().map(|p| p.id()).collect::<Vec<_>>();
+            let chunks: Vec<_> = model.iter().map(|s| s.param.clone()).collect();
+            anyhow::ensure!(ids(Optimizer::params(opt)) == ids(&chunks));
+        }
+        let mut plain_opt = Sgd::new(model.iter().map(|s| s.param.clone()).collect(), SGD);
+        let rows = ROWS / 2;
+        let part = |t: &Tensor| t.narrow(1, state.dp_rank() * rows, rows);
+        let mut norm = None;
+        for _ in 0..2 {
+            let tape = Tape::new();
+            let mut rng = RngTracker::new(5, 0);
+            let hidden = first.forward(&tape, &part(&x)?, &mut rng)?;
+            let out = second.forward(&tape, &hidden, &mut rng)?;
+            let loss = out.mul(&part(&weights)?)?.sum()?.scale(1.0 / rows as f64)?;
+            plain_opt.zero_grad();
+            loss.backward()?;
+            for ddp in &ddps {
+                ddp.finish()?;
+            }
+            norm = Some(match &mut zero_opt {
+                Some(opt) => {
+                    let norm = opt.clip_grad_norm(&model, &tp, &[], 1.0)?;
+                    opt.step()?;
+                    norm
+                }
+                None => {
+                    let norm = layers::clip_grad_norm(&model, &tp, &[], 1.0)?;
+                    plain_opt.step()?;
+                    norm
+                }
+            });
+        }
+        let values = model.iter().map(|s| s.param.value().to_vec());
+        Ok((
+            norm.expect("two steps"),
+            values.collect::<tape::Result<_>>()?,
+        ))
+    })?)
+}
+
+#[test]
+fn one_distributed_optimizer_over_two_chunks_clips_and_steps_as_plain_ddp() -> Result<()> {
+    let plain = two_chunks(false)?;
+    let zero = two_chunks(true)?;
+    for (rank, ((plain_norm, want), (zero_norm, got))) in plain.iter().zip(&zero).enumerate() {
+        assert!(plain_norm.clipped, "rank {rank}: the limit must clip");
+        let relative = (zero_norm.norm - plain_norm.norm).abs() / plain_norm.norm;
+        assert!(
+            relative <= 1e-6,
+            "rank {rank}: {zero_norm:?} vs {plain_norm:?}"
+        );
+        let error = max_relative_error(got, want);
+        assert!(error <= 1e-6, "rank {rank}: relative error {error}");
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! The distributed optimizer against plain DDP with a replicated optimizer: the same
-//! parameters after 5 AdamW and 5 SGD-momentum steps (relative 1e-6) at DP ∈ {2, 3, 4}
+//! parameters after 5 AdamW and 5 SGD-momentum steps on a learning-rate schedule
+//! (relative 1e-6) at DP ∈ {2, 3, 4}
 //! with parameters that straddle shards, with and without TP = 2 (sequence-parallel
 //! layer norms summed over TP); the same state; a checkpoint taken at DP = 4 resumes at
 //! DP = 2; misuse is a typed error.
@@ -13,10 +14,12 @@ use comm_core::{run_local, Buffer, Communicator, Work};
 use ddp::{CommHook, DdpConfig, DistributedDataParallel, DistributedOptimizer};
 use layers::{BlockConfig, MasterInit, RngTracker, TensorParallel, TransformerBlock};
 use parallel_state::{ParallelState, RankLayout};
-use support::{global_batch, loss, max_relative_error, slice, values, INPUTS, OUTPUTS};
+use support::{
+    global_batch, loss, max_relative_error, slice, tp_block, values, BLOCK_HIDDEN, INPUTS, OUTPUTS,
+};
 use tape::{
-    AdamW, AdamWConfig, Generator, Optimizer, OptimizerState, ParamOptions, Parameter, Sgd,
-    SgdConfig, Tape, Tensor,
+    AdamW, AdamWConfig, Generator, LrDecay, LrSchedule, Optimizer, OptimizerState, ParamOptions,
+    Parameter, Sgd, SgdConfig, Tape, Tensor,
 };
 
 const STEPS: usize = 5;
@@ -66,10 +69,28 @@ fn options(param: &Parameter) -> ParamOptions {
     }
 }
 
+/// Two steps of warm-up, then a cosine decay to a tenth: the schedule's position (and
+/// its restoring from a checkpoint) goes through the sharded step too.
+fn schedule(rule: Rule) -> LrSchedule {
+    let lr = match rule {
+        Rule::AdamW => ADAMW.lr,
+        Rule::Sgd => SGD.lr,
+    };
+    LrSchedule::new(lr, lr / 10.0, 2, STEPS as u64, LrDecay::Cosine).expect("a valid schedule")
+}
+
 fn replicated(rule: Rule, params: Vec<Parameter>) -> Box<dyn Optimizer> {
     match rule {
-        Rule::AdamW => Box::new(AdamW::new(params, ADAMW).with_param_options(options)),
-        Rule::Sgd => Box::new(Sgd::new(params, SGD).with_param_options(options)),
+        Rule::AdamW => Box::new(
+            AdamW::new(params, ADAMW)
+                .with_param_options(options)
+                .with_schedule(schedule(rule)),
+        ),
+        Rule::Sgd => Box::new(
+            Sgd::new(params, SGD)
+                .with_param_options(options)
+                .with_schedule(schedule(rule)),
+        ),
     }
 }
 
@@ -78,7 +99,8 @@ fn sharded(rule: Rule, ddp: &DistributedDataParallel) -> ddp::Result<Distributed
         Rule::AdamW => DistributedOptimizer::adamw([ddp], ADAMW)?,
         Rule::Sgd => DistributedOptimizer::sgd([ddp], SGD)?,
     }
-    .with_param_options(options))
+    .with_param_options(options)
+    .with_schedule(schedule(rule)))
 }
 
 /// Bucket caps that split the MLP into four buckets: [b2], [w2], [b1], [w1].
@@ -129,6 +151,9 @@ fn train(
     let tape = Tape::new();
     for step in steps {
         let (x, target) = slice(&global_batch(step, ROWS * 4), rank, rows)?;
+        // Resumed or not, the step takes the schedule's rate for its position.
+        let expected_lr = schedule(rule).lr(step as u64 + 1);
+        anyhow::ensure!(opt.lr() == expected_lr, "step {step}: lr {}", opt.lr());
         opt.zero_grad();
         ddp.backward(&loss(&tape, &params, &x, &target)?)?;
         opt.step()?;
@@ -205,6 +230,27 @@ fn the_state_is_the_replicated_optimizers_and_every_rank_holds_its_share() -> Re
     for (rank, &(state, padded)) in bytes.iter().enumerate() {
         assert_eq!(state, 2 * 4 * padded / 3, "rank {rank}");
     }
+    // Before any step the state holds nothing, as a replicated optimizer's.
+    run_local(2, |comm| -> Result<()> {
+        let params = wide_mlp(1);
+        let ddp = DistributedDataParallel::new(params, Arc::new(comm), small_buckets(true))?;
+        let fresh = DistributedOptimizer::adamw([&ddp], ADAMW)?.state()?;
+        anyhow::ensure!(fresh.steps == 0);
+        anyhow::ensure!(fresh.params.iter().all(|p| p.buffers.is_empty()));
+        Ok(())
+    })?;
+    // SGD without momentum keeps no state, as tape's Sgd.
+    let stateless = SgdConfig {
+        momentum: 0.0,
+        ..SGD
+    };
+    run_local(2, |comm| -> Result<()> {
+        let params = wide_mlp(1);
+        let ddp = DistributedDataParallel::new(params, Arc::new(comm), small_buckets(true))?;
+        let sgd = DistributedOptimizer::sgd([&ddp], stateless)?;
+        anyhow::ensure!(sgd.state_bytes() == 0, "{} bytes", sgd.state_bytes());
+        Ok(())
+    })?;
     Ok(())
 }
 
@@ -259,20 +305,14 @@ fn a_checkpoint_from_dp_4_resumes_at_dp_2() -> Result<()> {
 fn block_parameters(dp: usize, rule: Rule, zero: bool) -> Result<Vec<Vec<Vec<f32>>>> {
     const SEQ: usize = 4;
     const BATCH: usize = 2;
-    const HIDDEN: usize = 16;
+    const HIDDEN: usize = BLOCK_HIDDEN;
     let layout = RankLayout::builder(2 * dp).tp(2).build()?;
     let mut rng = Generator::new(5);
     let x = Tensor::randn(&[SEQ, dp * BATCH, HIDDEN], 1.0, &mut rng);
     let weights = Tensor::randn(&[SEQ, dp * BATCH, HIDDEN], 1.0, &mut rng);
     let ranks = run_local(2 * dp, |comm| -> Result<Vec<Vec<f32>>> {
         let state = ParallelState::new(Arc::new(comm), layout.clone())?;
-        let tp = TensorParallel::from_state(&state).with_sequence_parallel(true);
-        let config = BlockConfig {
-            ffn_hidden: 42,
-            ..BlockConfig::new(HIDDEN, 4)
-        };
-        let init = MasterInit::new(7, 0.3).with_bias_std(0.1);
-        let model = TransformerBlock::new(&tp, "block", &config, &init)?;
+        let (_, model) = tp_block(&state, true)?;
         let ddp_config = DdpConfig {
             use_distributed_optimizer: zero,
             ..small_buckets(zero)
@@ -365,6 +405,25 @@ fn misuse_is_a_typed_error() -> Result<()> {
         let mut opt = DistributedOptimizer::sgd([&ddp], SGD)?;
         let err = opt.step().unwrap_err();
         assert!(err.to_string().contains("no reduced gradients"), "{err}");
+        let debug = format!("{opt:?}");
+        assert!(
+            debug.contains("Sgd") && debug.contains("group_size: 2"),
+            "{debug}"
+        );
+
+        let err = DistributedOptimizer::sgd(std::iter::empty(), SGD).unwrap_err();
+        assert!(err.to_string().contains("at least one"), "{err}");
+        // A second model chunk whose DDP reduces over another group.
+        let alone = comm
+            .split(Some(comm.rank() as u32), 0, "alone")?
+            .expect("every rank has a color");
+        let other = wide_mlp(2);
+        let lonely = DistributedDataParallel::new(other, alone, small_buckets(true))?;
+        let err = DistributedOptimizer::sgd([&ddp, &lonely], SGD).unwrap_err();
+        assert!(
+            err.to_string().contains("same data-parallel group"),
+            "{err}"
+        );
 
         let mut state = opt.state()?;
         state.params.pop();

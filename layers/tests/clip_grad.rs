@@ -120,14 +120,7 @@ fn a_nan_gradient_on_one_rank_is_reported_by_every_rank_and_nothing_is_scaled() 
         if tp.rank() == 1 {
             a.set_grad(Some(Tensor::from_vec(vec![f32::NAN, 1.0], &[2])?))?;
         }
-        let params = [layers::ShardedParameter {
-            param: a.clone(),
-            sharding: Sharding::Split {
-                dim: 0,
-                full_len: 4,
-            },
-            grad_reduce_group: None,
-        }];
+        let params = [half_of_four(&a)];
         let norm = clip_grad_norm(&params, &tp, &[], 1.0)?;
         Ok((norm, a.grad().expect("grad").to_vec()?))
     })?;
@@ -199,14 +192,7 @@ fn clipping_without_any_gradient_is_an_error_on_every_rank_not_a_zero_norm() -> 
         if tp.rank() == 0 {
             a.set_grad(Some(Tensor::from_vec(vec![3.0, 4.0], &[2])?))?;
         }
-        let params = [layers::ShardedParameter {
-            param: a.clone(),
-            sharding: Sharding::Split {
-                dim: 0,
-                full_len: 4,
-            },
-            grad_reduce_group: None,
-        }];
+        let params = [half_of_four(&a)];
         let partly = clip_grad_norm(&params, &tp, &[], 100.0)?;
         a.zero_grad();
         let err = clip_grad_norm(&params, &tp, &[], 100.0).unwrap_err();
@@ -220,4 +206,16 @@ fn clipping_without_any_gradient_is_an_error_on_every_rank_not_a_zero_norm() -> 
         );
     }
     Ok(())
+}
+
+/// `param` as each of two tensor ranks' half of a 4-vector.
+fn half_of_four(param: &Parameter) -> layers::ShardedParameter {
+    layers::ShardedParameter {
+        param: param.clone(),
+        sharding: Sharding::Split {
+            dim: 0,
+            full_len: 4,
+        },
+        grad_reduce_group: None,
+    }
 }

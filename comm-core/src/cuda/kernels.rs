@@ -11,27 +11,45 @@ use std::sync::{Arc, OnceLock};
 
 const SOURCE: &str = include_str!("reduce.cu");
 
-/// The PTX of `reduce.cu`, compiled on first use; NVRTC's log on failure.
-pub(crate) fn ptx() -> Result<Ptx> {
-    static PTX: OnceLock<std::result::Result<Ptx, String>> = OnceLock::new();
-    require(Library::Nvrtc, "compiling the CUDA reduction kernels")?;
-    PTX.get_or_init(|| {
-        let options = cudarc::nvrtc::CompileOptions {
-            name: Some("ferrotron_reduce.cu".into()),
-            ..Default::default()
-        };
-        cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options).map_err(|e| match e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                log.to_string_lossy().into_owned()
-            }
-            other => format!("{other:?}"),
+/// PTX for `source` named `name`, for the virtual architecture `arch` (NVRTC's default
+/// when `None`), compiled by NVRTC on first use and kept for the process: compiling
+/// takes seconds and every device of one architecture loads the same PTX. `source` is
+/// called only on a miss. NVRTC's log on failure.
+pub fn compile(
+    name: &'static str,
+    source: impl FnOnce() -> String,
+    arch: Option<&'static str>,
+) -> Result<Ptx> {
+    type Compiled = std::result::Result<Ptx, String>;
+    type Key = (&'static str, Option<&'static str>);
+    static PTX: OnceLock<Mutex<HashMap<Key, Compiled>>> = OnceLock::new();
+    require(Library::Nvrtc, "compiling the CUDA kernels")?;
+    let mut cache = PTX.get_or_init(Default::default).lock();
+    cache
+        .entry((name, arch))
+        .or_insert_with(|| {
+            let options = cudarc::nvrtc::CompileOptions {
+                name: Some(name.into()),
+                arch,
+                ..Default::default()
+            };
+            cudarc::nvrtc::compile_ptx_with_opts(source(), options).map_err(|e| match e {
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                    log.to_string_lossy().into_owned()
+                }
+                other => format!("{other:?}"),
+            })
         })
-    })
-    .clone()
-    .map_err(|message| Error::Cuda {
-        call: "nvrtcCompileProgram (reduce.cu)".into(),
-        message,
-    })
+        .clone()
+        .map_err(|message| Error::Cuda {
+            call: format!("nvrtcCompileProgram ({name})"),
+            message,
+        })
+}
+
+/// The PTX of `reduce.cu`.
+fn ptx() -> Result<Ptx> {
+    compile("ferrotron_reduce.cu", || SOURCE.into(), None)
 }
 
 fn module(stream: &CudaStream) -> Result<Arc<CudaModule>> {

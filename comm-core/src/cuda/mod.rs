@@ -21,6 +21,7 @@
 
 mod kernels;
 
+pub use kernels::compile;
 pub(crate) use kernels::reduce_rows;
 
 use crate::buffer::{BufMut, BufRef, Buffer};
@@ -41,6 +42,8 @@ pub enum Library {
     Nvrtc,
     /// NCCL (`libnccl.so`), for the `nccl` backend.
     Nccl,
+    /// cuBLAS (`libcublas.so`), for tape's matrix products on CUDA tensors.
+    Cublas,
 }
 
 impl Library {
@@ -50,6 +53,7 @@ impl Library {
             Library::Driver => "libcuda.so",
             Library::Nvrtc => "libnvrtc.so",
             Library::Nccl => "libnccl.so",
+            Library::Cublas => "libcublas.so",
         }
     }
 
@@ -68,15 +72,21 @@ impl Library {
                 "; a pip-installed NCCL (`nvidia-nccl-cu12`/`-cu13`) has only libnccl.so.2: \
                  put a directory holding a `libnccl.so` symlink to it on LD_LIBRARY_PATH"
             }
+            Library::Cublas => {
+                "; it ships with the CUDA toolkit (lib64/) or the `nvidia-cublas` Python \
+                 packages; CUDA 13's libcublas.so.13 needs a `libcublas.so` symlink in a \
+                 directory on LD_LIBRARY_PATH"
+            }
         }
     }
 
     fn present(self) -> bool {
-        static PRESENT: [OnceLock<bool>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+        static PRESENT: [OnceLock<bool>; 4] = [const { OnceLock::new() }; 4];
         let (slot, probe): (usize, unsafe fn() -> bool) = match self {
             Library::Driver => (0, cudarc::driver::sys::is_culib_present),
             Library::Nvrtc => (1, cudarc::nvrtc::sys::is_culib_present),
             Library::Nccl => (2, cudarc::nccl::sys::is_culib_present),
+            Library::Cublas => (3, cudarc::cublas::sys::is_culib_present),
         };
         // SAFETY: the probes only try to dlopen the library's candidate names.
         *PRESENT[slot].get_or_init(|| unsafe { probe() })

@@ -161,3 +161,23 @@ pub fn max_relative_error(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         })
         .fold(0f32, f32::max)
 }
+
+/// Width of [`tp_block`].
+pub const BLOCK_HIDDEN: usize = 16;
+
+/// A transformer block of width [`BLOCK_HIDDEN`] (4 heads, FFN width 42, so that it
+/// splits unevenly at TP 4) over `state`'s tensor-parallel group, seeded the same on
+/// every layout, with its tensor-parallel context.
+pub fn tp_block(
+    state: &parallel_state::ParallelState,
+    sequence_parallel: bool,
+) -> layers::Result<(layers::TensorParallel, layers::TransformerBlock)> {
+    let tp = layers::TensorParallel::from_state(state).with_sequence_parallel(sequence_parallel);
+    let config = layers::BlockConfig {
+        ffn_hidden: 42,
+        ..layers::BlockConfig::new(BLOCK_HIDDEN, 4)
+    };
+    let init = layers::MasterInit::new(7, 0.3).with_bias_std(0.1);
+    let block = layers::TransformerBlock::new(&tp, "block", &config, &init)?;
+    Ok((tp, block))
+}

@@ -2,12 +2,11 @@
 //! memory, all on one stream per device.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
+use comm_core::cuda;
 use cudarc::cublas::sys as cublas_sys;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 use parking_lot::Mutex;
 
 use super::{allow_tf32, Backend, Gemm, Kernel, KernelArgs, Precision};
@@ -17,45 +16,14 @@ use crate::{Device, Error, Result};
 // exactly what the kernels take by value.
 unsafe impl cudarc::driver::DeviceRepr for KernelArgs {}
 
-/// A CUDA library loaded at run time.
-struct Library {
-    file: &'static str,
-    purpose: &'static str,
-    present: unsafe fn() -> bool,
-}
-
-const DRIVER: Library = Library {
-    file: "libcuda.so",
-    purpose: "every CUDA tensor (it comes with the NVIDIA driver)",
-    present: cudarc::driver::sys::is_culib_present,
-};
-const NVRTC: Library = Library {
-    file: "libnvrtc.so",
-    purpose: "compiling the tensor kernels (CUDA toolkit lib64/, or pip `nvidia-cuda-nvrtc`; \
-              CUDA 13's libnvrtc.so.13 needs a `libnvrtc.so` symlink)",
-    present: cudarc::nvrtc::sys::is_culib_present,
-};
-const CUBLAS: Library = Library {
-    file: "libcublas.so",
-    purpose: "matrix products (CUDA toolkit lib64/, or pip `nvidia-cublas`; CUDA 13's \
-              libcublas.so.13 needs a `libcublas.so` symlink)",
-    present: cudarc::cublas::sys::is_culib_present,
-};
-
-fn require(device: Device, library: &Library) -> Result<()> {
-    // SAFETY: the probe only tries to dlopen the library's candidate names.
-    if unsafe { (library.present)() } {
-        return Ok(());
-    }
-    Err(Error::Device {
-        op: "open device",
+/// A failure of comm-core's shared CUDA plumbing (library checks, contexts, NVRTC) as
+/// this device's error.
+fn shared(device: Device, op: &'static str) -> impl Fn(comm_core::Error) -> Error {
+    move |e| Error::Device {
+        op,
         device,
-        message: format!(
-            "{} could not be loaded; it is needed for {}. Install it or add its directory \
-             to LD_LIBRARY_PATH (e.g. export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH)",
-            library.file, library.purpose
-        ),
-    })
+        message: e.to_string(),
+    }
 }
 
 fn failure(device: Device, op: &'static str) -> impl Fn(String) -> Error {
@@ -63,24 +31,6 @@ fn failure(device: Device, op: &'static str) -> impl Fn(String) -> Error {
         op,
         device,
         message,
-    }
-}
-
-/// Makes the device's default memory pool keep freed memory (the default threshold, 0,
-/// returns it at every synchronize, and uploads and downloads synchronize).
-fn keep_pool_memory(context: &CudaContext) -> std::result::Result<(), String> {
-    use cudarc::driver::{result, sys};
-    let mut threshold = u64::MAX;
-    // SAFETY: the default pool of a live device; the attribute takes a u64.
-    unsafe {
-        let pool = result::device::get_default_mem_pool(context.cu_device())
-            .map_err(|e| format!("{e}"))?;
-        result::mem_pool::set_attribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            (&mut threshold as *mut u64).cast(),
-        )
-        .map_err(|e| format!("{e}"))
     }
 }
 
@@ -126,31 +76,6 @@ fn architecture(major: i32, minor: i32) -> &'static str {
     }
 }
 
-/// PTX of every kernel for `arch`, compiled once per process and architecture.
-fn ptx(device: Device, arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
-    type Compiled = std::result::Result<cudarc::nvrtc::Ptx, String>;
-    static PTX: OnceLock<Mutex<HashMap<&'static str, Compiled>>> = OnceLock::new();
-    require(device, &NVRTC)?;
-    let mut cache = PTX.get_or_init(Default::default).lock();
-    cache
-        .entry(arch)
-        .or_insert_with(|| {
-            let options = cudarc::nvrtc::CompileOptions {
-                name: Some("ferrotron_tape.cu".into()),
-                arch: Some(arch),
-                ..Default::default()
-            };
-            cudarc::nvrtc::compile_ptx_with_opts(source(), options).map_err(|e| match e {
-                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                    format!("NVRTC rejected the kernels:\n{}", log.to_string_lossy())
-                }
-                other => format!("NVRTC failed: {other:?}"),
-            })
-        })
-        .clone()
-        .map_err(failure(device, "compile kernels"))
-}
-
 /// A cuBLAS handle bound to the backend's stream.
 struct Blas(cublas_sys::cublasHandle_t);
 
@@ -168,26 +93,22 @@ pub(crate) struct CudaBackend {
 impl CudaBackend {
     pub(crate) fn new(ordinal: usize) -> Result<CudaBackend> {
         let device = Device::Cuda(ordinal);
-        require(device, &DRIVER)?;
         let fail = |op| failure(device, op);
-        let count = CudaContext::device_count().map_err(|e| fail("open device")(format!("{e}")))?;
-        if ordinal >= usize::try_from(count).unwrap_or(0) {
-            return Err(fail("open device")(format!(
-                "the driver reports {count} device(s); check nvidia-smi and CUDA_VISIBLE_DEVICES"
-            )));
-        }
-        let context = CudaContext::new(ordinal).map_err(|e| fail("open device")(format!("{e}")))?;
-        keep_pool_memory(&context).map_err(fail("cuMemPoolSetAttribute"))?;
+        let context = cuda::context(ordinal).map_err(shared(device, "open device"))?;
         let stream = context
             .new_stream()
             .map_err(|e| fail("create stream")(format!("{e}")))?;
         let (major, minor) = context
             .compute_capability()
             .map_err(|e| fail("query compute capability")(format!("{e}")))?;
+        let arch = Some(architecture(major, minor));
+        let ptx = cuda::compile("ferrotron_tape.cu", source, arch)
+            .map_err(shared(device, "compile kernels"))?;
         let module = context
-            .load_module(ptx(device, architecture(major, minor))?)
+            .load_module(ptx)
             .map_err(|e| fail("load kernels")(format!("{e}")))?;
-        require(device, &CUBLAS)?;
+        cuda::require(cuda::Library::Cublas, "matrix products on CUDA tensors")
+            .map_err(shared(device, "open device"))?;
         let handle = cudarc::cublas::result::create_handle()
             .map_err(|e| fail("create cuBLAS handle")(format!("{e:?}")))?;
         // SAFETY: a fresh handle and a live stream of the same context.

@@ -27,7 +27,7 @@ declare -A files=(
     [comm-core]="comm-core/src/calls.rs comm-core/src/local/group.rs comm-core/src/local/mod.rs comm-core/src/dtype.rs"
     [mappings]="mappings/src/*.rs"
     [layers]="layers/src/cross_entropy.rs layers/src/clip.rs"
-    [ddp]="ddp/src/bucket.rs ddp/src/reducer.rs ddp/src/named.rs"
+    [ddp]="ddp/src/bucket.rs ddp/src/reducer.rs ddp/src/named.rs ddp/src/optimizer.rs"
     [pipeline]="pipeline/src/schedule.rs pipeline/src/driver.rs"
 )
 packages=("${@:-comm-core mappings layers ddp pipeline}")

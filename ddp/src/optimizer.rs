@@ -135,19 +135,10 @@ pub struct DistributedOptimizer {
     pieces: Vec<Vec<Piece>>,
     /// Per bucket, the rule's buffers over this rank's shard.
     buffers: Vec<Vec<Vec<f32>>>,
-    /// What the last [`clip_grad_norm`](Self::clip_grad_norm) asks of the next step.
-    clip: Clip,
-}
-
-/// The outcome of a clip that the next step must honour.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Clip {
-    /// Step with the gradients as they are.
-    None,
-    /// Multiply the gradients by this before the update.
-    Scale(f64),
-    /// The norm was not finite and the gradients were dropped; this was it.
-    Dropped(f64),
+    /// The non-finite norm for which the last [`clip_grad_norm`](Self::clip_grad_norm)
+    /// dropped the gradients, until a step finds new ones (for the error that says why
+    /// there is nothing to step with).
+    dropped: Option<f64>,
 }
 
 impl DistributedOptimizer {
@@ -250,7 +241,7 @@ impl DistributedOptimizer {
             steps: 0,
             pieces,
             buffers,
-            clip: Clip::None,
+            dropped: None,
         })
     }
 
@@ -285,7 +276,8 @@ impl DistributedOptimizer {
 
     /// Clips the reduced gradients of the last backward to a global L2 norm of
     /// `max_norm`, as [`layers::clip_grad_norm`] clips the gradients of plain DDP: the
-    /// same norm (to rounding), the same scale, applied by the next [`step`](Self::step).
+    /// same norm (to rounding), the same scale, applied when [`step`](Self::step) updates
+    /// with these gradients (a later backward's gradients are not scaled).
     ///
     /// `model` names the parameters whose gradients count, with their sharding, in the
     /// same order on every rank: this rank's model parameters (`Module::parameters` of
@@ -346,16 +338,16 @@ impl DistributedOptimizer {
             .chain(other_groups.iter().copied())
             .collect();
         let norm = layers::reduce_grad_norm(local, &groups, max_norm)?;
-        self.clip = if !norm.is_finite() {
-            for reducer in &self.reducers {
-                reducer.lock().take_reduced();
+        for reducer in &self.reducers {
+            let mut reducer = reducer.lock();
+            if !norm.is_finite() {
+                reducer.take_reduced();
+            } else if let Some(reduced) = reducer.reduced_mut() {
+                // Kept with these gradients, so that it never applies to another step's.
+                reduced.scale = norm.scale as f32;
             }
-            Clip::Dropped(norm.norm)
-        } else if norm.clipped {
-            Clip::Scale(norm.scale)
-        } else {
-            Clip::None
-        };
+        }
+        self.dropped = (!norm.is_finite()).then_some(norm.norm);
         Ok(norm)
     }
 
@@ -383,13 +375,13 @@ impl DistributedOptimizer {
     }
 
     fn nothing_to_step_with(&self) -> Error {
-        match self.clip {
-            Clip::Dropped(norm) => Error::Config(format!(
+        match self.dropped {
+            Some(norm) => Error::Config(format!(
                 "no gradients to step with: clip_grad_norm found a gradient norm of {norm} \
                  and dropped them; skip the step when GradNorm::is_finite() is false, and \
                  run backward again"
             )),
-            _ => Error::Config(
+            None => Error::Config(
                 "no reduced gradients to step with: run DistributedDataParallel::backward \
                  (or finish) with gradient sync on before each step"
                     .into(),
@@ -398,9 +390,9 @@ impl DistributedOptimizer {
     }
 
     /// Every DDP's reduced shards of the last backward, as one list over the buckets,
-    /// with which parameters some rank had a gradient for.
-    fn take_reduced(&self) -> Result<(Vec<Buffer>, Vec<bool>)> {
-        let (mut shards, mut used) = (Vec::new(), Vec::new());
+    /// with which parameters some rank had a gradient for and each DDP's clip factor.
+    fn take_reduced(&mut self) -> Result<(Vec<Buffer>, Vec<bool>, Vec<f32>)> {
+        let (mut shards, mut used, mut scales) = (Vec::new(), Vec::new(), Vec::new());
         for reducer in &self.reducers {
             let reduced = reducer
                 .lock()
@@ -408,8 +400,10 @@ impl DistributedOptimizer {
                 .ok_or_else(|| self.nothing_to_step_with())?;
             shards.extend(reduced.shards);
             used.extend(reduced.used);
+            scales.push(reduced.scale);
         }
-        Ok((shards, used))
+        self.dropped = None;
+        Ok((shards, used, scales))
     }
 
     /// Updates this rank's shard of every parameter from the reduced gradients of the
@@ -418,11 +412,7 @@ impl DistributedOptimizer {
     /// parameters. Collective over the data-parallel group. Parameters that no rank had
     /// a gradient for are not updated.
     pub fn step(&mut self) -> Result<()> {
-        let (shards, used) = self.take_reduced()?;
-        let scale = match std::mem::replace(&mut self.clip, Clip::None) {
-            Clip::Scale(scale) => scale as f32,
-            Clip::None | Clip::Dropped(_) => 1.0,
-        };
+        let (shards, used, scales) = self.take_reduced()?;
         let lr = self.next_lr();
         self.steps += 1;
         let mut gathers = Vec::with_capacity(self.buckets.len());
@@ -439,6 +429,7 @@ impl DistributedOptimizer {
                 Some(grads) => grads,
                 None => widened.as_mut_slice(),
             };
+            let scale = scales[bucket.ddp];
             if scale != 1.0 {
                 grads.iter_mut().for_each(|g| *g *= scale);
             }

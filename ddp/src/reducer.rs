@@ -66,10 +66,12 @@ pub(crate) struct Reducer {
 }
 
 /// The outcome of a sharded step: per bucket, this rank's shard of the averaged
-/// gradients (in the wire dtype), and which parameters some rank had a gradient for.
+/// gradients (in the wire dtype), which parameters some rank had a gradient for, and the
+/// factor a clip asked the update to multiply them by.
 pub(crate) struct ReducedShards {
     pub(crate) shards: Vec<Buffer>,
     pub(crate) used: Vec<bool>,
+    pub(crate) scale: f32,
 }
 
 struct BucketState {
@@ -306,6 +308,7 @@ impl Reducer {
             self.reduced = Some(ReducedShards {
                 shards,
                 used: globally_used.iter().map(|&used| used > 0).collect(),
+                scale: 1.0,
             });
             return Ok(());
         }

@@ -315,6 +315,47 @@ fn one_distributed_optimizer_over_two_chunks_clips_and_steps_as_plain_ddp() -> R
     Ok(())
 }
 
+/// A clip's scale belongs to the gradients it measured: clipping, then running backward
+/// again without a step, then stepping without clipping, steps unclipped.
+#[test]
+fn a_clip_scales_only_the_gradients_it_measured() -> Result<()> {
+    let run = |clip_first: bool| -> Result<Vec<Vec<Vec<f32>>>> {
+        let layout = RankLayout::builder(2).build()?;
+        let mut rng = Generator::new(13);
+        let x = Tensor::randn(&[SEQ, ROWS, HIDDEN], 1.0, &mut rng);
+        Ok(comm_core::run_local(2, |comm| -> Result<_> {
+            let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+            let (tp, model) = tp_block(&state, false)?;
+            let config = DdpConfig {
+                use_distributed_optimizer: true,
+                ..DdpConfig::default()
+            };
+            let ddp = DistributedDataParallel::for_model(&model, &state, config)?;
+            let mut opt = DistributedOptimizer::sgd([&ddp], SGD)?;
+            let input = x.narrow(1, state.dp_rank() * ROWS / 2, ROWS / 2)?;
+            let backward = || -> Result<()> {
+                let tape = Tape::new();
+                let out = model.forward(&tape, &input, &mut RngTracker::new(5, 0))?;
+                ddp.backward(&out.sum()?)?;
+                Ok(())
+            };
+            if clip_first {
+                backward()?;
+                let norm = opt.clip_grad_norm(&model.parameters(), &tp, &[], 1e-3)?;
+                anyhow::ensure!(norm.clipped, "{norm:?}");
+            }
+            backward()?;
+            opt.step()?;
+            Ok(snapshot(&model.parameters())?
+                .iter()
+                .map(|t| t.to_vec())
+                .collect::<tape::Result<_>>()?)
+        })?)
+    };
+    assert_eq!(run(true)?, run(false)?);
+    Ok(())
+}
+
 #[test]
 fn the_distributed_optimizer_refuses_a_parameter_it_does_not_hold() -> Result<()> {
     comm_core::run_local(1, |comm| -> Result<()> {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use comm_core::{run_local, Buffer, Communicator, Work};
 use ddp::{CommHook, DdpConfig, DistributedDataParallel, DistributedOptimizer};
-use layers::{BlockConfig, MasterInit, RngTracker, TensorParallel, TransformerBlock};
+use layers::RngTracker;
 use parallel_state::{ParallelState, RankLayout};
 use support::{
     global_batch, loss, max_relative_error, slice, tp_block, values, BLOCK_HIDDEN, INPUTS, OUTPUTS,

@@ -76,6 +76,12 @@ fn architecture(major: i32, minor: i32) -> &'static str {
     }
 }
 
+/// PTX of every kernel for `arch`, compiled once per process and architecture.
+fn ptx(device: Device, arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
+    cuda::compile("ferrotron_tape.cu", source, Some(arch))
+        .map_err(shared(device, "compile kernels"))
+}
+
 /// A cuBLAS handle bound to the backend's stream.
 struct Blas(cublas_sys::cublasHandle_t);
 
@@ -101,11 +107,8 @@ impl CudaBackend {
         let (major, minor) = context
             .compute_capability()
             .map_err(|e| fail("query compute capability")(format!("{e}")))?;
-        let arch = Some(architecture(major, minor));
-        let ptx = cuda::compile("ferrotron_tape.cu", source, arch)
-            .map_err(shared(device, "compile kernels"))?;
         let module = context
-            .load_module(ptx)
+            .load_module(ptx(device, architecture(major, minor))?)
             .map_err(|e| fail("load kernels")(format!("{e}")))?;
         cuda::require(cuda::Library::Cublas, "matrix products on CUDA tensors")
             .map_err(shared(device, "open device"))?;
@@ -345,7 +348,7 @@ mod tests {
     /// the toolkit (or `pip download nvidia-cuda-nvrtc-cu12`) checks every kernel.
     #[test]
     fn every_kernel_compiles_with_nvrtc() {
-        if let Err(reason) = require(Device::Cuda(0), &NVRTC) {
+        if let Err(reason) = cuda::require(cuda::Library::Nvrtc, "this test") {
             println!("skipped: {reason}");
             return;
         }

@@ -358,6 +358,33 @@ mod device {
             })
         }
 
+        /// A view of `len` elements of `dtype` at device address `ptr`, ordered on
+        /// `stream`, for memory that is not a cudarc slice (a tensor library's own
+        /// allocations).
+        ///
+        /// # Safety
+        /// `ptr` must be device memory of `stream`'s device, valid for reads of `len`
+        /// elements of `dtype` and not written by anything else for `'a`, and freed (if
+        /// ever) in `stream`'s order.
+        pub unsafe fn cuda_raw(
+            ptr: u64,
+            len: usize,
+            dtype: DType,
+            stream: &'a CudaStream,
+        ) -> BufRef<'a> {
+            BufRef {
+                ptr: ptr as usize as *const u8,
+                len,
+                dtype,
+                emulated: false,
+                stream: Some(super::DeviceOrder {
+                    stream,
+                    owner: stream,
+                }),
+                _borrow: PhantomData,
+            }
+        }
+
         /// The device address of a CUDA view.
         pub(crate) fn device_ptr(&self) -> u64 {
             self.ptr as usize as u64
@@ -365,6 +392,30 @@ mod device {
     }
 
     impl<'a> BufMut<'a> {
+        /// A writable view of `len` elements of `dtype` at device address `ptr`, ordered
+        /// on `stream`; see [`BufRef::cuda_raw`].
+        ///
+        /// # Safety
+        /// As [`BufRef::cuda_raw`], and nothing else may read or write the memory for `'a`.
+        pub unsafe fn cuda_raw(
+            ptr: u64,
+            len: usize,
+            dtype: DType,
+            stream: &'a CudaStream,
+        ) -> BufMut<'a> {
+            BufMut {
+                ptr: ptr as usize as *mut u8,
+                len,
+                dtype,
+                emulated: false,
+                stream: Some(super::DeviceOrder {
+                    stream,
+                    owner: stream,
+                }),
+                _borrow: PhantomData,
+            }
+        }
+
         /// A writable view of device memory ordered on `stream`; see [`BufRef::cuda`].
         pub fn cuda<T, S>(slice: &'a mut S, stream: &'a CudaStream) -> Result<BufMut<'a>>
         where

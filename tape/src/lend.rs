@@ -1,8 +1,9 @@
 //! Tensors lend their memory to communicators: a read-only view of an existing tensor,
 //! or a writable view of a new tensor's memory that a collective fills. CPU tensors lend
-//! host memory and emulated ones their device memory ([`MemoryKind::Emulated`]), so
-//! neither goes through a host copy. CUDA tensors still lend a host copy: comm-core and
-//! tape do not share a CUDA stream yet.
+//! host memory, emulated ones their device memory ([`MemoryKind::Emulated`]) and CUDA
+//! ones their device memory ordered on the device's tape stream, so none goes through a
+//! host copy: a collective runs after the kernels that made its input, and the kernels
+//! that use its output run after it.
 //!
 //! [`MemoryKind::Emulated`]: comm_core::MemoryKind::Emulated
 
@@ -33,20 +34,7 @@ impl<T: Element + comm_core::Element> Tensor<T> {
     /// ```
     pub fn lend<R>(&self, read: impl FnOnce(BufRef<'_>) -> R) -> Result<R> {
         if let Some(array) = self.gpu() {
-            if array.device() == Device::Emulated {
-                // SAFETY: emulated allocations are host memory of `len` elements of `T`,
-                // aligned for it; arrays are never written once made, and the view lives
-                // only during `read`, which borrows `self` (so the memory stays alive).
-                let view = unsafe {
-                    BufRef::emulated(
-                        array.ptr() as usize as *const u8,
-                        array.len(),
-                        <T as comm_core::Element>::DTYPE,
-                    )
-                };
-                return Ok(read(view));
-            }
-            return Ok(read(BufRef::from(&array.to_host()?)));
+            return Ok(read(array.lend()));
         }
         let array = self.cpu("lend")?;
         Ok(match array.as_slice() {
@@ -65,10 +53,7 @@ impl<T: Element + comm_core::Element> Tensor<T> {
     ) -> std::result::Result<Tensor<T>, E> {
         let fresh = match device {
             Device::Cpu => Fresh::Host(ArrayD::zeros(IxDyn(shape))),
-            Device::Emulated => {
-                Fresh::Emulated(GpuArray::full("filled_by", device, shape, T::zero())?)
-            }
-            Device::Cuda(_) => Fresh::Staged(device, ArrayD::zeros(IxDyn(shape))),
+            _ => Fresh::Device(GpuArray::full("filled_by", device, shape, T::zero())?),
         };
         fresh.write(fill)
     }
@@ -79,12 +64,9 @@ impl<T: Element + comm_core::Element> Tensor<T> {
         &self,
         update: impl FnOnce(BufMut<'_>) -> std::result::Result<(), E>,
     ) -> std::result::Result<Tensor<T>, E> {
-        let fresh = match (self.device(), self.gpu()) {
-            (Device::Emulated, Some(array)) => Fresh::Emulated(array.duplicate("updated_by")?),
-            (Device::Cpu, _) => {
-                Fresh::Host(self.cpu("updated_by")?.as_standard_layout().into_owned())
-            }
-            (device, _) => Fresh::Staged(device, self.to_array()?),
+        let fresh = match self.gpu() {
+            Some(array) => Fresh::Device(array.duplicate("updated_by")?),
+            None => Fresh::Host(self.cpu("updated_by")?.as_standard_layout().into_owned()),
         };
         fresh.write(update)
     }
@@ -93,9 +75,7 @@ impl<T: Element + comm_core::Element> Tensor<T> {
 /// Memory only the tensor under construction refers to, so lending it writable is sound.
 enum Fresh<T: Element> {
     Host(ArrayD<T>),
-    Emulated(GpuArray<T>),
-    /// Host memory uploaded to `Device` once written.
-    Staged(Device, ArrayD<T>),
+    Device(GpuArray<T>),
 }
 
 impl<T: Element + comm_core::Element> Fresh<T> {
@@ -115,22 +95,11 @@ impl<T: Element + comm_core::Element> Fresh<T> {
                 write(BufMut::from(row_major(&mut array)?))?;
                 Ok(Tensor::from_array(array))
             }
-            Fresh::Emulated(array) => {
-                // SAFETY: a fresh emulated allocation (host memory of `len` elements of
-                // `T`) that no other array shares, alive until after `write` returns.
-                let view = unsafe {
-                    BufMut::emulated(
-                        array.ptr() as usize as *mut u8,
-                        array.len(),
-                        <T as comm_core::Element>::DTYPE,
-                    )
-                };
-                write(view)?;
+            Fresh::Device(array) => {
+                // SAFETY: a fresh allocation (`full` or `duplicate`) that no other array
+                // shares, alive until after `write` returns.
+                write(unsafe { array.lend_mut() })?;
                 Ok(Tensor::from_gpu(array))
-            }
-            Fresh::Staged(device, mut array) => {
-                write(BufMut::from(row_major(&mut array)?))?;
-                Ok(Tensor::from_array(array).to_device(device)?)
             }
         }
     }

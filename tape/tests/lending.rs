@@ -1,12 +1,25 @@
 //! Tensors lend their memory to communicators: CPU tensors as host memory, emulated ones
-//! as emulated device memory, with no host↔device copy; new tensors are written in place
+//! as emulated device memory, CUDA ones (where a GPU is present) as device memory on
+//! their stream, with no host↔device copy; new tensors are written in place
 //! by a collective; and the transfer counters count exactly the copies asked for.
 
 use comm_core::{run_local, Communicator, Error as CommError, MemoryKind, ReduceOp};
 use tape::{transfers, Device, Tensor, Transfers};
 
+/// Devices whose memory the host can read directly.
 fn devices() -> [Device; 2] {
     [Device::Cpu, Device::Emulated]
+}
+
+/// Every device here: the host-addressable ones, and `cuda:0` when it can be opened
+/// (otherwise the reason is printed as `skipped: …`).
+fn every_device() -> Vec<Device> {
+    let mut all = devices().to_vec();
+    match Tensor::<f32>::zeros(&[1]).to_device(Device::Cuda(0)) {
+        Ok(_) => all.push(Device::Cuda(0)),
+        Err(reason) => println!("skipped on cuda:0: {reason}"),
+    }
+    all
 }
 
 #[test]
@@ -43,7 +56,7 @@ fn a_lent_view_holds_the_elements_in_row_major_order() -> anyhow::Result<()> {
 
 #[test]
 fn collectives_write_new_tensors_in_place_on_every_device() -> anyhow::Result<()> {
-    for device in devices() {
+    for device in every_device() {
         let results = run_local(2, move |comm| -> anyhow::Result<_> {
             let r = comm.rank() as f32;
             let x = Tensor::<f32>::from_vec(vec![r, r + 1.0, r + 2.0], &[3])?.to_device(device)?;
@@ -73,7 +86,7 @@ fn collectives_write_new_tensors_in_place_on_every_device() -> anyhow::Result<()
 
 #[test]
 fn a_failed_write_returns_its_error_and_no_tensor() {
-    for device in devices() {
+    for device in every_device() {
         let outcome = Tensor::<f32>::filled_by(device, &[2], |_| -> anyhow::Result<()> {
             Err(anyhow::anyhow!("the collective failed"))
         });

@@ -153,6 +153,44 @@ impl<T: Copy + Default> GpuArray<T> {
     pub(crate) fn backend(&self) -> &dyn Backend {
         &*self.buffer.backend
     }
+
+    /// This array's memory as a communicator reads it: the emulator's (host memory of
+    /// its own kind) or CUDA memory ordered on the backend's stream, with no copy.
+    pub(crate) fn lend(&self) -> comm_core::BufRef<'_>
+    where
+        T: comm_core::Element,
+    {
+        let dtype = <T as comm_core::Element>::DTYPE;
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = self.backend().cuda_stream() {
+            // SAFETY: device memory of the stream's device holding `len` elements of `T`,
+            // allocated and freed on that stream; arrays are never written once made, and
+            // the view borrows `self`, which keeps the allocation alive.
+            return unsafe { comm_core::BufRef::cuda_raw(self.ptr(), self.len(), dtype, stream) };
+        }
+        // SAFETY: emulated allocations are host memory of `len` elements of `T`, aligned
+        // for it; arrays are never written once made, and the view borrows `self`.
+        unsafe { comm_core::BufRef::emulated(self.ptr() as usize as *const u8, self.len(), dtype) }
+    }
+
+    /// A writable view of this array's memory, for a collective to fill; see
+    /// [`lend`](Self::lend).
+    ///
+    /// # Safety
+    /// No other array may share this memory while the view lives (a fresh array).
+    pub(crate) unsafe fn lend_mut(&self) -> comm_core::BufMut<'_>
+    where
+        T: comm_core::Element,
+    {
+        let dtype = <T as comm_core::Element>::DTYPE;
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = self.backend().cuda_stream() {
+            // SAFETY: as in `lend`, and the caller guarantees the view is the only access.
+            return unsafe { comm_core::BufMut::cuda_raw(self.ptr(), self.len(), dtype, stream) };
+        }
+        // SAFETY: as in `lend`, and the caller guarantees the view is the only access.
+        unsafe { comm_core::BufMut::emulated(self.ptr() as usize as *mut u8, self.len(), dtype) }
+    }
 }
 
 impl<T: Element> GpuArray<T> {

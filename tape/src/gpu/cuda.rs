@@ -168,6 +168,10 @@ impl Backend for CudaBackend {
         self.device
     }
 
+    fn cuda_stream(&self) -> Option<&CudaStream> {
+        Some(&self.stream)
+    }
+
     unsafe fn alloc(&self, bytes: usize) -> Result<u64> {
         self.bind()?;
         // SAFETY: stream-ordered allocation on our live stream.

@@ -163,6 +163,12 @@ pub(crate) trait Backend: Send + Sync {
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()>;
     /// Waits until all queued work has finished.
     fn synchronize(&self) -> Result<()>;
+    /// The CUDA stream every array of this backend is ordered on (and freed on), for
+    /// lending them to communicators; `None` for the emulator.
+    #[cfg(feature = "cuda")]
+    fn cuda_stream(&self) -> Option<&cudarc::driver::CudaStream> {
+        None
+    }
 }
 
 /// Waits until all work queued on `device` has finished (like

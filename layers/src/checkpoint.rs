@@ -198,17 +198,16 @@ pub fn save_optimizer_shard<O: Optimizer + ?Sized>(
 /// [`save_optimizer_shard`] from a state taken already: for optimizers whose
 /// [`Optimizer::state`] is collective (ddp's distributed optimizer gathers its shards
 /// over the data-parallel group), every rank takes the state and one of them writes it.
-/// `params` are the optimizer's parameters, which must be `module`'s in order.
+/// `optimizer_params` are the optimizer's parameters, which must be `module`'s in order.
 pub fn save_optimizer_state(
     module: &dyn Module,
-    params: &[Parameter],
+    optimizer_params: &[Parameter],
     state: &OptimizerState,
     dir: &Path,
     tp_rank: usize,
     tp_size: usize,
 ) -> Result<()> {
     let path = optimizer_shard_path(dir, tp_rank, tp_size);
-    let optimizer_params = params;
     let params = module.parameters();
     let same_params = params.len() == optimizer_params.len()
         && state.params.len() == params.len()

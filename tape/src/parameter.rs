@@ -86,12 +86,13 @@ impl<T: Element> Parameter<T> {
     }
 
     /// Copies elements `offset..offset + out.len()` of the value (flattened, row-major)
-    /// into `out`: no allocation for a host value (a device value is copied to the host
-    /// whole first).
+    /// into `out`: no allocation for a host value; from a device value only those
+    /// elements are downloaded.
     pub fn read_flat(&self, offset: usize, out: &mut [T]) -> Result<()> {
         const OP: &str = "Parameter::read_flat";
         let value = self.shared.value.lock();
-        let range = flat_range(OP, value.numel(), offset, out.len())?;
+        let numel = value.numel();
+        let range = flat_range(OP, numel, offset, out.len())?;
         match value.cpu(OP) {
             Ok(array) => match array.as_slice() {
                 Some(all) => out.copy_from_slice(&all[range]),
@@ -100,7 +101,10 @@ impl<T: Element> Parameter<T> {
                     .zip(array.iter().skip(offset))
                     .for_each(|(o, v)| *o = *v),
             },
-            Err(_) => out.copy_from_slice(&value.to_vec()?[range]),
+            Err(_) => {
+                let piece = value.reshape(&[numel])?.narrow(0, offset, out.len())?;
+                out.copy_from_slice(&piece.to_vec()?);
+            }
         }
         Ok(())
     }
@@ -108,7 +112,8 @@ impl<T: Element> Parameter<T> {
     /// Overwrites elements `offset..offset + values.len()` of the value (flattened,
     /// row-major) in place: no allocation for a host value that nothing else holds (one
     /// that a tensor still shares is copied first, so that tensor keeps its values); a
-    /// device value is replaced by an updated copy.
+    /// device value is replaced by an updated copy (one upload, and a download of the
+    /// old value only when part of it stays).
     pub fn write_flat(&self, offset: usize, values: &[T]) -> Result<()> {
         const OP: &str = "Parameter::write_flat";
         let mut value = self.shared.value.lock();
@@ -124,8 +129,13 @@ impl<T: Element> Parameter<T> {
             }
             return Ok(());
         }
-        let mut host = value.to_vec()?;
-        host[range].copy_from_slice(values);
+        let host = if range.len() == value.numel() {
+            values.to_vec()
+        } else {
+            let mut host = value.to_vec()?;
+            host[range].copy_from_slice(values);
+            host
+        };
         let (shape, device) = (value.shape().to_vec(), value.device());
         *value = Tensor::from_vec(host, &shape)?.to_device(device)?;
         Ok(())

@@ -1,9 +1,10 @@
 //! Reading and writing a parameter's elements by flat (row-major) position, as ddp's
 //! distributed optimizer does with the pieces it owns: on the CPU and the emulated
-//! device, in row-major order even for a transposed value, without disturbing tensors
-//! that still hold the old value, and refusing ranges outside the parameter.
+//! device, in row-major order even for a transposed value, moving only the elements
+//! asked for, without disturbing tensors that still hold the old value, and refusing
+//! ranges outside the parameter.
 
-use tape::{Device, Parameter, Tensor};
+use tape::{transfers, Device, Parameter, Tensor};
 
 fn counting(shape: &[usize]) -> Tensor {
     let numel = shape.iter().product();
@@ -38,6 +39,20 @@ fn pieces_read_and_write_in_row_major_order_on_every_device() -> anyhow::Result<
     assert_eq!(all, [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
     p.write_flat(4, &[7.0, 8.0])?;
     assert_eq!(p.value().to_vec()?, [0.0, 3.0, 1.0, 4.0, 7.0, 8.0]);
+    Ok(())
+}
+
+/// On a device a piece is read by downloading that piece only, and a whole value is
+/// written by one upload, without downloading the old one.
+#[test]
+fn device_values_move_only_the_elements_asked_for() -> anyhow::Result<()> {
+    let p = Parameter::new("p", counting(&[2, 3]).to_device(Device::Emulated)?);
+    let before = transfers(Device::Emulated);
+    p.read_flat(2, &mut [0.0; 3])?;
+    p.write_flat(0, &[1.0; 6])?;
+    let moved = transfers(Device::Emulated) - before;
+    assert_eq!((moved.to_host_bytes, moved.to_host_copies), (12, 1));
+    assert_eq!((moved.to_device_bytes, moved.to_device_copies), (24, 1));
     Ok(())
 }
 

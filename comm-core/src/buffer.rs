@@ -448,10 +448,30 @@ mod device {
     }
 }
 
-/// An owned buffer: what non-blocking operations take and hand back.
-#[derive(Clone, Debug, PartialEq)]
+/// An owned buffer: what non-blocking operations take and hand back. Either a host
+/// vector, or memory some other owner lends for the operation's duration
+/// ([`Buffer::lent`]: a tensor library's device allocation), so that a non-blocking
+/// collective runs in place on it.
+#[derive(Debug)]
 pub struct Buffer {
-    repr: HostVec,
+    repr: Repr,
+}
+
+#[derive(Debug)]
+enum Repr {
+    Host(HostVec),
+    Lent(Box<dyn LentMemory>),
+}
+
+/// Memory a [`Buffer`] holds without owning it as a host vector: typically a lease on
+/// an allocation that a tensor library shares with other views (a bucket of gradients),
+/// which the owner keeps from every other use until the lease is dropped. The views it
+/// gives must stay valid, and unaliased by anything else, for as long as the lease lives.
+pub trait LentMemory: Send + std::fmt::Debug {
+    /// The memory, for a collective to read.
+    fn view(&self) -> BufRef<'_>;
+    /// The memory, for a collective to write.
+    fn view_mut(&mut self) -> BufMut<'_>;
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -512,7 +532,7 @@ impl Buffer {
     /// Takes ownership of a host vector.
     pub fn from_vec<T: Element>(v: Vec<T>) -> Buffer {
         Buffer {
-            repr: crate::with_dtype!(T::DTYPE, U => {
+            repr: Repr::Host(crate::with_dtype!(T::DTYPE, U => {
                 // `T` and `U` are the same type; the round trip through `Any` proves it
                 // to the compiler without `unsafe`.
                 let any: Box<dyn std::any::Any> = Box::new(v);
@@ -520,8 +540,29 @@ impl Buffer {
                     Ok(v) => <U as HostVecElement>::wrap(*v),
                     Err(_) => unreachable!("DTYPE names the element type itself"),
                 }
-            }),
+            })),
         }
+    }
+
+    /// Holds `memory` (e.g. a lease on a device allocation) for a non-blocking
+    /// operation: the operation reads and writes it in place, and hands it back.
+    pub fn lent(memory: Box<dyn LentMemory>) -> Buffer {
+        Buffer {
+            repr: Repr::Lent(memory),
+        }
+    }
+
+    /// The lent memory back, or the buffer itself if it is a host vector.
+    pub fn into_lent(self) -> std::result::Result<Box<dyn LentMemory>, Buffer> {
+        match self.repr {
+            Repr::Lent(memory) => Ok(memory),
+            Repr::Host(_) => Err(self),
+        }
+    }
+
+    /// Where the elements live.
+    pub fn memory(&self) -> MemoryKind {
+        self.as_buf_ref().memory()
     }
 
     /// A zero-filled host buffer.
@@ -529,15 +570,21 @@ impl Buffer {
         crate::with_dtype!(dtype, U => Buffer::from_vec(vec![U::default(); len]))
     }
 
-    /// Gives the host vector back; a dtype other than `T` is an error naming both.
+    /// Gives the host vector back; a dtype other than `T` is an error naming both, and
+    /// so is lent memory (it is not a vector to give).
     pub fn into_vec<T: Element>(self) -> Result<Vec<T>> {
         let found = self.dtype();
         let wrong = || Error::WrongDType {
             expected: T::DTYPE,
             found,
         };
+        let Repr::Host(host) = self.repr else {
+            return Err(Error::LentBuffer {
+                memory: self.memory(),
+            });
+        };
         crate::with_dtype!(T::DTYPE, U => {
-            let v = <U as HostVecElement>::unwrap(self.repr).map_err(|_| wrong())?;
+            let v = <U as HostVecElement>::unwrap(host).map_err(|_| wrong())?;
             let any: Box<dyn std::any::Any> = Box::new(v);
             any.downcast::<Vec<T>>().map(|b| *b).map_err(|_| wrong())
         })
@@ -545,7 +592,11 @@ impl Buffer {
 
     /// Element type.
     pub fn dtype(&self) -> DType {
-        match &self.repr {
+        let host = match &self.repr {
+            Repr::Host(host) => host,
+            Repr::Lent(memory) => return memory.view().dtype(),
+        };
+        match host {
             HostVec::F32(_) => DType::F32,
             HostVec::F64(_) => DType::F64,
             HostVec::F16(_) => DType::F16,
@@ -558,7 +609,10 @@ impl Buffer {
 
     /// Number of elements.
     pub fn len(&self) -> usize {
-        host_vec_dispatch!(&self.repr, v => v.len())
+        match &self.repr {
+            Repr::Host(host) => host_vec_dispatch!(host, v => v.len()),
+            Repr::Lent(memory) => memory.view().len(),
+        }
     }
 
     /// Whether the buffer holds no elements.
@@ -568,12 +622,18 @@ impl Buffer {
 
     /// A read-only view.
     pub fn as_buf_ref(&self) -> BufRef<'_> {
-        host_vec_dispatch!(&self.repr, v => BufRef::from(v.as_slice()))
+        match &self.repr {
+            Repr::Host(host) => host_vec_dispatch!(host, v => BufRef::from(v.as_slice())),
+            Repr::Lent(memory) => memory.view(),
+        }
     }
 
     /// A writable view.
     pub fn as_buf_mut(&mut self) -> BufMut<'_> {
-        host_vec_dispatch!(&mut self.repr, v => BufMut::from(v.as_mut_slice()))
+        match &mut self.repr {
+            Repr::Host(host) => host_vec_dispatch!(host, v => BufMut::from(v.as_mut_slice())),
+            Repr::Lent(memory) => memory.view_mut(),
+        }
     }
 }
 

@@ -259,6 +259,16 @@ pub enum Error {
         found: DType,
     },
 
+    /// A host vector was asked of a [`Buffer`](crate::Buffer) that holds lent memory.
+    #[error(
+        "the buffer holds lent {memory} memory, not a host vector; read it through its \
+         owner (the tensor or bucket that lent it)"
+    )]
+    LentBuffer {
+        /// Where the lent memory lives.
+        memory: crate::MemoryKind,
+    },
+
     /// A rank of `run_local` returned an error or panicked.
     #[error("rank {rank} failed: {source}")]
     RankFailed {

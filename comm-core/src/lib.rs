@@ -95,7 +95,7 @@ pub mod nccl;
 mod signature;
 mod work;
 
-pub use buffer::{BufMut, BufRef, Buffer, MemoryKind};
+pub use buffer::{BufMut, BufRef, Buffer, LentMemory, MemoryKind};
 pub use communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
 pub use dtype::{reduce_slices, DType, Element, ReduceOp};
 pub use error::{CallSignature, Error, OpKind, Result};

@@ -1270,20 +1270,30 @@ impl Communicator for NcclCommunicator {
     }
 
     fn start(&self, op: AsyncOp) -> Result<Work> {
-        let kind = match op {
-            AsyncOp::AllReduce { .. } => OpKind::AllReduce,
-            AsyncOp::Broadcast { .. } => OpKind::Broadcast,
-            AsyncOp::AllGather { .. } => OpKind::AllGather,
-            AsyncOp::ReduceScatter { .. } => OpKind::ReduceScatter,
+        let (kind, input) = match &op {
+            AsyncOp::AllReduce { buf, .. } => (OpKind::AllReduce, buf),
+            AsyncOp::Broadcast { buf, .. } => (OpKind::Broadcast, buf),
+            AsyncOp::AllGather { input } => (OpKind::AllGather, input),
+            AsyncOp::ReduceScatter { input, .. } => (OpKind::ReduceScatter, input),
         };
-        Err(Error::InvalidBuffer {
-            op: kind,
-            group: self.name.clone(),
-            detail: "non-blocking operations own host buffers, which NCCL cannot read; call \
-                     the blocking method with device views (`BufRef::cuda` / \
-                     `BufMut::cuda`) instead: it returns once the result is in place"
-                .to_string(),
-        })
+        match (kind, input.memory()) {
+            // Lent device memory (a tensor library's bucket) is reduced in place, queued on
+            // NCCL's stream after the work its owner queued; the call returns once the result
+            // is in place, so the buffer goes back complete.
+            (OpKind::AllReduce | OpKind::Broadcast, MemoryKind::Cuda { .. }) => {
+                Ok(Work::finished(Ok(op.run_blocking(self)?)))
+            }
+            _ => Err(Error::InvalidBuffer {
+                op: kind,
+                group: self.name.clone(),
+                detail: "NCCL's non-blocking operations take lent device memory \
+                         (`Buffer::lent`) for in-place all-reduces and broadcasts; for other \
+                         operations call the blocking method with device views \
+                         (`BufRef::cuda` / `BufMut::cuda`): it returns once the result is in \
+                         place"
+                    .to_string(),
+            }),
+        }
     }
 }
 

@@ -83,7 +83,7 @@ impl DistributedDataParallel {
                 extra_reductions,
                 deferred: sharding.map(|s| s.marked),
             },
-        );
+        )?;
         let buckets_started = reducer.started_counter().clone();
         let reducer = Arc::new(Mutex::new(reducer));
         for (index, param) in params.iter().enumerate() {
@@ -188,8 +188,19 @@ impl DistributedDataParallel {
     /// `loss.backward()` followed by [`finish`](Self::finish); a hook's error comes back
     /// as this crate's error.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
-        loss.backward().map_err(Error::from_backward)?;
-        self.finish()
+        match loss.backward() {
+            Ok(()) => self.finish(),
+            // Backward reached a gradient whose bucket is still being reduced: the last
+            // step was never finished.
+            Err(tape::Error::Leased {
+                parameter: Some(name),
+                ..
+            }) => {
+                self.reducer.lock().abandon_step();
+                Err(Error::FinishNotCalled { name })
+            }
+            Err(other) => Err(Error::from_backward(other)),
+        }
     }
 
     /// Turns gradient sync off until the guard drops, for gradient accumulation: run

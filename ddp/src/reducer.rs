@@ -14,9 +14,18 @@
 //! 3. **Reset** — ready flags are cleared for the next step. Any failure also resets, so
 //!    one bad step never leaves the next one waiting for a bucket that cannot fire.
 //!
-//! Bucket storage is allocated once and travels into each non-blocking all-reduce and
-//! back out of [`Work::wait`]; a bucket whose storage was lost with a failed operation
-//! gets a fresh allocation on its next use.
+//! **Gradients as bucket views** (plain DDP with f32 buckets, PyTorch's
+//! `gradient_as_bucket_view`, Megatron's `main_grad`): each bucket is flat storage on its
+//! parameters' device, and every parameter's gradient is a view into it, so backward
+//! accumulates straight into the bucket and the hook only marks the parameter ready. A
+//! bucket's all-reduce runs on a lease of its storage, in place; `finish` waits for it
+//! and the averaged gradients are already where the parameters read them: no copy in,
+//! no copy out, no host round trip on a device.
+//!
+//! Otherwise (a 16-bit comm hook, or sharded) each hook copies its gradient into a host
+//! bucket. Bucket storage is allocated once and travels into each non-blocking
+//! all-reduce and back out of [`Work::wait`]; a bucket whose storage was lost with a
+//! failed operation gets a fresh allocation on its next use.
 //!
 //! **Sharded** (for the distributed optimizer), a hook moves the gradient into the bucket
 //! and drops the parameter's copy, buckets are reduce-scattered, and `finish` keeps each
@@ -30,7 +39,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use comm_core::{Buffer, Communicator, CommunicatorExt, DType, ReduceOp, Work};
-use tape::{Parameter, Tensor};
+use tape::{FlatStorage, FlatView, Parameter, Tensor};
 
 use crate::bucket::{self, BucketInfo};
 use crate::error::{Error, Result};
@@ -63,6 +72,9 @@ pub(crate) struct Reducer {
     deferred: Option<Vec<bool>>,
     /// Sharded: what the last `finish` produced, until the optimizer takes it.
     reduced: Option<ReducedShards>,
+    /// Per bucket, the flat storage its parameters' gradients are views of (plain DDP
+    /// with f32 buckets); `None`: gradients are copied into host buckets.
+    grad_buffers: Option<Vec<FlatStorage>>,
 }
 
 /// The outcome of a sharded step: per bucket, this rank's shard of the averaged
@@ -96,8 +108,11 @@ impl Reducer {
         params: Vec<Parameter>,
         buckets: Arc<Vec<BucketInfo>>,
         options: ReducerOptions,
-    ) -> Reducer {
+    ) -> Result<Reducer> {
         let wire_dtype = options.hook.wire_dtype();
+        let grad_buffers = (options.deferred.is_none() && wire_dtype == DType::F32)
+            .then(|| attach_bucket_views(&params, &buckets))
+            .transpose()?;
         let mut slot_of = vec![(0, 0); params.len()];
         for info in buckets.iter() {
             for (position, param) in info.params.iter().enumerate() {
@@ -107,12 +122,14 @@ impl Reducer {
         let state = buckets
             .iter()
             .map(|info| BucketState {
-                storage: Some(Buffer::zeros(wire_dtype, info.padded_numel)),
+                storage: grad_buffers
+                    .is_none()
+                    .then(|| Buffer::zeros(wire_dtype, info.padded_numel)),
                 work: None,
                 pending: info.params.len(),
             })
             .collect();
-        Reducer {
+        Ok(Reducer {
             dp,
             hook: options.hook,
             wire_dtype,
@@ -129,7 +146,8 @@ impl Reducer {
             extra_reductions: options.extra_reductions,
             deferred: options.deferred,
             reduced: None,
-        }
+            grad_buffers,
+        })
     }
 
     pub(crate) fn is_sharded(&self) -> bool {
@@ -174,20 +192,23 @@ impl Reducer {
         if !self.sync_enabled || self.is_deferred(index) {
             return Ok(());
         }
-        let outcome = self.accept_gradient(index, param.grad());
+        let outcome = self.accept_gradient(index, param);
         if outcome.is_err() {
             self.reset_step();
         }
         outcome
     }
 
-    fn accept_gradient(&mut self, index: usize, grad: Option<Tensor>) -> Result<()> {
+    fn accept_gradient(&mut self, index: usize, param: &Parameter) -> Result<()> {
         if self.ready.get(index).copied().unwrap_or(false) {
             return Err(Error::FinishNotCalled {
                 name: self.params[index].name().to_string(),
             });
         }
-        self.copy_in(index, grad)?;
+        // A bucket view already holds the gradient.
+        if self.grad_buffers.is_none() {
+            self.copy_in(index, param.grad())?;
+        }
         self.mark_ready(index);
         if self.overlap {
             self.launch_ready_buckets()?;
@@ -229,10 +250,13 @@ impl Reducer {
                 break;
             }
             let numel = self.buckets[self.next_launch].padded_numel;
-            let storage = state
-                .storage
-                .take()
-                .unwrap_or_else(|| Buffer::zeros(self.wire_dtype, numel));
+            let storage = match &self.grad_buffers {
+                Some(buffers) => buffers[self.next_launch].lease()?,
+                None => state
+                    .storage
+                    .take()
+                    .unwrap_or_else(|| Buffer::zeros(self.wire_dtype, numel)),
+            };
             state.work = Some(if self.deferred.is_some() {
                 self.hook.start_reduce_scatter(self.dp.as_ref(), storage)?
             } else {
@@ -285,11 +309,16 @@ impl Reducer {
             }
             for index in missing {
                 // A gradient accumulated under no_sync counts as used, hook or not.
-                let grad = self.params[index].grad();
-                if grad.is_none() {
+                let param = &self.params[index];
+                if !param.has_grad() {
                     locally_used[index] = 0;
                 }
-                self.copy_in(index, grad)?;
+                match param.main_grad() {
+                    // Zeros for this rank's share; a gradient is already in place.
+                    Some(view) if locally_used[index] == 0 => view.fill(0.0)?,
+                    Some(_) => {}
+                    None => self.copy_in(index, param.grad())?,
+                }
                 self.mark_ready(index);
             }
         }
@@ -324,6 +353,15 @@ impl Reducer {
                 params: &info.params,
                 buffer: &mut buffer,
             })?;
+            if self.grad_buffers.is_some() {
+                // Ends the lease: the averages are in the parameters' views.
+                drop(buffer);
+                for slot in &info.params {
+                    let used = globally_used[slot.index] > 0;
+                    self.params[slot.index].set_main_grad_written(used)?;
+                }
+                continue;
+            }
             for slot in &info.params {
                 let grad = if globally_used[slot.index] > 0 {
                     let values = bucket::read_f32(&mut buffer, slot.range())?;
@@ -345,6 +383,18 @@ impl Reducer {
         Ok(())
     }
 
+    /// Abandons the current step after a backward that failed part-way, waiting for the
+    /// reductions in flight so that their buckets' leases end (they finish, or fail, on
+    /// every rank: each rank launched them).
+    pub(crate) fn abandon_step(&mut self) {
+        for state in &mut self.state {
+            if let Some(work) = state.work.take() {
+                let _ = work.wait();
+            }
+        }
+        self.reset_step();
+    }
+
     /// Forgets the current step: ready flags, launch position and any operation still in
     /// flight (it completes in the background; its bucket is re-allocated when needed).
     fn reset_step(&mut self) {
@@ -360,4 +410,33 @@ impl Reducer {
 
 fn never_started(index: usize) -> Error {
     Error::Config(format!("bucket {index} was never started in this step"))
+}
+
+/// Lays each bucket out as flat storage on its parameters' device and makes every
+/// parameter's gradient a view into it.
+fn attach_bucket_views(params: &[Parameter], buckets: &[BucketInfo]) -> Result<Vec<FlatStorage>> {
+    buckets
+        .iter()
+        .map(|info| {
+            let devices: Vec<_> = info
+                .params
+                .iter()
+                .map(|slot| params[slot.index].value().device())
+                .collect();
+            let device = devices.first().copied().unwrap_or_default();
+            if let Some(other) = devices.iter().find(|&&d| d != device) {
+                return Err(Error::Config(format!(
+                    "bucket {} holds parameters on {device} and on {other}; put every \
+                     parameter on one device before wrapping the model in DDP",
+                    info.index
+                )));
+            }
+            let storage = FlatStorage::zeros(device, info.padded_numel)?;
+            for slot in &info.params {
+                let view = FlatView::new(&storage, slot.offset, &slot.shape)?;
+                params[slot.index].attach_main_grad(view)?;
+            }
+            Ok(storage)
+        })
+        .collect()
 }

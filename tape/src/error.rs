@@ -38,6 +38,18 @@ pub enum Error {
         /// Device it was asked for on.
         device: Device,
     },
+    /// Flat storage (a gradient bucket) was accessed while a collective holds it.
+    #[error(
+        "{op}: {} lies in flat storage (a gradient bucket) lent to a collective in flight; \
+         wait for it (DDP's finish) before reading or writing these gradients",
+        parameter.as_ref().map_or("the view".to_string(), |p| format!("the gradient of '{p}'"))
+    )]
+    Leased {
+        /// Operation that was refused.
+        op: &'static str,
+        /// The parameter whose gradient it is, when known.
+        parameter: Option<String>,
+    },
     /// Operands of one op live on different devices.
     #[error("{op}: operands are on {first} and {second}; move them to one device with to_device")]
     DeviceMismatch {

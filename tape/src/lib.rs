@@ -77,6 +77,7 @@
 mod device;
 mod element;
 mod error;
+mod flat;
 mod gpu;
 pub mod gradcheck;
 mod lend;
@@ -93,6 +94,7 @@ mod transfers;
 pub use device::Device;
 pub use element::Element;
 pub use error::{Error, Result};
+pub use flat::{FlatStorage, FlatView};
 pub use gpu::{allow_tf32, set_allow_tf32, synchronize};
 pub use gradcheck::{gradcheck, GradCheckOptions};
 pub use ndarray;

@@ -1,7 +1,7 @@
 //! Optimizers with PyTorch semantics: [`Sgd`] (momentum, weight decay) and [`AdamW`],
 //! with optional [`LrSchedule`]s and their state for checkpoints ([`OptimizerState`]).
 
-use ndarray::{ArcArray, ArrayD, IxDyn};
+use ndarray::{ArrayD, IxDyn};
 
 use crate::gpu::optim_ops::{adamw_step, sgd_step};
 use crate::gpu::GpuArray;
@@ -124,22 +124,17 @@ impl<T: Element> Optimizer<T> for Sgd<T> {
                 continue;
             }
             let buffer = &mut self.momentum_buffers[i];
-            param.update_in_place("Sgd::step", |value, grad| {
+            let shape = param.shape();
+            param.update_in_place("Sgd::step", |values, grads| {
                 let first = update.momentum != 0.0 && buffer.is_none();
                 let buffer = match buffer {
-                    Some(buffer) => Some(buffer),
+                    Some(buffer) => host_slice(buffer)?,
                     None if update.momentum != 0.0 => {
-                        Some(buffer.insert(ArrayD::zeros(grad.raw_dim())))
+                        host_slice(buffer.insert(ArrayD::zeros(IxDyn(&shape))))?
                     }
-                    None => None,
+                    None => &mut [],
                 };
-                with_host_slices(value, grad, |values, grads| {
-                    let buffer = match buffer {
-                        Some(buffer) => host_slice(buffer)?,
-                        None => &mut [],
-                    };
-                    update.apply(values, grads, buffer, first)
-                })
+                update.apply(values, grads, buffer, first)
             })?;
         }
         Ok(())
@@ -294,19 +289,18 @@ impl<T: Element> Optimizer<T> for AdamW<T> {
                 continue;
             }
             let moments = &mut self.moments[i];
-            param.update_in_place("AdamW::step", |value, grad| {
+            let shape = param.shape();
+            param.update_in_place("AdamW::step", |values, grads| {
                 let (m, v, step) = moments.get_or_insert_with(|| {
                     (
-                        ArrayD::zeros(grad.raw_dim()),
-                        ArrayD::zeros(grad.raw_dim()),
+                        ArrayD::zeros(IxDyn(&shape)),
+                        ArrayD::zeros(IxDyn(&shape)),
                         0,
                     )
                 });
                 *step += 1;
                 let update = AdamWUpdate::new(&c, options, *step);
-                with_host_slices(value, grad, |values, grads| {
-                    update.apply(values, grads, host_slice(m)?, host_slice(v)?)
-                })
+                update.apply(values, grads, host_slice(m)?, host_slice(v)?)
             })?;
         }
         Ok(())
@@ -581,26 +575,6 @@ fn host_slice<T: Element>(array: &mut ArrayD<T>) -> Result<&mut [T]> {
     array
         .as_slice_mut()
         .ok_or_else(|| Error::invalid("optimizer", "an optimizer buffer is not contiguous"))
-}
-
-/// Runs `update` on a parameter's value and gradient as contiguous slices in the same
-/// element order, copying whichever is not in standard layout first.
-fn with_host_slices<T: Element>(
-    value: &mut ArcArray<T, IxDyn>,
-    grad: &ArcArray<T, IxDyn>,
-    update: impl FnOnce(&mut [T], &[T]) -> Result<()>,
-) -> Result<()> {
-    if !value.is_standard_layout() {
-        *value = value.as_standard_layout().into_owned().into_shared();
-    }
-    let grad = grad.as_standard_layout();
-    match (value.as_slice_mut(), grad.as_slice()) {
-        (Some(values), Some(grads)) => update(values, grads),
-        _ => Err(Error::invalid(
-            "optimizer",
-            "a parameter is not contiguous after a copy",
-        )),
-    }
 }
 
 /// Counts optimizer steps and, with a schedule, sets each step's learning rate.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::gpu::GpuArray;
-use crate::{Element, Error, Result, Tensor};
+use crate::{Element, Error, FlatView, Result, Tensor};
 
 /// A grad-ready hook: called with the parameter as soon as its gradient for the current
 /// backward pass is complete. An error stops backward and is returned from it.
@@ -20,8 +20,42 @@ pub struct ParamId(usize);
 struct ParamShared<T: Element> {
     name: String,
     value: Mutex<Tensor<T>>,
-    grad: Mutex<Option<Tensor<T>>>,
+    grad: Mutex<GradSlot<T>>,
     hooks: Mutex<Vec<GradHook<T>>>,
+}
+
+/// Where backward accumulates a parameter's gradient.
+enum GradSlot<T: Element> {
+    /// A tensor of its own (`None` until backward reaches the parameter).
+    Own(Option<Tensor<T>>),
+    /// A view into flat storage (a gradient bucket), accumulated in place; `written`
+    /// says whether it holds this pass's gradient (zeroing is forgetting, not a fill).
+    Main { view: FlatView<T>, written: bool },
+}
+
+impl<T: Element> GradSlot<T> {
+    fn has_grad(&self) -> bool {
+        match self {
+            GradSlot::Own(grad) => grad.is_some(),
+            GradSlot::Main { written, .. } => *written,
+        }
+    }
+
+    /// A snapshot: the tensor itself, or a copy of the view (`None` while a collective
+    /// holds the view's storage).
+    fn snapshot(&self) -> Option<Tensor<T>> {
+        match self {
+            GradSlot::Own(grad) => grad.clone(),
+            GradSlot::Main { view, written } => written.then(|| view.to_tensor().ok())?,
+        }
+    }
+
+    fn clear(&mut self) {
+        match self {
+            GradSlot::Own(grad) => *grad = None,
+            GradSlot::Main { written, .. } => *written = false,
+        }
+    }
 }
 
 /// A trainable tensor with a gradient slot. Clones share the same parameter.
@@ -40,7 +74,7 @@ impl<T: Element> Parameter<T> {
             shared: Arc::new(ParamShared {
                 name: name.into(),
                 value: Mutex::new(value.detach()),
-                grad: Mutex::new(None),
+                grad: Mutex::new(GradSlot::Own(None)),
                 hooks: Mutex::new(Vec::new()),
             }),
         }
@@ -142,14 +176,85 @@ impl<T: Element> Parameter<T> {
     }
 
     /// The accumulated gradient, or `None` if no backward reached this parameter since the
-    /// last [`zero_grad`](Parameter::zero_grad).
+    /// last [`zero_grad`](Parameter::zero_grad). With a [main
+    /// gradient](Self::attach_main_grad) it is a copy of the view (on its device), and
+    /// also `None` while a collective holds the view's storage (a data-parallel bucket
+    /// being reduced, until DDP's `finish`).
     pub fn grad(&self) -> Option<Tensor<T>> {
-        self.shared.grad.lock().clone()
+        self.shared.grad.lock().snapshot()
+    }
+
+    /// Whether backward has produced a gradient since the last zeroing (no copy).
+    pub fn has_grad(&self) -> bool {
+        self.shared.grad.lock().has_grad()
     }
 
     /// Removes and returns the gradient.
     pub fn take_grad(&self) -> Option<Tensor<T>> {
-        self.shared.grad.lock().take()
+        let mut slot = self.shared.grad.lock();
+        let grad = slot.snapshot();
+        slot.clear();
+        grad
+    }
+
+    /// Makes `view` this parameter's gradient storage (Megatron's `main_grad`, PyTorch's
+    /// `gradient_as_bucket_view`): backward then accumulates into it in place, and
+    /// [`grad`](Self::grad) reads it. The view must have the value's shape and device; a
+    /// gradient the parameter holds is copied in.
+    pub fn attach_main_grad(&self, view: FlatView<T>) -> Result<()> {
+        const OP: &str = "Parameter::attach_main_grad";
+        let (shape, device) = {
+            let value = self.shared.value.lock();
+            (value.shape().to_vec(), value.device())
+        };
+        if view.shape() != shape.as_slice() {
+            return Err(Error::shape(
+                OP,
+                &[&shape, view.shape()],
+                "a main gradient has its parameter's shape",
+            ));
+        }
+        if view.device() != device {
+            return Err(Error::DeviceMismatch {
+                op: OP,
+                first: device,
+                second: view.device(),
+            });
+        }
+        let mut slot = self.shared.grad.lock();
+        let current = slot.snapshot();
+        if let Some(grad) = &current {
+            view.write(OP, grad, false)?;
+        }
+        *slot = GradSlot::Main {
+            view,
+            written: current.is_some(),
+        };
+        Ok(())
+    }
+
+    /// The attached main-gradient view, if any.
+    pub fn main_grad(&self) -> Option<FlatView<T>> {
+        match &*self.shared.grad.lock() {
+            GradSlot::Main { view, .. } => Some(view.clone()),
+            GradSlot::Own(_) => None,
+        }
+    }
+
+    /// Marks the main gradient as holding (`true`) or not holding this pass's gradient,
+    /// for code that fills the view itself (a collective that reduced it in place, or
+    /// zeros for an unused parameter). Without a main gradient it is an error.
+    pub fn set_main_grad_written(&self, written: bool) -> Result<()> {
+        match &mut *self.shared.grad.lock() {
+            GradSlot::Main { written: w, .. } => {
+                *w = written;
+                Ok(())
+            }
+            GradSlot::Own(_) => Err(Error::invalid(
+                "Parameter::set_main_grad_written",
+                format!("{} has no main gradient attached", self.shared.name),
+            )),
+        }
     }
 
     /// Replaces the gradient (e.g. with an all-reduced one); its shape and device must
@@ -174,13 +279,22 @@ impl<T: Element> Parameter<T> {
                 });
             }
         }
-        *self.shared.grad.lock() = grad.map(|g| g.detach());
+        match &mut *self.shared.grad.lock() {
+            GradSlot::Own(slot) => *slot = grad.map(|g| g.detach()),
+            GradSlot::Main { view, written } => {
+                if let Some(grad) = &grad {
+                    view.write(OP, grad, false)?;
+                }
+                *written = grad.is_some();
+            }
+        }
         Ok(())
     }
 
-    /// Drops the gradient (PyTorch's `set_to_none` behaviour).
+    /// Drops the gradient (PyTorch's `set_to_none` behaviour; a main gradient keeps its
+    /// memory, and the next backward overwrites it instead of adding).
     pub fn zero_grad(&self) {
-        *self.shared.grad.lock() = None;
+        self.shared.grad.lock().clear();
     }
 
     /// Registers a hook that fires each time backward completes this parameter's gradient.
@@ -202,10 +316,21 @@ impl<T: Element> Parameter<T> {
     pub(crate) fn accumulate_and_notify(&self, contribution: Tensor<T>) -> Result<()> {
         {
             let mut slot = self.shared.grad.lock();
-            match slot.as_mut() {
-                None => *slot = Some(contribution),
+            match &mut *slot {
+                GradSlot::Own(own @ None) => *own = Some(contribution),
                 // Copy-on-write: a clone handed out by grad() keeps its old values.
-                Some(existing) => existing.accumulate("backward", &contribution)?,
+                GradSlot::Own(Some(existing)) => existing.accumulate("backward", &contribution)?,
+                GradSlot::Main { view, written } => {
+                    view.write("backward", &contribution, *written)
+                        .map_err(|e| match e {
+                            Error::Leased { op, .. } => Error::Leased {
+                                op,
+                                parameter: Some(self.shared.name.clone()),
+                            },
+                            other => other,
+                        })?;
+                    *written = true;
+                }
             }
         }
         let mut hooks = self.shared.hooks.lock();
@@ -215,22 +340,39 @@ impl<T: Element> Parameter<T> {
         Ok(())
     }
 
-    /// Runs `update` on the value and gradient in place (used by optimizers). Parameters
-    /// without a gradient are skipped and `Ok(false)` is returned.
+    /// Runs `update` on the value and gradient in place (used by optimizers), as
+    /// contiguous slices in the same element order. Parameters without a gradient are
+    /// skipped and `Ok(false)` is returned.
     pub(crate) fn update_in_place(
         &self,
         op: &'static str,
-        update: impl FnOnce(
-            &mut ndarray::ArcArray<T, ndarray::IxDyn>,
-            &ndarray::ArcArray<T, ndarray::IxDyn>,
-        ) -> Result<()>,
+        update: impl FnOnce(&mut [T], &[T]) -> Result<()>,
     ) -> Result<bool> {
         let grad_slot = self.shared.grad.lock();
-        let Some(grad) = grad_slot.as_ref() else {
+        if !grad_slot.has_grad() {
             return Ok(false);
-        };
+        }
         let mut value = self.shared.value.lock();
-        update(value.cpu_mut(op)?, grad.cpu(op)?)?;
+        let value = value.cpu_mut(op)?;
+        if !value.is_standard_layout() {
+            *value = value.as_standard_layout().into_owned().into_shared();
+        }
+        let values = value
+            .as_slice_mut()
+            .ok_or_else(|| Error::invalid(op, "a parameter is not contiguous after a copy"))?;
+        match &*grad_slot {
+            GradSlot::Own(Some(grad)) => match grad.cpu(op)?.as_standard_layout().as_slice() {
+                Some(grads) => update(values, grads)?,
+                None => {
+                    return Err(Error::invalid(
+                        op,
+                        "a gradient is not contiguous after a copy",
+                    ))
+                }
+            },
+            GradSlot::Main { view, .. } => view.with_host(op, |grads| update(values, grads))?,
+            GradSlot::Own(None) => unreachable!("has_grad checked above"),
+        }
         Ok(true)
     }
 }
@@ -249,13 +391,18 @@ impl<T: Element> Parameter<T> {
         update: impl FnOnce(&GpuArray<T>, &GpuArray<T>) -> Result<()>,
     ) -> Result<bool> {
         let grad_slot = self.shared.grad.lock();
-        let Some(grad) = grad_slot.as_ref() else {
-            return Ok(false);
-        };
         let mut value = self.shared.value.lock();
         let device = value.device();
-        let grad = grad.device_array(op, device)?;
-        update(value.gpu_unique(op)?, grad)?;
+        match &*grad_slot {
+            GradSlot::Own(None) | GradSlot::Main { written: false, .. } => return Ok(false),
+            GradSlot::Own(Some(grad)) => {
+                update(value.gpu_unique(op)?, grad.device_array(op, device)?)?
+            }
+            GradSlot::Main { view, .. } => {
+                let value = value.gpu_unique(op)?;
+                view.with_device(op, |grad| update(value, grad))?
+            }
+        }
         Ok(true)
     }
 }
@@ -265,7 +412,7 @@ impl<T: Element> fmt::Debug for Parameter<T> {
         f.debug_struct("Parameter")
             .field("name", &self.name())
             .field("shape", &self.shape())
-            .field("has_grad", &self.shared.grad.lock().is_some())
+            .field("has_grad", &self.has_grad())
             .finish()
     }
 }

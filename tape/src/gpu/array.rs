@@ -24,6 +24,8 @@ impl Drop for DeviceBuffer {
 /// are never written after the op that produced them returns, so sharing is safe.
 pub(crate) struct GpuArray<T> {
     buffer: Arc<DeviceBuffer>,
+    /// Where the elements start in the allocation: 0 except for windows of flat storage.
+    offset_bytes: u64,
     shape: Vec<usize>,
     _element: PhantomData<T>,
 }
@@ -41,6 +43,7 @@ impl<T> Clone for GpuArray<T> {
     fn clone(&self) -> Self {
         GpuArray {
             buffer: self.buffer.clone(),
+            offset_bytes: self.offset_bytes,
             shape: self.shape.clone(),
             _element: PhantomData,
         }
@@ -65,6 +68,7 @@ impl<T: Copy + Default> GpuArray<T> {
                 bytes,
                 backend,
             }),
+            offset_bytes: 0,
             shape: shape.to_vec(),
             _element: PhantomData,
         })
@@ -109,6 +113,20 @@ impl<T: Copy + Default> GpuArray<T> {
         debug_assert_eq!(shape.iter().product::<usize>(), self.len());
         GpuArray {
             buffer: self.buffer.clone(),
+            offset_bytes: self.offset_bytes,
+            shape: shape.to_vec(),
+            _element: PhantomData,
+        }
+    }
+
+    /// The elements `offset..offset + Π shape` of this array as an array of `shape`,
+    /// sharing the memory (flat storage hands its views to kernels this way). The caller
+    /// checks the range.
+    pub(crate) fn window(&self, offset: usize, shape: &[usize]) -> Self {
+        debug_assert!(offset + shape.iter().product::<usize>() <= self.len());
+        GpuArray {
+            buffer: self.buffer.clone(),
+            offset_bytes: self.offset_bytes + (offset * std::mem::size_of::<T>()) as u64,
             shape: shape.to_vec(),
             _element: PhantomData,
         }
@@ -143,7 +161,7 @@ impl<T: Copy + Default> GpuArray<T> {
     }
 
     pub(crate) fn ptr(&self) -> u64 {
-        self.buffer.ptr
+        self.buffer.ptr + self.offset_bytes
     }
 
     pub(crate) fn device(&self) -> Device {
@@ -202,12 +220,17 @@ impl<T: Element> GpuArray<T> {
         value: T,
     ) -> Result<Self> {
         let out = Self::uninit(op, device, shape)?;
-        let mut args = KernelArgs::default();
-        args.p[0] = out.ptr();
-        args.i[0] = out.len() as i64;
-        args.f[0] = value.into_f64();
-        out.launch(&super::FILL, out.len(), &args)?;
+        out.fill(value)?;
         Ok(out)
+    }
+
+    /// Sets every element to `value` in place (fresh arrays and flat storage only).
+    pub(crate) fn fill(&self, value: T) -> Result<()> {
+        let mut args = KernelArgs::default();
+        args.p[0] = self.ptr();
+        args.i[0] = self.len() as i64;
+        args.f[0] = value.into_f64();
+        self.launch(&super::FILL, self.len(), &args)
     }
 
     /// Runs `kernel`'s build for `T` over `items` indices.

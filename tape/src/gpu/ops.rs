@@ -50,8 +50,22 @@ pub(crate) fn binary<T: Element>(
     b: &GpuArray<T>,
     shape: &[usize],
 ) -> Result<GpuArray<T>> {
-    check_rank(op, shape)?;
     let out = GpuArray::<T>::uninit(op, a.device(), shape)?;
+    binary_into(op, kind, &out, a, b)?;
+    Ok(out)
+}
+
+/// [`binary`] written into `out` (of the broadcast shape), which may be `a` itself: each
+/// element is read before it is written.
+pub(crate) fn binary_into<T: Element>(
+    op: &'static str,
+    kind: BinaryKind,
+    out: &GpuArray<T>,
+    a: &GpuArray<T>,
+    b: &GpuArray<T>,
+) -> Result<()> {
+    let shape = out.shape();
+    check_rank(op, shape)?;
     let ndim = shape.len();
     let mut args = KernelArgs::default();
     args.p[..3].copy_from_slice(&[out.ptr(), a.ptr(), b.ptr()]);
@@ -67,8 +81,7 @@ pub(crate) fn binary<T: Element>(
             args.i[slot + d] = if dims[d] == 1 { 0 } else { strides[d] as i64 };
         }
     }
-    out.launch(&super::BINARY, out.len(), &args)?;
-    Ok(out)
+    out.launch(&super::BINARY, out.len(), &args)
 }
 
 /// Sums a broadcast gradient down to an operand's `shape`, one broadcast dimension at a

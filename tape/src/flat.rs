@@ -1,0 +1,406 @@
+//! Flat storage: one contiguous allocation on one device whose ranges several
+//! parameters' gradients live in (a data-parallel bucket, Megatron's `main_grad`
+//! buffer), so that a collective reduces them in place, with no copy in or out.
+//!
+//! Tensors are immutable; flat storage is the one thing written in place: by backward
+//! accumulating into a view attached with
+//! [`Parameter::attach_main_grad`](crate::Parameter::attach_main_grad), by optimizers
+//! reading a view, and by a collective holding a [`lease`](FlatStorage::lease) on the
+//! whole storage. Every access holds the storage's lock, and every access but the lease's
+//! is refused while a lease is out, so a collective in flight never races with backward.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::gpu::{ops, GpuArray};
+use crate::{Device, Element, Error, Result, Tensor};
+
+/// One contiguous allocation of `len` elements on one device, zeros when made. Clones
+/// share it.
+///
+/// ```
+/// use tape::{Device, FlatStorage, FlatView, Tensor};
+///
+/// let storage = FlatStorage::<f32>::zeros(Device::Cpu, 6)?;
+/// let view = FlatView::new(&storage, 2, &[2, 2])?;
+/// assert_eq!(view.to_tensor()?.to_vec()?, vec![0.0; 4]);
+/// assert!(FlatView::new(&storage, 4, &[2, 2]).is_err(), "past the end");
+/// # Ok::<(), tape::Error>(())
+/// ```
+pub struct FlatStorage<T: Element = f32> {
+    shared: Arc<Shared<T>>,
+}
+
+impl<T: Element> Clone for FlatStorage<T> {
+    fn clone(&self) -> Self {
+        FlatStorage {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+struct Shared<T: Element> {
+    memory: Memory<T>,
+    len: usize,
+    device: Device,
+    /// Whether a lease is out; every access holds this lock.
+    leased: Mutex<bool>,
+}
+
+enum Memory<T> {
+    /// A leaked `Box<[T]>` of `len` elements, freed in `Drop`: accessed only through raw
+    /// pointers, under the lock, so views never alias a live reference.
+    Host(*mut T),
+    Device(GpuArray<T>),
+}
+
+// SAFETY: the host pointer is owned by `Shared` and only dereferenced under its lock (or
+// by the single lease while `leased` keeps everyone else out); device arrays are
+// `Send + Sync`.
+unsafe impl<T: Element> Send for Shared<T> {}
+// SAFETY: as for `Send`.
+unsafe impl<T: Element> Sync for Shared<T> {}
+
+impl<T: Element> Drop for Shared<T> {
+    fn drop(&mut self) {
+        if let Memory::Host(ptr) = self.memory {
+            // SAFETY: made by `Box::into_raw` of a boxed slice of `len` elements in `zeros`;
+            // no lease or view outlives the `Arc` that owns this.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, self.len)) });
+        }
+    }
+}
+
+impl<T: Element> FlatStorage<T> {
+    /// `len` zeros on `device`.
+    pub fn zeros(device: Device, len: usize) -> Result<Self> {
+        let memory = match device {
+            Device::Cpu => {
+                Memory::Host(Box::into_raw(vec![T::zero(); len].into_boxed_slice()).cast())
+            }
+            _ => Memory::Device(GpuArray::full(
+                "FlatStorage::zeros",
+                device,
+                &[len],
+                T::zero(),
+            )?),
+        };
+        Ok(FlatStorage {
+            shared: Arc::new(Shared {
+                memory,
+                len,
+                device,
+                leased: Mutex::new(false),
+            }),
+        })
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shared.len
+    }
+
+    /// Whether the storage holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.shared.len == 0
+    }
+
+    /// The device holding the elements.
+    pub fn device(&self) -> Device {
+        self.shared.device
+    }
+
+    /// Whether a [`lease`](Self::lease) is out.
+    pub fn is_leased(&self) -> bool {
+        *self.shared.leased.lock()
+    }
+
+    /// Whether two handles share one allocation.
+    pub fn same_storage(&self, other: &FlatStorage<T>) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
+    /// The whole storage as an owned [`comm_core::Buffer`] for a non-blocking collective
+    /// to run on in place (host, emulated or CUDA memory, the last ordered on the
+    /// device's tape stream). Until the buffer is dropped (after the operation hands it
+    /// back, or with a failed one), every other access to the storage and its views is
+    /// refused with [`Error::Leased`]; a second lease too.
+    pub fn lease(&self) -> Result<comm_core::Buffer>
+    where
+        T: comm_core::Element,
+    {
+        let mut leased = self.shared.leased.lock();
+        if *leased {
+            return Err(Error::Leased {
+                op: "FlatStorage::lease",
+                parameter: None,
+            });
+        }
+        *leased = true;
+        Ok(comm_core::Buffer::lent(Box::new(Lease {
+            storage: self.clone(),
+        })))
+    }
+
+    /// Runs `access` on elements `offset..offset + len` under the lock: a host slice,
+    /// or a device window of that range.
+    fn access<R>(
+        &self,
+        op: &'static str,
+        offset: usize,
+        shape: &[usize],
+        access: impl FnOnce(Region<'_, T>) -> Result<R>,
+    ) -> Result<R> {
+        let len: usize = shape.iter().product();
+        let leased = self.shared.leased.lock();
+        if *leased {
+            return Err(Error::Leased {
+                op,
+                parameter: None,
+            });
+        }
+        let region = match &self.shared.memory {
+            // SAFETY: in bounds (views are checked when made), and the lock, held while
+            // `access` runs, keeps every other access out.
+            Memory::Host(ptr) => {
+                Region::Host(unsafe { std::slice::from_raw_parts_mut(ptr.add(offset), len) })
+            }
+            Memory::Device(array) => Region::Device(array.window(offset, shape)),
+        };
+        let out = access(region);
+        drop(leased);
+        out
+    }
+}
+
+impl<T: Element> std::fmt::Debug for FlatStorage<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlatStorage")
+            .field("device", &self.device())
+            .field("len", &self.len())
+            .field("leased", &self.is_leased())
+            .finish()
+    }
+}
+
+/// A range of a [`FlatStorage`] as one access sees it.
+enum Region<'a, T> {
+    Host(&'a mut [T]),
+    Device(GpuArray<T>),
+}
+
+/// The storage lent to a collective; dropping it ends the lease.
+struct Lease<T: Element> {
+    storage: FlatStorage<T>,
+}
+
+impl<T: Element> Drop for Lease<T> {
+    fn drop(&mut self) {
+        *self.storage.shared.leased.lock() = false;
+    }
+}
+
+impl<T: Element> std::fmt::Debug for Lease<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("storage", &self.storage)
+            .finish()
+    }
+}
+
+impl<T: Element + comm_core::Element> comm_core::LentMemory for Lease<T> {
+    fn view(&self) -> comm_core::BufRef<'_> {
+        let shared = &self.storage.shared;
+        match &shared.memory {
+            // SAFETY: the whole allocation; while this lease lives every other access is
+            // refused, so nothing writes it.
+            Memory::Host(ptr) => comm_core::BufRef::from(unsafe {
+                std::slice::from_raw_parts(ptr.cast_const(), shared.len)
+            }),
+            Memory::Device(array) => array.lend(),
+        }
+    }
+
+    fn view_mut(&mut self) -> comm_core::BufMut<'_> {
+        let shared = &self.storage.shared;
+        match &shared.memory {
+            // SAFETY: as in `view`; `&mut self` makes this the lease's only view.
+            Memory::Host(ptr) => {
+                comm_core::BufMut::from(unsafe { std::slice::from_raw_parts_mut(*ptr, shared.len) })
+            }
+            // SAFETY: the storage's array is never handed out whole, and its windows are
+            // used only under the lock, which the lease keeps everyone else from using.
+            Memory::Device(array) => unsafe { array.lend_mut() },
+        }
+    }
+}
+
+/// A tensor-shaped range of a [`FlatStorage`]: where one parameter's gradient lives
+/// inside a bucket. Clones share the storage.
+#[derive(Clone)]
+pub struct FlatView<T: Element = f32> {
+    storage: FlatStorage<T>,
+    offset: usize,
+    shape: Vec<usize>,
+}
+
+impl<T: Element> FlatView<T> {
+    /// Elements `offset..offset + Π shape` of `storage`, as a tensor of `shape`; a range
+    /// past the end is an error.
+    pub fn new(storage: &FlatStorage<T>, offset: usize, shape: &[usize]) -> Result<Self> {
+        let numel: usize = shape.iter().product();
+        if offset
+            .checked_add(numel)
+            .is_none_or(|end| end > storage.len())
+        {
+            return Err(Error::shape(
+                "FlatView::new",
+                &[&[storage.len()], &[offset], shape],
+                "the view must lie within its storage",
+            ));
+        }
+        Ok(FlatView {
+            storage: storage.clone(),
+            offset,
+            shape: shape.to_vec(),
+        })
+    }
+
+    /// The storage this view lies in.
+    pub fn storage(&self) -> &FlatStorage<T> {
+        &self.storage
+    }
+
+    /// First element of the view in its storage.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The view's shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The device holding the elements.
+    pub fn device(&self) -> Device {
+        self.storage.device()
+    }
+
+    /// A copy of the elements as a tensor on the storage's device (no host transfer for a
+    /// device storage).
+    pub fn to_tensor(&self) -> Result<Tensor<T>> {
+        const OP: &str = "FlatView::to_tensor";
+        self.storage
+            .access(OP, self.offset, &self.shape, |region| match region {
+                Region::Host(slice) => Tensor::from_vec(slice.to_vec(), &self.shape),
+                Region::Device(window) => Ok(Tensor::from_gpu(window.duplicate(OP)?)),
+            })
+    }
+
+    /// Sets every element to `value`.
+    pub fn fill(&self, value: T) -> Result<()> {
+        const OP: &str = "FlatView::fill";
+        self.storage
+            .access(OP, self.offset, &self.shape, |region| match region {
+                Region::Host(slice) => {
+                    slice.fill(value);
+                    Ok(())
+                }
+                Region::Device(window) => window.fill(value),
+            })
+    }
+
+    /// Writes `tensor` (same shape and device) into the view, or adds it to what is there.
+    pub(crate) fn write(&self, op: &'static str, tensor: &Tensor<T>, add: bool) -> Result<()> {
+        if tensor.shape() != self.shape.as_slice() {
+            return Err(Error::shape(
+                op,
+                &[&self.shape, tensor.shape()],
+                "a gradient must have its view's shape",
+            ));
+        }
+        if tensor.device() != self.device() {
+            return Err(Error::DeviceMismatch {
+                op,
+                first: self.device(),
+                second: tensor.device(),
+            });
+        }
+        self.storage
+            .access(op, self.offset, &self.shape, |region| match region {
+                Region::Host(slice) => {
+                    let source = tensor.cpu(op)?;
+                    let pairs = slice.iter_mut().zip(source.iter());
+                    if add {
+                        pairs.for_each(|(slot, &v)| *slot += v);
+                    } else {
+                        pairs.for_each(|(slot, &v)| *slot = v);
+                    }
+                    Ok(())
+                }
+                Region::Device(window) => {
+                    let source = tensor.device_array(op, self.device())?;
+                    if add {
+                        ops::binary_into(op, ops::BinaryKind::Add, &window, &window, source)
+                    } else {
+                        // SAFETY: both hold `len` elements of `T` on this device.
+                        unsafe {
+                            window.backend().copy(
+                                window.ptr(),
+                                source.ptr(),
+                                window.len() * std::mem::size_of::<T>(),
+                            )
+                        }
+                    }
+                }
+            })
+    }
+
+    /// Runs `read` on the elements as a host slice (host storage).
+    pub(crate) fn with_host<R>(
+        &self,
+        op: &'static str,
+        read: impl FnOnce(&[T]) -> Result<R>,
+    ) -> Result<R> {
+        self.storage
+            .access(op, self.offset, &self.shape, |region| match region {
+                Region::Host(slice) => read(slice),
+                Region::Device(window) => Err(Error::UnsupportedDevice {
+                    op,
+                    device: window.device(),
+                }),
+            })
+    }
+
+    /// Runs `read` on the elements as a device array (device storage).
+    pub(crate) fn with_device<R>(
+        &self,
+        op: &'static str,
+        read: impl FnOnce(&GpuArray<T>) -> Result<R>,
+    ) -> Result<R> {
+        self.storage
+            .access(op, self.offset, &self.shape, |region| match region {
+                Region::Device(window) => read(&window),
+                Region::Host(_) => Err(Error::UnsupportedDevice {
+                    op,
+                    device: Device::Cpu,
+                }),
+            })
+    }
+}
+
+impl<T: Element> std::fmt::Debug for FlatView<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlatView")
+            .field("storage", &self.storage)
+            .field("offset", &self.offset)
+            .field("shape", &self.shape)
+            .finish()
+    }
+}

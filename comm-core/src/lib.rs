@@ -84,6 +84,7 @@ mod communicator;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod dtype;
+mod dual;
 mod error;
 pub mod flight_recorder;
 pub mod local;
@@ -98,6 +99,7 @@ mod work;
 pub use buffer::{BufMut, BufRef, Buffer, LentMemory, MemoryKind};
 pub use communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
 pub use dtype::{reduce_slices, DType, Element, ReduceOp};
+pub use dual::DualCommunicator;
 pub use error::{CallSignature, Error, OpKind, Result};
 pub use flight_recorder::{CallRecord, CallState, FlightRecord, RankHistory};
 pub use local::{local_rank_threads, run_local, LocalCommunicator, LocalLauncher};

@@ -667,3 +667,72 @@ fn expect_err(
         Ok(()) => bail!("{what}: succeeded, expected an error"),
     }
 }
+
+/// Device memory lent to an owned buffer, as tape's flat storage lends a bucket.
+#[derive(Debug)]
+struct LentSlice {
+    slice: CudaSlice<f32>,
+    stream: Arc<CudaStream>,
+}
+
+impl comm_core::LentMemory for LentSlice {
+    fn view(&self) -> BufRef<'_> {
+        BufRef::cuda(&self.slice, &self.stream).expect("the slice lives on its stream's device")
+    }
+    fn view_mut(&mut self) -> BufMut<'_> {
+        BufMut::cuda(&mut self.slice, &self.stream).expect("the slice lives on its stream's device")
+    }
+}
+
+/// Calls recorded for this rank on `comm`.
+fn recorded(comm: &dyn Communicator) -> usize {
+    let record = comm.flight_record();
+    record
+        .ranks
+        .iter()
+        .filter(|history| history.rank == comm.rank())
+        .map(|history| history.calls.len())
+        .sum()
+}
+
+/// A dual communicator over (local, NCCL) sends host memory to the local half and device
+/// memory to NCCL, blocking and non-blocking (lent device memory, as DDP's buckets).
+#[test]
+fn a_dual_communicator_routes_device_memory_to_nccl() -> anyhow::Result<()> {
+    if let Some(reason) = skip_reason() {
+        println!("skipped: {reason}");
+        return Ok(());
+    }
+    run_local(1, |comm| -> anyhow::Result<()> {
+        let stream = cuda::context(0)?.new_stream()?;
+        let host: Arc<dyn Communicator> = Arc::new(comm);
+        let nccl: Arc<dyn Communicator> =
+            Arc::new(NcclCommunicator::new(host.clone(), 0)?.with_timeout(TEST_TIMEOUT));
+        let dual = comm_core::DualCommunicator::new(host.clone(), nccl.clone())?;
+        let (host_calls, nccl_calls) = (recorded(host.as_ref()), recorded(nccl.as_ref()));
+
+        let mut on_host = [1.0f32];
+        dual.all_reduce(BufMut::from(&mut on_host[..]), ReduceOp::Sum)?;
+        let mut x = stream.clone_htod(&[1.0f32, 2.0])?;
+        dual.all_reduce(BufMut::cuda(&mut x, &stream)?, ReduceOp::Sum)?;
+        let lent = Buffer::lent(Box::new(LentSlice {
+            slice: stream.clone_htod(&[3.0f32])?,
+            stream: stream.clone(),
+        }));
+        let back = dual
+            .start(AsyncOp::AllReduce {
+                buf: lent,
+                op: ReduceOp::Sum,
+            })?
+            .wait()?;
+        ensure!(back.memory() == comm_core::MemoryKind::Cuda { device: 0 });
+        ensure!(recorded(host.as_ref()) == host_calls + 1, "one host call");
+        ensure!(
+            recorded(nccl.as_ref()) == nccl_calls + 2,
+            "two device calls"
+        );
+        ensure!(stream.clone_dtoh(&x)? == vec![1.0, 2.0]);
+        Ok(())
+    })?;
+    Ok(())
+}

@@ -9,6 +9,7 @@
 //! cargo run --release -p train-gpt -- --steps 200 --resume ckpt
 //! cargo build --release -p train-gpt --features mpi
 //! mpirun -n 4 target/release/train-gpt --backend mpi
+//! cargo run --release -p train-gpt -- --backend nccl --device cuda:0
 //! ```
 //!
 //! Model: vocabulary-parallel token embedding + learned position embedding → `--layers`
@@ -63,6 +64,11 @@ enum Backend {
     Local,
     /// One process per rank under mpirun (needs `--features mpi`).
     Mpi,
+    /// NCCL between CUDA devices (`--device cuda:N`; ranks take devices N, N+1, ... in
+    /// turn, several ranks per device need NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1).
+    /// Ranks are threads of this process, or one process per rank under mpirun (with
+    /// `--features mpi`); host-side calls go over those threads or MPI.
+    Nccl,
 }
 
 #[derive(Parser, Debug)]
@@ -155,8 +161,8 @@ struct Args {
     /// among its ranks, so ranks × threads never exceed the cores].
     #[arg(long)]
     threads: Option<usize>,
-    /// Where tensors live and compute: cpu, cuda:N (build with `--features tape/cuda`), or
-    /// emulated (the CUDA code path run on the host; slow, for checking).
+    /// Where tensors live and compute: cpu, cuda:N (the first device for `--backend nccl`),
+    /// or emulated (the CUDA code path run on the host; slow, for checking).
     #[arg(long, default_value = "cpu")]
     device: tape::Device,
     /// Save a checkpoint at the end in this directory: the weights and the AdamW state
@@ -230,14 +236,88 @@ fn run(args: &Args) -> Result<()> {
         None => Corpus::builtin(),
     };
     corpus.check_window(args.seq)?;
+    // A device that cannot be opened fails here, naming the missing driver or library.
+    if args.device != tape::Device::Cpu {
+        tape::Tensor::<f32>::zeros(&[1]).to_device(args.device)?;
+    }
     match args.backend {
-        Backend::Local => run_local_backend(args, &corpus),
-        Backend::Mpi => run_mpi_backend(args, &corpus),
+        Backend::Local => run_local_backend(args, &corpus, None),
+        Backend::Mpi => run_mpi_backend(args, &corpus, None),
+        Backend::Nccl => {
+            let devices = nccl_devices(args)?;
+            if under_mpirun() {
+                run_mpi_backend(args, &corpus, Some(devices))
+            } else {
+                run_local_backend(args, &corpus, Some(devices))
+            }
+        }
     }
 }
 
-/// TP × DP rank threads in this process.
-fn run_local_backend(args: &Args, corpus: &Corpus) -> Result<()> {
+/// The CUDA devices `--backend nccl` gives its ranks in turn: `--device cuda:N` and the
+/// ones after it. Fails before any rank starts when NCCL or the devices are missing.
+#[cfg(feature = "cuda")]
+fn nccl_devices(args: &Args) -> Result<std::ops::Range<usize>> {
+    use comm_core::cuda::{self, Library};
+    let tape::Device::Cuda(first) = args.device else {
+        bail!(
+            "--backend nccl moves CUDA memory, but --device is {}; pass --device cuda:N",
+            args.device
+        );
+    };
+    cuda::require(Library::Nccl, "--backend nccl")?;
+    let count = cuda::device_count()?;
+    ensure!(
+        first < count,
+        "--device cuda:{first}, but this machine has {count} CUDA device(s)"
+    );
+    Ok(first..count)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_devices(_: &Args) -> Result<std::ops::Range<usize>> {
+    bail!(
+        "--backend nccl: this binary was built without CUDA (libcuda, libnccl); build it \
+         with `cargo build --release -p train-gpt --features cuda`"
+    )
+}
+
+/// This rank's world communicator: `comm` itself, or with `devices` an NCCL group of the
+/// same ranks on the rank's device (the `local_rank`-th in turn), paired with `comm` for
+/// host memory; and the device the rank computes on.
+fn connect(
+    comm: Arc<dyn Communicator>,
+    device: tape::Device,
+    devices: Option<std::ops::Range<usize>>,
+    local_rank: usize,
+) -> Result<(Arc<dyn Communicator>, tape::Device)> {
+    let Some(devices) = devices else {
+        return Ok((comm, device));
+    };
+    let ordinal = devices.start + local_rank % devices.len();
+    Ok((nccl_world(comm, ordinal)?, tape::Device::Cuda(ordinal)))
+}
+
+#[cfg(feature = "cuda")]
+fn nccl_world(comm: Arc<dyn Communicator>, ordinal: usize) -> Result<Arc<dyn Communicator>> {
+    let nccl = comm_core::NcclCommunicator::new(comm.clone(), ordinal)?;
+    Ok(Arc::new(comm_core::DualCommunicator::new(
+        comm,
+        Arc::new(nccl),
+    )?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_world(_: Arc<dyn Communicator>, _: usize) -> Result<Arc<dyn Communicator>> {
+    unreachable!("nccl_devices refuses --backend nccl without the cuda feature")
+}
+
+/// TP × DP rank threads in this process, over NCCL on `devices` when given.
+fn run_local_backend(
+    args: &Args,
+    corpus: &Corpus,
+    devices: Option<std::ops::Range<usize>>,
+) -> Result<()> {
     let dp = args.dp.unwrap_or(2);
     validate(args, dp)?;
     let config = train_config(args);
@@ -249,8 +329,13 @@ fn run_local_backend(args: &Args, corpus: &Corpus) -> Result<()> {
         if let Some(threads) = args.threads {
             tape::set_num_threads(threads)?;
         }
-        let world: Arc<dyn Communicator> = Arc::new(comm);
-        let progress = (world.rank() == 0).then_some(&progress);
+        let rank = comm.rank();
+        let (world, device) = connect(Arc::new(comm), config.device, devices.clone(), rank)?;
+        let config = TrainConfig {
+            device,
+            ..config.clone()
+        };
+        let progress = (rank == 0).then_some(&progress);
         train_rank(world, &config, corpus, progress)
     })?;
     if let Some(path) = &args.trace {
@@ -269,7 +354,11 @@ fn run_local_backend(args: &Args, corpus: &Corpus) -> Result<()> {
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
+fn run_mpi_backend(
+    args: &Args,
+    corpus: &Corpus,
+    devices: Option<std::ops::Range<usize>>,
+) -> Result<()> {
     let mpi = comm_core::mpi::MpiWorld::init()?;
     let world: Arc<dyn Communicator> = Arc::new(mpi.world()?);
     let size = world.size();
@@ -285,7 +374,7 @@ fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
             std::env::args()
                 .next()
                 .unwrap_or_else(|| "train-gpt".into()),
-            if launched_by_mpirun() {
+            if under_mpirun() {
                 ""
             } else {
                 " (this process was not started by mpirun)"
@@ -331,8 +420,18 @@ fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
     if rank0 {
         announce(args, corpus, dp);
     }
+    // Processes on this machine take its devices in turn.
+    let local_rank = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok()?.parse().ok())
+        .unwrap_or(world.rank());
+    let (world, device) = connect(world, args.device, devices, local_rank)?;
+    let config = TrainConfig {
+        device,
+        ..train_config(args)
+    };
     let progress = rank0.then(|| Progress::new("train", args.steps, args.batch * dp * args.seq));
-    let result = train_rank(world, &train_config(args), corpus, progress.as_ref())?;
+    let result = train_rank(world, &config, corpus, progress.as_ref())?;
     if rank0 {
         finish(args, corpus, dp, result)?;
     }
@@ -340,15 +439,14 @@ fn run_mpi_backend(args: &Args, corpus: &Corpus) -> Result<()> {
 }
 
 /// Whether a launcher (OpenMPI, MPICH/PMI, Slurm's PMIx) started this process.
-#[cfg(feature = "mpi")]
-fn launched_by_mpirun() -> bool {
+fn under_mpirun() -> bool {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
         .iter()
         .any(|name| std::env::var_os(name).is_some())
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi_backend(_: &Args, _: &Corpus) -> Result<()> {
+fn run_mpi_backend(_: &Args, _: &Corpus, _: Option<std::ops::Range<usize>>) -> Result<()> {
     bail!(
         "--backend mpi: this binary was built without MPI; build it with `cargo build \
          --release -p train-gpt --features mpi` and run it under `mpirun -n 4 \
@@ -541,6 +639,7 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
         match args.backend {
             Backend::Local => "local",
             Backend::Mpi => "mpi",
+            Backend::Nccl => "nccl",
         },
         args.device,
         args.steps,

@@ -51,3 +51,23 @@ fn zero_threads_per_rank_is_refused() {
     assert!(!ok);
     assert!(stderr.contains("at least one thread"), "{stderr}");
 }
+
+/// Without a GPU (as in CI) `--backend nccl` stops before training, naming the driver,
+/// library or device that is missing; with one, it trains.
+#[test]
+fn the_nccl_backend_without_a_gpu_names_what_is_missing() {
+    let (ok, stderr) = train(&["--backend", "nccl", "--device", "cuda:0", "--steps", "1"]);
+    if ok {
+        println!("a GPU and NCCL are present: the run trained");
+        return;
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        ["libcuda", "libnccl", "CUDA device"]
+            .iter()
+            .any(|missing| stderr.contains(missing)),
+        "{stderr}"
+    );
+    let (ok, stderr) = train(&["--backend", "nccl", "--steps", "1"]);
+    assert!(!ok && stderr.contains("pass --device cuda:N"), "{stderr}");
+}

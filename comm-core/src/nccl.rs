@@ -76,8 +76,10 @@
 //!   ([`NcclCommunicator::all_reduce_async`], `all_gather_async`, `reduce_scatter_async`):
 //!   the returned [`NcclWork`] orders a compute stream after the collective with an event
 //!   (`wait_on`) and waits on the host under the watchdog (`wait`, or on drop).
-//!   [`Communicator::start`] takes host buffers, which NCCL cannot read: it returns
-//!   [`Error::InvalidBuffer`].
+//!   [`Communicator::start`] runs an all-reduce on lent device memory
+//!   ([`Buffer::lent`](crate::Buffer::lent), e.g. a DDP bucket): queued at once, waited
+//!   for under the watchdog when its [`Work`] is waited for or dropped. Other operations,
+//!   and host buffers, are [`Error::InvalidBuffer`].
 //! * Zero-element calls, and the empty blocks of the `_v` calls, return without calling
 //!   NCCL (every rank skips the same ones).
 //! * NCCL ≤ 2.29 refuses two ranks on one GPU ("Duplicate GPU detected", an error on every
@@ -117,6 +119,21 @@ pub const CHECK_ENV: &str = "FERROTRON_NCCL_CHECK";
 
 /// One rank's handle on an NCCL communicator over the GPUs of a group.
 pub struct NcclCommunicator {
+    /// Shared with the non-blocking operations in flight, which wait for their NCCL work
+    /// under this communicator's watchdog when their [`Work`] is waited for.
+    shared: Arc<Shared>,
+}
+
+impl std::ops::Deref for NcclCommunicator {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.shared
+    }
+}
+
+/// What a communicator's handles share.
+pub struct Shared {
     /// The group NCCL was bootstrapped over; `split` splits it.
     bootstrap: Arc<dyn Communicator>,
     device: usize,
@@ -124,7 +141,8 @@ pub struct NcclCommunicator {
     size: usize,
     name: String,
     world_ranks: Vec<usize>,
-    timeout: Duration,
+    /// The watchdog's limit, in nanoseconds.
+    timeout_nanos: std::sync::atomic::AtomicU64,
     /// The stream every NCCL call of this communicator runs on (it holds the context).
     stream: Arc<CudaStream>,
     /// One element that `barrier` all-reduces.
@@ -230,34 +248,40 @@ impl NcclCommunicator {
             return Err(e);
         }
         Ok(NcclCommunicator {
-            device,
-            rank: boot.rank(),
-            size: boot.size(),
-            name: boot.name().to_string(),
-            world_ranks: boot.world_ranks().to_vec(),
-            timeout: local.timeout,
-            stream: local.stream,
-            barrier_buf: local.barrier_buf,
-            state: Mutex::new(State {
-                comm: Ok(comm),
-                seq: 0,
-                check: local.check,
+            shared: Arc::new(Shared {
+                device,
+                rank: boot.rank(),
+                size: boot.size(),
+                name: boot.name().to_string(),
+                world_ranks: boot.world_ranks().to_vec(),
+                timeout_nanos: nanos(local.timeout).into(),
+                stream: local.stream,
+                barrier_buf: local.barrier_buf,
+                state: Mutex::new(State {
+                    comm: Ok(comm),
+                    seq: 0,
+                    check: local.check,
+                }),
+                recorder: Recorder::new(local.flight_recorder),
+                bootstrap,
             }),
-            recorder: Recorder::new(local.flight_recorder),
-            bootstrap,
         })
     }
 
     /// The same communicator with another collective timeout (the default comes from
     /// [`TIMEOUT_ENV`](crate::local::TIMEOUT_ENV)); groups made by `split` inherit it.
-    pub fn with_timeout(mut self, timeout: Duration) -> NcclCommunicator {
-        self.timeout = timeout;
+    pub fn with_timeout(self, timeout: Duration) -> NcclCommunicator {
+        self.timeout_nanos
+            .store(nanos(timeout), std::sync::atomic::Ordering::Relaxed);
         self
     }
 
     /// How long a call waits for NCCL before aborting the communicator.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        Duration::from_nanos(
+            self.timeout_nanos
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
     }
 
     /// Whether collectives compare their signatures across ranks first (see the module
@@ -378,11 +402,13 @@ impl NcclCommunicator {
         };
         Ok(NcclWork {
             communicator: self,
-            op,
-            seq,
-            done,
-            record,
-            started: Instant::now(),
+            pending: Pending {
+                op,
+                seq,
+                done,
+                record,
+                started: Instant::now(),
+            },
             _buffers: std::marker::PhantomData,
         })
     }
@@ -470,7 +496,7 @@ impl NcclCommunicator {
         let error = abort_comm(state, error);
         if let Ok(drained) = self.stream.record_event(None) {
             let started = Instant::now();
-            while !drained.try_is_complete().unwrap_or(true) && started.elapsed() < self.timeout {
+            while !drained.try_is_complete().unwrap_or(true) && started.elapsed() < self.timeout() {
                 std::thread::sleep(POLL_INTERVAL);
             }
         }
@@ -553,7 +579,7 @@ impl NcclCommunicator {
                 return Ok(());
             }
             let waited = started.elapsed();
-            if waited >= self.timeout {
+            if waited >= self.timeout() {
                 return Err(Error::Timeout {
                     group: self.name.clone(),
                     op,
@@ -596,14 +622,30 @@ impl NcclCommunicator {
 #[must_use = "a collective in flight must be waited for"]
 pub struct NcclWork<'a> {
     communicator: &'a NcclCommunicator,
+    pending: Pending,
+    _buffers: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+/// A queued call, until it is waited for.
+struct Pending {
     op: OpKind,
     seq: u64,
-    /// Recorded after the call's NCCL work; `None` when nothing was queued.
+    /// Recorded after the call's NCCL work; `None` when nothing was queued, or once
+    /// waited for.
     done: Option<CudaEvent>,
     /// The call's flight record, ended when the work is waited for.
     record: Ticket,
     started: Instant,
-    _buffers: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl Pending {
+    /// The call's bookkeeping, moved out of `self`, which is left finished.
+    fn take(&mut self) -> Pending {
+        Pending {
+            done: self.done.take(),
+            ..*self
+        }
+    }
 }
 
 impl NcclWork<'_> {
@@ -611,7 +653,7 @@ impl NcclWork<'_> {
     /// on it afterwards sees the result. Call [`wait`](Self::wait) before the buffers are
     /// reused from the host or freed.
     pub fn wait_on(&self, stream: &CudaStream) -> Result<()> {
-        match &self.done {
+        match &self.pending.done {
             Some(done) => stream
                 .wait(done)
                 .map_err(cuda::driver_error("cuStreamWaitEvent")),
@@ -624,7 +666,7 @@ impl NcclWork<'_> {
     /// overwriting a buffer included, follows it even when this handle is leaked with
     /// `mem::forget` instead of waited for (what PyTorch's `recordStream` ensures).
     fn held_by(self, holders: &[&CudaStream]) -> Result<Self> {
-        if let Some(done) = &self.done {
+        if let Some(done) = &self.pending.done {
             for stream in holders {
                 stream
                     .wait(done)
@@ -641,17 +683,23 @@ impl NcclWork<'_> {
     }
 
     fn finish(&mut self) -> Result<()> {
-        let Some(done) = self.done.take() else {
+        self.communicator.complete(&mut self.pending)
+    }
+}
+
+impl NcclCommunicator {
+    /// Waits for a queued call under the watchdog and ends its flight record (once).
+    fn complete(&self, pending: &mut Pending) -> Result<()> {
+        let Some(done) = pending.done.take() else {
             return Ok(());
         };
-        let nccl = self.communicator;
-        let mut state = nccl.state.lock();
-        let comm = nccl
+        let mut state = self.state.lock();
+        let comm = self
             .live(&state)
-            .inspect_err(|_| nccl.recorder.end(self.record, false))?;
-        let watched = nccl.watch(comm, &done, self.op, self.seq, self.started);
-        nccl.recorder.end(self.record, watched.is_ok());
-        watched.map_err(|e| nccl.abort(&mut state, e))
+            .inspect_err(|_| self.recorder.end(pending.record, false))?;
+        let watched = self.watch(comm, &done, pending.op, pending.seq, pending.started);
+        self.recorder.end(pending.record, watched.is_ok());
+        watched.map_err(|e| self.abort(&mut state, e))
     }
 }
 
@@ -665,19 +713,25 @@ impl Drop for NcclWork<'_> {
 impl NcclCommunicator {
     /// [`Communicator::all_reduce`] without waiting: see [`NcclWork`].
     pub fn all_reduce_async<'a>(&'a self, buf: BufMut<'a>, op: ReduceOp) -> Result<NcclWork<'a>> {
+        let holders = buf.cuda_holders();
+        self.queue_all_reduce(buf, op)?.held_by(&holders)
+    }
+
+    /// Queues an all-reduce on NCCL's stream behind the work queued on `buf`'s stream,
+    /// without making any stream wait for it.
+    fn queue_all_reduce<'a>(&'a self, buf: BufMut<'a>, op: ReduceOp) -> Result<NcclWork<'a>> {
         let kind = OpKind::AllReduce;
         let sig = self.check().all_reduce(&buf, op)?;
         let stream = self.stream_of(kind, "buffer", buf.memory(), buf.cuda_stream())?;
         let (ptr, count, dtype) = (buf.device_ptr(), buf.len(), nccl_dtype(buf.dtype()));
         self.start((&sig, None), &[stream], count, |comm, s| {
             // SAFETY: as for the blocking calls; in place, as NCCL allows. The work
-            // borrows `buf` until it has been waited for, and its streams follow the
-            // call in case the work is leaked.
+            // borrows `buf` until it has been waited for (the caller keeps it alive past
+            // a leak: see `all_reduce_async` and `start`).
             let r =
                 unsafe { nccl::all_reduce(src(ptr), dst(ptr), count, dtype, nccl_op(op), comm, s) };
             queued("ncclAllReduce", r)
-        })?
-        .held_by(&buf.cuda_holders())
+        })
     }
 
     /// [`Communicator::all_gather`] without waiting: see [`NcclWork`].
@@ -724,6 +778,11 @@ impl NcclCommunicator {
 
 /// Aborts the communicator (if still live) because of `error`, which later calls report
 /// as the cause, and returns `error`.
+/// `duration` in whole nanoseconds, saturating (a timeout of centuries is no timeout).
+fn nanos(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+}
+
 fn abort_comm(state: &mut State, error: Error) -> Error {
     if let Ok(comm) = std::mem::replace(&mut state.comm, Err(error.to_string())) {
         // SAFETY: a live communicator that nothing uses after this (we hold the lock and
@@ -946,7 +1005,7 @@ fn at(ptr: u64, offset: usize, dtype: DType) -> u64 {
     ptr + (offset * dtype.size_in_bytes()) as u64
 }
 
-impl Drop for NcclCommunicator {
+impl Drop for Shared {
     fn drop(&mut self) {
         if let Ok(comm) = &self.state.get_mut().comm {
             // NCCL frees its device memory in the current context.
@@ -1261,7 +1320,7 @@ impl Communicator for NcclCommunicator {
         };
         let check = self.checks_signatures();
         let comm =
-            NcclCommunicator::open(sub, self.device, Some(check))?.with_timeout(self.timeout);
+            NcclCommunicator::open(sub, self.device, Some(check))?.with_timeout(self.timeout());
         Ok(Some(Arc::new(comm)))
     }
 
@@ -1270,25 +1329,35 @@ impl Communicator for NcclCommunicator {
     }
 
     fn start(&self, op: AsyncOp) -> Result<Work> {
-        let (kind, input) = match &op {
-            AsyncOp::AllReduce { buf, .. } => (OpKind::AllReduce, buf),
-            AsyncOp::Broadcast { buf, .. } => (OpKind::Broadcast, buf),
-            AsyncOp::AllGather { input } => (OpKind::AllGather, input),
-            AsyncOp::ReduceScatter { input, .. } => (OpKind::ReduceScatter, input),
+        let (kind, memory) = match &op {
+            AsyncOp::AllReduce { buf, .. } => (OpKind::AllReduce, buf.memory()),
+            AsyncOp::Broadcast { buf, .. } => (OpKind::Broadcast, buf.memory()),
+            AsyncOp::AllGather { input } => (OpKind::AllGather, input.memory()),
+            AsyncOp::ReduceScatter { input, .. } => (OpKind::ReduceScatter, input.memory()),
         };
-        match (kind, input.memory()) {
-            // Lent device memory (a tensor library's bucket) is reduced in place, queued on
-            // NCCL's stream after the work its owner queued; the call returns once the result
-            // is in place, so the buffer goes back complete.
-            (OpKind::AllReduce | OpKind::Broadcast, MemoryKind::Cuda { .. }) => {
-                Ok(Work::finished(Ok(op.run_blocking(self)?)))
+        match (op, memory) {
+            // Lent device memory (a tensor library's gradient bucket) is reduced in place,
+            // queued now on NCCL's stream behind the work its owner already queued, so
+            // the owner's later kernels overlap it. The buffer travels with the work,
+            // which waits under the watchdog when waited for or dropped, so the memory
+            // outlives NCCL's use of it, and no stream of the owner waits on NCCL.
+            (AsyncOp::AllReduce { mut buf, op }, MemoryKind::Cuda { .. }) => {
+                let pending = self.queue_all_reduce(buf.as_buf_mut(), op)?.pending.take();
+                let handle = NcclCommunicator {
+                    shared: self.shared.clone(),
+                };
+                let mut pending = pending;
+                Ok(Work::deferred(move || {
+                    handle.complete(&mut pending)?;
+                    Ok(buf)
+                }))
             }
             _ => Err(Error::InvalidBuffer {
                 op: kind,
                 group: self.name.clone(),
                 detail: "NCCL's non-blocking operations take lent device memory \
-                         (`Buffer::lent`) for in-place all-reduces and broadcasts; for other \
-                         operations call the blocking method with device views \
+                         (`Buffer::lent`) for in-place all-reduces; for other operations call \
+                         the `*_async` or blocking methods with device views \
                          (`BufRef::cuda` / `BufMut::cuda`): it returns once the result is in \
                          place"
                     .to_string(),

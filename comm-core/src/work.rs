@@ -9,11 +9,22 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 /// A started non-blocking operation. [`Work::wait`] returns its result buffer; dropping
-/// a `Work` without waiting lets the operation finish and discards the result.
+/// a `Work` without waiting lets the operation finish and discards the result (for an
+/// operation queued on a device, dropping waits for it there).
 #[must_use = "a Work must be waited on to get its buffer back and see its error"]
 pub struct Work {
-    slot: Arc<Completion>,
+    state: WorkState,
 }
+
+enum WorkState {
+    /// Run by a progress thread, which fills the slot.
+    Queued(Arc<Completion>),
+    /// Already queued where it runs (a device stream); the closure waits for it on the
+    /// waiting thread and gives the buffer back. `None` once run.
+    Deferred(Option<Finish>),
+}
+
+type Finish = Box<dyn FnOnce() -> Result<Buffer> + Send>;
 
 struct Completion {
     result: Mutex<Option<Result<Buffer>>>,
@@ -26,31 +37,60 @@ impl Work {
             result: Mutex::new(None),
             done: Condvar::new(),
         });
-        (Work { slot: slot.clone() }, slot)
+        (
+            Work {
+                state: WorkState::Queued(slot.clone()),
+            },
+            slot,
+        )
     }
 
-    /// An operation that has already finished with `result`.
+    /// An operation already queued elsewhere (on a device stream) that `finish` waits
+    /// for, with the backend's watchdog, and whose buffer it then gives back.
     #[cfg(feature = "cuda")]
-    pub(crate) fn finished(result: Result<Buffer>) -> Work {
-        let (work, slot) = Work::new();
-        slot.complete(result);
-        work
+    pub(crate) fn deferred(finish: impl FnOnce() -> Result<Buffer> + Send + 'static) -> Work {
+        Work {
+            state: WorkState::Deferred(Some(Box::new(finish))),
+        }
     }
 
-    /// Whether the operation has finished (successfully or not).
+    /// Whether the operation is known to have finished (successfully or not); an
+    /// operation queued on a device reports `false` until waited for.
     pub fn is_done(&self) -> bool {
-        self.slot.result.lock().is_some()
+        match &self.state {
+            WorkState::Queued(slot) => slot.result.lock().is_some(),
+            WorkState::Deferred(finish) => finish.is_none(),
+        }
     }
 
     /// Blocks until the operation finishes and returns its result buffer or error.
     /// Operations always finish: a lost peer or a timeout ends them with an error.
-    pub fn wait(self) -> Result<Buffer> {
-        let mut guard = self.slot.result.lock();
-        loop {
-            if let Some(result) = guard.take() {
-                return result;
+    pub fn wait(mut self) -> Result<Buffer> {
+        match &mut self.state {
+            WorkState::Queued(slot) => {
+                let mut guard = slot.result.lock();
+                loop {
+                    if let Some(result) = guard.take() {
+                        return result;
+                    }
+                    slot.done.wait(&mut guard);
+                }
             }
-            self.slot.done.wait(&mut guard);
+            WorkState::Deferred(finish) => match finish.take() {
+                Some(finish) => finish(),
+                None => unreachable!("a deferred operation runs once, in wait or drop"),
+            },
+        }
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        // The buffer must outlive the device's use of it.
+        if let WorkState::Deferred(finish) = &mut self.state {
+            if let Some(finish) = finish.take() {
+                let _ = finish();
+            }
         }
     }
 }

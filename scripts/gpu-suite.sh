@@ -31,7 +31,7 @@ build() {
         python3 -c '
 import json, sys
 wanted = {"gpu_local", "gpu_nccl", "device", "device_math", "device_nn", "device_shape",
-          "device_training", "comm_core", "tape"}
+          "device_training", "main_grad", "lending", "comm_core", "tape"}
 for line in sys.stdin:
     m = json.loads(line)
     if (m.get("reason") == "compiler-artifact" and m.get("executable")
@@ -42,8 +42,10 @@ for line in sys.stdin:
     cargo build --release -p tape --features tape/cuda --example bench_device
     cargo build --release -p layers --features tape/cuda --example bench_block
     cargo build --release -p train-gpt --features cuda
+    cargo build --release -p ddp --features cuda --example bench_ddp
     cp target/release/comm-bench target/release/examples/bench_device \
-        target/release/examples/bench_block target/release/train-gpt "$BIN/"
+        target/release/examples/bench_block target/release/examples/bench_ddp \
+        target/release/train-gpt "$BIN/"
     # Debug info is most of the size.
     strip --strip-debug "$BIN"/*
     du -sh "$BIN"
@@ -113,6 +115,23 @@ bench() {
     local start=$SECONDS
     "$BIN/train-gpt" --device cuda:0 --out "$logs/demo" | tail -3
     echo "default run: $((SECONDS - start)) s"
+    echo "== DDP overlap on the GPU: local backend over device memory, then NCCL (2 ranks)"
+    "$BIN/bench_ddp" --device cuda:0 --ranks 2 --json
+    NCCL_MULTI_RANK_GPU_ENABLE=1 "$BIN/bench_ddp" --backend nccl --device cuda:0 --ranks 2 \
+        --json || echo "bench_ddp over NCCL failed (see the error above)"
+    echo "== the demo over NCCL on one GPU (TP 2 x DP 1, TP 2 x DP 2) against the CPU curve"
+    for dp in 1 2; do
+        "$BIN/train-gpt" --tp 2 --dp $dp --steps 20 --out "$logs/cpu-dp$dp" | tail -1
+        NCCL_MULTI_RANK_GPU_ENABLE=1 "$BIN/train-gpt" --backend nccl --device cuda:0 --tp 2 \
+            --dp $dp --steps 20 --check --out "$logs/nccl-dp$dp" | tail -3
+        python3 - "$logs/cpu-dp$dp/loss.csv" "$logs/nccl-dp$dp/loss.csv" <<'PY'
+import csv, sys
+curves = [[float(row["loss"]) for row in csv.DictReader(open(path))] for path in sys.argv[1:]]
+worst = max(abs(a - b) for a, b in zip(*curves))
+print(f"NCCL vs CPU loss curve: max difference {worst:.2e}",
+      "(within 1e-3)" if worst <= 1e-3 else "(OVER 1e-3)")
+PY
+    done
 }
 
 case "${1:-}" in

@@ -21,9 +21,11 @@ enum WorkState {
     Queued(Arc<Completion>),
     /// Already queued where it runs (a device stream); the closure waits for it on the
     /// waiting thread and gives the buffer back. `None` once run.
+    #[cfg(feature = "cuda")]
     Deferred(Option<Finish>),
 }
 
+#[cfg(feature = "cuda")]
 type Finish = Box<dyn FnOnce() -> Result<Buffer> + Send>;
 
 struct Completion {
@@ -59,6 +61,7 @@ impl Work {
     pub fn is_done(&self) -> bool {
         match &self.state {
             WorkState::Queued(slot) => slot.result.lock().is_some(),
+            #[cfg(feature = "cuda")]
             WorkState::Deferred(finish) => finish.is_none(),
         }
     }
@@ -76,6 +79,7 @@ impl Work {
                     slot.done.wait(&mut guard);
                 }
             }
+            #[cfg(feature = "cuda")]
             WorkState::Deferred(finish) => match finish.take() {
                 Some(finish) => finish(),
                 None => unreachable!("a deferred operation runs once, in wait or drop"),
@@ -84,6 +88,7 @@ impl Work {
     }
 }
 
+#[cfg(feature = "cuda")]
 impl Drop for Work {
     fn drop(&mut self) {
         // The buffer must outlive the device's use of it.

@@ -1,15 +1,22 @@
 //! Gradients as views into flat storage (what DDP's buckets are): backward accumulates
 //! into the view in place and zeroing forgets instead of filling; `grad()` is a snapshot;
 //! optimizers step from the view; a lease for a collective keeps every other access out,
-//! even when it is leaked. On the CPU and the emulated device, with no host transfer on
-//! the device.
+//! even when it is leaked. On the CPU, the emulated device and `cuda:0` where present
+//! (otherwise `skipped: …` is printed), with no host transfer on a device.
 
 use tape::{
     transfers, Device, Error, FlatStorage, FlatView, Optimizer, Parameter, Sgd, SgdConfig, Tape,
     Tensor,
 };
 
-const DEVICES: [Device; 2] = [Device::Cpu, Device::Emulated];
+fn devices() -> Vec<Device> {
+    let mut devices = vec![Device::Cpu, Device::Emulated];
+    match Tensor::<f32>::zeros(&[1]).to_device(Device::Cuda(0)) {
+        Ok(_) => devices.push(Device::Cuda(0)),
+        Err(reason) => println!("skipped on cuda:0: {reason}"),
+    }
+    devices
+}
 
 fn param_on(device: Device, name: &str, values: Vec<f32>, shape: &[usize]) -> Parameter {
     Parameter::new(
@@ -23,7 +30,7 @@ fn param_on(device: Device, name: &str, values: Vec<f32>, shape: &[usize]) -> Pa
 
 #[test]
 fn backward_accumulates_into_the_view_in_place() -> anyhow::Result<()> {
-    for device in DEVICES {
+    for device in devices() {
         let storage = FlatStorage::<f32>::zeros(device, 7)?;
         let w = param_on(device, "w", vec![1.0, 2.0, 3.0, 4.0], &[2, 2]);
         let b = param_on(device, "b", vec![0.5, 0.5], &[2]);
@@ -120,7 +127,7 @@ fn attaching_copies_the_gradient_in_and_checks_shape_and_device() -> anyhow::Res
 
 #[test]
 fn a_lease_keeps_every_other_access_out_until_dropped_even_when_leaked() -> anyhow::Result<()> {
-    for device in DEVICES {
+    for device in devices() {
         let storage = FlatStorage::<f32>::zeros(device, 2)?;
         let p = param_on(device, "p", vec![1.0, 2.0], &[2]);
         p.attach_main_grad(FlatView::new(&storage, 0, &[2])?)?;

@@ -7,7 +7,8 @@
 use std::sync::Arc;
 
 use comm_core::{Communicator, CommunicatorExt, ReduceOp};
-use tape::{CrossEntropyOptions, CustomOp, Reduction, Tensor};
+use tape::ndarray::{ArrayD, IxDyn};
+use tape::{CrossEntropyOptions, CustomOp, Reduction, RowTarget, Tensor};
 
 use crate::embedding::VocabRange;
 use crate::error::{Error, Result};
@@ -195,49 +196,48 @@ impl VocabParallelCrossEntropy {
     }
 
     fn forward_inner(&self, logits: &Tensor, saved: &mut Vec<Tensor>) -> Result<Tensor> {
-        let width = logits.shape().last().copied().unwrap_or(1);
-        let values = logits.to_vec()?;
+        // Tape ops on the logits' device (nothing goes through host memory), not recorded:
+        // this op's backward is its own.
         let rows = self.targets.len();
-        let mut max: Vec<f32> = values
-            .chunks(width)
-            .map(|row| row.iter().copied().fold(f32::NEG_INFINITY, f32::max))
-            .collect();
-        self.group.all_reduce_slice(&mut max, ReduceOp::Max)?;
-        // Per row: Σ exp(x − max), Σ x, and the target logit (0 on ranks without it).
-        let mut sums = vec![0.0f32; 3 * rows];
-        for (row, (chunk, &m)) in values.chunks(width).zip(&max).enumerate() {
-            sums[3 * row] = chunk.iter().map(|&x| (x - m).exp()).sum();
-            sums[3 * row + 1] = chunk.iter().sum();
-            sums[3 * row + 2] = self.targets[row].map_or(0.0, |t| chunk[t]);
-        }
-        self.group.all_reduce_slice(&mut sums, ReduceOp::Sum)?;
-        let eps = self.options.label_smoothing as f32;
-        let vocab = self.vocab_size as f32;
-        let mut log_norm = Vec::with_capacity(rows);
-        let mut losses = Vec::with_capacity(rows);
-        for (row, &m) in max.iter().enumerate() {
-            let lse = sums[3 * row].ln() + m;
-            log_norm.push(lse);
-            let loss = if self.kept[row] {
-                let nll = lse - sums[3 * row + 2];
-                let smooth = lse - sums[3 * row + 1] / vocab;
-                (1.0 - eps) * nll + eps * smooth
-            } else {
-                0.0
-            };
-            losses.push(loss);
-        }
-        saved.push(logits.clone());
-        saved.push(Tensor::from_vec(log_norm, &[rows])?);
-        let total: f32 = losses.iter().sum();
-        let loss = match self.options.reduction {
-            Reduction::None => Tensor::from_vec(losses, &self.lead_shape)?,
-            Reduction::Sum => Tensor::scalar(total),
-            Reduction::Mean => Tensor::scalar(total / self.mean_divisor()),
+        let width = logits.shape().last().copied().unwrap_or(1);
+        let x = logits.detach().reshape(&[rows, width])?;
+        let all_reduce = |t: Tensor, op: ReduceOp| {
+            t.updated_by(|buf| self.group.all_reduce(buf, op).map_err(Error::from))
         };
-        // The arithmetic above runs on the host (it is dominated by the two all-reduces);
-        // the loss lives where the logits do.
-        Ok(loss.to_device(logits.device())?)
+        let max = all_reduce(x.max_dim(1, false)?, ReduceOp::Max)?;
+        // Per row: Σ exp(x − max), Σ x, and the target logit (0 on ranks without it), in
+        // one SUM all-reduce.
+        let sum_exp = x.sub(&max.reshape(&[rows, 1])?)?.exp()?.sum_dim(1, false)?;
+        let sum_x = x.sum_dim(1, false)?;
+        let flat_ids: Vec<usize> = (self.targets.iter().enumerate())
+            .map(|(row, target)| row * width + target.unwrap_or(0))
+            .collect();
+        let elsewhere = row_mask(self.targets.iter().map(Option::is_none))?;
+        let target = x
+            .reshape(&[rows * width, 1])?
+            .embedding(&flat_ids, &[rows])?
+            .reshape(&[rows])?
+            .masked_fill(&elsewhere, 0.0)?;
+        let sums = all_reduce(
+            Tensor::concat(&[&sum_exp, &sum_x, &target], 0)?,
+            ReduceOp::Sum,
+        )?;
+        let part = |i: usize| sums.narrow(0, i * rows, rows);
+        let lse = part(0)?.log()?.add(&max)?;
+        let eps = self.options.label_smoothing;
+        let mut losses = lse.sub(&part(2)?)?.scale(1.0 - eps)?;
+        if eps > 0.0 {
+            let smooth = lse.sub(&part(1)?.scale(1.0 / self.vocab_size as f64)?)?;
+            losses = losses.add(&smooth.scale(eps)?)?;
+        }
+        let losses = losses.masked_fill(&row_mask(self.kept.iter().map(|&k| !k))?, 0.0)?;
+        saved.push(logits.clone());
+        saved.push(lse);
+        Ok(match self.options.reduction {
+            Reduction::None => losses.reshape(&self.lead_shape)?,
+            Reduction::Sum => losses.sum()?,
+            Reduction::Mean => losses.sum()?.scale(1.0 / f64::from(self.mean_divisor()))?,
+        })
     }
 
     fn backward_inner(&self, grad_output: &Tensor, saved: &[Tensor]) -> Result<Tensor> {
@@ -245,31 +245,39 @@ impl VocabParallelCrossEntropy {
             return Err(Error::config(OP, "backward is missing its saved tensors"));
         };
         let rows = self.targets.len();
-        let upstream: Vec<f32> = match self.options.reduction {
-            Reduction::None => grad_output.to_vec()?,
-            Reduction::Sum => vec![grad_output.item()?; rows],
-            Reduction::Mean => vec![grad_output.item()? / self.mean_divisor(); rows],
+        let (upstream, divisor) = match self.options.reduction {
+            Reduction::None => (grad_output.reshape(&[rows])?, 1.0),
+            Reduction::Sum => (grad_output.clone(), 1.0),
+            Reduction::Mean => (grad_output.clone(), f64::from(self.mean_divisor())),
         };
+        let targets: Vec<RowTarget> = (self.targets.iter().zip(&self.kept))
+            .map(|(&target, &kept)| match (kept, target) {
+                (false, _) => RowTarget::Ignored,
+                (true, Some(column)) => RowTarget::Here(column),
+                (true, None) => RowTarget::Elsewhere,
+            })
+            .collect();
         let width = logits.shape().last().copied().unwrap_or(1);
-        let eps = self.options.label_smoothing as f32;
-        let uniform = eps / self.vocab_size as f32;
-        let mut grad = logits.to_vec()?;
-        let log_norm = log_norm.to_vec()?;
-        for (row, chunk) in grad.chunks_mut(width).enumerate() {
-            if !self.kept[row] {
-                chunk.fill(0.0);
-                continue;
-            }
-            let (g, lse) = (upstream[row], log_norm[row]);
-            for x in chunk.iter_mut() {
-                *x = g * ((*x - lse).exp() - uniform);
-            }
-            if let Some(t) = self.targets[row] {
-                chunk[t] -= g * (1.0 - eps);
-            }
-        }
-        Ok(Tensor::from_vec(grad, logits.shape())?.to_device(logits.device())?)
+        let grad = logits
+            .detach()
+            .reshape(&[rows, width])?
+            .cross_entropy_grad(
+                log_norm,
+                &targets,
+                &upstream.detach(),
+                divisor,
+                self.options.label_smoothing,
+                self.vocab_size,
+            )?;
+        Ok(grad.reshape(logits.shape())?)
     }
+}
+
+/// A `[rows]` mask, true where `masked` says.
+fn row_mask(masked: impl ExactSizeIterator<Item = bool>) -> Result<ArrayD<bool>> {
+    let rows = masked.len();
+    ArrayD::from_shape_vec(IxDyn(&[rows]), masked.collect())
+        .map_err(|e| Error::shape(OP, &[rows], e.to_string()))
 }
 
 impl CustomOp for VocabParallelCrossEntropy {

@@ -99,7 +99,7 @@ pub use gpu::{allow_tf32, set_allow_tf32, synchronize};
 pub use gradcheck::{gradcheck, GradCheckOptions};
 pub use ndarray;
 pub use ops::custom::CustomOp;
-pub use ops::{causal_mask, CrossEntropyOptions, Gelu, Reduction};
+pub use ops::{causal_mask, CrossEntropyOptions, Gelu, Reduction, RowTarget};
 pub use optim::{
     AdamW, AdamWConfig, AdamWUpdate, Optimizer, OptimizerState, ParamOptions, ParamState, Sgd,
     SgdConfig, SgdUpdate,

@@ -208,6 +208,9 @@ pub(crate) struct Targets {
     pub labels: GpuArray<i64>,
     pub ignore_index: Option<i64>,
     pub smoothing: f64,
+    /// The classes smoothing spreads over when the logits are one shard of them (0: the
+    /// logits' own width).
+    pub all_classes: usize,
 }
 
 impl Targets {
@@ -217,6 +220,7 @@ impl Targets {
         args.i[2] = i64::from(self.ignore_index.is_some());
         args.i[3] = self.ignore_index.unwrap_or(0);
         args.f[0] = self.smoothing;
+        args.f[2] = self.all_classes as f64;
     }
 
     /// `(rows, classes)` of `logits`: one row per label, even when there are no classes

@@ -134,21 +134,23 @@ impl<T: Element> Tensor<T> {
                         vec![g; rows]
                     }
                 };
+                let targets: Vec<RowTarget> = labels
+                    .iter()
+                    .map(|&label| match ignore_index == Some(label) {
+                        true => RowTarget::Ignored,
+                        false => RowTarget::Here(label as usize),
+                    })
+                    .collect();
                 let mut logits = logits;
-                for (((mut row, &label), &lse), &g) in logits
-                    .outer_iter_mut()
-                    .zip(&labels)
-                    .zip(log_norm.iter())
-                    .zip(&upstream)
-                {
-                    if ignore_index == Some(label) {
-                        row.fill(T::zero());
-                        continue;
-                    }
-                    let uniform = eps / class_count;
-                    row.mapv_inplace(|x| g * ((x - lse).exp() - uniform));
-                    row[label as usize] -= g * (T::one() - eps);
-                }
+                let uniform = eps / class_count;
+                grad_rows(
+                    &mut logits,
+                    log_norm.view(),
+                    &targets,
+                    &upstream,
+                    eps,
+                    uniform,
+                );
                 Ok(vec![Some(reshape_owned(OP, logits.into_dyn(), &shape)?)])
             })
         })
@@ -170,6 +172,7 @@ impl<T: Element> Tensor<T> {
             labels: GpuArray::from_host(OP, logits.device(), labels, &[labels.len()])?,
             ignore_index: options.ignore_index,
             smoothing: options.label_smoothing,
+            all_classes: 0,
         };
         let (losses, lse) = device::cross_entropy(logits, &targets)?;
         let reduction = options.reduction;
@@ -194,5 +197,147 @@ impl<T: Element> Tensor<T> {
                 Ok(vec![Some(Tensor::from_gpu(dx))])
             })
         })
+    }
+}
+
+/// Where one row's target class is, for [`Tensor::cross_entropy_grad`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowTarget {
+    /// The row does not count (its label is the ignore index): no gradient.
+    Ignored,
+    /// The row counts, and its target is this column of the logits.
+    Here(usize),
+    /// The row counts, and its target is a class in another shard of the logits.
+    Elsewhere,
+}
+
+impl<T: Element> Tensor<T> {
+    /// The gradient of cross-entropy with respect to these logits `[rows, width]`, which
+    /// may be one shard of the classes (vocabulary-parallel losses): given each row's
+    /// log-sum-exp over all `classes` (`lse: [rows]`), where its target is, and its
+    /// upstream gradient (`upstream`: `[rows]`, or one element for every row) divided by
+    /// `divisor`, each counted row is `u · (softmax − ε/classes − (1 − ε)·[c = target])`
+    /// with `ε = smoothing`, and an ignored row is 0. On the logits' device; not recorded
+    /// on the tape (for a [`CustomOp`](crate::CustomOp)'s backward).
+    ///
+    /// ```
+    /// use tape::{RowTarget, Tensor};
+    ///
+    /// // Two classes of four; the row's log-sum-exp over all four is ln 4 (all logits 0).
+    /// let logits = Tensor::<f64>::zeros(&[1, 2]);
+    /// let lse = Tensor::from_vec(vec![4f64.ln()], &[1])?;
+    /// let grad = logits.cross_entropy_grad(&lse, &[RowTarget::Here(1)], &Tensor::scalar(1.0), 1.0, 0.0, 4)?;
+    /// let g = grad.to_vec()?;
+    /// assert!((g[0] - 0.25).abs() < 1e-12 && (g[1] + 0.75).abs() < 1e-12);
+    /// # Ok::<(), tape::Error>(())
+    /// ```
+    pub fn cross_entropy_grad(
+        &self,
+        lse: &Tensor<T>,
+        targets: &[RowTarget],
+        upstream: &Tensor<T>,
+        divisor: f64,
+        smoothing: f64,
+        classes: usize,
+    ) -> Result<Tensor<T>> {
+        const OP: &str = "cross_entropy_grad";
+        let shape = self.shape().to_vec();
+        let (rows, width) = match shape.as_slice() {
+            [rows, width] => (*rows, *width),
+            _ => return Err(Error::shape(OP, &[&shape], "logits must be [rows, width]")),
+        };
+        if targets.len() != rows || lse.shape() != [rows] {
+            return Err(Error::shape(
+                OP,
+                &[&shape, lse.shape(), &[targets.len()]],
+                "one log-sum-exp and one target per row",
+            ));
+        }
+        let per_row = upstream.numel() != 1;
+        if per_row && upstream.shape() != [rows] {
+            return Err(Error::shape(
+                OP,
+                &[&shape, upstream.shape()],
+                "the upstream gradient has one element per row, or one for all",
+            ));
+        }
+        if let Some(&bad) = targets
+            .iter()
+            .find(|t| matches!(t, RowTarget::Here(c) if *c >= width))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!("{bad:?} is outside the logits' {width} columns"),
+            ));
+        }
+        if let Some([logits, lse, upstream]) = on_device(OP, [self, lse, upstream])? {
+            const IGNORED: i64 = i64::MIN;
+            let labels: Vec<i64> = targets
+                .iter()
+                .map(|t| match t {
+                    RowTarget::Ignored => IGNORED,
+                    RowTarget::Here(c) => *c as i64,
+                    RowTarget::Elsewhere => -1,
+                })
+                .collect();
+            let targets = Targets {
+                labels: GpuArray::from_host(OP, logits.device(), &labels, &[rows])?,
+                ignore_index: Some(IGNORED),
+                smoothing,
+                all_classes: classes,
+            };
+            let dx =
+                device::cross_entropy_backward(upstream, per_row, divisor, logits, lse, &targets)?;
+            return Ok(Tensor::from_gpu(dx));
+        }
+        let mut logits = self
+            .cpu(OP)?
+            .to_owned()
+            .into_dimensionality::<Ix2>()
+            .map_err(|e| Error::shape(OP, &[&shape], e.to_string()))?;
+        let lse = lse.to_vec()?;
+        let divisor = T::from_f64(divisor);
+        let upstream: Vec<T> = match upstream.to_vec()? {
+            all if per_row => all.into_iter().map(|u| u / divisor).collect(),
+            one => vec![one[0] / divisor; rows],
+        };
+        let eps = T::from_f64(smoothing);
+        let uniform = eps / T::from_f64(classes as f64);
+        grad_rows(
+            &mut logits,
+            ndarray::ArrayView1::from(&lse),
+            targets,
+            &upstream,
+            eps,
+            uniform,
+        );
+        Ok(Tensor::from_array(logits.into_dyn()))
+    }
+}
+
+/// Turns each row of `logits` into its cross-entropy gradient in place:
+/// `u · (exp(x − lse) − uniform) − u · (1 − ε)` at the target, 0 for an ignored row.
+fn grad_rows<T: Element>(
+    logits: &mut ndarray::Array2<T>,
+    lse: ndarray::ArrayView1<'_, T>,
+    targets: &[RowTarget],
+    upstream: &[T],
+    eps: T,
+    uniform: T,
+) {
+    for (((mut row, &target), &lse), &u) in logits
+        .outer_iter_mut()
+        .zip(targets)
+        .zip(lse.iter())
+        .zip(upstream)
+    {
+        if target == RowTarget::Ignored {
+            row.fill(T::zero());
+            continue;
+        }
+        row.mapv_inplace(|x| u * ((x - lse).exp() - uniform));
+        if let RowTarget::Here(column) = target {
+            row[column] -= u * (T::one() - eps);
+        }
     }
 }

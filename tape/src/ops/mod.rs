@@ -14,7 +14,7 @@ mod softmax;
 
 pub use elementwise::Gelu;
 pub use index::causal_mask;
-pub use loss::{CrossEntropyOptions, Reduction};
+pub use loss::{CrossEntropyOptions, Reduction, RowTarget};
 
 use ndarray::{ArrayD, Axis, IxDyn};
 

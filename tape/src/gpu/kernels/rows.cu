@@ -215,7 +215,9 @@ KERNEL(SFX(cross_entropy_rows)) {
  * ignored row, where u is the row's upstream gradient divided by f1.  p0 dx, p1 logits,
  * p2 lse, p3 labels, p4 upstream (one per row if i4, else one for all); i0 rows,
  * i1 classes, i2 and i3 as in `cross_entropy_rows`, i4 whether upstream is per row;
- * f0 ε, f1 divisor of upstream (the counted rows for a mean, else 1). */
+ * f0 ε, f1 divisor of upstream (the counted rows for a mean, else 1), f2 the C of ε/C
+ * when the logits are one shard of more classes (0: i1). A negative label is a counted
+ * row whose target is in another shard. */
 KERNEL(SFX(cross_entropy_rows_backward)) {
     const KernelArgs* A = ARGS;
     real* dx = (real*)A->p[0];
@@ -237,9 +239,9 @@ KERNEL(SFX(cross_entropy_rows_backward)) {
             continue;
         }
         real u = (per_row ? upstream[r] : upstream[0]) / divisor;
-        real uniform = eps / (real)classes;
+        real uniform = eps / (A->f[2] > 0 ? (real)A->f[2] : (real)classes);
         real lse = lses[r];
         for (i64 j = 0; j < classes; ++j) dx[base + j] = u * (EXP(x[base + j] - lse) - uniform);
-        dx[base + label] -= u * ((real)1 - eps);
+        if (label >= 0) dx[base + label] -= u * ((real)1 - eps);
     }
 }

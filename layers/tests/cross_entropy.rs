@@ -1,6 +1,7 @@
 //! Vocabulary-parallel cross-entropy on TP ∈ {1, 2, 3, 4} (vocabulary 10: uneven for 3
-//! and 4) equals tape's fused serial cross-entropy — loss and logit gradients — with
-//! label smoothing, ignore_index and every reduction. A mean over no tokens is 0, and
+//! and 4), on the CPU and (TP 1 and 3) the emulated device, equals tape's fused serial
+//! cross-entropy — loss and logit gradients — with label smoothing, ignore_index and
+//! every reduction. A mean over no tokens is 0, and
 //! the per-token loss over 2 data-parallel × 2 tensor-parallel ranks equals the serial
 //! mean over the global batch's non-ignored tokens, value and parameter gradients.
 
@@ -16,7 +17,7 @@ use layers::{
     LinearOptions, MasterInit, TensorParallel,
 };
 use parallel_state::{ParallelState, RankLayout};
-use tape::{CrossEntropyOptions, Generator, Parameter, Reduction, Tape, Tensor};
+use tape::{CrossEntropyOptions, Device, Generator, Parameter, Reduction, Tape, Tensor};
 
 const ROWS: usize = 6;
 const VOCAB: usize = 10;
@@ -58,11 +59,20 @@ fn matches_serial_cross_entropy_for_every_tp_and_option() -> AnyResult<()> {
                 reduction,
             };
             let (want_loss, want_grad) = serial(&logits, &weights, &options)?;
-            for tp_size in [1, 2, 3, 4] {
-                let what = format!("tp={tp_size} {reduction:?} eps={label_smoothing}");
+            // The emulated device runs the device path: its all-reduces on device memory.
+            for (tp_size, device) in [
+                (1, Device::Cpu),
+                (2, Device::Cpu),
+                (3, Device::Cpu),
+                (4, Device::Cpu),
+                (1, Device::Emulated),
+                (3, Device::Emulated),
+            ] {
+                let what = format!("tp={tp_size} {device} {reduction:?} eps={label_smoothing}");
                 let ranks = run_local(tp_size, |comm| -> AnyResult<(Tensor, Tensor)> {
                     let tp = common::tp_context(comm, false);
-                    let p = Parameter::new("logits", part(&logits, 2, tp.rank(), tp.size()));
+                    let shard = part(&logits, 2, tp.rank(), tp.size()).to_device(device)?;
+                    let p = Parameter::new("logits", shard);
                     let tape = Tape::new();
                     let loss = vocab_parallel_cross_entropy(
                         &tape.watch(&p),
@@ -71,8 +81,9 @@ fn matches_serial_cross_entropy_for_every_tp_and_option() -> AnyResult<()> {
                         VOCAB,
                         &options,
                     )?;
-                    weighted(&loss, &weights)?.backward()?;
-                    Ok((loss.detach(), p.grad().unwrap()))
+                    assert_eq!(loss.device(), device);
+                    weighted(&loss, &weights.to_device(device)?)?.backward()?;
+                    Ok((loss.detach(), p.grad().unwrap().to_device(Device::Cpu)?))
                 })?;
                 for (rank, (loss, _)) in ranks.iter().enumerate() {
                     assert_close(&format!("{what}: loss on rank {rank}"), loss, &want_loss);

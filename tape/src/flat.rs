@@ -335,12 +335,22 @@ impl<T: Element> FlatView<T> {
         self.storage
             .access(op, self.offset, &self.shape, |region| match region {
                 Region::Host(slice) => {
+                    // Row-major slices (the usual gradient) in one pass the compiler
+                    // vectorises; other layouts element by element.
                     let source = tensor.cpu(op)?;
-                    let pairs = slice.iter_mut().zip(source.iter());
-                    if add {
-                        pairs.for_each(|(slot, &v)| *slot += v);
-                    } else {
-                        pairs.for_each(|(slot, &v)| *slot = v);
+                    match (source.as_slice(), add) {
+                        (Some(values), false) => slice.copy_from_slice(values),
+                        (Some(values), true) => {
+                            slice.iter_mut().zip(values).for_each(|(s, &v)| *s += v)
+                        }
+                        (None, false) => slice
+                            .iter_mut()
+                            .zip(source.iter())
+                            .for_each(|(s, &v)| *s = v),
+                        (None, true) => slice
+                            .iter_mut()
+                            .zip(source.iter())
+                            .for_each(|(s, &v)| *s += v),
                     }
                     Ok(())
                 }

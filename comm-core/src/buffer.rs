@@ -2,48 +2,15 @@
 //! non-blocking operations.
 //!
 //! The [`Communicator`](crate::Communicator) trait sees only [`BufRef`], [`BufMut`] and
-//! [`Buffer`]: a dtype, an element count and where the memory lives ([`MemoryKind`]).
-//! Device memory (feature `cuda`) is another `MemoryKind` and another constructor
+//! [`Buffer`]: a dtype, an element count and where the memory lives ([`Device`]).
+//! Device memory (feature `cuda`) is another `Device` and another constructor
 //! ([`BufRef::cuda`], [`BufMut::cuda`]), so it adds no method and changes no signature of
 //! the trait.
 
+use crate::device::Device;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use std::marker::PhantomData;
-
-/// Where a buffer's elements live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum MemoryKind {
-    /// Ordinary host memory.
-    Host,
-    /// Memory of the CUDA device with this ordinal.
-    Cuda {
-        /// The device ordinal.
-        device: usize,
-    },
-    /// Memory of an emulated device (`tape`'s `Device::Emulated`): host memory that the
-    /// local and MPI backends move as such, kept apart from `Host` so that a call mixing
-    /// the two is caught as it would be on a real device.
-    Emulated,
-}
-
-impl MemoryKind {
-    /// Whether the host can read and write this memory directly (host and emulated).
-    pub fn is_host_addressable(self) -> bool {
-        matches!(self, MemoryKind::Host | MemoryKind::Emulated)
-    }
-}
-
-impl std::fmt::Display for MemoryKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            MemoryKind::Host => f.write_str("host"),
-            MemoryKind::Cuda { device } => write!(f, "cuda:{device}"),
-            MemoryKind::Emulated => f.write_str("emulated"),
-        }
-    }
-}
 
 /// The stream a device view's contents are ordered on; it also names the device and
 /// its context.
@@ -141,17 +108,15 @@ macro_rules! view_accessors {
             self.len * self.dtype.size_in_bytes()
         }
         /// Where the elements live.
-        pub fn memory(&self) -> MemoryKind {
+        pub fn memory(&self) -> Device {
             #[cfg(feature = "cuda")]
             if let Some(order) = self.stream {
-                return MemoryKind::Cuda {
-                    device: order.stream.context().ordinal(),
-                };
+                return Device::Cuda(order.stream.context().ordinal());
             }
             if self.emulated {
-                MemoryKind::Emulated
+                Device::Emulated
             } else {
-                MemoryKind::Host
+                Device::Cpu
             }
         }
         /// The stream device memory is ordered on; `None` for host memory.
@@ -201,7 +166,7 @@ impl<'a> BufRef<'a> {
     }
 
     /// A view of `len` elements of `dtype` at `ptr` in an emulated device's memory
-    /// ([`MemoryKind::Emulated`]).
+    /// ([`Device::Emulated`]).
     ///
     /// # Safety
     /// `ptr` must be host memory valid for reads of `len` elements of `dtype`, suitably
@@ -270,7 +235,7 @@ impl<'a> BufMut<'a> {
     }
 
     /// A writable view of `len` elements of `dtype` at `ptr` in an emulated device's
-    /// memory ([`MemoryKind::Emulated`]).
+    /// memory ([`Device::Emulated`]).
     ///
     /// # Safety
     /// `ptr` must be host memory valid for reads and writes of `len` elements of `dtype`,
@@ -561,7 +526,7 @@ impl Buffer {
     }
 
     /// Where the elements live.
-    pub fn memory(&self) -> MemoryKind {
+    pub fn memory(&self) -> Device {
         self.as_buf_ref().memory()
     }
 

@@ -2,7 +2,8 @@
 //! lengths, counts, roots, dtypes) and, once the peers' signatures are known, check that
 //! all ranks agree.
 
-use crate::buffer::{BufMut, BufRef, MemoryKind};
+use crate::buffer::{BufMut, BufRef};
+use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 
@@ -27,7 +28,7 @@ impl CallCheck<'_> {
             reduce: None,
             count,
             root: None,
-            memory: MemoryKind::Host,
+            memory: Device::Cpu,
             counts: None,
             recv_counts: None,
         }
@@ -38,7 +39,7 @@ impl CallCheck<'_> {
         &self,
         op: OpKind,
         dtype: DType,
-        memory: MemoryKind,
+        memory: Device,
         count: usize,
     ) -> CallSignature {
         CallSignature {

@@ -10,7 +10,7 @@ fn sig(rank: usize, op: OpKind, count: usize) -> CallSignature {
         rank,
         size: 2,
     }
-    .data_signature(op, DType::F32, MemoryKind::Host, count)
+    .data_signature(op, DType::F32, Device::Cpu, count)
 }
 
 fn with_counts(mut s: CallSignature, counts: &[usize], recv: Option<&[usize]>) -> CallSignature {
@@ -72,7 +72,7 @@ fn device_memory_is_part_of_the_signature() {
         rank: 1,
         size: 2,
     };
-    let device = MemoryKind::Cuda { device: 1 };
+    let device = Device::Cuda(1);
     let on_device = check.data_signature(OpKind::AllReduce, DType::F32, device, 4);
     assert_eq!(on_device.memory, device);
     assert!(!agree(&[sig(0, OpKind::AllReduce, 4), on_device]));

@@ -1,6 +1,6 @@
 //! The typed errors every backend returns.
 
-use crate::buffer::MemoryKind;
+use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
 use crate::flight_recorder::FlightRecord;
 use std::fmt;
@@ -97,7 +97,7 @@ pub struct CallSignature {
     /// Root rank, for rooted operations.
     pub root: Option<usize>,
     /// Where the rank's buffers live; ranks of one call must agree on host vs device.
-    pub memory: MemoryKind,
+    pub memory: Device,
     /// Per-rank counts, for the `_v` operations (identical on every rank, except for
     /// `all_to_all_v` where they are this rank's send counts).
     pub counts: Option<Vec<usize>>,
@@ -115,7 +115,7 @@ impl fmt::Display for CallSignature {
             write!(f, " op={r}")?;
         }
         write!(f, " count={}", self.count)?;
-        if self.memory != MemoryKind::Host {
+        if self.memory != Device::Cpu {
             write!(f, " memory={}", self.memory)?;
         }
         if let Some(root) = self.root {
@@ -266,7 +266,7 @@ pub enum Error {
     )]
     LentBuffer {
         /// Where the lent memory lives.
-        memory: crate::MemoryKind,
+        memory: crate::Device,
     },
 
     /// A rank of `run_local` returned an error or panicked.

@@ -83,6 +83,7 @@ mod calls;
 mod communicator;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod device;
 mod dtype;
 mod dual;
 mod error;
@@ -96,8 +97,9 @@ pub mod nccl;
 mod signature;
 mod work;
 
-pub use buffer::{BufMut, BufRef, Buffer, LentMemory, MemoryKind};
+pub use buffer::{BufMut, BufRef, Buffer, LentMemory};
 pub use communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
+pub use device::Device;
 pub use dtype::{reduce_slices, DType, Element, ReduceOp};
 pub use dual::DualCommunicator;
 pub use error::{CallSignature, Error, OpKind, Result};

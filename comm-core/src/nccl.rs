@@ -88,10 +88,11 @@
 //!   have no timeout: NCCL synchronises them with the other ranks, so create and drop
 //!   communicators on all ranks together. A broken communicator was already aborted.
 
-use crate::buffer::{BufMut, BufRef, MemoryKind};
+use crate::buffer::{BufMut, BufRef};
 use crate::calls::{offsets, CallCheck};
 use crate::communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
 use crate::cuda::{self, Library};
+use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{self, CallRecord, Dump, FlightRecord, Recorder, Ticket};
@@ -320,17 +321,17 @@ impl NcclCommunicator {
         &self,
         op: OpKind,
         role: &str,
-        memory: MemoryKind,
+        memory: Device,
         stream: Option<&'v CudaStream>,
     ) -> Result<&'v CudaStream> {
         let device = self.device;
         let detail = match (memory, stream) {
-            (MemoryKind::Cuda { device: d }, Some(stream)) if d == device => return Ok(stream),
-            (MemoryKind::Cuda { device: d }, _) => format!(
+            (Device::Cuda(d), Some(stream)) if d == device => return Ok(stream),
+            (Device::Cuda(d), _) => format!(
                 "the {role} lives on CUDA device {d}, but this communicator uses device \
                  {device}; pass a buffer on cuda:{device}"
             ),
-            (MemoryKind::Host | MemoryKind::Emulated, _) => format!(
+            (Device::Cpu | Device::Emulated, _) => format!(
                 "the {role} is {memory} memory, and NCCL moves CUDA memory only; pass a view \
                  of device memory on cuda:{device} (`BufRef::cuda` / `BufMut::cuda`), or \
                  use the local or mpi backend for host buffers"
@@ -1341,7 +1342,7 @@ impl Communicator for NcclCommunicator {
             // the owner's later kernels overlap it. The buffer travels with the work,
             // which waits under the watchdog when waited for or dropped, so the memory
             // outlives NCCL's use of it, and no stream of the owner waits on NCCL.
-            (AsyncOp::AllReduce { mut buf, op }, MemoryKind::Cuda { .. }) => {
+            (AsyncOp::AllReduce { mut buf, op }, Device::Cuda(_)) => {
                 let pending = self.queue_all_reduce(buf.as_buf_mut(), op)?.pending.take();
                 let handle = NcclCommunicator {
                     shared: self.shared.clone(),

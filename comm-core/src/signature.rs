@@ -13,8 +13,8 @@
 //! own to every rank's signature (the MPI backend sends a small call's data along, so the
 //! call finishes from the same exchange); [`agree`] hands every rank's words back.
 
-use crate::buffer::MemoryKind;
 use crate::calls::signatures_agree;
+use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 
@@ -101,9 +101,9 @@ fn encode(sig: &CallSignature, size: usize) -> Vec<i64> {
         sig.count as i64,
         index(sig.root),
         match sig.memory {
-            MemoryKind::Host => -1,
-            MemoryKind::Emulated => -2,
-            MemoryKind::Cuda { device } => device as i64,
+            Device::Cpu => -1,
+            Device::Emulated => -2,
+            Device::Cuda(device) => device as i64,
         },
     ]);
     for counts in [&sig.counts, &sig.recv_counts] {
@@ -133,8 +133,8 @@ fn decode(rank: usize, words: &[i64], size: usize) -> CallSignature {
         count: pick(words[3]).unwrap_or(0),
         root: pick(words[4]),
         memory: match words[5] {
-            -2 => MemoryKind::Emulated,
-            w => pick(w).map_or(MemoryKind::Host, |device| MemoryKind::Cuda { device }),
+            -2 => Device::Emulated,
+            w => pick(w).map_or(Device::Cpu, |device| Device::Cuda(device)),
         },
         counts: list(HEADER),
         recv_counts: list(HEADER + size),
@@ -154,7 +154,7 @@ mod tests {
             reduce: None,
             count,
             root: None,
-            memory: MemoryKind::Host,
+            memory: Device::Cpu,
             counts: None,
             recv_counts: None,
         }
@@ -165,7 +165,7 @@ mod tests {
         let full = CallSignature {
             reduce: Some(ReduceOp::Max),
             root: Some(2),
-            memory: MemoryKind::Cuda { device: 3 },
+            memory: Device::Cuda(3),
             counts: Some(vec![4, 0, 7]),
             recv_counts: Some(vec![0, 1, 2]),
             ..sig(1, OpKind::AllToAllV, DType::BF16, 11)
@@ -173,11 +173,7 @@ mod tests {
         let words = encode(&full, 3);
         assert_eq!(words.len(), super::words(3));
         assert_eq!(decode(1, &words, 3), full);
-        for memory in [
-            MemoryKind::Host,
-            MemoryKind::Emulated,
-            MemoryKind::Cuda { device: 0 },
-        ] {
+        for memory in [Device::Cpu, Device::Emulated, Device::Cuda(0)] {
             let placed = CallSignature {
                 memory,
                 ..full.clone()
@@ -299,20 +295,16 @@ mod tests {
             assert_mismatch(&check_over_local(n, reduce), reduce);
             // Host memory on one rank, device memory on the others.
             let memory = |r: usize| CallSignature {
-                memory: if r == 0 {
-                    MemoryKind::Host
-                } else {
-                    MemoryKind::Cuda { device: r }
-                },
+                memory: if r == 0 { Device::Cpu } else { Device::Cuda(r) },
                 ..sig(r, OpKind::AllGather, DType::F32, 8)
             };
             assert_mismatch(&check_over_local(n, memory), memory);
             // Emulated device memory on one rank, host memory on the others.
             let emulated = |r: usize| CallSignature {
                 memory: if r == last {
-                    MemoryKind::Emulated
+                    Device::Emulated
                 } else {
-                    MemoryKind::Host
+                    Device::Cpu
                 },
                 ..sig(r, OpKind::AllReduce, DType::F32, 8)
             };

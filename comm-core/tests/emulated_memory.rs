@@ -1,9 +1,9 @@
-//! Views of an emulated device's memory (`MemoryKind::Emulated`, what `tape` lends for
+//! Views of an emulated device's memory (`Device::Emulated`, what `tape` lends for
 //! `Device::Emulated` tensors): the local backend moves them exactly as host memory, and
 //! a call that mixes them with host memory fails as a host/device mix does on a GPU.
 
 use comm_core::{
-    run_local, BufMut, BufRef, Communicator, DType, Error, LocalLauncher, MemoryKind, ReduceOp,
+    run_local, BufMut, BufRef, Communicator, DType, Device, Error, LocalLauncher, ReduceOp,
 };
 
 /// An emulated view of `data` (the emulator's memory is host memory).
@@ -27,7 +27,7 @@ fn collectives_on_emulated_memory_equal_host_memory() {
             let (mut host_sum, mut emulated_sum) = (mine.clone(), mine.clone());
             comm.all_reduce(BufMut::from(&mut host_sum), ReduceOp::Sum)?;
             let view = emulated_mut(&mut emulated_sum);
-            assert_eq!(view.memory(), MemoryKind::Emulated);
+            assert_eq!(view.memory(), Device::Emulated);
             comm.all_reduce(view, ReduceOp::Sum)?;
             let (mut host_all, mut emulated_all) = (vec![0f32; 3 * len], vec![0f32; 3 * len]);
             comm.all_gather(BufRef::from(&mine), BufMut::from(&mut host_all))?;

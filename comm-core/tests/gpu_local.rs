@@ -12,7 +12,7 @@ mod support;
 use anyhow::{ensure, Context as _};
 use comm_core::cuda::{self, cudarc::driver::CudaStream};
 use comm_core::{
-    run_local, with_dtype, BufMut, BufRef, Communicator, DType, Element, Error, MemoryKind, P2p,
+    run_local, with_dtype, BufMut, BufRef, Communicator, DType, Device, Element, Error, P2p,
     ReduceOp,
 };
 use std::sync::Arc;
@@ -147,12 +147,7 @@ where
     let mut device_output = stream.clone_htod(&initial)?;
     let input_view = BufRef::cuda(&device_input, stream)?;
     let output_view = BufMut::cuda(&mut device_output, stream)?;
-    ensure!(
-        output_view.memory()
-            == MemoryKind::Cuda {
-                device: stream.context().ordinal()
-            }
-    );
+    ensure!(output_view.memory() == Device::Cuda(stream.context().ordinal()));
     call(comm, case, len, input_view, output_view)?;
     let device = stream.clone_dtoh(&device_output)?;
     Ok((host, device))

@@ -725,7 +725,7 @@ fn a_dual_communicator_routes_device_memory_to_nccl() -> anyhow::Result<()> {
                 op: ReduceOp::Sum,
             })?
             .wait()?;
-        ensure!(back.memory() == comm_core::MemoryKind::Cuda { device: 0 });
+        ensure!(back.memory() == comm_core::Device::Cuda(0));
         ensure!(recorded(host.as_ref()) == host_calls + 1, "one host call");
         ensure!(
             recorded(nccl.as_ref()) == nccl_calls + 2,

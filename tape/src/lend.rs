@@ -1,11 +1,11 @@
 //! Tensors lend their memory to communicators: a read-only view of an existing tensor,
 //! or a writable view of a new tensor's memory that a collective fills. CPU tensors lend
-//! host memory, emulated ones their device memory ([`MemoryKind::Emulated`]) and CUDA
+//! host memory, emulated ones their device memory ([`Device::Emulated`]) and CUDA
 //! ones their device memory ordered on the device's tape stream, so none goes through a
 //! host copy: a collective runs after the kernels that made its input, and the kernels
 //! that use its output run after it.
 //!
-//! [`MemoryKind::Emulated`]: comm_core::MemoryKind::Emulated
+//! [`Device::Emulated`]: comm_core::Device::Emulated
 
 use comm_core::{BufMut, BufRef};
 use ndarray::{ArrayD, IxDyn};

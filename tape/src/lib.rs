@@ -74,7 +74,6 @@
 //! [`Tensor::detach`] cuts one tensor off.
 #![warn(missing_docs)]
 
-mod device;
 mod element;
 mod error;
 mod flat;
@@ -91,7 +90,7 @@ mod tensor;
 mod threads;
 mod transfers;
 
-pub use device::Device;
+pub use comm_core::Device;
 pub use element::Element;
 pub use error::{Error, Result};
 pub use flat::{FlatStorage, FlatView};

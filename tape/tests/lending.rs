@@ -3,7 +3,7 @@
 //! their stream, with no host↔device copy; new tensors are written in place
 //! by a collective; and the transfer counters count exactly the copies asked for.
 
-use comm_core::{run_local, Communicator, Error as CommError, MemoryKind, ReduceOp};
+use comm_core::{run_local, Communicator, Error as CommError, ReduceOp};
 use tape::{transfers, Device, Tensor, Transfers};
 
 /// Devices whose memory the host can read directly.
@@ -40,9 +40,9 @@ fn a_lent_view_holds_the_elements_in_row_major_order() -> anyhow::Result<()> {
             "{device}: lending copies nothing"
         );
         let expected = if device == Device::Cpu {
-            MemoryKind::Host
+            Device::Cpu
         } else {
-            MemoryKind::Emulated
+            Device::Emulated
         };
         assert_eq!(memory, expected);
         assert_eq!(values.unwrap(), x.to_vec()?);

@@ -135,13 +135,7 @@ fn a_lease_keeps_every_other_access_out_until_dropped_even_when_leaked() -> anyh
 
         let mut lease = storage.lease()?;
         assert!(storage.is_leased());
-        assert_eq!(
-            lease.memory(),
-            match device {
-                Device::Cpu => comm_core::MemoryKind::Host,
-                _ => comm_core::MemoryKind::Emulated,
-            }
-        );
+        assert_eq!(lease.memory(), device);
         assert_eq!(lease.len(), 2);
         assert!(lease.as_buf_mut().len() == 2);
         assert!(matches!(storage.lease(), Err(Error::Leased { .. })));

@@ -14,7 +14,7 @@
 //! let stream = ctx.default_stream();
 //! let x = stream.clone_htod(&[1.0f32, 2.0, 3.0]).map_err(cuda::driver_error("clone_htod"))?;
 //! let view = comm_core::BufRef::cuda(&x, &stream)?;
-//! assert_eq!(view.memory(), comm_core::MemoryKind::Cuda { device: 0 });
+//! assert_eq!(view.memory(), comm_core::Device::Cuda(0));
 //! # Ok(())
 //! # }
 //! ```

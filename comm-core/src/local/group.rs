@@ -15,7 +15,8 @@
 //! communicator is left: a handle inside a call keeps it alive, so a peer cannot be gone
 //! between the barriers of a call it entered.
 
-use crate::buffer::{Buffer, MemoryKind};
+use crate::buffer::Buffer;
+use crate::device::Device;
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{FlightRecord, RankHistory, Recorder};
 use parking_lot::{Condvar, Mutex};
@@ -197,7 +198,7 @@ impl GroupShared {
                     reduce: None,
                     count: 0,
                     root: None,
-                    memory: MemoryKind::Host,
+                    memory: Device::Cpu,
                     counts: None,
                     recv_counts: None,
                 },

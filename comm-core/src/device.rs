@@ -1,21 +1,32 @@
-//! Where a tensor's storage lives.
+//! Where memory lives and computation runs: one device type for every crate (tape's
+//! tensors, the buffers collectives move, DDP's buckets).
 
 use std::fmt;
 
-/// A compute device. Move tensors between devices with
-/// [`Tensor::to_device`](crate::Tensor::to_device); operands of one op must share a device.
+/// A device: where a buffer's elements live and where tensors compute (tape moves
+/// tensors between devices with `Tensor::to_device`; operands of one op share a device).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Device {
-    /// Host memory, computed with ndarray.
+    /// Host memory (tape computes with ndarray).
     #[default]
     Cpu,
-    /// A CUDA device by ordinal (needs the `cuda` feature, and at run time libcuda,
-    /// libnvrtc and libcublas).
+    /// A CUDA device by ordinal (needs the `cuda` feature, and at run time libcuda, and
+    /// libnvrtc and libcublas for tape, libnccl for the `nccl` backend).
     Cuda(usize),
-    /// The CUDA code path run on the host: the same kernels compiled as C and executed
+    /// The CUDA code path run on the host: tape's kernels compiled as C and executed
     /// sequentially, with a reference GEMM. For testing and debugging device code on a
-    /// machine without a GPU; slow by design.
+    /// machine without a GPU; slow by design. Its memory is host memory that the local
+    /// and MPI backends move as such, kept apart from `Cpu` so that a call mixing the two
+    /// is caught as it would be on a real device.
     Emulated,
+}
+
+impl Device {
+    /// Whether the host can read and write this device's memory directly (CPU and
+    /// emulated).
+    pub fn is_host_addressable(self) -> bool {
+        matches!(self, Device::Cpu | Device::Emulated)
+    }
 }
 
 impl fmt::Display for Device {
@@ -33,9 +44,10 @@ impl std::str::FromStr for Device {
 
     /// `cpu`, `emulated`, `cuda` (device 0) or `cuda:N`, as printed by `Display`.
     fn from_str(text: &str) -> crate::Result<Device> {
-        let invalid = || crate::Error::InvalidArgument {
-            op: "Device::from_str",
-            reason: format!("{text:?} is not a device; use cpu, emulated, cuda or cuda:N"),
+        let invalid = || {
+            crate::Error::Config(format!(
+                "{text:?} is not a device; use cpu, emulated, cuda or cuda:N"
+            ))
         };
         match text {
             "cpu" => Ok(Device::Cpu),

@@ -22,8 +22,9 @@
 //! and the averaged gradients are already where the parameters read them: no copy in,
 //! no copy out, no host round trip on a device.
 //!
-//! Otherwise (a 16-bit comm hook, or sharded) each hook copies its gradient into a host
-//! bucket. Bucket storage is allocated once and travels into each non-blocking
+//! Sharded on the CPU the buckets are such storage too, reduce-scattered into this
+//! rank's shard. Otherwise (a 16-bit comm hook, or sharded on a device) each hook copies
+//! its gradient into a host bucket. Bucket storage is allocated once and travels into each non-blocking
 //! all-reduce and back out of [`Work::wait`]; a bucket whose storage was lost with a
 //! failed operation gets a fresh allocation on its next use.
 //!
@@ -110,7 +111,15 @@ impl Reducer {
         options: ReducerOptions,
     ) -> Result<Reducer> {
         let wire_dtype = options.hook.wire_dtype();
-        let grad_buffers = (options.deferred.is_none() && wire_dtype == DType::F32)
+        // Sharded buckets are reduce-scattered into a new host buffer, which the bucket's
+        // own memory must then be too.
+        let on_host = || {
+            params
+                .iter()
+                .all(|p| p.value().device() == tape::Device::Cpu)
+        };
+        let views = wire_dtype == DType::F32 && (options.deferred.is_none() || on_host());
+        let grad_buffers = views
             .then(|| attach_bucket_views(&params, &buckets))
             .transpose()?;
         let mut slot_of = vec![(0, 0); params.len()];
@@ -167,6 +176,9 @@ impl Reducer {
     /// Gives bucket `index` its storage back (the optimizer's all-gathered parameters,
     /// which the next step's gradients overwrite) if it has none and `buffer` fits.
     pub(crate) fn return_storage(&mut self, index: usize, buffer: Buffer) {
+        if self.grad_buffers.is_some() {
+            return; // buckets are the gradients' own storage
+        }
         let fits = self.buckets.get(index).is_some_and(|info| {
             buffer.len() == info.padded_numel && buffer.dtype() == self.wire_dtype
         });
@@ -286,8 +298,11 @@ impl Reducer {
                 reduction.run(&self.params)?;
             }
             for index in (0..self.params.len()).filter(|&i| deferred[i]) {
-                if let Some(grad) = self.params[index].grad() {
-                    self.copy_in(index, Some(grad))?;
+                let param = self.params[index].clone();
+                if param.has_grad() {
+                    if param.main_grad().is_none() {
+                        self.copy_in(index, param.grad())?;
+                    }
                     self.mark_ready(index);
                 }
             }
@@ -339,6 +354,12 @@ impl Reducer {
                 used: globally_used.iter().map(|&used| used > 0).collect(),
                 scale: 1.0,
             });
+            if self.grad_buffers.is_some() {
+                // The shards hold the result; the views still hold this rank's own sums.
+                for param in &self.params {
+                    param.set_main_grad_written(false)?;
+                }
+            }
             return Ok(());
         }
         for index in 0..self.buckets.len() {

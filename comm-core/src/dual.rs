@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::buffer::{BufMut, BufRef, Buffer};
 use crate::communicator::{AsyncOp, Communicator, P2p, P2pWork};
 use crate::dtype::ReduceOp;
-use crate::error::{Error, OpKind, Result};
+use crate::error::{Error, Result};
 use crate::flight_recorder::FlightRecord;
 use crate::work::Work;
 
@@ -150,17 +150,31 @@ impl Communicator for DualCommunicator {
             P2p::Send { buf, .. } => buf.memory().is_host_addressable(),
             P2p::Recv { buf, .. } => buf.memory().is_host_addressable(),
         };
-        let host = ops.iter().filter(|op| on_host(op)).count();
-        if host != 0 && host != ops.len() {
-            return Err(Error::InvalidBuffer {
-                op: OpKind::Exchange,
-                group: self.name().to_string(),
-                detail: "one exchange mixes host and device buffers; send and receive host \
-                         and device messages in separate exchanges"
-                    .to_string(),
+        if ops.iter().all(on_host) {
+            return self.host.exchange(ops);
+        }
+        if !ops.iter().any(on_host) {
+            return self.device.exchange(ops);
+        }
+        // Mixed (a pipeline's host header beside its device tensor): the host transfers
+        // first, then the device ones. A peer's matching batch mixes the same way, so
+        // both halves pair up in the same order on every rank.
+        let (mut host, mut device): (Vec<P2p<'_>>, Vec<P2p<'_>>) = (Vec::new(), Vec::new());
+        for op in ops.iter_mut() {
+            let part = if on_host(op) { &mut host } else { &mut device };
+            part.push(match op {
+                P2p::Send { buf, peer } => P2p::Send {
+                    buf: *buf,
+                    peer: *peer,
+                },
+                P2p::Recv { buf, peer } => P2p::Recv {
+                    buf: buf.reborrow(),
+                    peer: *peer,
+                },
             });
         }
-        self.route(host != 0 || ops.is_empty()).exchange(ops)
+        self.host.exchange(&mut host)?;
+        self.device.exchange(&mut device)
     }
     fn isend(&self, buf: BufRef<'_>, dest: usize) -> Result<P2pWork> {
         self.for_ref(&buf).isend(buf, dest)

@@ -169,3 +169,39 @@ fn a_lease_keeps_every_other_access_out_until_dropped_even_when_leaked() -> anyh
     }
     Ok(())
 }
+
+#[test]
+fn storage_and_views_describe_themselves_and_fill() -> anyhow::Result<()> {
+    for device in devices() {
+        let storage = FlatStorage::<f32>::zeros(device, 6)?;
+        assert!(!storage.is_empty());
+        assert!(FlatStorage::<f32>::zeros(device, 0)?.is_empty());
+        assert_eq!((storage.len(), storage.device()), (6, device));
+        let other = FlatStorage::<f32>::zeros(device, 6)?;
+        assert!(storage.same_storage(&storage.clone()) && !storage.same_storage(&other));
+
+        let view = FlatView::new(&storage, 2, &[2, 2])?;
+        assert_eq!(
+            (view.offset(), view.numel(), view.shape()),
+            (2, 4, &[2, 2][..])
+        );
+        view.fill(1.5)?;
+        assert_eq!(
+            FlatView::new(&storage, 0, &[6])?.to_tensor()?.to_vec()?,
+            [0.0, 0.0, 1.5, 1.5, 1.5, 1.5]
+        );
+        let shown = format!("{view:?}");
+        assert!(
+            shown.contains("offset: 2") && shown.contains("len: 6"),
+            "{shown}"
+        );
+        let lease = storage.lease()?;
+        let shown = format!("{lease:?}");
+        assert!(
+            shown.contains("FlatStorage") && shown.contains("leased: true"),
+            "{shown}"
+        );
+        assert!(matches!(view.fill(0.0), Err(Error::Leased { .. })));
+    }
+    Ok(())
+}

@@ -205,3 +205,25 @@ fn storage_and_views_describe_themselves_and_fill() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Contributions that are transposed views (the backward of a transpose) land in the
+/// view in row-major order, the first overwriting and the next adding.
+#[test]
+fn transposed_contributions_accumulate_in_row_major_order() -> anyhow::Result<()> {
+    let storage = FlatStorage::<f32>::zeros(Device::Cpu, 6)?;
+    let w = Parameter::new("w", Tensor::<f32>::zeros(&[2, 3]));
+    w.attach_main_grad(FlatView::new(&storage, 0, &[2, 3])?)?;
+    let c1 = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2])?;
+    let c2 = Tensor::from_vec(vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0], &[3, 2])?;
+    let tape = Tape::new();
+    // Two backward passes: the first contribution overwrites, the second adds.
+    for c in [&c1, &c2] {
+        tape.watch(&w).transpose(0, 1)?.mul(c)?.sum()?.backward()?;
+    }
+    // d/dw = (c1 + c2)ᵀ
+    assert_eq!(
+        w.grad().unwrap().to_vec()?,
+        [11.0, 33.0, 55.0, 22.0, 44.0, 66.0]
+    );
+    Ok(())
+}

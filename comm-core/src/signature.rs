@@ -134,7 +134,7 @@ fn decode(rank: usize, words: &[i64], size: usize) -> CallSignature {
         root: pick(words[4]),
         memory: match words[5] {
             -2 => Device::Emulated,
-            w => pick(w).map_or(Device::Cpu, |device| Device::Cuda(device)),
+            w => pick(w).map_or(Device::Cpu, Device::Cuda),
         },
         counts: list(HEADER),
         recv_counts: list(HEADER + size),

@@ -24,17 +24,17 @@
 //!
 //! Sharded on the CPU the buckets are such storage too, reduce-scattered into this
 //! rank's shard. Otherwise (a 16-bit comm hook, or sharded on a device) each hook copies
-//! its gradient into a host bucket. Bucket storage is allocated once and travels into each non-blocking
-//! all-reduce and back out of [`Work::wait`]; a bucket whose storage was lost with a
-//! failed operation gets a fresh allocation on its next use.
+//! its gradient into a host bucket. That storage is allocated once and travels into each
+//! non-blocking reduction and back out of [`Work::wait`]; a bucket whose storage was lost
+//! with a failed operation gets a fresh allocation on its next use.
 //!
-//! **Sharded** (for the distributed optimizer), a hook moves the gradient into the bucket
-//! and drops the parameter's copy, buckets are reduce-scattered, and `finish` keeps each
-//! bucket's reduced shard for the optimizer instead of writing gradients back. The
-//! reduce-scatter consumes the bucket's storage; the optimizer's parameter all-gather
-//! returns a buffer of the same size, which becomes the next step's storage. Marked
+//! **Sharded** (for the distributed optimizer), buckets are reduce-scattered (a copying
+//! hook also drops the parameter's copy of the gradient), and `finish` keeps each
+//! bucket's reduced shard for the optimizer instead of writing gradients back. A copying
+//! bucket's storage is consumed by the reduce-scatter, and the optimizer's parameter
+//! all-gather returns a buffer of the same size, which becomes its next storage. Marked
 //! parameters are *deferred*: their hooks do nothing, and `finish` first sums their whole
-//! gradients over their groups, then moves them into their (last) buckets.
+//! gradients over their groups, then readies (or copies) them in their last buckets.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -21,16 +21,18 @@ if ! cargo mutants --version 2>/dev/null | grep -q "$version"; then
 fi
 
 # package: files (the local backend's group and collectives, the reduction kernel, the
-# call checks, the differentiable collectives, the loss, the gradient clipping, DDP's
-# buckets and reducer, and the pipeline's schedules and driver).
+# call checks, the flat storage gradients live in, the differentiable collectives, the
+# loss, the gradient clipping, DDP's buckets and reducer, and the pipeline's schedules
+# and driver).
 declare -A files=(
     [comm-core]="comm-core/src/calls.rs comm-core/src/local/group.rs comm-core/src/local/mod.rs comm-core/src/dtype.rs"
+    [tape]="tape/src/flat.rs"
     [mappings]="mappings/src/*.rs"
     [layers]="layers/src/cross_entropy.rs layers/src/clip.rs"
     [ddp]="ddp/src/bucket.rs ddp/src/reducer.rs ddp/src/named.rs ddp/src/optimizer.rs"
     [pipeline]="pipeline/src/schedule.rs pipeline/src/driver.rs"
 )
-packages=("${@:-comm-core mappings layers ddp pipeline}")
+packages=("${@:-comm-core tape mappings layers ddp pipeline}")
 # shellcheck disable=SC2206
 packages=(${packages[*]})
 

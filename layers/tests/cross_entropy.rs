@@ -100,6 +100,23 @@ fn matches_serial_cross_entropy_for_every_tp_and_option() -> AnyResult<()> {
     Ok(())
 }
 
+/// Without label smoothing the loss does not involve the sum of the logits, which can
+/// overflow f32 where every term of the loss stays finite.
+#[test]
+fn without_smoothing_an_overflowing_logit_sum_stays_out_of_the_loss() -> AnyResult<()> {
+    let logits = Tensor::from_vec(vec![3e38, 3e38, 0.0, 0.0], &[1, 4])?;
+    let losses = run_local(2, |comm| -> AnyResult<f32> {
+        let tp = common::tp_context(comm, false);
+        let shard = part(&logits, 1, tp.rank(), tp.size());
+        let options = CrossEntropyOptions::default();
+        Ok(vocab_parallel_cross_entropy(&shard, &[0], tp.group(), 4, &options)?.item()?)
+    })?;
+    for loss in losses {
+        assert!(loss.is_finite() && (0.0..1.0).contains(&loss), "{loss}");
+    }
+    Ok(())
+}
+
 #[test]
 fn rejects_out_of_range_labels_and_bad_shapes() -> AnyResult<()> {
     let checks = run_local(2, |comm| -> AnyResult<(bool, bool, bool)> {

@@ -115,25 +115,27 @@
 //!   data-parallel group (which holds the same shapes), but not across a
 //!   tensor-parallel group, whose ranks hold shards of different sizes when a dimension
 //!   does not divide evenly.
-//! * `reducer` — grad-ready hooks copy each gradient into its bucket (rounded to the hook's
-//!   wire dtype) and start a bucket's non-blocking all-reduce once it is complete and
-//!   every earlier bucket has started; `finish` waits for them in order, runs the hook's
-//!   post-processing and writes the averages back into the parameters.
+//! * `reducer` — grad-ready hooks mark their parameter ready and start a bucket's
+//!   non-blocking all-reduce once it is complete and every earlier bucket has started;
+//!   `finish` waits for them in order and runs the hook's post-processing.
 //! * extra reductions — then `finish` runs, per named group in registry order, one f32
-//!   SUM all-reduce of the group's marked gradients, coalesced in registration order.
-//!   They never depend on the bucket layout, so every member of a group issues the same
-//!   collectives with the same counts.
+//!   SUM all-reduce of the group's marked gradients, coalesced in registration order, on
+//!   their device (after a small host all-reduce of which members have one). They never
+//!   depend on the bucket layout, so every member of a group issues the same collectives
+//!   with the same counts.
 //! * `init` — the construction-time shape check and broadcast from DP rank 0.
 //!
-//! **Gradient buffer.** tape's gradients are separate tensors, so buckets do not alias
-//! them: gradients are *copied* into the buckets at hook time and the reduced values are
-//! written back in `finish`. The buckets together are one flat per-dtype gradient index
-//! space (see [`BucketInfo::flat_offset`]), but each bucket is its own allocation,
-//! because a non-blocking all-reduce takes ownership of its buffer until it completes.
-//! They are allocated once and reused every step; their total,
-//! [`buffer_bytes`](DistributedDataParallel::buffer_bytes), is exactly the gradient size
-//! (half of it with a 16-bit hook), plus one parameter's gradient transiently while it
-//! is copied.
+//! **Gradient buffer.** Each bucket is one allocation ([`tape::FlatStorage`]) on the
+//! parameters' device, and the parameters' gradients are views into it
+//! ([`tape::Parameter::attach_main_grad`]): backward accumulates into the bucket, the
+//! all-reduce runs on it in place (it holds a lease on the storage until it completes),
+//! and the averages are then the parameters' gradients, with no copy either way. The
+//! buckets together are one flat gradient index space (see
+//! [`BucketInfo::flat_offset`]); each is its own allocation so that a reduction in flight
+//! locks only its own. Their total, [`buffer_bytes`](DistributedDataParallel::buffer_bytes),
+//! is exactly the gradient size. With a 16-bit comm hook, and sharded on a device,
+//! gradients are instead *copied* into host buckets in the hook's wire dtype (half the
+//! size with a 16-bit hook) and the reduced values written back.
 #![warn(missing_docs)]
 
 mod bucket;

@@ -41,7 +41,9 @@ use crate::error::{Error, Result};
 /// In [`finish`](crate::DistributedDataParallel::finish), once the data-parallel average
 /// is in every parameter, each group (in [`ParallelState::group_names`] order, whatever
 /// order the marks were made in) gets one SUM all-reduce, in f32 whatever the comm hook's
-/// wire dtype: its marked parameters' whole gradients in registration order, coalesced.
+/// wire dtype, on the gradients' device: its marked parameters' whole gradients in
+/// registration order, coalesced (after a small host all-reduce of which of them have a
+/// gradient on some rank).
 /// Every member of a group must therefore mark parameters of the same shapes in the same
 /// registration order. A marked parameter without a gradient takes part as zeros; it
 /// receives the sum when some member had a gradient for it, and keeps no gradient when
@@ -207,35 +209,45 @@ impl GroupReduction {
         &self.members
     }
 
-    /// Sums the members' gradients over the group in one f32 all-reduce.
+    /// Sums the members' gradients over the group: first which members some rank has a
+    /// gradient for (a parameter none has keeps none), then the gradients themselves in
+    /// one f32 all-reduce on their device (no host round trip).
     pub(crate) fn run(&self, params: &[Parameter]) -> Result<()> {
+        let Some(&first) = self.members.first() else {
+            return Ok(());
+        };
         let grads: Vec<Option<Tensor>> = self.members.iter().map(|&i| params[i].grad()).collect();
-        let numel: usize = self.members.iter().map(|&i| params[i].numel()).sum();
-        let mut flat = Vec::with_capacity(numel + self.members.len());
-        for (&i, grad) in self.members.iter().zip(&grads) {
-            match grad {
-                Some(grad) => flat.extend(grad.to_vec()?),
-                None => flat.resize(flat.len() + params[i].numel(), 0.0),
-            }
-        }
-        // One has-gradient flag per member rides along, so that a parameter no member
-        // has a gradient for keeps none, and one that some member has gets the sum.
-        flat.extend(grads.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }));
-        self.comm.all_reduce_slice(&mut flat, ReduceOp::Sum)?;
+        let mut flags: Vec<f32> = grads
+            .iter()
+            .map(|g| f32::from(u8::from(g.is_some())))
+            .collect();
+        self.comm.all_reduce_slice(&mut flags, ReduceOp::Sum)?;
 
-        let (values, flags) = flat.split_at(numel);
+        let device = params[first].value().device();
+        let flat = (self.members.iter().zip(grads))
+            .map(|(&i, grad)| {
+                let numel = params[i].numel();
+                match grad {
+                    Some(grad) => grad.reshape(&[numel]),
+                    None => Tensor::full_on(&[numel], 0.0, device),
+                }
+            })
+            .collect::<tape::Result<Vec<Tensor>>>()?;
+        let summed = Tensor::concat(&flat.iter().collect::<Vec<_>>(), 0)?.updated_by(|buf| {
+            self.comm
+                .all_reduce(buf, ReduceOp::Sum)
+                .map_err(Error::from)
+        })?;
         let mut offset = 0;
-        for (&i, &flag) in self.members.iter().zip(flags) {
+        for (&i, &flag) in self.members.iter().zip(&flags) {
             let param = &params[i];
-            let range = offset..offset + param.numel();
-            offset = range.end;
-            if flag == 0.0 {
-                continue;
+            let numel = param.numel();
+            if flag > 0.0 {
+                param.set_grad(Some(
+                    summed.narrow(0, offset, numel)?.reshape(&param.shape())?,
+                ))?;
             }
-            // A gradient lives on its parameter's device.
-            let device = param.value().device();
-            let summed = Tensor::from_vec(values[range].to_vec(), &param.shape())?;
-            param.set_grad(Some(summed.to_device(device)?))?;
+            offset += numel;
         }
         Ok(())
     }

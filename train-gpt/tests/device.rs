@@ -4,18 +4,19 @@
 
 use std::process::Command;
 
-/// Runs the README's device example with `device`; returns stdout.
-fn train(device: &str) -> String {
+/// Runs the README's device example with `device` and `extra` flags; returns stdout.
+fn train(device: &str, extra: &[&str]) -> String {
     let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
         .args([
             "--device", device, "--tp", "2", "--dp", "2", "--layers", "1",
         ])
+        .args(extra)
         .args([
             "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "4",
         ])
         .args(["--steps", "3", "--eval-interval", "0"])
         .arg("--out")
-        .arg(std::env::temp_dir().join(format!("train-gpt-device-{device}")))
+        .arg(std::env::temp_dir().join(format!("train-gpt-device-{device}{}", extra.join(""))))
         .output()
         .expect("the train-gpt binary runs");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
@@ -34,10 +35,9 @@ fn loss_line(stdout: &str) -> &str {
         .expect("a loss line")
 }
 
-#[test]
-fn a_device_run_ends_with_its_transfers_per_step() {
-    let emulated = train("emulated");
-    let last = emulated.lines().last().unwrap_or_default();
+/// The last line's bytes per step and rank: (to the device, to the host).
+fn transfers(stdout: &str) -> (u64, u64) {
+    let last = stdout.lines().last().unwrap_or_default();
     let figures: Vec<u64> = last
         .strip_prefix("device transfers per step and rank: to device ")
         .and_then(|rest| rest.strip_suffix(" bytes"))
@@ -48,15 +48,24 @@ fn a_device_run_ends_with_its_transfers_per_step() {
         })
         .unwrap_or_default();
     assert_eq!(figures.len(), 2, "last line {last:?}");
+    (figures[0], figures[1])
+}
+
+#[test]
+fn a_device_run_ends_with_its_transfers_per_step() {
+    let emulated = train("emulated", &[]);
     // A step moves its batch to the device (64 tokens per rank: ids, labels and the masks
     // made from them, 27 bytes a token) and its loss back (an f32 read twice); gradients
     // stay in the device buckets and the loss arithmetic on the logits' device. The
     // gradients' round trip alone (about 15,000 f32 per rank) would exceed both bounds.
-    let (to_device, to_host) = (figures[0], figures[1]);
-    assert!(to_device <= 64 * 32, "{last}");
-    assert!(to_host <= 8, "{last}");
+    // The sequence-parallel layer norms' extra sum over TP runs on the device too.
+    for run in [&emulated, &train("emulated", &["--sequence-parallel"])] {
+        let (to_device, to_host) = transfers(run);
+        assert!(to_device <= 64 * 32, "{to_device} bytes to the device");
+        assert!(to_host <= 8, "{to_host} bytes to the host");
+    }
     // The CPU run trains the same numbers (to the printed digits) and has no such line.
-    let cpu = train("cpu");
+    let cpu = train("cpu", &[]);
     assert_eq!(loss_line(&emulated), loss_line(&cpu));
     assert!(!cpu.contains("device transfers"));
 }

@@ -4,12 +4,13 @@
 //! * [`CommHook::start`] runs inside backward, the moment a bucket is ready: it starts a
 //!   non-blocking reduction of the bucket's flat buffer and returns its [`Work`];
 //! * [`CommHook::after_reduce`] runs in [`finish`](crate::DistributedDataParallel::finish)
-//!   once that reduction has completed, before the gradients are written back, and may
-//!   run further (blocking) collectives on the reduced bucket.
+//!   once that reduction has completed, before the parameters read the averages, and
+//!   may run further (blocking) collectives on the reduced bucket.
 //!
 //! [`CommHook::wire_dtype`] fixes the dtype buckets are *stored* in, not only sent in:
-//! gradients are rounded into a 16-bit bucket as they are copied in, so compression
-//! halves the bucket memory instead of adding a second copy.
+//! with a 16-bit wire dtype the gradients are rounded into a host bucket of that dtype as
+//! they are copied in (f32 buckets are the gradients' own storage instead), so
+//! compression halves the bucket memory instead of adding a second copy.
 //!
 //! Built-in hooks: [`AllReduceAvg`] (the default) and [`CompressedAllReduce`] (bf16 or
 //! fp16). A hook is only the data-parallel reduction; the model-parallel reductions of
@@ -62,8 +63,8 @@ pub trait CommHook: Send + Sync {
         })
     }
 
-    /// Post-processes a bucket after its reduction completed and before its gradients
-    /// are written back to the parameters. Runs on every rank in bucket order.
+    /// Post-processes a bucket after its reduction completed and before the parameters
+    /// read its averages. Runs on every rank in bucket order.
     fn after_reduce(&self, bucket: &mut ReducedBucket<'_>) -> Result<()> {
         let _ = bucket;
         Ok(())

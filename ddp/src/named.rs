@@ -18,7 +18,7 @@
 //!
 //! The reductions run at the end of
 //! [`finish`](crate::DistributedDataParallel::finish), after every bucket has been
-//! reduced and written back, and never inside a bucket: bucket boundaries follow each
+//! reduced, and never inside a bucket: bucket boundaries follow each
 //! rank's own parameter sizes, which differ between the ranks of a tensor-parallel group
 //! when shards are uneven, while a collective needs the same count on every member.
 

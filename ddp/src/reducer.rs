@@ -1,16 +1,17 @@
 //! The per-step state machine behind the grad-ready hooks (PyTorch's `Reducer`).
 //!
 //! One step goes through three phases:
-//! 1. **Backward** — each parameter's hook copies its gradient into its bucket's slot
-//!    and marks it ready. When the *next bucket in launch order* has all its parameters
+//! 1. **Backward** — each parameter's hook marks it ready (its gradient already is in
+//!    its bucket's slot, or a copying bucket takes a copy). When the *next bucket in launch order* has all its parameters
 //!    ready, its reduction starts (and so does every following bucket that is already
 //!    complete). Launching strictly in bucket order keeps the collectives in the same
 //!    order on every rank, even when gradients complete in a different order.
 //! 2. **Finish** — parameters that got no gradient are either filled with zeros
 //!    (`find_unused_parameters`) or reported; the remaining buckets start; each bucket is
-//!    waited for in order, post-processed by the comm hook and written back. Then the
-//!    extra model-parallel reductions run on the written-back gradients, one per named
-//!    group (see [`NamedGroupReduction`](crate::NamedGroupReduction)).
+//!    waited for in order and post-processed by the comm hook (a copying bucket is then
+//!    written back). Then the extra model-parallel reductions run on the averaged
+//!    gradients, one per named group (see
+//!    [`NamedGroupReduction`](crate::NamedGroupReduction)).
 //! 3. **Reset** — ready flags are cleared for the next step. Any failure also resets, so
 //!    one bad step never leaves the next one waiting for a bucket that cannot fire.
 //!

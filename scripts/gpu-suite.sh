@@ -120,23 +120,26 @@ bench() {
     NCCL_MULTI_RANK_GPU_ENABLE=1 "$BIN/bench_ddp" --backend nccl --device cuda:0 --ranks 2 \
         --json || echo "bench_ddp over NCCL failed (see the error above)"
     echo "== the demo over NCCL on one GPU (TP 2 x DP 1, TP 2 x DP 2) against the CPU curve"
+    local failed=0
     for dp in 1 2; do
         "$BIN/train-gpt" --tp 2 --dp $dp --steps 20 --out "$logs/cpu-dp$dp" | tail -1
         NCCL_MULTI_RANK_GPU_ENABLE=1 "$BIN/train-gpt" --backend nccl --device cuda:0 --tp 2 \
             --dp $dp --steps 20 --check --out "$logs/nccl-dp$dp" | tail -3
-        python3 - "$logs/cpu-dp$dp/loss.csv" "$logs/nccl-dp$dp/loss.csv" <<'PY'
+        python3 - "$logs/cpu-dp$dp/loss.csv" "$logs/nccl-dp$dp/loss.csv" <<'PY' || failed=1
 import csv, sys
 curves = [[float(row["loss"]) for row in csv.DictReader(open(path))] for path in sys.argv[1:]]
 worst = max(abs(a - b) for a, b in zip(*curves))
 print(f"NCCL vs CPU loss curve: max difference {worst:.2e}",
       "(within 1e-3)" if worst <= 1e-3 else "(OVER 1e-3)")
+sys.exit(0 if worst <= 1e-3 else 1)
 PY
     done
+    return $failed
 }
 
 case "${1:-}" in
 build) build ;;
-run) setup; tests; status=$?; bench; exit $status ;;
+run) setup; tests; status=$?; bench || status=1; exit $status ;;
 tests) setup && tests ;;
 bench) setup && bench ;;
 env) echo "export LD_LIBRARY_PATH=$(library_path):${LD_LIBRARY_PATH:-}" ;;

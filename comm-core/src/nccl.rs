@@ -615,11 +615,12 @@ impl NcclCommunicator {
 /// buffers stay borrowed until it is waited for. [`wait_on`](Self::wait_on) orders a
 /// compute stream after it on the device (the host goes on queueing work);
 /// [`wait`](Self::wait) waits on the host under the watchdog. Dropping it waits too,
-/// because the buffers may be freed right after. Leaking it (`mem::forget`) is safe: the
-/// streams the buffers are ordered on and allocated on wait for the collective on the
-/// device from the moment it is queued, so nothing later queued on them (freeing a buffer
-/// included) can run before NCCL is done with it; only the call's flight record stays
-/// open.
+/// because the buffers may be freed right after. Leaking it (`mem::forget`) cannot free a
+/// buffer under NCCL: the streams the buffers are ordered on and allocated on wait for the
+/// collective on the device from the moment it is queued, so nothing later queued on
+/// those streams (freeing a buffer included) runs before NCCL is done with it. Work queued
+/// on a third stream after a leak is not ordered after the collective; only the call's
+/// flight record stays open.
 #[must_use = "a collective in flight must be waited for"]
 pub struct NcclWork<'a> {
     communicator: &'a NcclCommunicator,
@@ -1343,14 +1344,21 @@ impl Communicator for NcclCommunicator {
             // which waits under the watchdog when waited for or dropped, so the memory
             // outlives NCCL's use of it, and no stream of the owner waits on NCCL.
             (AsyncOp::AllReduce { mut buf, op }, Device::Cuda(_)) => {
-                let pending = self.queue_all_reduce(buf.as_buf_mut(), op)?.pending.take();
+                let mut pending = self.queue_all_reduce(buf.as_buf_mut(), op)?.pending.take();
                 let handle = NcclCommunicator {
                     shared: self.shared.clone(),
                 };
-                let mut pending = pending;
                 Ok(Work::deferred(move || {
-                    handle.complete(&mut pending)?;
-                    Ok(buf)
+                    match handle.complete(&mut pending) {
+                        Ok(()) => Ok(buf),
+                        Err(error) => {
+                            // Every failure has aborted the communicator, whose kernels may
+                            // outlive a drain that timed out: keep the memory (and its owner's
+                            // lease) rather than hand back what NCCL might still write.
+                            std::mem::forget(buf);
+                            Err(error)
+                        }
+                    }
                 }))
             }
             _ => Err(Error::InvalidBuffer {

@@ -125,7 +125,12 @@ fn over_nccl(
     let Device::Cuda(first) = first else {
         anyhow::bail!("--backend nccl needs --device cuda:N");
     };
-    let ordinal = first + rank % (comm_core::cuda::device_count()? - first).max(1);
+    let count = comm_core::cuda::device_count()?;
+    anyhow::ensure!(
+        first < count,
+        "--device cuda:{first}, but there are {count} CUDA devices"
+    );
+    let ordinal = first + rank % (count - first);
     let nccl = comm_core::NcclCommunicator::new(comm.clone(), ordinal)?;
     let dual = comm_core::DualCommunicator::new(comm, Arc::new(nccl))?;
     Ok((Arc::new(dual), Device::Cuda(ordinal)))

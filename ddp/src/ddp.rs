@@ -152,10 +152,10 @@ impl DistributedDataParallel {
         self.buckets.iter().map(BucketInfo::grad_bytes).sum()
     }
 
-    /// Bytes of the bucket buffers DDP holds in addition to the gradients: exactly
-    /// [`gradient_bytes`](Self::gradient_bytes) with f32 buckets, half of it with a
-    /// 16-bit comm hook (plus the shard padding under the distributed optimizer). Copies
-    /// in and out of the buckets add at most one parameter's gradient, transiently.
+    /// Bytes of the bucket buffers: exactly [`gradient_bytes`](Self::gradient_bytes) with
+    /// f32 buckets, which are the gradients' own storage (plus the shard padding under
+    /// the distributed optimizer); half of it with a 16-bit comm hook, whose buckets the
+    /// gradients are copied into, in addition to the parameters' own gradients.
     pub fn buffer_bytes(&self) -> usize {
         self.buckets.iter().map(|b| b.padded_numel).sum::<usize>() * self.wire_dtype.size_in_bytes()
     }
@@ -196,7 +196,7 @@ impl DistributedDataParallel {
                 parameter: Some(name),
                 ..
             }) => {
-                self.reducer.lock().abandon_step();
+                self.reducer.lock().reset_step();
                 Err(Error::FinishNotCalled { name })
             }
             Err(other) => Err(Error::from_backward(other)),

@@ -9,8 +9,10 @@
 //!
 //! [`CommHook::wire_dtype`] fixes the dtype buckets are *stored* in, not only sent in:
 //! with a 16-bit wire dtype the gradients are rounded into a host bucket of that dtype as
-//! they are copied in (f32 buckets are the gradients' own storage instead), so
-//! compression halves the bucket memory instead of adding a second copy.
+//! they are copied in, a half-size copy beside the parameters' own gradients (f32
+//! buckets are the gradients' own storage instead). On a CUDA device `after_reduce`
+//! sees device memory, so a hook that reads the bucket on the host
+//! ([`ReducedBucket::all_reduce_range`]) works only with host or emulated parameters.
 //!
 //! Built-in hooks: [`AllReduceAvg`] (the default) and [`CompressedAllReduce`] (bf16 or
 //! fp16). A hook is only the data-parallel reduction; the model-parallel reductions of

@@ -65,8 +65,8 @@
 //!
 //! # Comm hooks
 //! [`DdpConfig::comm_hook`] chooses how buckets travel over the data-parallel group:
-//! [`AllReduceAvg`] (default), [`CompressedAllReduce`] (bf16/fp16 buckets, half the
-//! memory and traffic), or your own [`CommHook`].
+//! [`AllReduceAvg`] (default), [`CompressedAllReduce`] (bf16/fp16 buckets: half the
+//! traffic, at the cost of a half-size copy of the gradients), or your own [`CommHook`].
 //!
 //! # Model-parallel groups
 //! Some gradients must also be summed over a model-parallel group after the
@@ -133,9 +133,10 @@
 //! buckets together are one flat gradient index space (see
 //! [`BucketInfo::flat_offset`]); each is its own allocation so that a reduction in flight
 //! locks only its own. Their total, [`buffer_bytes`](DistributedDataParallel::buffer_bytes),
-//! is exactly the gradient size. With a 16-bit comm hook, and sharded on a device,
+//! is exactly the gradient size. With a 16-bit comm hook, or sharded on a device,
 //! gradients are instead *copied* into host buckets in the hook's wire dtype (half the
-//! size with a 16-bit hook) and the reduced values written back.
+//! size with a 16-bit hook), and the reduced values written back (or, sharded, kept as
+//! the optimizer's shards).
 #![warn(missing_docs)]
 
 mod bucket;

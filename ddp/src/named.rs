@@ -216,7 +216,9 @@ impl GroupReduction {
         let Some(&first) = self.members.first() else {
             return Ok(());
         };
-        let grads: Vec<Option<Tensor>> = self.members.iter().map(|&i| params[i].grad()).collect();
+        let grads = (self.members.iter())
+            .map(|&i| params[i].try_grad())
+            .collect::<tape::Result<Vec<Option<Tensor>>>>()?;
         let mut flags: Vec<f32> = grads
             .iter()
             .map(|g| f32::from(u8::from(g.is_some())))

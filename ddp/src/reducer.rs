@@ -67,15 +67,15 @@ pub(crate) struct Reducer {
     pub(crate) sync_enabled: bool,
     overlap: bool,
     find_unused: bool,
-    /// Run after every bucket is written back, in order (sharded: before the deferred
-    /// buckets start).
+    /// Run after every bucket is reduced, in order (sharded: before the deferred buckets
+    /// start).
     extra_reductions: Vec<GroupReduction>,
     /// Sharded: which parameters wait for `finish` (by registration index).
     deferred: Option<Vec<bool>>,
     /// Sharded: what the last `finish` produced, until the optimizer takes it.
     reduced: Option<ReducedShards>,
-    /// Per bucket, the flat storage its parameters' gradients are views of (plain DDP
-    /// with f32 buckets); `None`: gradients are copied into host buckets.
+    /// Per bucket, the flat storage its parameters' gradients are views of (f32 buckets,
+    /// unless sharded on a device); `None`: gradients are copied into host buckets.
     grad_buffers: Option<Vec<FlatStorage>>,
 }
 
@@ -220,7 +220,7 @@ impl Reducer {
         }
         // A bucket view already holds the gradient.
         if self.grad_buffers.is_none() {
-            self.copy_in(index, param.grad())?;
+            self.copy_in(index, param.try_grad()?)?;
         }
         self.mark_ready(index);
         if self.overlap {
@@ -302,7 +302,7 @@ impl Reducer {
                 let param = self.params[index].clone();
                 if param.has_grad() {
                     if param.main_grad().is_none() {
-                        self.copy_in(index, param.grad())?;
+                        self.copy_in(index, param.try_grad()?)?;
                     }
                     self.mark_ready(index);
                 }
@@ -333,7 +333,7 @@ impl Reducer {
                     // Zeros for this rank's share; a gradient is already in place.
                     Some(view) if locally_used[index] == 0 => view.fill(0.0)?,
                     Some(_) => {}
-                    None => self.copy_in(index, param.grad())?,
+                    None => self.copy_in(index, param.try_grad()?)?,
                 }
                 self.mark_ready(index);
             }
@@ -405,21 +405,19 @@ impl Reducer {
         Ok(())
     }
 
-    /// Abandons the current step after a backward that failed part-way, waiting for the
-    /// reductions in flight so that their buckets' leases end (they finish, or fail, on
-    /// every rank: each rank launched them).
-    pub(crate) fn abandon_step(&mut self) {
-        for state in &mut self.state {
-            if let Some(work) = state.work.take() {
-                let _ = work.wait();
+    /// Forgets the current step: ready flags, launch position and any operation still in
+    /// flight. A copying bucket's operation completes in the background (the bucket is
+    /// re-allocated when needed); a view bucket's is waited for, since its lease keeps
+    /// the parameters' gradients from the next backward until then (it finishes, or
+    /// fails, on every rank: each rank launched it).
+    pub(crate) fn reset_step(&mut self) {
+        if self.grad_buffers.is_some() {
+            for state in &mut self.state {
+                if let Some(work) = state.work.take() {
+                    let _ = work.wait();
+                }
             }
         }
-        self.reset_step();
-    }
-
-    /// Forgets the current step: ready flags, launch position and any operation still in
-    /// flight (it completes in the background; its bucket is re-allocated when needed).
-    fn reset_step(&mut self) {
         self.ready.fill(false);
         self.next_launch = 0;
         self.started.store(0, Ordering::Release);

@@ -56,7 +56,7 @@ pub fn clip_grad_norm(
         if sharded.is_tensor_parallel_duplicate(tp.rank()) {
             continue;
         }
-        if let Some(grad) = sharded.param.grad() {
+        if let Some(grad) = sharded.param.try_grad()? {
             local.add(f64::from(grad.mul(&grad)?.sum()?.item()?));
         }
     }
@@ -66,7 +66,7 @@ pub fn clip_grad_norm(
     let norm = reduce_grad_norm(local, &groups, max_norm)?;
     if norm.clipped {
         for sharded in params {
-            if let Some(grad) = sharded.param.grad() {
+            if let Some(grad) = sharded.param.try_grad()? {
                 sharded.param.set_grad(Some(grad.scale(norm.scale)?))?;
             }
         }

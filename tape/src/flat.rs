@@ -249,11 +249,10 @@ impl<T: Element> FlatView<T> {
     /// Elements `offset..offset + Π shape` of `storage`, as a tensor of `shape`; a range
     /// past the end is an error.
     pub fn new(storage: &FlatStorage<T>, offset: usize, shape: &[usize]) -> Result<Self> {
-        let numel: usize = shape.iter().product();
-        if offset
-            .checked_add(numel)
-            .is_none_or(|end| end > storage.len())
-        {
+        let end = (shape.iter())
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .and_then(|numel| offset.checked_add(numel));
+        if end.is_none_or(|end| end > storage.len()) {
             return Err(Error::shape(
                 "FlatView::new",
                 &[&[storage.len()], &[offset], shape],

@@ -41,12 +41,12 @@ impl<T: Element> GradSlot<T> {
         }
     }
 
-    /// A snapshot: the tensor itself, or a copy of the view (`None` while a collective
-    /// holds the view's storage).
-    fn snapshot(&self) -> Option<Tensor<T>> {
+    /// A snapshot: the tensor itself, or a copy of the view (an error while a collective
+    /// holds the view's storage, or when the copy fails).
+    fn snapshot(&self) -> Result<Option<Tensor<T>>> {
         match self {
-            GradSlot::Own(grad) => grad.clone(),
-            GradSlot::Main { view, written } => written.then(|| view.to_tensor().ok())?,
+            GradSlot::Own(grad) => Ok(grad.clone()),
+            GradSlot::Main { view, written } => written.then(|| view.to_tensor()).transpose(),
         }
     }
 
@@ -179,8 +179,16 @@ impl<T: Element> Parameter<T> {
     /// last [`zero_grad`](Parameter::zero_grad). With a [main
     /// gradient](Self::attach_main_grad) it is a copy of the view (on its device), and
     /// also `None` while a collective holds the view's storage (a data-parallel bucket
-    /// being reduced, until DDP's `finish`).
+    /// being reduced, until DDP's `finish`) or if the copy fails: see
+    /// [`try_grad`](Self::try_grad).
     pub fn grad(&self) -> Option<Tensor<T>> {
+        self.try_grad().ok().flatten()
+    }
+
+    /// [`grad`](Self::grad), with the reason when a main gradient cannot be read
+    /// ([`Error::Leased`] while a collective holds it, or a failed device copy) instead
+    /// of `None`. Library code that must not mistake a failure for "no gradient" uses it.
+    pub fn try_grad(&self) -> Result<Option<Tensor<T>>> {
         self.shared.grad.lock().snapshot()
     }
 
@@ -192,7 +200,7 @@ impl<T: Element> Parameter<T> {
     /// Removes and returns the gradient.
     pub fn take_grad(&self) -> Option<Tensor<T>> {
         let mut slot = self.shared.grad.lock();
-        let grad = slot.snapshot();
+        let grad = slot.snapshot().ok()?;
         slot.clear();
         grad
     }
@@ -222,7 +230,7 @@ impl<T: Element> Parameter<T> {
             });
         }
         let mut slot = self.shared.grad.lock();
-        let current = slot.snapshot();
+        let current = slot.snapshot()?;
         if let Some(grad) = &current {
             view.write(OP, grad, false)?;
         }

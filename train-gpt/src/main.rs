@@ -322,6 +322,16 @@ fn run_local_backend(
     validate(args, dp)?;
     let config = train_config(args);
     let world = args.tp * args.pp * dp;
+    if let Some(devices) = &devices {
+        let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
+        ensure!(
+            world <= devices.len() || shared,
+            "--backend nccl: {world} ranks on {} CUDA device(s) put several ranks on one GPU, \
+             which NCCL allows only from 2.30 and with NCCL_MULTI_RANK_GPU_ENABLE=1; set it, \
+             or use fewer ranks",
+            devices.len()
+        );
+    }
     announce(args, corpus, dp);
     let progress = Progress::new("train", args.steps, args.batch * dp * args.seq);
     let mut results = run_local(world, |comm| {

@@ -21,7 +21,9 @@ impl Drop for DeviceBuffer {
 }
 
 /// A contiguous row-major array of `T` on a device. Cloning shares the memory; arrays
-/// are never written after the op that produced them returns, so sharing is safe.
+/// are never written after the op that produced them returns, so sharing is safe. The
+/// exception is flat storage's array and its windows, written in place only under the
+/// storage's lock or lease (`crate::flat`).
 pub(crate) struct GpuArray<T> {
     buffer: Arc<DeviceBuffer>,
     /// Where the elements start in the allocation: 0 except for windows of flat storage.
@@ -195,7 +197,8 @@ impl<T: Copy + Default> GpuArray<T> {
     /// [`lend`](Self::lend).
     ///
     /// # Safety
-    /// No other array may share this memory while the view lives (a fresh array).
+    /// Nothing else may access this memory while the view lives (a fresh array, or flat
+    /// storage under its lease).
     pub(crate) unsafe fn lend_mut(&self) -> comm_core::BufMut<'_>
     where
         T: comm_core::Element,

@@ -253,6 +253,12 @@ impl<T: Element> Tensor<T> {
                 "one log-sum-exp and one target per row",
             ));
         }
+        if classes == 0 || classes < width {
+            return Err(Error::invalid(
+                OP,
+                format!("{classes} classes cannot hold logits {width} wide; pass all the classes"),
+            ));
+        }
         let per_row = upstream.numel() != 1;
         if per_row && upstream.shape() != [rows] {
             return Err(Error::shape(

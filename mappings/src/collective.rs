@@ -79,7 +79,7 @@ impl Collective {
             Collective::Gather(Partition { dim, sizes }) => {
                 let layout = layout_with(op, x.shape(), *dim, sizes[rank])?;
                 let counts = layout.counts(sizes);
-                let blocks = Tensor::filled_by(device, &[counts.iter().sum()], |out| {
+                let blocks = Tensor::filled_by(device, x.dtype(), &[counts.iter().sum()], |out| {
                     x.lend(|mine| group.all_gather_v(mine, out, &counts))?
                         .map_err(comm)
                 })?;
@@ -95,7 +95,7 @@ impl Collective {
                 let counts = layout.counts(sizes);
                 let blocks = pack_rank_blocks(x, *dim, sizes)?;
                 let shape = with_len(x.shape(), *dim, sizes[rank]);
-                Tensor::filled_by(device, &shape, |mine| {
+                Tensor::filled_by(device, x.dtype(), &shape, |mine| {
                     blocks
                         .lend(|all| group.reduce_scatter_v(all, mine, &counts, ReduceOp::Sum))?
                         .map_err(comm)
@@ -115,7 +115,7 @@ impl Collective {
                 let shape = with_len(&part, *gather_dim, recv_sizes.iter().sum());
                 let receiving = DimLayout::new(op, &shape, *gather_dim)?;
                 let (sends, recvs) = (sending.counts(send_sizes), receiving.counts(recv_sizes));
-                let received = Tensor::filled_by(device, &[recvs.iter().sum()], |out| {
+                let received = Tensor::filled_by(device, x.dtype(), &[recvs.iter().sum()], |out| {
                     blocks
                         .lend(|input| group.all_to_all_v(input, &sends, out, &recvs))?
                         .map_err(comm)

@@ -3,6 +3,7 @@
  * assembled in src/gpu/cuda.rs. */
 #include "common.h"
 #include "prelude_host.h"
+#include "half.h"
 
 #include "precision_f32.h"
 #include "elementwise.cu"

@@ -22,6 +22,8 @@ pub trait Element:
     + Sync
     + 'static
 {
+    /// The runtime tag of the type (what a full-precision tensor of it reports).
+    const DTYPE: comm_core::DType;
     /// Converts from `f64`, rounding to the nearest representable value.
     fn from_f64(value: f64) -> Self;
     /// Widens (or keeps) the value as `f64`.
@@ -34,6 +36,7 @@ pub trait Element:
 }
 
 impl Element for f32 {
+    const DTYPE: comm_core::DType = comm_core::DType::F32;
     fn from_f64(value: f64) -> Self {
         value as f32
     }
@@ -50,6 +53,7 @@ impl Element for f32 {
 }
 
 impl Element for f64 {
+    const DTYPE: comm_core::DType = comm_core::DType::F64;
     fn from_f64(value: f64) -> Self {
         value
     }

@@ -356,7 +356,7 @@ impl<T: Element> FlatView<T> {
                 Region::Device(window) => {
                     let source = tensor.device_array(op, self.device())?;
                     if add {
-                        ops::binary_into(op, ops::BinaryKind::Add, &window, &window, source)
+                        ops::binary_into(op, ops::BinaryKind::Add, &window, &window, &source)
                     } else {
                         // SAFETY: both hold `len` elements of `T` on this device.
                         unsafe {

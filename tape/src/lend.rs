@@ -11,7 +11,9 @@ use comm_core::{BufMut, BufRef};
 use ndarray::{ArrayD, IxDyn};
 
 use crate::gpu::GpuArray;
-use crate::{Device, Element, Error, Result, Tensor};
+use crate::{DType, Device, Element, Error, Result, Tensor};
+
+const OP: &str = "lend";
 
 impl<T: Element + comm_core::Element> Tensor<T> {
     /// Runs `read` on a view of the elements in row-major order, for a communicator to
@@ -33,24 +35,33 @@ impl<T: Element + comm_core::Element> Tensor<T> {
     /// assert_eq!(sums[1], [1.0, 0.0, 1.0, 1.0]);
     /// ```
     pub fn lend<R>(&self, read: impl FnOnce(BufRef<'_>) -> R) -> Result<R> {
-        if let Some(array) = self.gpu() {
+        if let Some(half) = self.half() {
+            return Ok(half.lend(read));
+        }
+        if let Some(array) = self.gpu(OP)? {
             return Ok(read(array.lend()));
         }
-        let array = self.cpu("lend")?;
+        let array = self.cpu(OP)?;
         Ok(match array.as_slice() {
             Some(slice) => read(BufRef::from(slice)),
             None => read(BufRef::from(&array.iter().copied().collect::<Vec<T>>())),
         })
     }
 
-    /// A new tensor of `shape` on `device` whose elements `fill` writes through a view of
-    /// its memory (zeros before `fill` runs), e.g. the output of a gather. `fill`'s error
-    /// is returned instead of a tensor.
+    /// A new tensor of `shape`, stored as `dtype` (`T`'s own, bf16 or f16) on `device`,
+    /// whose elements `fill` writes through a view of its memory (zeros before `fill`
+    /// runs), e.g. the output of a gather. `fill`'s error is returned instead of a tensor.
     pub fn filled_by<E: From<Error>>(
         device: Device,
+        dtype: DType,
         shape: &[usize],
         fill: impl FnOnce(BufMut<'_>) -> std::result::Result<(), E>,
     ) -> std::result::Result<Tensor<T>, E> {
+        crate::precision::check_dtype::<T>("filled_by", dtype)?;
+        if dtype != <T as Element>::DTYPE {
+            let zeros = Tensor::<T>::full_on(shape, T::zero(), device)?;
+            return zeros.stored_as("filled_by", dtype)?.updated_by(fill);
+        }
         let fresh = match device {
             Device::Cpu => Fresh::Host(ArrayD::zeros(IxDyn(shape))),
             _ => Fresh::Device(GpuArray::full("filled_by", device, shape, T::zero())?),
@@ -64,7 +75,10 @@ impl<T: Element + comm_core::Element> Tensor<T> {
         &self,
         update: impl FnOnce(BufMut<'_>) -> std::result::Result<(), E>,
     ) -> std::result::Result<Tensor<T>, E> {
-        let fresh = match self.gpu() {
+        if let Some(half) = self.half() {
+            return Ok(Tensor::from_half(half.updated_by("updated_by", update)?));
+        }
+        let fresh = match self.gpu("updated_by")? {
             Some(array) => Fresh::Device(array.duplicate("updated_by")?),
             None => Fresh::Host(self.cpu("updated_by")?.as_standard_layout().into_owned()),
         };

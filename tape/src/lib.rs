@@ -83,6 +83,7 @@ mod lend;
 pub mod ops;
 pub mod optim;
 mod parameter;
+mod precision;
 mod random;
 mod schedule;
 mod tape;
@@ -90,7 +91,7 @@ mod tensor;
 mod threads;
 mod transfers;
 
-pub use comm_core::Device;
+pub use comm_core::{DType, Device};
 pub use element::Element;
 pub use error::{Error, Result};
 pub use flat::{FlatStorage, FlatView};

@@ -689,7 +689,7 @@ impl<T: Element> OptimizerState<T> {
                             _ => {
                                 let on_device = buffer.to_device(device)?;
                                 let array = on_device
-                                    .gpu()
+                                    .gpu(op)?
                                     .ok_or(Error::UnsupportedDevice { op, device })?;
                                 // A private copy: the optimizer updates it in place.
                                 (None, Some(array.duplicate(op)?))

@@ -146,8 +146,8 @@ impl<T: Element> Parameter<T> {
     /// Overwrites elements `offset..offset + values.len()` of the value (flattened,
     /// row-major) in place: no allocation for a host value that nothing else holds (one
     /// that a tensor still shares is copied first, so that tensor keeps its values); a
-    /// device value is replaced by an updated copy (one upload, and a download of the
-    /// old value only when part of it stays).
+    /// device value, or a 16-bit one, is replaced by an updated copy in its format (one
+    /// upload, and a download of the old value only when part of it stays).
     pub fn write_flat(&self, offset: usize, values: &[T]) -> Result<()> {
         const OP: &str = "Parameter::write_flat";
         let mut value = self.shared.value.lock();
@@ -170,8 +170,10 @@ impl<T: Element> Parameter<T> {
             host[range].copy_from_slice(values);
             host
         };
-        let (shape, device) = (value.shape().to_vec(), value.device());
-        *value = Tensor::from_vec(host, &shape)?.to_device(device)?;
+        let (shape, device, dtype) = (value.shape().to_vec(), value.device(), value.dtype());
+        *value = Tensor::from_vec(host, &shape)?
+            .to_device(device)?
+            .stored_as(OP, dtype)?;
         Ok(())
     }
 
@@ -404,7 +406,7 @@ impl<T: Element> Parameter<T> {
         match &*grad_slot {
             GradSlot::Own(None) | GradSlot::Main { written: false, .. } => return Ok(false),
             GradSlot::Own(Some(grad)) => {
-                update(value.gpu_unique(op)?, grad.device_array(op, device)?)?
+                update(value.gpu_unique(op)?, &grad.device_array(op, device)?)?
             }
             GradSlot::Main { view, .. } => {
                 let value = value.gpu_unique(op)?;

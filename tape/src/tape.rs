@@ -280,7 +280,34 @@ pub(crate) fn record_tensor<T: Element>(
     record_node(op, inputs, output, || OpBackward::Any(make_backward()))
 }
 
+/// [`record_tensor`] for an op whose output keeps its own storage format (a cast).
+pub(crate) fn record_exact<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: Tensor<T>,
+    make_backward: impl FnOnce() -> TensorBackwardFn<T>,
+) -> Result<Tensor<T>> {
+    record_link(op, inputs, output, || OpBackward::Any(make_backward()))
+}
+
+/// Rounds the output to the inputs' 16-bit format, if they share one (see
+/// `crate::precision`), then records it.
 fn record_node<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: Tensor<T>,
+    make_backward: impl FnOnce() -> OpBackward<T>,
+) -> Result<Tensor<T>> {
+    let format = crate::precision::promoted(inputs);
+    let output = if format != output.dtype() && output.dtype() == T::DTYPE {
+        output.stored_as(op, format)?
+    } else {
+        output
+    };
+    record_link(op, inputs, output, make_backward)
+}
+
+fn record_link<T: Element>(
     op: &'static str,
     inputs: &[&Tensor<T>],
     output: Tensor<T>,

@@ -6,15 +6,18 @@ use std::fmt;
 use ndarray::{ArcArray, ArrayD, IxDyn};
 
 use crate::gpu::GpuArray;
+use crate::precision::{self, Half};
 use crate::random::Generator;
 use crate::tape::GradLink;
-use crate::{Device, Element, Error, Result};
+use crate::{DType, Device, Element, Error, Result};
 
 /// Where the elements live. Private: ops dispatch on it, users see only [`Device`].
 #[derive(Clone)]
 enum Storage<T> {
     Cpu(ArcArray<T, IxDyn>),
     Gpu(GpuArray<T>),
+    /// bf16 or f16 (see `crate::precision`).
+    Half(Half),
 }
 
 /// An n-dimensional, row-major tensor of `T` (`f32` by default, `f64` for grad checks).
@@ -101,11 +104,12 @@ impl<T: Element> Tensor<T> {
         }))
     }
 
-    /// The CPU array behind this tensor; an op without a device implementation gets a
-    /// typed error for a device tensor.
-    pub(crate) fn cpu(&self, op: &'static str) -> Result<&ArcArray<T, IxDyn>> {
+    /// The CPU array behind this tensor (shared, or widened from 16 bits); an op without
+    /// a device implementation gets a typed error for a device tensor.
+    pub(crate) fn cpu(&self, op: &'static str) -> Result<ArcArray<T, IxDyn>> {
         match &self.storage {
-            Storage::Cpu(array) => Ok(array),
+            Storage::Cpu(array) => Ok(array.clone()),
+            Storage::Half(half) => half.widen_cpu(op),
             Storage::Gpu(array) => Err(Error::UnsupportedDevice {
                 op,
                 device: array.device(),
@@ -121,6 +125,7 @@ impl<T: Element> Tensor<T> {
                 op,
                 device: array.device(),
             }),
+            Storage::Half(half) => Err(not_in_place(op, half.dtype())),
         }
     }
 
@@ -128,11 +133,103 @@ impl<T: Element> Tensor<T> {
     pub(crate) fn into_cpu_array(self, op: &'static str) -> Result<ArrayD<T>> {
         match self.storage {
             Storage::Cpu(array) => Ok(array.into_owned()),
+            Storage::Half(half) => Ok(half.widen_cpu(op)?.into_owned()),
             Storage::Gpu(array) => Err(Error::UnsupportedDevice {
                 op,
                 device: array.device(),
             }),
         }
+    }
+
+    /// The same values stored in `T` (the tensor itself when they are).
+    fn widened(&self, op: &'static str) -> Result<Tensor<T>> {
+        let Storage::Half(half) = &self.storage else {
+            return Ok(self.clone());
+        };
+        let storage = match half.widen_gpu(op)? {
+            Some(array) => Storage::Gpu(array),
+            None => Storage::Cpu(half.widen_cpu(op)?),
+        };
+        Ok(Tensor {
+            storage,
+            link: self.link.clone(),
+        })
+    }
+
+    /// A tensor (not requiring grad) around 16-bit storage.
+    pub(crate) fn from_half(half: Half) -> Self {
+        Tensor {
+            storage: Storage::Half(half),
+            link: None,
+        }
+    }
+
+    /// The 16-bit storage, if the elements are stored so.
+    pub(crate) fn half(&self) -> Option<&Half> {
+        match &self.storage {
+            Storage::Half(half) => Some(half),
+            Storage::Cpu(_) | Storage::Gpu(_) => None,
+        }
+    }
+
+    /// The storage format of the elements: `T`'s own (`F32`, `F64`), or `BF16` / `F16`
+    /// after [`to_dtype`](Self::to_dtype).
+    pub fn dtype(&self) -> DType {
+        match &self.storage {
+            Storage::Half(half) => half.dtype(),
+            Storage::Cpu(_) | Storage::Gpu(_) => T::DTYPE,
+        }
+    }
+
+    /// Bytes the elements occupy in their storage format.
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype().size_in_bytes()
+    }
+
+    /// The same values stored as `dtype` (`T`'s own, bf16 or f16), rounded to nearest
+    /// even. Recorded on the tape: the gradient passes through unchanged. Later ops on
+    /// the result compute in `T` and round their results to `dtype` again.
+    ///
+    /// ```
+    /// use tape::{DType, Tensor};
+    ///
+    /// let x = Tensor::from_vec(vec![1.0f32, 1.0 + 1.0 / 256.0, 3.0e5], &[3])?;
+    /// let y = x.to_dtype(DType::BF16)?;
+    /// assert_eq!((y.dtype(), y.nbytes()), (DType::BF16, 6));
+    /// // bf16 keeps 8 significant bits: 1 + 2^-8 rounds to even, 3e5 to 299008.
+    /// assert_eq!(y.to_vec()?, [1.0, 1.0, 299_008.0]);
+    /// // Ops compute in f32 and round their result to the inputs' format once.
+    /// let z = y.add(&y)?;
+    /// assert_eq!((z.dtype(), z.to_vec()?), (DType::BF16, vec![2.0, 2.0, 598_016.0]));
+    /// # Ok::<(), tape::Error>(())
+    /// ```
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor<T>> {
+        const OP: &str = "to_dtype";
+        precision::check_dtype::<T>(OP, dtype)?;
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let output = self.detach().stored_as(OP, dtype)?;
+        crate::tape::record_exact(OP, &[self], output, || {
+            Box::new(|grad: Tensor<T>, _: &[bool]| Ok(vec![Some(grad)]))
+        })
+    }
+
+    /// The same values stored as `dtype` (checked by the caller), not recorded.
+    pub(crate) fn stored_as(&self, op: &'static str, dtype: DType) -> Result<Tensor<T>> {
+        let full = self.widened(op)?;
+        if dtype == T::DTYPE {
+            return Ok(full);
+        }
+        let half = match &full.storage {
+            Storage::Cpu(array) => Half::narrow_cpu(dtype, array),
+            Storage::Gpu(array) => Half::narrow_gpu(op, dtype, array)?,
+            Storage::Half(_) => unreachable!("widened above"),
+        };
+        Ok(Tensor {
+            storage: Storage::Half(half),
+            link: full.link,
+        })
     }
 
     /// Adds `other` (same shape and device) into this untracked tensor: in place on the
@@ -145,6 +242,9 @@ impl<T: Element> Tensor<T> {
                 second: other.device(),
             });
         }
+        // Sums are kept in `T` whatever the contributions' formats.
+        *self = self.widened(op)?;
+        let other = other.widened(op)?;
         match (&mut self.storage, &other.storage) {
             (Storage::Cpu(mine), Storage::Cpu(theirs)) => *mine += theirs,
             (Storage::Gpu(mine), Storage::Gpu(theirs)) => {
@@ -176,14 +276,17 @@ impl<T: Element> Tensor<T> {
                 op,
                 device: Device::Cpu,
             }),
+            Storage::Half(half) => Err(not_in_place(op, half.dtype())),
         }
     }
 
-    /// The device array behind this tensor, if it lives on a device.
-    pub(crate) fn gpu(&self) -> Option<&GpuArray<T>> {
+    /// The device array behind this tensor (shared, or widened from 16 bits), if it
+    /// lives on a device.
+    pub(crate) fn gpu(&self, op: &'static str) -> Result<Option<GpuArray<T>>> {
         match &self.storage {
-            Storage::Gpu(array) => Some(array),
-            Storage::Cpu(_) => None,
+            Storage::Gpu(array) => Ok(Some(array.clone())),
+            Storage::Half(half) => half.widen_gpu(op),
+            Storage::Cpu(_) => Ok(None),
         }
     }
 
@@ -200,6 +303,7 @@ impl<T: Element> Tensor<T> {
         match &self.storage {
             Storage::Cpu(array) => array.shape(),
             Storage::Gpu(array) => array.shape(),
+            Storage::Half(half) => half.shape(),
         }
     }
 
@@ -218,6 +322,7 @@ impl<T: Element> Tensor<T> {
         match &self.storage {
             Storage::Cpu(_) => Device::Cpu,
             Storage::Gpu(array) => array.device(),
+            Storage::Half(half) => half.device(),
         }
     }
 
@@ -227,6 +332,12 @@ impl<T: Element> Tensor<T> {
         const OP: &str = "to_device";
         if device == self.device() {
             return Ok(self.clone());
+        }
+        if let Storage::Half(half) = &self.storage {
+            return Ok(Tensor {
+                storage: Storage::Half(half.to_device(OP, device)?),
+                link: None,
+            });
         }
         let host = self.to_vec()?;
         Ok(match device {
@@ -250,8 +361,10 @@ impl<T: Element> Tensor<T> {
 
     /// The elements in row-major order.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        if let Some(array) = self.gpu() {
-            return array.to_host();
+        match &self.storage {
+            Storage::Gpu(array) => return array.to_host(),
+            Storage::Half(half) => return half.to_vec(),
+            Storage::Cpu(_) => {}
         }
         let array = self.cpu("to_vec")?;
         // Element-wise iteration over a dynamic-rank array costs index arithmetic per
@@ -264,7 +377,7 @@ impl<T: Element> Tensor<T> {
 
     /// An owned ndarray copy of the elements.
     pub fn to_array(&self) -> Result<ArrayD<T>> {
-        if self.gpu().is_some() {
+        if self.device() != Device::Cpu {
             return ArrayD::from_shape_vec(IxDyn(self.shape()), self.to_vec()?)
                 .map_err(|e| Error::shape("to_array", &[self.shape()], e.to_string()));
         }
@@ -288,9 +401,8 @@ impl<T: Element> Tensor<T> {
     /// The elements converted to another element type (not recorded on the tape).
     pub fn cast<U: Element>(&self) -> Result<Tensor<U>> {
         let device = self.device();
-        let host = self.to_device(Device::Cpu)?;
-        let array = host.cpu("cast")?;
-        Tensor::from_array(array.mapv(|v| U::from_f64(v.into_f64()))).to_device(device)
+        let values = self.to_vec()?.into_iter().map(|v| U::from_f64(v.into_f64()));
+        Tensor::from_vec(values.collect(), self.shape())?.to_device(device)
     }
 }
 
@@ -304,8 +416,22 @@ impl<T: Element> fmt::Debug for Tensor<T> {
             Storage::Cpu(array) if array.len() <= 16 => {
                 out.field("data", &array.iter().collect::<Vec<_>>())
             }
-            Storage::Cpu(_) | Storage::Gpu(_) => out.field("data", &"…"),
+            Storage::Cpu(_) | Storage::Gpu(_) | Storage::Half(_) => out.field("data", &"…"),
         };
+        if let Storage::Half(half) = &self.storage {
+            out.field("dtype", &half.dtype());
+        }
         out.finish()
     }
+}
+
+/// The error for an in-place update of 16-bit storage.
+fn not_in_place(op: &'static str, dtype: DType) -> Error {
+    Error::invalid(
+        op,
+        format!(
+            "the tensor is stored in {dtype}, which is not updated in place; keep an f32 \
+             master copy (tape::MixedPrecision) and write the parameter from it"
+        ),
+    )
 }

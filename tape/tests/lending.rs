@@ -61,7 +61,7 @@ fn collectives_write_new_tensors_in_place_on_every_device() -> anyhow::Result<()
             let r = comm.rank() as f32;
             let x = Tensor::<f32>::from_vec(vec![r, r + 1.0, r + 2.0], &[3])?.to_device(device)?;
             let before = transfers(device);
-            let gathered = Tensor::<f32>::filled_by(device, &[2, 3], |out| {
+            let gathered = Tensor::<f32>::filled_by(device, tape::DType::F32, &[2, 3], |out| {
                 x.lend(|input| comm.all_gather(input, out))?
                     .map_err(anyhow::Error::from)
             })?;
@@ -87,7 +87,7 @@ fn collectives_write_new_tensors_in_place_on_every_device() -> anyhow::Result<()
 #[test]
 fn a_failed_write_returns_its_error_and_no_tensor() {
     for device in every_device() {
-        let outcome = Tensor::<f32>::filled_by(device, &[2], |_| -> anyhow::Result<()> {
+        let outcome = Tensor::<f32>::filled_by(device, tape::DType::F32, &[2], |_| -> anyhow::Result<()> {
             Err(anyhow::anyhow!("the collective failed"))
         });
         assert_eq!(outcome.unwrap_err().to_string(), "the collective failed");

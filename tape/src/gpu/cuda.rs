@@ -53,6 +53,7 @@ fn source() -> String {
     [
         file!("common.h"),
         file!("prelude_cuda.h"),
+        file!("half.h"),
         file!("precision_f32.h"),
         &bodies,
         file!("precision_end.h"),

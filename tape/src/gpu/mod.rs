@@ -65,6 +65,7 @@ kernels! {
     REDUCE_DIM = "reduce_dim": reduce_dim_f32, reduce_dim_f64;
     EXPAND_DIM = "expand_dim": expand_dim_f32, expand_dim_f64;
     MAX_BACKWARD = "max_backward": max_backward_f32, max_backward_f64;
+    CONVERT_HALF = "convert_half": convert_half_f32, convert_half_f64;
 }
 
 mod array;

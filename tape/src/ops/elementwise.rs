@@ -67,14 +67,14 @@ impl<T: Element> Tensor<T> {
         let op = kind.name();
         if let Some([a, b]) = on_device(op, [self, other])? {
             let shape = broadcast_shape(op, a.shape(), b.shape())?;
-            let out = device::binary(op, kind.device_kind(), a, b, &shape)?;
+            let out = device::binary(op, kind.device_kind(), &a, &b, &shape)?;
             return record_tensor(op, &[self, other], Tensor::from_gpu(out), || {
                 let (a, b) = (a.clone(), b.clone());
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                     let grad = grad.device_array(op, a.device())?;
                     let kind = kind.device_kind();
                     Ok(device_grads(device::binary_backward(
-                        kind, grad, needs, &a, &b,
+                        kind, &grad, needs, &a, &b,
                     )?))
                 })
             });
@@ -83,10 +83,10 @@ impl<T: Element> Tensor<T> {
         let b = other.cpu(op)?;
         let shape = broadcast_shape(op, a.shape(), b.shape())?;
         let out = match kind {
-            Binary::Add => zip_broadcast(op, a, b, &shape, |x, y| x + y)?,
-            Binary::Sub => zip_broadcast(op, a, b, &shape, |x, y| x - y)?,
-            Binary::Mul => zip_broadcast(op, a, b, &shape, |x, y| x * y)?,
-            Binary::Div => zip_broadcast(op, a, b, &shape, |x, y| x / y)?,
+            Binary::Add => zip_broadcast(op, &a, &b, &shape, |x, y| x + y)?,
+            Binary::Sub => zip_broadcast(op, &a, &b, &shape, |x, y| x - y)?,
+            Binary::Mul => zip_broadcast(op, &a, &b, &shape, |x, y| x * y)?,
+            Binary::Div => zip_broadcast(op, &a, &b, &shape, |x, y| x / y)?,
         };
         record(op, &[self, other], out.into_shared(), || {
             let (a, b) = (a.clone(), b.clone());
@@ -136,12 +136,12 @@ impl<T: Element> Tensor<T> {
         let Some([x]) = on_device(op, [self])? else {
             return Ok(None);
         };
-        let y = device::unary(kind, x, factor)?;
+        let y = device::unary(kind, &x, factor)?;
         record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
             let x = x.clone();
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
                 let grad = grad.device_array(op, x.device())?;
-                let dx = device::unary_backward(kind, grad, &x, &y, factor)?;
+                let dx = device::unary_backward(kind, &grad, &x, &y, factor)?;
                 Ok(vec![Some(Tensor::from_gpu(dx))])
             })
         })
@@ -188,7 +188,7 @@ impl<T: Element> Tensor<T> {
         if let Some(out) = self.unary_on_device("tanh", UnaryKind::Tanh, 1.0)? {
             return Ok(out);
         }
-        let out = pointwise::map(self.cpu("tanh")?, T::tanh_vectorizable).into_shared();
+        let out = pointwise::map(&self.cpu("tanh")?, T::tanh_vectorizable).into_shared();
         record("tanh", &[self], out.clone(), || {
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
                 pointwise::update_with(&mut grad, &out, |g, y| g * (T::one() - y * y));
@@ -229,8 +229,8 @@ impl<T: Element> Tensor<T> {
         let input = self.cpu("gelu")?;
         // One loop per approximation, so each inner loop is branch-free and vectorises.
         let out = match approximation {
-            Gelu::Erf => pointwise::map(input, gelu_erf),
-            Gelu::Tanh => pointwise::map(input, gelu_tanh),
+            Gelu::Erf => pointwise::map(&input, gelu_erf),
+            Gelu::Tanh => pointwise::map(&input, gelu_tanh),
         };
         record("gelu", &[self], out.into_shared(), || {
             let input = input.clone();

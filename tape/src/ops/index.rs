@@ -44,12 +44,12 @@ impl<T: Element> Tensor<T> {
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map_err(|e| Error::invalid(OP, format!("ids must fit an i64: {e}")))?;
             let ids = GpuArray::from_host(OP, table.device(), &ids, &[ids.len()])?;
-            let out = device::embedding(table, &ids, &out_shape)?;
+            let out = device::embedding(&table, &ids, &out_shape)?;
             let (device, table_shape) = (table.device(), table.shape().to_vec());
             return record_tensor(OP, &[self], Tensor::from_gpu(out), || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(OP, device)?;
-                    let table_grad = device::embedding_backward(grad, &ids, &table_shape)?;
+                    let table_grad = device::embedding_backward(&grad, &ids, &table_shape)?;
                     Ok(vec![Some(Tensor::from_gpu(table_grad))])
                 })
             });
@@ -89,19 +89,19 @@ impl<T: Element> Tensor<T> {
             // [b, heads, s, s]) and the kernel broadcasts it.
             let fill: Vec<u8> = mask.iter().map(|&masked| u8::from(masked)).collect();
             let fill = GpuArray::from_host(OP, x.device(), &fill, mask.shape())?;
-            let out = device::masked_fill(x, &fill, value.into_f64())?;
+            let out = device::masked_fill(&x, &fill, value.into_f64())?;
             let device = x.device();
             return record_tensor(OP, &[self], Tensor::from_gpu(out), || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(OP, device)?;
-                    let grad = device::masked_fill(grad, &fill, 0.0)?;
+                    let grad = device::masked_fill(&grad, &fill, 0.0)?;
                     Ok(vec![Some(Tensor::from_gpu(grad))])
                 })
             });
         }
         let input = self.cpu(OP)?;
         let mask = broadcast.to_owned();
-        let out = Zip::from(input)
+        let out = Zip::from(&input)
             .and(&mask)
             .map_collect(|&x, &masked| if masked { value } else { x });
         record(OP, &[self], out.into_shared(), || {
@@ -142,13 +142,13 @@ impl<T: Element> Tensor<T> {
                 .collect();
             let keep = GpuArray::from_host(OP, x.device(), &keep, x.shape())?;
             let scale = keep_scale.into_f64();
-            let out = device::dropout(x, &keep, scale)?;
+            let out = device::dropout(&x, &keep, scale)?;
             let device = x.device();
             return record_tensor(OP, &[self], Tensor::from_gpu(out), || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(OP, device)?;
                     Ok(vec![Some(Tensor::from_gpu(device::dropout(
-                        grad, &keep, scale,
+                        &grad, &keep, scale,
                     )?))])
                 })
             });
@@ -161,7 +161,7 @@ impl<T: Element> Tensor<T> {
                 keep_scale
             }
         });
-        let out = Zip::from(input).and(&mask).map_collect(|&x, &m| x * m);
+        let out = Zip::from(&input).and(&mask).map_collect(|&x, &m| x * m);
         record(OP, &[self], out.into_shared(), || {
             Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad * &mask)]))
         })

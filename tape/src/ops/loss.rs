@@ -82,7 +82,7 @@ impl<T: Element> Tensor<T> {
         }
         if let Some([logits]) = on_device(OP, [self])? {
             let counted = labels.iter().filter(|&&l| !ignored(l)).count();
-            return self.cross_entropy_on_device(logits, labels, lead, options, counted);
+            return self.cross_entropy_on_device(&logits, labels, lead, options, counted);
         }
 
         let logits = reshape_owned(OP, self.cpu(OP)?.to_owned(), &[rows, classes])?
@@ -192,7 +192,7 @@ impl<T: Element> Tensor<T> {
                 };
                 let per_row = reduction == Reduction::None;
                 let dx = device::cross_entropy_backward(
-                    grad, per_row, divisor, &logits, &lse, &targets,
+                    &grad, per_row, divisor, &logits, &lse, &targets,
                 )?;
                 Ok(vec![Some(Tensor::from_gpu(dx))])
             })
@@ -293,7 +293,9 @@ impl<T: Element> Tensor<T> {
                 all_classes: classes,
             };
             let dx =
-                device::cross_entropy_backward(upstream, per_row, divisor, logits, lse, &targets)?;
+                device::cross_entropy_backward(
+                    &upstream, per_row, divisor, &logits, &lse, &targets,
+                )?;
             return Ok(Tensor::from_gpu(dx));
         }
         let mut logits = self

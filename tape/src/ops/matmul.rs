@@ -20,7 +20,7 @@ impl<T: Element> Tensor<T> {
     /// `[b,m,k]·[k,n] → [b,m,n]` (the matrix is shared across the batch).
     pub fn matmul(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
         if let Some([a, b]) = on_device(OP, [self, other])? {
-            return self.matmul_on_device(other, a, b);
+            return self.matmul_on_device(other, &a, &b);
         }
         let a = self.cpu(OP)?;
         let b = other.cpu(OP)?;
@@ -269,7 +269,7 @@ impl<T: Element> Tensor<T> {
                         device_ops::matmul(
                             device,
                             a.shape(),
-                            operand(g, false, stride_g),
+                            operand(&g, false, stride_g),
                             operand(&b, true, stride_b),
                             m,
                             k,
@@ -284,7 +284,7 @@ impl<T: Element> Tensor<T> {
                             device,
                             b.shape(),
                             operand(&a, true, stride_a),
-                            operand(g, false, stride_g),
+                            operand(&g, false, stride_g),
                             k,
                             n,
                             m,

@@ -102,23 +102,23 @@ pub(crate) fn reshape_owned<T: Element>(
         .map_err(|e| Error::shape(op, &[&from, shape], e.to_string()))
 }
 
-/// The device arrays of `tensors` when they all live on one device, `None` when they are
-/// all CPU tensors, and an error when they are mixed.
-pub(crate) fn on_device<'a, T: Element, const N: usize>(
+/// The device arrays of `tensors` when they all live on one device (16-bit ones
+/// widened), `None` when they are all CPU tensors, and an error when they are mixed.
+pub(crate) fn on_device<T: Element, const N: usize>(
     op: &'static str,
-    tensors: [&'a Tensor<T>; N],
-) -> Result<Option<[&'a GpuArray<T>; N]>> {
+    tensors: [&Tensor<T>; N],
+) -> Result<Option<[GpuArray<T>; N]>> {
     let Some(arrays) = all_on_device(op, &tensors)? else {
         return Ok(None);
     };
-    Ok(Some(std::array::from_fn(|i| arrays[i])))
+    Ok(arrays.try_into().ok())
 }
 
 /// [`on_device`] for any number of tensors (`None` for none).
-pub(crate) fn all_on_device<'a, T: Element>(
+pub(crate) fn all_on_device<T: Element>(
     op: &'static str,
-    tensors: &[&'a Tensor<T>],
-) -> Result<Option<Vec<&'a GpuArray<T>>>> {
+    tensors: &[&Tensor<T>],
+) -> Result<Option<Vec<GpuArray<T>>>> {
     let Some(first) = tensors.first().map(|t| t.device()) else {
         return Ok(None);
     };
@@ -145,13 +145,14 @@ pub(crate) fn device_grads<T: Element>(grads: Vec<Option<GpuArray<T>>>) -> Vec<O
 }
 
 impl<T: Element> Tensor<T> {
-    /// The device array of a gradient flowing into a device op's backward.
+    /// The device array of a gradient flowing into a device op's backward (16-bit
+    /// storage widened).
     pub(crate) fn device_array(
         &self,
         op: &'static str,
         expected: crate::Device,
-    ) -> Result<&GpuArray<T>> {
-        self.gpu()
+    ) -> Result<GpuArray<T>> {
+        self.gpu(op)?
             .filter(|array| array.device() == expected)
             .ok_or(Error::DeviceMismatch {
                 op,

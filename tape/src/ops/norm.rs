@@ -35,10 +35,11 @@ impl<T: Element> Tensor<T> {
         // A missing weight or bias stands in as `self`, so only present ones can mismatch.
         let present = [self, weight.unwrap_or(self), bias.unwrap_or(self)];
         if let Some(arrays) = on_device(OP, present)? {
-            return self.layer_norm_on_device(arrays, weight, bias, eps);
+            return self.layer_norm_on_device(arrays.each_ref(), weight, bias, eps);
         }
         let rows = self.numel().checked_div(width).unwrap_or(0);
-        let input = self.cpu(OP)?.as_standard_layout();
+        let input = self.cpu(OP)?;
+        let input = input.as_standard_layout();
         let x = contiguous(OP, &input, &shape)?;
         let weight_values = weight.map(|w| contiguous_owned(OP, w)).transpose()?;
         let bias_values = bias.map(|b| contiguous_owned(OP, b)).transpose()?;
@@ -135,13 +136,13 @@ impl<T: Element> Tensor<T> {
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                 let grad = grad.device_array(OP, saved.x.device())?;
                 let dx = needs[0]
-                    .then(|| device::layer_norm_input_grad(grad, &saved, weight.as_ref()))
+                    .then(|| device::layer_norm_input_grad(&grad, &saved, weight.as_ref()))
                     .transpose()?;
                 // Inputs are [x, weight?, bias?].
                 let need_weight = weight.is_some() && needs[1];
                 let need_bias = has_bias && needs[1 + usize::from(weight.is_some())];
                 let (dweight, dbias) =
-                    device::layer_norm_affine_grads(grad, &saved, need_weight, need_bias)?;
+                    device::layer_norm_affine_grads(&grad, &saved, need_weight, need_bias)?;
                 let mut grads = vec![dx.map(Tensor::from_gpu)];
                 if weight.is_some() {
                     grads.push(dweight.map(Tensor::from_gpu));

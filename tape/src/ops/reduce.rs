@@ -57,8 +57,8 @@ impl<T: Element> Tensor<T> {
     ) -> Result<Tensor<T>> {
         check_dim(op, dim, self.shape())?;
         if let Some([x]) = on_device(op, [self])? {
-            let out = device::sum_dim(x, dim, factor.into_f64())?;
-            return self.record_reduction(op, x, dim, keepdim, out, factor.into_f64(), None);
+            let out = device::sum_dim(&x, dim, factor.into_f64())?;
+            return self.record_reduction(op, &x, dim, keepdim, out, factor.into_f64(), None);
         }
         let input = self.cpu(op)?;
         let mut out = input.sum_axis(Axis(dim));
@@ -96,8 +96,8 @@ impl<T: Element> Tensor<T> {
             ));
         }
         if let Some([x]) = on_device("max_dim", [self])? {
-            let (out, argmax) = device::max_dim(x, dim)?;
-            return self.record_reduction("max_dim", x, dim, keepdim, out, 1.0, Some(argmax));
+            let (out, argmax) = device::max_dim(&x, dim)?;
+            return self.record_reduction("max_dim", &x, dim, keepdim, out, 1.0, Some(argmax));
         }
         let input = self.cpu("max_dim")?;
         let argmax = Zip::from(input.lanes(Axis(dim))).map_collect(|lane| {

@@ -87,13 +87,13 @@ impl<T: Element> Tensor<T> {
             inverse[d] = i;
         }
         if let Some([x]) = on_device(op, [self])? {
-            let out = device::permute(op, x, order)?;
+            let out = device::permute(op, &x, order)?;
             let device = x.device();
             return record_tensor(op, &[self], Tensor::from_gpu(out), || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(op, device)?;
                     Ok(vec![Some(Tensor::from_gpu(device::permute(
-                        op, grad, &inverse,
+                        op, &grad, &inverse,
                     )?))])
                 })
             });
@@ -119,12 +119,12 @@ impl<T: Element> Tensor<T> {
             ));
         }
         if let Some([x]) = on_device(OP, [self])? {
-            let out = device::narrow(OP, x, dim, start, len)?;
+            let out = device::narrow(OP, &x, dim, start, len)?;
             let (shape, device) = (x.shape().to_vec(), x.device());
             return record_tensor(OP, &[self], Tensor::from_gpu(out), || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(OP, device)?;
-                    let full = device::narrow_backward(OP, grad, &shape, dim, start)?;
+                    let full = device::narrow_backward(OP, &grad, &shape, dim, start)?;
                     Ok(vec![Some(Tensor::from_gpu(full))])
                 })
             });
@@ -167,7 +167,7 @@ impl<T: Element> Tensor<T> {
         }
         let sizes: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
         if let Some(parts) = all_on_device(OP, tensors)? {
-            let out = device::concat(OP, &parts, dim)?;
+            let out = device::concat(OP, &parts.iter().collect::<Vec<_>>(), dim)?;
             let device = out.device();
             return record_tensor(OP, tensors, Tensor::from_gpu(out), || {
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
@@ -178,7 +178,7 @@ impl<T: Element> Tensor<T> {
                         .zip(needs)
                         .map(|(&size, &need)| {
                             let part = need
-                                .then(|| device::narrow(OP, grad, dim, start, size))
+                                .then(|| device::narrow(OP, &grad, dim, start, size))
                                 .transpose();
                             start += size;
                             Ok(part?.map(Tensor::from_gpu))
@@ -187,10 +187,11 @@ impl<T: Element> Tensor<T> {
                 })
             });
         }
-        let views = tensors
+        let arrays = tensors
             .iter()
-            .map(|t| t.cpu(OP).map(|a| a.view()))
+            .map(|t| t.cpu(OP))
             .collect::<Result<Vec<_>>>()?;
+        let views: Vec<_> = arrays.iter().map(|a| a.view()).collect();
         let out = ndarray::concatenate(Axis(dim), &views)
             .map_err(|e| Error::shape(OP, &shapes, e.to_string()))?;
         record(OP, tensors, out.into_shared(), || {

@@ -62,11 +62,11 @@ impl<T: Element> Tensor<T> {
             ));
         }
         if let Some([x]) = on_device(op, [self])? {
-            let y = device::softmax(x, how)?;
+            let y = device::softmax(&x, how)?;
             return record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(op, y.device())?;
-                    let dx = device::softmax_backward(grad, &y, how)?;
+                    let dx = device::softmax_backward(&grad, &y, how)?;
                     Ok(vec![Some(Tensor::from_gpu(dx))])
                 })
             });

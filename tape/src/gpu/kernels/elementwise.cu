@@ -98,3 +98,19 @@ KERNEL(SFX(unary_backward)) {
     }
 }
 
+
+/* 16-bit storage.  p0 out, p1 x; i0 n, i1 kind: 0 real -> bf16, 1 real -> f16,
+ * 2 bf16 -> real, 3 f16 -> real (via f32 for f64, as the CPU path). */
+KERNEL(SFX(convert_half)) {
+    const KernelArgs* A = ARGS;
+    int kind = (int)A->i[1];
+    FOR_EACH(i, A->i[0]) {
+        if (kind < 2) {
+            float v = (float)((const real*)A->p[1])[i];
+            ((u16*)A->p[0])[i] = kind == 0 ? f32_to_bf16(v) : f32_to_f16(v);
+        } else {
+            u16 h = ((const u16*)A->p[1])[i];
+            ((real*)A->p[0])[i] = (real)(kind == 2 ? bf16_to_f32(h) : f16_to_f32(h));
+        }
+    }
+}

@@ -8,3 +8,6 @@
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n);       \
          i += (i64)gridDim.x * blockDim.x)
 #define ATOMIC_ADD(address, value) atomicAdd((address), (value))
+/* The bits of a float and back (16-bit conversions in half.h). */
+#define float_bits(x) __float_as_uint(x)
+#define bits_float(u) __uint_as_float(u)

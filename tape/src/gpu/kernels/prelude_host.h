@@ -6,3 +6,14 @@
 #define DEVFN static inline
 #define FOR_EACH(i, n) for (i64 i = 0; i < (i64)(n); ++i)
 #define ATOMIC_ADD(address, value) (*(address) += (value))
+/* The bits of a float and back (16-bit conversions in half.h). */
+DEVFN unsigned int float_bits(float x) {
+    union { float f; unsigned int u; } pun;
+    pun.f = x;
+    return pun.u;
+}
+DEVFN float bits_float(unsigned int u) {
+    union { float f; unsigned int u; } pun;
+    pun.u = u;
+    return pun.f;
+}

@@ -1,0 +1,314 @@
+//! 16-bit tensors: bf16 and f16 as a storage format.
+//!
+//! A `Tensor<T>` stores its elements as `T` or, after
+//! [`to_dtype`](crate::Tensor::to_dtype), as bf16 or f16 (half the memory). The element
+//! type stays the compute type: an op widens 16-bit inputs to `T`, computes there (so
+//! sums, softmax, norm statistics and GEMM accumulation are f32), and rounds its result
+//! once to the inputs' format (see [`promoted`]). Gradients flow in `T`. Keeping the
+//! format out of the type lets one tape hold a bf16 model and its f32 loss, as PyTorch
+//! autocast and Megatron's `--bf16` do.
+
+use comm_core::DType;
+use half::{bf16, f16};
+use ndarray::{ArcArray, IxDyn};
+
+use crate::gpu::{GpuArray, KernelArgs, CONVERT_HALF};
+use crate::{Device, Element, Error, Result, Tensor};
+
+/// A 16-bit float format tensors can be stored in.
+pub(crate) trait HalfFloat: comm_core::Element + Copy + Default {
+    /// `convert_half`'s kind for narrowing into this format (widening is this + 2).
+    const KIND: i64;
+    fn narrow(value: f32) -> Self;
+    fn widen(self) -> f32;
+}
+
+impl HalfFloat for bf16 {
+    const KIND: i64 = 0;
+    fn narrow(value: f32) -> Self {
+        bf16::from_f32(value)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl HalfFloat for f16 {
+    const KIND: i64 = 1;
+    fn narrow(value: f32) -> Self {
+        f16::from_f32(value)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// The value as f32, the source every 16-bit rounding starts from (f64 rounds twice,
+/// on the CPU as on a device).
+fn as_f32<T: Element>(value: T) -> f32 {
+    value.into_f64() as f32
+}
+
+/// The elements of a 16-bit tensor, on the CPU or a device.
+#[derive(Clone)]
+pub(crate) enum Packed<H> {
+    Cpu(ArcArray<H, IxDyn>),
+    Gpu(GpuArray<H>),
+}
+
+impl<H: HalfFloat> Packed<H> {
+    fn narrow_cpu<T: Element>(array: &ArcArray<T, IxDyn>) -> Self {
+        Packed::Cpu(array.mapv(|v| H::narrow(as_f32(v))).into_shared())
+    }
+
+    fn narrow_gpu<T: Element>(op: &'static str, array: &GpuArray<T>) -> Result<Self> {
+        let out = GpuArray::<H>::uninit(op, array.device(), array.shape())?;
+        let mut args = KernelArgs::default();
+        args.p[0] = out.ptr();
+        args.p[1] = array.ptr();
+        args.i[0] = array.len() as i64;
+        args.i[1] = H::KIND;
+        array.launch(&CONVERT_HALF, array.len(), &args)?;
+        Ok(Packed::Gpu(out))
+    }
+
+    fn widen_cpu<T: Element>(&self, op: &'static str) -> Result<ArcArray<T, IxDyn>> {
+        match self {
+            Packed::Cpu(array) => Ok(array
+                .mapv(|h| T::from_f64(f64::from(h.widen())))
+                .into_shared()),
+            Packed::Gpu(array) => Err(Error::UnsupportedDevice {
+                op,
+                device: array.device(),
+            }),
+        }
+    }
+
+    fn widen_gpu<T: Element>(&self, op: &'static str) -> Result<Option<GpuArray<T>>> {
+        let Packed::Gpu(array) = self else {
+            return Ok(None);
+        };
+        let out = GpuArray::<T>::uninit(op, array.device(), array.shape())?;
+        let mut args = KernelArgs::default();
+        args.p[0] = out.ptr();
+        args.p[1] = array.ptr();
+        args.i[0] = array.len() as i64;
+        args.i[1] = H::KIND + 2;
+        out.launch(&CONVERT_HALF, array.len(), &args)?;
+        Ok(Some(out))
+    }
+
+    fn shape(&self) -> &[usize] {
+        match self {
+            Packed::Cpu(array) => array.shape(),
+            Packed::Gpu(array) => array.shape(),
+        }
+    }
+
+    fn device(&self) -> Device {
+        match self {
+            Packed::Cpu(_) => Device::Cpu,
+            Packed::Gpu(array) => array.device(),
+        }
+    }
+
+    /// The 16-bit elements in row-major order (a download from a device).
+    fn to_host(&self) -> Result<Vec<H>> {
+        match self {
+            Packed::Cpu(array) => Ok(array.iter().copied().collect()),
+            Packed::Gpu(array) => array.to_host(),
+        }
+    }
+
+    /// The same 16-bit elements on `device` (no widening on the way).
+    fn to_device(&self, op: &'static str, device: Device) -> Result<Self> {
+        let host = self.to_host()?;
+        let shape = self.shape().to_vec();
+        Ok(match device {
+            Device::Cpu => Packed::Cpu(
+                ArcArray::from_shape_vec(IxDyn(&shape), host)
+                    .map_err(|e| Error::shape(op, &[&shape], e.to_string()))?,
+            ),
+            _ => Packed::Gpu(GpuArray::from_host(op, device, &host, &shape)?),
+        })
+    }
+
+    /// Runs `read` on a view of the 16-bit elements, for a communicator.
+    fn lend<R>(&self, read: impl FnOnce(comm_core::BufRef<'_>) -> R) -> R {
+        match self {
+            Packed::Gpu(array) => read(array.lend()),
+            Packed::Cpu(array) => match array.as_slice() {
+                Some(slice) => read(comm_core::BufRef::from(slice)),
+                None => read(comm_core::BufRef::from(
+                    &array.iter().copied().collect::<Vec<H>>(),
+                )),
+            },
+        }
+    }
+}
+
+impl<H: HalfFloat> Packed<H> {
+    /// A private copy (CPU: row-major), which may then be lent writable.
+    fn duplicate(&self, op: &'static str) -> Result<Self> {
+        Ok(match self {
+            Packed::Cpu(array) => Packed::Cpu(array.as_standard_layout().into_owned().into_shared()),
+            Packed::Gpu(array) => Packed::Gpu(array.duplicate(op)?),
+        })
+    }
+
+    /// Lets `write` change this storage through a writable view of its memory.
+    ///
+    /// # Safety
+    /// Nothing else may refer to this storage: it comes from [`duplicate`](Self::duplicate)
+    /// or a fresh allocation.
+    unsafe fn write<E: From<Error>>(
+        self,
+        write: impl FnOnce(comm_core::BufMut<'_>) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Self, E> {
+        match self {
+            Packed::Cpu(array) => {
+                let mut owned = array.into_owned();
+                let shape = owned.shape().to_vec();
+                let slice = owned
+                    .as_slice_mut()
+                    .ok_or_else(|| Error::shape("lend", &[&shape], "not row-major"))?;
+                write(comm_core::BufMut::from(slice))?;
+                Ok(Packed::Cpu(owned.into_shared()))
+            }
+            Packed::Gpu(array) => {
+                // SAFETY: the caller guarantees that no other array shares this memory.
+                write(unsafe { array.lend_mut() })?;
+                Ok(Packed::Gpu(array))
+            }
+        }
+    }
+}
+
+/// A tensor's 16-bit storage.
+#[derive(Clone)]
+pub(crate) enum Half {
+    Bf16(Packed<bf16>),
+    F16(Packed<f16>),
+}
+
+/// Runs `$body` with `$packed` bound to the storage of either format.
+macro_rules! each_format {
+    ($half:expr, $packed:ident => $body:expr) => {
+        match $half {
+            Half::Bf16($packed) => $body,
+            Half::F16($packed) => $body,
+        }
+    };
+}
+
+impl Half {
+    /// `array` rounded to `dtype` (bf16 or f16), on the CPU.
+    pub(crate) fn narrow_cpu<T: Element>(dtype: DType, array: &ArcArray<T, IxDyn>) -> Self {
+        match dtype {
+            DType::F16 => Half::F16(Packed::narrow_cpu(array)),
+            _ => Half::Bf16(Packed::narrow_cpu(array)),
+        }
+    }
+
+    /// `array` rounded to `dtype` (bf16 or f16), on its device.
+    pub(crate) fn narrow_gpu<T: Element>(
+        op: &'static str,
+        dtype: DType,
+        array: &GpuArray<T>,
+    ) -> Result<Self> {
+        Ok(match dtype {
+            DType::F16 => Half::F16(Packed::narrow_gpu(op, array)?),
+            _ => Half::Bf16(Packed::narrow_gpu(op, array)?),
+        })
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        match self {
+            Half::Bf16(_) => DType::BF16,
+            Half::F16(_) => DType::F16,
+        }
+    }
+
+    /// The elements widened to `T`, on the CPU (an error for device storage).
+    pub(crate) fn widen_cpu<T: Element>(&self, op: &'static str) -> Result<ArcArray<T, IxDyn>> {
+        each_format!(self, packed => packed.widen_cpu(op))
+    }
+
+    /// The elements widened to `T` on their device; `None` for CPU storage.
+    pub(crate) fn widen_gpu<T: Element>(&self, op: &'static str) -> Result<Option<GpuArray<T>>> {
+        each_format!(self, packed => packed.widen_gpu(op))
+    }
+
+    pub(crate) fn shape(&self) -> &[usize] {
+        each_format!(self, packed => packed.shape())
+    }
+
+    pub(crate) fn device(&self) -> Device {
+        each_format!(self, packed => packed.device())
+    }
+
+    /// The elements widened to `T`, in row-major order on the host (a device downloads
+    /// 16-bit elements).
+    pub(crate) fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        each_format!(self, packed => Ok(packed
+            .to_host()?
+            .into_iter()
+            .map(|h| T::from_f64(f64::from(h.widen())))
+            .collect()))
+    }
+
+    pub(crate) fn to_device(&self, op: &'static str, device: Device) -> Result<Self> {
+        Ok(match self {
+            Half::Bf16(packed) => Half::Bf16(packed.to_device(op, device)?),
+            Half::F16(packed) => Half::F16(packed.to_device(op, device)?),
+        })
+    }
+
+    pub(crate) fn lend<R>(&self, read: impl FnOnce(comm_core::BufRef<'_>) -> R) -> R {
+        each_format!(self, packed => packed.lend(read))
+    }
+
+    /// A private copy that `write` changes through a writable view of its memory.
+    pub(crate) fn updated_by<E: From<Error>>(
+        &self,
+        op: &'static str,
+        write: impl FnOnce(comm_core::BufMut<'_>) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Half, E> {
+        // SAFETY: `duplicate` makes memory no other array shares.
+        Ok(match self {
+            Half::Bf16(packed) => Half::Bf16(unsafe { packed.duplicate(op)?.write(write)? }),
+            Half::F16(packed) => Half::F16(unsafe { packed.duplicate(op)?.write(write)? }),
+        })
+    }
+}
+
+/// Whether tensors of element type `T` can be stored as `dtype`.
+pub(crate) fn check_dtype<T: Element>(op: &'static str, dtype: DType) -> Result<()> {
+    if dtype == T::DTYPE || matches!(dtype, DType::BF16 | DType::F16) {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            op,
+            format!(
+                "a tensor of {} can be stored as {}, bf16 or f16, not {dtype}",
+                T::DTYPE,
+                T::DTYPE
+            ),
+        ))
+    }
+}
+
+/// The format an op's result is stored in: the one format all its inputs share, where
+/// 0-d inputs (scalars) count only if every input is one, as PyTorch promotes; mixed
+/// formats compute and stay in `T`.
+pub(crate) fn promoted<T: Element>(inputs: &[&Tensor<T>]) -> DType {
+    let shaped = inputs.iter().any(|t| t.ndim() > 0);
+    let mut formats = inputs
+        .iter()
+        .filter(|t| !shaped || t.ndim() > 0)
+        .map(|t| t.dtype());
+    match formats.next() {
+        Some(first) if formats.all(|d| d == first) => first,
+        _ => T::DTYPE,
+    }
+}

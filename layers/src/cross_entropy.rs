@@ -90,7 +90,10 @@ pub fn vocab_parallel_cross_entropy(
         options: *options,
         lead_shape: shape[..shape.len() - 1].to_vec(),
     };
-    Tensor::apply(Arc::new(op), &[logits]).map_err(unwrap_own_error)
+    // bf16 or f16 logits: the loss is computed in f32 and the gradient flows back through
+    // the cast (Megatron's `.float()` before its vocabulary-parallel cross-entropy).
+    let logits = logits.to_dtype(tape::DType::F32)?;
+    Tensor::apply(Arc::new(op), &[&logits]).map_err(unwrap_own_error)
 }
 
 /// One data-parallel rank's share of the per-token loss of the whole data-parallel batch;

@@ -22,7 +22,7 @@ pub const MASTER_BUFFER: &str = "master_param";
 /// use tape::{AdamW, AdamWConfig, DType, MixedPrecision, Optimizer, Parameter, Tape, Tensor};
 ///
 /// let w = Parameter::new("w", Tensor::from_vec(vec![1.0, 2.0], &[2])?);
-/// let config = AdamWConfig { lr: 1e-3, weight_decay: 0.0, ..AdamWConfig::default() };
+/// let config = AdamWConfig { lr: 1e-4, weight_decay: 0.0, ..AdamWConfig::default() };
 /// let mut adamw = MixedPrecision::new(&[w.clone()], DType::BF16, |masters| {
 ///     AdamW::new(masters, config)
 /// })?;
@@ -33,10 +33,10 @@ pub const MASTER_BUFFER: &str = "master_param";
 ///     adamw.step()?;
 ///     adamw.zero_grad();
 /// }
-/// // Three steps of 1e-3 are lost in bf16's spacing near 1 (2^-7) but not in the master.
+/// // Three steps of 1e-4 vanish in bf16's spacing just below 1 (2^-8), not in the master.
 /// assert_eq!(w.value().to_vec()?, [1.0, 2.0]);
 /// let master = adamw.params()[0].value().to_vec()?;
-/// assert!((master[0] - (1.0 - 3e-3)).abs() < 1e-6);
+/// assert!((master[0] - (1.0 - 3e-4)).abs() < 1e-6);
 /// # Ok::<(), tape::Error>(())
 /// ```
 pub struct MixedPrecision<O> {

@@ -71,6 +71,26 @@ enum Backend {
     Nccl,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Precision {
+    /// Everything in f32.
+    Fp32,
+    /// bf16 parameters and activations; f32 master weights, gradients and loss.
+    Bf16,
+    /// f16 parameters and activations; f32 master weights, gradients and loss.
+    Fp16,
+}
+
+impl Precision {
+    fn dtype(self) -> tape::DType {
+        match self {
+            Precision::Fp32 => tape::DType::F32,
+            Precision::Bf16 => tape::DType::BF16,
+            Precision::Fp16 => tape::DType::F16,
+        }
+    }
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Train a small byte-level GPT with tensor + data parallelism")]
 struct Args {
@@ -143,6 +163,11 @@ struct Args {
     /// and the parameters are all-gathered. Same results; checkpoints load either way.
     #[arg(long)]
     use_distributed_optimizer: bool,
+    /// Storage format of parameters and activations. Ops compute in f32 and round their
+    /// results; the loss, gradients, master weights and AdamW stay f32 (Megatron's
+    /// --bf16 / --fp16 with f32 main gradients).
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    precision: Precision,
     /// Validation loss on the held-out tenth of the data every this many steps and after
     /// the last one; 0 turns it off.
     #[arg(long, default_value_t = 50)]
@@ -578,6 +603,7 @@ fn train_config(args: &Args) -> TrainConfig {
         schedule: schedule(args),
         clip_grad: args.clip_grad,
         distributed_optimizer: args.use_distributed_optimizer,
+        precision: args.precision.dtype(),
         eval_interval: args.eval_interval,
         eval_batches: args.eval_batches,
         resume: args.resume.clone(),

@@ -13,7 +13,10 @@ use layers::{GradNorm, Module, RngTracker, ShardedParameter, TensorParallel};
 use parallel_state::{ParallelState, RankLayout};
 use std::path::PathBuf;
 use std::sync::Arc;
-use tape::{AdamW, AdamWConfig, Generator, LrDecay, LrSchedule, Optimizer, Tape, Transfers};
+use tape::{
+    AdamW, AdamWConfig, DType, Generator, LrDecay, LrSchedule, MixedPrecision, Optimizer,
+    Parameter, Tape, Transfers,
+};
 
 /// Text the trained model continues, one sample each.
 const PROMPTS: &[&str] = &["The tensor", "Each rank ", "pub fn new"];
@@ -48,6 +51,9 @@ pub struct TrainConfig {
     /// Shard AdamW's state over the data-parallel group (ZeRO-1/2) instead of keeping
     /// all of it on every rank.
     pub distributed_optimizer: bool,
+    /// The parameters' storage format: f32, or bf16 / f16 with f32 master weights and
+    /// f32 main gradients.
+    pub precision: tape::DType,
     /// Validation loss every this many steps (and after the last one); 0 turns it off.
     pub eval_interval: usize,
     /// Global batches of held-out windows each validation runs.
@@ -147,13 +153,28 @@ pub fn train_rank(
         lr: s.lr,
         ..AdamWConfig::default()
     };
-    let mut optimizer = if config.distributed_optimizer {
-        let sharded = DistributedOptimizer::adamw(&ddps, adamw)?.with_schedule(schedule);
-        TrainOptimizer::Distributed(sharded)
-    } else {
-        let parameters = ddps.iter().flat_map(|d| d.parameters().to_vec()).collect();
-        TrainOptimizer::Replicated(AdamW::new(parameters, adamw).with_schedule(schedule))
+    let parameters: Vec<Parameter> = ddps.iter().flat_map(|d| d.parameters().to_vec()).collect();
+    let mut optimizer = match (config.distributed_optimizer, config.precision) {
+        (true, DType::F32) => {
+            let sharded = DistributedOptimizer::adamw(&ddps, adamw)?.with_schedule(schedule);
+            TrainOptimizer::Distributed(sharded)
+        }
+        (true, precision) => bail!(
+            "--use-distributed-optimizer keeps no master weights for {precision} parameters \
+             yet; train {precision} with the replicated optimizer, or f32 sharded"
+        ),
+        (false, DType::F32) => {
+            TrainOptimizer::Replicated(AdamW::new(parameters, adamw).with_schedule(schedule))
+        }
+        (false, precision) => {
+            TrainOptimizer::Mixed(MixedPrecision::new(&parameters, precision, |masters| {
+                AdamW::new(masters, adamw).with_schedule(schedule)
+            })?)
+        }
     };
+    if let Some(progress) = progress {
+        progress.note(&model_state_line(&models, &ddps, &optimizer, dp_size));
+    }
     // No dropout is configured, so the streams are never drawn from; the blocks still
     // take a tracker, seeded as Megatron seeds it, and checkpoints keep the first's.
     let mut rngs: Vec<RngTracker> = (0..chunks)
@@ -263,7 +284,7 @@ pub fn train_rank(
             rank_model.save(&dir)?;
             layers::checkpoint::save_optimizer_state(
                 &rank_model,
-                optimizer.as_dyn().params(),
+                optimizer.model_params(),
                 &optimizer_state,
                 &dir,
                 tp.rank(),
@@ -304,9 +325,40 @@ pub fn train_rank(
     })
 }
 
-/// AdamW kept whole on every data-parallel rank, or sharded over them.
+/// The line the run starts with about memory: bytes per parameter on this rank for the
+/// parameters, their (f32) main gradients, master weights and AdamW's moments.
+fn model_state_line(
+    models: &[Gpt],
+    ddps: &[DistributedDataParallel],
+    optimizer: &TrainOptimizer,
+    dp_size: usize,
+) -> String {
+    let params: Vec<Parameter> = models
+        .iter()
+        .flat_map(Module::parameters)
+        .map(|sharded| sharded.param)
+        .collect();
+    let count = params.iter().map(Parameter::numel).sum::<usize>().max(1) as f64;
+    let values: usize = params.iter().map(|p| p.value().nbytes()).sum();
+    let grads: usize = ddps.iter().map(DistributedDataParallel::buffer_bytes).sum();
+    let (masters, moments) = optimizer.state_bytes();
+    let per = |bytes: usize| bytes as f64 / count;
+    format!(
+        "model state per rank: {:.2} bytes per parameter (parameters {:.2}, gradients {:.2}, \
+         master weights {:.2}, AdamW moments {:.2}; data-parallel size {dp_size})",
+        per(values + grads + masters + moments),
+        per(values),
+        per(grads),
+        per(masters),
+        per(moments)
+    )
+}
+
+/// AdamW kept whole on every data-parallel rank (on the parameters, or on f32 master
+/// copies of 16-bit ones), or sharded over them.
 enum TrainOptimizer {
     Replicated(AdamW),
+    Mixed(MixedPrecision<AdamW>),
     Distributed(DistributedOptimizer),
 }
 
@@ -314,7 +366,28 @@ impl TrainOptimizer {
     fn as_dyn(&mut self) -> &mut dyn Optimizer {
         match self {
             TrainOptimizer::Replicated(adamw) => adamw,
+            TrainOptimizer::Mixed(adamw) => adamw,
             TrainOptimizer::Distributed(adamw) => adamw,
+        }
+    }
+
+    /// The model's parameters the optimizer's state entries belong to (what a
+    /// checkpoint names them by).
+    fn model_params(&self) -> &[Parameter] {
+        match self {
+            TrainOptimizer::Replicated(adamw) => adamw.params(),
+            TrainOptimizer::Mixed(adamw) => adamw.model_params(),
+            TrainOptimizer::Distributed(adamw) => adamw.params(),
+        }
+    }
+
+    /// Bytes of f32 master weights and of optimizer state this rank holds.
+    fn state_bytes(&self) -> (usize, usize) {
+        let moments = |params: &[Parameter]| 8 * params.iter().map(Parameter::numel).sum::<usize>();
+        match self {
+            TrainOptimizer::Replicated(adamw) => (0, moments(adamw.params())),
+            TrainOptimizer::Mixed(adamw) => (4 * adamw.params().iter().map(Parameter::numel).sum::<usize>(), moments(adamw.params())),
+            TrainOptimizer::Distributed(adamw) => (0, adamw.state_bytes()),
         }
     }
 
@@ -328,7 +401,7 @@ impl TrainOptimizer {
         max_norm: f64,
     ) -> Result<GradNorm> {
         Ok(match self {
-            TrainOptimizer::Replicated(_) => {
+            TrainOptimizer::Replicated(_) | TrainOptimizer::Mixed(_) => {
                 layers::clip_grad_norm(params, tp, other_groups, max_norm)?
             }
             TrainOptimizer::Distributed(adamw) => {

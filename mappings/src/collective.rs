@@ -115,11 +115,12 @@ impl Collective {
                 let shape = with_len(&part, *gather_dim, recv_sizes.iter().sum());
                 let receiving = DimLayout::new(op, &shape, *gather_dim)?;
                 let (sends, recvs) = (sending.counts(send_sizes), receiving.counts(recv_sizes));
-                let received = Tensor::filled_by(device, x.dtype(), &[recvs.iter().sum()], |out| {
-                    blocks
-                        .lend(|input| group.all_to_all_v(input, &sends, out, &recvs))?
-                        .map_err(comm)
-                })?;
+                let received =
+                    Tensor::filled_by(device, x.dtype(), &[recvs.iter().sum()], |out| {
+                        blocks
+                            .lend(|input| group.all_to_all_v(input, &sends, out, &recvs))?
+                            .map_err(comm)
+                    })?;
                 unpack_rank_blocks(&received, &shape, *gather_dim, recv_sizes)
             }
         }

@@ -94,7 +94,8 @@ impl<O: Optimizer> MixedPrecision<O> {
             match model.main_grad() {
                 Some(view) => {
                     let shared = master.main_grad().is_some_and(|mine| {
-                        mine.storage().same_storage(view.storage()) && mine.offset() == view.offset()
+                        mine.storage().same_storage(view.storage())
+                            && mine.offset() == view.offset()
                     });
                     if !shared {
                         master.attach_main_grad(view)?;
@@ -134,9 +135,10 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
     fn state(&self) -> Result<OptimizerState> {
         let mut state = self.inner.state()?;
         for (entry, master) in state.params.iter_mut().zip(&self.masters) {
-            entry
-                .buffers
-                .push((MASTER_BUFFER.to_string(), master.value().to_device(crate::Device::Cpu)?));
+            entry.buffers.push((
+                MASTER_BUFFER.to_string(),
+                master.value().to_device(crate::Device::Cpu)?,
+            ));
         }
         Ok(state)
     }
@@ -147,7 +149,10 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
         let mut inner = state.clone();
         let mut masters = Vec::with_capacity(self.masters.len());
         for entry in &mut inner.params {
-            let position = entry.buffers.iter().position(|(name, _)| name == MASTER_BUFFER);
+            let position = entry
+                .buffers
+                .iter()
+                .position(|(name, _)| name == MASTER_BUFFER);
             masters.push(position.map(|p| entry.buffers.remove(p).1));
         }
         self.inner.load_state(&inner)?;

@@ -151,7 +151,9 @@ impl<H: HalfFloat> Packed<H> {
     /// A private copy (CPU: row-major), which may then be lent writable.
     fn duplicate(&self, op: &'static str) -> Result<Self> {
         Ok(match self {
-            Packed::Cpu(array) => Packed::Cpu(array.as_standard_layout().into_owned().into_shared()),
+            Packed::Cpu(array) => {
+                Packed::Cpu(array.as_standard_layout().into_owned().into_shared())
+            }
             Packed::Gpu(array) => Packed::Gpu(array.duplicate(op)?),
         })
     }

@@ -401,7 +401,10 @@ impl<T: Element> Tensor<T> {
     /// The elements converted to another element type (not recorded on the tape).
     pub fn cast<U: Element>(&self) -> Result<Tensor<U>> {
         let device = self.device();
-        let values = self.to_vec()?.into_iter().map(|v| U::from_f64(v.into_f64()));
+        let values = self
+            .to_vec()?
+            .into_iter()
+            .map(|v| U::from_f64(v.into_f64()));
         Tensor::from_vec(values.collect(), self.shape())?.to_device(device)
     }
 }

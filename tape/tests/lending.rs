@@ -87,9 +87,10 @@ fn collectives_write_new_tensors_in_place_on_every_device() -> anyhow::Result<()
 #[test]
 fn a_failed_write_returns_its_error_and_no_tensor() {
     for device in every_device() {
-        let outcome = Tensor::<f32>::filled_by(device, tape::DType::F32, &[2], |_| -> anyhow::Result<()> {
-            Err(anyhow::anyhow!("the collective failed"))
-        });
+        let outcome =
+            Tensor::<f32>::filled_by(device, tape::DType::F32, &[2], |_| -> anyhow::Result<()> {
+                Err(anyhow::anyhow!("the collective failed"))
+            });
         assert_eq!(outcome.unwrap_err().to_string(), "the collective failed");
         // A communicator's typed error comes back as itself.
         let x = Tensor::<f64>::zeros(&[1]).to_device(device).unwrap();

@@ -11,9 +11,7 @@
 mod device;
 
 use half::{bf16, f16};
-use tape::{
-    CrossEntropyOptions, DType, Device, Gelu, Generator, Parameter, Result, Tape, Tensor,
-};
+use tape::{CrossEntropyOptions, DType, Device, Gelu, Generator, Parameter, Result, Tape, Tensor};
 
 /// What one run computed: output, its storage format, and each input's gradient.
 struct Run {
@@ -31,14 +29,23 @@ fn run(device: Device, dtype: DType, values: &[Tensor], op: &Op<'_>) -> Result<R
     let params: Vec<Parameter> = values
         .iter()
         .enumerate()
-        .map(|(i, v)| Ok(Parameter::new(format!("x{i}"), v.to_device(device)?.to_dtype(dtype)?)))
+        .map(|(i, v)| {
+            Ok(Parameter::new(
+                format!("x{i}"),
+                v.to_device(device)?.to_dtype(dtype)?,
+            ))
+        })
         .collect::<Result<_>>()?;
     let watched: Vec<Tensor> = params.iter().map(|p| tape.watch(p)).collect();
     let out = op(&watched)?;
     let mut generator = Generator::new(7);
     let weights = Tensor::uniform(out.shape(), 0.5, 1.5, &mut generator).to_device(device)?;
     let loss = out.mul(&weights)?.sum()?;
-    assert_eq!(loss.dtype(), DType::F32, "an f32 operand makes the result f32");
+    assert_eq!(
+        loss.dtype(),
+        DType::F32,
+        "an f32 operand makes the result f32"
+    );
     loss.backward()?;
     let grads = params
         .iter()
@@ -74,7 +81,10 @@ fn epsilon(dtype: DType) -> f64 {
 }
 
 fn largest(values: &[f32]) -> f64 {
-    values.iter().map(|v| f64::from(v.abs())).fold(1.0, f64::max)
+    values
+        .iter()
+        .map(|v| f64::from(v.abs()))
+        .fold(1.0, f64::max)
 }
 
 fn max_difference(a: &[f32], b: &[f32]) -> f64 {
@@ -120,7 +130,10 @@ fn check_in(
         for &device in &devices {
             let got = run(device, dtype, &values, &op)
                 .unwrap_or_else(|e| panic!("{name} in {dtype} on {device}: {e}"));
-            assert_eq!(got.dtype, dtype, "{name} on {device}: the result keeps {dtype}");
+            assert_eq!(
+                got.dtype, dtype,
+                "{name} on {device}: the result keeps {dtype}"
+            );
             let scale = largest(&expected);
             let ulps = if device == Device::Cpu { 0.0 } else { 1.0 };
             let diff = max_difference(&got.output, &expected);
@@ -168,7 +181,9 @@ fn matmul_accumulates_in_f32() {
     check("batched matmul", &[&[2, 3, 16], &[2, 16, 4]], |x| {
         x[0].matmul(&x[1])
     });
-    check("shared matmul", &[&[2, 3, 16], &[16, 4]], |x| x[0].matmul(&x[1]));
+    check("shared matmul", &[&[2, 3, 16], &[16, 4]], |x| {
+        x[0].matmul(&x[1])
+    });
 }
 
 #[test]
@@ -180,7 +195,9 @@ fn reductions_and_rows() {
     check("mean_dim", &[shape], |x| x[0].mean_dim(2, true));
     check("softmax", &[shape], |x| x[0].softmax());
     check("log_softmax", &[shape], |x| x[0].log_softmax());
-    check("causal_softmax", &[&[2, 6, 6]], |x| x[0].causal_softmax(0.5));
+    check("causal_softmax", &[&[2, 6, 6]], |x| {
+        x[0].causal_softmax(0.5)
+    });
     check("layer_norm", &[shape, &[8], &[8]], |x| {
         x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5)
     });
@@ -193,12 +210,18 @@ fn shapes_and_indexing() {
     check("transpose", &[shape], |x| x[0].transpose(0, 2));
     check("permute", &[shape], |x| x[0].permute(&[1, 2, 0]));
     check("narrow", &[shape], |x| x[0].narrow(2, 1, 2));
-    check("concat", &[shape, shape], |x| Tensor::concat(&[&x[0], &x[1]], 1));
-    check("embedding", &[&[7, 4]], |x| x[0].embedding(&[3, 0, 6, 3], &[2, 2]));
+    check("concat", &[shape, shape], |x| {
+        Tensor::concat(&[&x[0], &x[1]], 1)
+    });
+    check("embedding", &[&[7, 4]], |x| {
+        x[0].embedding(&[3, 0, 6, 3], &[2, 2])
+    });
     let mask = tape::ndarray::ArrayD::from_shape_fn(tape::ndarray::IxDyn(shape), |i| {
         (i[0] + i[1] + i[2]) % 3 == 0
     });
-    check("masked_fill", &[shape], move |x| x[0].masked_fill(&mask, -1.5));
+    check("masked_fill", &[shape], move |x| {
+        x[0].masked_fill(&mask, -1.5)
+    });
 }
 
 #[test]
@@ -229,7 +252,10 @@ fn cross_entropy_in_f32_from_16_bit_logits() {
     let (exact, exact_grad) = loss_of(DType::F32, Device::Cpu).unwrap();
     for device in [Device::Cpu, Device::Emulated] {
         let (loss, grad) = loss_of(DType::BF16, device).unwrap();
-        assert!((loss - exact).abs() <= 2e-2 * exact.abs(), "{loss} vs {exact}");
+        assert!(
+            (loss - exact).abs() <= 2e-2 * exact.abs(),
+            "{loss} vs {exact}"
+        );
         assert!(max_difference(&grad, &exact_grad) <= 2e-2);
     }
 }
@@ -239,11 +265,17 @@ fn conversions_on_devices_match_the_cpu_bit_for_bit() {
     // Every 16-bit pattern widens, and a sweep of f32 values (normal, subnormal, huge,
     // infinite, NaN) narrows, to the same bits on every device as on the CPU.
     let patterns: Vec<u16> = (0..=u16::MAX).collect();
-    let mut singles: Vec<f32> = (0..=u32::MAX)
-        .step_by(4_099)
-        .map(f32::from_bits)
-        .collect();
-    singles.extend([0.0, -0.0, 65_504.0, 65_520.0, 6.0e-8, 3.0e-8, f32::MAX, f32::INFINITY]);
+    let mut singles: Vec<f32> = (0..=u32::MAX).step_by(4_099).map(f32::from_bits).collect();
+    singles.extend([
+        0.0,
+        -0.0,
+        65_504.0,
+        65_520.0,
+        6.0e-8,
+        3.0e-8,
+        f32::MAX,
+        f32::INFINITY,
+    ]);
     for dtype in [DType::BF16, DType::F16] {
         let widened: Vec<f32> = patterns
             .iter()
@@ -262,7 +294,11 @@ fn conversions_on_devices_match_the_cpu_bit_for_bit() {
                 .to_dtype(dtype)
                 .unwrap();
             let back = on_device.to_dtype(DType::F32).unwrap().to_vec().unwrap();
-            same_bits(&back, &narrowed, &format!("narrowing to {dtype} on {device}"));
+            same_bits(
+                &back,
+                &narrowed,
+                &format!("narrowing to {dtype} on {device}"),
+            );
             // Widening every pattern on the device (after an exact round trip through f32).
             let all = Tensor::from_vec(widened.clone(), &[widened.len()])
                 .unwrap()
@@ -272,7 +308,11 @@ fn conversions_on_devices_match_the_cpu_bit_for_bit() {
                 .unwrap()
                 .to_dtype(DType::F32)
                 .unwrap();
-            same_bits(&all.to_vec().unwrap(), &widened, &format!("{dtype} on {device}"));
+            same_bits(
+                &all.to_vec().unwrap(),
+                &widened,
+                &format!("{dtype} on {device}"),
+            );
         }
     }
 }
@@ -280,7 +320,12 @@ fn conversions_on_devices_match_the_cpu_bit_for_bit() {
 fn same_bits(got: &[f32], expected: &[f32], what: &str) {
     for (i, (g, e)) in got.iter().zip(expected).enumerate() {
         let same = g.to_bits() == e.to_bits() || (g.is_nan() && e.is_nan());
-        assert!(same, "{what}: element {i}: {g:e} ({:#x}) vs {e:e} ({:#x})", g.to_bits(), e.to_bits());
+        assert!(
+            same,
+            "{what}: element {i}: {g:e} ({:#x}) vs {e:e} ({:#x})",
+            g.to_bits(),
+            e.to_bits()
+        );
     }
 }
 

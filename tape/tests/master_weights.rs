@@ -3,8 +3,8 @@
 
 use anyhow::Result;
 use tape::{
-    AdamW, AdamWConfig, DType, Device, FlatStorage, FlatView, Generator, MixedPrecision,
-    Optimizer, Parameter, Tape, Tensor, MASTER_BUFFER,
+    AdamW, AdamWConfig, DType, Device, FlatStorage, FlatView, Generator, MixedPrecision, Optimizer,
+    Parameter, Tape, Tensor, MASTER_BUFFER,
 };
 
 /// A two-layer tanh network's parameters.
@@ -32,11 +32,22 @@ fn loss(tape: &Tape, params: &[Parameter], device: Device) -> tape::Result<Tenso
 }
 
 fn adamw(masters: Vec<Parameter>) -> AdamW {
-    AdamW::new(masters, AdamWConfig { lr: 2e-2, ..AdamWConfig::default() })
+    AdamW::new(
+        masters,
+        AdamWConfig {
+            lr: 2e-2,
+            ..AdamWConfig::default()
+        },
+    )
 }
 
 /// Trains `steps` steps; the losses.
-fn train(optimizer: &mut dyn Optimizer, params: &[Parameter], device: Device, steps: usize) -> Result<Vec<f32>> {
+fn train(
+    optimizer: &mut dyn Optimizer,
+    params: &[Parameter],
+    device: Device,
+    steps: usize,
+) -> Result<Vec<f32>> {
     let mut losses = Vec::new();
     for _ in 0..steps {
         let tape = Tape::new();
@@ -60,7 +71,12 @@ fn on(device: Device, params: Vec<Parameter>) -> Result<Vec<Parameter>> {
 fn sixteen_bit_training_follows_f32() -> Result<()> {
     let steps = 60;
     let reference = model(1);
-    let exact = train(&mut adamw(reference.clone()), &reference, Device::Cpu, steps)?;
+    let exact = train(
+        &mut adamw(reference.clone()),
+        &reference,
+        Device::Cpu,
+        steps,
+    )?;
     for device in [Device::Cpu, Device::Emulated] {
         for (dtype, tolerance) in [(DType::BF16, 0.03), (DType::F16, 0.01)] {
             let params = on(device, model(1))?;
@@ -112,7 +128,10 @@ fn masters_share_main_gradients() -> Result<()> {
             assert_eq!(mine.offset(), theirs.offset());
         }
         optimizer.zero_grad();
-        assert!(params.iter().chain(optimizer.params()).all(|p| !p.has_grad()));
+        assert!(params
+            .iter()
+            .chain(optimizer.params())
+            .all(|p| !p.has_grad()));
         // The same steps with f32 parameters and their own gradients stay close.
         let tape = Tape::new();
         loss(&tape, &reference, Device::Cpu)?.backward()?;
@@ -121,7 +140,11 @@ fn masters_share_main_gradients() -> Result<()> {
     }
     for (m, r) in optimizer.params().iter().zip(&reference) {
         let (m, r) = (m.value().to_vec()?, r.value().to_vec()?);
-        let diff = m.iter().zip(&r).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        let diff = m
+            .iter()
+            .zip(&r)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
         assert!(diff < 2e-2, "masters drift {diff} from f32 training");
     }
     Ok(())

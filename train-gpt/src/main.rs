@@ -639,7 +639,7 @@ fn schedule(args: &Args) -> Schedule {
 fn announce(args: &Args, corpus: &Corpus, dp: usize) {
     println!(
         "GPT: {} layers, hidden {}, {} heads, context {} | TP {} × PP {} × DP {} = {} \
-         ranks{}{}{} on the {} backend, {} | {} steps of {} sequences | data: {} ({} bytes)",
+         ranks{}{}{} on the {} backend, {}{} | {} steps of {} sequences | data: {} ({} bytes)",
         args.layers,
         args.hidden,
         args.heads,
@@ -678,6 +678,11 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
             Backend::Nccl => "nccl",
         },
         args.device,
+        match args.precision {
+            Precision::Fp32 => "",
+            Precision::Bf16 => ", bf16",
+            Precision::Fp16 => ", fp16",
+        },
         args.steps,
         args.batch * dp,
         corpus.source,

@@ -386,7 +386,10 @@ impl TrainOptimizer {
         let moments = |params: &[Parameter]| 8 * params.iter().map(Parameter::numel).sum::<usize>();
         match self {
             TrainOptimizer::Replicated(adamw) => (0, moments(adamw.params())),
-            TrainOptimizer::Mixed(adamw) => (4 * adamw.params().iter().map(Parameter::numel).sum::<usize>(), moments(adamw.params())),
+            TrainOptimizer::Mixed(adamw) => (
+                4 * adamw.params().iter().map(Parameter::numel).sum::<usize>(),
+                moments(adamw.params()),
+            ),
             TrainOptimizer::Distributed(adamw) => (0, adamw.state_bytes()),
         }
     }

@@ -9,7 +9,9 @@ use std::process::Command;
 fn train(precision: &str, steps: usize, out: &Path, extra: &[&str]) -> String {
     let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
         .args(["--precision", precision, "--tp", "2", "--dp", "2"])
-        .args(["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32"])
+        .args([
+            "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32",
+        ])
         .args(["--batch", "4", "--seed", "1", "--eval-interval", "0"])
         .args(["--steps", &steps.to_string()])
         .args(extra)
@@ -67,7 +69,10 @@ fn sixteen_bit_training_follows_the_f32_curve() {
         assert_eq!(bytes_per_parameter(&stdout), 18.0, "{stdout}");
         let curve = losses(&out);
         assert_eq!(curve.len(), steps);
-        assert!(curve.iter().all(|l| l.is_finite()), "{precision}: {curve:?}");
+        assert!(
+            curve.iter().all(|l| l.is_finite()),
+            "{precision}: {curve:?}"
+        );
         let (last, expected) = (curve[steps - 1], exact[steps - 1]);
         assert!(
             (last - expected).abs() <= 0.03 * expected,
@@ -99,7 +104,13 @@ fn losses_after(name: &str, steps: usize, extra: &[&str]) -> Vec<f32> {
 #[test]
 fn the_distributed_optimizer_refuses_16_bit_parameters_with_the_reason() {
     let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
-        .args(["--precision", "bf16", "--use-distributed-optimizer", "--steps", "1"])
+        .args([
+            "--precision",
+            "bf16",
+            "--use-distributed-optimizer",
+            "--steps",
+            "1",
+        ])
         .arg("--out")
         .arg(out_dir("zero"))
         .output()

@@ -292,10 +292,9 @@ impl<T: Element> Tensor<T> {
                 smoothing,
                 all_classes: classes,
             };
-            let dx =
-                device::cross_entropy_backward(
-                    &upstream, per_row, divisor, &logits, &lse, &targets,
-                )?;
+            let dx = device::cross_entropy_backward(
+                &upstream, per_row, divisor, &logits, &lse, &targets,
+            )?;
             return Ok(Tensor::from_gpu(dx));
         }
         let mut logits = self

@@ -76,9 +76,11 @@ pub(crate) fn broadcast_from_rank0(
         dp.broadcast_slice(&mut flat, 0)?;
         if dp.rank() != 0 {
             for slot in &info.params {
-                let device = params[slot.index].value().device();
+                let current = params[slot.index].value();
+                // The broadcast values keep the parameter's device and storage format.
                 let value = Tensor::from_vec(flat[slot.range()].to_vec(), &slot.shape)?
-                    .to_device(device)?;
+                    .to_device(current.device())?
+                    .to_dtype(current.dtype())?;
                 params[slot.index].set_value(value)?;
             }
         }

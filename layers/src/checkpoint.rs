@@ -92,7 +92,9 @@ pub fn load_shard(module: &dyn Module, dir: &Path, tp_rank: usize, tp_size: usiz
                 ),
             ));
         }
-        sharded.param.set_value(tensor.clone())?;
+        // Loaded values keep the parameter's storage format (bf16 stays bf16).
+        let dtype = sharded.param.value().dtype();
+        sharded.param.set_value(tensor.to_dtype(dtype)?)?;
     }
     Ok(())
 }

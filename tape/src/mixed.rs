@@ -48,7 +48,10 @@ pub struct MixedPrecision<O> {
 
 impl<O: Optimizer> MixedPrecision<O> {
     /// Stores `params` as `dtype` (bf16 or f16) and builds the inner optimizer with
-    /// `make` over f32 copies of their current values.
+    /// `make` over f32 copies of their current values. Build it once the values are
+    /// final (after DDP's broadcast and a checkpoint's weights are loaded): later
+    /// changes to the parameters do not reach the masters, and the next step overwrites
+    /// them.
     pub fn new(
         params: &[Parameter],
         dtype: DType,
@@ -148,12 +151,24 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
         let mut inner = state.clone();
         let mut masters = Vec::with_capacity(self.masters.len());
-        for entry in &mut inner.params {
+        for (entry, master) in inner.params.iter_mut().zip(&self.masters) {
             let position = entry
                 .buffers
                 .iter()
                 .position(|(name, _)| name == MASTER_BUFFER);
-            masters.push(position.map(|p| entry.buffers.remove(p).1));
+            let saved = position.map(|p| entry.buffers.remove(p).1);
+            // Checked before anything changes, so a bad state changes nothing.
+            if let Some(saved) = saved.as_ref().filter(|s| s.shape() != master.shape()) {
+                return Err(crate::Error::shape(
+                    "MixedPrecision::load_state",
+                    &[saved.shape(), &master.shape()],
+                    format!(
+                        "the saved master weight of '{}' has another shape",
+                        master.name()
+                    ),
+                ));
+            }
+            masters.push(saved);
         }
         self.inner.load_state(&inner)?;
         for (master, value) in self.masters.iter().zip(masters) {

@@ -184,3 +184,23 @@ fn only_16_bit_formats_take_master_weights() {
     let err = MixedPrecision::new(&model(4), DType::F32, adamw).unwrap_err();
     assert!(err.to_string().contains("bf16 or f16"), "{err}");
 }
+
+#[test]
+fn a_state_with_a_misshapen_master_changes_nothing() -> Result<()> {
+    let params = model(5);
+    let mut optimizer = MixedPrecision::new(&params, DType::BF16, adamw)?;
+    train(&mut optimizer, &params, Device::Cpu, 2)?;
+    let before = optimizer.state()?;
+    let mut state = before.clone();
+    let last = state.params.last_mut().unwrap().buffers.last_mut().unwrap();
+    last.1 = Tensor::zeros(&[2]);
+    let err = optimizer.load_state(&state).unwrap_err().to_string();
+    assert!(err.contains("master weight of 'w2'"), "{err}");
+    let after = optimizer.state()?;
+    for (a, b) in before.params.iter().zip(&after.params) {
+        for ((_, x), (_, y)) in a.buffers.iter().zip(&b.buffers) {
+            assert_eq!(x.to_vec()?, y.to_vec()?);
+        }
+    }
+    Ok(())
+}

@@ -159,6 +159,11 @@ pub fn train_rank(
             let sharded = DistributedOptimizer::adamw(&ddps, adamw)?.with_schedule(schedule);
             TrainOptimizer::Distributed(sharded)
         }
+        (_, precision) if precision != DType::F32 && config.pp > 1 => bail!(
+            "--pp {} sends activations between stages as f32, which would train the later \
+             stages in f32; use --precision {precision} with --pp 1 for now",
+            config.pp
+        ),
         (true, precision) => bail!(
             "--use-distributed-optimizer keeps no master weights for {precision} parameters \
              yet; train {precision} with the replicated optimizer, or f32 sharded"

@@ -119,3 +119,25 @@ fn the_distributed_optimizer_refuses_16_bit_parameters_with_the_reason() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("master weights"), "{stderr}");
 }
+
+#[test]
+fn pipeline_stages_refuse_16_bit_activations_with_the_reason() {
+    let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
+        .args([
+            "--precision",
+            "fp16",
+            "--pp",
+            "2",
+            "--tp",
+            "1",
+            "--steps",
+            "1",
+        ])
+        .arg("--out")
+        .arg(out_dir("pipeline"))
+        .output()
+        .expect("the train-gpt binary runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--pp 2 sends activations"), "{stderr}");
+}

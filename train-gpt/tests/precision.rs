@@ -101,29 +101,38 @@ fn losses_after(name: &str, steps: usize, extra: &[&str]) -> Vec<f32> {
     losses(&out)
 }
 
+/// Runs train-gpt with `args`, which it must refuse; returns its stderr.
+fn refused(name: &str, args: &[&str]) -> String {
+    let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
+        .args(args)
+        .arg("--out")
+        .arg(out_dir(name))
+        .output()
+        .expect("the train-gpt binary runs");
+    assert!(!output.status.success(), "{args:?} ran");
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
 #[test]
 fn the_distributed_optimizer_refuses_16_bit_parameters_with_the_reason() {
-    let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
-        .args([
+    let stderr = refused(
+        "zero",
+        &[
             "--precision",
             "bf16",
             "--use-distributed-optimizer",
             "--steps",
             "1",
-        ])
-        .arg("--out")
-        .arg(out_dir("zero"))
-        .output()
-        .expect("the train-gpt binary runs");
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+        ],
+    );
     assert!(stderr.contains("master weights"), "{stderr}");
 }
 
 #[test]
 fn pipeline_stages_refuse_16_bit_activations_with_the_reason() {
-    let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
-        .args([
+    let stderr = refused(
+        "pipeline",
+        &[
             "--precision",
             "fp16",
             "--pp",
@@ -132,12 +141,7 @@ fn pipeline_stages_refuse_16_bit_activations_with_the_reason() {
             "1",
             "--steps",
             "1",
-        ])
-        .arg("--out")
-        .arg(out_dir("pipeline"))
-        .output()
-        .expect("the train-gpt binary runs");
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+        ],
+    );
     assert!(stderr.contains("--pp 2 sends activations"), "{stderr}");
 }

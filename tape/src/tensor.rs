@@ -242,9 +242,19 @@ impl<T: Element> Tensor<T> {
                 second: other.device(),
             });
         }
-        // Sums are kept in `T` whatever the contributions' formats.
-        *self = self.widened(op)?;
-        let other = other.widened(op)?;
+        // Sums are kept in `T` whatever the contributions' formats (gradients are `T`:
+        // the common case converts and clones nothing).
+        if self.half().is_some() {
+            *self = self.widened(op)?;
+        }
+        let widened;
+        let other = match other.half() {
+            Some(_) => {
+                widened = other.widened(op)?;
+                &widened
+            }
+            None => other,
+        };
         match (&mut self.storage, &other.storage) {
             (Storage::Cpu(mine), Storage::Cpu(theirs)) => *mine += theirs,
             (Storage::Gpu(mine), Storage::Gpu(theirs)) => {

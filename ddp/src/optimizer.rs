@@ -7,17 +7,18 @@
 //! gradient) and keeps no gradient in the parameters; the optimizer keeps moments only
 //! for its shard, updates its pieces of the parameters with the same per-element update
 //! as [`tape::AdamW`] and [`tape::Sgd`], and all-gathers the updated values bucket by
-//! bucket into every rank's parameters.
+//! bucket into every rank's parameters. Parameters stored as bf16 or f16 are updated
+//! through f32 master weights, of which each rank too keeps only its shard.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use comm_core::{AsyncOp, Buffer, Communicator, CommunicatorExt, ReduceOp};
+use comm_core::{AsyncOp, Buffer, Communicator, CommunicatorExt, DType, ReduceOp};
 use layers::{GradNorm, LocalSquares, ShardedParameter, TensorParallel};
 use parking_lot::Mutex;
 use tape::{
     AdamWConfig, AdamWUpdate, LrSchedule, Optimizer, OptimizerState, ParamId, ParamOptions,
-    ParamState, Parameter, SgdConfig, SgdUpdate, Tensor,
+    ParamState, Parameter, SgdConfig, SgdUpdate, Tensor, MASTER_BUFFER,
 };
 
 use crate::bucket::{self, BucketInfo};
@@ -59,6 +60,19 @@ struct Piece {
     within_param: std::ops::Range<usize>,
     /// Where the piece starts in the shard.
     shard_offset: usize,
+    /// The f32 master weights of the piece when the parameter is stored in 16 bits.
+    master: Option<Vec<f32>>,
+}
+
+impl Piece {
+    fn shard_range(&self) -> std::ops::Range<usize> {
+        self.shard_offset..self.shard_offset + self.within_param.len()
+    }
+}
+
+/// Whether `param` is stored in 16 bits (and so trained through master weights).
+fn is_16_bit(param: &Parameter) -> bool {
+    param.value().dtype() != DType::F32
 }
 
 /// One bucket of one of the wrapped DDPs.
@@ -215,6 +229,7 @@ impl DistributedOptimizer {
                             param: bucket.first_param + slot.index,
                             within_param: start - slot.offset..end - slot.offset,
                             shard_offset: start - shard.start,
+                            master: None,
                         })
                     })
                     .collect()
@@ -229,7 +244,7 @@ impl DistributedOptimizer {
                 rule.buffer_names().iter().map(|_| vec![0.0; len]).collect()
             })
             .collect();
-        Ok(DistributedOptimizer {
+        let mut optimizer = DistributedOptimizer {
             reducers,
             dp,
             options: vec![ParamOptions::default(); params.len()],
@@ -242,7 +257,49 @@ impl DistributedOptimizer {
             pieces,
             buffers,
             dropped: None,
-        })
+        };
+        let stored_16_bit: Vec<bool> = optimizer.params.iter().map(is_16_bit).collect();
+        optimizer.read_masters(&stored_16_bit)?;
+        Ok(optimizer)
+    }
+
+    /// Stores every parameter as `dtype` (bf16 or f16) and keeps f32 master weights of
+    /// this rank's shard, taken from the values before rounding: 2 bytes per parameter
+    /// for the values and `4/dp` for the masters (Megatron's `--bf16` with the
+    /// distributed optimizer). Call it where [`tape::MixedPrecision`] would be built:
+    /// once the values are final (after DDP's broadcast and a checkpoint's weights), as
+    /// later changes to the parameters do not reach the masters.
+    ///
+    /// Parameters that are already 16-bit when the optimizer is built get masters of
+    /// their (rounded) values without it.
+    pub fn store_params_as(mut self, dtype: DType) -> Result<Self> {
+        if !matches!(dtype, DType::BF16 | DType::F16) {
+            return Err(Error::Config(format!(
+                "store_params_as takes bf16 or f16 (parameters trained through f32 master \
+                 weights), not {dtype}"
+            )));
+        }
+        self.read_masters(&vec![true; self.params.len()])?;
+        for param in &self.params {
+            let value = param.value();
+            if value.dtype() != dtype {
+                param.set_value(value.to_dtype(dtype)?)?;
+            }
+        }
+        Ok(self)
+    }
+
+    /// Gives the pieces of the `selected` parameters that have no master weights yet
+    /// the parameters' current values as f32.
+    fn read_masters(&mut self, selected: &[bool]) -> Result<()> {
+        for piece in self.pieces.iter_mut().flatten() {
+            if selected[piece.param] && piece.master.is_none() {
+                let mut master = vec![0.0; piece.within_param.len()];
+                self.params[piece.param].read_flat(piece.within_param.start, &mut master)?;
+                piece.master = Some(master);
+            }
+        }
+        Ok(())
     }
 
     /// Takes each step's learning rate from `schedule` instead of the config's.
@@ -259,12 +316,25 @@ impl DistributedOptimizer {
     }
 
     /// Bytes of optimizer state this rank holds: its shard of every buffer of the rule
-    /// (AdamW: two moments; SGD: the momentum buffer, if any).
+    /// (AdamW: two moments; SGD: the momentum buffer, if any) and of the master weights.
     pub fn state_bytes(&self) -> usize {
-        self.buffers
+        let buffers: usize = self
+            .buffers
             .iter()
             .flatten()
             .map(|buffer| buffer.capacity() * std::mem::size_of::<f32>())
+            .sum();
+        buffers + self.master_bytes()
+    }
+
+    /// Bytes of f32 master weights this rank holds (its shard of the 16-bit
+    /// parameters').
+    pub fn master_bytes(&self) -> usize {
+        self.pieces
+            .iter()
+            .flatten()
+            .filter_map(|piece| piece.master.as_ref())
+            .map(|master| master.capacity() * std::mem::size_of::<f32>())
             .sum()
     }
 
@@ -321,10 +391,8 @@ impl DistributedOptimizer {
                 };
                 for piece in &self.pieces[index] {
                     if counted[piece.param] && reduced.used[piece.param - first_param] {
-                        let range =
-                            piece.shard_offset..piece.shard_offset + piece.within_param.len();
                         local.add(
-                            grads[range]
+                            grads[piece.shard_range()]
                                 .iter()
                                 .map(|&g| f64::from(g) * f64::from(g))
                                 .sum(),
@@ -389,6 +457,22 @@ impl DistributedOptimizer {
         }
     }
 
+    /// The format the bucket's parameters are stored in: their 16-bit format when they
+    /// all share one, else f32.
+    fn param_dtype(&self, bucket: &Bucket) -> DType {
+        let mut dtypes = bucket
+            .info
+            .params
+            .iter()
+            .map(|slot| self.params[bucket.first_param + slot.index].value().dtype());
+        let first = dtypes.next().unwrap_or(DType::F32);
+        if dtypes.all(|dtype| dtype == first) {
+            first
+        } else {
+            DType::F32
+        }
+    }
+
     /// Every DDP's reduced shards of the last backward, as one list over the buckets,
     /// with which parameters some rank had a gradient for and each DDP's clip factor.
     fn take_reduced(&mut self) -> Result<(Vec<Buffer>, Vec<bool>, Vec<f32>)> {
@@ -434,10 +518,13 @@ impl DistributedOptimizer {
                 grads.iter_mut().for_each(|g| *g *= scale);
             }
             let mut values = vec![0.0f32; shard_len];
-            for piece in &self.pieces[index] {
-                let range = piece.shard_offset..piece.shard_offset + piece.within_param.len();
-                self.params[piece.param]
-                    .read_flat(piece.within_param.start, &mut values[range.clone()])?;
+            for piece in &mut self.pieces[index] {
+                let range = piece.shard_range();
+                match &piece.master {
+                    Some(master) => values[range.clone()].copy_from_slice(master),
+                    None => self.params[piece.param]
+                        .read_flat(piece.within_param.start, &mut values[range.clone()])?,
+                }
                 if !used[piece.param] {
                     continue;
                 }
@@ -467,17 +554,40 @@ impl DistributedOptimizer {
                         update.apply(values, grads, momentum, first)?;
                     }
                 }
+                if let Some(master) = &mut piece.master {
+                    master.copy_from_slice(values);
+                }
             }
-            gathers.push(self.dp.start(AsyncOp::AllGather {
-                input: Buffer::from_vec(values),
-            })?);
+            // 16-bit parameters travel in their own format: half the bytes, and the
+            // same values as rounding on arrival.
+            let input = match self.param_dtype(bucket) {
+                DType::F32 => Buffer::from_vec(values),
+                dtype => {
+                    let mut input = Buffer::zeros(dtype, shard_len);
+                    bucket::write_f32(&mut input, 0, &values)?;
+                    input
+                }
+            };
+            gathers.push(self.dp.start(AsyncOp::AllGather { input })?);
         }
         for (bucket, work) in self.buckets.iter().zip(gathers) {
-            let gathered = work.wait()?;
-            let values = gathered
-                .as_buf_ref()
-                .as_host_slice::<f32>()
-                .ok_or_else(|| Error::Config("an all-gathered bucket is not host f32".into()))?;
+            let mut gathered = work.wait()?;
+            let widened = match gathered.dtype() {
+                DType::F32 => None,
+                _ => {
+                    let len = gathered.len();
+                    Some(bucket::read_f32(&mut gathered, 0..len)?)
+                }
+            };
+            let values = match &widened {
+                Some(values) => values.as_slice(),
+                None => gathered
+                    .as_buf_ref()
+                    .as_host_slice::<f32>()
+                    .ok_or_else(|| {
+                        Error::Config("an all-gathered bucket is not in host memory".into())
+                    })?,
+            };
             for slot in &bucket.info.params {
                 let index = bucket.first_param + slot.index;
                 if !used[index] {
@@ -493,22 +603,47 @@ impl DistributedOptimizer {
     }
 
     /// The whole optimizer state, as [`tape::AdamW`] or [`tape::Sgd`] over the same
-    /// parameters would report it: every rank all-gathers the shards (collective over the
-    /// data-parallel group), so a checkpoint written from it loads at any data-parallel
-    /// size, or into a replicated optimizer.
+    /// parameters would report it, with each 16-bit parameter's master weights as the
+    /// buffer [`MASTER_BUFFER`] (as [`tape::MixedPrecision`] reports them): every rank
+    /// all-gathers the shards (collective over the data-parallel group), so a checkpoint
+    /// written from it loads at any data-parallel size, or into a replicated optimizer.
     pub fn state(&self) -> Result<OptimizerState> {
         let mut updates: Vec<f64> = self.updates.iter().map(|&u| f64::from(u)).collect();
         self.dp.all_reduce_slice(&mut updates, ReduceOp::Max)?;
         let names = self.rule.buffer_names();
+        let stored_16_bit: Vec<bool> = self.params.iter().map(is_16_bit).collect();
         let mut params = vec![ParamState::default(); self.params.len()];
-        for (bucket, buffers) in self.buckets.iter().zip(&self.buffers) {
-            for (name, shard) in names.iter().zip(buffers) {
+        for (index, bucket) in self.buckets.iter().enumerate() {
+            for (name, shard) in names.iter().zip(&self.buffers[index]) {
                 let full: Vec<f32> = self.dp.all_gather_vec(shard)?;
                 for slot in &bucket.info.params {
-                    let index = bucket.first_param + slot.index;
-                    if updates[index] > 0.0 {
+                    let param = bucket.first_param + slot.index;
+                    if updates[param] > 0.0 {
                         let buffer = Tensor::from_vec(full[slot.range()].to_vec(), &slot.shape)?;
-                        params[index].buffers.push((name.to_string(), buffer));
+                        params[param].buffers.push((name.to_string(), buffer));
+                    }
+                }
+            }
+            if bucket
+                .info
+                .params
+                .iter()
+                .any(|slot| stored_16_bit[bucket.first_param + slot.index])
+            {
+                let mut shard = vec![0.0f32; bucket.shard_len(self.dp.size())];
+                for piece in &self.pieces[index] {
+                    if let Some(master) = &piece.master {
+                        shard[piece.shard_range()].copy_from_slice(master);
+                    }
+                }
+                let full: Vec<f32> = self.dp.all_gather_vec(&shard)?;
+                for slot in &bucket.info.params {
+                    let param = bucket.first_param + slot.index;
+                    if stored_16_bit[param] {
+                        let master = Tensor::from_vec(full[slot.range()].to_vec(), &slot.shape)?;
+                        params[param]
+                            .buffers
+                            .push((MASTER_BUFFER.to_string(), master));
                     }
                 }
             }
@@ -525,8 +660,10 @@ impl DistributedOptimizer {
     }
 
     /// Restores a [`state`](Self::state) (or a replicated optimizer's, of the same
-    /// rule): this rank keeps its shard of it. A state for other parameters (count,
-    /// shapes or buffer names) is an error and changes nothing.
+    /// rule, or a [`tape::MixedPrecision`]'s over it): this rank keeps its shard of it.
+    /// Saved master weights of 16-bit parameters replace the masters and, rounded, the
+    /// parameters. A state for other parameters (count, shapes or buffer names, master
+    /// weights of an f32 parameter) is an error and changes nothing.
     pub fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
         let names = self.rule.buffer_names();
         if state.params.len() != self.params.len() {
@@ -537,13 +674,50 @@ impl DistributedOptimizer {
                 self.params.len()
             )));
         }
-        let mut full = Vec::with_capacity(self.params.len());
+        let check_shape = |param: &Parameter, buffer: &Tensor| {
+            if buffer.shape() == param.shape() {
+                return Ok(());
+            }
+            Err(Error::Config(format!(
+                "an optimizer buffer of '{}' has shape {:?}, the parameter {:?}",
+                param.name(),
+                buffer.shape(),
+                param.shape()
+            )))
+        };
+        let (mut full, mut masters) = (Vec::new(), Vec::new());
         for (param, entry) in self.params.iter().zip(&state.params) {
-            if entry.buffers.is_empty() {
+            let (saved_masters, buffers): (Vec<_>, Vec<_>) = entry
+                .buffers
+                .iter()
+                .partition(|(name, _)| name == MASTER_BUFFER);
+            let master = match saved_masters.as_slice() {
+                [] => None,
+                [(_, master)] if is_16_bit(param) => {
+                    check_shape(param, master)?;
+                    Some(master.to_vec()?)
+                }
+                [_] => {
+                    return Err(Error::Config(format!(
+                        "the state holds master weights for '{}', which is stored as f32; \
+                         call store_params_as before restoring a 16-bit run",
+                        param.name()
+                    )))
+                }
+                _ => {
+                    return Err(Error::Config(format!(
+                        "the state holds {} master weights for '{}'",
+                        saved_masters.len(),
+                        param.name()
+                    )))
+                }
+            };
+            masters.push(master);
+            if buffers.is_empty() {
                 full.push(None);
                 continue;
             }
-            let found: Vec<&str> = entry.buffers.iter().map(|(n, _)| n.as_str()).collect();
+            let found: Vec<&str> = buffers.iter().map(|(n, _)| n.as_str()).collect();
             if found != names {
                 return Err(Error::Config(format!(
                     "'{}' has optimizer buffers {found:?}; this optimizer keeps {names:?}",
@@ -551,15 +725,8 @@ impl DistributedOptimizer {
                 )));
             }
             let mut values = Vec::with_capacity(names.len());
-            for (_, buffer) in &entry.buffers {
-                if buffer.shape() != param.shape() {
-                    return Err(Error::Config(format!(
-                        "an optimizer buffer of '{}' has shape {:?}, the parameter {:?}",
-                        param.name(),
-                        buffer.shape(),
-                        param.shape()
-                    )));
-                }
+            for (_, buffer) in buffers {
+                check_shape(param, buffer)?;
                 values.push(buffer.to_vec()?);
             }
             full.push(Some(values));
@@ -574,9 +741,9 @@ impl DistributedOptimizer {
                 Rule::Sgd(_) => Ok(u32::from(values.is_some())),
             })
             .collect::<Result<Vec<u32>>>()?;
-        for (index, pieces) in self.pieces.iter().enumerate() {
+        for (index, pieces) in self.pieces.iter_mut().enumerate() {
             for piece in pieces {
-                let range = piece.shard_offset..piece.shard_offset + piece.within_param.len();
+                let range = piece.shard_range();
                 for (b, shard) in self.buffers[index].iter_mut().enumerate() {
                     match &full[piece.param] {
                         Some(values) => shard[range.clone()]
@@ -584,6 +751,18 @@ impl DistributedOptimizer {
                         None => shard[range.clone()].fill(0.0),
                     }
                 }
+                if let (Some(master), Some(saved)) = (&mut piece.master, &masters[piece.param]) {
+                    master.copy_from_slice(&saved[piece.within_param.clone()]);
+                }
+            }
+        }
+        for (param, saved) in self.params.iter().zip(masters) {
+            if let Some(saved) = saved {
+                let value = param.value();
+                let restored = Tensor::from_vec(saved, value.shape())?
+                    .to_device(value.device())?
+                    .to_dtype(value.dtype())?;
+                param.set_value(restored)?;
             }
         }
         self.updates = updates;

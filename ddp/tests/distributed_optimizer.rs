@@ -3,7 +3,9 @@
 //! (relative 1e-6) at DP ∈ {2, 3, 4}
 //! with parameters that straddle shards, with and without TP = 2 (sequence-parallel
 //! layer norms summed over TP); the same state; a checkpoint taken at DP = 4 resumes at
-//! DP = 2; misuse is a typed error.
+//! DP = 2; parameters stored in bf16 or f16 train through each rank's shard of the
+//! master weights as through replicated ones ([`MixedPrecision`]), and their checkpoint
+//! resumes at another DP or replicated; misuse is a typed error.
 
 mod support;
 
@@ -18,8 +20,8 @@ use support::{
     global_batch, loss, max_relative_error, slice, tp_block, values, BLOCK_HIDDEN, INPUTS, OUTPUTS,
 };
 use tape::{
-    AdamW, AdamWConfig, Generator, LrDecay, LrSchedule, Optimizer, OptimizerState, ParamOptions,
-    Parameter, Sgd, SgdConfig, Tape, Tensor,
+    AdamW, AdamWConfig, DType, Generator, LrDecay, LrSchedule, MixedPrecision, Optimizer,
+    OptimizerState, ParamOptions, Parameter, Sgd, SgdConfig, Tape, Tensor, MASTER_BUFFER,
 };
 
 const STEPS: usize = 5;
@@ -114,12 +116,14 @@ fn small_buckets(zero: bool) -> DdpConfig {
 }
 
 /// Trains the wide MLP for `steps` steps of `rule` over `dp`; with `zero`, through the
-/// distributed optimizer. Starts from `start` (parameter values and optimizer state) when
+/// distributed optimizer; parameters stored as `dtype` (16-bit ones through master
+/// weights: the sharded optimizer's, or [`MixedPrecision`]'s). Starts from `start` (parameter values and optimizer state) when
 /// given, at step `first_step`. Returns the parameters and the optimizer state.
 fn train(
     dp: Arc<dyn Communicator>,
     rule: Rule,
     zero: bool,
+    dtype: DType,
     config: DdpConfig,
     steps: std::ops::Range<usize>,
     start: Option<&(Vec<Vec<f32>>, OptimizerState)>,
@@ -139,10 +143,13 @@ fn train(
             ..config
         },
     )?;
-    let mut opt: Box<dyn Optimizer> = if zero {
-        Box::new(sharded(rule, &ddp)?)
-    } else {
-        replicated(rule, params.clone())
+    let mut opt: Box<dyn Optimizer> = match (zero, dtype) {
+        (true, DType::F32) => Box::new(sharded(rule, &ddp)?),
+        (true, dtype) => Box::new(sharded(rule, &ddp)?.store_params_as(dtype)?),
+        (false, DType::F32) => replicated(rule, params.clone()),
+        (false, dtype) => Box::new(MixedPrecision::new(&params, dtype, |masters| {
+            replicated(rule, masters)
+        })?),
     };
     if let Some((_, state)) = start {
         opt.load_state(state)?;
@@ -162,21 +169,63 @@ fn train(
 }
 
 fn check(dp: usize, rule: Rule, config: DdpConfig) -> Result<()> {
+    check_in(DType::F32, dp, rule, config)
+}
+
+/// The distributed optimizer against plain DDP with parameters stored as `dtype`: the
+/// same parameters (relative 1e-6) and, for 16-bit ones, the same master weights.
+fn check_in(dtype: DType, dp: usize, rule: Rule, config: DdpConfig) -> Result<()> {
     let plain = run_local(dp, |comm| {
-        train(Arc::new(comm), rule, false, config.clone(), 0..STEPS, None)
+        train(
+            Arc::new(comm),
+            rule,
+            false,
+            dtype,
+            config.clone(),
+            0..STEPS,
+            None,
+        )
     })?;
     let zero = run_local(dp, |comm| {
-        train(Arc::new(comm), rule, true, config.clone(), 0..STEPS, None)
+        train(
+            Arc::new(comm),
+            rule,
+            true,
+            dtype,
+            config.clone(),
+            0..STEPS,
+            None,
+        )
     })?;
-    for (rank, (values, _)) in zero.iter().enumerate() {
+    for (rank, (values, state)) in zero.iter().enumerate() {
         let error = max_relative_error(values, &plain[rank].0);
         assert!(
             error <= 1e-6,
-            "DP={dp} {rule:?} rank {rank}: relative error {error}"
+            "{dtype} DP={dp} {rule:?} rank {rank}: relative error {error}"
         );
         assert_eq!(values, &zero[0].0, "ranks must hold identical parameters");
+        let (masters, want) = (masters(state)?, masters(&plain[rank].1)?);
+        assert_eq!(masters.len(), if dtype == DType::F32 { 0 } else { 4 });
+        let error = max_relative_error(&masters, &want);
+        assert!(
+            error <= 1e-6,
+            "{dtype} DP={dp} {rule:?} rank {rank}: master weights' relative error {error}"
+        );
     }
     Ok(())
+}
+
+/// The master weights a state holds, in parameter order.
+fn masters(state: &OptimizerState) -> Result<Vec<Vec<f32>>> {
+    let mut masters = Vec::new();
+    for param in &state.params {
+        for (name, buffer) in &param.buffers {
+            if name == MASTER_BUFFER {
+                masters.push(buffer.to_vec()?);
+            }
+        }
+    }
+    Ok(masters)
 }
 
 #[test]
@@ -191,14 +240,112 @@ fn adamw_and_sgd_equal_plain_ddp_at_dp_2_3_4() -> Result<()> {
 }
 
 #[test]
+fn bf16_and_f16_parameters_train_through_master_shards_as_through_replicated_masters() -> Result<()>
+{
+    for dtype in [DType::BF16, DType::F16] {
+        for dp in [2, 3] {
+            for rule in [Rule::AdamW, Rule::Sgd] {
+                check_in(dtype, dp, rule, small_buckets(false))?;
+            }
+        }
+    }
+    // Each rank keeps the f32 masters of its shard only, besides AdamW's moments; the
+    // parameters take 2 bytes each.
+    let numel: usize = wide_mlp(1).iter().map(Parameter::numel).sum();
+    let bytes = run_local(3, |comm| -> Result<(usize, usize, usize)> {
+        let params = wide_mlp(1);
+        let ddp =
+            DistributedDataParallel::new(params.clone(), Arc::new(comm), small_buckets(true))?;
+        let adamw = DistributedOptimizer::adamw([&ddp], ADAMW)?.store_params_as(DType::BF16)?;
+        let values: usize = params.iter().map(|p| p.value().nbytes()).sum();
+        Ok((adamw.master_bytes(), adamw.state_bytes(), values))
+    })?;
+    let masters: usize = bytes.iter().map(|b| b.0).sum();
+    assert_eq!(
+        masters,
+        4 * numel,
+        "the ranks' masters cover every parameter once"
+    );
+    for (rank, &(masters, state, values)) in bytes.iter().enumerate() {
+        assert!(
+            masters <= 4 * (numel / 3 + 4 * 64),
+            "rank {rank}: {masters} bytes"
+        );
+        assert!(state > masters, "rank {rank}: the moments count too");
+        assert_eq!(values, 2 * numel, "rank {rank}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_bf16_checkpoint_resumes_at_another_dp_and_under_replicated_master_weights() -> Result<()> {
+    let config = small_buckets(true);
+    let rule = Rule::AdamW;
+    let bf16 = DType::BF16;
+    let uninterrupted = run_local(4, |comm| {
+        train(
+            Arc::new(comm),
+            rule,
+            true,
+            bf16,
+            config.clone(),
+            0..STEPS,
+            None,
+        )
+    })?;
+    let saved = run_local(4, |comm| {
+        train(Arc::new(comm), rule, true, bf16, config.clone(), 0..3, None)
+    })?
+    .remove(0);
+    anyhow::ensure!(masters(&saved.1)?.len() == 4, "the state keeps the masters");
+    for (dp, zero) in [(2, true), (1, false)] {
+        let resumed = run_local(dp, |comm| {
+            train(
+                Arc::new(comm),
+                rule,
+                zero,
+                bf16,
+                config.clone(),
+                3..STEPS,
+                Some(&saved),
+            )
+        })?;
+        let error = max_relative_error(&resumed[0].0, &uninterrupted[0].0);
+        assert!(error <= 1e-6, "DP={dp} zero={zero}: relative error {error}");
+        let error = max_relative_error(&masters(&resumed[0].1)?, &masters(&uninterrupted[0].1)?);
+        assert!(
+            error <= 1e-6,
+            "DP={dp} zero={zero}: masters' relative error {error}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
 fn the_state_is_the_replicated_optimizers_and_every_rank_holds_its_share() -> Result<()> {
     let config = small_buckets(false);
     for rule in [Rule::AdamW, Rule::Sgd] {
         let plain = run_local(3, |comm| {
-            train(Arc::new(comm), rule, false, config.clone(), 0..3, None)
+            train(
+                Arc::new(comm),
+                rule,
+                false,
+                DType::F32,
+                config.clone(),
+                0..3,
+                None,
+            )
         })?;
         let zero = run_local(3, |comm| {
-            train(Arc::new(comm), rule, true, config.clone(), 0..3, None)
+            train(
+                Arc::new(comm),
+                rule,
+                true,
+                DType::F32,
+                config.clone(),
+                0..3,
+                None,
+            )
         })?;
         let (want, got) = (&plain[0].1, &zero[2].1);
         assert_eq!(got.steps, want.steps);
@@ -259,10 +406,26 @@ fn a_checkpoint_from_dp_4_resumes_at_dp_2() -> Result<()> {
     let config = small_buckets(true);
     for rule in [Rule::AdamW, Rule::Sgd] {
         let uninterrupted = run_local(4, |comm| {
-            train(Arc::new(comm), rule, true, config.clone(), 0..STEPS, None)
+            train(
+                Arc::new(comm),
+                rule,
+                true,
+                DType::F32,
+                config.clone(),
+                0..STEPS,
+                None,
+            )
         })?;
         let saved = run_local(4, |comm| {
-            train(Arc::new(comm), rule, true, config.clone(), 0..3, None)
+            train(
+                Arc::new(comm),
+                rule,
+                true,
+                DType::F32,
+                config.clone(),
+                0..3,
+                None,
+            )
         })?
         .remove(0);
         let resumed = run_local(2, |comm| {
@@ -270,6 +433,7 @@ fn a_checkpoint_from_dp_4_resumes_at_dp_2() -> Result<()> {
                 Arc::new(comm),
                 rule,
                 true,
+                DType::F32,
                 config.clone(),
                 3..STEPS,
                 Some(&saved),
@@ -289,6 +453,7 @@ fn a_checkpoint_from_dp_4_resumes_at_dp_2() -> Result<()> {
                 Arc::new(comm),
                 rule,
                 false,
+                DType::F32,
                 config.clone(),
                 3..STEPS,
                 Some(&saved),
@@ -429,6 +594,17 @@ fn misuse_is_a_typed_error() -> Result<()> {
         state.params.pop();
         let err = opt.load_state(&state).unwrap_err();
         assert!(err.to_string().contains("holds 3 parameters"), "{err}");
+
+        // Master weights: only for 16-bit formats, and only into 16-bit parameters.
+        let err = DistributedOptimizer::sgd([&ddp], SGD)?
+            .store_params_as(DType::F64)
+            .unwrap_err();
+        assert!(err.to_string().contains("bf16 or f16"), "{err}");
+        let mut state = opt.state()?;
+        let master = Tensor::zeros(&params[0].shape());
+        state.params[0].buffers.push((MASTER_BUFFER.into(), master));
+        let err = opt.load_state(&state).unwrap_err();
+        assert!(err.to_string().contains("stored as f32"), "{err}");
         Ok(())
     })?;
     Ok(())

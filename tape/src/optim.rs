@@ -38,6 +38,34 @@ pub trait Optimizer<T: Element = f32> {
     }
 }
 
+/// A boxed optimizer is one, so that a rule chosen at run time can still be wrapped (in
+/// [`MixedPrecision`](crate::MixedPrecision), say).
+impl<T: Element, O: Optimizer<T> + ?Sized> Optimizer<T> for Box<O> {
+    fn step(&mut self) -> Result<()> {
+        (**self).step()
+    }
+
+    fn params(&self) -> &[Parameter<T>] {
+        (**self).params()
+    }
+
+    fn lr(&self) -> f64 {
+        (**self).lr()
+    }
+
+    fn state(&self) -> Result<OptimizerState<T>> {
+        (**self).state()
+    }
+
+    fn load_state(&mut self, state: &OptimizerState<T>) -> Result<()> {
+        (**self).load_state(state)
+    }
+
+    fn zero_grad(&self) {
+        (**self).zero_grad()
+    }
+}
+
 /// Settings of [`Sgd`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SgdConfig {

@@ -154,20 +154,22 @@ pub fn train_rank(
         ..AdamWConfig::default()
     };
     let parameters: Vec<Parameter> = ddps.iter().flat_map(|d| d.parameters().to_vec()).collect();
-    let mut optimizer = match (config.distributed_optimizer, config.precision) {
-        (true, DType::F32) => {
-            let sharded = DistributedOptimizer::adamw(&ddps, adamw)?.with_schedule(schedule);
-            TrainOptimizer::Distributed(sharded)
-        }
-        (_, precision) if precision != DType::F32 && config.pp > 1 => bail!(
+    if config.precision != DType::F32 && config.pp > 1 {
+        bail!(
             "--pp {} sends activations between stages as f32, which would train the later \
-             stages in f32; use --precision {precision} with --pp 1 for now",
-            config.pp
-        ),
-        (true, precision) => bail!(
-            "--use-distributed-optimizer keeps no master weights for {precision} parameters \
-             yet; train {precision} with the replicated optimizer, or f32 sharded"
-        ),
+             stages in f32; use --precision {} with --pp 1 for now",
+            config.pp,
+            config.precision
+        );
+    }
+    let mut optimizer = match (config.distributed_optimizer, config.precision) {
+        (true, precision) => {
+            let sharded = DistributedOptimizer::adamw(&ddps, adamw)?.with_schedule(schedule);
+            TrainOptimizer::Distributed(match precision {
+                DType::F32 => sharded,
+                _ => sharded.store_params_as(precision)?,
+            })
+        }
         (false, DType::F32) => {
             TrainOptimizer::Replicated(AdamW::new(parameters, adamw).with_schedule(schedule))
         }
@@ -395,7 +397,10 @@ impl TrainOptimizer {
                 4 * adamw.params().iter().map(Parameter::numel).sum::<usize>(),
                 moments(adamw.params()),
             ),
-            TrainOptimizer::Distributed(adamw) => (0, adamw.state_bytes()),
+            TrainOptimizer::Distributed(adamw) => (
+                adamw.master_bytes(),
+                adamw.state_bytes() - adamw.master_bytes(),
+            ),
         }
     }
 

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use comm_core::{AsyncOp, Buffer, Communicator, CommunicatorExt, DType, ReduceOp};
-use layers::{GradNorm, LocalSquares, ShardedParameter, TensorParallel};
+use layers::{GradNorm, GradScaler, LocalSquares, ShardedParameter, TensorParallel};
 use parking_lot::Mutex;
 use tape::{
     AdamWConfig, AdamWUpdate, LrSchedule, Optimizer, OptimizerState, ParamId, ParamOptions,
@@ -149,10 +149,10 @@ pub struct DistributedOptimizer {
     pieces: Vec<Vec<Piece>>,
     /// Per bucket, the rule's buffers over this rank's shard.
     buffers: Vec<Vec<Vec<f32>>>,
-    /// The non-finite norm for which the last [`clip_grad_norm`](Self::clip_grad_norm)
-    /// dropped the gradients, until a step finds new ones (for the error that says why
-    /// there is nothing to step with).
-    dropped: Option<f64>,
+    /// Why the last [`clip_grad_norm`](Self::clip_grad_norm) or
+    /// [`unscale_grads`](Self::unscale_grads) dropped the gradients, until a step finds
+    /// new ones (for the error that says why there is nothing to step with).
+    dropped: Option<String>,
 }
 
 impl DistributedOptimizer {
@@ -389,14 +389,15 @@ impl DistributedOptimizer {
                         &widened
                     }
                 };
+                // The gradients as the step will take them (unscaled, say).
+                let scale = f64::from(reduced.scale);
                 for piece in &self.pieces[index] {
                     if counted[piece.param] && reduced.used[piece.param - first_param] {
-                        local.add(
-                            grads[piece.shard_range()]
-                                .iter()
-                                .map(|&g| f64::from(g) * f64::from(g))
-                                .sum(),
-                        );
+                        let squares: f64 = grads[piece.shard_range()]
+                            .iter()
+                            .map(|&g| f64::from(g) * f64::from(g))
+                            .sum();
+                        local.add(squares * scale * scale);
                     }
                 }
             }
@@ -412,11 +413,69 @@ impl DistributedOptimizer {
                 reducer.take_reduced();
             } else if let Some(reduced) = reducer.reduced_mut() {
                 // Kept with these gradients, so that it never applies to another step's.
-                reduced.scale = norm.scale as f32;
+                reduced.scale *= norm.scale as f32;
             }
         }
-        self.dropped = (!norm.is_finite()).then_some(norm.norm);
+        self.dropped = (!norm.is_finite()).then(|| {
+            format!(
+                "clip_grad_norm found a gradient norm of {} and dropped them; skip the step \
+                 when GradNorm::is_finite() is false",
+                norm.norm
+            )
+        });
         Ok(norm)
+    }
+
+    /// Divides the reduced gradients of the last backward by `scaler`'s loss scale
+    /// (applied when [`step`](Self::step) updates with them), unless some rank holds a
+    /// non-finite one: then every rank drops them and gets `false` (skip the step, then
+    /// [`GradScaler::update`](layers::GradScaler::update) with it). Collective over the
+    /// data-parallel group (whose ranks hold different shards), the tensor-parallel
+    /// group and each of `other_groups` (the pipeline group).
+    pub fn unscale_grads(
+        &mut self,
+        scaler: &GradScaler,
+        tp: &TensorParallel,
+        other_groups: &[&Arc<dyn Communicator>],
+    ) -> Result<bool> {
+        let mut finite = true;
+        for reducer in &self.reducers {
+            let mut reducer = reducer.lock();
+            let reduced = reducer
+                .reduced_mut()
+                .ok_or_else(|| self.nothing_to_step_with())?;
+            for shard in &mut reduced.shards {
+                finite &= match shard.as_buf_ref().as_host_slice::<f32>() {
+                    Some(grads) => grads.iter().all(|g| g.is_finite()),
+                    None => {
+                        let len = shard.len();
+                        let grads = bucket::read_f32(shard, 0..len)?;
+                        grads.iter().all(|g| g.is_finite())
+                    }
+                };
+            }
+        }
+        let groups: Vec<&Arc<dyn Communicator>> = [&self.dp, tp.group()]
+            .into_iter()
+            .chain(other_groups.iter().copied())
+            .collect();
+        let finite = layers::all_finite(finite, &groups)?;
+        for reducer in &self.reducers {
+            let mut reducer = reducer.lock();
+            if !finite {
+                reducer.take_reduced();
+            } else if let Some(reduced) = reducer.reduced_mut() {
+                reduced.scale *= (1.0 / scaler.scale()) as f32;
+            }
+        }
+        self.dropped = (!finite).then(|| {
+            format!(
+                "unscale_grads found a non-finite gradient at loss scale {} and dropped them; \
+                 skip the step when it returns false",
+                scaler.scale()
+            )
+        });
+        Ok(finite)
     }
 
     /// Which of the optimizer's parameters `model` counts in a norm on this tensor rank.
@@ -443,11 +502,9 @@ impl DistributedOptimizer {
     }
 
     fn nothing_to_step_with(&self) -> Error {
-        match self.dropped {
-            Some(norm) => Error::Config(format!(
-                "no gradients to step with: clip_grad_norm found a gradient norm of {norm} \
-                 and dropped them; skip the step when GradNorm::is_finite() is false, and \
-                 run backward again"
+        match &self.dropped {
+            Some(reason) => Error::Config(format!(
+                "no gradients to step with: {reason}, and run backward again"
             )),
             None => Error::Config(
                 "no reduced gradients to step with: run DistributedDataParallel::backward \

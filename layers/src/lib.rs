@@ -105,6 +105,7 @@ mod init;
 mod linear;
 mod parallel;
 mod random;
+mod scaler;
 mod transformer;
 
 pub use clip::{clip_grad_norm, reduce_grad_norm, GradNorm, LocalSquares};
@@ -123,6 +124,7 @@ pub use random::{
     RngState, RngStreamState, RngTracker, DEFAULT_STREAM, MODEL_PARALLEL_SEED_OFFSET,
     MODEL_PARALLEL_STREAM,
 };
+pub use scaler::{all_finite, GradScaler, GradScalerConfig, GradScalerState};
 pub use transformer::{
     BlockConfig, LayerNorm, ParallelMlp, ParallelSelfAttention, TransformerBlock,
 };

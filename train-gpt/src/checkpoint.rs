@@ -7,7 +7,7 @@
 
 use crate::model::GptConfig;
 use anyhow::{bail, ensure, Context, Result};
-use layers::{RngState, RngStreamState, RngTracker};
+use layers::{GradScalerState, RngState, RngStreamState, RngTracker};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -29,6 +29,8 @@ pub struct TrainerState {
     pub losses: Vec<f32>,
     /// Validation losses by step.
     pub validation: Vec<(usize, f32)>,
+    /// The f16 loss scaler's state, when the run scales its loss.
+    pub loss_scaler: Option<GradScalerState>,
 }
 
 impl TrainerState {
@@ -48,6 +50,9 @@ impl TrainerState {
             // bit-identically.
             "losses": self.losses,
             "validation": self.validation,
+            "loss_scaler": self.loss_scaler.map(|s| json!({
+                "scale": s.scale, "growth_tracker": s.growth_tracker,
+            })),
         });
         write_atomically(
             &dir.join(TRAINER_STATE),
@@ -119,6 +124,16 @@ impl TrainerState {
             global_batch: number(&state["global_batch"])?,
             losses,
             validation,
+            loss_scaler: match &state["loss_scaler"] {
+                Value::Null => None,
+                scaler => Some(GradScalerState {
+                    scale: scaler["scale"].as_f64().with_context(bad)?,
+                    growth_tracker: scaler["growth_tracker"]
+                        .as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .with_context(bad)?,
+                }),
+            },
         })
     }
 

@@ -168,6 +168,20 @@ struct Args {
     /// --bf16 / --fp16 with f32 main gradients).
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     precision: Precision,
+    /// With --precision fp16, the loss scale of the first step (PyTorch's GradScaler
+    /// default). A step whose gradients overflow is skipped on every rank and halves
+    /// the scale.
+    #[arg(long, value_name = "SCALE")]
+    initial_loss_scale: Option<f64>,
+    /// With --precision fp16, the finite steps in a row after which the loss scale
+    /// doubles.
+    #[arg(long, value_name = "STEPS")]
+    loss_scale_window: Option<u32>,
+    /// Fault injection for testing fp16 loss scaling (as Megatron's error injection):
+    /// at this step the last rank multiplies its loss by infinity before backward, so
+    /// its gradients overflow; every rank must skip the step and halve the scale.
+    #[arg(long, value_name = "STEP")]
+    inject_grad_overflow: Option<usize>,
     /// Validation loss on the held-out tenth of the data every this many steps and after
     /// the last one; 0 turns it off.
     #[arg(long, default_value_t = 50)]
@@ -540,6 +554,18 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
         schedule.decay,
     )?;
     ensure!(args.eval_batches >= 1, "--eval-batches must be at least 1");
+    ensure!(
+        matches!(args.precision, Precision::Fp16)
+            || (args.initial_loss_scale.is_none()
+                && args.loss_scale_window.is_none()
+                && args.inject_grad_overflow.is_none()),
+        "--initial-loss-scale, --loss-scale-window and --inject-grad-overflow are about the \
+         loss scaling of --precision fp16 (bf16 has f32's range and f32 needs no scaling); \
+         drop them or pass --precision fp16"
+    );
+    if let Some(scaler) = loss_scaler(args) {
+        layers::GradScaler::new(scaler)?;
+    }
     ensure!(args.pp >= 1, "--pp must be at least 1");
     ensure!(
         args.virtual_stages == 1 || args.schedule == PipelineSchedule::Interleaved,
@@ -604,12 +630,25 @@ fn train_config(args: &Args) -> TrainConfig {
         clip_grad: args.clip_grad,
         distributed_optimizer: args.use_distributed_optimizer,
         precision: args.precision.dtype(),
+        loss_scaler: loss_scaler(args),
+        inject_grad_overflow: args.inject_grad_overflow,
         eval_interval: args.eval_interval,
         eval_batches: args.eval_batches,
         resume: args.resume.clone(),
         save: args.save.clone(),
         sample: true,
     }
+}
+
+/// Dynamic loss scaling for fp16 (on by default there, as in PyTorch's AMP recipe and
+/// Megatron's --fp16); `None` otherwise, where the flags are refused before training.
+fn loss_scaler(args: &Args) -> Option<layers::GradScalerConfig> {
+    let defaults = layers::GradScalerConfig::default();
+    matches!(args.precision, Precision::Fp16).then(|| layers::GradScalerConfig {
+        init_scale: args.initial_loss_scale.unwrap_or(defaults.init_scale),
+        growth_interval: args.loss_scale_window.unwrap_or(defaults.growth_interval),
+        ..defaults
+    })
 }
 
 fn pipeline_schedule(args: &Args) -> pipeline::Schedule {

@@ -9,7 +9,9 @@ use crate::report::Progress;
 use anyhow::{bail, Result};
 use comm_core::{Communicator, CommunicatorExt};
 use ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
-use layers::{GradNorm, Module, RngTracker, ShardedParameter, TensorParallel};
+use layers::{
+    GradNorm, GradScaler, GradScalerConfig, Module, RngTracker, ShardedParameter, TensorParallel,
+};
 use parallel_state::{ParallelState, RankLayout};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -54,6 +56,11 @@ pub struct TrainConfig {
     /// The parameters' storage format: f32, or bf16 / f16 with f32 master weights and
     /// f32 main gradients.
     pub precision: tape::DType,
+    /// Dynamic loss scaling (fp16), if any.
+    pub loss_scaler: Option<GradScalerConfig>,
+    /// The step (counted from 1) at which the last rank's gradients are made to
+    /// overflow, to test the loss scaling.
+    pub inject_grad_overflow: Option<usize>,
     /// Validation loss every this many steps (and after the last one); 0 turns it off.
     pub eval_interval: usize,
     /// Global batches of held-out windows each validation runs.
@@ -188,6 +195,10 @@ pub fn train_rank(
         .map(|_| RngTracker::new(config.seed, tp.rank()))
         .collect();
     let (mut losses, mut validation) = (Vec::with_capacity(config.steps), Vec::new());
+    let mut scaler = config.loss_scaler.map(GradScaler::new).transpose()?;
+    if let (Some(scaler), Some(state)) = (&mut scaler, saved.as_ref().and_then(|s| s.loss_scaler)) {
+        scaler.load_state(state)?;
+    }
     if let (Some(dir), Some(saved)) = (&config.resume, &saved) {
         let (dir, rank_model) = (stage_dir(dir), RankModel(&models));
         let state = layers::checkpoint::load_optimizer_state(
@@ -219,6 +230,7 @@ pub fn train_rank(
         rngs: &mut rngs,
         state: &state,
         config,
+        loss_scale: 1.0,
     };
     let mut timeline = Vec::new();
     let first_step = losses.len();
@@ -228,6 +240,10 @@ pub fn train_rank(
         optimizer.as_dyn().zero_grad();
         let microbatches = microbatches(corpus, &sampler.starts(step), config);
         let trace = config.trace && step + 1 == config.steps;
+        chunks.loss_scale = scaler.as_ref().map_or(1.0, GradScaler::scale);
+        if config.inject_grad_overflow == Some(step + 1) && world.rank() + 1 == world.size() {
+            chunks.loss_scale = f64::INFINITY;
+        }
         let (step_loss, spans) = chunks.loss(&microbatches, Pass::Train, trace)?;
         timeline = spans;
         // Every rank holds the same global mean, so all of them stop here together.
@@ -243,24 +259,42 @@ pub fn train_rank(
                 config.schedule.warmup_steps
             );
         }
-        let finite_gradients = match config.clip_grad {
-            Some(max_norm) => {
-                // Pipeline stages hold different blocks: their squares add up over "pp".
-                let params: Vec<_> = models.iter().flat_map(Module::parameters).collect();
-                let norm = optimizer.clip_grad_norm(&params, &tp, &[state.pp()], max_norm)?;
-                if let (false, Some(progress)) = (norm.is_finite(), progress) {
-                    progress.note(&format!(
-                        "step {}: the gradient norm is {}; step skipped on every rank",
-                        step + 1,
-                        norm.norm
-                    ));
-                }
-                norm.is_finite()
-            }
+        // Pipeline stages hold different blocks: their gradients meet over "pp".
+        let params: Vec<_> = models.iter().flat_map(Module::parameters).collect();
+        let unscaled = match &scaler {
+            Some(scaler) => optimizer.unscale_grads(scaler, &params, &tp, &[state.pp()])?,
             None => true,
         };
+        let finite_gradients = unscaled
+            && match config.clip_grad {
+                Some(max_norm) => {
+                    let norm = optimizer.clip_grad_norm(&params, &tp, &[state.pp()], max_norm)?;
+                    if let (false, Some(progress)) = (norm.is_finite(), progress) {
+                        progress.note(&format!(
+                            "step {}: the gradient norm is {}; step skipped on every rank",
+                            step + 1,
+                            norm.norm
+                        ));
+                    }
+                    norm.is_finite()
+                }
+                None => true,
+            };
         if finite_gradients {
             optimizer.as_dyn().step()?;
+        }
+        if let Some(scaler) = &mut scaler {
+            let before = scaler.scale();
+            scaler.update(unscaled);
+            if let (false, Some(progress)) = (unscaled, progress) {
+                progress.note(&format!(
+                    "step {}: gradients overflowed at loss scale {}; step skipped on every \
+                     rank, loss scale now {}",
+                    step + 1,
+                    readable(before),
+                    readable(scaler.scale())
+                ));
+            }
         }
         if step > first_step || config.steps == first_step + 1 {
             steady_transfers.push(tape::transfers(config.device) - before);
@@ -309,6 +343,7 @@ pub fn train_rank(
                 global_batch,
                 losses: losses.clone(),
                 validation: validation.clone(),
+                loss_scaler: scaler.as_ref().map(GradScaler::state),
             }
             .write(dir)?;
         }
@@ -330,6 +365,15 @@ pub fn train_rank(
         timeline,
         transfers_per_step: mean(&steady_transfers),
     })
+}
+
+/// A loss scale as a person reads it: whole below 10^15, else in scientific notation.
+fn readable(scale: f64) -> String {
+    if scale < 1e15 {
+        scale.to_string()
+    } else {
+        format!("{scale:e}")
+    }
 }
 
 /// The line the run starts with about memory: bytes per parameter on this rank for the
@@ -404,6 +448,23 @@ impl TrainOptimizer {
         }
     }
 
+    /// Divides the gradients the next step uses by the loss scale: `false` on every rank
+    /// when some rank's overflowed (skip the step).
+    fn unscale_grads(
+        &mut self,
+        scaler: &GradScaler,
+        params: &[ShardedParameter],
+        tp: &TensorParallel,
+        other_groups: &[&Arc<dyn Communicator>],
+    ) -> Result<bool> {
+        Ok(match self {
+            TrainOptimizer::Replicated(_) | TrainOptimizer::Mixed(_) => {
+                scaler.unscale_grads(params, tp, other_groups)?
+            }
+            TrainOptimizer::Distributed(adamw) => adamw.unscale_grads(scaler, tp, other_groups)?,
+        })
+    }
+
     /// Clips the gradients the next step uses: the parameters' (replicated) or the
     /// reduced shards' (distributed).
     fn clip_grad_norm(
@@ -432,6 +493,8 @@ struct Chunks<'a> {
     rngs: &'a mut [RngTracker],
     state: &'a ParallelState,
     config: &'a TrainConfig,
+    /// What training multiplies the loss by before backward (fp16's loss scale).
+    loss_scale: f64,
 }
 
 /// What a pass through the stages is for.
@@ -519,6 +582,7 @@ impl Chunks<'_> {
                 microbatches,
                 len,
                 pass,
+                loss_scale: self.loss_scale,
                 results: Vec::new(),
             })
             .collect();
@@ -547,6 +611,8 @@ struct GptStage<'a> {
     microbatches: &'a [(Vec<usize>, Vec<i64>)],
     len: usize,
     pass: Pass,
+    /// What training multiplies the loss by before backward.
+    loss_scale: f64,
     /// The last stage's loss (one value) or logits of each microbatch.
     results: Vec<Vec<f32>>,
 }
@@ -576,6 +642,9 @@ impl pipeline::Stage for GptStage<'_> {
         }
         let loss = self.model.loss(&output, labels, self.dp)?;
         self.results.push(vec![loss.global_mean]);
+        if self.pass == Pass::Train && self.loss_scale != 1.0 {
+            return Ok(loss.loss.scale(self.loss_scale)?);
+        }
         Ok(loss.loss)
     }
 

@@ -1,6 +1,7 @@
 //! `--precision`: bf16 and fp16 training at TP 2 × DP 2 follows the f32 loss curve, the
-//! memory line says what each rank holds, a bf16 run resumes from its checkpoint, and
-//! the distributed optimizer trains bf16 parameters as replicated master weights do.
+//! memory line says what each rank holds, a bf16 run resumes from its checkpoint, the
+//! distributed optimizer trains bf16 parameters as replicated master weights do, and
+//! fp16's loss scaling skips an overflowing step and resumes with its scale.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -87,19 +88,85 @@ fn sixteen_bit_training_follows_the_f32_curve() {
 fn a_bf16_run_resumes_from_its_checkpoint() {
     // Eight steps straight, against four, a checkpoint (f32 master weights in the
     // optimizer state) and four more.
-    let straight = losses_after("straight", 8, &[]);
-    let saved = out_dir("saved-checkpoint");
-    let _ = std::fs::remove_dir_all(&saved);
-    let save = saved.to_string_lossy().into_owned();
-    losses_after("first-half", 4, &["--save", &save]);
-    let resumed = losses_after("second-half", 8, &["--resume", &save]);
-    assert_eq!(resumed, straight);
+    assert_eq!(
+        resumed_losses("bf16", 4, 8, &[]),
+        losses_after("bf16", "straight", 8, &[])
+    );
 }
 
-fn losses_after(name: &str, steps: usize, extra: &[&str]) -> Vec<f32> {
-    let out = out_dir(name);
-    train("bf16", steps, &out, extra);
+/// The losses of a run of `precision` saved after `saved` steps and resumed up to
+/// `steps`, with `extra` flags.
+fn resumed_losses(precision: &str, saved: usize, steps: usize, extra: &[&str]) -> Vec<f32> {
+    let dir = out_dir(&format!("{precision}-checkpoint"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir = dir.to_string_lossy().into_owned();
+    losses_after(
+        precision,
+        "first-half",
+        saved,
+        &[extra, &["--save", &dir]].concat(),
+    );
+    losses_after(
+        precision,
+        "second-half",
+        steps,
+        &[extra, &["--resume", &dir]].concat(),
+    )
+}
+
+/// The losses of a run of `precision` (its stdout kept as `stdout.txt` in its out dir).
+fn losses_after(precision: &str, name: &str, steps: usize, extra: &[&str]) -> Vec<f32> {
+    let out = out_dir(&format!("{precision}-{name}"));
+    let stdout = train(precision, steps, &out, extra);
+    std::fs::write(out.join("stdout.txt"), stdout).expect("a writable out dir");
     losses(&out)
+}
+
+#[test]
+fn fp16_survives_a_forced_overflow_by_skipping_the_step_and_halving_the_scale() {
+    let steps = 30;
+    let (plain, forced) = (out_dir("fp16-plain"), out_dir("fp16-overflow"));
+    train("fp16", steps, &plain, &[]);
+    let stdout = train("fp16", steps, &forced, &["--inject-grad-overflow", "5"]);
+    let skipped: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains("gradients overflowed"))
+        .collect();
+    assert_eq!(
+        skipped,
+        [
+            "step 5: gradients overflowed at loss scale 65536; step skipped on every rank, \
+          loss scale now 32768"
+        ],
+        "{stdout}"
+    );
+    // The same run up to the skipped step, which leaves the parameters as they were: the
+    // next loss is step 5's again (on the next step's data), and training goes on.
+    let (plain, forced) = (losses(&plain), losses(&forced));
+    assert_eq!(forced[..5], plain[..5]);
+    assert_ne!(forced[5], plain[5]);
+    assert!(forced.iter().all(|l| l.is_finite()), "{forced:?}");
+    let (last, expected) = (forced[steps - 1], plain[steps - 1]);
+    assert!(
+        (last - expected).abs() <= 0.03 * expected,
+        "{last} against {expected}"
+    );
+}
+
+#[test]
+fn an_fp16_run_resumes_with_its_loss_scale() {
+    // The scale doubles every 2 finite steps: 2^20 at step 8, when the injected overflow
+    // of step 9 halves it. Resumed after step 7, the run must start from the saved scale
+    // (2^19, one finite step towards the next doubling) to print the same.
+    let flags = ["--loss-scale-window", "2", "--inject-grad-overflow", "9"];
+    let straight = losses_after("fp16", "straight", 10, &flags);
+    assert_eq!(resumed_losses("fp16", 7, 10, &flags), straight);
+    let resumed = out_dir("fp16-second-half").join("stdout.txt");
+    let stdout = std::fs::read_to_string(resumed).expect("the resumed run's stdout");
+    assert!(
+        stdout.contains("step 9: gradients overflowed at loss scale 1048576;"),
+        "{stdout}"
+    );
 }
 
 /// Runs train-gpt with `args`, which it must refuse; returns its stderr.
@@ -145,4 +212,18 @@ fn pipeline_stages_refuse_16_bit_activations_with_the_reason() {
         ],
     );
     assert!(stderr.contains("--pp 2 sends activations"), "{stderr}");
+}
+
+#[test]
+fn loss_scaling_flags_need_fp16_and_a_usable_scale() {
+    let stderr = refused(
+        "scale-bf16",
+        &["--precision", "bf16", "--initial-loss-scale", "1024"],
+    );
+    assert!(stderr.contains("pass --precision fp16"), "{stderr}");
+    let stderr = refused(
+        "scale-zero",
+        &["--precision", "fp16", "--initial-loss-scale", "0"],
+    );
+    assert!(stderr.contains("init_scale must be positive"), "{stderr}");
 }

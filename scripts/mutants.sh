@@ -21,14 +21,14 @@ if ! cargo mutants --version 2>/dev/null | grep -q "$version"; then
 fi
 
 # package: files (the local backend's group and collectives, the reduction kernel, the
-# call checks, the flat storage gradients live in, the differentiable collectives, the
-# loss, the gradient clipping, DDP's buckets and reducer, and the pipeline's schedules
-# and driver).
+# call checks, the flat storage gradients live in, 16-bit formats and master weights,
+# the differentiable collectives, the loss, the gradient clipping and loss scaling, DDP's
+# buckets, reducer and distributed optimizer, and the pipeline's schedules and driver).
 declare -A files=(
     [comm-core]="comm-core/src/calls.rs comm-core/src/local/group.rs comm-core/src/local/mod.rs comm-core/src/dtype.rs"
-    [tape]="tape/src/flat.rs"
+    [tape]="tape/src/flat.rs tape/src/precision.rs tape/src/mixed.rs"
     [mappings]="mappings/src/*.rs"
-    [layers]="layers/src/cross_entropy.rs layers/src/clip.rs"
+    [layers]="layers/src/cross_entropy.rs layers/src/clip.rs layers/src/scaler.rs"
     [ddp]="ddp/src/bucket.rs ddp/src/reducer.rs ddp/src/named.rs ddp/src/optimizer.rs"
     [pipeline]="pipeline/src/schedule.rs pipeline/src/driver.rs"
 )

@@ -188,8 +188,9 @@ impl<'a> BufRef<'a> {
         self.ptr
     }
 
-    /// A host copy of the elements, wherever they live.
-    pub(crate) fn to_host(self) -> Result<Buffer> {
+    /// A host copy of the elements, wherever they live (a device-to-host copy for device
+    /// memory, ordered on its stream).
+    pub fn to_host(self) -> Result<Buffer> {
         #[cfg(feature = "cuda")]
         if let Some(stream) = self.cuda_stream() {
             return crate::cuda::to_host(self, stream);
@@ -256,9 +257,23 @@ impl<'a> BufMut<'a> {
         self.ptr
     }
 
-    /// Overwrites the elements, wherever they live, with `host`'s (same dtype and length).
-    pub(crate) fn copy_from_host(&mut self, host: &Buffer) -> Result<()> {
-        debug_assert_eq!((host.dtype(), host.len()), (self.dtype, self.len));
+    /// Overwrites the elements, wherever they live, with `host`'s, which must have the
+    /// same dtype and length (a host-to-device copy for device memory, ordered on its
+    /// stream).
+    pub fn copy_from_host(&mut self, host: &Buffer) -> Result<()> {
+        if host.dtype() != self.dtype {
+            return Err(Error::WrongDType {
+                expected: self.dtype,
+                found: host.dtype(),
+            });
+        }
+        if host.len() != self.len {
+            return Err(Error::Config(format!(
+                "copy_from_host: the host buffer holds {} elements, the view {}",
+                host.len(),
+                self.len
+            )));
+        }
         #[cfg(feature = "cuda")]
         if let Some(stream) = self.cuda_stream() {
             return crate::cuda::from_host(host, self, stream);

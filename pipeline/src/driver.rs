@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use crate::schedule::{peak_in_flight, Action, Schedule, Transfer};
 use crate::trace::Span;
-use comm_core::{Communicator, P2p};
+use comm_core::{Buffer, Communicator, DType, P2p};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
@@ -49,6 +49,10 @@ pub struct PipelineConfig {
     pub forward_only: bool,
     /// Where the stages compute: received activations and gradients are placed there.
     pub device: Device,
+    /// The format activations are stored in and travel in (f32, or bf16 / f16 for a
+    /// 16-bit model, as Megatron's `pipeline_dtype`); their gradients travel in f32, the
+    /// format gradients have.
+    pub dtype: DType,
 }
 
 impl PipelineConfig {
@@ -61,6 +65,7 @@ impl PipelineConfig {
             trace_epoch: None,
             forward_only: false,
             device: Device::Cpu,
+            dtype: DType::F32,
         }
     }
 }
@@ -101,6 +106,13 @@ impl Pipeline {
     /// the same configuration.
     pub fn new(group: Arc<dyn Communicator>, config: PipelineConfig) -> Result<Pipeline> {
         let (pp, rank, m) = (group.size(), group.rank(), config.microbatches);
+        if code(config.dtype).is_none() {
+            return Err(Error::Config(format!(
+                "activations travel as f32, bf16 or f16, not {}; set PipelineConfig::dtype \
+                 to their storage format",
+                config.dtype
+            )));
+        }
         let plan = if config.forward_only {
             config.schedule.forward_plan(pp, rank, m)?
         } else {
@@ -221,6 +233,15 @@ impl<'p> Step<'p> {
             to_send_backward: None,
             backwards_done: vec![0; pipeline.config.schedule.chunks()],
             report: StepReport::default(),
+        }
+    }
+
+    /// The format of what travels forward (activations) or backward (gradients).
+    fn format(&self, forward: bool) -> DType {
+        if forward {
+            self.pipeline.config.dtype
+        } else {
+            DType::F32
         }
     }
 
@@ -345,6 +366,20 @@ impl<'p> Step<'p> {
                         Error::Config("internal: the plan sends a tensor it has not made".into())
                     })?;
                     let vstage = self.pipeline.virtual_stage(chunk);
+                    let format = self.format(forward);
+                    if tensor.dtype() != format && own_error.is_none() {
+                        own_error = Some(Error::Format {
+                            stage: vstage,
+                            what: if forward {
+                                "activation sent"
+                            } else {
+                                "gradient sent"
+                            },
+                            microbatch,
+                            got: tensor.dtype().to_string(),
+                            expected: format,
+                        });
+                    }
                     if tensor.shape() != expected.as_slice() && own_error.is_none() {
                         own_error = Some(Error::Shape {
                             stage: vstage,
@@ -358,12 +393,19 @@ impl<'p> Step<'p> {
                             expected: expected.clone(),
                         });
                     }
-                    let mut header = vec![vstage as i64, microbatch as i64];
+                    let format_code = code(tensor.dtype()).unwrap_or(-1);
+                    let mut header = vec![vstage as i64, microbatch as i64, format_code];
                     header.extend(tensor.shape().iter().map(|&d| d as i64));
+                    // Sent as stored, staged through host memory by tape (which counts
+                    // the copy); one of the wrong size or format fails the receiver's
+                    // transfer too.
+                    let data = tensor
+                        .to_device(Device::Cpu)?
+                        .lend(|view| view.to_host())??;
                     Slot::Send {
                         peer: if forward { next } else { prev },
                         header,
-                        data: tensor.to_vec()?,
+                        data,
                     }
                 }
                 Transfer::RecvForward | Transfer::RecvBackward => {
@@ -380,8 +422,8 @@ impl<'p> Step<'p> {
                         peer: if forward { prev } else { next },
                         forward,
                         key,
-                        header: vec![0; 2 + expected.len()],
-                        data: vec![0.0; numel],
+                        header: vec![0; 3 + expected.len()],
+                        data: Buffer::zeros(self.format(forward), numel),
                     }
                 }
             };
@@ -396,7 +438,7 @@ impl<'p> Step<'p> {
                         peer: *peer,
                     });
                     ops.push(P2p::Send {
-                        buf: (&*data).into(),
+                        buf: data.as_buf_ref(),
                         peer: *peer,
                     });
                 }
@@ -408,7 +450,7 @@ impl<'p> Step<'p> {
                         peer: *peer,
                     });
                     ops.push(P2p::Recv {
-                        buf: data.into(),
+                        buf: data.as_buf_mut(),
                         peer: *peer,
                     });
                 }
@@ -445,7 +487,25 @@ impl<'p> Step<'p> {
                     microbatch,
                 ));
             }
-            let dims = &header[2..];
+            let format = self.format(forward);
+            let got = usize::try_from(header[2])
+                .ok()
+                .and_then(|c| FORMATS.get(c).copied());
+            if got != Some(format) {
+                return Err(Error::Format {
+                    stage: vstage,
+                    what: if forward {
+                        "activation received"
+                    } else {
+                        "gradient received"
+                    },
+                    microbatch,
+                    got: got
+                        .map_or_else(|| format!("format code {}", header[2]), |d| d.to_string()),
+                    expected: format,
+                });
+            }
+            let dims = &header[3..];
             if dims
                 .iter()
                 .map(|&d| d as usize)
@@ -463,8 +523,10 @@ impl<'p> Step<'p> {
                     expected: expected.clone(),
                 });
             }
-            let tensor =
-                Tensor::from_vec(data, expected)?.to_device(self.pipeline.config.device)?;
+            let tensor = Tensor::filled_by(Device::Cpu, format, expected, |mut view| {
+                view.copy_from_host(&data).map_err(Error::from)
+            })?
+            .to_device(self.pipeline.config.device)?;
             if forward {
                 self.received.insert(key, tensor);
             } else {
@@ -475,21 +537,29 @@ impl<'p> Step<'p> {
     }
 }
 
-/// One transfer's buffers: a header (producing virtual stage, microbatch, shape) and the
-/// data, so that a receiver can tell a misrouted or misshapen tensor from a right one.
+/// One transfer's buffers: a header (producing virtual stage, microbatch, format,
+/// shape) and the data, so that a receiver can tell a misrouted, misshapen or
+/// misformatted tensor from a right one.
 enum Slot {
     Send {
         peer: usize,
         header: Vec<i64>,
-        data: Vec<f32>,
+        data: Buffer,
     },
     Recv {
         peer: usize,
         forward: bool,
         key: Key,
         header: Vec<i64>,
-        data: Vec<f32>,
+        data: Buffer,
     },
+}
+
+/// The formats a header can name, by their code (their position).
+const FORMATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+fn code(dtype: DType) -> Option<i64> {
+    FORMATS.iter().position(|&f| f == dtype).map(|p| p as i64)
 }
 
 fn out_of_step(what: &str, stage: usize, microbatch: usize) -> Error {

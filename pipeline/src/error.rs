@@ -25,6 +25,25 @@ pub enum Error {
         /// The configured shape.
         expected: Vec<usize>,
     },
+    /// An activation or gradient between stages is not in the format the pipeline
+    /// carries (see `PipelineConfig::dtype`).
+    #[error(
+        "pipeline stage {stage}, microbatch {microbatch}: the {what} is {got}, the pipeline \
+         carries {expected}; set PipelineConfig::dtype to the activations' storage format \
+         on every rank"
+    )]
+    Format {
+        /// The virtual stage that noticed.
+        stage: usize,
+        /// `"activation sent"`, `"gradient received"`, ...
+        what: &'static str,
+        /// The microbatch.
+        microbatch: usize,
+        /// The format it had.
+        got: String,
+        /// The configured format.
+        expected: comm_core::DType,
+    },
     /// The user's stage failed.
     #[error("pipeline stage {stage}, microbatch {microbatch}: {source}")]
     Stage {

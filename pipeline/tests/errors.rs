@@ -1,5 +1,5 @@
-//! Mistakes are typed errors on every rank they concern, promptly: misshapen tensors
-//! between stages, bad microbatch counts, chunk lists and failing stages.
+//! Mistakes are typed errors on every rank they concern, promptly: misshapen or
+//! misformatted tensors between stages, bad microbatch counts, chunk lists and failing stages.
 
 use comm_core::{Communicator, Error as CommError, LocalLauncher};
 use pipeline::{Error, Pipeline, PipelineConfig, Schedule, Stage};
@@ -170,4 +170,39 @@ fn bad_microbatch_counts_and_chunk_lists_are_configuration_errors() {
         Ok::<_, Error>(())
     });
     assert!(outcomes.iter().all(Result::is_ok));
+}
+
+#[test]
+fn an_activation_in_another_format_fails_both_sides() {
+    let errors = two_stages(|stage| stage.distort = Some(|y| y.to_dtype(tape::DType::BF16)));
+    match &errors[0] {
+        Error::Format {
+            what: "activation sent",
+            got,
+            expected: tape::DType::F32,
+            ..
+        } if got == "bf16" => {
+            assert!(errors[0].to_string().contains("PipelineConfig::dtype"));
+        }
+        other => panic!("expected a format error, got {other}"),
+    }
+    assert!(
+        matches!(&errors[1], Error::Comm(CommError::Mismatch { .. })),
+        "{}",
+        errors[1]
+    );
+}
+
+#[test]
+fn activations_travel_only_as_f32_bf16_or_f16() {
+    comm_core::run_local(1, |comm| -> Result<(), BoxError> {
+        let mut config = PipelineConfig::new(Schedule::OneFOneB, 1, &[3, 4]);
+        config.dtype = tape::DType::F64;
+        let err = Pipeline::new(Arc::new(comm), config)
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("f32, bf16 or f16"), "{err}");
+        Ok(())
+    })
+    .unwrap();
 }

@@ -161,14 +161,6 @@ pub fn train_rank(
         ..AdamWConfig::default()
     };
     let parameters: Vec<Parameter> = ddps.iter().flat_map(|d| d.parameters().to_vec()).collect();
-    if config.precision != DType::F32 && config.pp > 1 {
-        bail!(
-            "--pp {} sends activations between stages as f32, which would train the later \
-             stages in f32; use --precision {} with --pp 1 for now",
-            config.pp,
-            config.precision
-        );
-    }
     let mut optimizer = match (config.distributed_optimizer, config.precision) {
         (true, precision) => {
             let sharded = DistributedOptimizer::adamw(&ddps, adamw)?.with_schedule(schedule);
@@ -564,6 +556,7 @@ impl Chunks<'_> {
             pipeline::PipelineConfig::new(self.config.pipeline, microbatches.len(), &shape);
         config.forward_only = pass != Pass::Train;
         config.device = self.config.device;
+        config.dtype = self.config.precision;
         if trace {
             self.state.pp().barrier()?;
             config.trace_epoch = Some(std::time::Instant::now());

@@ -204,27 +204,29 @@ pub trait Module {
 /// Sums, over the tensor-parallel group, the gradients of the parameters whose
 /// [`grad_reduce_group`](ShardedParameter::grad_reduce_group) asks for it. Call it after
 /// backward when DDP does not reduce them (DDP built with `for_model` does). Every rank
-/// must call it; a parameter without a gradient contributes zeros. The reduction runs on
-/// the host; the summed gradient goes back to the parameter's device.
+/// must call it; a parameter without a gradient contributes zeros. The sum runs on the
+/// gradient's own memory (host, or device through the communicator's device path), with
+/// no copy through the host.
 pub fn all_reduce_sequence_parallel_grads(
     module: &dyn Module,
     group: &Arc<dyn Communicator>,
 ) -> Result<()> {
-    use comm_core::{CommunicatorExt, ReduceOp};
+    use comm_core::ReduceOp;
     for sharded in module.parameters() {
         if sharded.grad_reduce_group.is_none() || group.size() == 1 {
             continue;
         }
         let param = &sharded.param;
-        let mut grad = match param.grad() {
-            Some(grad) => grad.to_vec()?,
-            None => vec![0.0; param.numel()],
+        let grad = match param.grad() {
+            Some(grad) => grad,
+            None => Tensor::full_on(&param.shape(), 0.0, param.value().device())?,
         };
-        group.all_reduce_slice(&mut grad, ReduceOp::Sum)?;
-        let device = param.value().device();
-        param.set_grad(Some(
-            Tensor::from_vec(grad, &param.shape())?.to_device(device)?,
-        ))?;
+        let summed = grad.updated_by(|buf| {
+            group
+                .all_reduce(buf, ReduceOp::Sum)
+                .map_err(|e| tape::Error::custom("all_reduce_sequence_parallel_grads", e))
+        })?;
+        param.set_grad(Some(summed))?;
     }
     Ok(())
 }

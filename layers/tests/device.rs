@@ -2,8 +2,8 @@
 //! equals the same block on the CPU: output, input gradient and every parameter gradient,
 //! for TP 1 and 2 with sequence parallelism off and on. Runs on the emulator everywhere
 //! and on `cuda:0` when a GPU is present (otherwise prints `skipped: …`). The
-//! sequence-parallel gradient reduction leaves gradients on their parameters' device, and
-//! a step copies nothing between host and device.
+//! sequence-parallel gradient reduction leaves gradients on their parameters' device and
+//! copies nothing through the host, and a step copies nothing between host and device.
 
 mod common;
 
@@ -118,7 +118,14 @@ fn reduced_norm_grads(device: Device) -> AnyResult<Vec<Vec<Tensor>>> {
         let x = part(&input, 0, rank, size).to_device(device)?;
         let w = part(&weights, 0, rank, size).to_device(device)?;
         norm.forward(&Tape::new(), &x)?.mul(&w)?.sum()?.backward()?;
+        let before = transfers(device);
         all_reduce_sequence_parallel_grads(&norm, tp.group())?;
+        // The sum runs on the gradients' own memory (CUDA tensors lend host copies to
+        // the local backend: not checked there).
+        if !matches!(device, Device::Cuda(_)) {
+            let moved = transfers(device) - before;
+            assert_eq!(moved, Transfers::default(), "{device}");
+        }
         norm.parameters()
             .into_iter()
             .map(|p| {

@@ -149,6 +149,9 @@ pub struct DistributedOptimizer {
     pieces: Vec<Vec<Piece>>,
     /// Per bucket, the rule's buffers over this rank's shard.
     buffers: Vec<Vec<Vec<f32>>>,
+    /// Which parameters are trained through master weights (the same on every rank,
+    /// whichever of them holds pieces of each).
+    mastered: Vec<bool>,
     /// Why the last [`clip_grad_norm`](Self::clip_grad_norm) or
     /// [`unscale_grads`](Self::unscale_grads) dropped the gradients, until a step finds
     /// new ones (for the error that says why there is nothing to step with).
@@ -244,6 +247,7 @@ impl DistributedOptimizer {
                 rule.buffer_names().iter().map(|_| vec![0.0; len]).collect()
             })
             .collect();
+        let params_len = params.len();
         let mut optimizer = DistributedOptimizer {
             reducers,
             dp,
@@ -256,6 +260,7 @@ impl DistributedOptimizer {
             steps: 0,
             pieces,
             buffers,
+            mastered: vec![false; params_len],
             dropped: None,
         };
         let stored_16_bit: Vec<bool> = optimizer.params.iter().map(is_16_bit).collect();
@@ -289,9 +294,12 @@ impl DistributedOptimizer {
         Ok(self)
     }
 
-    /// Gives the pieces of the `selected` parameters that have no master weights yet
-    /// the parameters' current values as f32.
+    /// Trains the `selected` parameters through master weights: gives their pieces that
+    /// have none yet the parameters' current values as f32.
     fn read_masters(&mut self, selected: &[bool]) -> Result<()> {
+        for (mastered, &selected) in self.mastered.iter_mut().zip(selected) {
+            *mastered |= selected;
+        }
         for piece in self.pieces.iter_mut().flatten() {
             if selected[piece.param] && piece.master.is_none() {
                 let mut master = vec![0.0; piece.within_param.len()];
@@ -427,17 +435,20 @@ impl DistributedOptimizer {
     }
 
     /// Divides the reduced gradients of the last backward by `scaler`'s loss scale
-    /// (applied when [`step`](Self::step) updates with them), unless some rank holds a
-    /// non-finite one: then every rank drops them and gets `false` (skip the step, then
+    /// (applied when [`step`](Self::step) updates with them), unless some rank then holds
+    /// a non-finite one: then every rank drops them and gets `false` (skip the step, then
     /// [`GradScaler::update`](layers::GradScaler::update) with it). Collective over the
     /// data-parallel group (whose ranks hold different shards), the tensor-parallel
-    /// group and each of `other_groups` (the pipeline group).
+    /// group and each of `other_groups` (the pipeline group). Once per step, as
+    /// [`GradScaler::unscale_grads`](layers::GradScaler::unscale_grads).
     pub fn unscale_grads(
         &mut self,
         scaler: &GradScaler,
         tp: &TensorParallel,
         other_groups: &[&Arc<dyn Communicator>],
     ) -> Result<bool> {
+        scaler.begin_unscale()?;
+        let inverse = (1.0 / scaler.scale()) as f32;
         let mut finite = true;
         for reducer in &self.reducers {
             let mut reducer = reducer.lock();
@@ -445,12 +456,14 @@ impl DistributedOptimizer {
                 .reduced_mut()
                 .ok_or_else(|| self.nothing_to_step_with())?;
             for shard in &mut reduced.shards {
+                // Each element as the step will take it (with any factor pending).
+                let factor = reduced.scale * inverse;
+                let check = |g: &f32| (g * factor).is_finite();
                 finite &= match shard.as_buf_ref().as_host_slice::<f32>() {
-                    Some(grads) => grads.iter().all(|g| g.is_finite()),
+                    Some(grads) => grads.iter().all(check),
                     None => {
                         let len = shard.len();
-                        let grads = bucket::read_f32(shard, 0..len)?;
-                        grads.iter().all(|g| g.is_finite())
+                        bucket::read_f32(shard, 0..len)?.iter().all(check)
                     }
                 };
             }
@@ -465,7 +478,7 @@ impl DistributedOptimizer {
             if !finite {
                 reducer.take_reduced();
             } else if let Some(reduced) = reducer.reduced_mut() {
-                reduced.scale *= (1.0 / scaler.scale()) as f32;
+                reduced.scale *= inverse;
             }
         }
         self.dropped = (!finite).then(|| {
@@ -668,7 +681,6 @@ impl DistributedOptimizer {
         let mut updates: Vec<f64> = self.updates.iter().map(|&u| f64::from(u)).collect();
         self.dp.all_reduce_slice(&mut updates, ReduceOp::Max)?;
         let names = self.rule.buffer_names();
-        let stored_16_bit: Vec<bool> = self.params.iter().map(is_16_bit).collect();
         let mut params = vec![ParamState::default(); self.params.len()];
         for (index, bucket) in self.buckets.iter().enumerate() {
             for (name, shard) in names.iter().zip(&self.buffers[index]) {
@@ -685,7 +697,7 @@ impl DistributedOptimizer {
                 .info
                 .params
                 .iter()
-                .any(|slot| stored_16_bit[bucket.first_param + slot.index])
+                .any(|slot| self.mastered[bucket.first_param + slot.index])
             {
                 let mut shard = vec![0.0f32; bucket.shard_len(self.dp.size())];
                 for piece in &self.pieces[index] {
@@ -696,7 +708,7 @@ impl DistributedOptimizer {
                 let full: Vec<f32> = self.dp.all_gather_vec(&shard)?;
                 for slot in &bucket.info.params {
                     let param = bucket.first_param + slot.index;
-                    if stored_16_bit[param] {
+                    if self.mastered[param] {
                         let master = Tensor::from_vec(full[slot.range()].to_vec(), &slot.shape)?;
                         params[param]
                             .buffers
@@ -743,21 +755,22 @@ impl DistributedOptimizer {
             )))
         };
         let (mut full, mut masters) = (Vec::new(), Vec::new());
-        for (param, entry) in self.params.iter().zip(&state.params) {
+        for ((param, entry), &mastered) in self.params.iter().zip(&state.params).zip(&self.mastered)
+        {
             let (saved_masters, buffers): (Vec<_>, Vec<_>) = entry
                 .buffers
                 .iter()
                 .partition(|(name, _)| name == MASTER_BUFFER);
             let master = match saved_masters.as_slice() {
                 [] => None,
-                [(_, master)] if is_16_bit(param) => {
+                [(_, master)] if mastered => {
                     check_shape(param, master)?;
                     Some(master.to_vec()?)
                 }
                 [_] => {
                     return Err(Error::Config(format!(
-                        "the state holds master weights for '{}', which is stored as f32; \
-                         call store_params_as before restoring a 16-bit run",
+                        "the state holds master weights for '{}', which this optimizer trains \
+                         without: call store_params_as before restoring a 16-bit run",
                         param.name()
                     )))
                 }

@@ -1,7 +1,7 @@
 //! Dynamic loss scaling of f16 parameters at TP 2 × DP 2, with replicated master weights
 //! and with the distributed optimizer: a gradient that overflows on one rank only makes
 //! every rank skip the step and halve the scale, leaving identical parameters; the
-//! finite steps equal unscaled training (the scale is a power of two, so scaling and
+//! finite steps, unscaled and then clipped, equal unscaled training (the scale is a power of two, so scaling and
 //! unscaling are exact) and the scale grows back after its interval.
 
 mod support;
@@ -21,6 +21,8 @@ use tape::{
 const STEPS: usize = 3;
 const SEQ: usize = 4;
 const BATCH: usize = 2;
+/// The gradient norm every step clips to (well below the block's).
+const MAX_NORM: f64 = 0.05;
 /// The rank whose gradients overflow at the first step.
 const OVERFLOWING_RANK: usize = 3;
 
@@ -134,9 +136,17 @@ fn train(zero: bool, scaled: bool) -> Result<Vec<RankRun>> {
                 true
             };
             if finite {
+                // Clipped hard, so the step depends on the gradients' size: a scale
+                // left on them would show.
                 match &mut masters {
-                    Masters::Replicated(adamw) => adamw.step()?,
-                    Masters::Sharded(adamw) => adamw.step()?,
+                    Masters::Replicated(adamw) => {
+                        layers::clip_grad_norm(&scaled_params, &tp, &[], MAX_NORM)?;
+                        adamw.step()?
+                    }
+                    Masters::Sharded(adamw) => {
+                        adamw.clip_grad_norm(&scaled_params, &tp, &[], MAX_NORM)?;
+                        adamw.step()?
+                    }
                 }
             }
             scaler.update(finite);

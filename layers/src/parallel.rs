@@ -205,8 +205,8 @@ pub trait Module {
 /// [`grad_reduce_group`](ShardedParameter::grad_reduce_group) asks for it. Call it after
 /// backward when DDP does not reduce them (DDP built with `for_model` does). Every rank
 /// must call it; a parameter without a gradient contributes zeros. The sum runs on the
-/// gradient's own memory (host, or device through the communicator's device path), with
-/// no copy through the host.
+/// gradient's own memory as mappings' collectives do: no copy through the host on the
+/// CPU or the emulated device.
 pub fn all_reduce_sequence_parallel_grads(
     module: &dyn Module,
     group: &Arc<dyn Communicator>,

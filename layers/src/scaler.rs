@@ -7,6 +7,7 @@
 //! gradient overflows: the step is skipped and the scale lowered; after a run of finite
 //! steps it is raised again.
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use comm_core::{Communicator, CommunicatorExt, ReduceOp};
@@ -14,7 +15,7 @@ use tape::Tensor;
 
 use crate::{Error, Result, ShardedParameter, TensorParallel};
 
-/// Settings of [`GradScaler`]; the defaults are PyTorch's.
+/// Settings of [`GradScaler`]; the defaults are PyTorch's, and Megatron's floor.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GradScalerConfig {
     /// The scale of the first step.
@@ -25,6 +26,9 @@ pub struct GradScalerConfig {
     pub backoff_factor: f64,
     /// Finite steps in a row before the scale grows.
     pub growth_interval: u32,
+    /// The scale never backs off below this (Megatron's `min_loss_scale`): a model whose
+    /// gradients overflow even there skips every step rather than scale them to nothing.
+    pub min_scale: f64,
 }
 
 impl Default for GradScalerConfig {
@@ -34,6 +38,7 @@ impl Default for GradScalerConfig {
             growth_factor: 2.0,
             backoff_factor: 0.5,
             growth_interval: 2000,
+            min_scale: 1.0,
         }
     }
 }
@@ -75,22 +80,31 @@ pub struct GradScalerState {
 pub struct GradScaler {
     config: GradScalerConfig,
     state: GradScalerState,
+    /// Whether this step's gradients were divided already (until [`update`](Self::update)).
+    unscaled: Cell<bool>,
 }
 
 const OP: &str = "GradScaler";
 
 impl GradScaler {
-    /// A scaler starting at `config.init_scale`. Every factor must be finite, the scale
-    /// positive and representable in f32, growth above 1, backoff in (0, 1), and the
-    /// interval at least 1.
+    /// A scaler starting at `config.init_scale`. The scales must be normal f32 numbers
+    /// (the loss is scaled in f32) with `min_scale <= init_scale`, growth finite and above
+    /// 1, backoff in (0, 1), and the interval at least 1 step.
     pub fn new(config: GradScalerConfig) -> Result<Self> {
         let invalid = |what: String| Err(Error::config(OP, what));
         let c = config;
-        if !(c.init_scale > 0.0 && (c.init_scale as f32).is_finite()) {
+        for (name, scale) in [("init_scale", c.init_scale), ("min_scale", c.min_scale)] {
+            if !usable(scale) {
+                return invalid(format!(
+                    "{name} must be a positive, normal f32 number (the loss is scaled in f32), \
+                     got {scale}"
+                ));
+            }
+        }
+        if c.init_scale < c.min_scale {
             return invalid(format!(
-                "init_scale must be positive and finite in f32 (the loss is scaled in f32), \
-                 got {}",
-                c.init_scale
+                "init_scale {} lies below min_scale {}",
+                c.init_scale, c.min_scale
             ));
         }
         if !(c.growth_factor > 1.0 && c.growth_factor.is_finite()) {
@@ -114,6 +128,7 @@ impl GradScaler {
                 scale: c.init_scale,
                 growth_tracker: 0,
             },
+            unscaled: Cell::new(false),
         })
     }
 
@@ -128,25 +143,29 @@ impl GradScaler {
     }
 
     /// Divides every gradient of `params` by the scale, unless some rank of the model
-    /// holds a non-finite one: then nothing changes and every rank gets `false` (skip
-    /// the step). Collective over the tensor-parallel group and each of `other_groups`
-    /// (the pipeline group); after DDP's reduction data-parallel replicas hold the same
-    /// gradients, so the data-parallel group is not one of them.
+    /// then holds a non-finite one: then nothing changes and every rank gets `false`
+    /// (skip the step). Collective over the tensor-parallel group and each of
+    /// `other_groups` (the pipeline group); after DDP's reduction data-parallel replicas
+    /// hold the same gradients, so the data-parallel group is not one of them. Once per
+    /// step: a second call before [`update`](Self::update) is an error on every rank.
     pub fn unscale_grads(
         &self,
         params: &[ShardedParameter],
         tp: &TensorParallel,
         other_groups: &[&Arc<dyn Communicator>],
     ) -> Result<bool> {
-        let mut grads = Vec::with_capacity(params.len());
+        self.begin_unscale()?;
+        let inverse = 1.0 / self.state.scale;
+        let mut divided = Vec::with_capacity(params.len());
         let mut finite = true;
         for sharded in params {
             if let Some(grad) = sharded.param.try_grad()? {
+                let grad = grad.scale(inverse)?;
                 // x·0 is NaN for an infinite or NaN x and 0 otherwise: its sum flags
                 // exactly the non-finite elements (a plain sum could overflow), and only
                 // a scalar leaves the device.
                 finite &= grad.scale(0.0)?.sum()?.item()?.is_finite();
-                grads.push((&sharded.param, grad));
+                divided.push((&sharded.param, grad));
             }
         }
         let groups: Vec<&Arc<dyn Communicator>> = std::iter::once(tp.group())
@@ -155,27 +174,41 @@ impl GradScaler {
         if !all_finite(finite, &groups)? {
             return Ok(false);
         }
-        let inverse = 1.0 / self.state.scale;
-        for (param, grad) in grads {
-            param.set_grad(Some(grad.scale(inverse)?))?;
+        for (param, grad) in divided {
+            param.set_grad(Some(grad))?;
         }
         Ok(true)
     }
 
-    /// Moves to the next step: backs off after non-finite gradients (`finite` false),
-    /// grows after `growth_interval` finite steps in a row (unless the grown scale would
-    /// overflow f32).
+    /// Marks this step's gradients as divided; an error if they were already (the
+    /// distributed optimizer's `unscale_grads` calls it too). Every rank of a step makes
+    /// the same calls, so every rank gets the same answer.
+    pub fn begin_unscale(&self) -> Result<()> {
+        if self.unscaled.replace(true) {
+            return Err(Error::config(
+                OP,
+                "the gradients of this step were unscaled already; call unscale_grads once \
+                 per step, then update",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Moves to the next step: backs off after non-finite gradients (`finite` false), down
+    /// to `min_scale`, and grows after `growth_interval` finite steps in a row (unless the
+    /// grown scale would overflow f32).
     pub fn update(&mut self, finite: bool) {
+        self.unscaled.set(false);
         let state = &mut self.state;
         if !finite {
-            state.scale *= self.config.backoff_factor;
+            state.scale = (state.scale * self.config.backoff_factor).max(self.config.min_scale);
             state.growth_tracker = 0;
             return;
         }
-        state.growth_tracker += 1;
+        state.growth_tracker = state.growth_tracker.saturating_add(1);
         if state.growth_tracker >= self.config.growth_interval {
             let grown = state.scale * self.config.growth_factor;
-            if (grown as f32).is_finite() {
+            if usable(grown) {
                 state.scale = grown;
             }
             state.growth_tracker = 0;
@@ -187,21 +220,27 @@ impl GradScaler {
         self.state
     }
 
-    /// Continues from a saved [`state`](Self::state); a scale that is not positive and
-    /// finite in f32 is an error.
+    /// Continues from a saved [`state`](Self::state); a scale that is not a normal f32
+    /// number at least `min_scale` is an error.
     pub fn load_state(&mut self, state: GradScalerState) -> Result<()> {
-        if !(state.scale > 0.0 && (state.scale as f32).is_finite()) {
+        if !(usable(state.scale) && state.scale >= self.config.min_scale) {
             return Err(Error::config(
                 OP,
                 format!(
-                    "a saved loss scale must be positive and finite, got {}",
-                    state.scale
+                    "a saved loss scale must be a normal f32 number of at least min_scale {}, \
+                     got {}",
+                    self.config.min_scale, state.scale
                 ),
             ));
         }
         self.state = state;
         Ok(())
     }
+}
+
+/// Whether `scale` and its inverse are positive, normal f32 numbers.
+fn usable(scale: f64) -> bool {
+    scale > 0.0 && (scale as f32).is_normal() && ((1.0 / scale) as f32).is_normal()
 }
 
 /// Whether `finite` holds on every rank of every group (each collective in turn).

@@ -1,5 +1,6 @@
-//! `GradScaler`: the scale's schedule (backoff, growth after its interval, never past
-//! f32), unscaling over a tensor-parallel group (a non-finite gradient on one rank leaves
+//! `GradScaler`: the scale's schedule (backoff down to its floor, growth after its
+//! interval, never past f32), unscaling over a tensor-parallel group (once per step,
+//! checking the divided values) (a non-finite gradient on one rank leaves
 //! every rank's gradients as they were and tells every rank to skip; otherwise every
 //! gradient is divided by the scale), the scaled loss, and typed errors for bad settings
 //! and states.
@@ -42,7 +43,8 @@ fn the_scale_backs_off_grows_after_its_interval_and_stays_finite() {
         ]
     );
 
-    let top = 2f64.powi(127);
+    // 2^126: its inverse is still a normal f32.
+    let top = 2f64.powi(126);
     let mut s = GradScaler::new(GradScalerConfig {
         init_scale: top,
         growth_interval: 1,
@@ -55,6 +57,17 @@ fn the_scale_backs_off_grows_after_its_interval_and_stays_finite() {
     let mut restored = scaler(3);
     restored.load_state(s.state()).unwrap();
     assert_eq!(restored.state(), s.state());
+
+    // Backoff stops at the floor: a model that overflows there skips steps at it.
+    let mut s = GradScaler::new(GradScalerConfig {
+        init_scale: 4.0,
+        min_scale: 2.0,
+        ..GradScalerConfig::default()
+    })
+    .unwrap();
+    s.update(false);
+    s.update(false);
+    assert_eq!(s.scale(), 2.0);
 }
 
 #[test]
@@ -112,6 +125,38 @@ fn unscaling_divides_every_gradient_or_skips_on_every_rank() -> AnyResult<()> {
 }
 
 #[test]
+fn unscaling_twice_in_a_step_is_an_error_and_the_check_sees_the_divided_values() -> AnyResult<()> {
+    run_local(1, |comm| -> AnyResult<()> {
+        let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
+        let w = Parameter::new("w", Tensor::zeros(&[1]));
+        let params = [ShardedParameter {
+            param: w.clone(),
+            sharding: Sharding::Replicated,
+            grad_reduce_group: None,
+        }];
+        // Below 1, dividing multiplies: f32::MAX / 0.5 overflows after the division.
+        let mut s = GradScaler::new(GradScalerConfig {
+            init_scale: 0.5,
+            min_scale: 0.5,
+            ..GradScalerConfig::default()
+        })?;
+        w.set_grad(Some(Tensor::from_vec(vec![f32::MAX], &[1])?))?;
+        assert!(!s.unscale_grads(&params, &tp, &[])?);
+        let err = s.unscale_grads(&params, &tp, &[]).unwrap_err();
+        assert!(err.to_string().contains("unscaled already"), "{err}");
+        s.update(false);
+        w.set_grad(Some(Tensor::from_vec(vec![1.0], &[1])?))?;
+        assert!(
+            s.unscale_grads(&params, &tp, &[])?,
+            "a new step after update"
+        );
+        assert_eq!(w.grad().unwrap().to_vec()?, [2.0]);
+        Ok(())
+    })?;
+    Ok(())
+}
+
+#[test]
 fn bad_settings_and_states_are_typed_errors() {
     let bad = [
         GradScalerConfig {
@@ -120,6 +165,20 @@ fn bad_settings_and_states_are_typed_errors() {
         },
         GradScalerConfig {
             init_scale: 1e39,
+            ..Default::default()
+        },
+        // Zero in f32, and an infinite inverse.
+        GradScalerConfig {
+            init_scale: 1e-50,
+            min_scale: 1e-50,
+            ..Default::default()
+        },
+        GradScalerConfig {
+            min_scale: 0.0,
+            ..Default::default()
+        },
+        GradScalerConfig {
+            init_scale: 0.5,
             ..Default::default()
         },
         GradScalerConfig {
@@ -148,7 +207,7 @@ fn bad_settings_and_states_are_typed_errors() {
         assert!(err.to_string().contains("GradScaler"), "{config:?}: {err}");
     }
     let mut s = scaler(2000);
-    for scale in [f64::INFINITY, 0.0, -1.0, 1e39] {
+    for scale in [f64::INFINITY, 0.0, -1.0, 1e39, 0.5] {
         let mut state = s.state();
         state.scale = scale;
         assert!(s.load_state(state).is_err(), "{scale}");

@@ -2,6 +2,7 @@
 
 /// What can go wrong in a pipeline step.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A bad schedule, microbatch count, layer split or stage list.
     #[error("pipeline configuration: {0}")]

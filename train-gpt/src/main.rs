@@ -178,8 +178,9 @@ struct Args {
     #[arg(long, value_name = "STEPS")]
     loss_scale_window: Option<u32>,
     /// Fault injection for testing fp16 loss scaling (as Megatron's error injection):
-    /// at this step the last rank multiplies its loss by infinity before backward, so
-    /// its gradients overflow; every rank must skip the step and halve the scale.
+    /// at this step the last rank (of the last pipeline stage) multiplies its loss by
+    /// infinity before backward, so its gradients overflow; every rank must skip the
+    /// step and halve the scale.
     #[arg(long, value_name = "STEP")]
     inject_grad_overflow: Option<usize>,
     /// Validation loss on the held-out tenth of the data every this many steps and after
@@ -566,6 +567,11 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
     if let Some(scaler) = loss_scaler(args) {
         layers::GradScaler::new(scaler)?;
     }
+    // A later step than --steps is allowed: a run cut short and resumed keeps its flags.
+    ensure!(
+        args.inject_grad_overflow != Some(0),
+        "--inject-grad-overflow counts steps from 1"
+    );
     ensure!(args.pp >= 1, "--pp must be at least 1");
     ensure!(
         args.virtual_stages == 1 || args.schedule == PipelineSchedule::Interleaved,

@@ -233,7 +233,10 @@ pub fn train_rank(
         let microbatches = microbatches(corpus, &sampler.starts(step), config);
         let trace = config.trace && step + 1 == config.steps;
         chunks.loss_scale = scaler.as_ref().map_or(1.0, GradScaler::scale);
-        if config.inject_grad_overflow == Some(step + 1) && world.rank() + 1 == world.size() {
+        let last_rank = state.pp_rank() + 1 == config.pp
+            && tp.rank() + 1 == tp.size()
+            && dp_rank + 1 == dp_size;
+        if config.inject_grad_overflow == Some(step + 1) && last_rank {
             chunks.loss_scale = f64::INFINITY;
         }
         let (step_loss, spans) = chunks.loss(&microbatches, Pass::Train, trace)?;

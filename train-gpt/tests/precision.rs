@@ -259,5 +259,10 @@ fn loss_scaling_flags_need_fp16_and_a_usable_scale() {
         "scale-zero",
         &["--precision", "fp16", "--initial-loss-scale", "0"],
     );
-    assert!(stderr.contains("init_scale must be positive"), "{stderr}");
+    assert!(stderr.contains("init_scale must be a positive"), "{stderr}");
+    let stderr = refused(
+        "inject-zero",
+        &["--precision", "fp16", "--inject-grad-overflow", "0"],
+    );
+    assert!(stderr.contains("counts steps from 1"), "{stderr}");
 }

@@ -4,6 +4,7 @@ use ndarray::{ArcArray, ArrayD, IxDyn, Zip};
 
 use super::{broadcast_shape, device_grads, on_device, pointwise, sum_to_shape};
 use crate::gpu::ops::{self as device, BinaryKind, UnaryKind};
+use crate::precision::Saved;
 use crate::tape::{record, record_tensor, BackwardFn};
 use crate::{Element, Error, Result, Tensor};
 
@@ -69,8 +70,9 @@ impl<T: Element> Tensor<T> {
             let shape = broadcast_shape(op, a.shape(), b.shape())?;
             let out = device::binary(op, kind.device_kind(), &a, &b, &shape)?;
             return record_tensor(op, &[self, other], Tensor::from_gpu(out), || {
-                let (a, b) = (a.clone(), b.clone());
+                let (a, b) = (Saved::new(self, &a), Saved::new(other, &b));
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
+                    let (a, b) = (a.gpu(op)?, b.gpu(op)?);
                     let grad = grad.device_array(op, a.device())?;
                     let kind = kind.device_kind();
                     Ok(device_grads(device::binary_backward(
@@ -89,9 +91,10 @@ impl<T: Element> Tensor<T> {
             Binary::Div => zip_broadcast(op, &a, &b, &shape, |x, y| x / y)?,
         };
         record(op, &[self, other], out.into_shared(), || {
-            let (a, b) = (a.clone(), b.clone());
-            let backward: BackwardFn<T> =
-                Box::new(move |grad, needs| binary_backward(kind, grad, needs, &a, &b));
+            let (a, b) = (Saved::new(self, &a), Saved::new(other, &b));
+            let backward: BackwardFn<T> = Box::new(move |grad, needs| {
+                binary_backward(kind, grad, needs, &a.cpu(op)?, &b.cpu(op)?)
+            });
             backward
         })
     }
@@ -138,10 +141,16 @@ impl<T: Element> Tensor<T> {
         };
         let y = device::unary(kind, &x, factor)?;
         record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
-            let x = x.clone();
+            // Only what the derivative reads is kept: the output for exp and tanh, the
+            // input for the others (the kernel reads one of the two it is given).
+            let kept = match kind {
+                UnaryKind::Exp | UnaryKind::Tanh => Saved::Computed(y),
+                _ => Saved::new(self, &x),
+            };
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                let grad = grad.device_array(op, x.device())?;
-                let dx = device::unary_backward(kind, &grad, &x, &y, factor)?;
+                let kept = kept.gpu(op)?;
+                let grad = grad.device_array(op, kept.device())?;
+                let dx = device::unary_backward(kind, &grad, &kept, &kept, factor)?;
                 Ok(vec![Some(Tensor::from_gpu(dx))])
             })
         })
@@ -178,8 +187,8 @@ impl<T: Element> Tensor<T> {
         let input = self.cpu("log")?;
         let out = input.mapv(T::ln);
         record("log", &[self], out.into_shared(), || {
-            let input = input.clone();
-            Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad / &input)]))
+            let input = Saved::new(self, &input);
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad / &input.cpu("log")?)]))
         })
     }
 
@@ -205,8 +214,9 @@ impl<T: Element> Tensor<T> {
         let input = self.cpu("relu")?;
         let out = input.mapv(|x| if x > T::zero() { x } else { T::zero() });
         record("relu", &[self], out.into_shared(), || {
-            let input = input.clone();
+            let input = Saved::new(self, &input);
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
+                let input = input.cpu("relu")?;
                 Zip::from(&mut grad).and(&input).for_each(|g, &x| {
                     if x <= T::zero() {
                         *g = T::zero();
@@ -233,8 +243,9 @@ impl<T: Element> Tensor<T> {
             Gelu::Tanh => pointwise::map(&input, gelu_tanh),
         };
         record("gelu", &[self], out.into_shared(), || {
-            let input = input.clone();
+            let input = Saved::new(self, &input);
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
+                let input = input.cpu("gelu")?;
                 match approximation {
                     Gelu::Erf => {
                         pointwise::update_with(&mut grad, &input, |g, x| g * gelu_erf_derivative(x))

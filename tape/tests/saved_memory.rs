@@ -1,0 +1,87 @@
+//! What a recorded graph holds for backward: with bf16 or f16 activations and weights,
+//! half of what the same graph holds in f32, on the CPU and the emulated device (a
+//! counting allocator: this test binary has one test, so nothing else allocates
+//! meanwhile; the emulator's memory comes from the same allocator).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+use tape::{DType, Device, Gelu, Generator, Parameter, Tape, Tensor};
+
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: forwards to the system allocator and only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
+        // SAFETY: the caller's layout, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
+        // SAFETY: allocated by `alloc` above with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+const ROWS: usize = 128;
+const WIDTH: usize = 256;
+
+/// Bytes the graph of `gelu(x·W1)·W2 * x` holds between forward and backward, with the
+/// parameters and input stored as `dtype` on `device` (their own bytes not counted).
+fn held_for_backward(dtype: DType, device: Device) -> tape::Result<isize> {
+    let mut rng = Generator::new(1);
+    let make = |name: &str, shape: &[usize], rng: &mut Generator| -> tape::Result<Parameter> {
+        let value = Tensor::randn(shape, 0.1, rng)
+            .to_device(device)?
+            .to_dtype(dtype)?;
+        Ok(Parameter::new(name, value))
+    };
+    let x = make("x", &[ROWS, WIDTH], &mut rng)?;
+    let w1 = make("w1", &[WIDTH, WIDTH], &mut rng)?;
+    let w2 = make("w2", &[WIDTH, WIDTH], &mut rng)?;
+    let tape = Tape::new();
+    let (x_in, w1_in, w2_in) = (tape.watch(&x), tape.watch(&w1), tape.watch(&w2));
+    let before = LIVE.load(Ordering::SeqCst);
+    let loss = {
+        let hidden = x_in.matmul(&w1_in)?.gelu(Gelu::Tanh)?;
+        hidden.matmul(&w2_in)?.mul(&x_in)?.sum()?
+    };
+    let held = LIVE.load(Ordering::SeqCst) - before;
+    loss.backward()?;
+    for p in [&x, &w1, &w2] {
+        assert!(
+            p.grad().is_some(),
+            "{dtype} {device}: {} has a gradient",
+            p.name()
+        );
+    }
+    Ok(held)
+}
+
+#[test]
+fn sixteen_bit_graphs_hold_half_of_what_f32_graphs_hold() -> tape::Result<()> {
+    for device in [Device::Cpu, Device::Emulated] {
+        let f32_bytes = held_for_backward(DType::F32, device)?;
+        // The hidden activation before and after GELU, and the second product: three
+        // [ROWS, WIDTH] arrays of f32.
+        let activations = (3 * ROWS * WIDTH * 4) as isize;
+        assert!(
+            f32_bytes >= activations && f32_bytes < activations + activations / 4,
+            "{device}: f32 holds {f32_bytes} bytes"
+        );
+        for dtype in [DType::BF16, DType::F16] {
+            let bytes = held_for_backward(dtype, device)?;
+            assert!(
+                bytes <= f32_bytes * 11 / 20,
+                "{device}: {dtype} holds {bytes} bytes, f32 {f32_bytes}"
+            );
+        }
+    }
+    Ok(())
+}

@@ -205,11 +205,16 @@ macro_rules! each_format {
 
 impl Half {
     /// `array` rounded to `dtype` (bf16 or f16), on the CPU.
-    pub(crate) fn narrow_cpu<T: Element>(dtype: DType, array: &ArcArray<T, IxDyn>) -> Self {
-        match dtype {
+    pub(crate) fn narrow_cpu<T: Element>(
+        op: &'static str,
+        dtype: DType,
+        array: &ArcArray<T, IxDyn>,
+    ) -> Result<Self> {
+        Ok(match dtype {
             DType::F16 => Half::F16(Packed::narrow_cpu(array)),
-            _ => Half::Bf16(Packed::narrow_cpu(array)),
-        }
+            DType::BF16 => Half::Bf16(Packed::narrow_cpu(array)),
+            other => return Err(not_16_bit(op, other)),
+        })
     }
 
     /// `array` rounded to `dtype` (bf16 or f16), on its device.
@@ -220,7 +225,8 @@ impl Half {
     ) -> Result<Self> {
         Ok(match dtype {
             DType::F16 => Half::F16(Packed::narrow_gpu(op, array)?),
-            _ => Half::Bf16(Packed::narrow_gpu(op, array)?),
+            DType::BF16 => Half::Bf16(Packed::narrow_gpu(op, array)?),
+            other => return Err(not_16_bit(op, other)),
         })
     }
 
@@ -313,6 +319,10 @@ pub(crate) fn promoted<T: Element>(inputs: &[&Tensor<T>]) -> DType {
         Some(first) if formats.all(|d| d == first) => first,
         _ => T::DTYPE,
     }
+}
+
+fn not_16_bit(op: &'static str, dtype: DType) -> Error {
+    Error::invalid(op, format!("16-bit storage is bf16 or f16, not {dtype}"))
 }
 
 /// An op's input kept for its backward. One stored in its element type is kept as the

@@ -222,7 +222,7 @@ impl<T: Element> Tensor<T> {
             return Ok(full);
         }
         let half = match &full.storage {
-            Storage::Cpu(array) => Half::narrow_cpu(dtype, array),
+            Storage::Cpu(array) => Half::narrow_cpu(op, dtype, array)?,
             Storage::Gpu(array) => Half::narrow_gpu(op, dtype, array)?,
             Storage::Half(_) => unreachable!("widened above"),
         };

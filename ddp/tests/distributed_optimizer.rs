@@ -115,19 +115,57 @@ fn small_buckets(zero: bool) -> DdpConfig {
     }
 }
 
-/// Trains the wide MLP for `steps` steps of `rule` over `dp`; with `zero`, through the
-/// distributed optimizer; parameters stored as `dtype` (16-bit ones through master
-/// weights: the sharded optimizer's, or [`MixedPrecision`]'s). Starts from `start` (parameter values and optimizer state) when
-/// given, at step `first_step`. Returns the parameters and the optimizer state.
-fn train(
-    dp: Arc<dyn Communicator>,
+/// Parameter values and optimizer state after a run.
+type Trained = (Vec<Vec<f32>>, OptimizerState);
+
+/// How a run trains: `rule`, through the distributed optimizer with `zero`, parameters
+/// stored as `dtype` (16-bit ones through master weights: the sharded optimizer's, or
+/// [`MixedPrecision`]'s), DDP configured by `config`.
+#[derive(Clone, Copy)]
+struct Way<'a> {
     rule: Rule,
     zero: bool,
     dtype: DType,
-    config: DdpConfig,
+    config: &'a DdpConfig,
+}
+
+impl<'a> Way<'a> {
+    fn new(rule: Rule, zero: bool, dtype: DType, config: &'a DdpConfig) -> Self {
+        Way {
+            rule,
+            zero,
+            dtype,
+            config,
+        }
+    }
+
+    /// [`train`] on `dp` local ranks: what each rank ends with.
+    fn run(
+        self,
+        dp: usize,
+        steps: std::ops::Range<usize>,
+        start: Option<&Trained>,
+    ) -> Result<Vec<Trained>> {
+        Ok(run_local(dp, |comm| {
+            train(Arc::new(comm), self, steps.clone(), start)
+        })?)
+    }
+}
+
+/// Trains the wide MLP for `steps` steps over `dp` the `way` given, from `start`
+/// (parameter values and optimizer state) when given, at step `steps.start`.
+fn train(
+    dp: Arc<dyn Communicator>,
+    way: Way,
     steps: std::ops::Range<usize>,
-    start: Option<&(Vec<Vec<f32>>, OptimizerState)>,
-) -> Result<(Vec<Vec<f32>>, OptimizerState)> {
+    start: Option<&Trained>,
+) -> Result<Trained> {
+    let Way {
+        rule,
+        zero,
+        dtype,
+        config,
+    } = way;
     let (rank, ranks) = (dp.rank(), dp.size());
     let params = wide_mlp(100 + rank as u64);
     if let Some((values, _)) = start {
@@ -140,7 +178,7 @@ fn train(
         dp,
         DdpConfig {
             use_distributed_optimizer: zero,
-            ..config
+            ..config.clone()
         },
     )?;
     let mut opt: Box<dyn Optimizer> = match (zero, dtype) {
@@ -175,28 +213,8 @@ fn check(dp: usize, rule: Rule, config: DdpConfig) -> Result<()> {
 /// The distributed optimizer against plain DDP with parameters stored as `dtype`: the
 /// same parameters (relative 1e-6) and, for 16-bit ones, the same master weights.
 fn check_in(dtype: DType, dp: usize, rule: Rule, config: DdpConfig) -> Result<()> {
-    let plain = run_local(dp, |comm| {
-        train(
-            Arc::new(comm),
-            rule,
-            false,
-            dtype,
-            config.clone(),
-            0..STEPS,
-            None,
-        )
-    })?;
-    let zero = run_local(dp, |comm| {
-        train(
-            Arc::new(comm),
-            rule,
-            true,
-            dtype,
-            config.clone(),
-            0..STEPS,
-            None,
-        )
-    })?;
+    let plain = Way::new(rule, false, dtype, &config).run(dp, 0..STEPS, None)?;
+    let zero = Way::new(rule, true, dtype, &config).run(dp, 0..STEPS, None)?;
     for (rank, (values, state)) in zero.iter().enumerate() {
         let error = max_relative_error(values, &plain[rank].0);
         assert!(
@@ -282,34 +300,13 @@ fn a_bf16_checkpoint_moves_between_dp_sizes_and_replicated_master_weights() -> R
     let config = small_buckets(true);
     let rule = Rule::AdamW;
     let bf16 = DType::BF16;
-    let uninterrupted = run_local(4, |comm| {
-        train(
-            Arc::new(comm),
-            rule,
-            true,
-            bf16,
-            config.clone(),
-            0..STEPS,
-            None,
-        )
-    })?;
-    let saved = run_local(4, |comm| {
-        train(Arc::new(comm), rule, true, bf16, config.clone(), 0..3, None)
-    })?
-    .remove(0);
+    let uninterrupted = Way::new(rule, true, bf16, &config).run(4, 0..STEPS, None)?;
+    let saved = Way::new(rule, true, bf16, &config)
+        .run(4, 0..3, None)?
+        .remove(0);
     anyhow::ensure!(masters(&saved.1)?.len() == 4, "the state keeps the masters");
     for (dp, zero) in [(2, true), (1, false)] {
-        let resumed = run_local(dp, |comm| {
-            train(
-                Arc::new(comm),
-                rule,
-                zero,
-                bf16,
-                config.clone(),
-                3..STEPS,
-                Some(&saved),
-            )
-        })?;
+        let resumed = Way::new(rule, zero, bf16, &config).run(dp, 3..STEPS, Some(&saved))?;
         let error = max_relative_error(&resumed[0].0, &uninterrupted[0].0);
         assert!(error <= 1e-6, "DP={dp} zero={zero}: relative error {error}");
         let error = max_relative_error(&masters(&resumed[0].1)?, &masters(&uninterrupted[0].1)?);
@@ -319,29 +316,10 @@ fn a_bf16_checkpoint_moves_between_dp_sizes_and_replicated_master_weights() -> R
         );
     }
     // And the other way: replicated master weights (MixedPrecision) resume sharded.
-    let replicated = run_local(2, |comm| {
-        train(
-            Arc::new(comm),
-            rule,
-            false,
-            bf16,
-            config.clone(),
-            0..3,
-            None,
-        )
-    })?
-    .remove(0);
-    let resumed = run_local(2, |comm| {
-        train(
-            Arc::new(comm),
-            rule,
-            true,
-            bf16,
-            config.clone(),
-            3..STEPS,
-            Some(&replicated),
-        )
-    })?;
+    let replicated = Way::new(rule, false, bf16, &config)
+        .run(2, 0..3, None)?
+        .remove(0);
+    let resumed = Way::new(rule, true, bf16, &config).run(2, 3..STEPS, Some(&replicated))?;
     let error = max_relative_error(&resumed[0].0, &uninterrupted[0].0);
     assert!(
         error <= 1e-6,
@@ -354,28 +332,8 @@ fn a_bf16_checkpoint_moves_between_dp_sizes_and_replicated_master_weights() -> R
 fn the_state_is_the_replicated_optimizers_and_every_rank_holds_its_share() -> Result<()> {
     let config = small_buckets(false);
     for rule in [Rule::AdamW, Rule::Sgd] {
-        let plain = run_local(3, |comm| {
-            train(
-                Arc::new(comm),
-                rule,
-                false,
-                DType::F32,
-                config.clone(),
-                0..3,
-                None,
-            )
-        })?;
-        let zero = run_local(3, |comm| {
-            train(
-                Arc::new(comm),
-                rule,
-                true,
-                DType::F32,
-                config.clone(),
-                0..3,
-                None,
-            )
-        })?;
+        let plain = Way::new(rule, false, DType::F32, &config).run(3, 0..3, None)?;
+        let zero = Way::new(rule, true, DType::F32, &config).run(3, 0..3, None)?;
         let (want, got) = (&plain[0].1, &zero[2].1);
         assert_eq!(got.steps, want.steps);
         for (index, (got, want)) in got.params.iter().zip(&want.params).enumerate() {
@@ -434,40 +392,11 @@ fn the_state_is_the_replicated_optimizers_and_every_rank_holds_its_share() -> Re
 fn a_checkpoint_from_dp_4_resumes_at_dp_2() -> Result<()> {
     let config = small_buckets(true);
     for rule in [Rule::AdamW, Rule::Sgd] {
-        let uninterrupted = run_local(4, |comm| {
-            train(
-                Arc::new(comm),
-                rule,
-                true,
-                DType::F32,
-                config.clone(),
-                0..STEPS,
-                None,
-            )
-        })?;
-        let saved = run_local(4, |comm| {
-            train(
-                Arc::new(comm),
-                rule,
-                true,
-                DType::F32,
-                config.clone(),
-                0..3,
-                None,
-            )
-        })?
-        .remove(0);
-        let resumed = run_local(2, |comm| {
-            train(
-                Arc::new(comm),
-                rule,
-                true,
-                DType::F32,
-                config.clone(),
-                3..STEPS,
-                Some(&saved),
-            )
-        })?;
+        let uninterrupted = Way::new(rule, true, DType::F32, &config).run(4, 0..STEPS, None)?;
+        let saved = Way::new(rule, true, DType::F32, &config)
+            .run(4, 0..3, None)?
+            .remove(0);
+        let resumed = Way::new(rule, true, DType::F32, &config).run(2, 3..STEPS, Some(&saved))?;
         for (rank, (values, _)) in resumed.iter().enumerate() {
             let error = max_relative_error(values, &uninterrupted[0].0);
             // Only the data-parallel average's rounding differs (4 vs 2 partial means).
@@ -477,17 +406,8 @@ fn a_checkpoint_from_dp_4_resumes_at_dp_2() -> Result<()> {
             );
         }
         // The same checkpoint also loads into a replicated optimizer.
-        let replicated = run_local(1, |comm| {
-            train(
-                Arc::new(comm),
-                rule,
-                false,
-                DType::F32,
-                config.clone(),
-                3..STEPS,
-                Some(&saved),
-            )
-        })?;
+        let replicated =
+            Way::new(rule, false, DType::F32, &config).run(1, 3..STEPS, Some(&saved))?;
         let error = max_relative_error(&replicated[0].0, &uninterrupted[0].0);
         assert!(error <= 1e-6, "{rule:?} replicated: relative error {error}");
     }

@@ -367,14 +367,15 @@ impl<'p> Step<'p> {
                     })?;
                     let vstage = self.pipeline.virtual_stage(chunk);
                     let format = self.format(forward);
+                    let what = if forward {
+                        "activation sent"
+                    } else {
+                        "gradient sent"
+                    };
                     if tensor.dtype() != format && own_error.is_none() {
                         own_error = Some(Error::Format {
                             stage: vstage,
-                            what: if forward {
-                                "activation sent"
-                            } else {
-                                "gradient sent"
-                            },
+                            what,
                             microbatch,
                             got: tensor.dtype().to_string(),
                             expected: format,
@@ -383,11 +384,7 @@ impl<'p> Step<'p> {
                     if tensor.shape() != expected.as_slice() && own_error.is_none() {
                         own_error = Some(Error::Shape {
                             stage: vstage,
-                            what: if forward {
-                                "activation sent"
-                            } else {
-                                "gradient sent"
-                            },
+                            what,
                             microbatch,
                             got: tensor.shape().iter().map(|&d| d as i64).collect(),
                             expected: expected.clone(),
@@ -488,17 +485,18 @@ impl<'p> Step<'p> {
                 ));
             }
             let format = self.format(forward);
+            let what = if forward {
+                "activation received"
+            } else {
+                "gradient received"
+            };
             let got = usize::try_from(header[2])
                 .ok()
                 .and_then(|c| FORMATS.get(c).copied());
             if got != Some(format) {
                 return Err(Error::Format {
                     stage: vstage,
-                    what: if forward {
-                        "activation received"
-                    } else {
-                        "gradient received"
-                    },
+                    what,
                     microbatch,
                     got: got
                         .map_or_else(|| format!("format code {}", header[2]), |d| d.to_string()),
@@ -513,11 +511,7 @@ impl<'p> Step<'p> {
             {
                 return Err(Error::Shape {
                     stage: vstage,
-                    what: if forward {
-                        "activation received"
-                    } else {
-                        "gradient received"
-                    },
+                    what,
                     microbatch,
                     got: dims.to_vec(),
                     expected: expected.clone(),

@@ -3,31 +3,10 @@
 //! counting allocator: this test binary has one test, so nothing else allocates
 //! meanwhile; the emulator's memory comes from the same allocator).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
+#[path = "support/counting.rs"]
+mod counting;
 
 use tape::{DType, Device, Gelu, Generator, Parameter, Tape, Tensor};
-
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: forwards to the system allocator and only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
-        // SAFETY: the caller's layout, passed on.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
-        // SAFETY: allocated by `alloc` above with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
 
 const ROWS: usize = 128;
 const WIDTH: usize = 256;
@@ -47,12 +26,12 @@ fn held_for_backward(dtype: DType, device: Device) -> tape::Result<isize> {
     let w2 = make("w2", &[WIDTH, WIDTH], &mut rng)?;
     let tape = Tape::new();
     let (x_in, w1_in, w2_in) = (tape.watch(&x), tape.watch(&w1), tape.watch(&w2));
-    let before = LIVE.load(Ordering::SeqCst);
+    let before = counting::live();
     let loss = {
         let hidden = x_in.matmul(&w1_in)?.gelu(Gelu::Tanh)?;
         hidden.matmul(&w2_in)?.mul(&x_in)?.sum()?
     };
-    let held = LIVE.load(Ordering::SeqCst) - before;
+    let held = counting::live() - before;
     loss.backward()?;
     for p in [&x, &w1, &w2] {
         assert!(

@@ -240,7 +240,8 @@ impl GradScaler {
 
 /// Whether `scale` and its inverse are positive, normal f32 numbers.
 fn usable(scale: f64) -> bool {
-    scale > 0.0 && (scale as f32).is_normal() && ((1.0 / scale) as f32).is_normal()
+    let (scale, inverse) = (scale as f32, (1.0 / scale) as f32);
+    scale.is_sign_positive() && scale.is_normal() && inverse.is_normal()
 }
 
 /// Whether `finite` holds on every rank of every group (each collective in turn).

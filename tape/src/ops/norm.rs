@@ -5,6 +5,7 @@ use ndarray::ArrayD;
 use super::on_device;
 use crate::gpu::row_ops as device;
 use crate::gpu::GpuArray;
+use crate::precision::Saved as KeptInput;
 use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
@@ -38,8 +39,8 @@ impl<T: Element> Tensor<T> {
             return self.layer_norm_on_device(arrays.each_ref(), weight, bias, eps);
         }
         let rows = self.numel().checked_div(width).unwrap_or(0);
-        let input = self.cpu(OP)?;
-        let input = input.as_standard_layout();
+        let computed = self.cpu(OP)?;
+        let input = computed.as_standard_layout();
         let x = contiguous(OP, &input, &shape)?;
         let weight_values = weight.map(|w| contiguous_owned(OP, w)).transpose()?;
         let bias_values = bias.map(|b| contiguous_owned(OP, b)).transpose()?;
@@ -48,24 +49,18 @@ impl<T: Element> Tensor<T> {
         let eps = T::from_f64(eps);
         let count = T::from_f64(width as f64);
         let mut out = vec![T::zero(); x.len()];
-        let mut normalized = vec![T::zero(); x.len()];
-        let mut inv_std = vec![T::zero(); rows];
+        let (mut means, mut inv_std) = (vec![T::zero(); rows], vec![T::zero(); rows]);
         let row_chunks = x.chunks_exact(width.max(1));
         let out_chunks = out.chunks_exact_mut(width.max(1));
-        let normalized_chunks = normalized.chunks_exact_mut(width.max(1));
-        for (((row, out_row), x_hat), rstd) in row_chunks
+        for (((row, out_row), mean), rstd) in row_chunks
             .zip(out_chunks)
-            .zip(normalized_chunks)
+            .zip(means.iter_mut())
             .zip(inv_std.iter_mut())
         {
-            let mean = lane_sum(row, |x| x) / count;
-            let var = lane_sum(row, |x| (x - mean) * (x - mean)) / count;
+            *mean = lane_sum(row, |x| x) / count;
+            let var = lane_sum(row, |x| (x - *mean) * (x - *mean)) / count;
             *rstd = T::one() / (var + eps).sqrt();
-            let r = *rstd;
-            for (n, &v) in x_hat.iter_mut().zip(row) {
-                *n = (v - mean) * r;
-            }
-            out_row.copy_from_slice(x_hat);
+            normalize(row, *mean, *rstd, out_row);
             if let Some(w) = &weight_values {
                 out_row.iter_mut().zip(w).for_each(|(o, &w)| *o *= w);
             }
@@ -81,9 +76,23 @@ impl<T: Element> Tensor<T> {
         inputs.extend(bias);
         let (has_weight, has_bias) = (weight.is_some(), bias.is_some());
         record(OP, &inputs, out.into_shared(), || {
+            // The input and each row's statistics, not the normalized rows: a 16-bit
+            // input stays 16-bit, and an f32 one is the caller's own array.
+            let kept = KeptInput::new(self, &computed);
             Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
                 let grad = grad.as_standard_layout();
                 let g = contiguous(OP, &grad, &shape)?;
+                let input = kept.cpu(OP)?;
+                let input = input.as_standard_layout();
+                let x = contiguous(OP, &input, &shape)?;
+                let mut normalized = vec![T::zero(); x.len()];
+                let rows = x.chunks_exact(width.max(1));
+                let normalized_rows = normalized.chunks_exact_mut(width.max(1));
+                for (((row, x_hat), &mean), &rstd) in
+                    rows.zip(normalized_rows).zip(&means).zip(&inv_std)
+                {
+                    normalize(row, mean, rstd, x_hat);
+                }
                 let saved = Saved {
                     normalized: &normalized,
                     inv_std: &inv_std,
@@ -132,8 +141,16 @@ impl<T: Element> Tensor<T> {
         inputs.extend(bias);
         let weight = weight_array.cloned();
         let has_bias = bias.is_some();
+        let device::LayerNormSaved { x, mean, rstd } = saved;
         record_tensor(OP, &inputs, Tensor::from_gpu(out), || {
+            // A 16-bit input is kept as itself, not as its f32 copy.
+            let x = KeptInput::new(self, &x);
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
+                let saved = device::LayerNormSaved {
+                    x: x.gpu(OP)?,
+                    mean: mean.clone(),
+                    rstd: rstd.clone(),
+                };
                 let grad = grad.device_array(OP, saved.x.device())?;
                 let dx = needs[0]
                     .then(|| device::layer_norm_input_grad(&grad, &saved, weight.as_ref()))
@@ -156,8 +173,8 @@ impl<T: Element> Tensor<T> {
     }
 }
 
-/// What layer norm's backward reads: the normalised input x̂ (rows × width), each row's
-/// 1/√(var + eps) and the weight.
+/// What layer norm's backward reads: the normalised input x̂ (rows × width, recomputed
+/// from the kept input and statistics), each row's 1/√(var + eps) and the weight.
 struct Saved<'a, T> {
     normalized: &'a [T],
     inv_std: &'a [T],
@@ -223,6 +240,14 @@ impl<T: Element> Saved<'_, T> {
 
 /// Σ f(xᵢ) in eight interleaved partial sums, so the loop vectorises (and rounds less
 /// than one running sum).
+/// `(x − mean) · rstd` of one row, into `out`: the same arithmetic in forward and when
+/// backward recomputes it.
+fn normalize<T: Element>(row: &[T], mean: T, rstd: T, out: &mut [T]) {
+    for (n, &v) in out.iter_mut().zip(row) {
+        *n = (v - mean) * rstd;
+    }
+}
+
 fn lane_sum<T: Element>(values: &[T], f: impl Fn(T) -> T) -> T {
     let mut lanes = [T::zero(); 8];
     let chunks = values.chunks_exact(8);

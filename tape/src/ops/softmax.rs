@@ -64,18 +64,34 @@ impl<T: Element> Tensor<T> {
         if let Some([x]) = on_device(op, [self])? {
             let y = device::softmax(&x, how)?;
             return record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
+                let kept = Kept::new(self, y);
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                    let y = match &kept {
+                        Kept::Output(y) => y.clone(),
+                        Kept::Input(x) => match x.gpu(op)? {
+                            Some(x) => device::softmax(&x, how)?,
+                            None => {
+                                return Err(Error::UnsupportedDevice {
+                                    op,
+                                    device: x.device(),
+                                })
+                            }
+                        },
+                    };
                     let grad = grad.device_array(op, y.device())?;
                     let dx = device::softmax_backward(&grad, &y, how)?;
                     Ok(vec![Some(Tensor::from_gpu(dx))])
                 })
             });
         }
-        let mut out = self.cpu(op)?.as_standard_layout().into_owned();
-        for_each_row(op, &mut out, how, |row, _| softmax_row(row, how))?;
-        let out = out.into_shared();
+        let out = softmax_on_cpu(op, &self.cpu(op)?, how)?;
         record(op, &[self], out.clone(), || {
+            let kept = Kept::new(self, out);
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
+                let out = match &kept {
+                    Kept::Output(y) => y.clone(),
+                    Kept::Input(x) => softmax_on_cpu(op, &x.cpu(op)?, how)?,
+                };
                 let mut grad = if grad.is_standard_layout() {
                     grad
                 } else {
@@ -92,6 +108,35 @@ impl<T: Element> Tensor<T> {
             })
         })
     }
+}
+
+/// Where softmax's backward reads the output from: the output itself (the f32 tensor's
+/// own storage), or for a 16-bit input that input, half the bytes, from which backward
+/// recomputes the same output.
+enum Kept<T: Element, A> {
+    Output(A),
+    Input(Tensor<T>),
+}
+
+impl<T: Element, A> Kept<T, A> {
+    fn new(input: &Tensor<T>, output: A) -> Self {
+        if input.dtype() == <T as Element>::DTYPE {
+            Kept::Output(output)
+        } else {
+            Kept::Input(input.detach())
+        }
+    }
+}
+
+/// The softmax rows of `x` on the CPU, row-major.
+fn softmax_on_cpu<T: Element>(
+    op: &'static str,
+    x: &ndarray::ArcArray<T, ndarray::IxDyn>,
+    how: SoftmaxRows,
+) -> Result<ndarray::ArcArray<T, ndarray::IxDyn>> {
+    let mut out = x.as_standard_layout().into_owned();
+    for_each_row(op, &mut out, how, |row, _| softmax_row(row, how))?;
+    Ok(out.into_shared())
 }
 
 /// Runs `f` on the columns each row of a row-major `array` sees (all of them, or for a

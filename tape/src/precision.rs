@@ -325,44 +325,19 @@ fn not_16_bit(op: &'static str, dtype: DType) -> Error {
     Error::invalid(op, format!("16-bit storage is bf16 or f16, not {dtype}"))
 }
 
-/// An op's input kept for its backward. One stored in its element type is kept as the
-/// array the op computed with (its own storage, shared); a 16-bit one as itself, 2 bytes
-/// an element, and widened again when backward runs, so that 16-bit activations halve
-/// what a recorded graph holds instead of adding f32 copies to it.
-pub(crate) enum Saved<T: Element, A> {
-    Computed(A),
-    Stored(Tensor<T>),
+/// What a backward that reads an op's output keeps: the output itself (for an input
+/// stored in its element type, the output tensor's own storage), or for a 16-bit input
+/// that input, half the bytes, from which backward recomputes the same output.
+pub(crate) enum Kept<T: Element, A> {
+    Output(A),
+    Input(Tensor<T>),
 }
 
-impl<T: Element, A: Clone> Saved<T, A> {
-    /// What to keep of `input`, which the op computed with as `computed`.
-    pub(crate) fn new(input: &Tensor<T>, computed: &A) -> Self {
+impl<T: Element, A> Kept<T, A> {
+    pub(crate) fn new(input: &Tensor<T>, output: A) -> Self {
         match input.half() {
-            Some(_) => Saved::Stored(input.detach()),
-            None => Saved::Computed(computed.clone()),
-        }
-    }
-}
-
-impl<T: Element> Saved<T, ArcArray<T, IxDyn>> {
-    /// The input as the CPU op computed with it.
-    pub(crate) fn cpu(&self, op: &'static str) -> Result<ArcArray<T, IxDyn>> {
-        match self {
-            Saved::Computed(array) => Ok(array.clone()),
-            Saved::Stored(tensor) => tensor.cpu(op),
-        }
-    }
-}
-
-impl<T: Element> Saved<T, GpuArray<T>> {
-    /// The input as the device op computed with it.
-    pub(crate) fn gpu(&self, op: &'static str) -> Result<GpuArray<T>> {
-        match self {
-            Saved::Computed(array) => Ok(array.clone()),
-            Saved::Stored(tensor) => tensor.gpu(op)?.ok_or(Error::UnsupportedDevice {
-                op,
-                device: Device::Cpu,
-            }),
+            Some(_) => Kept::Input(input.detach()),
+            None => Kept::Output(output),
         }
     }
 }

@@ -4,7 +4,7 @@ use ndarray::{ArcArray, ArrayD, IxDyn, Zip};
 
 use super::{broadcast_shape, device_grads, on_device, pointwise, sum_to_shape};
 use crate::gpu::ops::{self as device, BinaryKind, UnaryKind};
-use crate::precision::Saved;
+use crate::precision::Kept;
 use crate::tape::{record, record_tensor, BackwardFn};
 use crate::{Element, Error, Result, Tensor};
 
@@ -70,10 +70,12 @@ impl<T: Element> Tensor<T> {
             let shape = broadcast_shape(op, a.shape(), b.shape())?;
             let out = device::binary(op, kind.device_kind(), &a, &b, &shape)?;
             return record_tensor(op, &[self, other], Tensor::from_gpu(out), || {
-                let (a, b) = (Saved::new(self, &a), Saved::new(other, &b));
+                // The inputs as stored (a 16-bit one widened again in backward).
+                let (a, b) = (self.detach(), other.detach());
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
-                    let (a, b) = (a.gpu(op)?, b.gpu(op)?);
-                    let grad = grad.device_array(op, a.device())?;
+                    let device = a.device();
+                    let (a, b) = (a.device_array(op, device)?, b.device_array(op, device)?);
+                    let grad = grad.device_array(op, device)?;
                     let kind = kind.device_kind();
                     Ok(device_grads(device::binary_backward(
                         kind, &grad, needs, &a, &b,
@@ -91,7 +93,7 @@ impl<T: Element> Tensor<T> {
             Binary::Div => zip_broadcast(op, &a, &b, &shape, |x, y| x / y)?,
         };
         record(op, &[self, other], out.into_shared(), || {
-            let (a, b) = (Saved::new(self, &a), Saved::new(other, &b));
+            let (a, b) = (self.detach(), other.detach());
             let backward: BackwardFn<T> = Box::new(move |grad, needs| {
                 binary_backward(kind, grad, needs, &a.cpu(op)?, &b.cpu(op)?)
             });
@@ -141,14 +143,25 @@ impl<T: Element> Tensor<T> {
         };
         let y = device::unary(kind, &x, factor)?;
         record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
-            // Only what the derivative reads is kept: the output for exp and tanh, the
-            // input for the others (the kernel reads one of the two it is given).
-            let kept = match kind {
-                UnaryKind::Exp | UnaryKind::Tanh => Saved::Computed(y),
-                _ => Saved::new(self, &x),
+            // Only what the derivative reads is kept: the output for exp and tanh (or a
+            // 16-bit input to recompute it from), the input for the others (the kernel
+            // reads one of the two it is given).
+            let reads_output = matches!(kind, UnaryKind::Exp | UnaryKind::Tanh);
+            let kept = match reads_output {
+                true => Kept::new(self, y),
+                false => Kept::Input(self.detach()),
             };
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                let kept = kept.gpu(op)?;
+                let kept = match &kept {
+                    Kept::Output(y) => y.clone(),
+                    Kept::Input(x) => {
+                        let x = x.device_array(op, x.device())?;
+                        match reads_output {
+                            true => device::unary(kind, &x, factor)?,
+                            false => x,
+                        }
+                    }
+                };
                 let grad = grad.device_array(op, kept.device())?;
                 let dx = device::unary_backward(kind, &grad, &kept, &kept, factor)?;
                 Ok(vec![Some(Tensor::from_gpu(dx))])
@@ -173,9 +186,17 @@ impl<T: Element> Tensor<T> {
         if let Some(out) = self.unary_on_device("exp", UnaryKind::Exp, 1.0)? {
             return Ok(out);
         }
-        let out = self.cpu("exp")?.mapv(T::exp).into_shared();
+        let exp = |x: ArcArray<T, IxDyn>| x.mapv(T::exp).into_shared();
+        let out = exp(self.cpu("exp")?);
         record("exp", &[self], out.clone(), || {
-            Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad * &out)]))
+            let kept = Kept::new(self, out);
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
+                let out = match &kept {
+                    Kept::Output(y) => y.clone(),
+                    Kept::Input(x) => exp(x.cpu("exp")?),
+                };
+                Ok(vec![Some(grad * &out)])
+            })
         })
     }
 
@@ -187,7 +208,7 @@ impl<T: Element> Tensor<T> {
         let input = self.cpu("log")?;
         let out = input.mapv(T::ln);
         record("log", &[self], out.into_shared(), || {
-            let input = Saved::new(self, &input);
+            let input = self.detach();
             Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad / &input.cpu("log")?)]))
         })
     }
@@ -197,9 +218,15 @@ impl<T: Element> Tensor<T> {
         if let Some(out) = self.unary_on_device("tanh", UnaryKind::Tanh, 1.0)? {
             return Ok(out);
         }
-        let out = pointwise::map(&self.cpu("tanh")?, T::tanh_vectorizable).into_shared();
+        let tanh = |x: &ArcArray<T, IxDyn>| pointwise::map(x, T::tanh_vectorizable).into_shared();
+        let out = tanh(&self.cpu("tanh")?);
         record("tanh", &[self], out.clone(), || {
+            let kept = Kept::new(self, out);
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
+                let out = match &kept {
+                    Kept::Output(y) => y.clone(),
+                    Kept::Input(x) => tanh(&x.cpu("tanh")?),
+                };
                 pointwise::update_with(&mut grad, &out, |g, y| g * (T::one() - y * y));
                 Ok(vec![Some(grad)])
             })
@@ -214,7 +241,7 @@ impl<T: Element> Tensor<T> {
         let input = self.cpu("relu")?;
         let out = input.mapv(|x| if x > T::zero() { x } else { T::zero() });
         record("relu", &[self], out.into_shared(), || {
-            let input = Saved::new(self, &input);
+            let input = self.detach();
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
                 let input = input.cpu("relu")?;
                 Zip::from(&mut grad).and(&input).for_each(|g, &x| {
@@ -243,7 +270,7 @@ impl<T: Element> Tensor<T> {
             Gelu::Tanh => pointwise::map(&input, gelu_tanh),
         };
         record("gelu", &[self], out.into_shared(), || {
-            let input = Saved::new(self, &input);
+            let input = self.detach();
             Box::new(move |mut grad: ArrayD<T>, _: &[bool]| {
                 let input = input.cpu("gelu")?;
                 match approximation {

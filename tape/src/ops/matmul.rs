@@ -9,7 +9,6 @@ use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewMut2, Axi
 use super::{device_grads, on_device};
 use crate::gpu::ops::{self as device_ops, Operand};
 use crate::gpu::GpuArray;
-use crate::precision::Saved;
 use crate::tape::{record, record_tensor};
 use crate::threads::{num_threads, run_pieces};
 use crate::{Element, Error, Result, Tensor};
@@ -47,7 +46,8 @@ impl<T: Element> Tensor<T> {
             }
         };
         record(OP, &[self, other], out.into_shared(), || {
-            let (a, b) = (Saved::new(self, &a), Saved::new(other, &b));
+            // The operands as stored (a 16-bit one widened again in backward).
+            let (a, b) = (self.detach(), other.detach());
             Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
                 let (a, b) = (a.cpu(OP)?, b.cpu(OP)?);
                 let (a, b) = (a.view(), b.view());
@@ -262,9 +262,9 @@ impl<T: Element> Tensor<T> {
             batch,
         )?;
         record_tensor(OP, &[self, other], Tensor::from_gpu(out), || {
-            let (a, b) = (Saved::new(self, a), Saved::new(other, b));
+            let (a, b) = (self.detach(), other.detach());
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
-                let (a, b) = (a.gpu(OP)?, b.gpu(OP)?);
+                let (a, b) = (a.device_array(OP, device)?, b.device_array(OP, device)?);
                 let g = grad.device_array(OP, device)?;
                 // dA = G·Bᵀ and dB = Aᵀ·G, per batch entry (folded batches sum into dB).
                 let grad_a = needs[0]

@@ -5,7 +5,6 @@ use ndarray::ArrayD;
 use super::on_device;
 use crate::gpu::row_ops as device;
 use crate::gpu::GpuArray;
-use crate::precision::Saved as KeptInput;
 use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
@@ -78,7 +77,7 @@ impl<T: Element> Tensor<T> {
         record(OP, &inputs, out.into_shared(), || {
             // The input and each row's statistics, not the normalized rows: a 16-bit
             // input stays 16-bit, and an f32 one is the caller's own array.
-            let kept = KeptInput::new(self, &computed);
+            let kept = self.detach();
             Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
                 let grad = grad.as_standard_layout();
                 let g = contiguous(OP, &grad, &shape)?;
@@ -141,13 +140,13 @@ impl<T: Element> Tensor<T> {
         inputs.extend(bias);
         let weight = weight_array.cloned();
         let has_bias = bias.is_some();
-        let device::LayerNormSaved { x, mean, rstd } = saved;
+        let device::LayerNormSaved { mean, rstd, .. } = saved;
         record_tensor(OP, &inputs, Tensor::from_gpu(out), || {
             // A 16-bit input is kept as itself, not as its f32 copy.
-            let x = KeptInput::new(self, &x);
+            let input = self.detach();
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                 let saved = device::LayerNormSaved {
-                    x: x.gpu(OP)?,
+                    x: input.device_array(OP, input.device())?,
                     mean: mean.clone(),
                     rstd: rstd.clone(),
                 };

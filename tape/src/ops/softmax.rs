@@ -5,6 +5,7 @@ use ndarray::{ArrayD, ArrayView1, ArrayViewMut1, Axis};
 
 use super::on_device;
 use crate::gpu::row_ops::{self as device, SoftmaxKind, SoftmaxRows};
+use crate::precision::Kept;
 use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
@@ -68,15 +69,7 @@ impl<T: Element> Tensor<T> {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let y = match &kept {
                         Kept::Output(y) => y.clone(),
-                        Kept::Input(x) => match x.gpu(op)? {
-                            Some(x) => device::softmax(&x, how)?,
-                            None => {
-                                return Err(Error::UnsupportedDevice {
-                                    op,
-                                    device: x.device(),
-                                })
-                            }
-                        },
+                        Kept::Input(x) => device::softmax(&x.device_array(op, x.device())?, how)?,
                     };
                     let grad = grad.device_array(op, y.device())?;
                     let dx = device::softmax_backward(&grad, &y, how)?;
@@ -107,24 +100,6 @@ impl<T: Element> Tensor<T> {
                 Ok(vec![Some(grad)])
             })
         })
-    }
-}
-
-/// Where softmax's backward reads the output from: the output itself (the f32 tensor's
-/// own storage), or for a 16-bit input that input, half the bytes, from which backward
-/// recomputes the same output.
-enum Kept<T: Element, A> {
-    Output(A),
-    Input(Tensor<T>),
-}
-
-impl<T: Element, A> Kept<T, A> {
-    fn new(input: &Tensor<T>, output: A) -> Self {
-        if input.dtype() == <T as Element>::DTYPE {
-            Kept::Output(output)
-        } else {
-            Kept::Input(input.detach())
-        }
     }
 }
 

@@ -147,6 +147,42 @@ fn masters_share_main_gradients() -> Result<()> {
             .fold(0.0, f32::max);
         assert!(diff < 2e-2, "masters drift {diff} from f32 training");
     }
+    // Main gradients moved to new storage at the same offsets (a rebuilt DDP): the
+    // masters follow them rather than the old storage.
+    let moved = FlatStorage::zeros(Device::Cpu, numel)?;
+    let mut offset = 0;
+    for p in &params {
+        p.attach_main_grad(FlatView::new(&moved, offset, &p.shape())?)?;
+        offset += p.numel();
+    }
+    let tape = Tape::new();
+    loss(&tape, &params, Device::Cpu)?.backward()?;
+    optimizer.step()?;
+    for m in optimizer.params() {
+        assert!(m.main_grad().unwrap().storage().same_storage(&moved));
+    }
+    Ok(())
+}
+
+#[test]
+fn the_wrapper_names_the_model_its_rate_and_its_format() -> Result<()> {
+    let params = model(5);
+    let config = AdamWConfig {
+        lr: 0.25,
+        ..AdamWConfig::default()
+    };
+    let optimizer = MixedPrecision::new(&params, DType::F16, |m| AdamW::new(m, config))?;
+    let ids = |ps: &[Parameter]| ps.iter().map(Parameter::id).collect::<Vec<_>>();
+    assert_eq!(ids(optimizer.model_params()), ids(&params));
+    assert!(ids(optimizer.params())
+        .iter()
+        .all(|id| !ids(&params).contains(id)));
+    assert_eq!(optimizer.lr(), 0.25);
+    let debug = format!("{optimizer:?}");
+    assert!(
+        debug.contains("F16") && debug.contains(&format!("params: {}", params.len())),
+        "{debug}"
+    );
     Ok(())
 }
 

@@ -261,6 +261,13 @@ impl<'a> BufMut<'a> {
     /// same dtype and length (a host-to-device copy for device memory, ordered on its
     /// stream).
     pub fn copy_from_host(&mut self, host: &Buffer) -> Result<()> {
+        if !host.memory().is_host_addressable() {
+            return Err(Error::Config(format!(
+                "copy_from_host: the source holds {} memory, not host memory; read it \
+                 through its owner",
+                host.memory()
+            )));
+        }
         if host.dtype() != self.dtype {
             return Err(Error::WrongDType {
                 expected: self.dtype,

@@ -665,9 +665,14 @@ impl DistributedOptimizer {
                 }
                 self.params[index].write_flat(0, &values[slot.range()])?;
             }
-            self.reducers[bucket.ddp]
-                .lock()
-                .return_storage(bucket.info.index, gathered);
+            // The next step's gradients overwrite it. A 16-bit gather fits a bucket of a
+            // 16-bit wire format, its f32 widening one of the f32 format: whichever fits
+            // is kept (the second is refused once the bucket has storage).
+            let mut reducer = self.reducers[bucket.ddp].lock();
+            reducer.return_storage(bucket.info.index, gathered);
+            if let Some(widened) = widened {
+                reducer.return_storage(bucket.info.index, Buffer::from_vec(widened));
+            }
         }
         Ok(())
     }

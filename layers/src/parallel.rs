@@ -217,7 +217,7 @@ pub fn all_reduce_sequence_parallel_grads(
             continue;
         }
         let param = &sharded.param;
-        let grad = match param.grad() {
+        let grad = match param.try_grad()? {
             Some(grad) => grad,
             None => Tensor::full_on(&param.shape(), 0.0, param.value().device())?,
         };

@@ -157,16 +157,28 @@ impl GradScaler {
         self.begin_unscale()?;
         let inverse = 1.0 / self.state.scale;
         let mut divided = Vec::with_capacity(params.len());
+        // x·0 is NaN for an infinite or NaN x and 0 otherwise: the sum of those flags
+        // exactly the non-finite elements (a plain sum could overflow). The flags add up
+        // on the gradients' device, so one scalar leaves it (one per device met).
         let mut finite = true;
+        let mut flags: Option<Tensor> = None;
         for sharded in params {
             if let Some(grad) = sharded.param.try_grad()? {
                 let grad = grad.scale(inverse)?;
-                // x·0 is NaN for an infinite or NaN x and 0 otherwise: its sum flags
-                // exactly the non-finite elements (a plain sum could overflow), and only
-                // a scalar leaves the device.
-                finite &= grad.scale(0.0)?.sum()?.item()?.is_finite();
+                let flag = grad.scale(0.0)?.sum()?;
+                flags = Some(match flags {
+                    Some(sum) if sum.device() == flag.device() => sum.add(&flag)?,
+                    Some(sum) => {
+                        finite &= sum.item()?.is_finite();
+                        flag
+                    }
+                    None => flag,
+                });
                 divided.push((&sharded.param, grad));
             }
+        }
+        if let Some(sum) = flags {
+            finite &= sum.item()?.is_finite();
         }
         let groups: Vec<&Arc<dyn Communicator>> = std::iter::once(tp.group())
             .chain(other_groups.iter().copied())

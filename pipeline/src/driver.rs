@@ -396,9 +396,12 @@ impl<'p> Step<'p> {
                     // Sent as stored, staged through host memory by tape (which counts
                     // the copy); one of the wrong size or format fails the receiver's
                     // transfer too.
-                    let data = tensor
-                        .to_device(Device::Cpu)?
-                        .lend(|view| view.to_host())??;
+                    let data = match tensor.dtype() {
+                        DType::F32 => Buffer::from_vec(tensor.to_vec()?),
+                        _ => tensor
+                            .to_device(Device::Cpu)?
+                            .lend(|view| view.to_host())??,
+                    };
                     Slot::Send {
                         peer: if forward { next } else { prev },
                         header,
@@ -517,10 +520,13 @@ impl<'p> Step<'p> {
                     expected: expected.clone(),
                 });
             }
-            let tensor = Tensor::filled_by(Device::Cpu, format, expected, |mut view| {
-                view.copy_from_host(&data).map_err(Error::from)
-            })?
-            .to_device(self.pipeline.config.device)?;
+            let on_host = match format {
+                DType::F32 => Tensor::from_vec(data.into_vec::<f32>()?, expected)?,
+                _ => Tensor::filled_by(Device::Cpu, format, expected, |mut view| {
+                    view.copy_from_host(&data).map_err(Error::from)
+                })?,
+            };
+            let tensor = on_host.to_device(self.pipeline.config.device)?;
             if forward {
                 self.received.insert(key, tensor);
             } else {

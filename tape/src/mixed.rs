@@ -91,7 +91,7 @@ impl<O: Optimizer> MixedPrecision<O> {
     }
 
     /// Gives each master its model parameter's gradient: the same main-gradient view, or
-    /// a copy of the parameter's own gradient.
+    /// the parameter's own gradient tensor (shared, not copied).
     fn share_grads(&self) -> Result<()> {
         for (model, master) in self.model.iter().zip(&self.masters) {
             match model.main_grad() {
@@ -101,6 +101,9 @@ impl<O: Optimizer> MixedPrecision<O> {
                             && mine.offset() == view.offset()
                     });
                     if !shared {
+                        // A gradient the master still holds would be copied into the
+                        // new view over the model's fresh one.
+                        master.zero_grad();
                         master.attach_main_grad(view)?;
                     }
                     master.set_main_grad_written(model.has_grad())?;

@@ -171,9 +171,10 @@ impl<T: Element> Parameter<T> {
             host
         };
         let (shape, device, dtype) = (value.shape().to_vec(), value.device(), value.dtype());
+        // Rounded before it moves, so a 16-bit value uploads 2 bytes an element.
         *value = Tensor::from_vec(host, &shape)?
-            .to_device(device)?
-            .stored_as(OP, dtype)?;
+            .stored_as(OP, dtype)?
+            .to_device(device)?;
         Ok(())
     }
 
@@ -199,7 +200,8 @@ impl<T: Element> Parameter<T> {
         self.shared.grad.lock().has_grad()
     }
 
-    /// Removes and returns the gradient.
+    /// Removes and returns the gradient; `None`, and nothing removed, while a collective
+    /// holds the main gradient's storage (see [`try_grad`](Self::try_grad)).
     pub fn take_grad(&self) -> Option<Tensor<T>> {
         let mut slot = self.shared.grad.lock();
         let grad = slot.snapshot().ok()?;

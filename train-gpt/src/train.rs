@@ -227,6 +227,8 @@ pub fn train_rank(
     let mut timeline = Vec::new();
     let first_step = losses.len();
     let mut steady_transfers = Vec::new();
+    // Pipeline stages hold different blocks: their gradients meet over "pp".
+    let params: Vec<_> = models.iter().flat_map(Module::parameters).collect();
     for step in first_step..config.steps {
         let before = tape::transfers(config.device);
         optimizer.as_dyn().zero_grad();
@@ -254,8 +256,6 @@ pub fn train_rank(
                 config.schedule.warmup_steps
             );
         }
-        // Pipeline stages hold different blocks: their gradients meet over "pp".
-        let params: Vec<_> = models.iter().flat_map(Module::parameters).collect();
         let unscaled = match &scaler {
             Some(scaler) => optimizer.unscale_grads(scaler, &params, &tp, &[state.pp()])?,
             None => true,
@@ -638,6 +638,8 @@ impl pipeline::Stage for GptStage<'_> {
         }
         let loss = self.model.loss(&output, labels, self.dp)?;
         self.results.push(vec![loss.global_mean]);
+        // The scaler's `scale_loss`, by its value: the stage holds the scale, not the
+        // scaler (which the training loop updates between steps).
         if self.pass == Pass::Train && self.loss_scale != 1.0 {
             return Ok(loss.loss.scale(self.loss_scale)?);
         }

@@ -73,9 +73,9 @@ impl<T: Element> Tensor<T> {
                 // The inputs as stored (a 16-bit one widened again in backward).
                 let (a, b) = (self.detach(), other.detach());
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
-                    let device = a.device();
-                    let (a, b) = (a.device_array(op, device)?, b.device_array(op, device)?);
-                    let grad = grad.device_array(op, device)?;
+                    let on = a.device();
+                    let (a, b) = (a.device_array(op, on)?, b.device_array(op, on)?);
+                    let grad = grad.device_array(op, on)?;
                     let kind = kind.device_kind();
                     Ok(device_grads(device::binary_backward(
                         kind, &grad, needs, &a, &b,
@@ -144,25 +144,27 @@ impl<T: Element> Tensor<T> {
         let y = device::unary(kind, &x, factor)?;
         record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
             // Only what the derivative reads is kept: the output for exp and tanh (or a
-            // 16-bit input to recompute it from), the input for the others (the kernel
-            // reads one of the two it is given).
-            let reads_output = matches!(kind, UnaryKind::Exp | UnaryKind::Tanh);
-            let kept = match reads_output {
-                true => Kept::new(self, y),
-                false => Kept::Input(self.detach()),
+            // 16-bit input to recompute it from), nothing for a scale, the input for the
+            // others (the kernel reads at most one of the two arrays it is given).
+            let kept = match kind {
+                UnaryKind::Exp | UnaryKind::Tanh => Some(Kept::new(self, y)),
+                UnaryKind::Scale => None,
+                _ => Some(Kept::Input(self.detach())),
             };
+            let on = x.device();
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                let grad = grad.device_array(op, on)?;
                 let kept = match &kept {
-                    Kept::Output(y) => y.clone(),
-                    Kept::Input(x) => {
-                        let x = x.device_array(op, x.device())?;
-                        match reads_output {
-                            true => device::unary(kind, &x, factor)?,
-                            false => x,
+                    None => grad.clone(),
+                    Some(Kept::Output(y)) => y.clone(),
+                    Some(Kept::Input(x)) => {
+                        let x = x.device_array(op, on)?;
+                        match kind {
+                            UnaryKind::Exp | UnaryKind::Tanh => device::unary(kind, &x, factor)?,
+                            _ => x,
                         }
                     }
                 };
-                let grad = grad.device_array(op, kept.device())?;
                 let dx = device::unary_backward(kind, &grad, &kept, &kept, factor)?;
                 Ok(vec![Some(Tensor::from_gpu(dx))])
             })

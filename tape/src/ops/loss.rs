@@ -85,7 +85,7 @@ impl<T: Element> Tensor<T> {
             return self.cross_entropy_on_device(&logits, labels, lead, options, counted);
         }
 
-        let logits = reshape_owned(OP, self.cpu(OP)?.to_owned(), &[rows, classes])?
+        let logits = reshape_owned(OP, self.cpu(OP)?.into_owned(), &[rows, classes])?
             .into_dimensionality::<Ix2>()
             .map_err(|e| Error::shape(OP, &[&shape], e.to_string()))?;
         let (eps, class_count) = (T::from_f64(smoothing), T::from_f64(classes as f64));
@@ -299,7 +299,7 @@ impl<T: Element> Tensor<T> {
         }
         let mut logits = self
             .cpu(OP)?
-            .to_owned()
+            .into_owned()
             .into_dimensionality::<Ix2>()
             .map_err(|e| Error::shape(OP, &[&shape], e.to_string()))?;
         let lse = lse.to_vec()?;

@@ -2,7 +2,7 @@
 
 use ndarray::ArrayD;
 
-use super::on_device;
+use super::all_on_device;
 use crate::gpu::row_ops as device;
 use crate::gpu::GpuArray;
 use crate::tape::{record, record_tensor};
@@ -32,10 +32,17 @@ impl<T: Element> Tensor<T> {
                 ));
             }
         }
-        // A missing weight or bias stands in as `self`, so only present ones can mismatch.
-        let present = [self, weight.unwrap_or(self), bias.unwrap_or(self)];
-        if let Some(arrays) = on_device(OP, present)? {
-            return self.layer_norm_on_device(arrays.each_ref(), weight, bias, eps);
+        // Only the tensors present go to the device check (each 16-bit one is widened).
+        let present: Vec<&Tensor<T>> = std::iter::once(self).chain(weight).chain(bias).collect();
+        if let Some(arrays) = all_on_device(OP, &present)? {
+            // One array per tensor given, in order.
+            let mut arrays = arrays.iter();
+            let Some(x) = arrays.next() else {
+                return Err(Error::shape(OP, &[&shape], "internal: no device array"));
+            };
+            let weight_array = weight.and_then(|_| arrays.next());
+            let bias_array = bias.and_then(|_| arrays.next());
+            return self.layer_norm_on_device((x, weight_array, bias_array), weight, bias, eps);
         }
         let rows = self.numel().checked_div(width).unwrap_or(0);
         let computed = self.cpu(OP)?;
@@ -122,18 +129,15 @@ impl<T: Element> Tensor<T> {
 }
 
 impl<T: Element> Tensor<T> {
-    /// Layer norm on a device: `arrays` are the device arrays of this tensor, `weight` and
-    /// `bias` (this tensor's again where those are absent).
+    /// Layer norm on a device: the device arrays of this tensor and of `weight` and `bias`
+    /// where present.
     fn layer_norm_on_device(
         &self,
-        arrays: [&GpuArray<T>; 3],
+        (x, weight_array, bias_array): (&GpuArray<T>, Option<&GpuArray<T>>, Option<&GpuArray<T>>),
         weight: Option<&Tensor<T>>,
         bias: Option<&Tensor<T>>,
         eps: f64,
     ) -> Result<Tensor<T>> {
-        let [x, weight_array, bias_array] = arrays;
-        let weight_array = weight.map(|_| weight_array);
-        let bias_array = bias.map(|_| bias_array);
         let (out, saved) = device::layer_norm(x, weight_array, bias_array, eps)?;
         let mut inputs = vec![self];
         inputs.extend(weight);
@@ -237,8 +241,6 @@ impl<T: Element> Saved<'_, T> {
     }
 }
 
-/// Σ f(xᵢ) in eight interleaved partial sums, so the loop vectorises (and rounds less
-/// than one running sum).
 /// `(x − mean) · rstd` of one row, into `out`: the same arithmetic in forward and when
 /// backward recomputes it.
 fn normalize<T: Element>(row: &[T], mean: T, rstd: T, out: &mut [T]) {
@@ -247,6 +249,8 @@ fn normalize<T: Element>(row: &[T], mean: T, rstd: T, out: &mut [T]) {
     }
 }
 
+/// Σ f(xᵢ) in eight interleaved partial sums, so the loop vectorises (and rounds less
+/// than one running sum).
 fn lane_sum<T: Element>(values: &[T], f: impl Fn(T) -> T) -> T {
     let mut lanes = [T::zero(); 8];
     let chunks = values.chunks_exact(8);

@@ -220,6 +220,17 @@ pub enum AsyncOp {
         /// Reduction operator.
         op: ReduceOp,
     },
+    /// Reduce-scatter into memory the caller provides (`len / size` elements of the
+    /// input's dtype, in the same kind of memory: lent device memory, say); the result is
+    /// `output`, and `input` is released when the operation ends.
+    ReduceScatterInto {
+        /// This rank's full input.
+        input: Buffer,
+        /// Where this rank's reduced chunk goes.
+        output: Buffer,
+        /// Reduction operator.
+        op: ReduceOp,
+    },
 }
 
 impl AsyncOp {
@@ -246,6 +257,14 @@ impl AsyncOp {
                 let mut out = Buffer::zeros(input.dtype(), input.len() / comm.size().max(1));
                 comm.reduce_scatter(input.as_buf_ref(), out.as_buf_mut(), op)?;
                 Ok(out)
+            }
+            AsyncOp::ReduceScatterInto {
+                input,
+                mut output,
+                op,
+            } => {
+                comm.reduce_scatter(input.as_buf_ref(), output.as_buf_mut(), op)?;
+                Ok(output)
             }
         }
     }

@@ -203,7 +203,9 @@ impl Communicator for DualCommunicator {
     fn start(&self, op: AsyncOp) -> Result<Work> {
         let buffer = match &op {
             AsyncOp::AllReduce { buf, .. } | AsyncOp::Broadcast { buf, .. } => buf,
-            AsyncOp::AllGather { input } | AsyncOp::ReduceScatter { input, .. } => input,
+            AsyncOp::AllGather { input }
+            | AsyncOp::ReduceScatter { input, .. }
+            | AsyncOp::ReduceScatterInto { input, .. } => input,
         };
         self.route(buffer.memory().is_host_addressable()).start(op)
     }

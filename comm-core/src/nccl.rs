@@ -76,7 +76,8 @@
 //!   ([`NcclCommunicator::all_reduce_async`], `all_gather_async`, `reduce_scatter_async`):
 //!   the returned [`NcclWork`] orders a compute stream after the collective with an event
 //!   (`wait_on`) and waits on the host under the watchdog (`wait`, or on drop).
-//!   [`Communicator::start`] runs an all-reduce on lent device memory
+//!   [`Communicator::start`] runs an all-reduce on lent device memory, or a
+//!   reduce-scatter from such memory into more of it
 //!   ([`Buffer::lent`](crate::Buffer::lent), e.g. a DDP bucket): queued at once, waited
 //!   for under the watchdog when its [`Work`] is waited for or dropped. Other operations,
 //!   and host buffers, are [`Error::InvalidBuffer`].
@@ -88,7 +89,7 @@
 //!   have no timeout: NCCL synchronises them with the other ranks, so create and drop
 //!   communicators on all ranks together. A broken communicator was already aborted.
 
-use crate::buffer::{BufMut, BufRef};
+use crate::buffer::{BufMut, BufRef, Buffer};
 use crate::calls::{offsets, CallCheck};
 use crate::communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
 use crate::cuda::{self, Library};
@@ -690,6 +691,29 @@ impl NcclWork<'_> {
 }
 
 impl NcclCommunicator {
+    /// The [`Work`] of a call queued on lent memory: it waits under the watchdog and
+    /// hands back `result`, keeping `released` (an input) alive until then. The buffers
+    /// travel with the work, so the memory outlives NCCL's use of it, and no stream of
+    /// the owner waits on NCCL.
+    fn deferred(&self, mut pending: Pending, result: Buffer, released: Option<Buffer>) -> Work {
+        let handle = NcclCommunicator {
+            shared: self.shared.clone(),
+        };
+        Work::deferred(move || match handle.complete(&mut pending) {
+            Ok(()) => {
+                drop(released);
+                Ok(result)
+            }
+            Err(error) => {
+                // Every failure has aborted the communicator, whose kernels may outlive a
+                // drain that timed out: keep the memory (and its owner's lease) rather
+                // than hand back what NCCL might still write.
+                std::mem::forget((result, released));
+                Err(error)
+            }
+        })
+    }
+
     /// Waits for a queued call under the watchdog and ends its flight record (once).
     fn complete(&self, pending: &mut Pending) -> Result<()> {
         let Some(done) = pending.done.take() else {
@@ -762,6 +786,19 @@ impl NcclCommunicator {
         output: BufMut<'a>,
         op: ReduceOp,
     ) -> Result<NcclWork<'a>> {
+        let holders = [input.cuda_holders(), output.cuda_holders()].concat();
+        self.queue_reduce_scatter(input, output, op)?
+            .held_by(&holders)
+    }
+
+    /// Queues a reduce-scatter on NCCL's stream behind the work queued on both buffers'
+    /// streams, without making any stream wait for it.
+    fn queue_reduce_scatter<'a>(
+        &'a self,
+        input: BufRef<'a>,
+        output: BufMut<'a>,
+        op: ReduceOp,
+    ) -> Result<NcclWork<'a>> {
         let kind = OpKind::ReduceScatter;
         let (sig, _) = self.check().reduce_scatter(&input, &output, None, op)?;
         let streams = self.io_streams(kind, &input, &output)?;
@@ -773,8 +810,7 @@ impl NcclCommunicator {
                 nccl::reduce_scatter(src(from), dst(to), count, dtype, nccl_op(op), comm, s)
             };
             queued("ncclReduceScatter", r)
-        })?
-        .held_by(&[input.cuda_holders(), output.cuda_holders()].concat())
+        })
     }
 }
 
@@ -1335,38 +1371,40 @@ impl Communicator for NcclCommunicator {
             AsyncOp::AllReduce { buf, .. } => (OpKind::AllReduce, buf.memory()),
             AsyncOp::Broadcast { buf, .. } => (OpKind::Broadcast, buf.memory()),
             AsyncOp::AllGather { input } => (OpKind::AllGather, input.memory()),
-            AsyncOp::ReduceScatter { input, .. } => (OpKind::ReduceScatter, input.memory()),
+            AsyncOp::ReduceScatter { input, .. } | AsyncOp::ReduceScatterInto { input, .. } => {
+                (OpKind::ReduceScatter, input.memory())
+            }
         };
         match (op, memory) {
             // Lent device memory (a tensor library's gradient bucket) is reduced in place,
             // queued now on NCCL's stream behind the work its owner already queued, so
-            // the owner's later kernels overlap it. The buffer travels with the work,
-            // which waits under the watchdog when waited for or dropped, so the memory
-            // outlives NCCL's use of it, and no stream of the owner waits on NCCL.
+            // the owner's later kernels overlap it.
             (AsyncOp::AllReduce { mut buf, op }, Device::Cuda(_)) => {
-                let mut pending = self.queue_all_reduce(buf.as_buf_mut(), op)?.pending.take();
-                let handle = NcclCommunicator {
-                    shared: self.shared.clone(),
-                };
-                Ok(Work::deferred(move || {
-                    match handle.complete(&mut pending) {
-                        Ok(()) => Ok(buf),
-                        Err(error) => {
-                            // Every failure has aborted the communicator, whose kernels may
-                            // outlive a drain that timed out: keep the memory (and its owner's
-                            // lease) rather than hand back what NCCL might still write.
-                            std::mem::forget(buf);
-                            Err(error)
-                        }
-                    }
-                }))
+                let pending = self.queue_all_reduce(buf.as_buf_mut(), op)?.pending.take();
+                Ok(self.deferred(pending, buf, None))
+            }
+            // The same for a reduce-scatter from one lent buffer into another.
+            (
+                AsyncOp::ReduceScatterInto {
+                    input,
+                    mut output,
+                    op,
+                },
+                Device::Cuda(_),
+            ) => {
+                let pending = self
+                    .queue_reduce_scatter(input.as_buf_ref(), output.as_buf_mut(), op)?
+                    .pending
+                    .take();
+                Ok(self.deferred(pending, output, Some(input)))
             }
             _ => Err(Error::InvalidBuffer {
                 op: kind,
                 group: self.name.clone(),
                 detail: "NCCL's non-blocking operations take lent device memory \
-                         (`Buffer::lent`) for in-place all-reduces; for other operations call \
-                         the `*_async` or blocking methods with device views \
+                         (`Buffer::lent`), not host buffers: an all-reduce in place, or a \
+                         reduce-scatter from one lent buffer into another; for other \
+                         operations call the `*_async` or blocking methods with device views \
                          (`BufRef::cuda` / `BufMut::cuda`): it returns once the result is in \
                          place"
                     .to_string(),

@@ -49,7 +49,13 @@ fn every_async_operation_kind_returns_its_result_buffer() {
             input: Buffer::from_vec(vec![1.0f64; 6]),
             op: ReduceOp::Sum,
         })?;
+        let into = comm.start(AsyncOp::ReduceScatterInto {
+            input: Buffer::from_vec(vec![r as f32; 6]),
+            output: Buffer::from_vec(vec![-1.0f32; 2]),
+            op: ReduceOp::Max,
+        })?;
         anyhow::ensure!(bcast.wait()?.into_vec::<u8>()? == vec![1; 4]);
+        anyhow::ensure!(into.wait()?.into_vec::<f32>()? == vec![2.0, 2.0]);
         anyhow::ensure!(gather.wait()?.into_vec::<i32>()? == vec![0, 0, 1, 1, 2, 2]);
         let done = scatter.is_done();
         anyhow::ensure!(scatter.wait()?.into_vec::<f64>()? == vec![3.0, 3.0]);

@@ -152,7 +152,6 @@ impl<T: Element> FlatStorage<T> {
         shape: &[usize],
         access: impl FnOnce(Region<'_, T>) -> Result<R>,
     ) -> Result<R> {
-        let len: usize = shape.iter().product();
         let leased = self.shared.leased.lock();
         if *leased {
             return Err(Error::Leased {
@@ -160,18 +159,99 @@ impl<T: Element> FlatStorage<T> {
                 parameter: None,
             });
         }
-        let region = match &self.shared.memory {
-            // SAFETY: in bounds (views are checked when made), and the lock, held while
-            // `access` runs, keeps every other access out.
-            Memory::Host(ptr) => {
-                Region::Host(unsafe { std::slice::from_raw_parts_mut(ptr.add(offset), len) })
-            }
-            Memory::Device(array) => Region::Device(array.window(offset, shape)),
-        };
-        let out = access(region);
+        // SAFETY: the lock is held while `access` runs.
+        let out = access(unsafe { self.region(offset, shape) });
         drop(leased);
         out
     }
+
+    /// Elements `offset..offset + Π shape` as a host slice or a device window.
+    ///
+    /// # Safety
+    /// The range lies within the storage (views are checked when made), and the caller
+    /// holds the lock, and no lease is out, while the region is used: that keeps every
+    /// other access out.
+    unsafe fn region(&self, offset: usize, shape: &[usize]) -> Region<'_, T> {
+        match &self.shared.memory {
+            Memory::Host(ptr) => {
+                let len: usize = shape.iter().product();
+                // SAFETY: as the caller promises.
+                Region::Host(unsafe { std::slice::from_raw_parts_mut(ptr.add(offset), len) })
+            }
+            Memory::Device(array) => Region::Device(array.window(offset, shape)),
+        }
+    }
+}
+
+/// Views of distinct storages on one device, as one access sees them together.
+pub(crate) enum Regions<'a, T> {
+    Host(Vec<&'a mut [T]>),
+    Device(Vec<GpuArray<T>>),
+}
+
+/// Runs `access` on `views` together, under all their storages' locks (taken in one
+/// order, so that two such accesses never wait for each other). Views must lie in
+/// distinct storages (one storage's lock cannot be taken twice) on one device.
+pub(crate) fn with_regions<T: Element, R>(
+    op: &'static str,
+    views: &[&FlatView<T>],
+    access: impl FnOnce(Regions<'_, T>) -> Result<R>,
+) -> Result<R> {
+    let device = views.first().map_or(Device::Cpu, |view| view.device());
+    for (index, view) in views.iter().enumerate() {
+        if view.device() != device {
+            return Err(Error::DeviceMismatch {
+                op,
+                first: device,
+                second: view.device(),
+            });
+        }
+        if views[..index]
+            .iter()
+            .any(|other| other.storage.same_storage(&view.storage))
+        {
+            return Err(Error::invalid(
+                op,
+                "two views lie in one storage: give each its own FlatStorage",
+            ));
+        }
+    }
+    let mut order: Vec<&FlatView<T>> = views.to_vec();
+    order.sort_by_key(|view| Arc::as_ptr(&view.storage.shared));
+    let guards: Vec<_> = order
+        .iter()
+        .map(|view| view.storage.shared.leased.lock())
+        .collect();
+    if guards.iter().any(|leased| **leased) {
+        return Err(Error::Leased {
+            op,
+            parameter: None,
+        });
+    }
+    // SAFETY: every storage's lock is held until `access` returns, none is leased, and
+    // the storages are distinct, so no two regions alias.
+    let regions = views
+        .iter()
+        .map(|view| unsafe { view.storage.region(view.offset, &view.shape) });
+    let out = if device == Device::Cpu {
+        let slices = regions
+            .map(|region| match region {
+                Region::Host(slice) => Ok(slice),
+                Region::Device(_) => Err(Error::invalid(op, "a CPU storage holds device memory")),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        access(Regions::Host(slices))
+    } else {
+        let windows = regions
+            .map(|region| match region {
+                Region::Device(window) => Ok(window),
+                Region::Host(_) => Err(Error::invalid(op, "a device storage holds host memory")),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        access(Regions::Device(windows))
+    };
+    drop(guards);
+    out
 }
 
 impl<T: Element> std::fmt::Debug for FlatStorage<T> {
@@ -313,6 +393,92 @@ impl<T: Element> FlatView<T> {
                 }
                 Region::Device(window) => window.fill(value),
             })
+    }
+
+    /// Overwrites the elements with `tensor`'s (same shape and device; a 16-bit tensor
+    /// is widened): no host transfer for a device storage.
+    pub fn copy_from(&self, tensor: &Tensor<T>) -> Result<()> {
+        self.write("FlatView::copy_from", tensor, false)
+    }
+
+    /// Multiplies every element by `factor`, in place.
+    pub fn scale(&self, factor: T) -> Result<()> {
+        with_regions("FlatView::scale", &[self], |regions| match regions {
+            Regions::Host(mut slices) => {
+                slices[0].iter_mut().for_each(|x| *x *= factor);
+                Ok(())
+            }
+            Regions::Device(windows) => {
+                let window = &windows[0];
+                let factor = GpuArray::full("FlatView::scale", window.device(), &[1], factor)?;
+                ops::binary_into(
+                    "FlatView::scale",
+                    ops::BinaryKind::Mul,
+                    window,
+                    window,
+                    &factor,
+                )
+            }
+        })
+    }
+
+    /// The sum of the squared elements of all `views` (a gradient norm's share), on one
+    /// device: accumulated in f64 view by view on the CPU; in `T` on a device, where only
+    /// the total leaves it.
+    pub fn sum_of_squares(views: &[FlatView<T>]) -> Result<f64> {
+        const OP: &str = "FlatView::sum_of_squares";
+        let mut total: Option<Tensor<T>> = None;
+        let mut host = 0.0;
+        for view in views {
+            if view.device() == Device::Cpu {
+                host += view.with_host(OP, |slice| {
+                    Ok(slice
+                        .iter()
+                        .map(|&x| x.into_f64() * x.into_f64())
+                        .sum::<f64>())
+                })?;
+                continue;
+            }
+            let values = view.to_tensor()?;
+            let squares = values.mul(&values)?.sum()?;
+            total = Some(match total {
+                Some(total) => total.add(&squares)?,
+                None => squares,
+            });
+        }
+        let device = total.map(|t| t.item()).transpose()?;
+        Ok(host + device.map_or(0.0, T::into_f64))
+    }
+
+    /// Whether every element of every one of `views` times `factor` is finite. On a
+    /// device only one scalar leaves it: the sum of the products times zero, which is NaN
+    /// exactly when one of them is not finite.
+    pub fn all_finite_scaled(views: &[FlatView<T>], factor: T) -> Result<bool> {
+        const OP: &str = "FlatView::all_finite_scaled";
+        let mut total: Option<Tensor<T>> = None;
+        for view in views {
+            if view.device() == Device::Cpu {
+                if !view.with_host(OP, |slice| {
+                    Ok(slice.iter().all(|&x| (x * factor).is_finite()))
+                })? {
+                    return Ok(false);
+                }
+                continue;
+            }
+            let flags = view
+                .to_tensor()?
+                .scale(factor.into_f64())?
+                .scale(0.0)?
+                .sum()?;
+            total = Some(match total {
+                Some(total) => total.add(&flags)?,
+                None => flags,
+            });
+        }
+        Ok(total
+            .map(|t| t.item())
+            .transpose()?
+            .is_none_or(|t| t.is_finite()))
     }
 
     /// Writes `tensor` (same shape and device) into the view, or adds it to what is there.

@@ -3,10 +3,11 @@
 
 use ndarray::{ArrayD, IxDyn};
 
+use crate::flat::{with_regions, Regions};
 use crate::gpu::optim_ops::{adamw_step, sgd_step};
 use crate::gpu::GpuArray;
 use crate::schedule::LrSchedule;
-use crate::{Device, Element, Error, Parameter, Result, Tensor};
+use crate::{Device, Element, Error, FlatView, Parameter, Result, Tensor};
 
 /// Something that updates parameters from their gradients.
 pub trait Optimizer<T: Element = f32> {
@@ -147,7 +148,16 @@ impl<T: Element> Optimizer<T> for Sgd<T> {
             if param.on_device() {
                 let buffer = &mut self.device_buffers[i];
                 param.update_on_device("Sgd::step", |value, grad| {
-                    sgd_step(value, grad, buffer, &update)
+                    // The first step with momentum makes the buffer, from the direction.
+                    let first = update.momentum != 0.0 && buffer.is_none();
+                    if first {
+                        *buffer = Some(GpuArray::uninit(
+                            "Sgd::step",
+                            value.device(),
+                            value.shape(),
+                        )?);
+                    }
+                    sgd_step(value, grad, buffer.as_ref(), first, &update)
                 })?;
                 continue;
             }
@@ -496,6 +506,35 @@ impl SgdUpdate {
         }
         Ok(())
     }
+
+    /// [`apply`](Self::apply) on views of flat storage (each in its own storage, all on
+    /// one device): on a device, in place there. `buffer` is needed with momentum.
+    pub fn apply_views<T: Element>(
+        &self,
+        values: &FlatView<T>,
+        grads: &FlatView<T>,
+        buffer: Option<&FlatView<T>>,
+        first: bool,
+    ) -> Result<()> {
+        const OP: &str = "SgdUpdate::apply_views";
+        let has_momentum = self.momentum != 0.0;
+        let buffer = buffer.filter(|_| has_momentum);
+        check_lengths(
+            OP,
+            values.numel(),
+            grads.numel(),
+            has_momentum.then(|| buffer.map_or(0, |b| b.numel())),
+        )?;
+        let views: Vec<&FlatView<T>> = [values, grads].into_iter().chain(buffer).collect();
+        with_regions(OP, &views, |regions| match regions {
+            Regions::Host(mut slices) => match slices.as_mut_slice() {
+                [values, grads, buffer] => self.apply(values, grads, buffer, first),
+                [values, grads] => self.apply(values, grads, &mut [], first),
+                _ => unreachable!("two or three views"),
+            },
+            Regions::Device(arrays) => sgd_step(&arrays[0], &arrays[1], arrays.get(2), first, self),
+        })
+    }
 }
 
 /// One AdamW update of one parameter's elements at a given step count, exactly as
@@ -577,6 +616,33 @@ impl AdamWUpdate {
             *p = *p * decay - step_size * *m / ((*v).sqrt() / bias2_sqrt + eps);
         }
         Ok(())
+    }
+
+    /// [`apply`](Self::apply) on views of flat storage (each in its own storage, all on
+    /// one device): on a device, in place there.
+    pub fn apply_views<T: Element>(
+        &self,
+        values: &FlatView<T>,
+        grads: &FlatView<T>,
+        m: &FlatView<T>,
+        v: &FlatView<T>,
+    ) -> Result<()> {
+        const OP: &str = "AdamWUpdate::apply_views";
+        check_lengths(OP, values.numel(), grads.numel(), Some(m.numel()))?;
+        check_lengths(OP, values.numel(), grads.numel(), Some(v.numel()))?;
+        with_regions(OP, &[values, grads, m, v], |regions| match regions {
+            Regions::Host(mut slices) => match slices.as_mut_slice() {
+                [values, grads, m, v] => self.apply(values, grads, m, v),
+                _ => unreachable!("four views"),
+            },
+            Regions::Device(arrays) => adamw_step(
+                &arrays[0],
+                &arrays[1],
+                &arrays[2],
+                &arrays[3],
+                self.coefficients(),
+            ),
+        })
     }
 }
 

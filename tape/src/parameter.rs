@@ -123,24 +123,30 @@ impl<T: Element> Parameter<T> {
     /// into `out`: no allocation for a host value; from a device value only those
     /// elements are downloaded.
     pub fn read_flat(&self, offset: usize, out: &mut [T]) -> Result<()> {
-        const OP: &str = "Parameter::read_flat";
-        let value = self.shared.value.lock();
-        let numel = value.numel();
-        let range = flat_range(OP, numel, offset, out.len())?;
-        match value.cpu(OP) {
-            Ok(array) => match array.as_slice() {
-                Some(all) => out.copy_from_slice(&all[range]),
-                None => out
-                    .iter_mut()
-                    .zip(array.iter().skip(offset))
-                    .for_each(|(o, v)| *o = *v),
-            },
-            Err(_) => {
-                let piece = value.reshape(&[numel])?.narrow(0, offset, out.len())?;
-                out.copy_from_slice(&piece.to_vec()?);
-            }
+        read_flat(&self.shared.value.lock(), offset, out)
+    }
+
+    /// Copies elements `offset..offset + out.numel()` of the value (flattened, row-major,
+    /// widened from 16 bits) into `out`, on the same device: no host transfer for a
+    /// device value.
+    pub fn read_flat_into(&self, offset: usize, out: &FlatView<T>) -> Result<()> {
+        const OP: &str = "Parameter::read_flat_into";
+        // A handle on the value, so that no lock of this parameter is held while the
+        // view's storage is locked (backward takes them the other way round).
+        let value = self.value();
+        if out.device() == crate::Device::Cpu {
+            return crate::flat::with_regions(OP, &[out], |regions| match regions {
+                crate::flat::Regions::Host(mut slices) => read_flat(&value, offset, slices[0]),
+                crate::flat::Regions::Device(_) => unreachable!("a CPU view"),
+            });
         }
-        Ok(())
+        let numel = value.numel();
+        flat_range(OP, numel, offset, out.numel())?;
+        let piece = value
+            .reshape(&[numel])?
+            .narrow(0, offset, out.numel())?
+            .reshape(out.shape())?;
+        out.copy_from(&piece)
     }
 
     /// Overwrites elements `offset..offset + values.len()` of the value (flattened,
@@ -427,6 +433,29 @@ impl<T: Element> fmt::Debug for Parameter<T> {
             .field("has_grad", &self.has_grad())
             .finish()
     }
+}
+
+/// Elements `offset..offset + out.len()` of `value` (flattened, row-major) into `out`:
+/// no allocation for a host value; from a device value only those elements are
+/// downloaded.
+fn read_flat<T: Element>(value: &Tensor<T>, offset: usize, out: &mut [T]) -> Result<()> {
+    const OP: &str = "Parameter::read_flat";
+    let numel = value.numel();
+    let range = flat_range(OP, numel, offset, out.len())?;
+    match value.cpu(OP) {
+        Ok(array) => match array.as_slice() {
+            Some(all) => out.copy_from_slice(&all[range]),
+            None => out
+                .iter_mut()
+                .zip(array.iter().skip(offset))
+                .for_each(|(o, v)| *o = *v),
+        },
+        Err(_) => {
+            let piece = value.reshape(&[numel])?.narrow(0, offset, out.len())?;
+            out.copy_from_slice(&piece.to_vec()?);
+        }
+    }
+    Ok(())
 }
 
 /// `offset..offset + len` if it lies within `numel` elements.

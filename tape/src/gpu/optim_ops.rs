@@ -9,31 +9,22 @@ kernels! {
     ADAMW_STEP = "adamw_step": adamw_step_f32, adamw_step_f64;
 }
 
-/// One SGD step of `param` (written in place); `buffer` is the momentum buffer, `None`
-/// before the first step with momentum (it is created from the direction).
+/// One SGD step of `param` (written in place); `buffer` is the momentum buffer (with
+/// momentum), which the `first` step sets from the direction.
 pub(crate) fn sgd_step<T: Element>(
     param: &GpuArray<T>,
     grad: &GpuArray<T>,
-    buffer: &mut Option<GpuArray<T>>,
+    buffer: Option<&GpuArray<T>>,
+    first: bool,
     step: &SgdUpdate,
 ) -> Result<()> {
     let has_momentum = step.momentum != 0.0;
-    let first = has_momentum && buffer.is_none();
-    if first {
-        *buffer = Some(GpuArray::uninit(
-            "Sgd::step",
-            param.device(),
-            param.shape(),
-        )?);
-    }
     let mut args = KernelArgs::default();
-    args.p[..3].copy_from_slice(&[
-        param.ptr(),
-        grad.ptr(),
-        buffer.as_ref().map_or(0, |b| b.ptr()),
-    ]);
+    args.p[..3].copy_from_slice(&[param.ptr(), grad.ptr(), buffer.map_or(0, |b| b.ptr())]);
     args.i[0] = param.len() as i64;
-    args.i[1] = i64::from(has_momentum) | i64::from(first) << 1 | i64::from(step.nesterov) << 2;
+    args.i[1] = i64::from(has_momentum)
+        | i64::from(has_momentum && first) << 1
+        | i64::from(step.nesterov) << 2;
     args.f[..4].copy_from_slice(&[
         step.lr,
         step.weight_decay,

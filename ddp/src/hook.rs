@@ -52,15 +52,18 @@ pub trait CommHook: Send + Sync {
     }
 
     /// Starts the distributed optimizer's reduction of `bucket` (in
-    /// [`wire_dtype`](Self::wire_dtype), a length the group size divides): the [`Work`]
-    /// gives back this rank's contiguous `1/size` of the data-parallel *average*.
+    /// [`wire_dtype`](Self::wire_dtype), a length the group size divides) into `shard`
+    /// (`1/size` of it, in the same dtype and kind of memory): the [`Work`] gives back
+    /// `shard` holding this rank's contiguous `1/size` of the data-parallel *average*.
     fn start_reduce_scatter(
         &self,
         dp: &dyn Communicator,
         bucket: Buffer,
+        shard: Buffer,
     ) -> comm_core::Result<Work> {
-        dp.start(AsyncOp::ReduceScatter {
+        dp.start(AsyncOp::ReduceScatterInto {
             input: bucket,
+            output: shard,
             op: ReduceOp::Avg,
         })
     }

@@ -133,10 +133,11 @@
 //! buckets together are one flat gradient index space (see
 //! [`BucketInfo::flat_offset`]); each is its own allocation so that a reduction in flight
 //! locks only its own. Their total, [`buffer_bytes`](DistributedDataParallel::buffer_bytes),
-//! is exactly the gradient size. With a 16-bit comm hook, or sharded on a device,
-//! gradients are instead *copied* into host buckets in the hook's wire dtype (half the
-//! size with a 16-bit hook), and the reduced values written back (or, sharded, kept as
-//! the optimizer's shards).
+//! is exactly the gradient size. Sharded, each bucket is reduce-scattered from its
+//! storage into a shard on the same device, which the optimizer steps there. With a
+//! 16-bit comm hook, gradients are instead *copied* into host buckets in the hook's wire
+//! dtype (half the size), and the reduced values written back (or, sharded, widened into
+//! the shard).
 #![warn(missing_docs)]
 
 mod bucket;

@@ -9,21 +9,25 @@
 //! as [`tape::AdamW`] and [`tape::Sgd`], and all-gathers the updated values bucket by
 //! bucket into every rank's parameters. Parameters stored as bf16 or f16 are updated
 //! through f32 master weights, of which each rank too keeps only its shard.
+//!
+//! Shards, moments and masters are flat storage on the parameters' device, and the
+//! update runs there (tape's kernels on a device): gradients and parameters never pass
+//! through the host; only the norm and finiteness checks bring scalars back.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use comm_core::{AsyncOp, Buffer, Communicator, CommunicatorExt, DType, ReduceOp};
+use comm_core::{Communicator, CommunicatorExt, DType, ReduceOp};
 use layers::{GradNorm, GradScaler, LocalSquares, ShardedParameter, TensorParallel};
 use parking_lot::Mutex;
 use tape::{
-    AdamWConfig, AdamWUpdate, LrSchedule, Optimizer, OptimizerState, ParamId, ParamOptions,
-    ParamState, Parameter, SgdConfig, SgdUpdate, Tensor, MASTER_BUFFER,
+    AdamWConfig, AdamWUpdate, Device, FlatStorage, FlatView, LrSchedule, Optimizer, OptimizerState,
+    ParamId, ParamOptions, ParamState, Parameter, SgdConfig, SgdUpdate, Tensor, MASTER_BUFFER,
 };
 
-use crate::bucket::{self, BucketInfo};
+use crate::bucket::BucketInfo;
 use crate::error::{Error, Result};
-use crate::reducer::Reducer;
+use crate::reducer::{bucket_device, Reducer};
 use crate::DistributedDataParallel;
 
 /// The update rule applied to each shard.
@@ -60,13 +64,16 @@ struct Piece {
     within_param: std::ops::Range<usize>,
     /// Where the piece starts in the shard.
     shard_offset: usize,
-    /// The f32 master weights of the piece when the parameter is stored in 16 bits.
-    master: Option<Vec<f32>>,
 }
 
 impl Piece {
-    fn shard_range(&self) -> std::ops::Range<usize> {
-        self.shard_offset..self.shard_offset + self.within_param.len()
+    /// The piece's elements in `storage`, a shard-sized flat storage.
+    fn view(&self, storage: &FlatStorage) -> Result<FlatView> {
+        Ok(FlatView::new(
+            storage,
+            self.shard_offset,
+            &[self.within_param.len()],
+        )?)
     }
 }
 
@@ -84,11 +91,18 @@ struct Bucket {
     /// by it.
     first_param: usize,
     info: BucketInfo,
+    /// Where its parameters, and so its shards, live.
+    device: Device,
 }
 
 impl Bucket {
     fn shard_len(&self, dp: usize) -> usize {
         self.info.padded_numel / dp.max(1)
+    }
+
+    /// Flat storage of one shard's length on the bucket's device.
+    fn shard_storage(&self, dp: usize) -> Result<FlatStorage> {
+        Ok(FlatStorage::zeros(self.device, self.shard_len(dp))?)
     }
 }
 
@@ -148,7 +162,10 @@ pub struct DistributedOptimizer {
     /// Per bucket, this rank's pieces of its parameters.
     pieces: Vec<Vec<Piece>>,
     /// Per bucket, the rule's buffers over this rank's shard.
-    buffers: Vec<Vec<Vec<f32>>>,
+    buffers: Vec<Vec<FlatStorage>>,
+    /// Per bucket holding pieces of 16-bit parameters, the f32 master weights over this
+    /// rank's shard (other pieces' elements are scratch).
+    masters: Vec<Option<FlatStorage>>,
     /// Which parameters are trained through master weights (the same on every rank,
     /// whichever of them holds pieces of each).
     mastered: Vec<bool>,
@@ -209,11 +226,14 @@ impl DistributedOptimizer {
                 )));
             }
             let first_param = params.len();
-            buckets.extend(ddp.buckets().iter().map(|info| Bucket {
-                ddp: index,
-                first_param,
-                info: info.clone(),
-            }));
+            for info in ddp.buckets() {
+                buckets.push(Bucket {
+                    ddp: index,
+                    first_param,
+                    info: info.clone(),
+                    device: bucket_device(ddp.parameters(), info)?,
+                });
+            }
             params.extend_from_slice(ddp.parameters());
             reducers.push(ddp.reducer().clone());
         }
@@ -232,7 +252,6 @@ impl DistributedOptimizer {
                             param: bucket.first_param + slot.index,
                             within_param: start - slot.offset..end - slot.offset,
                             shard_offset: start - shard.start,
-                            master: None,
                         })
                     })
                     .collect()
@@ -243,11 +262,13 @@ impl DistributedOptimizer {
         let buffers = buckets
             .iter()
             .map(|bucket| {
-                let len = bucket.shard_len(size);
-                rule.buffer_names().iter().map(|_| vec![0.0; len]).collect()
+                (rule.buffer_names().iter())
+                    .map(|_| bucket.shard_storage(size))
+                    .collect::<Result<Vec<_>>>()
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         let params_len = params.len();
+        let masters = vec![None; buckets.len()];
         let mut optimizer = DistributedOptimizer {
             reducers,
             dp,
@@ -260,6 +281,7 @@ impl DistributedOptimizer {
             steps: 0,
             pieces,
             buffers,
+            masters,
             mastered: vec![false; params_len],
             dropped: None,
         };
@@ -297,15 +319,22 @@ impl DistributedOptimizer {
     /// Trains the `selected` parameters through master weights: gives their pieces that
     /// have none yet the parameters' current values as f32.
     fn read_masters(&mut self, selected: &[bool]) -> Result<()> {
+        let size = self.dp.size();
+        for (index, pieces) in self.pieces.iter().enumerate() {
+            for piece in pieces {
+                if !selected[piece.param] || self.mastered[piece.param] {
+                    continue;
+                }
+                let masters = match &mut self.masters[index] {
+                    Some(masters) => masters,
+                    empty => empty.insert(self.buckets[index].shard_storage(size)?),
+                };
+                self.params[piece.param]
+                    .read_flat_into(piece.within_param.start, &piece.view(masters)?)?;
+            }
+        }
         for (mastered, &selected) in self.mastered.iter_mut().zip(selected) {
             *mastered |= selected;
-        }
-        for piece in self.pieces.iter_mut().flatten() {
-            if selected[piece.param] && piece.master.is_none() {
-                let mut master = vec![0.0; piece.within_param.len()];
-                self.params[piece.param].read_flat(piece.within_param.start, &mut master)?;
-                piece.master = Some(master);
-            }
         }
         Ok(())
     }
@@ -326,24 +355,14 @@ impl DistributedOptimizer {
     /// Bytes of optimizer state this rank holds: its shard of every buffer of the rule
     /// (AdamW: two moments; SGD: the momentum buffer, if any) and of the master weights.
     pub fn state_bytes(&self) -> usize {
-        let buffers: usize = self
-            .buffers
-            .iter()
-            .flatten()
-            .map(|buffer| buffer.capacity() * std::mem::size_of::<f32>())
-            .sum();
+        let buffers: usize = self.buffers.iter().flatten().map(f32_bytes).sum();
         buffers + self.master_bytes()
     }
 
-    /// Bytes of f32 master weights this rank holds (its shard of the 16-bit
-    /// parameters').
+    /// Bytes of f32 master weights this rank holds (its shard of the buckets that hold
+    /// 16-bit parameters).
     pub fn master_bytes(&self) -> usize {
-        self.pieces
-            .iter()
-            .flatten()
-            .filter_map(|piece| piece.master.as_ref())
-            .map(|master| master.capacity() * std::mem::size_of::<f32>())
-            .sum()
+        self.masters.iter().flatten().map(f32_bytes).sum()
     }
 
     /// The learning rate the next step uses.
@@ -387,28 +406,18 @@ impl DistributedOptimizer {
                 .iter()
                 .enumerate()
                 .filter(|(_, b)| b.ddp == ddp);
-            for ((index, bucket), shard) in buckets.zip(reduced.shards.iter_mut()) {
-                let first_param = bucket.first_param;
-                let widened;
-                let grads = match shard.as_buf_ref().as_host_slice::<f32>() {
-                    Some(grads) => grads,
-                    None => {
-                        widened = bucket::read_f32(shard, 0..bucket.shard_len(self.dp.size()))?;
-                        &widened
-                    }
-                };
-                // The gradients as the step will take them (unscaled, say).
-                let scale = f64::from(reduced.scale);
+            let mut views = Vec::new();
+            for ((index, bucket), shard) in buckets.zip(&reduced.shards) {
                 for piece in &self.pieces[index] {
-                    if counted[piece.param] && reduced.used[piece.param - first_param] {
-                        let squares: f64 = grads[piece.shard_range()]
-                            .iter()
-                            .map(|&g| f64::from(g) * f64::from(g))
-                            .sum();
-                        local.add(squares * scale * scale);
+                    if counted[piece.param] && reduced.used[piece.param - bucket.first_param] {
+                        views.push(piece.view(shard)?);
                     }
                 }
             }
+            // The gradients as the step will take them (unscaled, say).
+            let scale = f64::from(reduced.scale);
+            local.sum += FlatView::sum_of_squares(&views)? * scale * scale;
+            local.gradients += views.len();
         }
         let groups: Vec<&Arc<dyn Communicator>> = [&self.dp, tp.group()]
             .into_iter()
@@ -455,18 +464,11 @@ impl DistributedOptimizer {
             let reduced = reducer
                 .reduced_mut()
                 .ok_or_else(|| self.nothing_to_step_with())?;
-            for shard in &mut reduced.shards {
-                // Each element as the step will take it (with any factor pending).
-                let factor = reduced.scale * inverse;
-                let check = |g: &f32| (g * factor).is_finite();
-                finite &= match shard.as_buf_ref().as_host_slice::<f32>() {
-                    Some(grads) => grads.iter().all(check),
-                    None => {
-                        let len = shard.len();
-                        bucket::read_f32(shard, 0..len)?.iter().all(check)
-                    }
-                };
-            }
+            let shards = (reduced.shards.iter())
+                .map(|shard| FlatView::new(shard, 0, &[shard.len()]))
+                .collect::<tape::Result<Vec<_>>>()?;
+            // Each element as the step will take it (with any factor pending).
+            finite &= FlatView::all_finite_scaled(&shards, reduced.scale * inverse)?;
         }
         let groups: Vec<&Arc<dyn Communicator>> = [&self.dp, tp.group()]
             .into_iter()
@@ -545,7 +547,7 @@ impl DistributedOptimizer {
 
     /// Every DDP's reduced shards of the last backward, as one list over the buckets,
     /// with which parameters some rank had a gradient for and each DDP's clip factor.
-    fn take_reduced(&mut self) -> Result<(Vec<Buffer>, Vec<bool>, Vec<f32>)> {
+    fn take_reduced(&mut self) -> Result<(Vec<FlatStorage>, Vec<bool>, Vec<f32>)> {
         let (mut shards, mut used, mut scales) = (Vec::new(), Vec::new(), Vec::new());
         for reducer in &self.reducers {
             let reduced = reducer
@@ -569,31 +571,23 @@ impl DistributedOptimizer {
         let (shards, used, scales) = self.take_reduced()?;
         let lr = self.next_lr();
         self.steps += 1;
-        let mut gathers = Vec::with_capacity(self.buckets.len());
-        for ((index, bucket), mut shard) in self.buckets.iter().enumerate().zip(shards) {
-            let shard_len = bucket.shard_len(self.dp.size());
-            let host = shard.as_buf_ref().as_host_slice::<f32>().is_some();
-            let mut widened = if host {
-                Vec::new()
-            } else {
-                bucket::read_f32(&mut shard, 0..shard_len)?
-            };
-            let mut view = shard.as_buf_mut();
-            let grads = match view.as_host_slice_mut::<f32>() {
-                Some(grads) => grads,
-                None => widened.as_mut_slice(),
-            };
+        let size = self.dp.size();
+        for (index, (bucket, shard)) in self.buckets.iter().zip(&shards).enumerate() {
             let scale = scales[bucket.ddp];
             if scale != 1.0 {
-                grads.iter_mut().for_each(|g| *g *= scale);
+                FlatView::new(shard, 0, &[shard.len()])?.scale(scale)?;
             }
-            let mut values = vec![0.0f32; shard_len];
-            for piece in &mut self.pieces[index] {
-                let range = piece.shard_range();
-                match &piece.master {
-                    Some(master) => values[range.clone()].copy_from_slice(master),
-                    None => self.params[piece.param]
-                        .read_flat(piece.within_param.start, &mut values[range.clone()])?,
+            // The values the update starts from: the masters where the bucket has them,
+            // the parameters' own for their other pieces.
+            let values = match &self.masters[index] {
+                Some(masters) => masters.clone(),
+                None => bucket.shard_storage(size)?,
+            };
+            for piece in &self.pieces[index] {
+                let piece_values = piece.view(&values)?;
+                if !self.mastered[piece.param] {
+                    self.params[piece.param]
+                        .read_flat_into(piece.within_param.start, &piece_values)?;
                 }
                 if !used[piece.param] {
                     continue;
@@ -601,8 +595,8 @@ impl DistributedOptimizer {
                 let first = self.updates[piece.param] == 0;
                 self.updates[piece.param] += 1;
                 let options = self.options[piece.param];
-                let buffers = &mut self.buffers[index];
-                let (values, grads) = (&mut values[range.clone()], &grads[range.clone()]);
+                let grads = piece.view(shard)?;
+                let buffers = &self.buffers[index];
                 match self.rule {
                     Rule::AdamW(config) => {
                         let update = AdamWUpdate::new(
@@ -610,69 +604,60 @@ impl DistributedOptimizer {
                             options,
                             self.updates[piece.param],
                         );
-                        let [m, v] = buffers.as_mut_slice() else {
+                        let [m, v] = buffers.as_slice() else {
                             unreachable!("AdamW keeps two buffers");
                         };
-                        update.apply(values, grads, &mut m[range.clone()], &mut v[range])?;
+                        update.apply_views(
+                            &piece_values,
+                            &grads,
+                            &piece.view(m)?,
+                            &piece.view(v)?,
+                        )?;
                     }
                     Rule::Sgd(config) => {
                         let update = SgdUpdate::new(&SgdConfig { lr, ..config }, options);
-                        let momentum = match buffers.first_mut() {
-                            Some(buffer) => &mut buffer[range],
-                            None => &mut [],
-                        };
-                        update.apply(values, grads, momentum, first)?;
+                        let momentum = buffers.first().map(|b| piece.view(b)).transpose()?;
+                        update.apply_views(&piece_values, &grads, momentum.as_ref(), first)?;
                     }
                 }
-                if let Some(master) = &mut piece.master {
-                    master.copy_from_slice(values);
-                }
             }
-            // 16-bit parameters travel in their own format: half the bytes, and the
-            // same values as rounding on arrival.
-            let input = match self.param_dtype(bucket) {
-                DType::F32 => Buffer::from_vec(values),
-                dtype => {
-                    let mut input = Buffer::zeros(dtype, shard_len);
-                    bucket::write_f32(&mut input, 0, &values)?;
-                    input
-                }
-            };
-            gathers.push(self.dp.start(AsyncOp::AllGather { input })?);
+            self.gather(bucket, &values, &used)?;
         }
-        for (bucket, work) in self.buckets.iter().zip(gathers) {
-            let mut gathered = work.wait()?;
-            let widened = match gathered.dtype() {
-                DType::F32 => None,
-                _ => {
-                    let len = gathered.len();
-                    Some(bucket::read_f32(&mut gathered, 0..len)?)
-                }
-            };
-            let values = match &widened {
-                Some(values) => values.as_slice(),
-                None => gathered
-                    .as_buf_ref()
-                    .as_host_slice::<f32>()
-                    .ok_or_else(|| {
-                        Error::Config("an all-gathered bucket is not in host memory".into())
-                    })?,
-            };
-            for slot in &bucket.info.params {
-                let index = bucket.first_param + slot.index;
-                if !used[index] {
-                    continue;
-                }
-                self.params[index].write_flat(0, &values[slot.range()])?;
+        Ok(())
+    }
+
+    /// All-gathers the bucket's updated shards (`values` on this rank) into the
+    /// parameters that some rank had a gradient for, on their device. 16-bit parameters
+    /// travel in their own format: half the bytes, and the same values as rounding on
+    /// arrival.
+    fn gather(&self, bucket: &Bucket, values: &FlatStorage, used: &[bool]) -> Result<()> {
+        let dtype = self.param_dtype(bucket);
+        let shard = FlatView::new(values, 0, &[values.len()])?.to_tensor()?;
+        let shard = match dtype {
+            DType::F32 => shard,
+            _ => shard.to_dtype(dtype)?,
+        };
+        let gathered = Tensor::<f32>::filled_by(
+            bucket.device,
+            dtype,
+            &[bucket.info.padded_numel],
+            |out| -> Result<()> { Ok(shard.lend(|input| self.dp.all_gather(input, out))??) },
+        )?
+        // Widened once here rather than by each parameter's slice below.
+        .to_dtype(DType::F32)?;
+        for slot in &bucket.info.params {
+            let param = &self.params[bucket.first_param + slot.index];
+            if !used[bucket.first_param + slot.index] {
+                continue;
             }
-            // The next step's gradients overwrite it. A 16-bit gather fits a bucket of a
-            // 16-bit wire format, its f32 widening one of the f32 format: whichever fits
-            // is kept (the second is refused once the bucket has storage).
-            let mut reducer = self.reducers[bucket.ddp].lock();
-            reducer.return_storage(bucket.info.index, gathered);
-            if let Some(widened) = widened {
-                reducer.return_storage(bucket.info.index, Buffer::from_vec(widened));
-            }
+            let value = gathered
+                .narrow(0, slot.offset, slot.numel)?
+                .reshape(&slot.shape)?;
+            let stored = param.value().dtype();
+            param.set_value(match value.dtype() == stored {
+                true => value,
+                false => value.to_dtype(stored)?,
+            })?;
         }
         Ok(())
     }
@@ -689,7 +674,7 @@ impl DistributedOptimizer {
         let mut params = vec![ParamState::default(); self.params.len()];
         for (index, bucket) in self.buckets.iter().enumerate() {
             for (name, shard) in names.iter().zip(&self.buffers[index]) {
-                let full: Vec<f32> = self.dp.all_gather_vec(shard)?;
+                let full: Vec<f32> = self.dp.all_gather_vec(&host_values(shard)?)?;
                 for slot in &bucket.info.params {
                     let param = bucket.first_param + slot.index;
                     if updates[param] > 0.0 {
@@ -704,12 +689,10 @@ impl DistributedOptimizer {
                 .iter()
                 .any(|slot| self.mastered[bucket.first_param + slot.index])
             {
-                let mut shard = vec![0.0f32; bucket.shard_len(self.dp.size())];
-                for piece in &self.pieces[index] {
-                    if let Some(master) = &piece.master {
-                        shard[piece.shard_range()].copy_from_slice(master);
-                    }
-                }
+                let shard = match &self.masters[index] {
+                    Some(masters) => host_values(masters)?,
+                    None => vec![0.0f32; bucket.shard_len(self.dp.size())],
+                };
                 let full: Vec<f32> = self.dp.all_gather_vec(&shard)?;
                 for slot in &bucket.info.params {
                     let param = bucket.first_param + slot.index;
@@ -816,18 +799,18 @@ impl DistributedOptimizer {
                 Rule::Sgd(_) => Ok(u32::from(values.is_some())),
             })
             .collect::<Result<Vec<u32>>>()?;
-        for (index, pieces) in self.pieces.iter_mut().enumerate() {
+        for (index, pieces) in self.pieces.iter().enumerate() {
             for piece in pieces {
-                let range = piece.shard_range();
-                for (b, shard) in self.buffers[index].iter_mut().enumerate() {
+                for (b, shard) in self.buffers[index].iter().enumerate() {
+                    let view = piece.view(shard)?;
                     match &full[piece.param] {
-                        Some(values) => shard[range.clone()]
-                            .copy_from_slice(&values[b][piece.within_param.clone()]),
-                        None => shard[range.clone()].fill(0.0),
+                        Some(values) => upload(&view, &values[b][piece.within_param.clone()])?,
+                        None => view.fill(0.0)?,
                     }
                 }
-                if let (Some(master), Some(saved)) = (&mut piece.master, &masters[piece.param]) {
-                    master.copy_from_slice(&saved[piece.within_param.clone()]);
+                if let (Some(storage), Some(saved)) = (&self.masters[index], &masters[piece.param])
+                {
+                    upload(&piece.view(storage)?, &saved[piece.within_param.clone()])?;
                 }
             }
         }
@@ -844,6 +827,24 @@ impl DistributedOptimizer {
         self.steps = state.steps;
         Ok(())
     }
+}
+
+/// Bytes of an f32 flat storage.
+fn f32_bytes(storage: &FlatStorage) -> usize {
+    storage.len() * std::mem::size_of::<f32>()
+}
+
+/// A storage's elements on the host (for a checkpoint).
+fn host_values(storage: &FlatStorage) -> Result<Vec<f32>> {
+    Ok(FlatView::new(storage, 0, &[storage.len()])?
+        .to_tensor()?
+        .to_vec()?)
+}
+
+/// Overwrites `view` with host `values` (from a checkpoint).
+fn upload(view: &FlatView, values: &[f32]) -> Result<()> {
+    let values = Tensor::from_vec(values.to_vec(), view.shape())?.to_device(view.device())?;
+    Ok(view.copy_from(&values)?)
 }
 
 /// The distributed optimizer behind the [`tape::Optimizer`] interface, so that training

@@ -23,25 +23,25 @@
 //! and the averaged gradients are already where the parameters read them: no copy in,
 //! no copy out, no host round trip on a device.
 //!
-//! Sharded on the CPU the buckets are such storage too, reduce-scattered into this
-//! rank's shard. Otherwise (a 16-bit comm hook, or sharded on a device) each hook copies
-//! its gradient into a host bucket. That storage is allocated once and travels into each
-//! non-blocking reduction and back out of [`Work::wait`]; a bucket whose storage was lost
-//! with a failed operation gets a fresh allocation on its next use.
+//! With a 16-bit comm hook each hook copies its gradient into a host bucket instead.
+//! That storage is allocated once and travels into each non-blocking all-reduce and back
+//! out of [`Work::wait`]; a bucket whose storage was lost with a failed operation (or
+//! consumed by a reduce-scatter) gets a fresh allocation on its next use.
 //!
-//! **Sharded** (for the distributed optimizer), buckets are reduce-scattered (a copying
-//! hook also drops the parameter's copy of the gradient), and `finish` keeps each
-//! bucket's reduced shard for the optimizer instead of writing gradients back. A copying
-//! bucket's storage is consumed by the reduce-scatter, and the optimizer's parameter
-//! all-gather returns a buffer of the same size, which becomes its next storage. Marked
-//! parameters are *deferred*: their hooks do nothing, and `finish` first sums their whole
-//! gradients over their groups, then readies (or copies) them in their last buckets.
+//! **Sharded** (for the distributed optimizer), buckets are reduce-scattered into this
+//! rank's shard, flat storage of `1/dp` of the bucket on the parameters' device (a
+//! copying hook also drops the parameter's copy of the gradient, and its shard is
+//! widened into that storage), and `finish` keeps the shards for the optimizer instead of
+//! writing gradients back. On a device, the reduce-scatter runs from one lease to the
+//! other: no gradient passes through the host. Marked parameters are *deferred*: their
+//! hooks do nothing, and `finish` first sums their whole gradients over their groups,
+//! then readies (or copies) them in their last buckets.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use comm_core::{Buffer, Communicator, CommunicatorExt, DType, ReduceOp, Work};
-use tape::{FlatStorage, FlatView, Parameter, Tensor};
+use tape::{Device, FlatStorage, FlatView, Parameter, Tensor};
 
 use crate::bucket::{self, BucketInfo};
 use crate::error::{Error, Result};
@@ -74,16 +74,18 @@ pub(crate) struct Reducer {
     deferred: Option<Vec<bool>>,
     /// Sharded: what the last `finish` produced, until the optimizer takes it.
     reduced: Option<ReducedShards>,
-    /// Per bucket, the flat storage its parameters' gradients are views of (f32 buckets,
-    /// unless sharded on a device); `None`: gradients are copied into host buckets.
+    /// Per bucket, the flat storage its parameters' gradients are views of (f32
+    /// buckets); `None`: gradients are copied into host buckets.
     grad_buffers: Option<Vec<FlatStorage>>,
+    /// Per bucket, the device its parameters live on (sharded: where its shard goes).
+    devices: Vec<Device>,
 }
 
 /// The outcome of a sharded step: per bucket, this rank's shard of the averaged
-/// gradients (in the wire dtype), which parameters some rank had a gradient for, and the
-/// factor a clip asked the update to multiply them by.
+/// gradients, which parameters some rank had a gradient for, and the factor a clip asked
+/// the update to multiply them by.
 pub(crate) struct ReducedShards {
-    pub(crate) shards: Vec<Buffer>,
+    pub(crate) shards: Vec<FlatStorage>,
     pub(crate) used: Vec<bool>,
     pub(crate) scale: f32,
 }
@@ -92,6 +94,9 @@ struct BucketState {
     storage: Option<Buffer>,
     work: Option<Work>,
     pending: usize,
+    /// Sharded: this step's shard of the reduced gradients, until `finish` hands it to
+    /// the optimizer (made per step, so it lives only from backward to the step).
+    shard: Option<FlatStorage>,
 }
 
 /// How a [`Reducer`] behaves; the parts of [`DdpConfig`](crate::DdpConfig) it needs.
@@ -112,17 +117,13 @@ impl Reducer {
         options: ReducerOptions,
     ) -> Result<Reducer> {
         let wire_dtype = options.hook.wire_dtype();
-        // Sharded buckets are reduce-scattered into a new host buffer, which the bucket's
-        // own memory must then be too.
-        let on_host = || {
-            params
-                .iter()
-                .all(|p| p.value().device() == tape::Device::Cpu)
-        };
-        let views = wire_dtype == DType::F32 && (options.deferred.is_none() || on_host());
-        let grad_buffers = views
+        let grad_buffers = (wire_dtype == DType::F32)
             .then(|| attach_bucket_views(&params, &buckets))
             .transpose()?;
+        let devices = buckets
+            .iter()
+            .map(|info| bucket_device(&params, info))
+            .collect::<Result<Vec<_>>>()?;
         let mut slot_of = vec![(0, 0); params.len()];
         for info in buckets.iter() {
             for (position, param) in info.params.iter().enumerate() {
@@ -137,6 +138,7 @@ impl Reducer {
                     .then(|| Buffer::zeros(wire_dtype, info.padded_numel)),
                 work: None,
                 pending: info.params.len(),
+                shard: None,
             })
             .collect();
         Ok(Reducer {
@@ -157,6 +159,7 @@ impl Reducer {
             deferred: options.deferred,
             reduced: None,
             grad_buffers,
+            devices,
         })
     }
 
@@ -172,20 +175,6 @@ impl Reducer {
     /// The shards of the last sharded `finish`, left in place (to clip them).
     pub(crate) fn reduced_mut(&mut self) -> Option<&mut ReducedShards> {
         self.reduced.as_mut()
-    }
-
-    /// Gives bucket `index` its storage back (the optimizer's all-gathered parameters,
-    /// which the next step's gradients overwrite) if it has none and `buffer` fits.
-    pub(crate) fn return_storage(&mut self, index: usize, buffer: Buffer) {
-        if self.grad_buffers.is_some() {
-            return; // buckets are the gradients' own storage
-        }
-        let fits = self.buckets.get(index).is_some_and(|info| {
-            buffer.len() == info.padded_numel && buffer.dtype() == self.wire_dtype
-        });
-        if let (true, Some(state)) = (fits, self.state.get_mut(index)) {
-            state.storage.get_or_insert(buffer);
-        }
     }
 
     fn is_deferred(&self, index: usize) -> bool {
@@ -271,7 +260,15 @@ impl Reducer {
                     .unwrap_or_else(|| Buffer::zeros(self.wire_dtype, numel)),
             };
             state.work = Some(if self.deferred.is_some() {
-                self.hook.start_reduce_scatter(self.dp.as_ref(), storage)?
+                let shard_len = numel / self.dp.size().max(1);
+                let shard = FlatStorage::zeros(self.devices[self.next_launch], shard_len)?;
+                let output = match &self.grad_buffers {
+                    Some(_) => shard.lease()?,
+                    None => Buffer::zeros(self.wire_dtype, shard_len),
+                };
+                state.shard = Some(shard);
+                self.hook
+                    .start_reduce_scatter(self.dp.as_ref(), storage, output)?
             } else {
                 self.hook.start(self.dp.as_ref(), storage)?
             });
@@ -292,6 +289,8 @@ impl Reducer {
     }
 
     fn finish_step(&mut self) -> Result<()> {
+        // A failed step leaves no shards behind for the optimizer.
+        self.reduced = None;
         if let Some(deferred) = self.deferred.clone() {
             // Sums over model-parallel groups are linear, so running them on the whole
             // gradients before the data-parallel average gives the same result.
@@ -345,10 +344,21 @@ impl Reducer {
         }
         let globally_used = locally_used;
         if self.deferred.is_some() {
-            let mut shards = Vec::with_capacity(self.buckets.len());
+            let mut shards = Vec::with_capacity(self.state.len());
             for (index, state) in self.state.iter_mut().enumerate() {
                 let work = state.work.take().ok_or_else(|| never_started(index))?;
-                shards.push(work.wait()?);
+                let shard = state.shard.take().ok_or_else(|| never_started(index))?;
+                let mut reduced = work.wait()?;
+                // The shard's own lease ends here. A copying bucket's shard (or what a
+                // custom hook reduced elsewhere) is widened in.
+                if !shard.is_leased() {
+                    let len = reduced.len();
+                    let values = bucket::read_f32(&mut reduced, 0..len)?;
+                    let view = FlatView::new(&shard, 0, &[shard.len()])?;
+                    view.copy_from(&Tensor::from_vec(values, &[len])?.to_device(view.device())?)?;
+                }
+                drop(reduced);
+                shards.push(shard);
             }
             self.reduced = Some(ReducedShards {
                 shards,
@@ -424,6 +434,7 @@ impl Reducer {
         for (state, info) in self.state.iter_mut().zip(self.buckets.iter()) {
             state.work = None;
             state.pending = info.params.len();
+            state.shard = None;
         }
     }
 }
@@ -432,26 +443,31 @@ fn never_started(index: usize) -> Error {
     Error::Config(format!("bucket {index} was never started in this step"))
 }
 
+/// The device every parameter of a bucket lives on (one, or an error).
+pub(crate) fn bucket_device(params: &[Parameter], info: &BucketInfo) -> Result<Device> {
+    let devices: Vec<_> = info
+        .params
+        .iter()
+        .map(|slot| params[slot.index].value().device())
+        .collect();
+    let device = devices.first().copied().unwrap_or_default();
+    if let Some(other) = devices.iter().find(|&&d| d != device) {
+        return Err(Error::Config(format!(
+            "bucket {} holds parameters on {device} and on {other}; put every parameter \
+             on one device before wrapping the model in DDP",
+            info.index
+        )));
+    }
+    Ok(device)
+}
+
 /// Lays each bucket out as flat storage on its parameters' device and makes every
 /// parameter's gradient a view into it.
 fn attach_bucket_views(params: &[Parameter], buckets: &[BucketInfo]) -> Result<Vec<FlatStorage>> {
     buckets
         .iter()
         .map(|info| {
-            let devices: Vec<_> = info
-                .params
-                .iter()
-                .map(|slot| params[slot.index].value().device())
-                .collect();
-            let device = devices.first().copied().unwrap_or_default();
-            if let Some(other) = devices.iter().find(|&&d| d != device) {
-                return Err(Error::Config(format!(
-                    "bucket {} holds parameters on {device} and on {other}; put every \
-                     parameter on one device before wrapping the model in DDP",
-                    info.index
-                )));
-            }
-            let storage = FlatStorage::zeros(device, info.padded_numel)?;
+            let storage = FlatStorage::zeros(bucket_device(params, info)?, info.padded_numel)?;
             for slot in &info.params {
                 let view = FlatView::new(&storage, slot.offset, &slot.shape)?;
                 params[slot.index].attach_main_grad(view)?;

@@ -5,7 +5,8 @@
 //! layer norms summed over TP); the same state; a checkpoint taken at DP = 4 resumes at
 //! DP = 2; parameters stored in bf16 or f16 train through each rank's shard of the
 //! master weights as through replicated ones ([`MixedPrecision`]), and their checkpoint
-//! resumes at another DP or replicated; misuse is a typed error.
+//! resumes at another DP or replicated; on the emulated device the sharded step equals
+//! the CPU's and copies nothing between host and device; misuse is a typed error.
 
 mod support;
 
@@ -20,8 +21,9 @@ use support::{
     global_batch, loss, max_relative_error, slice, tp_block, values, BLOCK_HIDDEN, INPUTS, OUTPUTS,
 };
 use tape::{
-    AdamW, AdamWConfig, DType, Generator, LrDecay, LrSchedule, MixedPrecision, Optimizer,
-    OptimizerState, ParamOptions, Parameter, Sgd, SgdConfig, Tape, Tensor, MASTER_BUFFER,
+    transfers, AdamW, AdamWConfig, DType, Device, Generator, LrDecay, LrSchedule, MixedPrecision,
+    Optimizer, OptimizerState, ParamOptions, Parameter, Sgd, SgdConfig, Tape, Tensor, Transfers,
+    MASTER_BUFFER,
 };
 
 const STEPS: usize = 5;
@@ -120,13 +122,14 @@ type Trained = (Vec<Vec<f32>>, OptimizerState);
 
 /// How a run trains: `rule`, through the distributed optimizer with `zero`, parameters
 /// stored as `dtype` (16-bit ones through master weights: the sharded optimizer's, or
-/// [`MixedPrecision`]'s), DDP configured by `config`.
+/// [`MixedPrecision`]'s), DDP configured by `config`, on `device`.
 #[derive(Clone, Copy)]
 struct Way<'a> {
     rule: Rule,
     zero: bool,
     dtype: DType,
     config: &'a DdpConfig,
+    device: Device,
 }
 
 impl<'a> Way<'a> {
@@ -136,7 +139,12 @@ impl<'a> Way<'a> {
             zero,
             dtype,
             config,
+            device: Device::Cpu,
         }
+    }
+
+    fn on(self, device: Device) -> Self {
+        Way { device, ..self }
     }
 
     /// [`train`] on `dp` local ranks: what each rank ends with.
@@ -146,6 +154,18 @@ impl<'a> Way<'a> {
         steps: std::ops::Range<usize>,
         start: Option<&Trained>,
     ) -> Result<Vec<Trained>> {
+        let ranks = self.run_measured(dp, steps, start)?;
+        Ok(ranks.into_iter().map(|(trained, _)| trained).collect())
+    }
+
+    /// [`run`](Self::run), with each rank's host↔device copies of each step after the
+    /// first.
+    fn run_measured(
+        self,
+        dp: usize,
+        steps: std::ops::Range<usize>,
+        start: Option<&Trained>,
+    ) -> Result<Vec<(Trained, Vec<Transfers>)>> {
         Ok(run_local(dp, |comm| {
             train(Arc::new(comm), self, steps.clone(), start)
         })?)
@@ -159,12 +179,13 @@ fn train(
     way: Way,
     steps: std::ops::Range<usize>,
     start: Option<&Trained>,
-) -> Result<Trained> {
+) -> Result<(Trained, Vec<Transfers>)> {
     let Way {
         rule,
         zero,
         dtype,
         config,
+        device,
     } = way;
     let (rank, ranks) = (dp.rank(), dp.size());
     let params = wide_mlp(100 + rank as u64);
@@ -172,6 +193,9 @@ fn train(
         for (param, value) in params.iter().zip(values) {
             param.set_value(Tensor::from_vec(value.clone(), &param.shape())?)?;
         }
+    }
+    for param in &params {
+        param.set_value(param.value().to_device(device)?)?;
     }
     let ddp = DistributedDataParallel::new(
         params.clone(),
@@ -194,16 +218,23 @@ fn train(
     }
     let rows = ROWS * 4 / ranks;
     let tape = Tape::new();
+    let mut moved = Vec::new();
+    let first = steps.start;
     for step in steps {
         let (x, target) = slice(&global_batch(step, ROWS * 4), rank, rows)?;
+        let (x, target) = (x.to_device(device)?, target.to_device(device)?);
         // Resumed or not, the step takes the schedule's rate for its position.
         let expected_lr = schedule(rule).lr(step as u64 + 1);
         anyhow::ensure!(opt.lr() == expected_lr, "step {step}: lr {}", opt.lr());
+        let before = transfers(device);
         opt.zero_grad();
         ddp.backward(&loss(&tape, &params, &x, &target)?)?;
         opt.step()?;
+        if step > first {
+            moved.push(transfers(device) - before);
+        }
     }
-    Ok((values(&params)?, opt.state()?))
+    Ok(((values(&params)?, opt.state()?), moved))
 }
 
 fn check(dp: usize, rule: Rule, config: DdpConfig) -> Result<()> {
@@ -270,27 +301,58 @@ fn bf16_and_f16_parameters_train_through_master_shards_as_through_replicated_mas
     // Each rank keeps the f32 masters of its shard only, besides AdamW's moments; the
     // parameters take 2 bytes each.
     let numel: usize = wide_mlp(1).iter().map(Parameter::numel).sum();
-    let bytes = run_local(3, |comm| -> Result<(usize, usize, usize)> {
+    let bytes = run_local(3, |comm| -> Result<(usize, usize, usize, usize)> {
         let params = wide_mlp(1);
         let ddp =
             DistributedDataParallel::new(params.clone(), Arc::new(comm), small_buckets(true))?;
         let adamw = DistributedOptimizer::adamw([&ddp], ADAMW)?.store_params_as(DType::BF16)?;
         let values: usize = params.iter().map(|p| p.value().nbytes()).sum();
-        Ok((adamw.master_bytes(), adamw.state_bytes(), values))
+        let padded: usize = ddp.buckets().iter().map(|b| b.padded_numel).sum();
+        Ok((adamw.master_bytes(), adamw.state_bytes(), values, padded))
     })?;
     let masters: usize = bytes.iter().map(|b| b.0).sum();
-    assert_eq!(
-        masters,
-        4 * numel,
-        "the ranks' masters cover every parameter once"
+    // A rank keeps a shard of masters for each bucket it holds pieces of.
+    assert!(
+        (4 * numel..=4 * bytes[0].3).contains(&masters),
+        "the ranks' masters cover every parameter once: {masters} bytes for {numel} \
+         parameters in {} padded bucket elements",
+        bytes[0].3
     );
-    for (rank, &(masters, state, values)) in bytes.iter().enumerate() {
+    for (rank, &(masters, state, values, _)) in bytes.iter().enumerate() {
         assert!(
             masters <= 4 * (numel / 3 + 4 * 64),
             "rank {rank}: {masters} bytes"
         );
         assert!(state > masters, "rank {rank}: the moments count too");
         assert_eq!(values, 2 * numel, "rank {rank}");
+    }
+    Ok(())
+}
+
+#[test]
+fn on_a_device_the_sharded_step_moves_nothing_through_the_host() -> Result<()> {
+    let config = small_buckets(true);
+    for dtype in [DType::F32, DType::BF16] {
+        for rule in [Rule::AdamW, Rule::Sgd] {
+            let way = Way::new(rule, true, dtype, &config);
+            let cpu = way.run(2, 0..STEPS, None)?;
+            let device = way.on(Device::Emulated).run_measured(2, 0..STEPS, None)?;
+            for (rank, ((values, state), moved)) in device.iter().enumerate() {
+                let error = max_relative_error(values, &cpu[rank].0);
+                assert!(
+                    error <= 1e-6,
+                    "{dtype} {rule:?} rank {rank}: relative error {error}"
+                );
+                let error = max_relative_error(&masters(state)?, &masters(&cpu[rank].1)?);
+                assert!(
+                    error <= 1e-6,
+                    "{dtype} {rule:?} rank {rank}: masters' error {error}"
+                );
+                for step in moved {
+                    assert_eq!(step, &Transfers::default(), "{dtype} {rule:?}: a host copy");
+                }
+            }
+        }
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! The demo on the emulated device (the GPU code path run on the host): it trains what
 //! the CPU trains, and a TP 2 × DP 2 step copies nothing between host and device but its
-//! batch and its loss.
+//! batch and its loss, with the replicated or the distributed optimizer.
 
 use std::process::Command;
 
@@ -64,8 +64,22 @@ fn a_device_run_ends_with_its_transfers_per_step() {
         assert!(to_device <= 64 * 32, "{to_device} bytes to the device");
         assert!(to_host <= 8, "{to_host} bytes to the host");
     }
+    // So does the distributed optimizer's step (reduce-scatter, unscale, clip, update,
+    // all-gather), which brings back only the overflow check's and the norm's scalars.
+    let zero = [
+        "--use-distributed-optimizer",
+        "--precision",
+        "fp16",
+        "--clip-grad",
+        "1.0",
+    ];
+    let sharded = train("emulated", &zero);
+    let (to_device, to_host) = transfers(&sharded);
+    assert!(to_device <= 64 * 32, "{to_device} bytes to the device");
+    assert!(to_host <= 8 + 2 * 4, "{to_host} bytes to the host");
     // The CPU run trains the same numbers (to the printed digits) and has no such line.
     let cpu = train("cpu", &[]);
     assert_eq!(loss_line(&emulated), loss_line(&cpu));
     assert!(!cpu.contains("device transfers"));
+    assert_eq!(loss_line(&sharded), loss_line(&train("cpu", &zero)));
 }

@@ -1,12 +1,14 @@
 //! Flat storage: one contiguous allocation on one device whose ranges several
 //! parameters' gradients live in (a data-parallel bucket, Megatron's `main_grad`
-//! buffer), so that a collective reduces them in place, with no copy in or out.
+//! buffer), so that a collective reduces them in place, with no copy in or out; also the
+//! shards a sharded optimizer keeps (moments, master weights) and updates where they
+//! live.
 //!
 //! Tensors are immutable; flat storage is the one thing written in place: by backward
 //! accumulating into a view attached with
 //! [`Parameter::attach_main_grad`](crate::Parameter::attach_main_grad), by optimizers
-//! reading a view, and by a collective holding a [`lease`](FlatStorage::lease) on the
-//! whole storage. Every access holds the storage's lock, and every access but the lease's
+//! reading or updating views ([`AdamWUpdate::apply_views`](crate::AdamWUpdate::apply_views)),
+//! and by a collective holding a [`lease`](FlatStorage::lease) on the whole storage. Every access holds the storage's lock, and every access but the lease's
 //! is refused while a lease is out, so a collective in flight never races with backward.
 
 use std::sync::Arc;
@@ -228,27 +230,19 @@ pub(crate) fn with_regions<T: Element, R>(
             parameter: None,
         });
     }
-    // SAFETY: every storage's lock is held until `access` returns, none is leased, and
-    // the storages are distinct, so no two regions alias.
-    let regions = views
-        .iter()
-        .map(|view| unsafe { view.storage.region(view.offset, &view.shape) });
-    let out = if device == Device::Cpu {
-        let slices = regions
-            .map(|region| match region {
-                Region::Host(slice) => Ok(slice),
-                Region::Device(_) => Err(Error::invalid(op, "a CPU storage holds device memory")),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        access(Regions::Host(slices))
-    } else {
-        let windows = regions
-            .map(|region| match region {
-                Region::Device(window) => Ok(window),
-                Region::Host(_) => Err(Error::invalid(op, "a device storage holds host memory")),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        access(Regions::Device(windows))
+    let (mut host, mut windows) = (Vec::new(), Vec::new());
+    for view in views {
+        // SAFETY: every storage's lock is held until `access` returns, none is leased,
+        // and the storages are distinct, so no two regions alias.
+        match unsafe { view.storage.region(view.offset, &view.shape) } {
+            Region::Host(slice) => host.push(slice),
+            Region::Device(window) => windows.push(window),
+        }
+    }
+    // One device (checked above) gives one kind of region.
+    let out = match windows.is_empty() {
+        true => access(Regions::Host(host)),
+        false => access(Regions::Device(windows)),
     };
     drop(guards);
     out

@@ -632,16 +632,21 @@ impl DistributedOptimizer {
     /// arrival.
     fn gather(&self, bucket: &Bucket, values: &FlatStorage, used: &[bool]) -> Result<()> {
         let dtype = self.param_dtype(bucket);
-        let shard = FlatView::new(values, 0, &[values.len()])?.to_tensor()?;
-        let shard = match dtype {
-            DType::F32 => shard,
-            _ => shard.to_dtype(dtype)?,
-        };
         let gathered = Tensor::<f32>::filled_by(
             bucket.device,
             dtype,
             &[bucket.info.padded_numel],
-            |out| -> Result<()> { Ok(shard.lend(|input| self.dp.all_gather(input, out))??) },
+            |out| -> Result<()> {
+                if dtype == DType::F32 {
+                    // The shard itself, lent: no copy.
+                    let shard = values.lease()?;
+                    return Ok(self.dp.all_gather(shard.as_buf_ref(), out)?);
+                }
+                let shard = FlatView::new(values, 0, &[values.len()])?
+                    .to_tensor()?
+                    .to_dtype(dtype)?;
+                Ok(shard.lend(|input| self.dp.all_gather(input, out))??)
+            },
         )?
         // Widened once here rather than by each parameter's slice below.
         .to_dtype(DType::F32)?;

@@ -117,13 +117,13 @@ impl Reducer {
         options: ReducerOptions,
     ) -> Result<Reducer> {
         let wire_dtype = options.hook.wire_dtype();
-        let grad_buffers = (wire_dtype == DType::F32)
-            .then(|| attach_bucket_views(&params, &buckets))
-            .transpose()?;
         let devices = buckets
             .iter()
             .map(|info| bucket_device(&params, info))
             .collect::<Result<Vec<_>>>()?;
+        let grad_buffers = (wire_dtype == DType::F32)
+            .then(|| attach_bucket_views(&params, &buckets, &devices))
+            .transpose()?;
         let mut slot_of = vec![(0, 0); params.len()];
         for info in buckets.iter() {
             for (position, param) in info.params.iter().enumerate() {
@@ -461,13 +461,18 @@ pub(crate) fn bucket_device(params: &[Parameter], info: &BucketInfo) -> Result<D
     Ok(device)
 }
 
-/// Lays each bucket out as flat storage on its parameters' device and makes every
-/// parameter's gradient a view into it.
-fn attach_bucket_views(params: &[Parameter], buckets: &[BucketInfo]) -> Result<Vec<FlatStorage>> {
+/// Lays each bucket out as flat storage on its parameters' device (`devices`, per bucket)
+/// and makes every parameter's gradient a view into it.
+fn attach_bucket_views(
+    params: &[Parameter],
+    buckets: &[BucketInfo],
+    devices: &[Device],
+) -> Result<Vec<FlatStorage>> {
     buckets
         .iter()
-        .map(|info| {
-            let storage = FlatStorage::zeros(bucket_device(params, info)?, info.padded_numel)?;
+        .zip(devices)
+        .map(|(info, &device)| {
+            let storage = FlatStorage::zeros(device, info.padded_numel)?;
             for slot in &info.params {
                 let view = FlatView::new(&storage, slot.offset, &slot.shape)?;
                 params[slot.index].attach_main_grad(view)?;

@@ -307,17 +307,23 @@ fn bf16_and_f16_parameters_train_through_master_shards_as_through_replicated_mas
             DistributedDataParallel::new(params.clone(), Arc::new(comm), small_buckets(true))?;
         let adamw = DistributedOptimizer::adamw([&ddp], ADAMW)?.store_params_as(DType::BF16)?;
         let values: usize = params.iter().map(|p| p.value().nbytes()).sum();
-        let padded: usize = ddp.buckets().iter().map(|b| b.padded_numel).sum();
-        Ok((adamw.master_bytes(), adamw.state_bytes(), values, padded))
+        // A rank keeps a shard of masters for each bucket it holds pieces of: the ranks
+        // whose shard starts before the bucket's parameters end.
+        let held: usize = (ddp.buckets().iter())
+            .map(|b| {
+                let shard = b.padded_numel / 3;
+                shard * b.numel.div_ceil(shard)
+            })
+            .sum();
+        Ok((adamw.master_bytes(), adamw.state_bytes(), values, held))
     })?;
     let masters: usize = bytes.iter().map(|b| b.0).sum();
-    // A rank keeps a shard of masters for each bucket it holds pieces of.
-    assert!(
-        (4 * numel..=4 * bytes[0].3).contains(&masters),
-        "the ranks' masters cover every parameter once: {masters} bytes for {numel} \
-         parameters in {} padded bucket elements",
-        bytes[0].3
+    assert_eq!(
+        masters,
+        4 * bytes[0].3,
+        "the ranks' masters cover every parameter once, in the shards that hold them"
     );
+    assert!(bytes[0].3 >= numel);
     for (rank, &(masters, state, values, _)) in bytes.iter().enumerate() {
         assert!(
             masters <= 4 * (numel / 3 + 4 * 64),

@@ -325,9 +325,10 @@ fn not_16_bit(op: &'static str, dtype: DType) -> Error {
     Error::invalid(op, format!("16-bit storage is bf16 or f16, not {dtype}"))
 }
 
-/// What a backward that reads an op's output keeps: the output itself (for an input
-/// stored in its element type, the output tensor's own storage), or for a 16-bit input
-/// that input, half the bytes, from which backward recomputes the same output.
+/// What a backward that reads an op's output but must not read it rounded (tanh's
+/// `1 − y²`) keeps: the output itself (for an input stored in its element type, the
+/// output tensor's own storage), or for a 16-bit input that input, half the bytes, from
+/// which backward recomputes the same output.
 pub(crate) enum Kept<T: Element, A> {
     Output(A),
     Input(Tensor<T>),

@@ -290,6 +290,33 @@ pub(crate) fn record_exact<T: Element>(
     record_link(op, inputs, output, || OpBackward::Any(make_backward()))
 }
 
+/// [`record`] for an op whose backward reads its own output: `make_backward` gets the
+/// output as the tape stores it (rounded once to the inputs' 16-bit format where they
+/// share one), the same bytes the next op usually keeps, so nothing is held twice. This
+/// is what PyTorch's softmax backward and Megatron's fused softmax read.
+pub(crate) fn record_reading_output<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: ArcArray<T, IxDyn>,
+    make_backward: impl FnOnce(Tensor<T>) -> BackwardFn<T>,
+) -> Result<Tensor<T>> {
+    let output = stored(op, inputs, Tensor::from_shared(output))?;
+    let kept = output.detach();
+    record_link(op, inputs, output, || OpBackward::Cpu(make_backward(kept)))
+}
+
+/// [`record_reading_output`] for ops on any device.
+pub(crate) fn record_tensor_reading_output<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: Tensor<T>,
+    make_backward: impl FnOnce(Tensor<T>) -> TensorBackwardFn<T>,
+) -> Result<Tensor<T>> {
+    let output = stored(op, inputs, output)?;
+    let kept = output.detach();
+    record_link(op, inputs, output, || OpBackward::Any(make_backward(kept)))
+}
+
 /// Rounds the output to the inputs' 16-bit format, if they share one (see
 /// `crate::precision`), then records it.
 fn record_node<T: Element>(
@@ -298,13 +325,22 @@ fn record_node<T: Element>(
     output: Tensor<T>,
     make_backward: impl FnOnce() -> OpBackward<T>,
 ) -> Result<Tensor<T>> {
-    let format = crate::precision::promoted(inputs);
-    let output = if format != output.dtype() && output.dtype() == T::DTYPE {
-        output.stored_as(op, format)?
-    } else {
-        output
-    };
+    let output = stored(op, inputs, output)?;
     record_link(op, inputs, output, make_backward)
+}
+
+/// `output` in the format its inputs promote to.
+fn stored<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: Tensor<T>,
+) -> Result<Tensor<T>> {
+    let format = crate::precision::promoted(inputs);
+    if format != output.dtype() && output.dtype() == T::DTYPE {
+        output.stored_as(op, format)
+    } else {
+        Ok(output)
+    }
 }
 
 fn record_link<T: Element>(

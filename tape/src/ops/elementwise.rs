@@ -5,7 +5,10 @@ use ndarray::{ArcArray, ArrayD, IxDyn, Zip};
 use super::{broadcast_shape, device_grads, on_device, pointwise, sum_to_shape};
 use crate::gpu::ops::{self as device, BinaryKind, UnaryKind};
 use crate::precision::Kept;
-use crate::tape::{record, record_tensor, BackwardFn};
+use crate::tape::{
+    record, record_reading_output, record_tensor, record_tensor_reading_output, BackwardFn,
+    TensorBackwardFn,
+};
 use crate::{Element, Error, Result, Tensor};
 
 /// Which GELU formula to use.
@@ -141,26 +144,22 @@ impl<T: Element> Tensor<T> {
         let Some([x]) = on_device(op, [self])? else {
             return Ok(None);
         };
-        let y = device::unary(kind, &x, factor)?;
-        record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
-            // Only what the derivative reads is kept: the output for exp and tanh (or a
-            // 16-bit input to recompute it from), nothing for a scale, the input for the
-            // others (the kernel reads at most one of the two arrays it is given).
-            let kept = match kind {
-                UnaryKind::Exp | UnaryKind::Tanh => Some(Kept::new(self, y)),
-                UnaryKind::Scale => None,
-                _ => Some(Kept::Input(self.detach())),
-            };
-            let on = x.device();
+        let on = x.device();
+        let y = Tensor::from_gpu(device::unary(kind, &x, factor)?);
+        // Only what the derivative reads is kept: the output as stored for exp, the
+        // output for tanh (or a 16-bit input, since 1 − y² of a rounded y near ±1 cancels),
+        // nothing for a scale, the input for the others (the kernel reads at most one of
+        // the two arrays it is given).
+        let backward = move |kept: Option<Kept<T, Tensor<T>>>| -> TensorBackwardFn<T> {
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
                 let grad = grad.device_array(op, on)?;
                 let kept = match &kept {
                     None => grad.clone(),
-                    Some(Kept::Output(y)) => y.clone(),
+                    Some(Kept::Output(y)) => y.device_array(op, on)?,
                     Some(Kept::Input(x)) => {
                         let x = x.device_array(op, on)?;
                         match kind {
-                            UnaryKind::Exp | UnaryKind::Tanh => device::unary(kind, &x, factor)?,
+                            UnaryKind::Tanh => device::unary(kind, &x, factor)?,
                             _ => x,
                         }
                     }
@@ -168,7 +167,19 @@ impl<T: Element> Tensor<T> {
                 let dx = device::unary_backward(kind, &grad, &kept, &kept, factor)?;
                 Ok(vec![Some(Tensor::from_gpu(dx))])
             })
-        })
+        };
+        match kind {
+            UnaryKind::Exp => record_tensor_reading_output(op, &[self], y, |out| {
+                backward(Some(Kept::Output(out)))
+            }),
+            UnaryKind::Tanh => record_tensor(op, &[self], y.clone(), || {
+                backward(Some(Kept::new(self, y)))
+            }),
+            UnaryKind::Scale => record_tensor(op, &[self], y, || backward(None)),
+            _ => record_tensor(op, &[self], y, || {
+                backward(Some(Kept::Input(self.detach())))
+            }),
+        }
         .map(Some)
     }
 
@@ -188,17 +199,9 @@ impl<T: Element> Tensor<T> {
         if let Some(out) = self.unary_on_device("exp", UnaryKind::Exp, 1.0)? {
             return Ok(out);
         }
-        let exp = |x: ArcArray<T, IxDyn>| x.mapv(T::exp).into_shared();
-        let out = exp(self.cpu("exp")?);
-        record("exp", &[self], out.clone(), || {
-            let kept = Kept::new(self, out);
-            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
-                let out = match &kept {
-                    Kept::Output(y) => y.clone(),
-                    Kept::Input(x) => exp(x.cpu("exp")?),
-                };
-                Ok(vec![Some(grad * &out)])
-            })
+        let out = self.cpu("exp")?.mapv(T::exp).into_shared();
+        record_reading_output("exp", &[self], out, |kept| {
+            Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad * &kept.cpu("exp")?)]))
         })
     }
 

@@ -5,8 +5,7 @@ use ndarray::{ArrayD, ArrayView1, ArrayViewMut1, Axis};
 
 use super::on_device;
 use crate::gpu::row_ops::{self as device, SoftmaxKind, SoftmaxRows};
-use crate::precision::Kept;
-use crate::tape::{record, record_tensor};
+use crate::tape::{record_reading_output, record_tensor_reading_output};
 use crate::{Element, Error, Result, Tensor};
 
 impl<T: Element> Tensor<T> {
@@ -63,28 +62,20 @@ impl<T: Element> Tensor<T> {
             ));
         }
         if let Some([x]) = on_device(op, [self])? {
-            let y = device::softmax(&x, how)?;
-            return record_tensor(op, &[self], Tensor::from_gpu(y.clone()), || {
-                let kept = Kept::new(self, y);
+            let (on, y) = (x.device(), Tensor::from_gpu(device::softmax(&x, how)?));
+            return record_tensor_reading_output(op, &[self], y, |kept| {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                    let y = match &kept {
-                        Kept::Output(y) => y.clone(),
-                        Kept::Input(x) => device::softmax(&x.device_array(op, x.device())?, how)?,
-                    };
-                    let grad = grad.device_array(op, y.device())?;
+                    let y = kept.device_array(op, on)?;
+                    let grad = grad.device_array(op, on)?;
                     let dx = device::softmax_backward(&grad, &y, how)?;
                     Ok(vec![Some(Tensor::from_gpu(dx))])
                 })
             });
         }
         let out = softmax_on_cpu(op, &self.cpu(op)?, how)?;
-        record(op, &[self], out.clone(), || {
-            let kept = Kept::new(self, out);
+        record_reading_output(op, &[self], out, |kept| {
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
-                let out = match &kept {
-                    Kept::Output(y) => y.clone(),
-                    Kept::Input(x) => softmax_on_cpu(op, &x.cpu(op)?, how)?,
-                };
+                let out = kept.cpu(op)?;
                 let mut grad = if grad.is_standard_layout() {
                     grad
                 } else {

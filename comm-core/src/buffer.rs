@@ -454,7 +454,9 @@ enum Repr {
 /// an allocation that a tensor library shares with other views (a bucket of gradients),
 /// which the owner keeps from every other use until the lease is dropped. The views it
 /// gives must stay valid, and unaliased by anything else, for as long as the lease lives.
-pub trait LentMemory: Send + std::fmt::Debug {
+/// Owners recognise their own memory when it comes back (`Box<dyn LentMemory>` upcasts to
+/// `Box<dyn Any>`, which downcasts).
+pub trait LentMemory: std::any::Any + Send + std::fmt::Debug {
     /// The memory, for a collective to read.
     fn view(&self) -> BufRef<'_>;
     /// The memory, for a collective to write.

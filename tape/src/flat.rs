@@ -13,10 +13,12 @@
 
 use std::sync::Arc;
 
+use ndarray::{ArrayView, IxDyn};
 use parking_lot::Mutex;
 
 use crate::gpu::{ops, GpuArray};
-use crate::{Device, Element, Error, Result, Tensor};
+use crate::precision::Half;
+use crate::{DType, Device, Element, Error, Result, Tensor};
 
 /// One contiguous allocation of `len` elements on one device, zeros when made. Clones
 /// share it.
@@ -374,6 +376,26 @@ impl<T: Element> FlatView<T> {
                 Region::Host(slice) => Tensor::from_vec(slice.to_vec(), &self.shape),
                 Region::Device(window) => Ok(Tensor::from_gpu(window.duplicate(OP)?)),
             })
+    }
+
+    /// A copy of the elements stored as `dtype` (`T`'s own, bf16 or f16) on the storage's
+    /// device, rounded once: what a 16-bit collective sends.
+    pub fn to_tensor_as(&self, dtype: DType) -> Result<Tensor<T>> {
+        const OP: &str = "FlatView::to_tensor_as";
+        crate::precision::check_dtype::<T>(OP, dtype)?;
+        if dtype == T::DTYPE {
+            return self.to_tensor();
+        }
+        self.storage.access(OP, self.offset, &self.shape, |region| {
+            Ok(Tensor::from_half(match region {
+                Region::Host(slice) => {
+                    let array = ArrayView::from_shape(IxDyn(&self.shape), &*slice)
+                        .map_err(|e| Error::shape(OP, &[&self.shape], e.to_string()))?;
+                    Half::narrow_cpu(OP, dtype, &array)?
+                }
+                Region::Device(window) => Half::narrow_gpu(OP, dtype, &window)?,
+            }))
+        })
     }
 
     /// Sets every element to `value`.

@@ -10,7 +10,7 @@
 
 use comm_core::DType;
 use half::{bf16, f16};
-use ndarray::{ArcArray, IxDyn};
+use ndarray::{ArcArray, ArrayBase, Data, IxDyn};
 
 use crate::gpu::{GpuArray, KernelArgs, CONVERT_HALF};
 use crate::{Device, Element, Error, Result, Tensor};
@@ -57,7 +57,7 @@ pub(crate) enum Packed<H> {
 }
 
 impl<H: HalfFloat> Packed<H> {
-    fn narrow_cpu<T: Element>(array: &ArcArray<T, IxDyn>) -> Self {
+    fn narrow_cpu<T: Element, S: Data<Elem = T>>(array: &ArrayBase<S, IxDyn>) -> Self {
         Packed::Cpu(array.mapv(|v| H::narrow(as_f32(v))).into_shared())
     }
 
@@ -205,10 +205,10 @@ macro_rules! each_format {
 
 impl Half {
     /// `array` rounded to `dtype` (bf16 or f16), on the CPU.
-    pub(crate) fn narrow_cpu<T: Element>(
+    pub(crate) fn narrow_cpu<T: Element, S: Data<Elem = T>>(
         op: &'static str,
         dtype: DType,
-        array: &ArcArray<T, IxDyn>,
+        array: &ArrayBase<S, IxDyn>,
     ) -> Result<Self> {
         Ok(match dtype {
             DType::F16 => Half::F16(Packed::narrow_cpu(array)),

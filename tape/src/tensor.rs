@@ -11,9 +11,10 @@ use crate::random::Generator;
 use crate::tape::GradLink;
 use crate::{DType, Device, Element, Error, Result};
 
-/// Where the elements live. Private: ops dispatch on it, users see only [`Device`].
+/// Where the elements live. Crate-private: ops dispatch on it, users see only [`Device`]
+/// and [`DType`].
 #[derive(Clone)]
-enum Storage<T> {
+pub(crate) enum Storage<T> {
     Cpu(ArcArray<T, IxDyn>),
     Gpu(GpuArray<T>),
     /// bf16 or f16 (see `crate::precision`).
@@ -28,7 +29,7 @@ enum Storage<T> {
 /// a link to its tape node and [`requires_grad`](Tensor::requires_grad).
 #[derive(Clone)]
 pub struct Tensor<T: Element = f32> {
-    storage: Storage<T>,
+    pub(crate) storage: Storage<T>,
     pub(crate) link: Option<GradLink<T>>,
 }
 

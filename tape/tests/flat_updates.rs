@@ -1,10 +1,11 @@
-//! Optimizer updates, scaling and norms on views of flat storage (what a sharded
-//! optimizer runs on its shards) give the host loops' numbers, on the CPU and on the
-//! emulated device, and refuse views they cannot serve.
+//! Optimizer updates, scaling, norms and 16-bit copies on views of flat storage (what a
+//! sharded optimizer runs on its shards, what a 16-bit comm hook sends) give the host
+//! loops' numbers, on the CPU and on the emulated device, and refuse views they cannot
+//! serve.
 
 use tape::{
-    AdamWConfig, AdamWUpdate, Device, Error, FlatStorage, FlatView, ParamOptions, Parameter,
-    SgdConfig, SgdUpdate, Tensor,
+    transfers, AdamWConfig, AdamWUpdate, DType, Device, Error, FlatStorage, FlatView, ParamOptions,
+    Parameter, SgdConfig, SgdUpdate, Tensor, Transfers,
 };
 
 const LEN: usize = 37;
@@ -130,6 +131,33 @@ fn scaling_norms_and_finiteness_on_views() {
             "{device}"
         );
         assert_eq!(FlatView::<f32>::sum_of_squares(&[]).unwrap(), 0.0);
+    }
+}
+
+#[test]
+fn sixteen_bit_copies_round_each_element_once_on_the_views_device() {
+    let values = ramp(0.7, 0.1);
+    for device in [Device::Cpu, Device::Emulated] {
+        let view = view_of(&values, device);
+        for (dtype, round) in [
+            (
+                DType::BF16,
+                (|x| half::bf16::from_f32(x).to_f32()) as fn(f32) -> f32,
+            ),
+            (DType::F16, |x| half::f16::from_f32(x).to_f32()),
+        ] {
+            let before = transfers(device);
+            let copy = view.to_tensor_as(dtype).unwrap();
+            assert_eq!(transfers(device) - before, Transfers::default(), "{device}");
+            assert_eq!((copy.dtype(), copy.device()), (dtype, device));
+            let expected: Vec<f32> = values.iter().map(|&x| round(x)).collect();
+            assert_eq!(copy.to_vec().unwrap(), expected, "{dtype} on {device}");
+        }
+        assert_eq!(read(&view), values, "the view keeps its f32 values");
+        assert!(matches!(
+            view.to_tensor_as(DType::F64),
+            Err(Error::InvalidArgument { .. })
+        ));
     }
 }
 

@@ -1,10 +1,11 @@
 //! Tensors lend their memory to communicators: CPU tensors as host memory, emulated ones
 //! as emulated device memory, CUDA ones (where a GPU is present) as device memory on
 //! their stream, with no host↔device copy; new tensors are written in place
-//! by a collective; and the transfer counters count exactly the copies asked for.
+//! by a collective; tensors become owned buffers for non-blocking collectives and come
+//! back from them; and the transfer counters count exactly the copies asked for.
 
-use comm_core::{run_local, Communicator, Error as CommError, ReduceOp};
-use tape::{transfers, Device, Tensor, Transfers};
+use comm_core::{run_local, AsyncOp, Buffer, Communicator, Error as CommError, ReduceOp};
+use tape::{transfers, DType, Device, FlatStorage, Tensor, Transfers};
 
 /// Devices whose memory the host can read directly.
 fn devices() -> [Device; 2] {
@@ -81,6 +82,62 @@ fn collectives_write_new_tensors_in_place_on_every_device() -> anyhow::Result<()
             assert_eq!(x[0], rank as f32, "{device}");
         }
     }
+    Ok(())
+}
+
+#[test]
+fn tensors_travel_through_non_blocking_collectives_as_owned_buffers() -> anyhow::Result<()> {
+    for device in every_device() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let results = run_local(2, move |comm| -> anyhow::Result<_> {
+                let r = comm.rank() as f32;
+                let x = Tensor::<f32>::from_vec(vec![r, 0.5, -r, 1.0], &[2, 2])?
+                    .to_device(device)?
+                    .to_dtype(dtype)?;
+                let before = transfers(device);
+                // `x` stays alive: the buffer is a private copy of shared memory.
+                let buf = x.clone().into_buffer()?;
+                let work = comm.start(AsyncOp::AllReduce {
+                    buf,
+                    op: ReduceOp::Sum,
+                })?;
+                let sum = Tensor::<f32>::from_buffer(work.wait()?)?;
+                let moved = transfers(device) - before;
+                let kept = (sum.shape().to_vec(), sum.device(), sum.dtype());
+                Ok((moved, kept, sum.to_vec()?, x.to_vec()?))
+            })?;
+            for (rank, (moved, kept, sum, x)) in results.into_iter().enumerate() {
+                let label = format!("{dtype} on {device}");
+                assert_eq!(moved, Transfers::default(), "{label}: no host round trip");
+                assert_eq!(kept, (vec![2, 2], device, dtype), "{label}");
+                assert_eq!(sum, [1.0, 1.0, -1.0, 2.0], "{label}");
+                let r = rank as f32;
+                assert_eq!(x, [r, 0.5, -r, 1.0], "{label}: the lent tensor's copy");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn host_buffers_become_cpu_tensors_and_foreign_memory_is_refused() -> anyhow::Result<()> {
+    let f32s = Tensor::<f32>::from_buffer(Buffer::from_vec(vec![1.0f32, 2.0]))?;
+    assert_eq!((f32s.shape(), f32s.to_vec()?), (&[2][..], vec![1.0, 2.0]));
+    let halves = vec![half::bf16::from_f32(0.5), half::bf16::from_f32(-3.0)];
+    let bf16s = Tensor::<f32>::from_buffer(Buffer::from_vec(halves))?;
+    assert_eq!(
+        (bf16s.dtype(), bf16s.to_vec()?),
+        (DType::BF16, vec![0.5, -3.0])
+    );
+    let wrong = Tensor::<f32>::from_buffer(Buffer::from_vec(vec![1i32]));
+    assert!(wrong.is_err(), "i32 elements are no tensor's");
+    // Flat storage lends its memory too, but only it may read that lease.
+    let storage = FlatStorage::<f32>::zeros(Device::Cpu, 3)?;
+    let error = Tensor::<f32>::from_buffer(storage.lease()?).unwrap_err();
+    assert!(
+        error.to_string().contains("read it through its owner"),
+        "{error}"
+    );
     Ok(())
 }
 

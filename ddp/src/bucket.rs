@@ -113,39 +113,6 @@ impl BucketInfo {
     }
 }
 
-/// A float type a bucket can be stored and sent in.
-trait WireFloat: comm_core::Element + Copy {
-    fn from_f32(value: f32) -> Self;
-    fn to_f32(self) -> f32;
-}
-
-impl WireFloat for f32 {
-    fn from_f32(value: f32) -> Self {
-        value
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-impl WireFloat for bf16 {
-    fn from_f32(value: f32) -> Self {
-        bf16::from_f32(value)
-    }
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-}
-
-impl WireFloat for f16 {
-    fn from_f32(value: f32) -> Self {
-        f16::from_f32(value)
-    }
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-}
-
 /// Whether buckets can be stored in `dtype`.
 pub(crate) fn is_wire_dtype(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
@@ -192,49 +159,6 @@ fn out_of_range(range: &std::ops::Range<usize>, len: usize) -> Error {
     ))
 }
 
-/// Writes `values` (f32 gradients) at `offset`, rounding to the buffer's dtype.
-pub(crate) fn write_f32(buffer: &mut Buffer, offset: usize, values: &[f32]) -> Result<()> {
-    fn write<T: WireFloat>(slice: &mut [T], offset: usize, values: &[f32]) -> Result<()> {
-        let range = offset..offset + values.len();
-        let len = slice.len();
-        let target = slice
-            .get_mut(range.clone())
-            .ok_or_else(|| out_of_range(&range, len))?;
-        for (slot, &value) in target.iter_mut().zip(values) {
-            *slot = T::from_f32(value);
-        }
-        Ok(())
-    }
-    with_wire_slice_mut!(buffer, slice => write(slice, offset, values))
-}
-
-/// Zeroes `range`.
-pub(crate) fn zero(buffer: &mut Buffer, range: std::ops::Range<usize>) -> Result<()> {
-    fn fill<T: WireFloat>(slice: &mut [T], range: std::ops::Range<usize>) -> Result<()> {
-        let len = slice.len();
-        slice
-            .get_mut(range.clone())
-            .ok_or_else(|| out_of_range(&range, len))?
-            .fill(T::from_f32(0.0));
-        Ok(())
-    }
-    with_wire_slice_mut!(buffer, slice => fill(slice, range))
-}
-
-/// Reads `range` back as f32.
-pub(crate) fn read_f32(buffer: &mut Buffer, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
-    fn read<T: WireFloat>(slice: &[T], range: std::ops::Range<usize>) -> Result<Vec<f32>> {
-        let len = slice.len();
-        Ok(slice
-            .get(range.clone())
-            .ok_or_else(|| out_of_range(&range, len))?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect())
-    }
-    with_wire_slice_mut!(buffer, slice => read(slice, range))
-}
-
 /// Sums `range` of the buffer in place over `comm` (a blocking collective).
 pub(crate) fn all_reduce_range(
     comm: &dyn comm_core::Communicator,
@@ -242,7 +166,7 @@ pub(crate) fn all_reduce_range(
     range: std::ops::Range<usize>,
     op: comm_core::ReduceOp,
 ) -> Result<()> {
-    fn reduce<T: WireFloat>(
+    fn reduce<T: comm_core::Element>(
         comm: &dyn comm_core::Communicator,
         slice: &mut [T],
         range: std::ops::Range<usize>,
@@ -277,17 +201,5 @@ mod tests {
         let numels = vec![10, 3 * MIB / 4, 10];
         let buckets = assign(&numels, MIB, MIB);
         assert_eq!(buckets, vec![vec![2], vec![1], vec![0]]);
-    }
-
-    #[test]
-    fn conversions_round_trip_through_16_bit() -> Result<()> {
-        let mut buffer = Buffer::zeros(DType::BF16, 4);
-        write_f32(&mut buffer, 1, &[1.0, -2.5])?;
-        assert_eq!(read_f32(&mut buffer, 0..4)?, vec![0.0, 1.0, -2.5, 0.0]);
-        zero(&mut buffer, 2..3)?;
-        assert_eq!(read_f32(&mut buffer, 0..4)?, vec![0.0, 1.0, 0.0, 0.0]);
-        assert!(write_f32(&mut buffer, 3, &[1.0, 2.0]).is_err());
-        assert!(read_f32(&mut Buffer::zeros(DType::I32, 1), 0..1).is_err());
-        Ok(())
     }
 }

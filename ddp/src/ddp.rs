@@ -12,7 +12,7 @@ use parallel_state::ParallelState;
 use parking_lot::Mutex;
 use tape::{Parameter, Tensor};
 
-use crate::bucket::{self, BucketInfo, BucketParam};
+use crate::bucket::{self, BucketInfo, BucketParam, GRAD_ELEMENT_BYTES};
 use crate::config::DdpConfig;
 use crate::error::{Error, Result};
 use crate::init;
@@ -88,11 +88,11 @@ impl DistributedDataParallel {
         let reducer = Arc::new(Mutex::new(reducer));
         for (index, param) in params.iter().enumerate() {
             let reducer: Weak<Mutex<Reducer>> = Arc::downgrade(&reducer);
-            param.register_grad_hook(move |param| {
+            param.register_grad_hook(move |_| {
                 let Some(reducer) = reducer.upgrade() else {
                     return Ok(());
                 };
-                let outcome = reducer.lock().on_grad_ready(index, param);
+                let outcome = reducer.lock().on_grad_ready(index);
                 outcome.map_err(|e| tape::Error::custom("ddp grad-ready hook", e))
             });
         }
@@ -152,12 +152,12 @@ impl DistributedDataParallel {
         self.buckets.iter().map(BucketInfo::grad_bytes).sum()
     }
 
-    /// Bytes of the bucket buffers: exactly [`gradient_bytes`](Self::gradient_bytes) with
-    /// f32 buckets, which are the gradients' own storage (plus the shard padding under
-    /// the distributed optimizer); half of it with a 16-bit comm hook, whose buckets the
-    /// gradients are copied into, in addition to the parameters' own gradients.
+    /// Bytes of the bucket buffers: exactly [`gradient_bytes`](Self::gradient_bytes) (plus
+    /// the shard padding under the distributed optimizer), since the buckets are the
+    /// gradients' own f32 storage. A 16-bit comm hook's rounded copy of a bucket exists
+    /// only while that bucket is in flight.
     pub fn buffer_bytes(&self) -> usize {
-        self.buckets.iter().map(|b| b.padded_numel).sum::<usize>() * self.wire_dtype.size_in_bytes()
+        self.buckets.iter().map(|b| b.padded_numel).sum::<usize>() * GRAD_ELEMENT_BYTES
     }
 
     /// Whether buckets are reduce-scattered for a

@@ -7,12 +7,13 @@
 //!   once that reduction has completed, before the parameters read the averages, and
 //!   may run further (blocking) collectives on the reduced bucket.
 //!
-//! [`CommHook::wire_dtype`] fixes the dtype buckets are *stored* in, not only sent in:
-//! with a 16-bit wire dtype the gradients are rounded into a host bucket of that dtype as
-//! they are copied in, a half-size copy beside the parameters' own gradients (f32
-//! buckets are the gradients' own storage instead). On a CUDA device `after_reduce`
-//! sees device memory, so a hook that reads the bucket on the host
-//! ([`ReducedBucket::all_reduce_range`]) works only with host or emulated parameters.
+//! [`CommHook::wire_dtype`] fixes the dtype buckets are sent in. Buckets are always the
+//! gradients' own f32 storage; an f32 hook gets a lease of it and reduces it in place,
+//! while a 16-bit hook gets a rounded copy made on the bucket's device when it launches,
+//! whose average `finish` widens back into the bucket (PyTorch's compression hooks cast
+//! the same way). On a CUDA device `after_reduce` sees device memory, so a hook that
+//! reads the bucket on the host ([`ReducedBucket::all_reduce_range`]) works only with
+//! host or emulated parameters.
 //!
 //! Built-in hooks: [`AllReduceAvg`] (the default) and [`CompressedAllReduce`] (bf16 or
 //! fp16). A hook is only the data-parallel reduction; the model-parallel reductions of
@@ -133,8 +134,9 @@ impl CommHook for AllReduceAvg {
 }
 
 /// Gradient compression, like PyTorch's `bf16_compress_hook` / `fp16_compress_hook`:
-/// buckets hold 16-bit floats, the all-reduce averages them (comm-core reduces 16-bit
-/// floats in f32 and rounds once), and the result is widened back to f32.
+/// each bucket is sent as a copy rounded to 16-bit floats, made on its device, the
+/// all-reduce averages them (comm-core reduces 16-bit floats in f32 and rounds once), and
+/// the result is widened back into the f32 bucket.
 ///
 /// Each gradient element is rounded twice (into the bucket, and the average), so expect
 /// a relative error of about 2⁻⁸ (bf16) or 2⁻¹¹ (fp16) per element. fp16 saturates to

@@ -65,8 +65,9 @@
 //!
 //! # Comm hooks
 //! [`DdpConfig::comm_hook`] chooses how buckets travel over the data-parallel group:
-//! [`AllReduceAvg`] (default), [`CompressedAllReduce`] (bf16/fp16 buckets: half the
-//! traffic, at the cost of a half-size copy of the gradients), or your own [`CommHook`].
+//! [`AllReduceAvg`] (default), [`CompressedAllReduce`] (bf16/fp16: half the traffic, at
+//! the cost of a half-size copy of each bucket while it is in flight), or your own
+//! [`CommHook`].
 //!
 //! # Model-parallel groups
 //! Some gradients must also be summed over a model-parallel group after the
@@ -134,10 +135,9 @@
 //! [`BucketInfo::flat_offset`]); each is its own allocation so that a reduction in flight
 //! locks only its own. Their total, [`buffer_bytes`](DistributedDataParallel::buffer_bytes),
 //! is exactly the gradient size. Sharded, each bucket is reduce-scattered from its
-//! storage into a shard on the same device, which the optimizer steps there. With a
-//! 16-bit comm hook, gradients are instead *copied* into host buckets in the hook's wire
-//! dtype (half the size), and the reduced values written back (or, sharded, widened into
-//! the shard).
+//! storage into a shard on the same device, which the optimizer steps there. A 16-bit
+//! comm hook sends a rounded copy of each bucket, made on its device, and the average is
+//! widened back into the bucket (or, sharded, into the shard).
 #![warn(missing_docs)]
 
 mod bucket;

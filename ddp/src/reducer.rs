@@ -2,40 +2,39 @@
 //!
 //! One step goes through three phases:
 //! 1. **Backward** — each parameter's hook marks it ready (its gradient already is in
-//!    its bucket's slot, or a copying bucket takes a copy). When the *next bucket in launch order* has all its parameters
+//!    its bucket's slot). When the *next bucket in launch order* has all its parameters
 //!    ready, its reduction starts (and so does every following bucket that is already
 //!    complete). Launching strictly in bucket order keeps the collectives in the same
 //!    order on every rank, even when gradients complete in a different order.
 //! 2. **Finish** — parameters that got no gradient are either filled with zeros
 //!    (`find_unused_parameters`) or reported; the remaining buckets start; each bucket is
-//!    waited for in order and post-processed by the comm hook (a copying bucket is then
-//!    written back). Then the extra model-parallel reductions run on the averaged
+//!    waited for in order and post-processed by the comm hook. Then the extra model-parallel reductions run on the averaged
 //!    gradients, one per named group (see
 //!    [`NamedGroupReduction`](crate::NamedGroupReduction)).
 //! 3. **Reset** — ready flags are cleared for the next step. Any failure also resets, so
 //!    one bad step never leaves the next one waiting for a bucket that cannot fire.
 //!
-//! **Gradients as bucket views** (plain DDP with f32 buckets, PyTorch's
-//! `gradient_as_bucket_view`, Megatron's `main_grad`): each bucket is flat storage on its
-//! parameters' device, and every parameter's gradient is a view into it, so backward
-//! accumulates straight into the bucket and the hook only marks the parameter ready. A
-//! bucket's all-reduce runs on a lease of its storage, in place; `finish` waits for it
-//! and the averaged gradients are already where the parameters read them: no copy in,
-//! no copy out, no host round trip on a device.
+//! **Gradients as bucket views** (PyTorch's `gradient_as_bucket_view`, Megatron's
+//! `main_grad`): each bucket is f32 flat storage on its parameters' device, and every
+//! parameter's gradient is a view into it, so backward accumulates straight into the
+//! bucket and the hook only marks the parameter ready. A bucket's all-reduce runs on a
+//! lease of its storage, in place; `finish` waits for it and the averaged gradients are
+//! already where the parameters read them: no copy in, no copy out, no host round trip
+//! on a device.
 //!
-//! With a 16-bit comm hook each hook copies its gradient into a host bucket instead.
-//! That storage is allocated once and travels into each non-blocking all-reduce and back
-//! out of [`Work::wait`]; a bucket whose storage was lost with a failed operation (or
-//! consumed by a reduce-scatter) gets a fresh allocation on its next use.
+//! A 16-bit comm hook (PyTorch's `bf16_compress_hook`) sends a rounded copy instead: at
+//! launch the bucket is narrowed into a fresh 16-bit tensor on its device, which the
+//! collective runs on, and `finish` widens the average back into the bucket. The copy
+//! lives only while its bucket is in flight. A custom hook that hands back a buffer other
+//! than the lease it was given has that buffer's contents copied in the same way.
 //!
 //! **Sharded** (for the distributed optimizer), buckets are reduce-scattered into this
-//! rank's shard, flat storage of `1/dp` of the bucket on the parameters' device (a
-//! copying hook also drops the parameter's copy of the gradient, and its shard is
-//! widened into that storage), and `finish` keeps the shards for the optimizer instead of
-//! writing gradients back. On a device, the reduce-scatter runs from one lease to the
-//! other: no gradient passes through the host. Marked parameters are *deferred*: their
-//! hooks do nothing, and `finish` first sums their whole gradients over their groups,
-//! then readies (or copies) them in their last buckets.
+//! rank's shard, flat storage of `1/dp` of the bucket on the parameters' device (16-bit:
+//! into a 16-bit copy that `finish` widens into it), and `finish` keeps the shards for
+//! the optimizer instead of writing gradients back. On a device, the reduce-scatter runs
+//! from one lease to the other: no gradient passes through the host. Marked parameters
+//! are *deferred*: their hooks do nothing, and `finish` first sums their whole gradients
+//! over their groups, then readies them in their last buckets.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -43,7 +42,7 @@ use std::sync::Arc;
 use comm_core::{Buffer, Communicator, CommunicatorExt, DType, ReduceOp, Work};
 use tape::{Device, FlatStorage, FlatView, Parameter, Tensor};
 
-use crate::bucket::{self, BucketInfo};
+use crate::bucket::BucketInfo;
 use crate::error::{Error, Result};
 use crate::hook::{CommHook, ReducedBucket};
 use crate::named::GroupReduction;
@@ -74,9 +73,8 @@ pub(crate) struct Reducer {
     deferred: Option<Vec<bool>>,
     /// Sharded: what the last `finish` produced, until the optimizer takes it.
     reduced: Option<ReducedShards>,
-    /// Per bucket, the flat storage its parameters' gradients are views of (f32
-    /// buckets); `None`: gradients are copied into host buckets.
-    grad_buffers: Option<Vec<FlatStorage>>,
+    /// Per bucket, the f32 flat storage its parameters' gradients are views of.
+    grad_buffers: Vec<FlatStorage>,
     /// Per bucket, the device its parameters live on (sharded: where its shard goes).
     devices: Vec<Device>,
 }
@@ -91,7 +89,6 @@ pub(crate) struct ReducedShards {
 }
 
 struct BucketState {
-    storage: Option<Buffer>,
     work: Option<Work>,
     pending: usize,
     /// Sharded: this step's shard of the reduced gradients, until `finish` hands it to
@@ -121,9 +118,7 @@ impl Reducer {
             .iter()
             .map(|info| bucket_device(&params, info))
             .collect::<Result<Vec<_>>>()?;
-        let grad_buffers = (wire_dtype == DType::F32)
-            .then(|| attach_bucket_views(&params, &buckets, &devices))
-            .transpose()?;
+        let grad_buffers = attach_bucket_views(&params, &buckets, &devices)?;
         let mut slot_of = vec![(0, 0); params.len()];
         for info in buckets.iter() {
             for (position, param) in info.params.iter().enumerate() {
@@ -133,9 +128,6 @@ impl Reducer {
         let state = buckets
             .iter()
             .map(|info| BucketState {
-                storage: grad_buffers
-                    .is_none()
-                    .then(|| Buffer::zeros(wire_dtype, info.padded_numel)),
                 work: None,
                 pending: info.params.len(),
                 shard: None,
@@ -190,50 +182,27 @@ impl Reducer {
     }
 
     /// The grad-ready hook of parameter `index`.
-    pub(crate) fn on_grad_ready(&mut self, index: usize, param: &Parameter) -> Result<()> {
+    pub(crate) fn on_grad_ready(&mut self, index: usize) -> Result<()> {
         if !self.sync_enabled || self.is_deferred(index) {
             return Ok(());
         }
-        let outcome = self.accept_gradient(index, param);
+        let outcome = self.accept_gradient(index);
         if outcome.is_err() {
             self.reset_step();
         }
         outcome
     }
 
-    fn accept_gradient(&mut self, index: usize, param: &Parameter) -> Result<()> {
+    fn accept_gradient(&mut self, index: usize) -> Result<()> {
         if self.ready.get(index).copied().unwrap_or(false) {
             return Err(Error::FinishNotCalled {
                 name: self.params[index].name().to_string(),
             });
         }
-        // A bucket view already holds the gradient.
-        if self.grad_buffers.is_none() {
-            self.copy_in(index, param.try_grad()?)?;
-        }
+        // The bucket view already holds the gradient.
         self.mark_ready(index);
         if self.overlap {
             self.launch_ready_buckets()?;
-        }
-        Ok(())
-    }
-
-    /// Copies a gradient (or zeros) into the parameter's slot of its bucket; sharded, the
-    /// bucket becomes the gradient's only copy.
-    fn copy_in(&mut self, index: usize, grad: Option<Tensor>) -> Result<()> {
-        let (bucket_index, position) = self.slot_of[index];
-        let info = &self.buckets[bucket_index];
-        let range = info.params[position].range();
-        let state = &mut self.state[info.index];
-        let storage = state
-            .storage
-            .get_or_insert_with(|| Buffer::zeros(self.wire_dtype, info.padded_numel));
-        match grad {
-            Some(grad) => bucket::write_f32(storage, range.start, &grad.to_vec()?)?,
-            None => bucket::zero(storage, range)?,
-        }
-        if self.deferred.is_some() {
-            self.params[index].zero_grad();
         }
         Ok(())
     }
@@ -251,26 +220,17 @@ impl Reducer {
             if state.pending > 0 {
                 break;
             }
-            let numel = self.buckets[self.next_launch].padded_numel;
-            let storage = match &self.grad_buffers {
-                Some(buffers) => buffers[self.next_launch].lease()?,
-                None => state
-                    .storage
-                    .take()
-                    .unwrap_or_else(|| Buffer::zeros(self.wire_dtype, numel)),
-            };
+            let bucket = &self.grad_buffers[self.next_launch];
+            let input = wire_buffer(bucket, self.wire_dtype)?;
             state.work = Some(if self.deferred.is_some() {
-                let shard_len = numel / self.dp.size().max(1);
+                let shard_len = bucket.len() / self.dp.size().max(1);
                 let shard = FlatStorage::zeros(self.devices[self.next_launch], shard_len)?;
-                let output = match &self.grad_buffers {
-                    Some(_) => shard.lease()?,
-                    None => Buffer::zeros(self.wire_dtype, shard_len),
-                };
+                let output = wire_buffer(&shard, self.wire_dtype)?;
                 state.shard = Some(shard);
                 self.hook
-                    .start_reduce_scatter(self.dp.as_ref(), storage, output)?
+                    .start_reduce_scatter(self.dp.as_ref(), input, output)?
             } else {
-                self.hook.start(self.dp.as_ref(), storage)?
+                self.hook.start(self.dp.as_ref(), input)?
             });
             self.next_launch += 1;
             self.started.store(self.next_launch, Ordering::Release);
@@ -298,11 +258,7 @@ impl Reducer {
                 reduction.run(&self.params)?;
             }
             for index in (0..self.params.len()).filter(|&i| deferred[i]) {
-                let param = self.params[index].clone();
-                if param.has_grad() {
-                    if param.main_grad().is_none() {
-                        self.copy_in(index, param.try_grad()?)?;
-                    }
+                if self.params[index].has_grad() {
                     self.mark_ready(index);
                 }
             }
@@ -327,12 +283,10 @@ impl Reducer {
                 let param = &self.params[index];
                 if !param.has_grad() {
                     locally_used[index] = 0;
-                }
-                match param.main_grad() {
-                    // Zeros for this rank's share; a gradient is already in place.
-                    Some(view) if locally_used[index] == 0 => view.fill(0.0)?,
-                    Some(_) => {}
-                    None => self.copy_in(index, param.try_grad()?)?,
+                    // Zeros for this rank's share (a gradient is already in place).
+                    if let Some(view) = param.main_grad() {
+                        view.fill(0.0)?;
+                    }
                 }
                 self.mark_ready(index);
             }
@@ -348,16 +302,7 @@ impl Reducer {
             for (index, state) in self.state.iter_mut().enumerate() {
                 let work = state.work.take().ok_or_else(|| never_started(index))?;
                 let shard = state.shard.take().ok_or_else(|| never_started(index))?;
-                let mut reduced = work.wait()?;
-                // The shard's own lease ends here. A copying bucket's shard (or what a
-                // custom hook reduced elsewhere) is widened in.
-                if !shard.is_leased() {
-                    let len = reduced.len();
-                    let values = bucket::read_f32(&mut reduced, 0..len)?;
-                    let view = FlatView::new(&shard, 0, &[shard.len()])?;
-                    view.copy_from(&Tensor::from_vec(values, &[len])?.to_device(view.device())?)?;
-                }
-                drop(reduced);
+                land(&shard, work.wait()?)?;
                 shards.push(shard);
             }
             self.reduced = Some(ReducedShards {
@@ -365,11 +310,9 @@ impl Reducer {
                 used: globally_used.iter().map(|&used| used > 0).collect(),
                 scale: 1.0,
             });
-            if self.grad_buffers.is_some() {
-                // The shards hold the result; the views still hold this rank's own sums.
-                for param in &self.params {
-                    param.set_main_grad_written(false)?;
-                }
+            // The shards hold the result; the views still hold this rank's own sums.
+            for param in &self.params {
+                param.set_main_grad_written(false)?;
             }
             return Ok(());
         }
@@ -385,29 +328,13 @@ impl Reducer {
                 params: &info.params,
                 buffer: &mut buffer,
             })?;
-            if self.grad_buffers.is_some() {
-                // Ends the lease: the averages are in the parameters' views.
-                drop(buffer);
-                for slot in &info.params {
-                    let used = globally_used[slot.index] > 0;
-                    self.params[slot.index].set_main_grad_written(used)?;
-                }
-                continue;
-            }
+            // The averages are now in the parameters' views (unused on every rank: no
+            // gradient, so optimizers skip it).
+            land(&self.grad_buffers[index], buffer)?;
             for slot in &info.params {
-                let grad = if globally_used[slot.index] > 0 {
-                    let values = bucket::read_f32(&mut buffer, slot.range())?;
-                    // Buckets live in host memory; the gradient goes back to its parameter's
-                    // device.
-                    let device = self.params[slot.index].value().device();
-                    Some(Tensor::from_vec(values, &slot.shape)?.to_device(device)?)
-                } else {
-                    // Unused on every rank: leave no gradient, so optimizers skip it.
-                    None
-                };
-                self.params[slot.index].set_grad(grad)?;
+                let used = globally_used[slot.index] > 0;
+                self.params[slot.index].set_main_grad_written(used)?;
             }
-            self.state[index].storage = Some(buffer);
         }
         for reduction in &self.extra_reductions {
             reduction.run(&self.params)?;
@@ -416,16 +343,13 @@ impl Reducer {
     }
 
     /// Forgets the current step: ready flags, launch position and any operation still in
-    /// flight. A copying bucket's operation completes in the background (the bucket is
-    /// re-allocated when needed); a view bucket's is waited for, since its lease keeps
-    /// the parameters' gradients from the next backward until then (it finishes, or
-    /// fails, on every rank: each rank launched it).
+    /// flight, which is waited for, since a lease keeps the parameters' gradients from
+    /// the next backward until then (it finishes, or fails, on every rank: each rank
+    /// launched it).
     pub(crate) fn reset_step(&mut self) {
-        if self.grad_buffers.is_some() {
-            for state in &mut self.state {
-                if let Some(work) = state.work.take() {
-                    let _ = work.wait();
-                }
+        for state in &mut self.state {
+            if let Some(work) = state.work.take() {
+                let _ = work.wait();
             }
         }
         self.ready.fill(false);
@@ -437,6 +361,30 @@ impl Reducer {
             state.shard = None;
         }
     }
+}
+
+/// What a collective runs on for `storage` in `wire` dtype: a lease of the storage itself
+/// (f32), or a rounded 16-bit copy on its device.
+fn wire_buffer(storage: &FlatStorage, wire: DType) -> Result<Buffer> {
+    if wire == DType::F32 {
+        return Ok(storage.lease()?);
+    }
+    let whole = FlatView::new(storage, 0, &[storage.len()])?;
+    Ok(whole.to_tensor_as(wire)?.into_buffer()?)
+}
+
+/// Ends a collective on `storage`: a buffer that is the storage's own lease is dropped
+/// (the result is in place); any other (a 16-bit copy, or a custom hook's own buffer) is
+/// widened into the storage.
+fn land(storage: &FlatStorage, reduced: Buffer) -> Result<()> {
+    if storage.is_leased() {
+        drop(reduced);
+        return Ok(());
+    }
+    let result = Tensor::from_buffer(reduced)?;
+    let whole = FlatView::new(storage, 0, &[storage.len()])?;
+    whole.copy_from(&result.to_device(storage.device())?)?;
+    Ok(())
 }
 
 fn never_started(index: usize) -> Error {

@@ -1,8 +1,8 @@
 //! Gradients are views into the buckets, which live on the parameters' device: a DDP step
 //! on the emulated device copies no gradient between host and device, allocates no
 //! bucket, and still trains (with `no_sync` accumulation) like one rank on the whole
-//! batch. The 16-bit comm hook, which copies into its own buckets, trains on the device
-//! as on the CPU.
+//! batch. The 16-bit comm hook, which sends a rounded copy of each bucket, trains on the
+//! device as on the CPU, and its copies stay on the device too.
 
 mod support;
 
@@ -104,7 +104,7 @@ fn a_device_step_moves_no_gradient_through_the_host() -> Result<()> {
 }
 
 #[test]
-fn the_16_bit_hook_trains_on_the_device_as_on_the_cpu() -> Result<()> {
+fn the_16_bit_hook_trains_on_the_device_as_on_the_cpu_without_the_host() -> Result<()> {
     let config = || DdpConfig {
         comm_hook: Arc::new(CompressedAllReduce::bf16()),
         ..small_buckets()
@@ -112,12 +112,15 @@ fn the_16_bit_hook_trains_on_the_device_as_on_the_cpu() -> Result<()> {
     let runs = run_local(RANKS, |comm| -> Result<_> {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         let (cpu, _) = train(comm.clone(), Device::Cpu, config())?;
-        let (emulated, _) = train(comm, Device::Emulated, config())?;
-        Ok((cpu, emulated))
+        let (emulated, moved) = train(comm, Device::Emulated, config())?;
+        Ok((cpu, emulated, moved))
     })?;
-    for (cpu, emulated) in runs {
+    for (cpu, emulated, moved) in runs {
         let error = max_relative_error(&emulated, &cpu);
         assert!(error <= 1e-6, "relative error {error}");
+        for step in moved {
+            assert_eq!(step, Transfers::default(), "a step copied through the host");
+        }
     }
     Ok(())
 }

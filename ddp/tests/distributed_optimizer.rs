@@ -14,7 +14,9 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use comm_core::{run_local, Buffer, Communicator, Work};
-use ddp::{CommHook, DdpConfig, DistributedDataParallel, DistributedOptimizer};
+use ddp::{
+    CommHook, CompressedAllReduce, DdpConfig, DistributedDataParallel, DistributedOptimizer,
+};
 use layers::RngTracker;
 use parallel_state::{ParallelState, RankLayout};
 use support::{
@@ -337,30 +339,38 @@ fn bf16_and_f16_parameters_train_through_master_shards_as_through_replicated_mas
 
 #[test]
 fn on_a_device_the_sharded_step_moves_nothing_through_the_host() -> Result<()> {
+    let check = |way: Way<'_>, label: &str| -> Result<()> {
+        let cpu = way.run(2, 0..STEPS, None)?;
+        let device = way.on(Device::Emulated).run_measured(2, 0..STEPS, None)?;
+        for (rank, ((values, state), moved)) in device.iter().enumerate() {
+            let error = max_relative_error(values, &cpu[rank].0);
+            assert!(error <= 1e-6, "{label} rank {rank}: relative error {error}");
+            let error = max_relative_error(&masters(state)?, &masters(&cpu[rank].1)?);
+            assert!(error <= 1e-6, "{label} rank {rank}: masters' error {error}");
+            for step in moved {
+                assert_eq!(step, &Transfers::default(), "{label}: a host copy");
+            }
+        }
+        Ok(())
+    };
     let config = small_buckets(true);
     for dtype in [DType::F32, DType::BF16] {
         for rule in [Rule::AdamW, Rule::Sgd] {
-            let way = Way::new(rule, true, dtype, &config);
-            let cpu = way.run(2, 0..STEPS, None)?;
-            let device = way.on(Device::Emulated).run_measured(2, 0..STEPS, None)?;
-            for (rank, ((values, state), moved)) in device.iter().enumerate() {
-                let error = max_relative_error(values, &cpu[rank].0);
-                assert!(
-                    error <= 1e-6,
-                    "{dtype} {rule:?} rank {rank}: relative error {error}"
-                );
-                let error = max_relative_error(&masters(state)?, &masters(&cpu[rank].1)?);
-                assert!(
-                    error <= 1e-6,
-                    "{dtype} {rule:?} rank {rank}: masters' error {error}"
-                );
-                for step in moved {
-                    assert_eq!(step, &Transfers::default(), "{dtype} {rule:?}: a host copy");
-                }
-            }
+            check(
+                Way::new(rule, true, dtype, &config),
+                &format!("{dtype} {rule:?}"),
+            )?;
         }
     }
-    Ok(())
+    // A 16-bit comm hook's rounded copies of the buckets and shards stay there too.
+    let compressed = DdpConfig {
+        comm_hook: Arc::new(CompressedAllReduce::bf16()),
+        ..small_buckets(true)
+    };
+    check(
+        Way::new(Rule::AdamW, true, DType::BF16, &compressed),
+        "bf16-compress",
+    )
 }
 
 #[test]

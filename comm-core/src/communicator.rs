@@ -213,6 +213,15 @@ pub enum AsyncOp {
         /// This rank's contribution.
         input: Buffer,
     },
+    /// All-gather into memory the caller provides (`size × len` elements of the input's
+    /// dtype, in the same kind of memory: lent device memory, say); the result is
+    /// `output`, and `input` is released when the operation ends.
+    AllGatherInto {
+        /// This rank's contribution.
+        input: Buffer,
+        /// Where every rank's contribution goes, in rank order.
+        output: Buffer,
+    },
     /// Reduce-scatter with equal counts; the result is a new buffer of `len / size`.
     ReduceScatter {
         /// This rank's full input.
@@ -250,6 +259,10 @@ impl AsyncOp {
                 let mut out = Buffer::zeros(input.dtype(), input.len() * comm.size());
                 comm.all_gather(input.as_buf_ref(), out.as_buf_mut())?;
                 Ok(out)
+            }
+            AsyncOp::AllGatherInto { input, mut output } => {
+                comm.all_gather(input.as_buf_ref(), output.as_buf_mut())?;
+                Ok(output)
             }
             AsyncOp::ReduceScatter { input, op } => {
                 // A length the group does not divide gets a wrong-size output, which the

@@ -204,6 +204,7 @@ impl Communicator for DualCommunicator {
         let buffer = match &op {
             AsyncOp::AllReduce { buf, .. } | AsyncOp::Broadcast { buf, .. } => buf,
             AsyncOp::AllGather { input }
+            | AsyncOp::AllGatherInto { input, .. }
             | AsyncOp::ReduceScatter { input, .. }
             | AsyncOp::ReduceScatterInto { input, .. } => input,
         };

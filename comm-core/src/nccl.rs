@@ -766,6 +766,17 @@ impl NcclCommunicator {
         input: BufRef<'a>,
         output: BufMut<'a>,
     ) -> Result<NcclWork<'a>> {
+        let holders = [input.cuda_holders(), output.cuda_holders()].concat();
+        self.queue_all_gather(input, output)?.held_by(&holders)
+    }
+
+    /// Queues an all-gather on NCCL's stream behind the work queued on both buffers'
+    /// streams, without making any stream wait for it.
+    fn queue_all_gather<'a>(
+        &'a self,
+        input: BufRef<'a>,
+        output: BufMut<'a>,
+    ) -> Result<NcclWork<'a>> {
         let kind = OpKind::AllGather;
         let (sig, _) = self.check().all_gather(&input, &output, None)?;
         let streams = self.io_streams(kind, &input, &output)?;
@@ -775,8 +786,7 @@ impl NcclCommunicator {
             // SAFETY: as for the blocking calls; the work borrows both buffers.
             let r = unsafe { nccl::all_gather(src(from), dst(to), count, dtype, comm, s) };
             queued("ncclAllGather", r)
-        })?
-        .held_by(&[input.cuda_holders(), output.cuda_holders()].concat())
+        })
     }
 
     /// [`Communicator::reduce_scatter`] without waiting: see [`NcclWork`].
@@ -1370,7 +1380,9 @@ impl Communicator for NcclCommunicator {
         let (kind, memory) = match &op {
             AsyncOp::AllReduce { buf, .. } => (OpKind::AllReduce, buf.memory()),
             AsyncOp::Broadcast { buf, .. } => (OpKind::Broadcast, buf.memory()),
-            AsyncOp::AllGather { input } => (OpKind::AllGather, input.memory()),
+            AsyncOp::AllGather { input } | AsyncOp::AllGatherInto { input, .. } => {
+                (OpKind::AllGather, input.memory())
+            }
             AsyncOp::ReduceScatter { input, .. } | AsyncOp::ReduceScatterInto { input, .. } => {
                 (OpKind::ReduceScatter, input.memory())
             }
@@ -1398,12 +1410,20 @@ impl Communicator for NcclCommunicator {
                     .take();
                 Ok(self.deferred(pending, output, Some(input)))
             }
+            // And an all-gather from one lent buffer into another.
+            (AsyncOp::AllGatherInto { input, mut output }, Device::Cuda(_)) => {
+                let pending = self
+                    .queue_all_gather(input.as_buf_ref(), output.as_buf_mut())?
+                    .pending
+                    .take();
+                Ok(self.deferred(pending, output, Some(input)))
+            }
             _ => Err(Error::InvalidBuffer {
                 op: kind,
                 group: self.name.clone(),
                 detail: "NCCL's non-blocking operations take lent device memory \
                          (`Buffer::lent`), not host buffers: an all-reduce in place, or a \
-                         reduce-scatter from one lent buffer into another; for other \
+                         reduce-scatter or all-gather from one lent buffer into another; for other \
                          operations call the `*_async` or blocking methods with device views \
                          (`BufRef::cuda` / `BufMut::cuda`): it returns once the result is in \
                          place"

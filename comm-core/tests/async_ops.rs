@@ -54,8 +54,19 @@ fn every_async_operation_kind_returns_its_result_buffer() {
             output: Buffer::from_vec(vec![-1.0f32; 2]),
             op: ReduceOp::Max,
         })?;
+        let gathered_into = comm.start(AsyncOp::AllGatherInto {
+            input: Buffer::from_vec(vec![half::bf16::from_f32(r as f32 + 0.5)]),
+            output: Buffer::from_vec(vec![half::bf16::ZERO; 3]),
+        })?;
         anyhow::ensure!(bcast.wait()?.into_vec::<u8>()? == vec![1; 4]);
         anyhow::ensure!(into.wait()?.into_vec::<f32>()? == vec![2.0, 2.0]);
+        let gathered: Vec<f32> = gathered_into
+            .wait()?
+            .into_vec::<half::bf16>()?
+            .into_iter()
+            .map(half::bf16::to_f32)
+            .collect();
+        anyhow::ensure!(gathered == vec![0.5, 1.5, 2.5]);
         anyhow::ensure!(gather.wait()?.into_vec::<i32>()? == vec![0, 0, 1, 1, 2, 2]);
         let done = scatter.is_done();
         anyhow::ensure!(scatter.wait()?.into_vec::<f64>()? == vec![3.0, 3.0]);

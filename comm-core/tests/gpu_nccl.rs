@@ -696,7 +696,8 @@ fn recorded(comm: &dyn Communicator) -> usize {
 }
 
 /// A dual communicator over (local, NCCL) sends host memory to the local half and device
-/// memory to NCCL, blocking and non-blocking (lent device memory, as DDP's buckets).
+/// memory to NCCL, blocking and non-blocking (lent device memory, as DDP's buckets and the
+/// distributed optimizer's shards).
 #[test]
 fn a_dual_communicator_routes_device_memory_to_nccl() -> anyhow::Result<()> {
     if let Some(reason) = skip_reason() {
@@ -726,10 +727,37 @@ fn a_dual_communicator_routes_device_memory_to_nccl() -> anyhow::Result<()> {
             })?
             .wait()?;
         ensure!(back.memory() == comm_core::Device::Cuda(0));
+        // From one lent buffer into another, as the distributed optimizer's shards.
+        let lend = |values: &[f32]| -> anyhow::Result<Buffer> {
+            Ok(Buffer::lent(Box::new(LentSlice {
+                slice: stream.clone_htod(values)?,
+                stream: stream.clone(),
+            })))
+        };
+        let read = |buffer: Buffer| -> anyhow::Result<Vec<f32>> {
+            let memory: Box<dyn std::any::Any> = buffer
+                .into_lent()
+                .map_err(|_| anyhow::anyhow!("a host buffer came back"))?;
+            let lent = memory
+                .downcast::<LentSlice>()
+                .map_err(|_| anyhow::anyhow!("other memory came back"))?;
+            Ok(stream.clone_dtoh(&lent.slice)?)
+        };
+        let scattered = dual.start(AsyncOp::ReduceScatterInto {
+            input: lend(&[4.0, 5.0])?,
+            output: lend(&[0.0, 0.0])?,
+            op: ReduceOp::Sum,
+        })?;
+        let gathered = dual.start(AsyncOp::AllGatherInto {
+            input: lend(&[6.0])?,
+            output: lend(&[0.0])?,
+        })?;
+        ensure!(read(scattered.wait()?)? == vec![4.0, 5.0]);
+        ensure!(read(gathered.wait()?)? == vec![6.0]);
         ensure!(recorded(host.as_ref()) == host_calls + 1, "one host call");
         ensure!(
-            recorded(nccl.as_ref()) == nccl_calls + 2,
-            "two device calls"
+            recorded(nccl.as_ref()) == nccl_calls + 4,
+            "four device calls"
         );
         ensure!(stream.clone_dtoh(&x)? == vec![1.0, 2.0]);
         Ok(())

@@ -7,7 +7,8 @@
 //! gradient) and keeps no gradient in the parameters; the optimizer keeps moments only
 //! for its shard, updates its pieces of the parameters with the same per-element update
 //! as [`tape::AdamW`] and [`tape::Sgd`], and all-gathers the updated values bucket by
-//! bucket into every rank's parameters. Parameters stored as bf16 or f16 are updated
+//! bucket into every rank's parameters (non-blocking: a bucket's gather runs while the
+//! next bucket is updated). Parameters stored as bf16 or f16 are updated
 //! through f32 master weights, of which each rank too keeps only its shard.
 //!
 //! Shards, moments and masters are flat storage on the parameters' device, and the
@@ -17,7 +18,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use comm_core::{Communicator, CommunicatorExt, DType, ReduceOp};
+use comm_core::{AsyncOp, Communicator, CommunicatorExt, DType, ReduceOp, Work};
 use layers::{GradNorm, GradScaler, LocalSquares, ShardedParameter, TensorParallel};
 use parking_lot::Mutex;
 use tape::{
@@ -567,11 +568,16 @@ impl DistributedOptimizer {
     /// [`clip_grad_norm`](Self::clip_grad_norm) said so), then all-gathers the
     /// parameters. Collective over the data-parallel group. Parameters that no rank had
     /// a gradient for are not updated.
+    ///
+    /// Each bucket's all-gather starts as soon as its shard is updated and runs while the
+    /// next bucket's shard is updated; its parameters are set once that next gather has
+    /// started, so at most two buckets' gathered values are held at a time.
     pub fn step(&mut self) -> Result<()> {
         let (shards, used, scales) = self.take_reduced()?;
         let lr = self.next_lr();
         self.steps += 1;
         let size = self.dp.size();
+        let mut in_flight: Option<(usize, Work)> = None;
         for (index, (bucket, shard)) in self.buckets.iter().zip(&shards).enumerate() {
             let scale = scales[bucket.ddp];
             if scale != 1.0 {
@@ -621,35 +627,40 @@ impl DistributedOptimizer {
                     }
                 }
             }
-            self.gather(bucket, &values, &used)?;
+            let work = self.start_gather(bucket, &values)?;
+            if let Some((previous, work)) = in_flight.replace((index, work)) {
+                self.land_gather(&self.buckets[previous], work, &used)?;
+            }
+        }
+        if let Some((last, work)) = in_flight {
+            self.land_gather(&self.buckets[last], work, &used)?;
         }
         Ok(())
     }
 
-    /// All-gathers the bucket's updated shards (`values` on this rank) into the
-    /// parameters that some rank had a gradient for, on their device. 16-bit parameters
-    /// travel in their own format: half the bytes, and the same values as rounding on
-    /// arrival.
-    fn gather(&self, bucket: &Bucket, values: &FlatStorage, used: &[bool]) -> Result<()> {
+    /// Starts all-gathering the bucket's updated shards (`values` on this rank) into a
+    /// fresh tensor on the parameters' device. 16-bit parameters travel in their own
+    /// format: half the bytes, and the same values as rounding on arrival.
+    fn start_gather(&self, bucket: &Bucket, values: &FlatStorage) -> Result<Work> {
         let dtype = self.param_dtype(bucket);
-        let gathered = Tensor::<f32>::filled_by(
-            bucket.device,
-            dtype,
-            &[bucket.info.padded_numel],
-            |out| -> Result<()> {
-                if dtype == DType::F32 {
-                    // The shard itself, lent: no copy.
-                    let shard = values.lease()?;
-                    return Ok(self.dp.all_gather(shard.as_buf_ref(), out)?);
-                }
-                let shard = FlatView::new(values, 0, &[values.len()])?
-                    .to_tensor()?
-                    .to_dtype(dtype)?;
-                Ok(shard.lend(|input| self.dp.all_gather(input, out))??)
-            },
-        )?
+        let input = match dtype {
+            // The shard itself, lent: no copy.
+            DType::F32 => values.lease()?,
+            _ => FlatView::new(values, 0, &[values.len()])?
+                .to_tensor_as(dtype)?
+                .into_buffer()?,
+        };
+        let output = Tensor::<f32>::full_on(&[bucket.info.padded_numel], 0.0, bucket.device)?
+            .to_dtype(dtype)?
+            .into_buffer()?;
+        Ok(self.dp.start(AsyncOp::AllGatherInto { input, output })?)
+    }
+
+    /// Waits for a bucket's all-gather and sets the parameters that some rank had a
+    /// gradient for, on their device.
+    fn land_gather(&self, bucket: &Bucket, work: Work, used: &[bool]) -> Result<()> {
         // Widened once here rather than by each parameter's slice below.
-        .to_dtype(DType::F32)?;
+        let gathered = Tensor::<f32>::from_buffer(work.wait()?)?.to_dtype(DType::F32)?;
         for slot in &bucket.info.params {
             let param = &self.params[bucket.first_param + slot.index];
             if !used[bucket.first_param + slot.index] {

@@ -13,11 +13,11 @@ def median(values):
     return values[len(values) // 2]
 
 
-def gemm(n, tf32):
+def gemm(n, tf32, dtype=torch.float32):
     torch.backends.cuda.matmul.allow_tf32 = tf32
     g = torch.Generator(device="cuda").manual_seed(1)
-    a = torch.randn(n, n, device="cuda", generator=g)
-    b = torch.randn(n, n, device="cuda", generator=g)
+    a = torch.randn(n, n, device="cuda", generator=g).to(dtype)
+    b = torch.randn(n, n, device="cuda", generator=g).to(dtype)
     times = []
     for i in range(25):
         torch.cuda.synchronize()
@@ -59,6 +59,10 @@ def main():
         ms = gemm(n, tf32)
         print(json.dumps({"bench": "gemm", "impl": "torch", "device": "cuda:0", "n": n,
                           "tf32": tf32, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}))
+    n16 = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+    ms = gemm(n16, False, torch.bfloat16)
+    print(json.dumps({"bench": "gemm_bf16", "impl": "torch", "device": "cuda:0", "n": n16,
+                      "ms": ms, "tflops": 2.0 * n16**3 / (ms * 1e-3) / 1e12}))
     fwd, bwd = tiny_ops()
     print(json.dumps({"bench": "tiny_ops", "impl": "torch", "device": "cuda:0",
                       "forward_us_per_op": fwd, "backward_us_per_node": bwd}))

@@ -4,24 +4,32 @@
 //! `cargo run --release -p tape --features cuda --example bench_device -- --device cuda:0`
 //! prints one JSON object per line:
 //! - `gemm`: a 4096×4096·4096×4096 f32 product, FP32 and TF32 (median ms, TFLOP/s);
+//! - `gemm_bf16`: an 8192×8192·8192×8192 product of bf16 matrices, accumulated in f32
+//!   (`--bf16-size N` for another size);
 //! - `tiny_ops`: a chain of 1000 elementwise ops on 1024-element tensors with its
 //!   backward (µs per op forward, per node backward), i.e. per-op overhead.
 
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use tape::{set_allow_tf32, synchronize, Device, Generator, Parameter, Tape, Tensor};
+use tape::{set_allow_tf32, synchronize, DType, Device, Generator, Parameter, Tape, Tensor};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-fn gemm(device: Device, n: usize, tf32: bool) -> Result<f64> {
+/// Median ms of an `n`×`n` product of matrices stored as `dtype` (f32 with or without
+/// TF32, or bf16).
+fn gemm(device: Device, n: usize, dtype: DType, tf32: bool) -> Result<f64> {
     set_allow_tf32(tf32);
     let mut rng = Generator::new(1);
-    let a = Tensor::<f32>::randn(&[n, n], 1.0, &mut rng).to_device(device)?;
-    let b = Tensor::<f32>::randn(&[n, n], 1.0, &mut rng).to_device(device)?;
+    let a = Tensor::<f32>::randn(&[n, n], 1.0, &mut rng)
+        .to_device(device)?
+        .to_dtype(dtype)?;
+    let b = Tensor::<f32>::randn(&[n, n], 1.0, &mut rng)
+        .to_device(device)?
+        .to_dtype(dtype)?;
     let mut times = Vec::new();
     for i in 0..25 {
         synchronize(device)?;
@@ -77,24 +85,33 @@ fn tiny_ops(device: Device) -> Result<(f64, f64)> {
 
 fn main() -> Result<()> {
     let mut device = Device::Cuda(0);
-    let mut size = 4096;
+    let (mut size, mut bf16_size) = (4096, 8192);
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         match flag.as_str() {
             "--device" => device = args.next().context("--device needs a value")?.parse()?,
             "--size" => size = args.next().context("--size needs a value")?.parse()?,
-            other => bail!("unknown argument {other}; use --device D [--size N]"),
+            "--bf16-size" => {
+                bf16_size = args.next().context("--bf16-size needs a value")?.parse()?
+            }
+            other => bail!("unknown argument {other}; use --device D [--size N] [--bf16-size N]"),
         }
     }
-    let flops = 2.0 * (size as f64).powi(3);
+    let tflops = |n: usize, ms: f64| 2.0 * (n as f64).powi(3) / (ms * 1e-3) / 1e12;
     for tf32 in [false, true] {
-        let ms = gemm(device, size, tf32)?;
+        let ms = gemm(device, size, DType::F32, tf32)?;
         println!(
             "{}",
             serde_json::json!({"bench": "gemm", "impl": "tape", "device": device.to_string(),
-                "n": size, "tf32": tf32, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
+                "n": size, "tf32": tf32, "ms": ms, "tflops": tflops(size, ms)})
         );
     }
+    let ms = gemm(device, bf16_size, DType::BF16, false)?;
+    println!(
+        "{}",
+        serde_json::json!({"bench": "gemm_bf16", "impl": "tape", "device": device.to_string(),
+            "n": bf16_size, "ms": ms, "tflops": tflops(bf16_size, ms)})
+    );
     let (forward_us, backward_us) = tiny_ops(device)?;
     println!(
         "{}",

@@ -9,7 +9,7 @@ use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 use parking_lot::Mutex;
 
-use super::{allow_tf32, Backend, Gemm, Kernel, KernelArgs, Precision};
+use super::{allow_tf32, Backend, Gemm, GemmFormat, Kernel, KernelArgs, Precision};
 use crate::{Device, Error, Result};
 
 // SAFETY: KernelArgs is a plain #[repr(C)] struct of integers and floats, which is
@@ -286,8 +286,8 @@ impl Backend for CudaBackend {
         let (sa, sb, sc) = (g.stride_a as i64, g.stride_b as i64, g.stride_c as i64);
         // SAFETY: the caller guarantees the matrices' extents; the handle is ours (locked).
         let status = unsafe {
-            match g.precision {
-                Precision::F32 => {
+            match g.format {
+                GemmFormat::F32 => {
                     let mode = if allow_tf32() {
                         cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
                     } else {
@@ -319,7 +319,41 @@ impl Backend for CudaBackend {
                         batch,
                     )
                 }
-                Precision::F64 => cudarc::cublas::result::dgemm_strided_batched(
+                GemmFormat::Bf16 | GemmFormat::F16 => {
+                    let format = if g.format == GemmFormat::Bf16 {
+                        cublas_sys::cudaDataType::CUDA_R_16BF
+                    } else {
+                        cublas_sys::cudaDataType::CUDA_R_16F
+                    };
+                    // f32 scalars, as the f32 compute type asks.
+                    let (alpha, beta) = (g.alpha as f32, g.beta as f32);
+                    cudarc::cublas::result::gemm_strided_batched_ex(
+                        blas.0,
+                        op(g.transpose_a),
+                        op(g.transpose_b),
+                        m,
+                        n,
+                        k,
+                        (&alpha as *const f32).cast(),
+                        g.a as *const std::ffi::c_void,
+                        format,
+                        lda,
+                        sa,
+                        g.b as *const std::ffi::c_void,
+                        format,
+                        ldb,
+                        sb,
+                        (&beta as *const f32).cast(),
+                        g.c as *mut std::ffi::c_void,
+                        format,
+                        ldc,
+                        sc,
+                        batch,
+                        cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                GemmFormat::F64 => cudarc::cublas::result::dgemm_strided_batched(
                     blas.0,
                     op(g.transpose_a),
                     op(g.transpose_b),

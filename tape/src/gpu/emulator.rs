@@ -5,7 +5,10 @@
 
 use std::alloc::Layout;
 
-use super::{Backend, Gemm, Kernel, KernelArgs, Precision};
+use half::{bf16, f16};
+
+use super::{Backend, Gemm, GemmFormat, Kernel, KernelArgs, Precision};
+use crate::precision::HalfFloat;
 use crate::{Device, Error, Result};
 
 pub(crate) struct Emulator;
@@ -82,26 +85,69 @@ impl Backend for Emulator {
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()> {
         // SAFETY: the caller guarantees the matrices' extents.
         unsafe {
-            match gemm.precision {
-                Precision::F32 => reference_gemm::<f32>(gemm),
-                Precision::F64 => reference_gemm::<f64>(gemm),
+            match gemm.format {
+                GemmFormat::F32 => reference_gemm::<f32>(gemm),
+                GemmFormat::F64 => reference_gemm::<f64>(gemm),
+                GemmFormat::Bf16 => reference_gemm::<bf16>(gemm),
+                GemmFormat::F16 => reference_gemm::<f16>(gemm),
             }
         }
         Ok(())
     }
 }
 
-/// cuBLAS's strided-batched GEMM on column-major matrices, accumulating in `T` as
-/// cuBLAS does (without TF32). `beta == 0` ignores C's old contents, NaNs included.
-unsafe fn reference_gemm<T: crate::Element>(g: &Gemm) {
-    let (alpha, beta) = (T::from_f64(g.alpha), T::from_f64(g.beta));
+/// An element a GEMM reads and writes, and the type it accumulates in.
+trait Stored: Copy {
+    type Sum: crate::Element;
+    fn widen(self) -> Self::Sum;
+    fn narrow(sum: Self::Sum) -> Self;
+}
+
+macro_rules! accumulates_in_itself {
+    ($($t:ty),*) => {$(
+        impl Stored for $t {
+            type Sum = $t;
+            fn widen(self) -> $t {
+                self
+            }
+            fn narrow(sum: $t) -> $t {
+                sum
+            }
+        }
+    )*};
+}
+accumulates_in_itself!(f32, f64);
+
+macro_rules! accumulates_in_f32 {
+    ($($t:ty),*) => {$(
+        impl Stored for $t {
+            type Sum = f32;
+            fn widen(self) -> f32 {
+                HalfFloat::widen(self)
+            }
+            fn narrow(sum: f32) -> $t {
+                <$t as HalfFloat>::narrow(sum)
+            }
+        }
+    )*};
+}
+accumulates_in_f32!(bf16, f16);
+
+/// cuBLAS's strided-batched GEMM on column-major matrices, accumulating as cuBLAS does
+/// (in the type itself for f32 without TF32 and f64, in f32 for 16-bit matrices, whose C
+/// is rounded once). `beta == 0` ignores C's old contents, NaNs included.
+unsafe fn reference_gemm<T: Stored>(g: &Gemm) {
+    let (alpha, beta) = (
+        <T::Sum as crate::Element>::from_f64(g.alpha),
+        <T::Sum as crate::Element>::from_f64(g.beta),
+    );
     for batch in 0..g.batch {
         let a = (g.a as *const T).wrapping_add(batch * g.stride_a);
         let b = (g.b as *const T).wrapping_add(batch * g.stride_b);
         let c = (g.c as *mut T).wrapping_add(batch * g.stride_c);
         for j in 0..g.n {
             for i in 0..g.m {
-                let mut acc = T::zero();
+                let mut acc = <T::Sum as crate::Element>::from_f64(0.0);
                 for l in 0..g.k {
                     // SAFETY: indices within the extents the caller guarantees.
                     let x = unsafe {
@@ -118,15 +164,15 @@ unsafe fn reference_gemm<T: crate::Element>(g: &Gemm) {
                             l + j * g.ldb
                         })
                     };
-                    acc += x * y;
+                    acc += x.widen() * y.widen();
                 }
                 // SAFETY: as above.
                 let out = unsafe { &mut *c.add(i + j * g.ldc) };
-                *out = if g.beta == 0.0 {
+                *out = T::narrow(if g.beta == 0.0 {
                     alpha * acc
                 } else {
-                    alpha * acc + beta * *out
-                };
+                    alpha * acc + beta * out.widen()
+                });
             }
         }
     }

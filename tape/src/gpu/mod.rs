@@ -118,11 +118,31 @@ impl Precision {
     }
 }
 
+/// The element format of a GEMM's A, B and C. Products of 16-bit matrices accumulate in
+/// f32 and round C once (cuBLAS's `CUBLAS_COMPUTE_32F`); the others accumulate in their
+/// own type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GemmFormat {
+    F32,
+    F64,
+    Bf16,
+    F16,
+}
+
+impl GemmFormat {
+    pub(crate) fn of<T: Element>() -> GemmFormat {
+        match Precision::of::<T>() {
+            Precision::F32 => GemmFormat::F32,
+            Precision::F64 => GemmFormat::F64,
+        }
+    }
+}
+
 /// A column-major, strided-batched GEMM (cuBLAS's convention):
 /// `C_i = alpha · op(A_i) · op(B_i) + beta · C_i` for `batch` matrices.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Gemm {
-    pub precision: Precision,
+    pub format: GemmFormat,
     pub transpose_a: bool,
     pub transpose_b: bool,
     pub m: usize,

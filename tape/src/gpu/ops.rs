@@ -1,7 +1,8 @@
 //! The math of each op on device arrays, forward and backward; `crate::ops` dispatches
 //! here for device tensors and records the backward on the tape.
 
-use super::{Gemm, GpuArray, KernelArgs, Precision, MAX_DIMS};
+use super::{Gemm, GemmFormat, GpuArray, KernelArgs, MAX_DIMS};
+use crate::precision::HalfFloat;
 use crate::{Element, Error, Result};
 
 /// Row-major (contiguous) strides of `shape`.
@@ -314,8 +315,58 @@ pub(crate) fn matmul<T: Element>(
     if out.len() == 0 {
         return Ok(out);
     }
-    let gemm = Gemm {
-        precision: Precision::of::<T>(),
+    if k == 0 {
+        // An empty sum: cuBLAS may leave C untouched, so write the zeros ourselves.
+        let mut args = KernelArgs::default();
+        args.p[0] = out.ptr();
+        args.i[0] = out.len() as i64;
+        out.launch(&super::FILL, out.len(), &args)?;
+        return Ok(out);
+    }
+    let gemm = row_major_gemm(GemmFormat::of::<T>(), out.ptr(), a, b, [m, n, k, batch]);
+    // SAFETY: the extents follow from the operands' checked shapes.
+    unsafe { out.backend().gemm(&gemm)? };
+    Ok(out)
+}
+
+/// [`matmul`] of two 16-bit matrices of one format, accumulated in f32 and rounded once
+/// into a 16-bit result (cuBLAS's GemmEx with f32 compute): no widened copy of either
+/// operand. Needs `k > 0`.
+#[allow(clippy::too_many_arguments)] // the GEMM's own parameters
+pub(crate) fn matmul_16_bit<H: HalfFloat>(
+    device: crate::Device,
+    shape: &[usize],
+    a: Operand,
+    b: Operand,
+    m: usize,
+    n: usize,
+    k: usize,
+    batch: usize,
+) -> Result<GpuArray<H>> {
+    let out = GpuArray::<H>::uninit("matmul", device, shape)?;
+    if out.len() == 0 {
+        return Ok(out);
+    }
+    let format = match H::KIND {
+        0 => GemmFormat::Bf16,
+        _ => GemmFormat::F16,
+    };
+    let gemm = row_major_gemm(format, out.ptr(), a, b, [m, n, k, batch]);
+    // SAFETY: the extents follow from the operands' checked shapes.
+    unsafe { out.backend().gemm(&gemm)? };
+    Ok(out)
+}
+
+/// The column-major GEMM writing the row-major product `op(a)·op(b)` into `out`.
+fn row_major_gemm(
+    format: GemmFormat,
+    out: u64,
+    a: Operand,
+    b: Operand,
+    [m, n, k, batch]: [usize; 4],
+) -> Gemm {
+    Gemm {
+        format,
         transpose_a: b.transposed,
         transpose_b: a.transposed,
         m: n,
@@ -329,20 +380,9 @@ pub(crate) fn matmul<T: Element>(
         ldb: if a.transposed { m } else { k },
         stride_b: a.batch_stride,
         beta: 0.0,
-        c: out.ptr(),
+        c: out,
         ldc: n,
         stride_c: m * n,
         batch,
-    };
-    if k == 0 {
-        // An empty sum: cuBLAS may leave C untouched, so write the zeros ourselves.
-        let mut args = KernelArgs::default();
-        args.p[0] = out.ptr();
-        args.i[0] = out.len() as i64;
-        out.launch(&super::FILL, out.len(), &args)?;
-        return Ok(out);
     }
-    // SAFETY: the extents follow from the operands' checked shapes.
-    unsafe { out.backend().gemm(&gemm)? };
-    Ok(out)
 }

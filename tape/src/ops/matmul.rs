@@ -3,12 +3,14 @@
 //! (ndarray's matrixmultiply) reads any strides. Large CPU products are split over the
 //! calling thread's [`num_threads`](crate::num_threads).
 
+use half::{bf16, f16};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewMut2, Axis, Ix2, Ix3};
 
 use super::{device_grads, on_device};
 use crate::gpu::ops::{self as device_ops, Operand};
 use crate::gpu::GpuArray;
+use crate::precision::{Half, HalfFloat, Packed};
 use crate::tape::{record, record_tensor};
 use crate::threads::{num_threads, run_pieces};
 use crate::{Element, Error, Result, Tensor};
@@ -19,8 +21,11 @@ impl<T: Element> Tensor<T> {
     /// Matrix product. Shapes: `[m,k]·[k,n] → [m,n]`, `[b,m,k]·[b,k,n] → [b,m,n]`, and
     /// `[b,m,k]·[k,n] → [b,m,n]` (the matrix is shared across the batch).
     pub fn matmul(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
+        if let Some(out) = self.matmul_16_bit(other)? {
+            return Ok(out);
+        }
         if let Some([a, b]) = on_device(OP, [self, other])? {
-            return self.matmul_on_device(other, &a, &b);
+            return self.matmul_on_device(other, Forward::Full(&a, &b));
         }
         let a = self.cpu(OP)?;
         let b = other.cpu(OP)?;
@@ -218,16 +223,37 @@ fn operand<T: Copy + Default>(
     }
 }
 
+/// What a device product's forward reads: the operands widened to `T`, or both operands'
+/// own 16-bit elements of one format.
+enum Forward<'a, T> {
+    Full(&'a GpuArray<T>, &'a GpuArray<T>),
+    Bf16(&'a GpuArray<bf16>, &'a GpuArray<bf16>),
+    F16(&'a GpuArray<f16>, &'a GpuArray<f16>),
+}
+
 impl<T: Element> Tensor<T> {
-    fn matmul_on_device(
-        &self,
-        other: &Tensor<T>,
-        a: &GpuArray<T>,
-        b: &GpuArray<T>,
-    ) -> Result<Tensor<T>> {
-        let (sa, sb) = (a.shape().to_vec(), b.shape().to_vec());
+    /// The product of two 16-bit device tensors of one format on one device, read as
+    /// stored (GemmEx with f32 accumulation, the result rounded once); `None` for any
+    /// other pair, and for an empty inner dimension.
+    fn matmul_16_bit(&self, other: &Tensor<T>) -> Result<Option<Tensor<T>>> {
+        let (Some(x), Some(y)) = (self.half(), other.half()) else {
+            return Ok(None);
+        };
+        if self.device() != other.device() || self.shape().last().is_none_or(|&k| k == 0) {
+            return Ok(None);
+        }
+        let forward = match (x, y) {
+            (Half::Bf16(Packed::Gpu(a)), Half::Bf16(Packed::Gpu(b))) => Forward::Bf16(a, b),
+            (Half::F16(Packed::Gpu(a)), Half::F16(Packed::Gpu(b))) => Forward::F16(a, b),
+            _ => return Ok(None),
+        };
+        self.matmul_on_device(other, forward).map(Some)
+    }
+
+    fn matmul_on_device(&self, other: &Tensor<T>, forward: Forward<'_, T>) -> Result<Tensor<T>> {
+        let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         let bad = |reason: &str| Error::shape(OP, &[&sa, &sb], reason);
-        let device = a.device();
+        let device = self.device();
         // [batch, m, k] · [k, n] is one [batch·m, k] · [k, n] product: fold the batch.
         let (batch, m, k, n) = match (sa.len(), sb.len()) {
             (2, 2) => (1, sa[0], sa[1], sb[1]),
@@ -251,17 +277,20 @@ impl<T: Element> Tensor<T> {
         } else {
             (0, 0, 0)
         };
-        let out = device_ops::matmul(
-            device,
-            &out_shape,
-            operand(a, false, stride_a),
-            operand(b, false, stride_b),
-            m,
-            n,
-            k,
-            batch,
-        )?;
-        record_tensor(OP, &[self, other], Tensor::from_gpu(out), || {
+        let strides = (stride_a, stride_b);
+        let dims = (m, n, k, batch);
+        let out = match forward {
+            Forward::Full(a, b) => {
+                Tensor::from_gpu(product_on_device(device, &out_shape, a, b, strides, dims)?)
+            }
+            Forward::Bf16(a, b) => Tensor::from_half(Half::Bf16(Packed::Gpu(product_16_bit(
+                device, &out_shape, a, b, strides, dims,
+            )?))),
+            Forward::F16(a, b) => Tensor::from_half(Half::F16(Packed::Gpu(product_16_bit(
+                device, &out_shape, a, b, strides, dims,
+            )?))),
+        };
+        record_tensor(OP, &[self, other], out, || {
             let (a, b) = (self.detach(), other.detach());
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                 let (a, b) = (a.device_array(OP, device)?, b.device_array(OP, device)?);
@@ -299,4 +328,31 @@ impl<T: Element> Tensor<T> {
             })
         })
     }
+}
+
+/// `a·b` of row-major operands as stored, batch strides `strides`, dimensions
+/// `(m, n, k, batch)`.
+fn product_on_device<T: Element>(
+    device: crate::Device,
+    shape: &[usize],
+    a: &GpuArray<T>,
+    b: &GpuArray<T>,
+    (stride_a, stride_b): (usize, usize),
+    (m, n, k, batch): (usize, usize, usize, usize),
+) -> Result<GpuArray<T>> {
+    let (a, b) = (operand(a, false, stride_a), operand(b, false, stride_b));
+    device_ops::matmul(device, shape, a, b, m, n, k, batch)
+}
+
+/// [`product_on_device`] of 16-bit operands into a 16-bit result.
+fn product_16_bit<H: HalfFloat>(
+    device: crate::Device,
+    shape: &[usize],
+    a: &GpuArray<H>,
+    b: &GpuArray<H>,
+    (stride_a, stride_b): (usize, usize),
+    (m, n, k, batch): (usize, usize, usize, usize),
+) -> Result<GpuArray<H>> {
+    let (a, b) = (operand(a, false, stride_a), operand(b, false, stride_b));
+    device_ops::matmul_16_bit(device, shape, a, b, m, n, k, batch)
 }

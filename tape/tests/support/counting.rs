@@ -7,11 +7,13 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 struct Counting;
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
+static PEAK: AtomicIsize = AtomicIsize::new(0);
 
 // SAFETY: forwards to the system allocator and only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
+        let live = LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
+        PEAK.fetch_max(live + layout.size() as isize, Ordering::SeqCst);
         // SAFETY: the caller's layout, passed on.
         unsafe { System.alloc(layout) }
     }
@@ -28,4 +30,16 @@ static ALLOCATOR: Counting = Counting;
 /// Bytes allocated and not yet freed.
 pub fn live() -> isize {
     LIVE.load(Ordering::SeqCst)
+}
+
+/// The most bytes live at once since the last [`reset_peak`].
+#[allow(dead_code)] // not every test binary that counts asks for the peak
+pub fn peak() -> isize {
+    PEAK.load(Ordering::SeqCst)
+}
+
+/// Starts a new [`peak`] from what is live now.
+#[allow(dead_code)]
+pub fn reset_peak() {
+    PEAK.store(live(), Ordering::SeqCst);
 }

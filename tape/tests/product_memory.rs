@@ -1,0 +1,46 @@
+//! A product of two bf16 or f16 device matrices reads them as stored (cuBLAS's GemmEx
+//! with f32 accumulation, the emulator's reference of it): the only memory it takes is
+//! its 16-bit result, with no widened f32 copy of either operand (a counting allocator:
+//! this test binary has one test, so nothing else allocates meanwhile; the emulator's
+//! memory comes from the same allocator).
+
+#[path = "support/counting.rs"]
+mod counting;
+
+use tape::{DType, Device, Generator, Tensor};
+
+const N: usize = 128;
+
+#[test]
+fn sixteen_bit_device_products_allocate_only_their_result() -> tape::Result<()> {
+    let mut rng = Generator::new(3);
+    for dtype in [DType::BF16, DType::F16] {
+        let a = Tensor::randn(&[2, N, N], 0.1, &mut rng);
+        let b = Tensor::randn(&[N, N], 0.1, &mut rng);
+        let expected = a.to_dtype(dtype)?.matmul(&b.to_dtype(dtype)?)?.to_vec()?;
+        let on_device = |t: &Tensor| t.to_device(Device::Emulated)?.to_dtype(dtype);
+        let (a, b) = (on_device(&a)?, on_device(&b)?);
+        counting::reset_peak();
+        let before = counting::live();
+        let product = a.matmul(&b)?;
+        let taken = counting::peak() - before;
+        let result = (2 * N * N * 2) as isize;
+        assert_eq!(product.dtype(), dtype);
+        // A widened operand alone would take twice the result's bytes.
+        assert!(
+            taken <= result + result / 8,
+            "{dtype}: the product took {taken} bytes for a {result}-byte result"
+        );
+        let got = product.to_vec()?;
+        let scale = expected.iter().fold(1f32, |m, v| m.max(v.abs()));
+        let ulp = if dtype == DType::BF16 {
+            2f32.powi(-7)
+        } else {
+            2f32.powi(-10)
+        };
+        for (x, y) in got.iter().zip(&expected) {
+            assert!((x - y).abs() <= ulp * scale, "{dtype}: {x} vs {y}");
+        }
+    }
+    Ok(())
+}

@@ -31,7 +31,8 @@ build() {
         python3 -c '
 import json, sys
 wanted = {"gpu_local", "gpu_nccl", "device", "device_math", "device_nn", "device_shape",
-          "device_training", "main_grad", "lending", "comm_core", "tape"}
+          "device_training", "main_grad", "lending", "flat_updates", "low_precision",
+          "comm_core", "tape"}
 for line in sys.stdin:
     m = json.loads(line)
     if (m.get("reason") == "compiler-artifact" and m.get("executable")
@@ -112,6 +113,13 @@ bench() {
     "$BIN/train-gpt" --device cuda:0 --steps 20 --check --out "$logs/demo" | tail -1
     "$BIN/train-gpt" --device cuda:0 --pp 2 --layers 2 --steps 20 --check --sequence-parallel \
         --out "$logs/demo" | tail -1
+    # The distributed optimizer's device step (reduce-scatter and all-gather into lent
+    # memory) with bf16 products (GemmEx), on one rank's stream and over NCCL.
+    "$BIN/train-gpt" --device cuda:0 --use-distributed-optimizer --precision bf16 --steps 20 \
+        --check --out "$logs/demo" | tail -1
+    NCCL_MULTI_RANK_GPU_ENABLE=1 "$BIN/train-gpt" --backend nccl --device cuda:0 --tp 2 --dp 2 \
+        --use-distributed-optimizer --precision bf16 --steps 20 --check --out "$logs/demo" |
+        tail -1 || echo "the sharded bf16 demo over NCCL failed (see the error above)"
     local start=$SECONDS
     "$BIN/train-gpt" --device cuda:0 --out "$logs/demo" | tail -3
     echo "default run: $((SECONDS - start)) s"

@@ -1,7 +1,10 @@
 //! Optimizer updates, scaling, norms and 16-bit copies on views of flat storage (what a
 //! sharded optimizer runs on its shards, what a 16-bit comm hook sends) give the host
-//! loops' numbers, on the CPU and on the emulated device, and refuse views they cannot
-//! serve.
+//! loops' numbers, on the CPU, the emulated device and CUDA where present, and refuse
+//! views they cannot serve.
+
+#[path = "support/device.rs"]
+mod device;
 
 use tape::{
     transfers, AdamWConfig, AdamWUpdate, DType, Device, Error, FlatStorage, FlatView, ParamOptions,
@@ -9,6 +12,12 @@ use tape::{
 };
 
 const LEN: usize = 37;
+
+fn every_device() -> Vec<Device> {
+    let mut all = vec![Device::Cpu];
+    all.extend(device::devices());
+    all
+}
 
 fn ramp(scale: f32, shift: f32) -> Vec<f32> {
     (0..LEN).map(|i| (i as f32 * scale + shift).sin()).collect()
@@ -69,7 +78,7 @@ fn adamw_and_sgd_on_views_match_the_slice_updates() {
     for first in [true, false] {
         let (mut sgd_p, mut sgd_b) = (p.clone(), m.clone());
         sgd.apply(&mut sgd_p, &g, &mut sgd_b, first).unwrap();
-        for device in [Device::Cpu, Device::Emulated] {
+        for device in every_device() {
             let (pv, gv, bv) = (
                 view_of(&p, device),
                 view_of(&g, device),
@@ -88,7 +97,7 @@ fn adamw_and_sgd_on_views_match_the_slice_updates() {
             );
         }
     }
-    for device in [Device::Cpu, Device::Emulated] {
+    for device in every_device() {
         let (pv, gv) = (view_of(&p, device), view_of(&g, device));
         let (mv, vv) = (view_of(&m, device), view_of(&v, device));
         adamw.apply_views(&pv, &gv, &mv, &vv).unwrap();
@@ -110,7 +119,7 @@ fn scaling_norms_and_finiteness_on_views() {
         .chain(&b)
         .map(|&x| f64::from(x) * f64::from(x))
         .sum();
-    for device in [Device::Cpu, Device::Emulated] {
+    for device in every_device() {
         let views = [view_of(&a, device), view_of(&b, device)];
         let sum = FlatView::sum_of_squares(&views).unwrap();
         assert!(
@@ -137,7 +146,7 @@ fn scaling_norms_and_finiteness_on_views() {
 #[test]
 fn sixteen_bit_copies_round_each_element_once_on_the_views_device() {
     let values = ramp(0.7, 0.1);
-    for device in [Device::Cpu, Device::Emulated] {
+    for device in every_device() {
         let view = view_of(&values, device);
         for (dtype, round) in [
             (
@@ -164,7 +173,7 @@ fn sixteen_bit_copies_round_each_element_once_on_the_views_device() {
 #[test]
 fn a_parameter_range_is_read_into_a_view_on_its_device() {
     let values: Vec<f32> = (0..12).map(|i| i as f32).collect();
-    for device in [Device::Cpu, Device::Emulated] {
+    for device in every_device() {
         let param = Parameter::new(
             "w",
             Tensor::from_vec(values.clone(), &[3, 4])

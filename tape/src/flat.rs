@@ -455,8 +455,11 @@ impl<T: Element> FlatView<T> {
                 })?;
                 continue;
             }
-            let values = view.to_tensor()?;
-            let squares = values.mul(&values)?.sum()?;
+            // Read in place under the lock; the kernels queue in the storage's stream order.
+            let squares = view.with_device(OP, |window| {
+                let values = Tensor::from_gpu(window.clone());
+                values.mul(&values)?.sum()
+            })?;
             total = Some(match total {
                 Some(total) => total.add(&squares)?,
                 None => squares,
@@ -481,11 +484,12 @@ impl<T: Element> FlatView<T> {
                 }
                 continue;
             }
-            let flags = view
-                .to_tensor()?
-                .scale(factor.into_f64())?
-                .scale(0.0)?
-                .sum()?;
+            let flags = view.with_device(OP, |window| {
+                Tensor::from_gpu(window.clone())
+                    .scale(factor.into_f64())?
+                    .scale(0.0)?
+                    .sum()
+            })?;
             total = Some(match total {
                 Some(total) => total.add(&flags)?,
                 None => flags,

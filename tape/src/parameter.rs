@@ -140,13 +140,17 @@ impl<T: Element> Parameter<T> {
                 crate::flat::Regions::Device(_) => unreachable!("a CPU view"),
             });
         }
-        let numel = value.numel();
-        flat_range(OP, numel, offset, out.numel())?;
-        let piece = value
-            .reshape(&[numel])?
-            .narrow(0, offset, out.numel())?
-            .reshape(out.shape())?;
-        out.copy_from(&piece)
+        flat_range(OP, value.numel(), offset, out.numel())?;
+        // A window of the value's memory (16 bits: that range widened), then one copy.
+        let piece =
+            value
+                .gpu_range(OP, offset, out.shape())?
+                .ok_or(crate::Error::DeviceMismatch {
+                    op: OP,
+                    first: out.device(),
+                    second: value.device(),
+                })?;
+        out.copy_from(&Tensor::from_gpu(piece))
     }
 
     /// Overwrites elements `offset..offset + values.len()` of the value (flattened,

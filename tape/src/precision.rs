@@ -251,6 +251,16 @@ impl Half {
         each_format!(self, packed => packed.shape())
     }
 
+    /// Elements `offset..offset + Π shape` of device storage as storage of `shape`, a
+    /// window of its memory (no copy); `None` for CPU storage. The caller checks the range.
+    pub(crate) fn device_range(&self, offset: usize, shape: &[usize]) -> Option<Half> {
+        Some(match self {
+            Half::Bf16(Packed::Gpu(array)) => Half::Bf16(Packed::Gpu(array.window(offset, shape))),
+            Half::F16(Packed::Gpu(array)) => Half::F16(Packed::Gpu(array.window(offset, shape))),
+            Half::Bf16(Packed::Cpu(_)) | Half::F16(Packed::Cpu(_)) => return None,
+        })
+    }
+
     pub(crate) fn device(&self) -> Device {
         each_format!(self, packed => packed.device())
     }

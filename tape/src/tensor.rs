@@ -301,6 +301,25 @@ impl<T: Element> Tensor<T> {
         }
     }
 
+    /// Elements `offset..offset + Π shape` of a device tensor in row-major order, as an
+    /// array of `shape`: a window of its memory (no copy), or for 16-bit storage that
+    /// range alone widened; `None` for a CPU tensor. The caller checks the range.
+    pub(crate) fn gpu_range(
+        &self,
+        op: &'static str,
+        offset: usize,
+        shape: &[usize],
+    ) -> Result<Option<GpuArray<T>>> {
+        match &self.storage {
+            Storage::Gpu(array) => Ok(Some(array.window(offset, shape))),
+            Storage::Half(half) => match half.device_range(offset, shape) {
+                Some(range) => range.widen_gpu(op),
+                None => Ok(None),
+            },
+            Storage::Cpu(_) => Ok(None),
+        }
+    }
+
     /// A tensor (not requiring grad) around a device array.
     pub(crate) fn from_gpu(array: GpuArray<T>) -> Self {
         Tensor {

@@ -172,24 +172,36 @@ fn sixteen_bit_copies_round_each_element_once_on_the_views_device() {
 
 #[test]
 fn a_parameter_range_is_read_into_a_view_on_its_device() {
+    // Small integers: exact in bf16 and f16 too.
     let values: Vec<f32> = (0..12).map(|i| i as f32).collect();
     for device in every_device() {
-        let param = Parameter::new(
-            "w",
-            Tensor::from_vec(values.clone(), &[3, 4])
-                .unwrap()
-                .to_device(device)
-                .unwrap(),
-        );
-        let storage = FlatStorage::zeros(device, 8).unwrap();
-        let view = FlatView::new(&storage, 2, &[5]).unwrap();
-        param.read_flat_into(6, &view).unwrap();
-        assert_eq!(read(&view), [6.0, 7.0, 8.0, 9.0, 10.0], "{device}");
-        let past_the_end = param.read_flat_into(8, &view);
-        assert!(
-            matches!(past_the_end, Err(Error::Shape { .. })),
-            "{past_the_end:?}"
-        );
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let value = Tensor::from_vec(values.clone(), &[3, 4]).unwrap();
+            let param = Parameter::new(
+                "w",
+                value.to_device(device).unwrap().to_dtype(dtype).unwrap(),
+            );
+            let storage = FlatStorage::zeros(device, 8).unwrap();
+            let view = FlatView::new(&storage, 2, &[5]).unwrap();
+            let before = transfers(device);
+            param.read_flat_into(6, &view).unwrap();
+            assert_eq!(
+                transfers(device) - before,
+                Transfers::default(),
+                "{dtype} on {device}"
+            );
+            assert_eq!(
+                read(&view),
+                [6.0, 7.0, 8.0, 9.0, 10.0],
+                "{dtype} on {device}"
+            );
+            assert_eq!(read(&FlatView::new(&storage, 0, &[2]).unwrap()), [0.0, 0.0]);
+            let past_the_end = param.read_flat_into(8, &view);
+            assert!(
+                matches!(past_the_end, Err(Error::Shape { .. })),
+                "{past_the_end:?}"
+            );
+        }
     }
 }
 

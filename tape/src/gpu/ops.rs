@@ -297,25 +297,19 @@ pub(crate) struct Operand {
     pub batch_stride: usize,
 }
 
-/// `op(a)[m,k] · op(b)[k,n]` for each of `batch` row-major matrices, into a new array of
-/// `shape`, through the column-major GEMM: a row-major matrix is its transpose in
-/// column-major order, so `C = A·B` is computed as `Cᵀ = Bᵀ·Aᵀ` without moving data.
-#[allow(clippy::too_many_arguments)] // the GEMM's own parameters
+/// `op(a)[m,k] · op(b)[k,n]` for each of `batch` row-major matrices (`dims` is
+/// `[m, n, k, batch]`), into a new array of `shape`, through the column-major GEMM: a
+/// row-major matrix is its transpose in column-major order, so `C = A·B` is computed as
+/// `Cᵀ = Bᵀ·Aᵀ` without moving data.
 pub(crate) fn matmul<T: Element>(
     device: crate::Device,
     shape: &[usize],
     a: Operand,
     b: Operand,
-    m: usize,
-    n: usize,
-    k: usize,
-    batch: usize,
+    dims: [usize; 4],
 ) -> Result<GpuArray<T>> {
     let out = GpuArray::<T>::uninit("matmul", device, shape)?;
-    if out.len() == 0 {
-        return Ok(out);
-    }
-    if k == 0 {
+    if dims[2] == 0 && out.len() > 0 {
         // An empty sum: cuBLAS may leave C untouched, so write the zeros ourselves.
         let mut args = KernelArgs::default();
         args.p[0] = out.ptr();
@@ -323,37 +317,45 @@ pub(crate) fn matmul<T: Element>(
         out.launch(&super::FILL, out.len(), &args)?;
         return Ok(out);
     }
-    let gemm = row_major_gemm(GemmFormat::of::<T>(), out.ptr(), a, b, [m, n, k, batch]);
-    // SAFETY: the extents follow from the operands' checked shapes.
-    unsafe { out.backend().gemm(&gemm)? };
-    Ok(out)
+    product_into(out, GemmFormat::of::<T>(), a, b, dims)
 }
 
 /// [`matmul`] of two 16-bit matrices of one format, accumulated in f32 and rounded once
 /// into a 16-bit result (cuBLAS's GemmEx with f32 compute): no widened copy of either
 /// operand. Needs `k > 0`.
-#[allow(clippy::too_many_arguments)] // the GEMM's own parameters
 pub(crate) fn matmul_16_bit<H: HalfFloat>(
     device: crate::Device,
     shape: &[usize],
     a: Operand,
     b: Operand,
-    m: usize,
-    n: usize,
-    k: usize,
-    batch: usize,
+    dims: [usize; 4],
 ) -> Result<GpuArray<H>> {
-    let out = GpuArray::<H>::uninit("matmul", device, shape)?;
-    if out.len() == 0 {
-        return Ok(out);
-    }
     let format = match H::KIND {
         0 => GemmFormat::Bf16,
         _ => GemmFormat::F16,
     };
-    let gemm = row_major_gemm(format, out.ptr(), a, b, [m, n, k, batch]);
-    // SAFETY: the extents follow from the operands' checked shapes.
-    unsafe { out.backend().gemm(&gemm)? };
+    product_into(
+        GpuArray::<H>::uninit("matmul", device, shape)?,
+        format,
+        a,
+        b,
+        dims,
+    )
+}
+
+/// Runs the GEMM writing `op(a)·op(b)` into `out` (row-major, elements in `format`).
+fn product_into<E: Copy + Default>(
+    out: GpuArray<E>,
+    format: GemmFormat,
+    a: Operand,
+    b: Operand,
+    dims: [usize; 4],
+) -> Result<GpuArray<E>> {
+    if out.len() > 0 {
+        let gemm = row_major_gemm(format, out.ptr(), a, b, dims);
+        // SAFETY: the extents follow from the operands' checked shapes.
+        unsafe { out.backend().gemm(&gemm)? };
+    }
     Ok(out)
 }
 

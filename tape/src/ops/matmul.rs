@@ -10,7 +10,7 @@ use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewMut2, Axi
 use super::{device_grads, on_device};
 use crate::gpu::ops::{self as device_ops, Operand};
 use crate::gpu::GpuArray;
-use crate::precision::{Half, HalfFloat, Packed};
+use crate::precision::{Half, Packed};
 use crate::tape::{record, record_tensor};
 use crate::threads::{num_threads, run_pieces};
 use crate::{Element, Error, Result, Tensor};
@@ -277,18 +277,35 @@ impl<T: Element> Tensor<T> {
         } else {
             (0, 0, 0)
         };
-        let strides = (stride_a, stride_b);
-        let dims = (m, n, k, batch);
+        let dims = [m, n, k, batch];
+        let operands = |a: u64, b: u64| {
+            let a = Operand {
+                ptr: a,
+                transposed: false,
+                batch_stride: stride_a,
+            };
+            let b = Operand {
+                ptr: b,
+                transposed: false,
+                batch_stride: stride_b,
+            };
+            (a, b)
+        };
         let out = match forward {
             Forward::Full(a, b) => {
-                Tensor::from_gpu(product_on_device(device, &out_shape, a, b, strides, dims)?)
+                let (a, b) = operands(a.ptr(), b.ptr());
+                Tensor::from_gpu(device_ops::matmul(device, &out_shape, a, b, dims)?)
             }
-            Forward::Bf16(a, b) => Tensor::from_half(Half::Bf16(Packed::Gpu(product_16_bit(
-                device, &out_shape, a, b, strides, dims,
-            )?))),
-            Forward::F16(a, b) => Tensor::from_half(Half::F16(Packed::Gpu(product_16_bit(
-                device, &out_shape, a, b, strides, dims,
-            )?))),
+            Forward::Bf16(a, b) => {
+                let (a, b) = operands(a.ptr(), b.ptr());
+                let product = device_ops::matmul_16_bit(device, &out_shape, a, b, dims)?;
+                Tensor::from_half(Half::Bf16(Packed::Gpu(product)))
+            }
+            Forward::F16(a, b) => {
+                let (a, b) = operands(a.ptr(), b.ptr());
+                let product = device_ops::matmul_16_bit(device, &out_shape, a, b, dims)?;
+                Tensor::from_half(Half::F16(Packed::Gpu(product)))
+            }
         };
         record_tensor(OP, &[self, other], out, || {
             let (a, b) = (self.detach(), other.detach());
@@ -303,10 +320,7 @@ impl<T: Element> Tensor<T> {
                             a.shape(),
                             operand(&g, false, stride_g),
                             operand(&b, true, stride_b),
-                            m,
-                            k,
-                            n,
-                            batch,
+                            [m, k, n, batch],
                         )
                     })
                     .transpose()?;
@@ -317,10 +331,7 @@ impl<T: Element> Tensor<T> {
                             b.shape(),
                             operand(&a, true, stride_a),
                             operand(&g, false, stride_g),
-                            k,
-                            n,
-                            m,
-                            batch,
+                            [k, n, m, batch],
                         )
                     })
                     .transpose()?;
@@ -328,31 +339,4 @@ impl<T: Element> Tensor<T> {
             })
         })
     }
-}
-
-/// `a·b` of row-major operands as stored, batch strides `strides`, dimensions
-/// `(m, n, k, batch)`.
-fn product_on_device<T: Element>(
-    device: crate::Device,
-    shape: &[usize],
-    a: &GpuArray<T>,
-    b: &GpuArray<T>,
-    (stride_a, stride_b): (usize, usize),
-    (m, n, k, batch): (usize, usize, usize, usize),
-) -> Result<GpuArray<T>> {
-    let (a, b) = (operand(a, false, stride_a), operand(b, false, stride_b));
-    device_ops::matmul(device, shape, a, b, m, n, k, batch)
-}
-
-/// [`product_on_device`] of 16-bit operands into a 16-bit result.
-fn product_16_bit<H: HalfFloat>(
-    device: crate::Device,
-    shape: &[usize],
-    a: &GpuArray<H>,
-    b: &GpuArray<H>,
-    (stride_a, stride_b): (usize, usize),
-    (m, n, k, batch): (usize, usize, usize, usize),
-) -> Result<GpuArray<H>> {
-    let (a, b) = (operand(a, false, stride_a), operand(b, false, stride_b));
-    device_ops::matmul_16_bit(device, shape, a, b, m, n, k, batch)
 }

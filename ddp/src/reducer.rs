@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use comm_core::{Buffer, Communicator, CommunicatorExt, DType, ReduceOp, Work};
-use tape::{Device, FlatStorage, FlatView, Parameter, Tensor};
+use tape::{Device, FlatStorage, FlatView, Parameter};
 
 use crate::bucket::BucketInfo;
 use crate::error::{Error, Result};
@@ -302,7 +302,7 @@ impl Reducer {
             for (index, state) in self.state.iter_mut().enumerate() {
                 let work = state.work.take().ok_or_else(|| never_started(index))?;
                 let shard = state.shard.take().ok_or_else(|| never_started(index))?;
-                land(&shard, work.wait()?)?;
+                shard.receive(work.wait()?)?;
                 shards.push(shard);
             }
             self.reduced = Some(ReducedShards {
@@ -330,7 +330,7 @@ impl Reducer {
             })?;
             // The averages are now in the parameters' views (unused on every rank: no
             // gradient, so optimizers skip it).
-            land(&self.grad_buffers[index], buffer)?;
+            self.grad_buffers[index].receive(buffer)?;
             for slot in &info.params {
                 let used = globally_used[slot.index] > 0;
                 self.params[slot.index].set_main_grad_written(used)?;
@@ -371,20 +371,6 @@ fn wire_buffer(storage: &FlatStorage, wire: DType) -> Result<Buffer> {
     }
     let whole = FlatView::new(storage, 0, &[storage.len()])?;
     Ok(whole.to_tensor_as(wire)?.into_buffer()?)
-}
-
-/// Ends a collective on `storage`: a buffer that is the storage's own lease is dropped
-/// (the result is in place); any other (a 16-bit copy, or a custom hook's own buffer) is
-/// widened into the storage.
-fn land(storage: &FlatStorage, reduced: Buffer) -> Result<()> {
-    if storage.is_leased() {
-        drop(reduced);
-        return Ok(());
-    }
-    let result = Tensor::from_buffer(reduced)?;
-    let whole = FlatView::new(storage, 0, &[storage.len()])?;
-    whole.copy_from(&result.to_device(storage.device())?)?;
-    Ok(())
 }
 
 fn never_started(index: usize) -> Error {

@@ -147,6 +147,29 @@ impl<T: Element> FlatStorage<T> {
         })))
     }
 
+    /// Takes back the buffer a collective on this storage handed back: this storage's own
+    /// [`lease`](Self::lease) is dropped, which ends it (the result is already in place);
+    /// any other buffer (a 16-bit copy, a tensor's memory, a host vector) has its elements
+    /// copied in, widened, and must hold exactly [`len`](Self::len) of them.
+    pub fn receive(&self, result: comm_core::Buffer) -> Result<()>
+    where
+        T: comm_core::Element,
+    {
+        let result = match result.into_lent() {
+            Ok(memory) => {
+                let any: &dyn std::any::Any = &*memory;
+                let own = any.downcast_ref::<Lease<T>>();
+                if own.is_some_and(|lease| lease.storage.same_storage(self)) {
+                    return Ok(());
+                }
+                comm_core::Buffer::lent(memory)
+            }
+            Err(host) => host,
+        };
+        let values = Tensor::<T>::from_buffer(result)?.to_device(self.device())?;
+        FlatView::new(self, 0, &[self.len()])?.copy_from(&values)
+    }
+
     /// Runs `access` on elements `offset..offset + len` under the lock: a host slice,
     /// or a device window of that range.
     fn access<R>(

@@ -143,9 +143,9 @@ impl<T: Element + comm_core::Element> Tensor<T> {
     ///     let sum = Tensor::<f32>::from_buffer(work.wait()?)?;
     ///     assert_eq!(sum.dtype(), DType::BF16);
     ///     Ok(sum.to_vec()?)
-    /// })
-    /// .unwrap();
+    /// })?;
     /// assert_eq!(sums[0], [2.0, 1.0]);
+    /// # Ok::<(), comm_core::Error>(())
     /// ```
     pub fn into_buffer(self) -> Result<Buffer> {
         const OP: &str = "Tensor::into_buffer";

@@ -5,7 +5,7 @@
 //! back from them; and the transfer counters count exactly the copies asked for.
 
 use comm_core::{run_local, AsyncOp, Buffer, Communicator, Error as CommError, ReduceOp};
-use tape::{transfers, DType, Device, FlatStorage, Tensor, Transfers};
+use tape::{transfers, DType, Device, FlatStorage, FlatView, Tensor, Transfers};
 
 /// Devices whose memory the host can read directly.
 fn devices() -> [Device; 2] {
@@ -138,6 +138,30 @@ fn host_buffers_become_cpu_tensors_and_foreign_memory_is_refused() -> anyhow::Re
         error.to_string().contains("read it through its owner"),
         "{error}"
     );
+    Ok(())
+}
+
+#[test]
+fn flat_storage_takes_back_its_lease_and_copies_in_other_results() -> anyhow::Result<()> {
+    let storage = FlatStorage::<f32>::zeros(Device::Cpu, 3)?;
+    let whole = FlatView::new(&storage, 0, &[3])?;
+    whole.fill(1.0)?;
+    // Its own lease: the result is in place, and the lease ends.
+    storage.receive(storage.lease()?)?;
+    assert!(!storage.is_leased());
+    assert_eq!(whole.to_tensor()?.to_vec()?, [1.0; 3]);
+    // A tensor's memory in another format, and a host vector: copied in, widened.
+    let halves = Tensor::<f32>::from_vec(vec![0.5, 2.0, -4.0], &[3])?.to_dtype(DType::BF16)?;
+    storage.receive(halves.into_buffer()?)?;
+    assert_eq!(whole.to_tensor()?.to_vec()?, [0.5, 2.0, -4.0]);
+    storage.receive(Buffer::from_vec(vec![7.0f32, 8.0, 9.0]))?;
+    assert_eq!(whole.to_tensor()?.to_vec()?, [7.0, 8.0, 9.0]);
+    // Another storage's lease, or the wrong length, is refused and changes nothing.
+    let other = FlatStorage::<f32>::zeros(Device::Cpu, 3)?;
+    assert!(storage.receive(other.lease()?).is_err());
+    assert!(!other.is_leased(), "the refused lease is dropped");
+    assert!(storage.receive(Buffer::from_vec(vec![1.0f32; 2])).is_err());
+    assert_eq!(whole.to_tensor()?.to_vec()?, [7.0, 8.0, 9.0]);
     Ok(())
 }
 

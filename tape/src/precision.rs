@@ -21,6 +21,9 @@ pub(crate) trait HalfFloat: comm_core::Element + Copy + Default {
     const KIND: i64;
     fn narrow(value: f32) -> Self;
     fn widen(self) -> f32;
+    /// The storage, if it is in this format.
+    fn packed(half: &Half) -> Option<&Packed<Self>>;
+    fn into_half(packed: Packed<Self>) -> Half;
 }
 
 impl HalfFloat for bf16 {
@@ -30,6 +33,15 @@ impl HalfFloat for bf16 {
     }
     fn widen(self) -> f32 {
         self.to_f32()
+    }
+    fn packed(half: &Half) -> Option<&Packed<Self>> {
+        match half {
+            Half::Bf16(packed) => Some(packed),
+            Half::F16(_) => None,
+        }
+    }
+    fn into_half(packed: Packed<Self>) -> Half {
+        Half::Bf16(packed)
     }
 }
 
@@ -41,6 +53,30 @@ impl HalfFloat for f16 {
     fn widen(self) -> f32 {
         self.to_f32()
     }
+    fn packed(half: &Half) -> Option<&Packed<Self>> {
+        match half {
+            Half::F16(packed) => Some(packed),
+            Half::Bf16(_) => None,
+        }
+    }
+    fn into_half(packed: Packed<Self>) -> Half {
+        Half::F16(packed)
+    }
+}
+
+/// `array` rounded to `H` on its device, in one kernel.
+pub(crate) fn narrowed<H: HalfFloat, T: Element>(
+    op: &'static str,
+    array: &GpuArray<T>,
+) -> Result<GpuArray<H>> {
+    let out = GpuArray::<H>::uninit(op, array.device(), array.shape())?;
+    let mut args = KernelArgs::default();
+    args.p[0] = out.ptr();
+    args.p[1] = array.ptr();
+    args.i[0] = array.len() as i64;
+    args.i[1] = H::KIND;
+    array.launch(&CONVERT_HALF, array.len(), &args)?;
+    Ok(out)
 }
 
 /// The value as f32, the source every 16-bit rounding starts from (f64 rounds twice,
@@ -62,14 +98,7 @@ impl<H: HalfFloat> Packed<H> {
     }
 
     fn narrow_gpu<T: Element>(op: &'static str, array: &GpuArray<T>) -> Result<Self> {
-        let out = GpuArray::<H>::uninit(op, array.device(), array.shape())?;
-        let mut args = KernelArgs::default();
-        args.p[0] = out.ptr();
-        args.p[1] = array.ptr();
-        args.i[0] = array.len() as i64;
-        args.i[1] = H::KIND;
-        array.launch(&CONVERT_HALF, array.len(), &args)?;
-        Ok(Packed::Gpu(out))
+        narrowed(op, array).map(Packed::Gpu)
     }
 
     fn widen_cpu<T: Element>(&self, op: &'static str) -> Result<ArcArray<T, IxDyn>> {

@@ -6,8 +6,10 @@
 //! unit in the last place on a device (whose f32 sums may be ordered differently).
 //! Gradients flow in f32, so they equal the f32 gradients on the rounded inputs, except
 //! where backward reads the op's rounded output (softmax, exp, as PyTorch's do): those
-//! are within two units of the format. Against the f32 result on unrounded inputs the
-//! output stays within the format's tolerance.
+//! are within two units of the format; and a product's, which are the f32 gradients from
+//! its incoming gradient rounded to the format (its backward GEMMs read 16-bit
+//! matrices). Against the f32 result on unrounded inputs the output stays within the
+//! format's tolerance.
 
 #[path = "support/device.rs"]
 mod device;
@@ -25,8 +27,15 @@ struct Run {
 type Op<'a> = dyn Fn(&[Tensor]) -> Result<Tensor> + 'a;
 
 /// `op` on `values` stored as `dtype` on `device`, with `loss = Σ op(x) · weights` (f32
-/// weights, so the loss is f32).
-fn run(device: Device, dtype: DType, values: &[Tensor], op: &Op<'_>) -> Result<Run> {
+/// weights, so the loss is f32, and the weights are the gradient flowing into `op`),
+/// the weights rounded to `weights_rounded_to` if given.
+fn run(
+    device: Device,
+    dtype: DType,
+    values: &[Tensor],
+    op: &Op<'_>,
+    weights_rounded_to: Option<DType>,
+) -> Result<Run> {
     let tape = Tape::new();
     let params: Vec<Parameter> = values
         .iter()
@@ -41,7 +50,12 @@ fn run(device: Device, dtype: DType, values: &[Tensor], op: &Op<'_>) -> Result<R
     let watched: Vec<Tensor> = params.iter().map(|p| tape.watch(p)).collect();
     let out = op(&watched)?;
     let mut generator = Generator::new(7);
-    let weights = Tensor::uniform(out.shape(), 0.5, 1.5, &mut generator).to_device(device)?;
+    let weights = Tensor::uniform(out.shape(), 0.5, 1.5, &mut generator);
+    let weights = match weights_rounded_to {
+        Some(format) => rounded(format, &weights)?,
+        None => weights,
+    }
+    .to_device(device)?;
     let loss = out.mul(&weights)?.sum()?;
     assert_eq!(
         loss.dtype(),
@@ -74,6 +88,16 @@ fn round(dtype: DType, value: f32) -> f32 {
     }
 }
 
+/// An f32 tensor of `values` rounded to `dtype`'s values.
+fn rounded(dtype: DType, values: &Tensor) -> Result<Tensor> {
+    let data = values
+        .to_vec()?
+        .into_iter()
+        .map(|x| round(dtype, x))
+        .collect();
+    Tensor::from_vec(data, values.shape())
+}
+
 /// The spacing of `dtype`'s values just above 1 (one unit in the last place, relative).
 fn epsilon(dtype: DType) -> f64 {
     match dtype {
@@ -100,22 +124,25 @@ fn max_difference(a: &[f32], b: &[f32]) -> f64 {
 /// What an op's backward reads, which sets how close its gradients come to the f32
 /// gradients on the rounded inputs (relative to the largest).
 #[derive(Clone, Copy)]
-enum Backward {
+enum BackwardReads {
     /// The inputs alone: equal, up to the order of f32 sums.
-    FromInputs,
+    Inputs,
     /// The output rounded to the format: within two units of it.
-    FromRoundedOutput,
+    RoundedOutput,
+    /// The incoming gradient rounded to the format: equal to the f32 gradients from
+    /// that rounded gradient, up to the order of f32 sums.
+    RoundedGradient,
 }
 
 /// Checks `op` in bf16 and f16 on the CPU and every device (see the file's doc), on
 /// inputs drawn from [-2, 2).
 fn check(name: &str, shapes: &[&[usize]], op: impl Fn(&[Tensor]) -> Result<Tensor>) {
-    check_in(name, shapes, (-2.0, 2.0), Backward::FromInputs, op)
+    check_in(name, shapes, (-2.0, 2.0), BackwardReads::Inputs, op)
 }
 
 /// [`check`] for an op whose backward reads its rounded output.
 fn check_reading_output(name: &str, shapes: &[&[usize]], op: impl Fn(&[Tensor]) -> Result<Tensor>) {
-    check_in(name, shapes, (-2.0, 2.0), Backward::FromRoundedOutput, op)
+    check_in(name, shapes, (-2.0, 2.0), BackwardReads::RoundedOutput, op)
 }
 
 /// [`check`] on inputs drawn from `[low, high)`.
@@ -123,7 +150,7 @@ fn check_in(
     name: &str,
     shapes: &[&[usize]],
     (low, high): (f64, f64),
-    backward: Backward,
+    backward: BackwardReads,
     op: impl Fn(&[Tensor]) -> Result<Tensor>,
 ) {
     let mut generator = Generator::new(name.len() as u64 * 13 + 5);
@@ -131,22 +158,20 @@ fn check_in(
         .iter()
         .map(|s| Tensor::uniform(s, low, high, &mut generator))
         .collect();
-    let exact = run(Device::Cpu, DType::F32, &values, &op).unwrap();
+    let exact = run(Device::Cpu, DType::F32, &values, &op, None).unwrap();
     let mut devices = vec![Device::Cpu];
     devices.extend(device::devices());
     for dtype in [DType::BF16, DType::F16] {
-        let rounded: Vec<Tensor> = values
+        let inputs: Vec<Tensor> = values
             .iter()
-            .map(|v| {
-                let data = v.to_vec()?.into_iter().map(|x| round(dtype, x)).collect();
-                Tensor::from_vec(data, v.shape())
-            })
+            .map(|v| rounded(dtype, v))
             .collect::<Result<_>>()
             .unwrap();
-        let reference = run(Device::Cpu, DType::F32, &rounded, &op).unwrap();
+        let incoming = matches!(backward, BackwardReads::RoundedGradient).then_some(dtype);
+        let reference = run(Device::Cpu, DType::F32, &inputs, &op, incoming).unwrap();
         let expected: Vec<f32> = reference.output.iter().map(|&x| round(dtype, x)).collect();
         for &device in &devices {
-            let got = run(device, dtype, &values, &op)
+            let got = run(device, dtype, &values, &op, None)
                 .unwrap_or_else(|e| panic!("{name} in {dtype} on {device}: {e}"));
             assert_eq!(
                 got.dtype, dtype,
@@ -166,8 +191,8 @@ fn check_in(
                 "{name} in {dtype} on {device}: output is {diff} from f32 (tolerance {tolerance})"
             );
             let relative = match backward {
-                Backward::FromInputs => 1e-5,
-                Backward::FromRoundedOutput => 2.0 * epsilon(dtype),
+                BackwardReads::Inputs | BackwardReads::RoundedGradient => 1e-5,
+                BackwardReads::RoundedOutput => 2.0 * epsilon(dtype),
             };
             for (i, (g, r)) in got.grads.iter().zip(&reference.grads).enumerate() {
                 let diff = max_difference(g, r);
@@ -190,13 +215,13 @@ fn elementwise_ops() {
         "div",
         &[matrix, row],
         (0.5, 2.0),
-        Backward::FromInputs,
+        BackwardReads::Inputs,
         |x| x[0].div(&x[1]),
     );
     check("scale", &[matrix], |x| x[0].scale(0.37));
     check("neg", &[matrix], |x| x[0].neg());
     check_reading_output("exp", &[matrix], |x| x[0].exp());
-    check_in("log", &[matrix], (0.5, 2.0), Backward::FromInputs, |x| {
+    check_in("log", &[matrix], (0.5, 2.0), BackwardReads::Inputs, |x| {
         x[0].log()
     });
     check("tanh", &[matrix], |x| x[0].tanh());
@@ -207,13 +232,19 @@ fn elementwise_ops() {
 
 #[test]
 fn matmul_accumulates_in_f32() {
-    check("matmul", &[&[5, 40], &[40, 3]], |x| x[0].matmul(&x[1]));
-    check("batched matmul", &[&[2, 3, 16], &[2, 16, 4]], |x| {
-        x[0].matmul(&x[1])
-    });
-    check("shared matmul", &[&[2, 3, 16], &[16, 4]], |x| {
-        x[0].matmul(&x[1])
-    });
+    let check_product = |name: &str, shapes: &[&[usize]]| {
+        let matmul = |x: &[Tensor]| x[0].matmul(&x[1]);
+        check_in(
+            name,
+            shapes,
+            (-2.0, 2.0),
+            BackwardReads::RoundedGradient,
+            matmul,
+        )
+    };
+    check_product("matmul", &[&[5, 40], &[40, 3]]);
+    check_product("batched matmul", &[&[2, 3, 16], &[2, 16, 4]]);
+    check_product("shared matmul", &[&[2, 3, 16], &[16, 4]]);
 }
 
 #[test]

@@ -319,11 +319,16 @@ impl Backend for CudaBackend {
                         batch,
                     )
                 }
-                GemmFormat::Bf16 | GemmFormat::F16 => {
-                    let format = if g.format == GemmFormat::Bf16 {
-                        cublas_sys::cudaDataType::CUDA_R_16BF
-                    } else {
-                        cublas_sys::cudaDataType::CUDA_R_16F
+                GemmFormat::Bf16
+                | GemmFormat::F16
+                | GemmFormat::Bf16IntoF32
+                | GemmFormat::F16IntoF32 => {
+                    use cublas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
+                    let (format, result) = match g.format {
+                        GemmFormat::Bf16 => (CUDA_R_16BF, CUDA_R_16BF),
+                        GemmFormat::F16 => (CUDA_R_16F, CUDA_R_16F),
+                        GemmFormat::Bf16IntoF32 => (CUDA_R_16BF, CUDA_R_32F),
+                        _ => (CUDA_R_16F, CUDA_R_32F),
                     };
                     // f32 scalars, as the f32 compute type asks.
                     let (alpha, beta) = (g.alpha as f32, g.beta as f32);
@@ -345,7 +350,7 @@ impl Backend for CudaBackend {
                         sb,
                         (&beta as *const f32).cast(),
                         g.c as *mut std::ffi::c_void,
-                        format,
+                        result,
                         ldc,
                         sc,
                         batch,

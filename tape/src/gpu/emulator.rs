@@ -86,10 +86,12 @@ impl Backend for Emulator {
         // SAFETY: the caller guarantees the matrices' extents.
         unsafe {
             match gemm.format {
-                GemmFormat::F32 => reference_gemm::<f32>(gemm),
-                GemmFormat::F64 => reference_gemm::<f64>(gemm),
-                GemmFormat::Bf16 => reference_gemm::<bf16>(gemm),
-                GemmFormat::F16 => reference_gemm::<f16>(gemm),
+                GemmFormat::F32 => reference_gemm::<f32, f32>(gemm),
+                GemmFormat::F64 => reference_gemm::<f64, f64>(gemm),
+                GemmFormat::Bf16 => reference_gemm::<bf16, bf16>(gemm),
+                GemmFormat::F16 => reference_gemm::<f16, f16>(gemm),
+                GemmFormat::Bf16IntoF32 => reference_gemm::<bf16, f32>(gemm),
+                GemmFormat::F16IntoF32 => reference_gemm::<f16, f32>(gemm),
             }
         }
         Ok(())
@@ -133,10 +135,11 @@ macro_rules! accumulates_in_f32 {
 }
 accumulates_in_f32!(bf16, f16);
 
-/// cuBLAS's strided-batched GEMM on column-major matrices, accumulating as cuBLAS does
-/// (in the type itself for f32 without TF32 and f64, in f32 for 16-bit matrices, whose C
-/// is rounded once). `beta == 0` ignores C's old contents, NaNs included.
-unsafe fn reference_gemm<T: Stored>(g: &Gemm) {
+/// cuBLAS's strided-batched GEMM on column-major matrices of `T` into a C of `C`,
+/// accumulating as cuBLAS does (in the type itself for f32 without TF32 and f64, in f32
+/// for 16-bit matrices, whose result is rounded once to C's format). `beta == 0` ignores
+/// C's old contents, NaNs included.
+unsafe fn reference_gemm<T: Stored, C: Stored<Sum = T::Sum>>(g: &Gemm) {
     let (alpha, beta) = (
         <T::Sum as crate::Element>::from_f64(g.alpha),
         <T::Sum as crate::Element>::from_f64(g.beta),
@@ -144,7 +147,7 @@ unsafe fn reference_gemm<T: Stored>(g: &Gemm) {
     for batch in 0..g.batch {
         let a = (g.a as *const T).wrapping_add(batch * g.stride_a);
         let b = (g.b as *const T).wrapping_add(batch * g.stride_b);
-        let c = (g.c as *mut T).wrapping_add(batch * g.stride_c);
+        let c = (g.c as *mut C).wrapping_add(batch * g.stride_c);
         for j in 0..g.n {
             for i in 0..g.m {
                 let mut acc = <T::Sum as crate::Element>::from_f64(0.0);
@@ -168,7 +171,7 @@ unsafe fn reference_gemm<T: Stored>(g: &Gemm) {
                 }
                 // SAFETY: as above.
                 let out = unsafe { &mut *c.add(i + j * g.ldc) };
-                *out = T::narrow(if g.beta == 0.0 {
+                *out = C::narrow(if g.beta == 0.0 {
                     alpha * acc
                 } else {
                     alpha * acc + beta * out.widen()

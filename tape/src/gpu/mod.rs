@@ -119,14 +119,19 @@ impl Precision {
 }
 
 /// The element format of a GEMM's A, B and C. Products of 16-bit matrices accumulate in
-/// f32 and round C once (cuBLAS's `CUBLAS_COMPUTE_32F`); the others accumulate in their
-/// own type.
+/// f32 (cuBLAS's `CUBLAS_COMPUTE_32F`) and round C once, or write it in f32; the others
+/// accumulate in their own type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum GemmFormat {
     F32,
     F64,
     Bf16,
     F16,
+    /// bf16 A and B, f32 C: as Megatron's weight-gradient GEMM writes fp32 main
+    /// gradients from bf16 operands.
+    Bf16IntoF32,
+    /// f16 A and B, f32 C.
+    F16IntoF32,
 }
 
 impl GemmFormat {

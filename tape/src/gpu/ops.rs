@@ -309,6 +309,17 @@ pub(crate) fn matmul<T: Element>(
     dims: [usize; 4],
 ) -> Result<GpuArray<T>> {
     let out = GpuArray::<T>::uninit("matmul", device, shape)?;
+    full_product_into(out, GemmFormat::of::<T>(), a, b, dims)
+}
+
+/// [`product_into`] for a result of `T`, where an empty inner dimension makes zeros.
+fn full_product_into<T: Element>(
+    out: GpuArray<T>,
+    format: GemmFormat,
+    a: Operand,
+    b: Operand,
+    dims: [usize; 4],
+) -> Result<GpuArray<T>> {
     if dims[2] == 0 && out.len() > 0 {
         // An empty sum: cuBLAS may leave C untouched, so write the zeros ourselves.
         let mut args = KernelArgs::default();
@@ -317,7 +328,7 @@ pub(crate) fn matmul<T: Element>(
         out.launch(&super::FILL, out.len(), &args)?;
         return Ok(out);
     }
-    product_into(out, GemmFormat::of::<T>(), a, b, dims)
+    product_into(out, format, a, b, dims)
 }
 
 /// [`matmul`] of two 16-bit matrices of one format, accumulated in f32 and rounded once
@@ -341,6 +352,32 @@ pub(crate) fn matmul_16_bit<H: HalfFloat>(
         b,
         dims,
     )
+}
+
+/// [`matmul`] of two 16-bit matrices of one format into an unrounded f32 result (GemmEx
+/// with an f32 C). `T` must be f32: cuBLAS writes no other type from 16-bit operands.
+pub(crate) fn matmul_16_bit_widening<H: HalfFloat, T: Element>(
+    device: crate::Device,
+    shape: &[usize],
+    a: Operand,
+    b: Operand,
+    dims: [usize; 4],
+) -> Result<GpuArray<T>> {
+    if T::DTYPE != comm_core::DType::F32 {
+        return Err(Error::invalid(
+            "matmul",
+            format!(
+                "a product of 16-bit matrices is written in f32, not {}",
+                T::DTYPE
+            ),
+        ));
+    }
+    let format = match H::KIND {
+        0 => GemmFormat::Bf16IntoF32,
+        _ => GemmFormat::F16IntoF32,
+    };
+    let out = GpuArray::<T>::uninit("matmul", device, shape)?;
+    full_product_into(out, format, a, b, dims)
 }
 
 /// Runs the GEMM writing `op(a)·op(b)` into `out` (row-major, elements in `format`).

@@ -10,10 +10,10 @@ use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewMut2, Axi
 use super::{device_grads, on_device};
 use crate::gpu::ops::{self as device_ops, Operand};
 use crate::gpu::GpuArray;
-use crate::precision::{Half, Packed};
+use crate::precision::{narrowed, promoted, Half, HalfFloat, Packed};
 use crate::tape::{record, record_tensor};
 use crate::threads::{num_threads, run_pieces};
-use crate::{Element, Error, Result, Tensor};
+use crate::{DType, Element, Error, Result, Tensor};
 
 const OP: &str = "matmul";
 
@@ -24,8 +24,8 @@ impl<T: Element> Tensor<T> {
         if let Some(out) = self.matmul_16_bit(other)? {
             return Ok(out);
         }
-        if let Some([a, b]) = on_device(OP, [self, other])? {
-            return self.matmul_on_device(other, Forward::Full(&a, &b));
+        if let Some(arrays) = on_device(OP, [self, other])? {
+            return self.matmul_on_device(other, arrays);
         }
         let a = self.cpu(OP)?;
         let b = other.cpu(OP)?;
@@ -53,7 +53,12 @@ impl<T: Element> Tensor<T> {
         record(OP, &[self, other], out.into_shared(), || {
             // The operands as stored (a 16-bit one widened again in backward).
             let (a, b) = (self.detach(), other.detach());
+            let rounding = gradient_format(self, other);
             Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
+                let grad = match rounding {
+                    Some(format) => Half::narrow_cpu(OP, format, &grad)?.widen_cpu(OP)?,
+                    None => grad.into_shared(),
+                };
                 let (a, b) = (a.cpu(OP)?, b.cpu(OP)?);
                 let (a, b) = (a.view(), b.view());
                 let (grad_a, grad_b) = match (a.ndim(), b.ndim()) {
@@ -210,50 +215,33 @@ fn batch_transpose_times_batch<T: Element>(
     out
 }
 
-/// A row-major operand of a device product.
-fn operand<T: Copy + Default>(
-    array: &GpuArray<T>,
-    transposed: bool,
-    batch_stride: usize,
-) -> Operand {
-    Operand {
-        ptr: array.ptr(),
-        transposed,
-        batch_stride,
-    }
+/// The format a product's incoming gradient is rounded to before its backward GEMMs:
+/// that of two 16-bit operands of one format, with gradients in f32. Their device
+/// GEMMs then read 16-bit operands and write f32 gradients (Megatron's fp32 main-grad
+/// GEMMs; PyTorch autocast's backward reads a 16-bit gradient too), and the CPU rounds
+/// the same way so that every device computes the same gradients.
+fn gradient_format<T: Element>(a: &Tensor<T>, b: &Tensor<T>) -> Option<DType> {
+    let format = promoted(&[a, b]);
+    (T::DTYPE == DType::F32 && matches!(format, DType::BF16 | DType::F16)).then_some(format)
 }
 
-/// What a device product's forward reads: the operands widened to `T`, or both operands'
-/// own 16-bit elements of one format.
-enum Forward<'a, T> {
-    Full(&'a GpuArray<T>, &'a GpuArray<T>),
-    Bf16(&'a GpuArray<bf16>, &'a GpuArray<bf16>),
-    F16(&'a GpuArray<f16>, &'a GpuArray<f16>),
+/// A device product `[batch, m, k]·[batch, k, n]`: its extents, and the elements between
+/// consecutive matrices of A, B and the result (0 for one matrix, or a batch folded into
+/// rows).
+struct Geometry {
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    stride_a: usize,
+    stride_b: usize,
+    stride_c: usize,
+    out_shape: Vec<usize>,
 }
 
-impl<T: Element> Tensor<T> {
-    /// The product of two 16-bit device tensors of one format on one device, read as
-    /// stored (GemmEx with f32 accumulation, the result rounded once); `None` for any
-    /// other pair, and for an empty inner dimension.
-    fn matmul_16_bit(&self, other: &Tensor<T>) -> Result<Option<Tensor<T>>> {
-        let (Some(x), Some(y)) = (self.half(), other.half()) else {
-            return Ok(None);
-        };
-        if self.device() != other.device() || self.shape().last().is_none_or(|&k| k == 0) {
-            return Ok(None);
-        }
-        let forward = match (x, y) {
-            (Half::Bf16(Packed::Gpu(a)), Half::Bf16(Packed::Gpu(b))) => Forward::Bf16(a, b),
-            (Half::F16(Packed::Gpu(a)), Half::F16(Packed::Gpu(b))) => Forward::F16(a, b),
-            _ => return Ok(None),
-        };
-        self.matmul_on_device(other, forward).map(Some)
-    }
-
-    fn matmul_on_device(&self, other: &Tensor<T>, forward: Forward<'_, T>) -> Result<Tensor<T>> {
-        let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
-        let bad = |reason: &str| Error::shape(OP, &[&sa, &sb], reason);
-        let device = self.device();
+impl Geometry {
+    fn of(sa: &[usize], sb: &[usize]) -> Result<Geometry> {
+        let bad = |reason: &str| Error::shape(OP, &[sa, sb], reason);
         // [batch, m, k] · [k, n] is one [batch·m, k] · [k, n] product: fold the batch.
         let (batch, m, k, n) = match (sa.len(), sb.len()) {
             (2, 2) => (1, sa[0], sa[1], sb[1]),
@@ -272,70 +260,183 @@ impl<T: Element> Tensor<T> {
         }
         let mut out_shape = sa[..sa.len() - 1].to_vec();
         out_shape.push(n);
-        let (stride_a, stride_b, stride_g) = if batch > 1 {
+        let (stride_a, stride_b, stride_c) = if batch > 1 {
             (m * k, k * n, m * n)
         } else {
             (0, 0, 0)
         };
-        let dims = [m, n, k, batch];
-        let operands = |a: u64, b: u64| {
-            let a = Operand {
-                ptr: a,
-                transposed: false,
-                batch_stride: stride_a,
-            };
-            let b = Operand {
-                ptr: b,
-                transposed: false,
-                batch_stride: stride_b,
-            };
-            (a, b)
+        Ok(Geometry {
+            batch,
+            m,
+            k,
+            n,
+            stride_a,
+            stride_b,
+            stride_c,
+            out_shape,
+        })
+    }
+
+    /// `dims` of the forward product `A·B`.
+    fn dims(&self) -> [usize; 4] {
+        [self.m, self.n, self.k, self.batch]
+    }
+
+    fn operands(&self, a: u64, b: u64) -> (Operand, Operand) {
+        (
+            operand(a, false, self.stride_a),
+            operand(b, false, self.stride_b),
+        )
+    }
+
+    /// `dA = G·Bᵀ` and `dB = Aᵀ·G` per batch entry (folded batches sum into dB), each by
+    /// `gemm(shape, x, y, dims)` on the arrays at `a`, `b` and `g`.
+    fn backward<E>(
+        &self,
+        (a, shape_a): (u64, &[usize]),
+        (b, shape_b): (u64, &[usize]),
+        g: u64,
+        needs: &[bool],
+        gemm: impl Fn(&[usize], Operand, Operand, [usize; 4]) -> Result<GpuArray<E>>,
+    ) -> Result<Vec<Option<GpuArray<E>>>> {
+        let Geometry { batch, m, k, n, .. } = *self;
+        let g = operand(g, false, self.stride_c);
+        let grad_a = needs[0]
+            .then(|| {
+                gemm(
+                    shape_a,
+                    g,
+                    operand(b, true, self.stride_b),
+                    [m, k, n, batch],
+                )
+            })
+            .transpose()?;
+        let grad_b = needs[1]
+            .then(|| {
+                gemm(
+                    shape_b,
+                    operand(a, true, self.stride_a),
+                    g,
+                    [k, n, m, batch],
+                )
+            })
+            .transpose()?;
+        Ok(vec![grad_a, grad_b])
+    }
+
+    /// [`backward`](Self::backward) of two `H` operands on a device: the gradient rounded
+    /// to `H` once, then GEMMs of 16-bit operands into f32 gradients. `None` where the
+    /// operands are not device storage of `H`.
+    fn backward_16_bit<H: HalfFloat, T: Element>(
+        &self,
+        a: &Tensor<T>,
+        b: &Tensor<T>,
+        grad: &Tensor<T>,
+        needs: &[bool],
+    ) -> Result<Option<Vec<Option<GpuArray<T>>>>> {
+        let (Some(Packed::Gpu(x)), Some(Packed::Gpu(y))) =
+            (a.half().and_then(H::packed), b.half().and_then(H::packed))
+        else {
+            return Ok(None);
         };
-        let out = match forward {
-            Forward::Full(a, b) => {
-                let (a, b) = operands(a.ptr(), b.ptr());
-                Tensor::from_gpu(device_ops::matmul(device, &out_shape, a, b, dims)?)
-            }
-            Forward::Bf16(a, b) => {
-                let (a, b) = operands(a.ptr(), b.ptr());
-                let product = device_ops::matmul_16_bit(device, &out_shape, a, b, dims)?;
-                Tensor::from_half(Half::Bf16(Packed::Gpu(product)))
-            }
-            Forward::F16(a, b) => {
-                let (a, b) = operands(a.ptr(), b.ptr());
-                let product = device_ops::matmul_16_bit(device, &out_shape, a, b, dims)?;
-                Tensor::from_half(Half::F16(Packed::Gpu(product)))
-            }
+        let device = a.device();
+        let g = narrowed::<H, T>(OP, &grad.device_array(OP, device)?)?;
+        self.backward(
+            (x.ptr(), a.shape()),
+            (y.ptr(), b.shape()),
+            g.ptr(),
+            needs,
+            |shape, x, y, dims| {
+                device_ops::matmul_16_bit_widening::<H, T>(device, shape, x, y, dims)
+            },
+        )
+        .map(Some)
+    }
+}
+
+fn operand(ptr: u64, transposed: bool, batch_stride: usize) -> Operand {
+    Operand {
+        ptr,
+        transposed,
+        batch_stride,
+    }
+}
+
+impl<T: Element> Tensor<T> {
+    /// The product of two 16-bit device tensors of one format on one device, read as
+    /// stored (GemmEx with f32 accumulation, the result rounded once); `None` for any
+    /// other pair, and for an empty inner dimension.
+    fn matmul_16_bit(&self, other: &Tensor<T>) -> Result<Option<Tensor<T>>> {
+        match (self.dtype(), other.dtype()) {
+            (DType::BF16, DType::BF16) => self.matmul_stored::<bf16>(other),
+            (DType::F16, DType::F16) => self.matmul_stored::<f16>(other),
+            _ => Ok(None),
+        }
+    }
+
+    fn matmul_stored<H: HalfFloat>(&self, other: &Tensor<T>) -> Result<Option<Tensor<T>>> {
+        let (Some(Packed::Gpu(a)), Some(Packed::Gpu(b))) = (
+            self.half().and_then(H::packed),
+            other.half().and_then(H::packed),
+        ) else {
+            return Ok(None);
         };
+        if self.device() != other.device() || self.shape().last().is_none_or(|&k| k == 0) {
+            return Ok(None);
+        }
+        let geometry = Geometry::of(self.shape(), other.shape())?;
+        let (x, y) = geometry.operands(a.ptr(), b.ptr());
+        let product = device_ops::matmul_16_bit::<H>(
+            self.device(),
+            &geometry.out_shape,
+            x,
+            y,
+            geometry.dims(),
+        )?;
+        let out = Tensor::from_half(H::into_half(Packed::Gpu(product)));
+        self.record_device_product(other, geometry, out).map(Some)
+    }
+
+    fn matmul_on_device(&self, other: &Tensor<T>, [a, b]: [GpuArray<T>; 2]) -> Result<Tensor<T>> {
+        let geometry = Geometry::of(self.shape(), other.shape())?;
+        let (x, y) = geometry.operands(a.ptr(), b.ptr());
+        let product =
+            device_ops::matmul(self.device(), &geometry.out_shape, x, y, geometry.dims())?;
+        self.record_device_product(other, geometry, Tensor::from_gpu(product))
+    }
+
+    fn record_device_product(
+        &self,
+        other: &Tensor<T>,
+        geometry: Geometry,
+        out: Tensor<T>,
+    ) -> Result<Tensor<T>> {
+        let device = self.device();
         record_tensor(OP, &[self, other], out, || {
             let (a, b) = (self.detach(), other.detach());
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
-                let (a, b) = (a.device_array(OP, device)?, b.device_array(OP, device)?);
-                let g = grad.device_array(OP, device)?;
-                // dA = G·Bᵀ and dB = Aᵀ·G, per batch entry (folded batches sum into dB).
-                let grad_a = needs[0]
-                    .then(|| {
-                        device_ops::matmul(
-                            device,
-                            a.shape(),
-                            operand(&g, false, stride_g),
-                            operand(&b, true, stride_b),
-                            [m, k, n, batch],
-                        )
-                    })
-                    .transpose()?;
-                let grad_b = needs[1]
-                    .then(|| {
-                        device_ops::matmul(
-                            device,
-                            b.shape(),
-                            operand(&a, true, stride_a),
-                            operand(&g, false, stride_g),
-                            [k, n, m, batch],
-                        )
-                    })
-                    .transpose()?;
-                Ok(device_grads(vec![grad_a, grad_b]))
+                let rounded = match gradient_format(&a, &b) {
+                    Some(DType::BF16) => {
+                        geometry.backward_16_bit::<bf16, T>(&a, &b, &grad, needs)?
+                    }
+                    Some(_) => geometry.backward_16_bit::<f16, T>(&a, &b, &grad, needs)?,
+                    None => None,
+                };
+                let grads = match rounded {
+                    Some(grads) => grads,
+                    None => {
+                        let (x, y) = (a.device_array(OP, device)?, b.device_array(OP, device)?);
+                        let g = grad.device_array(OP, device)?;
+                        geometry.backward(
+                            (x.ptr(), a.shape()),
+                            (y.ptr(), b.shape()),
+                            g.ptr(),
+                            needs,
+                            |shape, x, y, dims| device_ops::matmul(device, shape, x, y, dims),
+                        )?
+                    }
+                };
+                Ok(device_grads(grads))
             })
         })
     }

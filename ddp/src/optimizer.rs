@@ -657,10 +657,10 @@ impl DistributedOptimizer {
     }
 
     /// Waits for a bucket's all-gather and sets the parameters that some rank had a
-    /// gradient for, on their device.
+    /// gradient for: each becomes a view of the gathered bucket (no copy; the bucket's
+    /// memory is freed once its parameters have all been replaced, as by the next step).
     fn land_gather(&self, bucket: &Bucket, work: Work, used: &[bool]) -> Result<()> {
-        // Widened once here rather than by each parameter's slice below.
-        let gathered = Tensor::<f32>::from_buffer(work.wait()?)?.to_dtype(DType::F32)?;
+        let gathered = Tensor::<f32>::from_buffer(work.wait()?)?;
         for slot in &bucket.info.params {
             let param = &self.params[bucket.first_param + slot.index];
             if !used[bucket.first_param + slot.index] {

@@ -141,6 +141,13 @@ impl<H: HalfFloat> Packed<H> {
         }
     }
 
+    fn range(&self, offset: usize, shape: &[usize]) -> Option<Self> {
+        Some(match self {
+            Packed::Cpu(array) => Packed::Cpu(memory_range(array, offset, shape)?),
+            Packed::Gpu(array) => Packed::Gpu(array.window(offset, shape)),
+        })
+    }
+
     /// The 16-bit elements in row-major order (a download from a device).
     fn to_host(&self) -> Result<Vec<H>> {
         match self {
@@ -280,13 +287,12 @@ impl Half {
         each_format!(self, packed => packed.shape())
     }
 
-    /// Elements `offset..offset + Π shape` of device storage as storage of `shape`, a
-    /// window of its memory (no copy); `None` for CPU storage. The caller checks the range.
-    pub(crate) fn device_range(&self, offset: usize, shape: &[usize]) -> Option<Half> {
+    /// Elements `offset..offset + Π shape` in row-major order as storage of `shape`,
+    /// sharing the memory (see [`memory_range`]). The caller checks the range.
+    pub(crate) fn range(&self, offset: usize, shape: &[usize]) -> Option<Half> {
         Some(match self {
-            Half::Bf16(Packed::Gpu(array)) => Half::Bf16(Packed::Gpu(array.window(offset, shape))),
-            Half::F16(Packed::Gpu(array)) => Half::F16(Packed::Gpu(array.window(offset, shape))),
-            Half::Bf16(Packed::Cpu(_)) | Half::F16(Packed::Cpu(_)) => return None,
+            Half::Bf16(packed) => Half::Bf16(packed.range(offset, shape)?),
+            Half::F16(packed) => Half::F16(packed.range(offset, shape)?),
         })
     }
 
@@ -327,6 +333,26 @@ impl Half {
             Half::F16(packed) => Half::F16(unsafe { packed.duplicate(op)?.write(write)? }),
         })
     }
+}
+
+/// Elements `offset..offset + Π shape` of a row-major CPU array as an array of `shape`
+/// sharing its memory (arrays are copied on write, so sharing is safe); `None` for an
+/// array in another memory order. The caller checks the range.
+pub(crate) fn memory_range<E: Clone>(
+    array: &ArcArray<E, IxDyn>,
+    offset: usize,
+    shape: &[usize],
+) -> Option<ArcArray<E, IxDyn>> {
+    if !array.is_standard_layout() {
+        return None;
+    }
+    let mut flat = array
+        .clone()
+        .into_shape_with_order(IxDyn(&[array.len()]))
+        .ok()?;
+    let len = shape.iter().product::<usize>();
+    flat.slice_axis_inplace(ndarray::Axis(0), ndarray::Slice::from(offset..offset + len));
+    flat.into_shape_with_order(IxDyn(shape)).ok()
 }
 
 /// Whether tensors of element type `T` can be stored as `dtype`.

@@ -312,12 +312,30 @@ impl<T: Element> Tensor<T> {
     ) -> Result<Option<GpuArray<T>>> {
         match &self.storage {
             Storage::Gpu(array) => Ok(Some(array.window(offset, shape))),
-            Storage::Half(half) => match half.device_range(offset, shape) {
+            Storage::Half(half) => match half.range(offset, shape) {
                 Some(range) => range.widen_gpu(op),
                 None => Ok(None),
             },
             Storage::Cpu(_) => Ok(None),
         }
+    }
+
+    /// Elements `offset..offset + Π shape` in row-major order as a tensor of `shape`
+    /// (not recorded) sharing this tensor's memory, in its storage format: no copy, no
+    /// widening. `None` for a CPU array in another memory order. The caller checks the
+    /// range.
+    pub(crate) fn memory_range(&self, offset: usize, shape: &[usize]) -> Option<Tensor<T>> {
+        let storage = match &self.storage {
+            Storage::Cpu(array) => {
+                Storage::Cpu(crate::precision::memory_range(array, offset, shape)?)
+            }
+            Storage::Gpu(array) => Storage::Gpu(array.window(offset, shape)),
+            Storage::Half(half) => Storage::Half(half.range(offset, shape)?),
+        };
+        Some(Tensor {
+            storage,
+            link: None,
+        })
     }
 
     /// A tensor (not requiring grad) around a device array.

@@ -9,45 +9,26 @@ use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
 impl<T: Element> Tensor<T> {
-    /// The same elements (row-major order) with a new shape of equal size.
+    /// The same elements (row-major order) with a new shape of equal size: the same
+    /// memory in the same storage format, except for a CPU tensor in another memory
+    /// order (a transposed view), which is copied.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor<T>> {
         const OP: &str = "reshape";
-        if let Some([x]) = on_device(OP, [self])? {
-            if shape.iter().product::<usize>() != x.len() {
-                return Err(Error::shape(
-                    OP,
-                    &[x.shape(), shape],
-                    "element counts differ",
-                ));
-            }
-            let from = x.shape().to_vec();
-            let device = x.device();
-            // Device arrays are always contiguous: a reshape is a new view of the memory.
-            return record_tensor(OP, &[self], Tensor::from_gpu(x.reshaped(shape)), || {
-                Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                    let grad = grad.device_array(OP, device)?.reshaped(&from);
-                    Ok(vec![Some(Tensor::from_gpu(grad))])
-                })
-            });
-        }
-        let input = self.cpu(OP)?;
-        if shape.iter().product::<usize>() != input.len() {
+        if shape.iter().product::<usize>() != self.numel() {
             return Err(Error::shape(
                 OP,
-                &[input.shape(), shape],
+                &[self.shape(), shape],
                 "element counts differ",
             ));
         }
-        let out = if input.is_standard_layout() {
-            input
-                .clone()
-                .into_shape_with_order(IxDyn(shape))
-                .map_err(|e| Error::shape(OP, &[input.shape(), shape], e.to_string()))?
-        } else {
-            reshape_owned(OP, input.to_owned(), shape)?.into_shared()
-        };
-        let from = input.shape().to_vec();
-        record(OP, &[self], out, || {
+        let from = self.shape().to_vec();
+        if let Some(out) = self.memory_range(0, shape) {
+            return record_tensor(OP, &[self], out, || {
+                Box::new(move |grad: Tensor<T>, _: &[bool]| Ok(vec![Some(grad.reshape(&from)?)]))
+            });
+        }
+        let out = reshape_owned(OP, self.cpu(OP)?.to_owned(), shape)?;
+        record(OP, &[self], out.into_shared(), || {
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
                 Ok(vec![Some(reshape_owned(OP, grad, &from)?)])
             })
@@ -106,11 +87,14 @@ impl<T: Element> Tensor<T> {
         })
     }
 
-    /// Elements `start..start + len` along `dim` (a view on the CPU, a copy on a device).
+    /// Elements `start..start + len` along `dim`: a view of the memory in the same
+    /// storage format where they are contiguous (dimensions before `dim` of size 1, as
+    /// for a flat buffer's pieces) and always on the CPU; a copy otherwise on a device.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor<T>> {
         const OP: &str = "narrow";
         check_dim(OP, dim, self.shape())?;
-        let size = self.shape()[dim];
+        let shape = self.shape().to_vec();
+        let size = shape[dim];
         if start.checked_add(len).is_none_or(|end| end > size) {
             return Err(Error::shape(
                 OP,
@@ -118,26 +102,37 @@ impl<T: Element> Tensor<T> {
                 format!("range {start}..{start}+{len} exceeds dimension {dim} of size {size}"),
             ));
         }
-        if let Some([x]) = on_device(OP, [self])? {
-            let out = device::narrow(OP, &x, dim, start, len)?;
-            let (shape, device) = (x.shape().to_vec(), x.device());
-            return record_tensor(OP, &[self], Tensor::from_gpu(out), || {
-                Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                    let grad = grad.device_array(OP, device)?;
-                    let full = device::narrow_backward(OP, &grad, &shape, dim, start)?;
-                    Ok(vec![Some(Tensor::from_gpu(full))])
-                })
-            });
-        }
-        let input = self.cpu(OP)?;
-        let mut out = input.clone();
-        out.slice_axis_inplace(Axis(dim), Slice::from(start..start + len));
-        let shape = input.raw_dim();
-        record(OP, &[self], out, || {
-            Box::new(move |grad: ArrayD<T>, _: &[bool]| {
-                let mut full = ArrayD::zeros(shape);
-                full.slice_axis_mut(Axis(dim), Slice::from(start..start + len))
-                    .assign(&grad);
+        let mut out_shape = shape.clone();
+        out_shape[dim] = len;
+        let contiguous = shape[..dim].iter().all(|&d| d == 1);
+        let inner: usize = shape[dim + 1..].iter().product();
+        let view = contiguous
+            .then(|| self.memory_range(start * inner, &out_shape))
+            .flatten();
+        let out = match view {
+            Some(view) => view,
+            None => match on_device(OP, [self])? {
+                Some([x]) => Tensor::from_gpu(device::narrow(OP, &x, dim, start, len)?),
+                None => {
+                    let mut out = self.cpu(OP)?;
+                    out.slice_axis_inplace(Axis(dim), Slice::from(start..start + len));
+                    Tensor::from_shared(out)
+                }
+            },
+        };
+        record_tensor(OP, &[self], out, || {
+            Box::new(move |grad: Tensor<T>, _: &[bool]| {
+                let full = match grad.gpu(OP)? {
+                    Some(grad) => {
+                        Tensor::from_gpu(device::narrow_backward(OP, &grad, &shape, dim, start)?)
+                    }
+                    None => {
+                        let mut full = ArrayD::zeros(IxDyn(&shape));
+                        full.slice_axis_mut(Axis(dim), Slice::from(start..start + len))
+                            .assign(&grad.cpu(OP)?);
+                        Tensor::from_array(full)
+                    }
+                };
                 Ok(vec![Some(full)])
             })
         })

@@ -310,15 +310,13 @@ fn check_features(op: &'static str, in_features: usize, out_features: usize) -> 
 }
 
 /// `x·Wᵀ` for `x` of any rank ≥ 1 and `W: [out, in]`: leading dimensions are flattened
-/// into rows for one GEMM (the transpose is a free strided view).
+/// into rows for one GEMM, which reads `W` as stored (no transposed copy on a device).
 pub(crate) fn matmul_transposed(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     let shape = x.shape().to_vec();
     let in_features = shape.last().copied().unwrap_or(0);
     let rows = x.numel().checked_div(in_features).unwrap_or(0);
     let out_features = weight.shape()[0];
-    let product = x
-        .reshape(&[rows, in_features])?
-        .matmul(&weight.transpose(0, 1)?)?;
+    let product = x.reshape(&[rows, in_features])?.matmul_transposed(weight)?;
     let mut out_shape = shape;
     if let Some(last) = out_shape.last_mut() {
         *last = out_features;

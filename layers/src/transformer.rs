@@ -245,7 +245,7 @@ impl ParallelSelfAttention {
         };
         let (query, key, value) = (part(0)?, part(1)?, part(2)?);
         let probs = query
-            .matmul(&key.transpose(1, 2)?)?
+            .matmul_transposed(&key)?
             .causal_softmax(1.0 / (head_dim as f64).sqrt())?
             .dropout(self.dropout, rng.model_parallel_stream())?;
         let context = probs

@@ -115,6 +115,26 @@ fn matrix_products() {
     }
 }
 
+/// `a·bᵀ` with `b` read as stored: a linear layer's `x·Wᵀ` (also over a folded batch) and
+/// attention's batched `q·kᵀ`.
+#[test]
+fn products_with_a_transposed_operand() {
+    let cases: [(&[usize], &[usize]); 4] = [
+        (&[3, 4], &[5, 4]),
+        (&[2, 3, 4], &[5, 4]),
+        (&[2, 3, 4], &[2, 5, 4]),
+        (&[3, 0], &[2, 0]),
+    ];
+    for (a, b) in cases {
+        check::<f64>("matmul_transposed", Inputs::new(&[a, b]), F64, |x| {
+            x[0].matmul_transposed(&x[1])
+        });
+        check::<f32>("matmul_transposed f32", Inputs::new(&[a, b]), F32, |x| {
+            x[0].matmul_transposed(&x[1])
+        });
+    }
+}
+
 #[test]
 fn reshape_is_free_and_differentiable() {
     check::<f64>("reshape", Inputs::new(&[&[2, 6]]), F64, |x| {

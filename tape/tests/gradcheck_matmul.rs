@@ -35,6 +35,21 @@ fn matmul_transposed_operands() -> Result<()> {
         &[randn(&[4, 3], 3), randn(&[4, 2], 4)],
         &options,
     )?;
+    gradcheck(
+        |x| x[0].matmul_transposed(&x[1]),
+        &[randn(&[2, 3, 4], 5), randn(&[2, 5, 4], 6)],
+        &options,
+    )?;
+    Ok(())
+}
+
+#[test]
+fn matmul_transposed_equals_the_product_with_a_transpose() -> Result<()> {
+    let (a, w) = (randn(&[2, 3, 4], 7), randn(&[5, 4], 8));
+    let expected = a.matmul(&w.transpose(0, 1)?)?.to_vec()?;
+    assert_eq!(a.matmul_transposed(&w)?.to_vec()?, expected);
+    let err = a.matmul_transposed(&randn(&[4], 9)).unwrap_err();
+    assert!(err.to_string().contains("2-D or 3-D"), "{err}");
     Ok(())
 }
 

@@ -245,6 +245,18 @@ fn matmul_accumulates_in_f32() {
     check_product("matmul", &[&[5, 40], &[40, 3]]);
     check_product("batched matmul", &[&[2, 3, 16], &[2, 16, 4]]);
     check_product("shared matmul", &[&[2, 3, 16], &[16, 4]]);
+    let check_transposed = |name: &str, shapes: &[&[usize]]| {
+        let matmul = |x: &[Tensor]| x[0].matmul_transposed(&x[1]);
+        check_in(
+            name,
+            shapes,
+            (-2.0, 2.0),
+            BackwardReads::RoundedGradient,
+            matmul,
+        )
+    };
+    check_transposed("linear product", &[&[2, 3, 16], &[4, 16]]);
+    check_transposed("batched transposed product", &[&[2, 3, 16], &[2, 4, 16]]);
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! A product of two bf16 or f16 device matrices reads them as stored (cuBLAS's GemmEx
-//! with f32 accumulation, the emulator's reference of it), forward and backward: the
+//! with f32 accumulation, the emulator's reference of it), forward and backward, also
+//! with the second one transposed (`matmul_transposed`, a linear layer's `x·Wᵀ`): the
 //! forward takes only its 16-bit result, the backward only the incoming gradient rounded
 //! to 16 bits and the two f32 gradients, with no widened f32 copy of either operand (a
 //! counting allocator: this test binary has one test, so nothing else allocates
@@ -15,10 +16,17 @@ const N: usize = 128;
 #[test]
 fn sixteen_bit_device_products_allocate_only_their_result() -> tape::Result<()> {
     let mut rng = Generator::new(3);
-    for dtype in [DType::BF16, DType::F16] {
+    let cases = [DType::BF16, DType::F16]
+        .into_iter()
+        .flat_map(|d| [(d, false), (d, true)]);
+    for (dtype, transposed) in cases {
         let a = Tensor::randn(&[2, N, N], 0.1, &mut rng);
         let b = Tensor::randn(&[N, N], 0.1, &mut rng);
-        let expected = a.to_dtype(dtype)?.matmul(&b.to_dtype(dtype)?)?.to_vec()?;
+        let product = |a: &Tensor, b: &Tensor| match transposed {
+            true => a.matmul_transposed(b),
+            false => a.matmul(b),
+        };
+        let expected = product(&a.to_dtype(dtype)?, &b.to_dtype(dtype)?)?.to_vec()?;
         let on_device = |t: &Tensor| t.to_device(Device::Emulated)?.to_dtype(dtype);
         let (a, b) = (
             Parameter::new("a", on_device(&a)?),
@@ -28,14 +36,14 @@ fn sixteen_bit_device_products_allocate_only_their_result() -> tape::Result<()> 
         let grad = Tensor::randn(&[2, N, N], 1.0, &mut rng).to_device(Device::Emulated)?;
         counting::reset_peak();
         let before = counting::live();
-        let product = tape.watch(&a).matmul(&tape.watch(&b))?;
+        let product = product(&tape.watch(&a), &tape.watch(&b))?;
         let taken = counting::peak() - before;
         let result = (2 * N * N * 2) as isize;
         assert_eq!(product.dtype(), dtype);
         // A widened operand alone would take twice the result's bytes.
         assert!(
             taken <= result + result / 8,
-            "{dtype}: the product took {taken} bytes for a {result}-byte result"
+            "{dtype} (transposed: {transposed}): the product took {taken} bytes for a {result}-byte result"
         );
 
         counting::reset_peak();
@@ -47,7 +55,7 @@ fn sixteen_bit_device_products_allocate_only_their_result() -> tape::Result<()> 
         let needed = result + (2 * N * N * 4 + N * N * 4) as isize;
         assert!(
             taken <= needed + needed / 8,
-            "{dtype}: backward took {taken} bytes where {needed} are needed"
+            "{dtype} (transposed: {transposed}): backward took {taken} bytes where {needed} are needed"
         );
         assert_eq!(a.grad().map(|g| g.dtype()), Some(DType::F32));
         let got = product.to_vec()?;

@@ -21,11 +21,11 @@ impl<T: Element> Tensor<T> {
     /// Matrix product. Shapes: `[m,k]·[k,n] → [m,n]`, `[b,m,k]·[b,k,n] → [b,m,n]`, and
     /// `[b,m,k]·[k,n] → [b,m,n]` (the matrix is shared across the batch).
     pub fn matmul(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
-        if let Some(out) = self.matmul_16_bit(other)? {
+        if let Some(out) = self.matmul_16_bit(other, false)? {
             return Ok(out);
         }
         if let Some(arrays) = on_device(OP, [self, other])? {
-            return self.matmul_on_device(other, arrays);
+            return self.matmul_on_device(other, arrays, false);
         }
         let a = self.cpu(OP)?;
         let b = other.cpu(OP)?;
@@ -87,6 +87,34 @@ impl<T: Element> Tensor<T> {
                 Ok(vec![grad_a, grad_b])
             })
         })
+    }
+}
+
+impl<T: Element> Tensor<T> {
+    /// `self · otherᵀ`, `other`'s last two dimensions swapped: `[m,k]·[n,k]ᵀ → [m,n]`,
+    /// `[b,m,k]·[n,k]ᵀ → [b,m,n]` and `[b,m,k]·[b,n,k]ᵀ → [b,m,n]`. This is a linear
+    /// layer's `x·Wᵀ` with `W: [out, in]` (PyTorch's `F.linear`) and attention's `q·kᵀ`.
+    /// It equals `self.matmul(&other.transpose(..)?)`, but on a device, whose arrays are
+    /// always contiguous and where a transpose is a copy, the GEMM reads `other` as
+    /// stored, forward and backward.
+    pub fn matmul_transposed(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
+        const OP: &str = "matmul_transposed";
+        let ndim = other.ndim();
+        if ndim < 2 {
+            return Err(Error::shape(
+                OP,
+                &[self.shape(), other.shape()],
+                "the transposed operand must be 2-D or 3-D",
+            ));
+        }
+        if let Some(out) = self.matmul_16_bit(other, true)? {
+            return Ok(out);
+        }
+        match on_device(OP, [self, other])? {
+            Some(arrays) => self.matmul_on_device(other, arrays, true),
+            // A CPU transpose is a strided view, which the GEMM reads in place.
+            None => self.matmul(&other.transpose(ndim - 2, ndim - 1)?),
+        }
     }
 }
 
@@ -225,10 +253,11 @@ fn gradient_format<T: Element>(a: &Tensor<T>, b: &Tensor<T>) -> Option<DType> {
     (T::DTYPE == DType::F32 && matches!(format, DType::BF16 | DType::F16)).then_some(format)
 }
 
-/// A device product `[batch, m, k]·[batch, k, n]`: its extents, and the elements between
-/// consecutive matrices of A, B and the result (0 for one matrix, or a batch folded into
-/// rows).
+/// A device product `[batch, m, k]·[batch, k, n]`: its extents, whether B is stored
+/// transposed (`[batch, n, k]`), and the elements between consecutive matrices of A, B
+/// and the result (0 for one matrix, or a batch folded into rows).
 struct Geometry {
+    transposed_b: bool,
     batch: usize,
     m: usize,
     k: usize,
@@ -240,8 +269,14 @@ struct Geometry {
 }
 
 impl Geometry {
-    fn of(sa: &[usize], sb: &[usize]) -> Result<Geometry> {
-        let bad = |reason: &str| Error::shape(OP, &[sa, sb], reason);
+    /// The product of `a` and `b` as stored (B transposed if `transposed_b`).
+    fn of(sa: &[usize], stored_b: &[usize], transposed_b: bool) -> Result<Geometry> {
+        let bad = |reason: &str| Error::shape(OP, &[sa, stored_b], reason);
+        let mut sb = stored_b.to_vec();
+        if transposed_b && sb.len() >= 2 {
+            let last = sb.len() - 1;
+            sb.swap(last - 1, last);
+        }
         // [batch, m, k] · [k, n] is one [batch·m, k] · [k, n] product: fold the batch.
         let (batch, m, k, n) = match (sa.len(), sb.len()) {
             (2, 2) => (1, sa[0], sa[1], sb[1]),
@@ -266,6 +301,7 @@ impl Geometry {
             (0, 0, 0)
         };
         Ok(Geometry {
+            transposed_b,
             batch,
             m,
             k,
@@ -285,12 +321,13 @@ impl Geometry {
     fn operands(&self, a: u64, b: u64) -> (Operand, Operand) {
         (
             operand(a, false, self.stride_a),
-            operand(b, false, self.stride_b),
+            operand(b, self.transposed_b, self.stride_b),
         )
     }
 
     /// `dA = G·Bᵀ` and `dB = Aᵀ·G` per batch entry (folded batches sum into dB), each by
-    /// `gemm(shape, x, y, dims)` on the arrays at `a`, `b` and `g`.
+    /// `gemm(shape, x, y, dims)` on the arrays at `a`, `b` and `g`. For B stored
+    /// transposed as S, `dA = G·S` and `dS = Gᵀ·A`: no transpose is ever copied.
     fn backward<E>(
         &self,
         (a, shape_a): (u64, &[usize]),
@@ -300,25 +337,27 @@ impl Geometry {
         gemm: impl Fn(&[usize], Operand, Operand, [usize; 4]) -> Result<GpuArray<E>>,
     ) -> Result<Vec<Option<GpuArray<E>>>> {
         let Geometry { batch, m, k, n, .. } = *self;
-        let g = operand(g, false, self.stride_c);
+        let stride_g = self.stride_c;
         let grad_a = needs[0]
             .then(|| {
-                gemm(
-                    shape_a,
-                    g,
-                    operand(b, true, self.stride_b),
-                    [m, k, n, batch],
-                )
+                let b = operand(b, !self.transposed_b, self.stride_b);
+                gemm(shape_a, operand(g, false, stride_g), b, [m, k, n, batch])
             })
             .transpose()?;
         let grad_b = needs[1]
-            .then(|| {
-                gemm(
+            .then(|| match self.transposed_b {
+                false => gemm(
                     shape_b,
                     operand(a, true, self.stride_a),
-                    g,
+                    operand(g, false, stride_g),
                     [k, n, m, batch],
-                )
+                ),
+                true => gemm(
+                    shape_b,
+                    operand(g, true, stride_g),
+                    operand(a, false, self.stride_a),
+                    [n, k, m, batch],
+                ),
             })
             .transpose()?;
         Ok(vec![grad_a, grad_b])
@@ -365,16 +404,21 @@ fn operand(ptr: u64, transposed: bool, batch_stride: usize) -> Operand {
 impl<T: Element> Tensor<T> {
     /// The product of two 16-bit device tensors of one format on one device, read as
     /// stored (GemmEx with f32 accumulation, the result rounded once); `None` for any
-    /// other pair, and for an empty inner dimension.
-    fn matmul_16_bit(&self, other: &Tensor<T>) -> Result<Option<Tensor<T>>> {
+    /// other pair, and for an empty inner dimension. `other` is read transposed if
+    /// `transposed`.
+    fn matmul_16_bit(&self, other: &Tensor<T>, transposed: bool) -> Result<Option<Tensor<T>>> {
         match (self.dtype(), other.dtype()) {
-            (DType::BF16, DType::BF16) => self.matmul_stored::<bf16>(other),
-            (DType::F16, DType::F16) => self.matmul_stored::<f16>(other),
+            (DType::BF16, DType::BF16) => self.matmul_stored::<bf16>(other, transposed),
+            (DType::F16, DType::F16) => self.matmul_stored::<f16>(other, transposed),
             _ => Ok(None),
         }
     }
 
-    fn matmul_stored<H: HalfFloat>(&self, other: &Tensor<T>) -> Result<Option<Tensor<T>>> {
+    fn matmul_stored<H: HalfFloat>(
+        &self,
+        other: &Tensor<T>,
+        transposed: bool,
+    ) -> Result<Option<Tensor<T>>> {
         let (Some(Packed::Gpu(a)), Some(Packed::Gpu(b))) = (
             self.half().and_then(H::packed),
             other.half().and_then(H::packed),
@@ -384,7 +428,7 @@ impl<T: Element> Tensor<T> {
         if self.device() != other.device() || self.shape().last().is_none_or(|&k| k == 0) {
             return Ok(None);
         }
-        let geometry = Geometry::of(self.shape(), other.shape())?;
+        let geometry = Geometry::of(self.shape(), other.shape(), transposed)?;
         let (x, y) = geometry.operands(a.ptr(), b.ptr());
         let product = device_ops::matmul_16_bit::<H>(
             self.device(),
@@ -397,8 +441,13 @@ impl<T: Element> Tensor<T> {
         self.record_device_product(other, geometry, out).map(Some)
     }
 
-    fn matmul_on_device(&self, other: &Tensor<T>, [a, b]: [GpuArray<T>; 2]) -> Result<Tensor<T>> {
-        let geometry = Geometry::of(self.shape(), other.shape())?;
+    fn matmul_on_device(
+        &self,
+        other: &Tensor<T>,
+        [a, b]: [GpuArray<T>; 2],
+        transposed: bool,
+    ) -> Result<Tensor<T>> {
+        let geometry = Geometry::of(self.shape(), other.shape(), transposed)?;
         let (x, y) = geometry.operands(a.ptr(), b.ptr());
         let product =
             device_ops::matmul(self.device(), &geometry.out_shape, x, y, geometry.dims())?;

@@ -31,7 +31,7 @@ build() {
         python3 -c '
 import json, sys
 wanted = {"gpu_local", "gpu_nccl", "device", "device_math", "device_nn", "device_shape",
-          "device_training", "main_grad", "lending", "flat_updates", "low_precision", "memory_views",
+          "device_training", "main_grad", "lending", "flat_updates", "low_precision", "shape_memory",
           "comm_core", "tape"}
 for line in sys.stdin:
     m = json.loads(line)

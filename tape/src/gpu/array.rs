@@ -238,14 +238,24 @@ impl<T: Element> GpuArray<T> {
 
     /// Runs `kernel`'s build for `T` over `items` indices.
     pub(crate) fn launch(&self, kernel: &Kernel, items: usize, args: &KernelArgs) -> Result<()> {
+        self.launch_build(kernel, Precision::of::<T>(), items, args)
+    }
+}
+
+impl<T: Copy + Default> GpuArray<T> {
+    /// Runs `kernel`'s `precision` build over `items` indices.
+    pub(crate) fn launch_build(
+        &self,
+        kernel: &Kernel,
+        precision: Precision,
+        items: usize,
+        args: &KernelArgs,
+    ) -> Result<()> {
         if items == 0 {
             return Ok(());
         }
         // SAFETY: callers fill `args` with addresses of live arrays of this backend and
         // sizes matching the kernel's documented slots.
-        unsafe {
-            self.backend()
-                .launch(kernel, Precision::of::<T>(), items, args)
-        }
+        unsafe { self.backend().launch(kernel, precision, items, args) }
     }
 }

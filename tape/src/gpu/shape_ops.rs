@@ -3,8 +3,10 @@
 //! gather reads a view of an array (permute, narrow) and a strided scatter writes into a
 //! view of one (concat, narrow's gradient).
 
+use half::{bf16, f16};
+
 use super::ops::{check_rank, contiguous_strides};
-use super::{GpuArray, Kernel, KernelArgs};
+use super::{GpuArray, Kernel, KernelArgs, Precision};
 use crate::{Element, Error, Result};
 
 kernels! {
@@ -17,11 +19,48 @@ kernels! {
     DROPOUT = "dropout": dropout_f32, dropout_f64;
 }
 
+/// Elements the strided kernels move: an element type through its own build, 16-bit
+/// floats as bits in their own format (the f32 build; both builds do the same).
+pub(crate) trait Moved: Copy + Default {
+    /// The strided kernels' i19.
+    const WIDTH: i64;
+    fn build() -> Precision;
+}
+
+impl<T: Element> Moved for T {
+    const WIDTH: i64 = 0;
+    fn build() -> Precision {
+        Precision::of::<T>()
+    }
+}
+
+impl Moved for bf16 {
+    const WIDTH: i64 = 2;
+    fn build() -> Precision {
+        Precision::F32
+    }
+}
+
+impl Moved for f16 {
+    const WIDTH: i64 = 2;
+    fn build() -> Precision {
+        Precision::F32
+    }
+}
+
 /// The slots `gather_strided` and `scatter_strided` share (see `shape.cu`): p0 out, p1 x;
 /// i0 elements iterated, i1 ndim, i2 the view's offset, i[3..11) the iterated `shape`,
-/// i[11..19) the view's `strides`. The caller has checked the rank.
-fn strided_args(out: u64, x: u64, shape: &[usize], offset: usize, strides: &[usize]) -> KernelArgs {
+/// i[11..19) the view's `strides`, i19 the width flag of `E`. The caller has checked the
+/// rank.
+fn strided_args<E: Moved>(
+    out: u64,
+    x: u64,
+    shape: &[usize],
+    offset: usize,
+    strides: &[usize],
+) -> KernelArgs {
     let mut args = KernelArgs::default();
+    args.i[19] = E::WIDTH;
     args.p[..2].copy_from_slice(&[out, x]);
     args.i[0] = shape.iter().product::<usize>() as i64;
     args.i[1] = shape.len() as i64;
@@ -34,40 +73,40 @@ fn strided_args(out: u64, x: u64, shape: &[usize], offset: usize, strides: &[usi
 }
 
 /// A new array of `shape` read from the view of `x` starting at `offset` with `strides`.
-fn gather<T: Element>(
+fn gather<E: Moved>(
     op: &'static str,
-    x: &GpuArray<T>,
+    x: &GpuArray<E>,
     shape: &[usize],
     offset: usize,
     strides: &[usize],
-) -> Result<GpuArray<T>> {
+) -> Result<GpuArray<E>> {
     check_rank(op, shape)?;
-    let out = GpuArray::<T>::uninit(op, x.device(), shape)?;
-    let args = strided_args(out.ptr(), x.ptr(), shape, offset, strides);
-    out.launch(&GATHER_STRIDED, out.len(), &args)?;
+    let out = GpuArray::<E>::uninit(op, x.device(), shape)?;
+    let args = strided_args::<E>(out.ptr(), x.ptr(), shape, offset, strides);
+    out.launch_build(&GATHER_STRIDED, E::build(), out.len(), &args)?;
     Ok(out)
 }
 
 /// Writes `x` into the view of `out` (of `x`'s shape) starting at `offset` with `strides`.
-fn scatter_into<T: Element>(
+fn scatter_into<E: Moved>(
     op: &'static str,
-    out: &GpuArray<T>,
-    x: &GpuArray<T>,
+    out: &GpuArray<E>,
+    x: &GpuArray<E>,
     offset: usize,
     strides: &[usize],
 ) -> Result<()> {
     check_rank(op, x.shape())?;
-    let args = strided_args(out.ptr(), x.ptr(), x.shape(), offset, strides);
-    out.launch(&SCATTER_STRIDED, x.len(), &args)
+    let args = strided_args::<E>(out.ptr(), x.ptr(), x.shape(), offset, strides);
+    out.launch_build(&SCATTER_STRIDED, E::build(), x.len(), &args)
 }
 
 /// `x` with its dimensions reordered (`order`, already checked to be a permutation):
 /// output dimension `i` is input dimension `order[i]`.
-pub(crate) fn permute<T: Element>(
+pub(crate) fn permute<E: Moved>(
     op: &'static str,
-    x: &GpuArray<T>,
+    x: &GpuArray<E>,
     order: &[usize],
-) -> Result<GpuArray<T>> {
+) -> Result<GpuArray<E>> {
     let strides = contiguous_strides(x.shape());
     let shape: Vec<usize> = order.iter().map(|&d| x.shape()[d]).collect();
     let strides: Vec<usize> = order.iter().map(|&d| strides[d]).collect();
@@ -75,13 +114,13 @@ pub(crate) fn permute<T: Element>(
 }
 
 /// Elements `start..start + len` of `x` along `dim` (already checked in range).
-pub(crate) fn narrow<T: Element>(
+pub(crate) fn narrow<E: Moved>(
     op: &'static str,
-    x: &GpuArray<T>,
+    x: &GpuArray<E>,
     dim: usize,
     start: usize,
     len: usize,
-) -> Result<GpuArray<T>> {
+) -> Result<GpuArray<E>> {
     let strides = contiguous_strides(x.shape());
     let mut shape = x.shape().to_vec();
     shape[dim] = len;
@@ -105,11 +144,11 @@ pub(crate) fn narrow_backward<T: Element>(
 }
 
 /// `parts` joined along `dim`; their other dimensions (already checked) agree.
-pub(crate) fn concat<T: Element>(
+pub(crate) fn concat<E: Moved>(
     op: &'static str,
-    parts: &[&GpuArray<T>],
+    parts: &[&GpuArray<E>],
     dim: usize,
-) -> Result<GpuArray<T>> {
+) -> Result<GpuArray<E>> {
     let Some(first) = parts.first() else {
         return Err(Error::invalid(op, "needs at least one tensor"));
     };
@@ -117,7 +156,7 @@ pub(crate) fn concat<T: Element>(
     shape[dim] = parts.iter().map(|part| part.shape()[dim]).sum();
     check_rank(op, &shape)?;
     // Uninitialised is enough: the parts' sizes along `dim` add up, so they cover it.
-    let out = GpuArray::<T>::uninit(op, first.device(), &shape)?;
+    let out = GpuArray::<E>::uninit(op, first.device(), &shape)?;
     let strides = contiguous_strides(&shape);
     let mut start = 0;
     for part in parts {

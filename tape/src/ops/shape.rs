@@ -4,9 +4,13 @@
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
 
 use super::{all_on_device, check_dim, on_device, reshape_owned};
-use crate::gpu::shape_ops as device;
+use half::{bf16, f16};
+
+use crate::gpu::shape_ops::{self as device, Moved};
+use crate::gpu::GpuArray;
+use crate::precision::{HalfFloat, Packed};
 use crate::tape::{record, record_tensor};
-use crate::{Element, Error, Result, Tensor};
+use crate::{DType, Element, Error, Result, Tensor};
 
 impl<T: Element> Tensor<T> {
     /// The same elements (row-major order) with a new shape of equal size: the same
@@ -67,10 +71,15 @@ impl<T: Element> Tensor<T> {
         for (i, &d) in order.iter().enumerate() {
             inverse[d] = i;
         }
-        if let Some([x]) = on_device(op, [self])? {
-            let out = device::permute(op, &x, order)?;
-            let device = x.device();
-            return record_tensor(op, &[self], Tensor::from_gpu(out), || {
+        let on_a_device = match moved_16_bit(&[self], &Permute(op, order))? {
+            Some(out) => Some(out),
+            None => on_device(op, [self])?
+                .map(|[x]| device::permute(op, &x, order).map(Tensor::from_gpu))
+                .transpose()?,
+        };
+        if let Some(out) = on_a_device {
+            let device = self.device();
+            return record_tensor(op, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(op, device)?;
                     Ok(vec![Some(Tensor::from_gpu(device::permute(
@@ -109,15 +118,19 @@ impl<T: Element> Tensor<T> {
         let view = contiguous
             .then(|| self.memory_range(start * inner, &out_shape))
             .flatten();
+        let narrowed = Narrow { dim, start, len };
         let out = match view {
             Some(view) => view,
-            None => match on_device(OP, [self])? {
-                Some([x]) => Tensor::from_gpu(device::narrow(OP, &x, dim, start, len)?),
-                None => {
-                    let mut out = self.cpu(OP)?;
-                    out.slice_axis_inplace(Axis(dim), Slice::from(start..start + len));
-                    Tensor::from_shared(out)
-                }
+            None => match moved_16_bit(&[self], &narrowed)? {
+                Some(out) => out,
+                None => match on_device(OP, [self])? {
+                    Some([x]) => Tensor::from_gpu(device::narrow(OP, &x, dim, start, len)?),
+                    None => {
+                        let mut out = self.cpu(OP)?;
+                        out.slice_axis_inplace(Axis(dim), Slice::from(start..start + len));
+                        Tensor::from_shared(out)
+                    }
+                },
             },
         };
         record_tensor(OP, &[self], out, || {
@@ -161,10 +174,16 @@ impl<T: Element> Tensor<T> {
             ));
         }
         let sizes: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
-        if let Some(parts) = all_on_device(OP, tensors)? {
-            let out = device::concat(OP, &parts.iter().collect::<Vec<_>>(), dim)?;
+        let on_a_device = match moved_16_bit(tensors, &Concat(dim))? {
+            Some(out) => Some(out),
+            None => all_on_device(OP, tensors)?
+                .map(|parts| device::concat(OP, &parts.iter().collect::<Vec<_>>(), dim))
+                .transpose()?
+                .map(Tensor::from_gpu),
+        };
+        if let Some(out) = on_a_device {
             let device = out.device();
-            return record_tensor(OP, tensors, Tensor::from_gpu(out), || {
+            return record_tensor(OP, tensors, out, || {
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                     let grad = grad.device_array(OP, device)?;
                     let mut start = 0;
@@ -242,4 +261,73 @@ impl<T: Element> Tensor<T> {
         }
         self.split(&vec![size / parts; parts], dim)
     }
+}
+
+/// A shape op's data movement on device arrays of any element the kernels move.
+trait Movement {
+    fn apply<E: Moved>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>>;
+}
+
+/// `permute(op, order)`.
+struct Permute<'a>(&'static str, &'a [usize]);
+
+impl Movement for Permute<'_> {
+    fn apply<E: Moved>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>> {
+        device::permute(self.0, parts[0], self.1)
+    }
+}
+
+struct Narrow {
+    dim: usize,
+    start: usize,
+    len: usize,
+}
+
+impl Movement for Narrow {
+    fn apply<E: Moved>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>> {
+        device::narrow("narrow", parts[0], self.dim, self.start, self.len)
+    }
+}
+
+/// `concat` along a dimension.
+struct Concat(usize);
+
+impl Movement for Concat {
+    fn apply<E: Moved>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>> {
+        device::concat("concat", parts, self.0)
+    }
+}
+
+/// `movement` of tensors stored in one 16-bit format on one device, in that format (their
+/// bits moved, nothing widened); `None` for any other tensors. Gradients stay f32.
+fn moved_16_bit<T: Element>(
+    tensors: &[&Tensor<T>],
+    movement: &impl Movement,
+) -> Result<Option<Tensor<T>>> {
+    match tensors.first().map(|t| t.dtype()) {
+        Some(DType::BF16) => moved_as::<bf16, T>(tensors, movement),
+        Some(DType::F16) => moved_as::<f16, T>(tensors, movement),
+        _ => Ok(None),
+    }
+}
+
+fn moved_as<H: HalfFloat + Moved, T: Element>(
+    tensors: &[&Tensor<T>],
+    movement: &impl Movement,
+) -> Result<Option<Tensor<T>>> {
+    let Some(device) = tensors.first().map(|t| t.device()) else {
+        return Ok(None);
+    };
+    let parts: Option<Vec<&GpuArray<H>>> = tensors
+        .iter()
+        .map(|t| match t.half().and_then(H::packed) {
+            Some(Packed::Gpu(array)) if array.device() == device => Some(array),
+            _ => None,
+        })
+        .collect();
+    let Some(parts) = parts else {
+        return Ok(None);
+    };
+    let moved = movement.apply(&parts)?;
+    Ok(Some(Tensor::from_half(H::into_half(Packed::Gpu(moved)))))
 }

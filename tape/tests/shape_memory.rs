@@ -1,8 +1,13 @@
-//! `reshape`, and `narrow` over a contiguous range, are views of a tensor's memory in
-//! its own storage format: on the CPU and every device, f32, bf16 and f16, they take no
-//! memory and do not widen 16-bit storage (a counting allocator: this test binary has
-//! one test, so nothing else allocates meanwhile; the emulator's memory comes from the
-//! same allocator). Their values and gradients equal the copying path's.
+//! Shape ops and the memory they take (a counting allocator: this test binary has one
+//! test, so nothing else allocates meanwhile; the emulator's memory comes from the same
+//! allocator):
+//! - `reshape`, and `narrow` over a contiguous range, are views of a tensor's memory in
+//!   its own storage format: on the CPU and every device, f32, bf16 and f16, they take no
+//!   memory and do not widen 16-bit storage;
+//! - on a device, `permute`, any other `narrow` and `concat` of 16-bit tensors move their
+//!   bits in that format: they take their 16-bit result only, with no widened copy.
+//!
+//! Values and gradients equal the copying path's.
 
 #[path = "support/counting.rs"]
 mod counting;
@@ -11,11 +16,14 @@ mod device;
 
 use tape::{DType, Device, Generator, Parameter, Tape, Tensor};
 
+/// Makes a tensor from the one under test.
+type Make<'a> = &'a dyn Fn() -> tape::Result<Tensor>;
+
 const ROWS: usize = 64;
 const COLS: usize = 256;
 
 #[test]
-fn reshape_and_contiguous_narrow_share_memory_in_every_format() -> tape::Result<()> {
+fn shape_ops_take_no_memory_beyond_their_result_in_its_format() -> tape::Result<()> {
     let mut rng = Generator::new(11);
     let values = Tensor::randn(&[ROWS, COLS], 1.0, &mut rng);
     let mut devices = vec![Device::Cpu];
@@ -40,6 +48,33 @@ fn reshape_and_contiguous_narrow_share_memory_in_every_format() -> tape::Result<
             let all = x.to_vec()?;
             let start = 8 * COLS + 100;
             assert_eq!(piece.to_vec()?, all[start..start + 1000].to_vec());
+        }
+
+        // Copies on a device, in the tensor's format.
+        if device != Device::Cpu {
+            for dtype in [DType::BF16, DType::F16] {
+                let x = values.to_device(device)?.to_dtype(dtype)?;
+                let size = dtype.size_in_bytes() as isize;
+                let copies: [(&str, isize, Make<'_>); 3] = [
+                    ("permute", (ROWS * COLS) as isize, &|| x.transpose(0, 1)),
+                    ("narrow", (ROWS * 64) as isize, &|| x.narrow(1, 4, 64)),
+                    ("concat", (2 * ROWS * COLS) as isize, &|| {
+                        Tensor::concat(&[&x, &x], 1)
+                    }),
+                ];
+                for (name, elements, copy) in copies {
+                    counting::reset_peak();
+                    let before = counting::live();
+                    let out = copy()?;
+                    let taken = counting::peak() - before;
+                    let result = elements * size;
+                    assert!(
+                        taken <= result + result / 8,
+                        "{name} of {dtype} on {device} took {taken} bytes for {result}"
+                    );
+                    assert_eq!(out.dtype(), dtype);
+                }
+            }
         }
 
         // Gradients land where the pieces came from.

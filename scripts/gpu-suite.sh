@@ -32,6 +32,7 @@ build() {
 import json, sys
 wanted = {"gpu_local", "gpu_nccl", "device", "device_math", "device_nn", "device_shape",
           "device_training", "main_grad", "lending", "flat_updates", "low_precision", "shape_memory",
+          "pointwise_memory",
           "comm_core", "tape"}
 for line in sys.stdin:
     m = json.loads(line)

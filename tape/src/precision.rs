@@ -12,7 +12,8 @@ use comm_core::DType;
 use half::{bf16, f16};
 use ndarray::{ArcArray, ArrayBase, Data, IxDyn};
 
-use crate::gpu::{GpuArray, KernelArgs, CONVERT_HALF};
+use crate::gpu::ops::PointwiseInput;
+use crate::gpu::{GpuArray, KernelArgs, Stored, CONVERT_HALF};
 use crate::{Device, Element, Error, Result, Tensor};
 
 /// A 16-bit float format tensors can be stored in.
@@ -300,6 +301,15 @@ impl Half {
         each_format!(self, packed => packed.device())
     }
 
+    /// Device storage as a pointwise kernel reads it; `None` on the CPU.
+    pub(crate) fn pointwise_input(&self) -> Option<PointwiseInput<'_>> {
+        match self {
+            Half::Bf16(Packed::Gpu(array)) => Some(array.into()),
+            Half::F16(Packed::Gpu(array)) => Some(array.into()),
+            Half::Bf16(Packed::Cpu(_)) | Half::F16(Packed::Cpu(_)) => None,
+        }
+    }
+
     /// The elements widened to `T`, in row-major order on the host (a device downloads
     /// 16-bit elements).
     pub(crate) fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
@@ -353,6 +363,41 @@ pub(crate) fn memory_range<E: Clone>(
     let len = shape.iter().product::<usize>();
     flat.slice_axis_inplace(ndarray::Axis(0), ndarray::Slice::from(offset..offset + len));
     flat.into_shape_with_order(IxDyn(shape)).ok()
+}
+
+/// What a pointwise kernel writes into a fresh device array of any storage format.
+pub(crate) trait PointwiseWrite {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()>;
+}
+
+/// A new device tensor of `shape` stored as `dtype`, computed in `T` by `kernel`, which
+/// rounds once as it writes a 16-bit format (no f32 result to narrow).
+pub(crate) fn written<T: Element>(
+    op: &'static str,
+    device: Device,
+    shape: &[usize],
+    dtype: DType,
+    kernel: &impl PointwiseWrite,
+) -> Result<Tensor<T>> {
+    fn fresh<T: Element, H: HalfFloat + Stored>(
+        op: &'static str,
+        device: Device,
+        shape: &[usize],
+        kernel: &impl PointwiseWrite,
+    ) -> Result<Tensor<T>> {
+        let out = GpuArray::<H>::uninit(op, device, shape)?;
+        kernel.write::<T, H>(&out)?;
+        Ok(Tensor::from_half(H::into_half(Packed::Gpu(out))))
+    }
+    Ok(match dtype {
+        DType::BF16 => fresh::<T, bf16>(op, device, shape, kernel)?,
+        DType::F16 => fresh::<T, f16>(op, device, shape, kernel)?,
+        _ => {
+            let out = GpuArray::<T>::uninit(op, device, shape)?;
+            kernel.write::<T, T>(&out)?;
+            Tensor::from_gpu(out)
+        }
+    })
 }
 
 /// Whether tensors of element type `T` can be stored as `dtype`.

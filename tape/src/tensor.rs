@@ -320,6 +320,16 @@ impl<T: Element> Tensor<T> {
         }
     }
 
+    /// The device memory a pointwise kernel reads this tensor from, 16-bit storage as
+    /// stored; `None` on the CPU.
+    pub(crate) fn pointwise_input(&self) -> Option<crate::gpu::ops::PointwiseInput<'_>> {
+        match &self.storage {
+            Storage::Cpu(_) => None,
+            Storage::Gpu(array) => Some(array.into()),
+            Storage::Half(half) => half.pointwise_input(),
+        }
+    }
+
     /// Elements `offset..offset + Π shape` in row-major order as a tensor of `shape`
     /// (not recorded) sharing this tensor's memory, in its storage format: no copy, no
     /// widening. `None` for a CPU array in another memory order. The caller checks the

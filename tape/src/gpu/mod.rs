@@ -118,6 +118,37 @@ impl Precision {
     }
 }
 
+/// Elements kernels read and write as stored: an element type (format 0, computed in by
+/// its own build of a kernel), or a 16-bit float (format 1 bf16, 2 f16), which pointwise
+/// kernels widen on load and round once on store, and shape kernels move as bits (their
+/// f32 build; both builds do the same).
+pub(crate) trait Stored: Copy + Default {
+    const FORMAT: i64;
+    /// The build a shape kernel moving these elements runs.
+    fn build() -> Precision;
+}
+
+impl<T: Element> Stored for T {
+    const FORMAT: i64 = 0;
+    fn build() -> Precision {
+        Precision::of::<T>()
+    }
+}
+
+impl Stored for half::bf16 {
+    const FORMAT: i64 = 1;
+    fn build() -> Precision {
+        Precision::F32
+    }
+}
+
+impl Stored for half::f16 {
+    const FORMAT: i64 = 2;
+    fn build() -> Precision {
+        Precision::F32
+    }
+}
+
 /// The element format of a GEMM's A, B and C. Products of 16-bit matrices accumulate in
 /// f32 (cuBLAS's `CUBLAS_COMPUTE_32F`) and round C once, or write it in f32; the others
 /// accumulate in their own type.

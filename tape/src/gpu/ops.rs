@@ -1,7 +1,7 @@
 //! The math of each op on device arrays, forward and backward; `crate::ops` dispatches
 //! here for device tensors and records the backward on the tape.
 
-use super::{Gemm, GemmFormat, GpuArray, KernelArgs, MAX_DIMS};
+use super::{Gemm, GemmFormat, GpuArray, KernelArgs, Precision, Stored, MAX_DIMS};
 use crate::precision::HalfFloat;
 use crate::{Element, Error, Result};
 
@@ -56,6 +56,25 @@ pub(crate) fn binary<T: Element>(
     Ok(out)
 }
 
+/// A device array as a pointwise kernel reads it: its address, shape and storage format
+/// (see [`Stored`]).
+#[derive(Clone, Copy)]
+pub(crate) struct PointwiseInput<'a> {
+    pub ptr: u64,
+    pub shape: &'a [usize],
+    pub format: i64,
+}
+
+impl<'a, E: Stored> From<&'a GpuArray<E>> for PointwiseInput<'a> {
+    fn from(array: &'a GpuArray<E>) -> Self {
+        PointwiseInput {
+            ptr: array.ptr(),
+            shape: array.shape(),
+            format: E::FORMAT,
+        }
+    }
+}
+
 /// [`binary`] written into `out` (of the broadcast shape), which may be `a` itself: each
 /// element is read before it is written.
 pub(crate) fn binary_into<T: Element>(
@@ -65,15 +84,27 @@ pub(crate) fn binary_into<T: Element>(
     a: &GpuArray<T>,
     b: &GpuArray<T>,
 ) -> Result<()> {
+    binary_stored::<T, T>(op, kind, out, a.into(), b.into())
+}
+
+/// [`binary_into`] for operands and a result in any storage format, computed in `T`:
+/// 16-bit operands are read as stored and the result rounded once as it is written.
+pub(crate) fn binary_stored<T: Element, O: Stored>(
+    op: &'static str,
+    kind: BinaryKind,
+    out: &GpuArray<O>,
+    a: PointwiseInput<'_>,
+    b: PointwiseInput<'_>,
+) -> Result<()> {
     let shape = out.shape();
     check_rank(op, shape)?;
     let ndim = shape.len();
     let mut args = KernelArgs::default();
-    args.p[..3].copy_from_slice(&[out.ptr(), a.ptr(), b.ptr()]);
+    args.p[..3].copy_from_slice(&[out.ptr(), a.ptr, b.ptr]);
     args.i[0] = out.len() as i64;
     args.i[1] = kind as i64;
     args.i[2] = ndim as i64;
-    for (slot, operand) in [(11, a.shape()), (19, b.shape())] {
+    for (slot, operand) in [(11, a.shape), (19, b.shape)] {
         let dims = padded(operand, ndim);
         let strides = contiguous_strides(&dims);
         for d in 0..ndim {
@@ -82,7 +113,8 @@ pub(crate) fn binary_into<T: Element>(
             args.i[slot + d] = if dims[d] == 1 { 0 } else { strides[d] as i64 };
         }
     }
-    out.launch(&super::BINARY, out.len(), &args)
+    args.i[27..30].copy_from_slice(&[a.format, b.format, O::FORMAT]);
+    out.launch_build(&super::BINARY, Precision::of::<T>(), out.len(), &args)
 }
 
 /// Sums a broadcast gradient down to an operand's `shape`, one broadcast dimension at a
@@ -154,13 +186,23 @@ pub(crate) fn unary<T: Element>(
     factor: f64,
 ) -> Result<GpuArray<T>> {
     let out = GpuArray::<T>::uninit("unary", x.device(), x.shape())?;
-    let mut args = KernelArgs::default();
-    args.p[..2].copy_from_slice(&[out.ptr(), x.ptr()]);
-    args.i[0] = out.len() as i64;
-    args.i[1] = kind as i64;
-    args.f[0] = factor;
-    out.launch(&super::UNARY, out.len(), &args)?;
+    unary_stored::<T, T>(kind, &out, x.into(), factor)?;
     Ok(out)
+}
+
+/// [`unary`] of `x` in any storage format into `out` in any, computed in `T` (see
+/// [`binary_stored`]).
+pub(crate) fn unary_stored<T: Element, O: Stored>(
+    kind: UnaryKind,
+    out: &GpuArray<O>,
+    x: PointwiseInput<'_>,
+    factor: f64,
+) -> Result<()> {
+    let mut args = KernelArgs::default();
+    args.p[..2].copy_from_slice(&[out.ptr(), x.ptr]);
+    args.i[..4].copy_from_slice(&[out.len() as i64, kind as i64, x.format, O::FORMAT]);
+    args.f[0] = factor;
+    out.launch_build(&super::UNARY, Precision::of::<T>(), out.len(), &args)
 }
 
 /// The gradient of `y = f(x)` given `grad` = d(loss)/dy.

@@ -3,10 +3,8 @@
 //! gather reads a view of an array (permute, narrow) and a strided scatter writes into a
 //! view of one (concat, narrow's gradient).
 
-use half::{bf16, f16};
-
 use super::ops::{check_rank, contiguous_strides};
-use super::{GpuArray, Kernel, KernelArgs, Precision};
+use super::{GpuArray, Kernel, KernelArgs, Stored};
 use crate::{Element, Error, Result};
 
 kernels! {
@@ -19,40 +17,11 @@ kernels! {
     DROPOUT = "dropout": dropout_f32, dropout_f64;
 }
 
-/// Elements the strided kernels move: an element type through its own build, 16-bit
-/// floats as bits in their own format (the f32 build; both builds do the same).
-pub(crate) trait Moved: Copy + Default {
-    /// The strided kernels' i19.
-    const WIDTH: i64;
-    fn build() -> Precision;
-}
-
-impl<T: Element> Moved for T {
-    const WIDTH: i64 = 0;
-    fn build() -> Precision {
-        Precision::of::<T>()
-    }
-}
-
-impl Moved for bf16 {
-    const WIDTH: i64 = 2;
-    fn build() -> Precision {
-        Precision::F32
-    }
-}
-
-impl Moved for f16 {
-    const WIDTH: i64 = 2;
-    fn build() -> Precision {
-        Precision::F32
-    }
-}
-
 /// The slots `gather_strided` and `scatter_strided` share (see `shape.cu`): p0 out, p1 x;
 /// i0 elements iterated, i1 ndim, i2 the view's offset, i[3..11) the iterated `shape`,
-/// i[11..19) the view's `strides`, i19 the width flag of `E`. The caller has checked the
+/// i[11..19) the view's `strides`, i19 the format of `E`. The caller has checked the
 /// rank.
-fn strided_args<E: Moved>(
+fn strided_args<E: Stored>(
     out: u64,
     x: u64,
     shape: &[usize],
@@ -60,7 +29,7 @@ fn strided_args<E: Moved>(
     strides: &[usize],
 ) -> KernelArgs {
     let mut args = KernelArgs::default();
-    args.i[19] = E::WIDTH;
+    args.i[19] = E::FORMAT;
     args.p[..2].copy_from_slice(&[out, x]);
     args.i[0] = shape.iter().product::<usize>() as i64;
     args.i[1] = shape.len() as i64;
@@ -73,7 +42,7 @@ fn strided_args<E: Moved>(
 }
 
 /// A new array of `shape` read from the view of `x` starting at `offset` with `strides`.
-fn gather<E: Moved>(
+fn gather<E: Stored>(
     op: &'static str,
     x: &GpuArray<E>,
     shape: &[usize],
@@ -88,7 +57,7 @@ fn gather<E: Moved>(
 }
 
 /// Writes `x` into the view of `out` (of `x`'s shape) starting at `offset` with `strides`.
-fn scatter_into<E: Moved>(
+fn scatter_into<E: Stored>(
     op: &'static str,
     out: &GpuArray<E>,
     x: &GpuArray<E>,
@@ -102,7 +71,7 @@ fn scatter_into<E: Moved>(
 
 /// `x` with its dimensions reordered (`order`, already checked to be a permutation):
 /// output dimension `i` is input dimension `order[i]`.
-pub(crate) fn permute<E: Moved>(
+pub(crate) fn permute<E: Stored>(
     op: &'static str,
     x: &GpuArray<E>,
     order: &[usize],
@@ -114,7 +83,7 @@ pub(crate) fn permute<E: Moved>(
 }
 
 /// Elements `start..start + len` of `x` along `dim` (already checked in range).
-pub(crate) fn narrow<E: Moved>(
+pub(crate) fn narrow<E: Stored>(
     op: &'static str,
     x: &GpuArray<E>,
     dim: usize,
@@ -144,7 +113,7 @@ pub(crate) fn narrow_backward<T: Element>(
 }
 
 /// `parts` joined along `dim`; their other dimensions (already checked) agree.
-pub(crate) fn concat<E: Moved>(
+pub(crate) fn concat<E: Stored>(
     op: &'static str,
     parts: &[&GpuArray<E>],
     dim: usize,

@@ -2,9 +2,10 @@
 
 use ndarray::{ArcArray, ArrayD, IxDyn, Zip};
 
-use super::{broadcast_shape, device_grads, on_device, pointwise, sum_to_shape};
-use crate::gpu::ops::{self as device, BinaryKind, UnaryKind};
-use crate::precision::Kept;
+use super::{broadcast_shape, device_grads, pointwise, pointwise_inputs, sum_to_shape};
+use crate::gpu::ops::{self as device, BinaryKind, PointwiseInput, UnaryKind};
+use crate::gpu::{GpuArray, Stored};
+use crate::precision::{promoted, written, Kept, PointwiseWrite};
 use crate::tape::{
     record, record_reading_output, record_tensor, record_tensor_reading_output, BackwardFn,
     TensorBackwardFn,
@@ -69,10 +70,17 @@ fn zip_broadcast<T: Element>(
 impl<T: Element> Tensor<T> {
     fn binary(&self, other: &Tensor<T>, kind: Binary) -> Result<Tensor<T>> {
         let op = kind.name();
-        if let Some([a, b]) = on_device(op, [self, other])? {
-            let shape = broadcast_shape(op, a.shape(), b.shape())?;
-            let out = device::binary(op, kind.device_kind(), &a, &b, &shape)?;
-            return record_tensor(op, &[self, other], Tensor::from_gpu(out), || {
+        if let Some([a, b]) = pointwise_inputs(op, [self, other])? {
+            let shape = broadcast_shape(op, a.shape, b.shape)?;
+            let kernel = BinaryKernel {
+                op,
+                kind: kind.device_kind(),
+                a,
+                b,
+            };
+            let format = promoted(&[self, other]);
+            let out = written(op, self.device(), &shape, format, &kernel)?;
+            return record_tensor(op, &[self, other], out, || {
                 // The inputs as stored (a 16-bit one widened again in backward).
                 let (a, b) = (self.detach(), other.detach());
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
@@ -141,11 +149,12 @@ impl<T: Element> Tensor<T> {
         kind: UnaryKind,
         factor: f64,
     ) -> Result<Option<Tensor<T>>> {
-        let Some([x]) = on_device(op, [self])? else {
+        let Some([x]) = pointwise_inputs(op, [self])? else {
             return Ok(None);
         };
-        let on = x.device();
-        let y = Tensor::from_gpu(device::unary(kind, &x, factor)?);
+        let on = self.device();
+        let kernel = UnaryKernel { kind, x, factor };
+        let y = written(op, on, self.shape(), self.dtype(), &kernel)?;
         // Only what the derivative reads is kept: the output as stored for exp, the
         // output for tanh (or a 16-bit input, since 1 − y² of a rounded y near ±1 cancels),
         // nothing for a scale, the input for the others (the kernel reads at most one of
@@ -362,4 +371,31 @@ fn gelu_tanh_derivative<T: Element>(x: T) -> T {
     let t = (c * (x + k * x * x * x)).tanh_vectorizable();
     let dinner = c * (T::one() + T::from_f64(3.0) * k * x * x);
     half * (T::one() + t) + half * x * (T::one() - t * t) * dinner
+}
+
+/// `a (kind) b` as a pointwise kernel writing any storage format.
+struct BinaryKernel<'a> {
+    op: &'static str,
+    kind: BinaryKind,
+    a: PointwiseInput<'a>,
+    b: PointwiseInput<'a>,
+}
+
+impl PointwiseWrite for BinaryKernel<'_> {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
+        device::binary_stored::<T, O>(self.op, self.kind, out, self.a, self.b)
+    }
+}
+
+/// `kind(x)` as a pointwise kernel writing any storage format.
+struct UnaryKernel<'a> {
+    kind: UnaryKind,
+    x: PointwiseInput<'a>,
+    factor: f64,
+}
+
+impl PointwiseWrite for UnaryKernel<'_> {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
+        device::unary_stored::<T, O>(self.kind, out, self.x, self.factor)
+    }
 }

@@ -18,6 +18,7 @@ pub use loss::{CrossEntropyOptions, Reduction, RowTarget};
 
 use ndarray::{ArrayD, Axis, IxDyn};
 
+use crate::gpu::ops::PointwiseInput;
 use crate::gpu::GpuArray;
 use crate::{Element, Error, Result, Tensor};
 
@@ -112,6 +113,28 @@ pub(crate) fn on_device<T: Element, const N: usize>(
         return Ok(None);
     };
     Ok(arrays.try_into().ok())
+}
+
+/// The tensors' device memory as pointwise kernels read it, 16-bit storage as stored (no
+/// widened copy), if they are on a device (`None` on the CPU); an error for tensors on
+/// different devices.
+pub(crate) fn pointwise_inputs<'a, T: Element, const N: usize>(
+    op: &'static str,
+    tensors: [&'a Tensor<T>; N],
+) -> Result<Option<[PointwiseInput<'a>; N]>> {
+    let Some(first) = tensors.first().map(|t| t.device()) else {
+        return Ok(None);
+    };
+    if let Some(other) = tensors.iter().find(|t| t.device() != first) {
+        return Err(Error::DeviceMismatch {
+            op,
+            first,
+            second: other.device(),
+        });
+    }
+    let inputs: Option<Vec<PointwiseInput<'a>>> =
+        tensors.iter().map(|t| t.pointwise_input()).collect();
+    Ok(inputs.and_then(|inputs| inputs.try_into().ok()))
 }
 
 /// [`on_device`] for any number of tensors (`None` for none).

@@ -6,8 +6,8 @@ use ndarray::{ArrayD, Axis, IxDyn, Slice};
 use super::{all_on_device, check_dim, on_device, reshape_owned};
 use half::{bf16, f16};
 
-use crate::gpu::shape_ops::{self as device, Moved};
-use crate::gpu::GpuArray;
+use crate::gpu::shape_ops as device;
+use crate::gpu::{GpuArray, Stored};
 use crate::precision::{HalfFloat, Packed};
 use crate::tape::{record, record_tensor};
 use crate::{DType, Element, Error, Result, Tensor};
@@ -265,14 +265,14 @@ impl<T: Element> Tensor<T> {
 
 /// A shape op's data movement on device arrays of any element the kernels move.
 trait Movement {
-    fn apply<E: Moved>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>>;
+    fn apply<E: Stored>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>>;
 }
 
 /// `permute(op, order)`.
 struct Permute<'a>(&'static str, &'a [usize]);
 
 impl Movement for Permute<'_> {
-    fn apply<E: Moved>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>> {
+    fn apply<E: Stored>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>> {
         device::permute(self.0, parts[0], self.1)
     }
 }
@@ -284,7 +284,7 @@ struct Narrow {
 }
 
 impl Movement for Narrow {
-    fn apply<E: Moved>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>> {
+    fn apply<E: Stored>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>> {
         device::narrow("narrow", parts[0], self.dim, self.start, self.len)
     }
 }
@@ -293,7 +293,7 @@ impl Movement for Narrow {
 struct Concat(usize);
 
 impl Movement for Concat {
-    fn apply<E: Moved>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>> {
+    fn apply<E: Stored>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>> {
         device::concat("concat", parts, self.0)
     }
 }
@@ -311,7 +311,7 @@ fn moved_16_bit<T: Element>(
     }
 }
 
-fn moved_as<H: HalfFloat + Moved, T: Element>(
+fn moved_as<H: HalfFloat + Stored, T: Element>(
     tensors: &[&Tensor<T>],
     movement: &impl Movement,
 ) -> Result<Option<Tensor<T>>> {

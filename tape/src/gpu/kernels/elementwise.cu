@@ -8,16 +8,28 @@ KERNEL(SFX(fill)) {
     FOR_EACH(i, A->i[0]) out[i] = value;
 }
 
+/* Storage formats of pointwise kernels' arrays: 0 `real`, 1 bf16, 2 f16. 16-bit values
+ * are widened on load and the result rounded once on store, so a 16-bit operand needs
+ * no widened copy. */
+DEVFN real SFX(load)(const void* p, i64 at, int format) {
+    if (format == 0) return ((const real*)p)[at];
+    u16 h = ((const u16*)p)[at];
+    return (real)(format == 1 ? bf16_to_f32(h) : f16_to_f32(h));
+}
+
+DEVFN void SFX(store)(void* p, i64 at, int format, real v) {
+    if (format == 0) ((real*)p)[at] = v;
+    else ((u16*)p)[at] = format == 1 ? f32_to_bf16((float)v) : f32_to_f16((float)v);
+}
+
 /* Broadcasting a (op) b.  p0 out, p1 a, p2 b; i0 n, i1 op (0 add, 1 sub, 2 mul, 3 div),
  * i2 ndim, i[3..11) output shape, i[11..19) a's strides, i[19..27) b's strides (0 where
- * the operand is broadcast). */
+ * the operand is broadcast), i27 a's format, i28 b's, i29 out's. */
 KERNEL(SFX(binary)) {
     const KernelArgs* A = ARGS;
-    real* out = (real*)A->p[0];
-    const real* a = (const real*)A->p[1];
-    const real* b = (const real*)A->p[2];
     int op = (int)A->i[1];
     int ndim = (int)A->i[2];
+    int fa = (int)A->i[27], fb = (int)A->i[28], fout = (int)A->i[29];
     FOR_EACH(i, A->i[0]) {
         i64 rest = i, offset_a = 0, offset_b = 0;
         for (int d = ndim - 1; d >= 0; --d) {
@@ -26,8 +38,9 @@ KERNEL(SFX(binary)) {
             offset_a += c * A->i[11 + d];
             offset_b += c * A->i[19 + d];
         }
-        real x = a[offset_a], y = b[offset_b];
-        out[i] = op == 0 ? x + y : op == 1 ? x - y : op == 2 ? x * y : x / y;
+        real x = SFX(load)((const void*)A->p[1], offset_a, fa);
+        real y = SFX(load)((const void*)A->p[2], offset_b, fb);
+        SFX(store)((void*)A->p[0], i, fout, op == 0 ? x + y : op == 1 ? x - y : op == 2 ? x * y : x / y);
     }
 }
 
@@ -52,15 +65,14 @@ DEVFN real SFX(gelu_derivative)(real x, int tanh_form) {
 }
 
 /* out = f(x).  p0 out, p1 x; i0 n, i1 kind (0 scale by f0, 1 exp, 2 log, 3 tanh, 4 relu,
- * 5 gelu erf, 6 gelu tanh). */
+ * 5 gelu erf, 6 gelu tanh), i2 x's format, i3 out's (as for `binary`). */
 KERNEL(SFX(unary)) {
     const KernelArgs* A = ARGS;
-    real* out = (real*)A->p[0];
-    const real* x = (const real*)A->p[1];
     int kind = (int)A->i[1];
+    int fx = (int)A->i[2], fout = (int)A->i[3];
     real factor = (real)A->f[0];
     FOR_EACH(i, A->i[0]) {
-        real v = x[i];
+        real v = SFX(load)((const void*)A->p[1], i, fx);
         real r;
         switch (kind) {
             case 0: r = v * factor; break;
@@ -70,7 +82,7 @@ KERNEL(SFX(unary)) {
             case 4: r = v > (real)0 ? v : (real)0; break;
             default: r = SFX(gelu_value)(v, kind == 6); break;
         }
-        out[i] = r;
+        SFX(store)((void*)A->p[0], i, fout, r);
     }
 }
 

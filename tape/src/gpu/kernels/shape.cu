@@ -3,13 +3,13 @@
  * are mirrored by tape/src/gpu/shape_ops.rs.
  *
  * Both kernels take the same slots: p0 out, p1 x; i0 elements iterated, i1 ndim, i2 the
- * view's offset, i[3..11) the iterated shape, i[11..19) the view's strides; i19 2 for
- * 16-bit elements (bf16, f16), moved as bits in their own format, else 0. */
+ * view's offset, i[3..11) the iterated shape, i[11..19) the view's strides; i19 the
+ * elements' format as for pointwise kernels (nonzero: 16-bit, moved as bits). */
 
 /* Gather: out[i] = x[offset + sum_d coord_d(i) * stride_d], iterating over out's shape. */
 KERNEL(SFX(gather_strided)) {
     const KernelArgs* A = ARGS;
-    int bits_16 = A->i[19] == 2;
+    int bits_16 = A->i[19] != 0;
     FOR_EACH(i, A->i[0]) {
         i64 at;
         STRIDED_OFFSET(at, i, A->i[1], A->i + 3, A->i + 11);
@@ -23,7 +23,7 @@ KERNEL(SFX(gather_strided)) {
  * The views written are one-to-one, so iterations never touch the same element. */
 KERNEL(SFX(scatter_strided)) {
     const KernelArgs* A = ARGS;
-    int bits_16 = A->i[19] == 2;
+    int bits_16 = A->i[19] != 0;
     FOR_EACH(i, A->i[0]) {
         i64 at;
         STRIDED_OFFSET(at, i, A->i[1], A->i + 3, A->i + 11);

@@ -1,0 +1,58 @@
+//! Pointwise ops on 16-bit device tensors read their inputs as stored and round their
+//! result once as they write it: the only memory an op takes is its result, in its
+//! format, with no widened copy of an input and no f32 result to narrow (a counting
+//! allocator: this test binary has one test, so nothing else allocates meanwhile; the
+//! emulator's memory comes from the same allocator). Their values are pinned against f32
+//! by `low_precision.rs`.
+
+#[path = "support/counting.rs"]
+mod counting;
+#[path = "support/device.rs"]
+mod device;
+
+use tape::{DType, Gelu, Generator, Tensor};
+
+const ROWS: usize = 64;
+const COLS: usize = 256;
+
+/// Makes a tensor from the ones under test.
+type Make<'a> = &'a dyn Fn() -> tape::Result<Tensor>;
+
+#[test]
+fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
+    let mut rng = Generator::new(17);
+    let values = Tensor::randn(&[ROWS, COLS], 1.0, &mut rng);
+    let bias = Tensor::randn(&[COLS], 1.0, &mut rng);
+    for device in device::devices() {
+        for dtype in [DType::BF16, DType::F16] {
+            let x = values.to_device(device)?.to_dtype(dtype)?;
+            let y = values.scale(0.5)?.to_device(device)?.to_dtype(dtype)?;
+            let row = bias.to_device(device)?.to_dtype(dtype)?;
+            let f32_row = bias.to_device(device)?;
+            let n = (ROWS * COLS) as isize;
+            let half = n * dtype.size_in_bytes() as isize;
+            let ops: [(&str, isize, Make<'_>); 6] = [
+                ("add", half, &|| x.add(&y)),
+                ("mul by a broadcast row", half, &|| x.mul(&row)),
+                ("scale", half, &|| x.scale(0.25)),
+                ("exp", half, &|| x.exp()),
+                ("gelu", half, &|| x.gelu(Gelu::Tanh)),
+                // An f32 operand makes the result f32; the 16-bit one is still read as is.
+                ("add an f32 row", 4 * n, &|| x.add(&f32_row)),
+            ];
+            for (name, result, op) in ops {
+                counting::reset_peak();
+                let before = counting::live();
+                let out = op()?;
+                let taken = counting::peak() - before;
+                assert!(
+                    taken <= result + result / 8,
+                    "{name} of {dtype} on {device} took {taken} bytes for a {result}-byte result"
+                );
+                let expected = if result == half { dtype } else { DType::F32 };
+                assert_eq!(out.dtype(), expected, "{name}");
+            }
+        }
+    }
+    Ok(())
+}

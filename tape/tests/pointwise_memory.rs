@@ -1,5 +1,5 @@
-//! Pointwise ops on 16-bit device tensors read their inputs as stored and round their
-//! result once as they write it: the only memory an op takes is its result, in its
+//! Pointwise ops and softmax on 16-bit device tensors read their inputs as stored and
+//! round their result once as they write it: the only memory an op takes is its result, in its
 //! format, with no widened copy of an input and no f32 result to narrow (a counting
 //! allocator: this test binary has one test, so nothing else allocates meanwhile; the
 //! emulator's memory comes from the same allocator). Their values are pinned against f32
@@ -31,12 +31,14 @@ fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
             let f32_row = bias.to_device(device)?;
             let n = (ROWS * COLS) as isize;
             let half = n * dtype.size_in_bytes() as isize;
-            let ops: [(&str, isize, Make<'_>); 6] = [
+            let ops: [(&str, isize, Make<'_>); 8] = [
                 ("add", half, &|| x.add(&y)),
                 ("mul by a broadcast row", half, &|| x.mul(&row)),
                 ("scale", half, &|| x.scale(0.25)),
                 ("exp", half, &|| x.exp()),
                 ("gelu", half, &|| x.gelu(Gelu::Tanh)),
+                ("softmax", half, &|| x.softmax()),
+                ("log_softmax", half, &|| x.log_softmax()),
                 // An f32 operand makes the result f32; the 16-bit one is still read as is.
                 ("add an f32 row", 4 * n, &|| x.add(&f32_row)),
             ];

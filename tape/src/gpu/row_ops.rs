@@ -2,8 +2,8 @@
 //! works on a tensor viewed as `[rows, width]` over its last dimension, with the kernels
 //! of `kernels/rows.cu` (whose argument slots are restated at each caller).
 
-use super::ops::{sum_dim, sum_parts, unary, UnaryKind};
-use super::{GpuArray, Kernel, KernelArgs};
+use super::ops::{sum_dim, sum_parts, unary, PointwiseInput, UnaryKind};
+use super::{GpuArray, Kernel, KernelArgs, Precision, Stored};
 use crate::{Element, Result};
 
 kernels! {
@@ -68,15 +68,19 @@ impl SoftmaxRows {
     }
 }
 
-/// Softmax or log-softmax of `x` over its last dimension.
-pub(crate) fn softmax<T: Element>(x: &GpuArray<T>, how: SoftmaxRows) -> Result<GpuArray<T>> {
-    let (rows, width) = rows_of(x.shape());
-    let out = GpuArray::<T>::uninit("softmax", x.device(), x.shape())?;
-    // p0 out, p1 x; i0 rows, i1 width, i2 kind, i3 causal; f0 scale.
+/// Softmax or log-softmax over the last dimension of `x`, in any storage format, into
+/// `out` in any, computed in `T` (16-bit read as stored, the result rounded once).
+pub(crate) fn softmax_stored<T: Element, O: Stored>(
+    out: &GpuArray<O>,
+    x: PointwiseInput<'_>,
+    how: SoftmaxRows,
+) -> Result<()> {
+    let (rows, width) = rows_of(x.shape);
+    // p0 out, p1 x; i0 rows, i1 width, i2 kind, i3 causal, i4/i5 formats; f0 scale.
     let mut args = how.args(rows, width);
-    args.p[..2].copy_from_slice(&[out.ptr(), x.ptr()]);
-    out.launch(&SOFTMAX_ROWS, rows, &args)?;
-    Ok(out)
+    args.p[..2].copy_from_slice(&[out.ptr(), x.ptr]);
+    args.i[4..6].copy_from_slice(&[x.format, O::FORMAT]);
+    out.launch_build(&SOFTMAX_ROWS, Precision::of::<T>(), rows, &args)
 }
 
 /// The gradient of `y = softmax(x)` (or log-softmax) from `y` and `grad` = d(loss)/dy.

@@ -3,8 +3,11 @@
 
 use ndarray::{ArrayD, ArrayView1, ArrayViewMut1, Axis};
 
-use super::on_device;
+use super::pointwise_inputs;
+use crate::gpu::ops::PointwiseInput;
 use crate::gpu::row_ops::{self as device, SoftmaxKind, SoftmaxRows};
+use crate::gpu::{GpuArray, Stored};
+use crate::precision::{written, PointwiseWrite};
 use crate::tape::{record_reading_output, record_tensor_reading_output};
 use crate::{Element, Error, Result, Tensor};
 
@@ -61,8 +64,15 @@ impl<T: Element> Tensor<T> {
                 "needs at least one dimension",
             ));
         }
-        if let Some([x]) = on_device(op, [self])? {
-            let (on, y) = (x.device(), Tensor::from_gpu(device::softmax(&x, how)?));
+        if let Some([x]) = pointwise_inputs(op, [self])? {
+            let on = self.device();
+            let y = written(
+                op,
+                on,
+                self.shape(),
+                self.dtype(),
+                &SoftmaxKernel { x, how },
+            )?;
             return record_tensor_reading_output(op, &[self], y, |kept| {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let y = kept.device_array(op, on)?;
@@ -174,5 +184,17 @@ fn softmax_row_backward<T: Element>(g: &mut [T], y: &[T], how: SoftmaxRows) {
                 .zip(y)
                 .for_each(|(g, &y)| *g = (*g - y.exp() * total) * scale);
         }
+    }
+}
+
+/// `softmax_rows` as a kernel writing any storage format.
+struct SoftmaxKernel<'a> {
+    x: PointwiseInput<'a>,
+    how: SoftmaxRows,
+}
+
+impl PointwiseWrite for SoftmaxKernel<'_> {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
+        device::softmax_stored::<T, O>(out, self.x, self.how)
     }
 }

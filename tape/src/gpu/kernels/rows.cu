@@ -28,33 +28,35 @@ DEVFN real SFX(row_log_sum_exp)(const real* row, i64 width) {
 /* Softmax (i2 = 0) or log-softmax (i2 = 1) of each row of f0 · x. With i3 = 1 (softmax
  * of square matrices) row r sees only columns j ≤ r mod width and the others are 0:
  * Megatron's upper-triangular masked softmax, with no mask in memory.  p0 out, p1 x;
- * i0 rows, i1 width; f0 scale. */
+ * i0 rows, i1 width; i4 x's format, i5 out's (as for `binary`); f0 scale. The input is
+ * read in two passes and each result written once, so a 16-bit output is rounded once
+ * and never serves as scratch. */
 KERNEL(SFX(softmax_rows)) {
     const KernelArgs* A = ARGS;
-    real* out = (real*)A->p[0];
-    const real* x = (const real*)A->p[1];
+    const void* x = (const void*)A->p[1];
+    void* out = (void*)A->p[0];
     i64 width = A->i[1];
     int log_form = A->i[2] != 0;
     int causal = A->i[3] != 0;
+    int fx = (int)A->i[4], fout = (int)A->i[5];
     real scale = (real)A->f[0];
     FOR_EACH(r, A->i[0]) {
-        const real* row = x + r * width;
-        real* y = out + r * width;
+        i64 base = r * width;
         i64 seen = causal ? r % width + 1 : width;
-        for (i64 j = 0; j < seen; ++j) y[j] = row[j] * scale;
-        if (log_form) {
-            real log_total = SFX(row_log_sum_exp)(y, seen);
-            for (i64 j = 0; j < seen; ++j) y[j] -= log_total;
-        } else {
-            real max = SFX(row_max)(y, seen);
-            real total = (real)0;
-            for (i64 j = 0; j < seen; ++j) {
-                y[j] = EXP(y[j] - max);
-                total += y[j];
-            }
-            for (i64 j = 0; j < seen; ++j) y[j] /= total;
+        /* The largest element; a NaN anywhere makes the row NaN, as on the CPU. */
+        real max = SFX(load)(x, base, fx) * scale;
+        for (i64 j = 1; j < seen; ++j) {
+            real v = SFX(load)(x, base + j, fx) * scale;
+            if (v > max) max = v;
         }
-        for (i64 j = seen; j < width; ++j) y[j] = (real)0;
+        real total = (real)0;
+        for (i64 j = 0; j < seen; ++j) total += EXP(SFX(load)(x, base + j, fx) * scale - max);
+        real log_total = LOG(total) + max;
+        for (i64 j = 0; j < seen; ++j) {
+            real v = SFX(load)(x, base + j, fx) * scale;
+            SFX(store)(out, base + j, fout, log_form ? v - log_total : EXP(v - max) / total);
+        }
+        for (i64 j = seen; j < width; ++j) SFX(store)(out, base + j, fout, (real)0);
     }
 }
 

@@ -232,31 +232,26 @@ fn elementwise_ops() {
 
 #[test]
 fn matmul_accumulates_in_f32() {
-    let check_product = |name: &str, shapes: &[&[usize]]| {
-        let matmul = |x: &[Tensor]| x[0].matmul(&x[1]);
+    let check_product = |name: &str, shapes: &[&[usize]], op: fn(&[Tensor]) -> Result<Tensor>| {
         check_in(
             name,
             shapes,
             (-2.0, 2.0),
             BackwardReads::RoundedGradient,
-            matmul,
+            op,
         )
     };
-    check_product("matmul", &[&[5, 40], &[40, 3]]);
-    check_product("batched matmul", &[&[2, 3, 16], &[2, 16, 4]]);
-    check_product("shared matmul", &[&[2, 3, 16], &[16, 4]]);
-    let check_transposed = |name: &str, shapes: &[&[usize]]| {
-        let matmul = |x: &[Tensor]| x[0].matmul_transposed(&x[1]);
-        check_in(
-            name,
-            shapes,
-            (-2.0, 2.0),
-            BackwardReads::RoundedGradient,
-            matmul,
-        )
-    };
-    check_transposed("linear product", &[&[2, 3, 16], &[4, 16]]);
-    check_transposed("batched transposed product", &[&[2, 3, 16], &[2, 4, 16]]);
+    let matmul: fn(&[Tensor]) -> Result<Tensor> = |x| x[0].matmul(&x[1]);
+    let transposed: fn(&[Tensor]) -> Result<Tensor> = |x| x[0].matmul_transposed(&x[1]);
+    check_product("matmul", &[&[5, 40], &[40, 3]], matmul);
+    check_product("batched matmul", &[&[2, 3, 16], &[2, 16, 4]], matmul);
+    check_product("shared matmul", &[&[2, 3, 16], &[16, 4]], matmul);
+    check_product("linear product", &[&[2, 3, 16], &[4, 16]], transposed);
+    check_product(
+        "batched transposed product",
+        &[&[2, 3, 16], &[2, 4, 16]],
+        transposed,
+    );
 }
 
 #[test]

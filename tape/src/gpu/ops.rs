@@ -350,18 +350,20 @@ pub(crate) fn matmul<T: Element>(
     b: Operand,
     dims: [usize; 4],
 ) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit("matmul", device, shape)?;
-    full_product_into(out, GemmFormat::of::<T>(), a, b, dims)
+    product_in::<T>(device, shape, GemmFormat::of::<T>(), a, b, dims)
 }
 
-/// [`product_into`] for a result of `T`, where an empty inner dimension makes zeros.
-fn full_product_into<T: Element>(
-    out: GpuArray<T>,
+/// [`matmul`] with A and B in `format`'s types and the result in `T`, where an empty
+/// inner dimension makes zeros.
+fn product_in<T: Element>(
+    device: crate::Device,
+    shape: &[usize],
     format: GemmFormat,
     a: Operand,
     b: Operand,
     dims: [usize; 4],
 ) -> Result<GpuArray<T>> {
+    let out = GpuArray::<T>::uninit("matmul", device, shape)?;
     if dims[2] == 0 && out.len() > 0 {
         // An empty sum: cuBLAS may leave C untouched, so write the zeros ourselves.
         let mut args = KernelArgs::default();
@@ -418,8 +420,7 @@ pub(crate) fn matmul_16_bit_widening<H: HalfFloat, T: Element>(
         0 => GemmFormat::Bf16IntoF32,
         _ => GemmFormat::F16IntoF32,
     };
-    let out = GpuArray::<T>::uninit("matmul", device, shape)?;
-    full_product_into(out, format, a, b, dims)
+    product_in::<T>(device, shape, format, a, b, dims)
 }
 
 /// Runs the GEMM writing `op(a)·op(b)` into `out` (row-major, elements in `format`).

@@ -122,19 +122,30 @@ pub(crate) fn pointwise_inputs<'a, T: Element, const N: usize>(
     op: &'static str,
     tensors: [&'a Tensor<T>; N],
 ) -> Result<Option<[PointwiseInput<'a>; N]>> {
-    let Some(first) = tensors.first().map(|t| t.device()) else {
+    if common_device(op, &tensors)?.is_none() {
         return Ok(None);
-    };
-    if let Some(other) = tensors.iter().find(|t| t.device() != first) {
-        return Err(Error::DeviceMismatch {
-            op,
-            first,
-            second: other.device(),
-        });
     }
     let inputs: Option<Vec<PointwiseInput<'a>>> =
         tensors.iter().map(|t| t.pointwise_input()).collect();
     Ok(inputs.and_then(|inputs| inputs.try_into().ok()))
+}
+
+/// The device all `tensors` are on (`None` for none); an error if they differ.
+fn common_device<T: Element>(
+    op: &'static str,
+    tensors: &[&Tensor<T>],
+) -> Result<Option<crate::Device>> {
+    let Some(first) = tensors.first().map(|t| t.device()) else {
+        return Ok(None);
+    };
+    match tensors.iter().find(|t| t.device() != first) {
+        Some(other) => Err(Error::DeviceMismatch {
+            op,
+            first,
+            second: other.device(),
+        }),
+        None => Ok(Some(first)),
+    }
 }
 
 /// [`on_device`] for any number of tensors (`None` for none).
@@ -142,16 +153,9 @@ pub(crate) fn all_on_device<T: Element>(
     op: &'static str,
     tensors: &[&Tensor<T>],
 ) -> Result<Option<Vec<GpuArray<T>>>> {
-    let Some(first) = tensors.first().map(|t| t.device()) else {
+    let Some(first) = common_device(op, tensors)? else {
         return Ok(None);
     };
-    if let Some(other) = tensors.iter().find(|t| t.device() != first) {
-        return Err(Error::DeviceMismatch {
-            op,
-            first,
-            second: other.device(),
-        });
-    }
     if first == crate::Device::Cpu {
         return Ok(None);
     }

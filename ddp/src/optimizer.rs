@@ -629,11 +629,11 @@ impl DistributedOptimizer {
             }
             let work = self.start_gather(bucket, &values)?;
             if let Some((previous, work)) = in_flight.replace((index, work)) {
-                self.land_gather(&self.buckets[previous], work, &used)?;
+                self.land_gather(&self.buckets[previous], work)?;
             }
         }
         if let Some((last, work)) = in_flight {
-            self.land_gather(&self.buckets[last], work, &used)?;
+            self.land_gather(&self.buckets[last], work)?;
         }
         Ok(())
     }
@@ -656,16 +656,14 @@ impl DistributedOptimizer {
         Ok(self.dp.start(AsyncOp::AllGatherInto { input, output })?)
     }
 
-    /// Waits for a bucket's all-gather and sets the parameters that some rank had a
-    /// gradient for: each becomes a view of the gathered bucket (no copy; the bucket's
-    /// memory is freed once its parameters have all been replaced, as by the next step).
-    fn land_gather(&self, bucket: &Bucket, work: Work, used: &[bool]) -> Result<()> {
+    /// Waits for a bucket's all-gather and sets its parameters: each becomes a view of the
+    /// gathered bucket (no copy). Those no rank had a gradient for are set too, to the
+    /// same values (their shard's, not updated), so that no parameter keeps an older
+    /// bucket alive: each bucket's memory is freed by the next step's.
+    fn land_gather(&self, bucket: &Bucket, work: Work) -> Result<()> {
         let gathered = Tensor::<f32>::from_buffer(work.wait()?)?;
         for slot in &bucket.info.params {
             let param = &self.params[bucket.first_param + slot.index];
-            if !used[bucket.first_param + slot.index] {
-                continue;
-            }
             let value = gathered
                 .narrow(0, slot.offset, slot.numel)?
                 .reshape(&slot.shape)?;

@@ -26,7 +26,8 @@ impl Drop for DeviceBuffer {
 /// storage's lock or lease (`crate::flat`).
 pub(crate) struct GpuArray<T> {
     buffer: Arc<DeviceBuffer>,
-    /// Where the elements start in the allocation: 0 except for windows of flat storage.
+    /// Where the elements start in the allocation: 0 except for windows (of flat storage,
+    /// and the views `reshape` and `narrow` make).
     offset_bytes: u64,
     shape: Vec<usize>,
     _element: PhantomData<T>,
@@ -122,8 +123,8 @@ impl<T: Copy + Default> GpuArray<T> {
     }
 
     /// The elements `offset..offset + Π shape` of this array as an array of `shape`,
-    /// sharing the memory (flat storage hands its views to kernels this way). The caller
-    /// checks the range.
+    /// sharing the memory (flat storage hands its views to kernels this way, and tensors
+    /// their contiguous ranges). The caller checks the range.
     pub(crate) fn window(&self, offset: usize, shape: &[usize]) -> Self {
         debug_assert!(offset + shape.iter().product::<usize>() <= self.len());
         GpuArray {

@@ -98,7 +98,8 @@ impl<T: Element> Tensor<T> {
 
     /// Elements `start..start + len` along `dim`: a view of the memory in the same
     /// storage format where they are contiguous (dimensions before `dim` of size 1, as
-    /// for a flat buffer's pieces) and always on the CPU; a copy otherwise on a device.
+    /// for a flat buffer's pieces), and on the CPU also otherwise (except 16-bit storage
+    /// in another memory order, which is copied); a copy otherwise on a device.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor<T>> {
         const OP: &str = "narrow";
         check_dim(OP, dim, self.shape())?;
@@ -133,17 +134,19 @@ impl<T: Element> Tensor<T> {
                 },
             },
         };
+        let on = self.device();
         record_tensor(OP, &[self], out, || {
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                let full = match grad.gpu(OP)? {
-                    Some(grad) => {
-                        Tensor::from_gpu(device::narrow_backward(OP, &grad, &shape, dim, start)?)
-                    }
-                    None => {
+                let full = match on {
+                    crate::Device::Cpu => {
                         let mut full = ArrayD::zeros(IxDyn(&shape));
                         full.slice_axis_mut(Axis(dim), Slice::from(start..start + len))
                             .assign(&grad.cpu(OP)?);
                         Tensor::from_array(full)
+                    }
+                    _ => {
+                        let grad = grad.device_array(OP, on)?;
+                        Tensor::from_gpu(device::narrow_backward(OP, &grad, &shape, dim, start)?)
                     }
                 };
                 Ok(vec![Some(full)])

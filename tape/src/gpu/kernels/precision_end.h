@@ -5,3 +5,4 @@
 #undef TANH
 #undef ERF
 #undef SQRT
+#undef MUL_RN

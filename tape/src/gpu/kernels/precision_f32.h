@@ -5,3 +5,4 @@
 #define TANH tanhf
 #define ERF erff
 #define SQRT sqrtf
+#define MUL_RN MUL_RN_F32

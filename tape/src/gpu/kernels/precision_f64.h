@@ -5,3 +5,4 @@
 #define TANH tanh
 #define ERF erf
 #define SQRT sqrt
+#define MUL_RN MUL_RN_F64

@@ -8,6 +8,10 @@
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n);       \
          i += (i64)gridDim.x * blockDim.x)
 #define ATOMIC_ADD(address, value) atomicAdd((address), (value))
+/* A product rounded on its own, never fused into a following add (NVRTC contracts a*b+c
+ * into an FMA by default), where a kernel must match the CPU's arithmetic. */
+#define MUL_RN_F32(a, b) __fmul_rn((a), (b))
+#define MUL_RN_F64(a, b) __dmul_rn((a), (b))
 /* The bits of a float and back (16-bit conversions in half.h). */
 #define float_bits(x) __float_as_uint(x)
 #define bits_float(u) __uint_as_float(u)

@@ -6,6 +6,9 @@
 #define DEVFN static inline
 #define FOR_EACH(i, n) for (i64 i = 0; i < (i64)(n); ++i)
 #define ATOMIC_ADD(address, value) (*(address) += (value))
+/* Products are never contracted on the host (built with -ffp-contract=off). */
+#define MUL_RN_F32(a, b) ((a) * (b))
+#define MUL_RN_F64(a, b) ((a) * (b))
 /* The bits of a float and back (16-bit conversions in half.h). */
 DEVFN unsigned int float_bits(float x) {
     union { float f; unsigned int u; } pun;

@@ -44,16 +44,17 @@ KERNEL(SFX(softmax_rows)) {
         i64 base = r * width;
         i64 seen = causal ? r % width + 1 : width;
         /* The largest element; a NaN anywhere makes the row NaN, as on the CPU. */
-        real max = SFX(load)(x, base, fx) * scale;
+        /* MUL_RN: the scaled value is rounded before it is used, as on the CPU. */
+        real max = MUL_RN(SFX(load)(x, base, fx), scale);
         for (i64 j = 1; j < seen; ++j) {
-            real v = SFX(load)(x, base + j, fx) * scale;
+            real v = MUL_RN(SFX(load)(x, base + j, fx), scale);
             if (v > max) max = v;
         }
         real total = (real)0;
-        for (i64 j = 0; j < seen; ++j) total += EXP(SFX(load)(x, base + j, fx) * scale - max);
+        for (i64 j = 0; j < seen; ++j) total += EXP(MUL_RN(SFX(load)(x, base + j, fx), scale) - max);
         real log_total = LOG(total) + max;
         for (i64 j = 0; j < seen; ++j) {
-            real v = SFX(load)(x, base + j, fx) * scale;
+            real v = MUL_RN(SFX(load)(x, base + j, fx), scale);
             SFX(store)(out, base + j, fout, log_form ? v - log_total : EXP(v - max) / total);
         }
         for (i64 j = seen; j < width; ++j) SFX(store)(out, base + j, fout, (real)0);

@@ -1,6 +1,8 @@
 //! Pointwise ops and softmax on 16-bit device tensors read their inputs as stored and
-//! round their result once as they write it: the only memory an op takes is its result, in its
-//! format, with no widened copy of an input and no f32 result to narrow (a counting
+//! round their result once as they write it: the only memory an op takes is its result,
+//! in its format, with no widened copy of an input and no f32 result to narrow; their
+//! backward reads what it kept (a 16-bit input or output) as stored too, and takes only
+//! the f32 gradient (a counting
 //! allocator: this test binary has one test, so nothing else allocates meanwhile; the
 //! emulator's memory comes from the same allocator). Their values are pinned against f32
 //! by `low_precision.rs`.
@@ -10,13 +12,16 @@ mod counting;
 #[path = "support/device.rs"]
 mod device;
 
-use tape::{DType, Gelu, Generator, Tensor};
+use tape::{DType, Gelu, Generator, Parameter, Tape, Tensor};
 
 const ROWS: usize = 64;
 const COLS: usize = 256;
 
 /// Makes a tensor from the ones under test.
 type Make<'a> = &'a dyn Fn() -> tape::Result<Tensor>;
+
+/// An op on one tensor.
+type OneInput = fn(&Tensor) -> tape::Result<Tensor>;
 
 #[test]
 fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
@@ -53,6 +58,29 @@ fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
                 );
                 let expected = if result == half { dtype } else { DType::F32 };
                 assert_eq!(out.dtype(), expected, "{name}");
+            }
+
+            let grad = Tensor::full_on(&[ROWS, COLS], 1.0, device)?;
+            let backwards: [(&str, OneInput); 4] = [
+                ("gelu", |x| x.gelu(Gelu::Erf)),
+                ("exp", |x| x.exp()),
+                ("tanh", |x| x.tanh()),
+                ("softmax", |x| x.softmax()),
+            ];
+            for (name, op) in backwards {
+                let p = Parameter::new("x", x.clone());
+                let tape = Tape::new();
+                let out = op(&tape.watch(&p))?;
+                counting::reset_peak();
+                let before = counting::live();
+                out.backward_with_grad(&grad)?;
+                let taken = counting::peak() - before;
+                // Tanh recomputes its f32 output from a kept 16-bit input.
+                let needed = if name == "tanh" { 8 * n } else { 4 * n };
+                assert!(
+                    taken <= needed + needed / 8,
+                    "{name}'s backward in {dtype} on {device} took {taken} bytes for {needed}"
+                );
             }
         }
     }

@@ -206,18 +206,19 @@ pub(crate) fn unary_stored<T: Element, O: Stored>(
 }
 
 /// The gradient of `y = f(x)` given `grad` = d(loss)/dy.
+///
+/// `kept` is what the derivative reads, in any storage format: the output for exp and
+/// tanh, the input for the others (unread by a scale).
 pub(crate) fn unary_backward<T: Element>(
     kind: UnaryKind,
     grad: &GpuArray<T>,
-    x: &GpuArray<T>,
-    y: &GpuArray<T>,
+    kept: PointwiseInput<'_>,
     factor: f64,
 ) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit("unary backward", x.device(), x.shape())?;
+    let out = GpuArray::<T>::uninit("unary backward", grad.device(), grad.shape())?;
     let mut args = KernelArgs::default();
-    args.p[..4].copy_from_slice(&[out.ptr(), grad.ptr(), x.ptr(), y.ptr()]);
-    args.i[0] = out.len() as i64;
-    args.i[1] = kind as i64;
+    args.p[..3].copy_from_slice(&[out.ptr(), grad.ptr(), kept.ptr]);
+    args.i[..3].copy_from_slice(&[out.len() as i64, kind as i64, kept.format]);
     args.f[0] = factor;
     out.launch(&super::UNARY_BACKWARD, out.len(), &args)?;
     Ok(out)

@@ -86,14 +86,15 @@ pub(crate) fn softmax_stored<T: Element, O: Stored>(
 /// The gradient of `y = softmax(x)` (or log-softmax) from `y` and `grad` = d(loss)/dy.
 pub(crate) fn softmax_backward<T: Element>(
     grad: &GpuArray<T>,
-    y: &GpuArray<T>,
+    y: PointwiseInput<'_>,
     how: SoftmaxRows,
 ) -> Result<GpuArray<T>> {
-    let (rows, width) = rows_of(y.shape());
-    let dx = GpuArray::<T>::uninit("softmax backward", y.device(), y.shape())?;
-    // p0 dx, p1 g, p2 y; the rest as in `softmax`.
+    let (rows, width) = rows_of(y.shape);
+    let dx = GpuArray::<T>::uninit("softmax backward", grad.device(), y.shape)?;
+    // p0 dx, p1 g, p2 y; i4 y's format; the rest as in `softmax`.
     let mut args = how.args(rows, width);
-    args.p[..3].copy_from_slice(&[dx.ptr(), grad.ptr(), y.ptr()]);
+    args.p[..3].copy_from_slice(&[dx.ptr(), grad.ptr(), y.ptr]);
+    args.i[4] = y.format;
     dx.launch(&SOFTMAX_ROWS_BACKWARD, rows, &args)?;
     Ok(dx)
 }

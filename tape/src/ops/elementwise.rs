@@ -157,23 +157,23 @@ impl<T: Element> Tensor<T> {
         let y = written(op, on, self.shape(), self.dtype(), &kernel)?;
         // Only what the derivative reads is kept: the output as stored for exp, the
         // output for tanh (or a 16-bit input, since 1 − y² of a rounded y near ±1 cancels),
-        // nothing for a scale, the input for the others (the kernel reads at most one of
-        // the two arrays it is given).
+        // nothing for a scale, the input for the others. The kernel reads it as stored.
         let backward = move |kept: Option<Kept<T, Tensor<T>>>| -> TensorBackwardFn<T> {
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
                 let grad = grad.device_array(op, on)?;
+                let recomputed;
                 let kept = match &kept {
-                    None => grad.clone(),
-                    Some(Kept::Output(y)) => y.device_array(op, on)?,
-                    Some(Kept::Input(x)) => {
-                        let x = x.device_array(op, on)?;
-                        match kind {
-                            UnaryKind::Tanh => device::unary(kind, &x, factor)?,
-                            _ => x,
-                        }
+                    None => (&grad).into(),
+                    Some(Kept::Output(y)) => y.device_input(op, on)?,
+                    Some(Kept::Input(x)) if matches!(kind, UnaryKind::Tanh) => {
+                        let x = x.device_input(op, on)?;
+                        let kernel = UnaryKernel { kind, x, factor };
+                        recomputed = written::<T>(op, on, x.shape, T::DTYPE, &kernel)?;
+                        recomputed.device_input(op, on)?
                     }
+                    Some(Kept::Input(x)) => x.device_input(op, on)?,
                 };
-                let dx = device::unary_backward(kind, &grad, &kept, &kept, factor)?;
+                let dx = device::unary_backward(kind, &grad, kept, factor)?;
                 Ok(vec![Some(Tensor::from_gpu(dx))])
             })
         };

@@ -172,6 +172,22 @@ pub(crate) fn device_grads<T: Element>(grads: Vec<Option<GpuArray<T>>>) -> Vec<O
 }
 
 impl<T: Element> Tensor<T> {
+    /// This tensor's memory on `expected` as a pointwise kernel reads it (16-bit storage
+    /// as stored), for a backward that reads what its op kept.
+    pub(crate) fn device_input(
+        &self,
+        op: &'static str,
+        expected: crate::Device,
+    ) -> Result<PointwiseInput<'_>> {
+        self.pointwise_input()
+            .filter(|_| self.device() == expected)
+            .ok_or(Error::DeviceMismatch {
+                op,
+                first: expected,
+                second: self.device(),
+            })
+    }
+
     /// The device array of a gradient flowing into a device op's backward (16-bit
     /// storage widened).
     pub(crate) fn device_array(

@@ -75,9 +75,9 @@ impl<T: Element> Tensor<T> {
             )?;
             return record_tensor_reading_output(op, &[self], y, |kept| {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                    let y = kept.device_array(op, on)?;
+                    let y = kept.device_input(op, on)?;
                     let grad = grad.device_array(op, on)?;
-                    let dx = device::softmax_backward(&grad, &y, how)?;
+                    let dx = device::softmax_backward(&grad, y, how)?;
                     Ok(vec![Some(Tensor::from_gpu(dx))])
                 })
             });

@@ -86,25 +86,27 @@ KERNEL(SFX(unary)) {
     }
 }
 
-/* Gradient of `unary`.  p0 out, p1 grad, p2 x (input), p3 y (output); i0 n, i1 kind as in
- * `unary`; f0 the scale factor. */
+/* Gradient of `unary`.  p0 out, p1 grad, p2 what the derivative reads: the output y for
+ * exp and tanh, the input x for the others (unread by a scale); i0 n, i1 kind as in
+ * `unary`, i2 p2's format (as for `binary`); f0 the scale factor. */
 KERNEL(SFX(unary_backward)) {
     const KernelArgs* A = ARGS;
     real* out = (real*)A->p[0];
     const real* g = (const real*)A->p[1];
-    const real* x = (const real*)A->p[2];
-    const real* y = (const real*)A->p[3];
+    const void* kept = (const void*)A->p[2];
     int kind = (int)A->i[1];
+    int fk = (int)A->i[2];
     real factor = (real)A->f[0];
     FOR_EACH(i, A->i[0]) {
         real r;
+        real v = kind == 0 ? (real)0 : SFX(load)(kept, i, fk);
         switch (kind) {
             case 0: r = g[i] * factor; break;
-            case 1: r = g[i] * y[i]; break;
-            case 2: r = g[i] / x[i]; break;
-            case 3: r = g[i] * ((real)1 - y[i] * y[i]); break;
-            case 4: r = x[i] <= (real)0 ? (real)0 : g[i]; break;
-            default: r = g[i] * SFX(gelu_derivative)(x[i], kind == 6); break;
+            case 1: r = g[i] * v; break;
+            case 2: r = g[i] / v; break;
+            case 3: r = g[i] * ((real)1 - v * v); break;
+            case 4: r = v <= (real)0 ? (real)0 : g[i]; break;
+            default: r = g[i] * SFX(gelu_derivative)(v, kind == 6); break;
         }
         out[i] = r;
     }

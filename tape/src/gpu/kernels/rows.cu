@@ -64,24 +64,28 @@ KERNEL(SFX(softmax_rows)) {
 /* Gradient of `softmax_rows` from its output y: softmax dx = f0 · y ⊙ (g − Σ g⊙y),
  * log-softmax dx = f0 · (g − exp(y) · Σ g); with i3 = 1, columns a row does not see get
  * 0 and take no part in the sums.  p0 dx, p1 g, p2 y; i0 rows, i1 width, i2 and i3 as in
- * `softmax_rows`; f0 scale. */
+ * `softmax_rows`, i4 y's format (as for `binary`: the rounded 16-bit output is read as
+ * stored); f0 scale. */
 KERNEL(SFX(softmax_rows_backward)) {
     const KernelArgs* A = ARGS;
     real* dx = (real*)A->p[0];
     const real* g = (const real*)A->p[1];
-    const real* y = (const real*)A->p[2];
+    const void* y = (const void*)A->p[2];
     i64 width = A->i[1];
     int log_form = A->i[2] != 0;
     int causal = A->i[3] != 0;
+    int fy = (int)A->i[4];
     real scale = (real)A->f[0];
     FOR_EACH(r, A->i[0]) {
         i64 base = r * width;
         i64 seen = causal ? r % width + 1 : width;
         real acc = (real)0;
-        for (i64 j = 0; j < seen; ++j) acc += log_form ? g[base + j] : g[base + j] * y[base + j];
+        for (i64 j = 0; j < seen; ++j)
+            acc += log_form ? g[base + j] : g[base + j] * SFX(load)(y, base + j, fy);
         for (i64 j = 0; j < seen; ++j) {
             i64 k = base + j;
-            dx[k] = (log_form ? g[k] - EXP(y[k]) * acc : y[k] * (g[k] - acc)) * scale;
+            real yk = SFX(load)(y, k, fy);
+            dx[k] = (log_form ? g[k] - EXP(yk) * acc : yk * (g[k] - acc)) * scale;
         }
         for (i64 j = seen; j < width; ++j) dx[base + j] = (real)0;
     }

@@ -1,4 +1,4 @@
-//! Pointwise ops and softmax on 16-bit device tensors read their inputs as stored and
+//! Pointwise ops, softmax and layer norm on 16-bit device tensors read their inputs as stored and
 //! round their result once as they write it: the only memory an op takes is its result,
 //! in its format, with no widened copy of an input and no f32 result to narrow; their
 //! backward reads what it kept (a 16-bit input or output) as stored too, and takes only
@@ -36,7 +36,7 @@ fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
             let f32_row = bias.to_device(device)?;
             let n = (ROWS * COLS) as isize;
             let half = n * dtype.size_in_bytes() as isize;
-            let ops: [(&str, isize, Make<'_>); 8] = [
+            let ops: [(&str, isize, Make<'_>); 9] = [
                 ("add", half, &|| x.add(&y)),
                 ("mul by a broadcast row", half, &|| x.mul(&row)),
                 ("scale", half, &|| x.scale(0.25)),
@@ -44,6 +44,10 @@ fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
                 ("gelu", half, &|| x.gelu(Gelu::Tanh)),
                 ("softmax", half, &|| x.softmax()),
                 ("log_softmax", half, &|| x.log_softmax()),
+                // Its two f32 statistics per row are within the slack.
+                ("layer_norm", half, &|| {
+                    x.layer_norm(Some(&row), Some(&row), 1e-5)
+                }),
                 // An f32 operand makes the result f32; the 16-bit one is still read as is.
                 ("add an f32 row", 4 * n, &|| x.add(&f32_row)),
             ];

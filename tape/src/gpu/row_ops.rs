@@ -108,40 +108,45 @@ pub(crate) struct LayerNormSaved<T> {
     pub rstd: GpuArray<T>,
 }
 
-/// Layer norm of `x` over its last dimension, with optional `weight` and `bias` of that
-/// dimension's size (checked by the caller).
-pub(crate) fn layer_norm<T: Element>(
-    x: &GpuArray<T>,
-    weight: Option<&GpuArray<T>>,
-    bias: Option<&GpuArray<T>>,
+/// Layer norm over the last dimension of `x` with optional `weight` and `bias`, each in
+/// any storage format, into `out` in any, computed in `T` (16-bit read as stored, the
+/// result rounded once); each row's mean and 1/√(var + eps) into `mean` and `rstd`.
+pub(crate) fn layer_norm_stored<T: Element, O: Stored>(
+    out: &GpuArray<O>,
+    (x, weight, bias): LayerNormInputs<'_>,
+    (mean, rstd): (&GpuArray<T>, &GpuArray<T>),
     eps: f64,
-) -> Result<(GpuArray<T>, LayerNormSaved<T>)> {
-    let op = "layer_norm";
-    let (rows, width) = rows_of(x.shape());
-    let out = GpuArray::<T>::uninit(op, x.device(), x.shape())?;
-    let mean = GpuArray::<T>::uninit(op, x.device(), &[rows])?;
-    let rstd = GpuArray::<T>::uninit(op, x.device(), &[rows])?;
+) -> Result<()> {
+    let (rows, width) = rows_of(x.shape);
     // p0 out, p1 x, p2 weight (0: none), p3 bias (0: none), p4 mean, p5 rstd;
-    // i0 rows, i1 width; f0 eps.
+    // i0 rows, i1 width, i2..i5 formats of x, weight, bias, out; f0 eps.
     let mut args = KernelArgs::default();
     args.p[..6].copy_from_slice(&[
         out.ptr(),
-        x.ptr(),
-        weight.map_or(0, GpuArray::ptr),
-        bias.map_or(0, GpuArray::ptr),
+        x.ptr,
+        weight.map_or(0, |w| w.ptr),
+        bias.map_or(0, |b| b.ptr),
         mean.ptr(),
         rstd.ptr(),
     ]);
-    args.i[..2].copy_from_slice(&[rows as i64, width as i64]);
+    args.i[..6].copy_from_slice(&[
+        rows as i64,
+        width as i64,
+        x.format,
+        weight.map_or(0, |w| w.format),
+        bias.map_or(0, |b| b.format),
+        O::FORMAT,
+    ]);
     args.f[0] = eps;
-    out.launch(&LAYER_NORM_ROWS, rows, &args)?;
-    let saved = LayerNormSaved {
-        x: x.clone(),
-        mean,
-        rstd,
-    };
-    Ok((out, saved))
+    out.launch_build(&LAYER_NORM_ROWS, Precision::of::<T>(), rows, &args)
 }
+
+/// Layer norm's input, weight and bias as its kernel reads them.
+pub(crate) type LayerNormInputs<'a> = (
+    PointwiseInput<'a>,
+    Option<PointwiseInput<'a>>,
+    Option<PointwiseInput<'a>>,
+);
 
 /// The gradient of layer norm with respect to its input, given `grad` = d(loss)/d(out).
 pub(crate) fn layer_norm_input_grad<T: Element>(

@@ -131,7 +131,7 @@ pub(crate) fn pointwise_inputs<'a, T: Element, const N: usize>(
 }
 
 /// The device all `tensors` are on (`None` for none); an error if they differ.
-fn common_device<T: Element>(
+pub(crate) fn common_device<T: Element>(
     op: &'static str,
     tensors: &[&Tensor<T>],
 ) -> Result<Option<crate::Device>> {

@@ -2,11 +2,12 @@
 
 use ndarray::ArrayD;
 
-use super::all_on_device;
+use super::common_device;
 use crate::gpu::row_ops as device;
-use crate::gpu::GpuArray;
+use crate::gpu::{GpuArray, Stored};
+use crate::precision::{promoted, written, PointwiseWrite};
 use crate::tape::{record, record_tensor};
-use crate::{Element, Error, Result, Tensor};
+use crate::{Device, Element, Error, Result, Tensor};
 
 const OP: &str = "layer_norm";
 
@@ -32,17 +33,9 @@ impl<T: Element> Tensor<T> {
                 ));
             }
         }
-        // Only the tensors present go to the device check (each 16-bit one is widened).
         let present: Vec<&Tensor<T>> = std::iter::once(self).chain(weight).chain(bias).collect();
-        if let Some(arrays) = all_on_device(OP, &present)? {
-            // One array per tensor given, in order.
-            let mut arrays = arrays.iter();
-            let Some(x) = arrays.next() else {
-                return Err(Error::shape(OP, &[&shape], "internal: no device array"));
-            };
-            let weight_array = weight.and_then(|_| arrays.next());
-            let bias_array = bias.and_then(|_| arrays.next());
-            return self.layer_norm_on_device((x, weight_array, bias_array), weight, bias, eps);
+        if let Some(on) = common_device(OP, &present)?.filter(|&d| d != Device::Cpu) {
+            return self.layer_norm_on_device(on, weight, bias, eps);
         }
         let rows = self.numel().checked_div(width).unwrap_or(0);
         let computed = self.cpu(OP)?;
@@ -129,32 +122,47 @@ impl<T: Element> Tensor<T> {
 }
 
 impl<T: Element> Tensor<T> {
-    /// Layer norm on a device: the device arrays of this tensor and of `weight` and `bias`
-    /// where present.
+    /// Layer norm on device `on`, every tensor read as stored (16-bit ones not widened).
     fn layer_norm_on_device(
         &self,
-        (x, weight_array, bias_array): (&GpuArray<T>, Option<&GpuArray<T>>, Option<&GpuArray<T>>),
+        on: Device,
         weight: Option<&Tensor<T>>,
         bias: Option<&Tensor<T>>,
         eps: f64,
     ) -> Result<Tensor<T>> {
-        let (out, saved) = device::layer_norm(x, weight_array, bias_array, eps)?;
+        let width = self.shape().last().copied().unwrap_or(1);
+        let rows = self.numel().checked_div(width).unwrap_or(0);
+        let mean = GpuArray::<T>::uninit(OP, on, &[rows])?;
+        let rstd = GpuArray::<T>::uninit(OP, on, &[rows])?;
         let mut inputs = vec![self];
         inputs.extend(weight);
         inputs.extend(bias);
-        let weight = weight_array.cloned();
+        let kernel = LayerNormKernel {
+            inputs: (
+                self.device_input(OP, on)?,
+                weight.map(|w| w.device_input(OP, on)).transpose()?,
+                bias.map(|b| b.device_input(OP, on)).transpose()?,
+            ),
+            stats: (&mean, &rstd),
+            eps,
+        };
+        let out = written(OP, on, self.shape(), promoted(&inputs), &kernel)?;
         let has_bias = bias.is_some();
-        let device::LayerNormSaved { mean, rstd, .. } = saved;
-        record_tensor(OP, &inputs, Tensor::from_gpu(out), || {
-            // A 16-bit input is kept as itself, not as its f32 copy.
+        record_tensor(OP, &inputs, out, || {
+            // A 16-bit input and weight are kept as themselves, not as f32 copies.
             let input = self.detach();
+            let weight = weight.map(Tensor::detach);
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                 let saved = device::LayerNormSaved {
-                    x: input.device_array(OP, input.device())?,
+                    x: input.device_array(OP, on)?,
                     mean: mean.clone(),
                     rstd: rstd.clone(),
                 };
-                let grad = grad.device_array(OP, saved.x.device())?;
+                let weight = weight
+                    .as_ref()
+                    .map(|w| w.device_array(OP, on))
+                    .transpose()?;
+                let grad = grad.device_array(OP, on)?;
                 let dx = needs[0]
                     .then(|| device::layer_norm_input_grad(&grad, &saved, weight.as_ref()))
                     .transpose()?;
@@ -173,6 +181,19 @@ impl<T: Element> Tensor<T> {
                 Ok(grads)
             })
         })
+    }
+}
+
+/// `layer_norm_rows` as a kernel writing any storage format.
+struct LayerNormKernel<'a, T> {
+    inputs: device::LayerNormInputs<'a>,
+    stats: (&'a GpuArray<T>, &'a GpuArray<T>),
+    eps: f64,
+}
+
+impl<E: Element> PointwiseWrite for LayerNormKernel<'_, E> {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
+        device::layer_norm_stored::<E, O>(out, self.inputs, self.stats, self.eps)
     }
 }
 

@@ -94,32 +94,35 @@ KERNEL(SFX(softmax_rows_backward)) {
 /* Layer norm of each row: out = (x − mean) · rstd · weight + bias, rstd = 1/√(var + f0)
  * with the biased variance; mean and rstd are kept for the backward.  p0 out, p1 x,
  * p2 weight [width] (0: none), p3 bias [width] (0: none), p4 mean [rows], p5 rstd [rows];
- * i0 rows, i1 width; f0 eps. */
+ * i0 rows, i1 width, i2 x's format, i3 weight's, i4 bias's, i5 out's (as for `binary`);
+ * f0 eps. */
 KERNEL(SFX(layer_norm_rows)) {
     const KernelArgs* A = ARGS;
-    real* out = (real*)A->p[0];
-    const real* x = (const real*)A->p[1];
-    const real* weight = (const real*)A->p[2];
-    const real* bias = (const real*)A->p[3];
+    const void* x = (const void*)A->p[1];
+    const void* weight = (const void*)A->p[2];
+    const void* bias = (const void*)A->p[3];
     real* means = (real*)A->p[4];
     real* rstds = (real*)A->p[5];
     i64 width = A->i[1];
+    int fx = (int)A->i[2], fw = (int)A->i[3], fb = (int)A->i[4], fout = (int)A->i[5];
     real count = (real)width;
     real eps = (real)A->f[0];
     FOR_EACH(r, A->i[0]) {
-        const real* row = x + r * width;
-        real* y = out + r * width;
+        i64 base = r * width;
         real total = (real)0;
-        for (i64 j = 0; j < width; ++j) total += row[j];
+        for (i64 j = 0; j < width; ++j) total += SFX(load)(x, base + j, fx);
         real mean = total / count;
         real squares = (real)0;
-        for (i64 j = 0; j < width; ++j) squares += (row[j] - mean) * (row[j] - mean);
+        for (i64 j = 0; j < width; ++j) {
+            real d = SFX(load)(x, base + j, fx) - mean;
+            squares += d * d;
+        }
         real rstd = (real)1 / SQRT(squares / count + eps);
         for (i64 j = 0; j < width; ++j) {
-            real v = (row[j] - mean) * rstd;
-            if (weight) v *= weight[j];
-            if (bias) v += bias[j];
-            y[j] = v;
+            real v = (SFX(load)(x, base + j, fx) - mean) * rstd;
+            if (weight) v *= SFX(load)(weight, j, fw);
+            if (bias) v += SFX(load)(bias, j, fb);
+            SFX(store)((void*)A->p[0], base + j, fout, v);
         }
         means[r] = mean;
         rstds[r] = rstd;

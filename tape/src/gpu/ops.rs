@@ -365,12 +365,9 @@ fn product_in<T: Element>(
     dims: [usize; 4],
 ) -> Result<GpuArray<T>> {
     let out = GpuArray::<T>::uninit("matmul", device, shape)?;
-    if dims[2] == 0 && out.len() > 0 {
+    if dims[2] == 0 {
         // An empty sum: cuBLAS may leave C untouched, so write the zeros ourselves.
-        let mut args = KernelArgs::default();
-        args.p[0] = out.ptr();
-        args.i[0] = out.len() as i64;
-        out.launch(&super::FILL, out.len(), &args)?;
+        out.fill(T::zero())?;
         return Ok(out);
     }
     product_into(out, format, a, b, dims)

@@ -192,6 +192,7 @@ struct LayerNormKernel<'a, T> {
 }
 
 impl<E: Element> PointwiseWrite for LayerNormKernel<'_, E> {
+    // `written` computes in the tensor's element type, which is `E`, the statistics'.
     fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
         device::layer_norm_stored::<E, O>(out, self.inputs, self.stats, self.eps)
     }

@@ -149,6 +149,21 @@ impl<H: HalfFloat> Packed<H> {
         })
     }
 
+    /// Rows `ids` of a CPU `[vocab, hidden]` array, as they are, laid out as `shape`;
+    /// `None` for device storage.
+    fn cpu_rows(&self, ids: &[usize], shape: &[usize]) -> Option<Self> {
+        let Packed::Cpu(array) = self else {
+            return None;
+        };
+        let mut rows = Vec::with_capacity(shape.iter().product());
+        for &id in ids {
+            rows.extend(array.index_axis(ndarray::Axis(0), id).iter().copied());
+        }
+        ArcArray::from_shape_vec(IxDyn(shape), rows)
+            .ok()
+            .map(Packed::Cpu)
+    }
+
     /// The 16-bit elements in row-major order (a download from a device).
     fn to_host(&self) -> Result<Vec<H>> {
         match self {
@@ -299,6 +314,15 @@ impl Half {
 
     pub(crate) fn device(&self) -> Device {
         each_format!(self, packed => packed.device())
+    }
+
+    /// Rows `ids` of CPU storage `[vocab, hidden]`, copied as they are, as storage of
+    /// `shape` (`ids.len() · hidden` elements); `None` for device storage.
+    pub(crate) fn cpu_rows(&self, ids: &[usize], shape: &[usize]) -> Option<Half> {
+        Some(match self {
+            Half::Bf16(packed) => Half::Bf16(packed.cpu_rows(ids, shape)?),
+            Half::F16(packed) => Half::F16(packed.cpu_rows(ids, shape)?),
+        })
     }
 
     /// Device storage as a pointwise kernel reads it; `None` on the CPU.

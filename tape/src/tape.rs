@@ -265,9 +265,18 @@ pub(crate) fn record<T: Element>(
     output: ArcArray<T, IxDyn>,
     make_backward: impl FnOnce() -> BackwardFn<T>,
 ) -> Result<Tensor<T>> {
-    record_node(op, inputs, Tensor::from_shared(output), || {
-        OpBackward::Cpu(make_backward())
-    })
+    record_stored(op, inputs, Tensor::from_shared(output), make_backward)
+}
+
+/// [`record`] for a CPU op whose output may already be stored in a 16-bit format (rows
+/// of a 16-bit table, copied as they are).
+pub(crate) fn record_stored<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: Tensor<T>,
+    make_backward: impl FnOnce() -> BackwardFn<T>,
+) -> Result<Tensor<T>> {
+    record_node(op, inputs, output, || OpBackward::Cpu(make_backward()))
 }
 
 /// [`record`] for ops on any device: the backward takes and returns tensors.

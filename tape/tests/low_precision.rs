@@ -261,6 +261,7 @@ fn reductions_and_rows() {
     check("mean", &[shape], |x| x[0].mean());
     check("sum_dim", &[shape], |x| x[0].sum_dim(1, false));
     check("mean_dim", &[shape], |x| x[0].mean_dim(2, true));
+    check("max_dim", &[shape], |x| x[0].max_dim(1, false));
     check_reading_output("softmax", &[shape], |x| x[0].softmax());
     check_reading_output("log_softmax", &[shape], |x| x[0].log_softmax());
     check_reading_output("causal_softmax", &[&[2, 6, 6]], |x| {
@@ -289,6 +290,9 @@ fn shapes_and_indexing() {
     });
     check("masked_fill", &[shape], move |x| {
         x[0].masked_fill(&mask, -1.5)
+    });
+    check("dropout", &[shape], |x| {
+        x[0].dropout(0.25, &mut Generator::new(9))
     });
 }
 

@@ -5,7 +5,9 @@
 //!   its own storage format: on the CPU and every device, f32, bf16 and f16, they take no
 //!   memory and do not widen 16-bit storage;
 //! - on a device, `permute`, any other `narrow` and `concat` of 16-bit tensors move their
-//!   bits in that format: they take their 16-bit result only, with no widened copy.
+//!   bits in that format: they take their 16-bit result only, with no widened copy;
+//! - `embedding` of a 16-bit table copies its rows as they are, on the CPU and every
+//!   device: it takes its rows in the table's format, never a widened table.
 //!
 //! Values and gradients equal the copying path's.
 
@@ -75,6 +77,27 @@ fn shape_ops_take_no_memory_beyond_their_result_in_its_format() -> tape::Result<
                     assert_eq!(out.dtype(), dtype);
                 }
             }
+        }
+
+        // Rows of a 16-bit table, in its format.
+        let ids: Vec<usize> = (0..32).map(|i| (i * 7) % ROWS).collect();
+        for dtype in [DType::BF16, DType::F16] {
+            let table = values.to_device(device)?.to_dtype(dtype)?;
+            counting::reset_peak();
+            let before = counting::live();
+            let rows = table.embedding(&ids, &[4, 8])?;
+            let taken = counting::peak() - before;
+            let result = (ids.len() * COLS * dtype.size_in_bytes()) as isize;
+            assert!(
+                taken <= result + result / 8,
+                "embedding in {dtype} on {device} took {taken} bytes for {result}"
+            );
+            assert_eq!((rows.dtype(), rows.shape()), (dtype, &[4, 8, COLS][..]));
+            let all = table.to_vec()?;
+            let expected: Vec<f32> = (ids.iter())
+                .flat_map(|&id| all[id * COLS..(id + 1) * COLS].to_vec())
+                .collect();
+            assert_eq!(rows.to_vec()?, expected, "embedding in {dtype} on {device}");
         }
 
         // Gradients land where the pieces came from.

@@ -132,38 +132,43 @@ pub(crate) fn sum_to<T: Element>(grad: GpuArray<T>, shape: &[usize]) -> Result<G
     Ok(out.reshaped(shape))
 }
 
-/// Gradients of `a (op) b` with respect to each operand that needs one.
+/// Gradients of `a (op) b` with respect to each operand that needs one, reading the
+/// operands as stored (16-bit ones widened as they are read, not copied).
 pub(crate) fn binary_backward<T: Element>(
     kind: BinaryKind,
     grad: &GpuArray<T>,
     needs: &[bool],
-    a: &GpuArray<T>,
-    b: &GpuArray<T>,
+    a: PointwiseInput<'_>,
+    b: PointwiseInput<'_>,
 ) -> Result<Vec<Option<GpuArray<T>>>> {
     let op = "binary backward";
-    let shape = grad.shape().to_vec();
+    let shape = grad.shape();
+    let apply = |kind, x: PointwiseInput<'_>, y: PointwiseInput<'_>| {
+        let out = GpuArray::<T>::uninit(op, grad.device(), shape)?;
+        binary_stored::<T, T>(op, kind, &out, x, y)?;
+        Ok::<_, Error>(out)
+    };
     let grad_a = match (needs[0], kind) {
         (false, _) => None,
         (true, BinaryKind::Add | BinaryKind::Sub) => Some(grad.clone()),
-        (true, BinaryKind::Mul) => Some(binary(op, BinaryKind::Mul, grad, b, &shape)?),
-        (true, BinaryKind::Div) => Some(binary(op, BinaryKind::Div, grad, b, &shape)?),
+        (true, BinaryKind::Mul | BinaryKind::Div) => Some(apply(kind, grad.into(), b)?),
     };
     let grad_b = match (needs[1], kind) {
         (false, _) => None,
         (true, BinaryKind::Add) => Some(grad.clone()),
         (true, BinaryKind::Sub) => Some(unary(UnaryKind::Scale, grad, -1.0)?),
-        (true, BinaryKind::Mul) => Some(binary(op, BinaryKind::Mul, grad, a, &shape)?),
+        (true, BinaryKind::Mul) => Some(apply(BinaryKind::Mul, grad.into(), a)?),
         (true, BinaryKind::Div) => {
             // d(a/b)/db = -(a/b)/b
-            let quotient = binary(op, BinaryKind::Div, a, b, &shape)?;
-            let over_b = binary(op, BinaryKind::Div, &quotient, b, &shape)?;
-            let product = binary(op, BinaryKind::Mul, grad, &over_b, &shape)?;
+            let quotient = apply(BinaryKind::Div, a, b)?;
+            let over_b = apply(BinaryKind::Div, (&quotient).into(), b)?;
+            let product = binary(op, BinaryKind::Mul, grad, &over_b, shape)?;
             Some(unary(UnaryKind::Scale, &product, -1.0)?)
         }
     };
     Ok(vec![
-        grad_a.map(|g| sum_to(g, a.shape())).transpose()?,
-        grad_b.map(|g| sum_to(g, b.shape())).transpose()?,
+        grad_a.map(|g| sum_to(g, a.shape)).transpose()?,
+        grad_b.map(|g| sum_to(g, b.shape)).transpose()?,
     ])
 }
 
@@ -247,25 +252,28 @@ pub(crate) fn sum_parts(outputs: usize, extent: usize) -> usize {
     }
 }
 
-/// Launches `reduce_dim` over `x` viewed as `[outer, extent, inner]` into `[outer, parts,
-/// inner]` (`kind`: 0 sum, 2 max, as in `reduce.cu`).
+/// Launches `reduce_dim` over `x` (in any storage format) viewed as `[outer, extent,
+/// inner]` into `[outer, parts, inner]` in `T` (`kind`: 0 sum, 2 max, as in `reduce.cu`).
+#[allow(clippy::too_many_arguments)] // the launch's whole description
 fn launch_reduce<T: Element>(
-    x: &GpuArray<T>,
+    device: crate::Device,
+    x: PointwiseInput<'_>,
     (outer, extent, inner): (usize, usize, usize),
     parts: usize,
     kind: i64,
     scale: f64,
     argmax: Option<&GpuArray<i64>>,
 ) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit("reduce", x.device(), &[outer, parts, inner])?;
+    let out = GpuArray::<T>::uninit("reduce", device, &[outer, parts, inner])?;
     let mut args = KernelArgs::default();
-    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr(), argmax.map_or(0, GpuArray::ptr)]);
-    args.i[..5].copy_from_slice(&[
+    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr, argmax.map_or(0, GpuArray::ptr)]);
+    args.i[..6].copy_from_slice(&[
         outer as i64,
         extent as i64,
         inner as i64,
         kind,
         parts as i64,
+        x.format,
     ]);
     args.f[0] = scale;
     out.launch(&super::REDUCE_DIM, outer * parts * inner, &args)?;
@@ -275,32 +283,54 @@ fn launch_reduce<T: Element>(
 /// `scale ·` the sum over dimension `dim`, which is removed (the caller reshapes for
 /// `keepdim`).
 pub(crate) fn sum_dim<T: Element>(x: &GpuArray<T>, dim: usize, scale: f64) -> Result<GpuArray<T>> {
-    let mut shape = x.shape().to_vec();
+    sum_dim_stored(x.device(), x.into(), dim, scale)
+}
+
+/// [`sum_dim`] of `x` on `device` in any storage format (16-bit read as stored), summed
+/// in `T`.
+pub(crate) fn sum_dim_stored<T: Element>(
+    device: crate::Device,
+    x: PointwiseInput<'_>,
+    dim: usize,
+    scale: f64,
+) -> Result<GpuArray<T>> {
+    let mut shape = x.shape.to_vec();
     shape.remove(dim);
-    let (outer, mut extent, inner) = around(x.shape(), dim);
-    let mut partial = x.clone();
+    let (outer, mut extent, inner) = around(x.shape, dim);
+    let mut partial: Option<GpuArray<T>> = None;
     loop {
         let parts = sum_parts(outer * inner, extent);
         let last = parts == 1;
         let factor = if last { scale } else { 1.0 };
-        partial = launch_reduce(&partial, (outer, extent, inner), parts, 0, factor, None)?;
+        let input = partial.as_ref().map_or(x, PointwiseInput::from);
+        let summed = launch_reduce(
+            device,
+            input,
+            (outer, extent, inner),
+            parts,
+            0,
+            factor,
+            None,
+        )?;
         if last {
-            return Ok(partial.reshaped(&shape));
+            return Ok(summed.reshaped(&shape));
         }
+        partial = Some(summed);
         extent = parts;
     }
 }
 
-/// The maximum over dimension `dim`, which is removed, and the index of each maximum (the
-/// first of equals), for the backward.
+/// The maximum over dimension `dim` of `x` (16-bit storage read as stored), which is
+/// removed, and the index of each maximum (the first of equals), for the backward.
 pub(crate) fn max_dim<T: Element>(
-    x: &GpuArray<T>,
+    device: crate::Device,
+    x: PointwiseInput<'_>,
     dim: usize,
 ) -> Result<(GpuArray<T>, GpuArray<i64>)> {
-    let mut shape = x.shape().to_vec();
+    let mut shape = x.shape.to_vec();
     shape.remove(dim);
-    let argmax = GpuArray::<i64>::uninit("reduce", x.device(), &shape)?;
-    let out = launch_reduce(x, around(x.shape(), dim), 1, 2, 1.0, Some(&argmax))?;
+    let argmax = GpuArray::<i64>::uninit("reduce", device, &shape)?;
+    let out = launch_reduce(device, x, around(x.shape, dim), 1, 2, 1.0, Some(&argmax))?;
     Ok((out.reshaped(&shape), argmax))
 }
 

@@ -99,13 +99,13 @@ pub(crate) fn softmax_backward<T: Element>(
     Ok(dx)
 }
 
-/// What the layer-norm backward reuses from the forward: the input and each row's mean
-/// and reciprocal standard deviation (`[rows]`).
-#[derive(Clone)]
-pub(crate) struct LayerNormSaved<T> {
-    pub x: GpuArray<T>,
-    pub mean: GpuArray<T>,
-    pub rstd: GpuArray<T>,
+/// What the layer-norm backward reuses from the forward: the input as stored and each
+/// row's mean and reciprocal standard deviation (`[rows]`).
+#[derive(Clone, Copy)]
+pub(crate) struct LayerNormSaved<'a, T> {
+    pub x: PointwiseInput<'a>,
+    pub mean: &'a GpuArray<T>,
+    pub rstd: &'a GpuArray<T>,
 }
 
 /// Layer norm over the last dimension of `x` with optional `weight` and `bias`, each in
@@ -148,25 +148,32 @@ pub(crate) type LayerNormInputs<'a> = (
     Option<PointwiseInput<'a>>,
 );
 
-/// The gradient of layer norm with respect to its input, given `grad` = d(loss)/d(out).
+/// The gradient of layer norm with respect to its input, given `grad` = d(loss)/d(out),
+/// reading the input and `weight` as stored.
 pub(crate) fn layer_norm_input_grad<T: Element>(
     grad: &GpuArray<T>,
-    saved: &LayerNormSaved<T>,
-    weight: Option<&GpuArray<T>>,
+    saved: LayerNormSaved<'_, T>,
+    weight: Option<PointwiseInput<'_>>,
 ) -> Result<GpuArray<T>> {
-    let (rows, width) = rows_of(saved.x.shape());
-    let dx = GpuArray::<T>::uninit("layer_norm backward", grad.device(), saved.x.shape())?;
-    // p0 dx, p1 g, p2 x, p3 weight (0: none), p4 mean, p5 rstd; i0 rows, i1 width.
+    let (rows, width) = rows_of(saved.x.shape);
+    let dx = GpuArray::<T>::uninit("layer_norm backward", grad.device(), saved.x.shape)?;
+    // p0 dx, p1 g, p2 x, p3 weight (0: none), p4 mean, p5 rstd; i0 rows, i1 width, i2 x's
+    // format, i3 weight's.
     let mut args = KernelArgs::default();
     args.p[..6].copy_from_slice(&[
         dx.ptr(),
         grad.ptr(),
-        saved.x.ptr(),
-        weight.map_or(0, GpuArray::ptr),
+        saved.x.ptr,
+        weight.map_or(0, |w| w.ptr),
         saved.mean.ptr(),
         saved.rstd.ptr(),
     ]);
-    args.i[..2].copy_from_slice(&[rows as i64, width as i64]);
+    args.i[..4].copy_from_slice(&[
+        rows as i64,
+        width as i64,
+        saved.x.format,
+        weight.map_or(0, |w| w.format),
+    ]);
     dx.launch(&LAYER_NORM_ROWS_BACKWARD, rows, &args)?;
     Ok(dx)
 }
@@ -177,12 +184,12 @@ pub(crate) type AffineGrads<T> = (Option<GpuArray<T>>, Option<GpuArray<T>>);
 /// The gradients of layer norm's weight and bias (`[width]`), each only when asked for.
 pub(crate) fn layer_norm_affine_grads<T: Element>(
     grad: &GpuArray<T>,
-    saved: &LayerNormSaved<T>,
+    saved: LayerNormSaved<'_, T>,
     need_weight: bool,
     need_bias: bool,
 ) -> Result<AffineGrads<T>> {
     let op = "layer_norm backward";
-    let (rows, width) = rows_of(saved.x.shape());
+    let (rows, width) = rows_of(saved.x.shape);
     // Each part sums a run of rows; the parts are summed by `sum_dim` (see `sum_parts`).
     let parts = sum_parts(width, rows);
     let make = |needed: bool| {
@@ -195,17 +202,17 @@ pub(crate) fn layer_norm_affine_grads<T: Element>(
         return Ok((None, None));
     }
     // p0 dweight (0: not needed), p1 dbias (0: not needed), p2 g, p3 x, p4 mean, p5 rstd;
-    // i0 width, i1 rows, i2 parts.
+    // i0 width, i1 rows, i2 parts, i3 x's format.
     let mut args = KernelArgs::default();
     args.p[..6].copy_from_slice(&[
         dweight.as_ref().map_or(0, GpuArray::ptr),
         dbias.as_ref().map_or(0, GpuArray::ptr),
         grad.ptr(),
-        saved.x.ptr(),
+        saved.x.ptr,
         saved.mean.ptr(),
         saved.rstd.ptr(),
     ]);
-    args.i[..3].copy_from_slice(&[width as i64, rows as i64, parts as i64]);
+    args.i[..4].copy_from_slice(&[width as i64, rows as i64, parts as i64, saved.x.format]);
     grad.launch(&LAYER_NORM_AFFINE_BACKWARD, parts * width, &args)?;
     let total = |partial: Option<GpuArray<T>>| partial.map(|p| sum_dim(&p, 0, 1.0)).transpose();
     Ok((total(dweight)?, total(dbias)?))

@@ -3,8 +3,8 @@
 //! gather reads a view of an array (permute, narrow) and a strided scatter writes into a
 //! view of one (concat, narrow's gradient).
 
-use super::ops::{check_rank, contiguous_strides};
-use super::{GpuArray, Kernel, KernelArgs, Stored};
+use super::ops::{check_rank, contiguous_strides, PointwiseInput};
+use super::{GpuArray, Kernel, KernelArgs, Precision, Stored};
 use crate::{Element, Error, Result};
 
 kernels! {
@@ -136,19 +136,19 @@ pub(crate) fn concat<E: Stored>(
 }
 
 /// Rows of `table` `[vocab, hidden]` picked by `ids` (checked in range by the caller),
-/// laid out as `shape` (the ids' shape, then `hidden`).
-pub(crate) fn embedding<T: Element>(
-    table: &GpuArray<T>,
+/// laid out as `shape` (the ids' shape, then `hidden`), in the table's format.
+pub(crate) fn embedding<E: Stored>(
+    table: &GpuArray<E>,
     ids: &GpuArray<i64>,
     shape: &[usize],
-) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit("embedding", table.device(), shape)?;
-    // Slots of `embedding` (index.cu): p0 out, p1 table, p2 ids; i0 rows, i1 hidden.
+) -> Result<GpuArray<E>> {
+    let out = GpuArray::<E>::uninit("embedding", table.device(), shape)?;
+    // Slots of `embedding` (index.cu): p0 out, p1 table, p2 ids; i0 rows, i1 hidden, i2
+    // the format of `E`.
     let mut args = KernelArgs::default();
     args.p[..3].copy_from_slice(&[out.ptr(), table.ptr(), ids.ptr()]);
-    args.i[0] = ids.len() as i64;
-    args.i[1] = table.shape()[1] as i64;
-    out.launch(&EMBEDDING, out.len(), &args)?;
+    args.i[..3].copy_from_slice(&[ids.len() as i64, table.shape()[1] as i64, E::FORMAT]);
+    out.launch_build(&EMBEDDING, E::build(), out.len(), &args)?;
     Ok(out)
 }
 
@@ -170,48 +170,71 @@ pub(crate) fn embedding_backward<T: Element>(
     Ok(table_grad)
 }
 
-/// `x` with `value` where `mask` (1 = fill, of `x`'s shape) is set; with `value` 0 it is
-/// also the gradient.
+/// `x` with `value` where `mask` (1 = fill, of `x`'s shape) is set: the gradient of
+/// `masked_fill` when `value` is 0.
 pub(crate) fn masked_fill<T: Element>(
     x: &GpuArray<T>,
     mask: &GpuArray<u8>,
     value: f64,
 ) -> Result<GpuArray<T>> {
+    let out = GpuArray::<T>::uninit("masked_fill", x.device(), x.shape())?;
+    masked_fill_stored::<T, T>(&out, x.into(), mask, value)?;
+    Ok(out)
+}
+
+/// [`masked_fill`] of `x` in any storage format into `out` in any, computed in `T` (see
+/// `ops::binary_stored`).
+pub(crate) fn masked_fill_stored<T: Element, O: Stored>(
+    out: &GpuArray<O>,
+    x: PointwiseInput<'_>,
+    mask: &GpuArray<u8>,
+    value: f64,
+) -> Result<()> {
     let op = "masked_fill";
-    check_rank(op, x.shape())?;
-    let out = GpuArray::<T>::uninit(op, x.device(), x.shape())?;
-    let ndim = x.ndim();
+    check_rank(op, x.shape)?;
+    let ndim = x.shape.len();
     let mut dims = vec![1; ndim - mask.ndim()];
     dims.extend_from_slice(mask.shape());
     let strides = contiguous_strides(&dims);
     // Slots of `masked_fill` (index.cu): p0 out, p1 x, p2 mask; i0 n, i1 ndim, i[2..10)
-    // x's shape, i[10..18) the mask's strides; f0 value.
+    // x's shape, i[10..18) the mask's strides, i18 x's format, i19 out's; f0 value.
     let mut args = KernelArgs::default();
-    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr(), mask.ptr()]);
+    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr, mask.ptr()]);
     args.i[0] = out.len() as i64;
     args.i[1] = ndim as i64;
     for d in 0..ndim {
-        args.i[2 + d] = x.shape()[d] as i64;
+        args.i[2 + d] = x.shape[d] as i64;
         args.i[10 + d] = if dims[d] == 1 { 0 } else { strides[d] as i64 };
     }
+    args.i[18..20].copy_from_slice(&[x.format, O::FORMAT]);
     args.f[0] = value;
-    out.launch(&MASKED_FILL, out.len(), &args)?;
-    Ok(out)
+    out.launch_build(&MASKED_FILL, Precision::of::<T>(), out.len(), &args)
 }
 
-/// `x` times `scale` where `keep` (of `x`'s shape) is set and times 0 elsewhere: dropout's
-/// output, and with the gradient for `x` its backward.
+/// `x` times `scale` where `keep` (of `x`'s shape) is set and times 0 elsewhere: the
+/// gradient of `dropout`.
 pub(crate) fn dropout<T: Element>(
     x: &GpuArray<T>,
     keep: &GpuArray<u8>,
     scale: f64,
 ) -> Result<GpuArray<T>> {
     let out = GpuArray::<T>::uninit("dropout", x.device(), x.shape())?;
-    // Slots of `dropout` (index.cu): p0 out, p1 x, p2 keep; i0 n; f0 scale.
-    let mut args = KernelArgs::default();
-    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr(), keep.ptr()]);
-    args.i[0] = out.len() as i64;
-    args.f[0] = scale;
-    out.launch(&DROPOUT, out.len(), &args)?;
+    dropout_stored::<T, T>(&out, x.into(), keep, scale)?;
     Ok(out)
+}
+
+/// [`dropout`] of `x` in any storage format into `out` in any, computed in `T`.
+pub(crate) fn dropout_stored<T: Element, O: Stored>(
+    out: &GpuArray<O>,
+    x: PointwiseInput<'_>,
+    keep: &GpuArray<u8>,
+    scale: f64,
+) -> Result<()> {
+    // Slots of `dropout` (index.cu): p0 out, p1 x, p2 keep; i0 n, i1 x's format, i2
+    // out's; f0 scale.
+    let mut args = KernelArgs::default();
+    args.p[..3].copy_from_slice(&[out.ptr(), x.ptr, keep.ptr()]);
+    args.i[..3].copy_from_slice(&[out.len() as i64, x.format, O::FORMAT]);
+    args.f[0] = scale;
+    out.launch_build(&DROPOUT, Precision::of::<T>(), out.len(), &args)
 }

@@ -81,15 +81,15 @@ impl<T: Element> Tensor<T> {
             let format = promoted(&[self, other]);
             let out = written(op, self.device(), &shape, format, &kernel)?;
             return record_tensor(op, &[self, other], out, || {
-                // The inputs as stored (a 16-bit one widened again in backward).
+                // The inputs as stored, which backward reads so.
                 let (a, b) = (self.detach(), other.detach());
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                     let on = a.device();
-                    let (a, b) = (a.device_array(op, on)?, b.device_array(op, on)?);
+                    let (a, b) = (a.device_input(op, on)?, b.device_input(op, on)?);
                     let grad = grad.device_array(op, on)?;
                     let kind = kind.device_kind();
                     Ok(device_grads(device::binary_backward(
-                        kind, &grad, needs, &a, &b,
+                        kind, &grad, needs, a, b,
                     )?))
                 })
             });

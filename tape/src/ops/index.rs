@@ -2,16 +2,21 @@
 
 use ndarray::{ArrayD, Axis, IxDyn, Zip};
 
-use super::on_device;
+use super::pointwise_inputs;
+use super::shape::{moved_on_device, Movement};
+use crate::gpu::ops::PointwiseInput;
 use crate::gpu::shape_ops as device;
-use crate::gpu::GpuArray;
+use crate::gpu::{GpuArray, Stored};
+use crate::precision::{written, PointwiseWrite};
 use crate::random::Generator;
-use crate::tape::{record, record_tensor};
-use crate::{Element, Error, Result, Tensor};
+use crate::tape::{record, record_stored, record_tensor};
+use crate::{Device, Element, Error, Result, Tensor};
 
 impl<T: Element> Tensor<T> {
     /// Rows of this `[vocab, hidden]` table picked by `ids` (laid out with `ids_shape`);
-    /// the result has shape `ids_shape + [hidden]`. Backward scatter-adds into the table.
+    /// the result has shape `ids_shape + [hidden]`, in the table's storage format (rows
+    /// of a 16-bit table are copied as they are, the table never widened). Backward
+    /// scatter-adds into the table.
     pub fn embedding(&self, ids: &[usize], ids_shape: &[usize]) -> Result<Tensor<T>> {
         const OP: &str = "embedding";
         if self.ndim() != 2 {
@@ -37,16 +42,22 @@ impl<T: Element> Tensor<T> {
         }
         let mut out_shape = ids_shape.to_vec();
         out_shape.push(hidden);
-        if let Some([table]) = on_device(OP, [self])? {
+        let on = self.device();
+        if on != Device::Cpu {
             let ids = ids
                 .iter()
                 .map(|&id| i64::try_from(id))
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map_err(|e| Error::invalid(OP, format!("ids must fit an i64: {e}")))?;
-            let ids = GpuArray::from_host(OP, table.device(), &ids, &[ids.len()])?;
-            let out = device::embedding(&table, &ids, &out_shape)?;
-            let (device, table_shape) = (table.device(), table.shape().to_vec());
-            return record_tensor(OP, &[self], Tensor::from_gpu(out), || {
+            let ids = GpuArray::from_host(OP, on, &ids, &[ids.len()])?;
+            let lookup = Lookup {
+                ids: &ids,
+                shape: &out_shape,
+            };
+            let out = moved_on_device(OP, &[self], &lookup)?
+                .ok_or(Error::UnsupportedDevice { op: OP, device: on })?;
+            let (device, table_shape) = (on, self.shape().to_vec());
+            return record_tensor(OP, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(OP, device)?;
                     let table_grad = device::embedding_backward(&grad, &ids, &table_shape)?;
@@ -54,12 +65,19 @@ impl<T: Element> Tensor<T> {
                 })
             });
         }
-        let table = self.cpu(OP)?;
-        let rows = table.select(Axis(0), ids);
-        let out = super::reshape_owned(OP, rows, &out_shape)?;
-        record(OP, &[self], out.into_shared(), || {
+        let out = match self
+            .half()
+            .and_then(|table| table.cpu_rows(ids, &out_shape))
+        {
+            Some(rows) => Tensor::from_half(rows),
+            None => {
+                let rows = self.cpu(OP)?.select(Axis(0), ids);
+                Tensor::from_shared(super::reshape_owned(OP, rows, &out_shape)?.into_shared())
+            }
+        };
+        let table_shape = IxDyn(self.shape());
+        record_stored(OP, &[self], out, || {
             let ids = ids.to_vec();
-            let table_shape = table.raw_dim();
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
                 let hidden = table_shape[1];
                 let grad = super::reshape_owned(OP, grad, &[ids.len(), hidden])?;
@@ -84,14 +102,19 @@ impl<T: Element> Tensor<T> {
                 "mask does not broadcast to the input",
             )
         })?;
-        if let Some([x]) = on_device(OP, [self])? {
+        if let Some([x]) = pointwise_inputs(OP, [self])? {
             // The mask travels in its own shape (a causal mask is [s, s], the scores
             // [b, heads, s, s]) and the kernel broadcasts it.
+            let device = self.device();
             let fill: Vec<u8> = mask.iter().map(|&masked| u8::from(masked)).collect();
-            let fill = GpuArray::from_host(OP, x.device(), &fill, mask.shape())?;
-            let out = device::masked_fill(&x, &fill, value.into_f64())?;
-            let device = x.device();
-            return record_tensor(OP, &[self], Tensor::from_gpu(out), || {
+            let fill = GpuArray::from_host(OP, device, &fill, mask.shape())?;
+            let kernel = MaskedFill {
+                x,
+                mask: &fill,
+                value: value.into_f64(),
+            };
+            let out = written(OP, device, self.shape(), self.dtype(), &kernel)?;
+            return record_tensor(OP, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(OP, device)?;
                     let grad = device::masked_fill(&grad, &fill, 0.0)?;
@@ -134,17 +157,22 @@ impl<T: Element> Tensor<T> {
         } else {
             T::zero()
         };
-        if let Some([x]) = on_device(OP, [self])? {
+        if let Some([x]) = pointwise_inputs(OP, [self])? {
             // The CPU path's draws in the same (row-major) order: a seed gives one mask on
             // every device.
-            let keep: Vec<u8> = (0..x.len())
+            let keep: Vec<u8> = (0..self.numel())
                 .map(|_| u8::from(generator.uniform() >= p))
                 .collect();
-            let keep = GpuArray::from_host(OP, x.device(), &keep, x.shape())?;
+            let device = self.device();
+            let keep = GpuArray::from_host(OP, device, &keep, self.shape())?;
             let scale = keep_scale.into_f64();
-            let out = device::dropout(&x, &keep, scale)?;
-            let device = x.device();
-            return record_tensor(OP, &[self], Tensor::from_gpu(out), || {
+            let kernel = Dropout {
+                x,
+                keep: &keep,
+                scale,
+            };
+            let out = written(OP, device, self.shape(), self.dtype(), &kernel)?;
+            return record_tensor(OP, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(OP, device)?;
                     Ok(vec![Some(Tensor::from_gpu(device::dropout(
@@ -165,6 +193,44 @@ impl<T: Element> Tensor<T> {
         record(OP, &[self], out.into_shared(), || {
             Box::new(move |grad: ArrayD<T>, _: &[bool]| Ok(vec![Some(grad * &mask)]))
         })
+    }
+}
+
+/// `embedding`'s rows of a device table.
+struct Lookup<'a> {
+    ids: &'a GpuArray<i64>,
+    shape: &'a [usize],
+}
+
+impl Movement for Lookup<'_> {
+    fn apply<E: Stored>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>> {
+        device::embedding(parts[0], self.ids, self.shape)
+    }
+}
+
+/// `masked_fill` as a pointwise kernel writing any storage format.
+struct MaskedFill<'a> {
+    x: PointwiseInput<'a>,
+    mask: &'a GpuArray<u8>,
+    value: f64,
+}
+
+impl PointwiseWrite for MaskedFill<'_> {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
+        device::masked_fill_stored::<T, O>(out, self.x, self.mask, self.value)
+    }
+}
+
+/// `dropout` as a pointwise kernel writing any storage format.
+struct Dropout<'a> {
+    x: PointwiseInput<'a>,
+    keep: &'a GpuArray<u8>,
+    scale: f64,
+}
+
+impl PointwiseWrite for Dropout<'_> {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
+        device::dropout_stored::<T, O>(out, self.x, self.keep, self.scale)
     }
 }
 

@@ -149,28 +149,28 @@ impl<T: Element> Tensor<T> {
         let out = written(OP, on, self.shape(), promoted(&inputs), &kernel)?;
         let has_bias = bias.is_some();
         record_tensor(OP, &inputs, out, || {
-            // A 16-bit input and weight are kept as themselves, not as f32 copies.
+            // A 16-bit input and weight are kept as themselves and read so.
             let input = self.detach();
             let weight = weight.map(Tensor::detach);
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                 let saved = device::LayerNormSaved {
-                    x: input.device_array(OP, on)?,
-                    mean: mean.clone(),
-                    rstd: rstd.clone(),
+                    x: input.device_input(OP, on)?,
+                    mean: &mean,
+                    rstd: &rstd,
                 };
                 let weight = weight
                     .as_ref()
-                    .map(|w| w.device_array(OP, on))
+                    .map(|w| w.device_input(OP, on))
                     .transpose()?;
                 let grad = grad.device_array(OP, on)?;
                 let dx = needs[0]
-                    .then(|| device::layer_norm_input_grad(&grad, &saved, weight.as_ref()))
+                    .then(|| device::layer_norm_input_grad(&grad, saved, weight))
                     .transpose()?;
                 // Inputs are [x, weight?, bias?].
                 let need_weight = weight.is_some() && needs[1];
                 let need_bias = has_bias && needs[1 + usize::from(weight.is_some())];
                 let (dweight, dbias) =
-                    device::layer_norm_affine_grads(&grad, &saved, need_weight, need_bias)?;
+                    device::layer_norm_affine_grads(&grad, saved, need_weight, need_bias)?;
                 let mut grads = vec![dx.map(Tensor::from_gpu)];
                 if weight.is_some() {
                     grads.push(dweight.map(Tensor::from_gpu));

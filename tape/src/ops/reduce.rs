@@ -2,7 +2,7 @@
 
 use ndarray::{ArrayD, Axis, IxDyn, Zip};
 
-use super::{check_dim, on_device};
+use super::{check_dim, pointwise_inputs};
 use crate::gpu::ops as device;
 use crate::gpu::GpuArray;
 use crate::tape::{record, record_tensor};
@@ -21,7 +21,7 @@ impl<T: Element> Tensor<T> {
     }
 
     fn reduce_all(&self, op: &'static str, factor: T) -> Result<Tensor<T>> {
-        if on_device(op, [self])?.is_some() {
+        if pointwise_inputs(op, [self])?.is_some() {
             let flat = self.reshape(&[self.numel()])?;
             return flat.reduce_dim(op, 0, false, factor);
         }
@@ -56,9 +56,10 @@ impl<T: Element> Tensor<T> {
         factor: T,
     ) -> Result<Tensor<T>> {
         check_dim(op, dim, self.shape())?;
-        if let Some([x]) = on_device(op, [self])? {
-            let out = device::sum_dim(&x, dim, factor.into_f64())?;
-            return self.record_reduction(op, &x, dim, keepdim, out, factor.into_f64(), None);
+        if let Some([x]) = pointwise_inputs(op, [self])? {
+            // A 16-bit input is read as stored: no widened copy.
+            let out = device::sum_dim_stored(self.device(), x, dim, factor.into_f64())?;
+            return self.record_reduction(op, dim, keepdim, out, factor.into_f64(), None);
         }
         let input = self.cpu(op)?;
         let mut out = input.sum_axis(Axis(dim));
@@ -95,9 +96,9 @@ impl<T: Element> Tensor<T> {
                 format!("dimension {dim} is empty"),
             ));
         }
-        if let Some([x]) = on_device("max_dim", [self])? {
-            let (out, argmax) = device::max_dim(&x, dim)?;
-            return self.record_reduction("max_dim", &x, dim, keepdim, out, 1.0, Some(argmax));
+        if let Some([x]) = pointwise_inputs("max_dim", [self])? {
+            let (out, argmax) = device::max_dim(self.device(), x, dim)?;
+            return self.record_reduction("max_dim", dim, keepdim, out, 1.0, Some(argmax));
         }
         let input = self.cpu("max_dim")?;
         let argmax = Zip::from(input.lanes(Axis(dim))).map_collect(|lane| {
@@ -137,13 +138,12 @@ impl<T: Element> Tensor<T> {
 }
 
 impl<T: Element> Tensor<T> {
-    /// Records a device reduction over `dim` of `x` whose result (without the dimension)
-    /// is `out`; the backward spreads the gradient back (times `scale`, or to `argmax`).
-    #[allow(clippy::too_many_arguments)] // the reduction's whole description
+    /// Records a device reduction over `dim` of this tensor whose result (without the
+    /// dimension) is `out`; the backward spreads the gradient back (times `scale`, or to
+    /// `argmax`).
     fn record_reduction(
         &self,
         op: &'static str,
-        x: &GpuArray<T>,
         dim: usize,
         keepdim: bool,
         out: GpuArray<T>,
@@ -151,15 +151,15 @@ impl<T: Element> Tensor<T> {
         argmax: Option<GpuArray<i64>>,
     ) -> Result<Tensor<T>> {
         let reduced_shape = out.shape().to_vec();
+        let input_shape = self.shape().to_vec();
         let out = if keepdim {
-            let mut shape = x.shape().to_vec();
+            let mut shape = input_shape.clone();
             shape[dim] = 1;
             out.reshaped(&shape)
         } else {
             out
         };
-        let input_shape = x.shape().to_vec();
-        let device = x.device();
+        let device = self.device();
         record_tensor(op, &[self], Tensor::from_gpu(out), || {
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
                 let grad = grad.device_array(op, device)?.reshaped(&reduced_shape);

@@ -3,7 +3,7 @@
 
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
 
-use super::{all_on_device, check_dim, on_device, reshape_owned};
+use super::{all_on_device, check_dim, reshape_owned};
 use half::{bf16, f16};
 
 use crate::gpu::shape_ops as device;
@@ -71,13 +71,7 @@ impl<T: Element> Tensor<T> {
         for (i, &d) in order.iter().enumerate() {
             inverse[d] = i;
         }
-        let on_a_device = match moved_16_bit(&[self], &Permute(op, order))? {
-            Some(out) => Some(out),
-            None => on_device(op, [self])?
-                .map(|[x]| device::permute(op, &x, order).map(Tensor::from_gpu))
-                .transpose()?,
-        };
-        if let Some(out) = on_a_device {
+        if let Some(out) = moved_on_device(op, &[self], &Permute(op, order))? {
             let device = self.device();
             return record_tensor(op, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
@@ -122,16 +116,13 @@ impl<T: Element> Tensor<T> {
         let narrowed = Narrow { dim, start, len };
         let out = match view {
             Some(view) => view,
-            None => match moved_16_bit(&[self], &narrowed)? {
+            None => match moved_on_device(OP, &[self], &narrowed)? {
                 Some(out) => out,
-                None => match on_device(OP, [self])? {
-                    Some([x]) => Tensor::from_gpu(device::narrow(OP, &x, dim, start, len)?),
-                    None => {
-                        let mut out = self.cpu(OP)?;
-                        out.slice_axis_inplace(Axis(dim), Slice::from(start..start + len));
-                        Tensor::from_shared(out)
-                    }
-                },
+                None => {
+                    let mut out = self.cpu(OP)?;
+                    out.slice_axis_inplace(Axis(dim), Slice::from(start..start + len));
+                    Tensor::from_shared(out)
+                }
             },
         };
         let on = self.device();
@@ -177,14 +168,7 @@ impl<T: Element> Tensor<T> {
             ));
         }
         let sizes: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
-        let on_a_device = match moved_16_bit(tensors, &Concat(dim))? {
-            Some(out) => Some(out),
-            None => all_on_device(OP, tensors)?
-                .map(|parts| device::concat(OP, &parts.iter().collect::<Vec<_>>(), dim))
-                .transpose()?
-                .map(Tensor::from_gpu),
-        };
-        if let Some(out) = on_a_device {
+        if let Some(out) = moved_on_device(OP, tensors, &Concat(dim))? {
             let device = out.device();
             return record_tensor(OP, tensors, out, || {
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
@@ -267,7 +251,7 @@ impl<T: Element> Tensor<T> {
 }
 
 /// A shape op's data movement on device arrays of any element the kernels move.
-trait Movement {
+pub(super) trait Movement {
     fn apply<E: Stored>(&self, parts: &[&GpuArray<E>]) -> Result<GpuArray<E>>;
 }
 
@@ -301,8 +285,24 @@ impl Movement for Concat {
     }
 }
 
-/// `movement` of tensors stored in one 16-bit format on one device, in that format (their
-/// bits moved, nothing widened); `None` for any other tensors. Gradients stay f32.
+/// `movement` of tensors on one device, in their storage format where they share a 16-bit
+/// one (its bits moved, nothing widened); `None` for CPU tensors. Gradients stay f32.
+pub(super) fn moved_on_device<T: Element>(
+    op: &'static str,
+    tensors: &[&Tensor<T>],
+    movement: &impl Movement,
+) -> Result<Option<Tensor<T>>> {
+    if let Some(out) = moved_16_bit(tensors, movement)? {
+        return Ok(Some(out));
+    }
+    all_on_device(op, tensors)?
+        .map(|parts| movement.apply(&parts.iter().collect::<Vec<_>>()))
+        .transpose()
+        .map(|out| out.map(Tensor::from_gpu))
+}
+
+/// `movement` of tensors stored in one 16-bit format on one device, in that format; `None`
+/// for any other tensors.
 fn moved_16_bit<T: Element>(
     tensors: &[&Tensor<T>],
     movement: &impl Movement,

@@ -1,28 +1,30 @@
 /* Reductions along one dimension of a tensor viewed as [outer, dim, inner]. */
 
 /* p0 out [outer, parts, inner], p1 x, p2 argmax (i64, only for max; may be 0); i0 outer,
- * i1 dim, i2 inner, i3 kind (0 sum, 2 max), i4 parts; f0 scale of a sum.  Output slice p
+ * i1 dim, i2 inner, i3 kind (0 sum, 2 max), i4 parts, i5 x's storage format (as for
+ * `binary`: a 16-bit x is widened as it is read); f0 scale of a sum.  Output slice p
  * reduces the p-th run of ceil(dim / parts) elements of dim, so that a long dimension is
  * shared by many threads and summed again by the caller (max always has one part). */
 KERNEL(SFX(reduce_dim)) {
     const KernelArgs* A = ARGS;
     real* out = (real*)A->p[0];
-    const real* x = (const real*)A->p[1];
+    const void* x = (const void*)A->p[1];
     i64* argmax = (i64*)A->p[2];
     i64 dim = A->i[1], inner = A->i[2], parts = A->i[4];
-    int kind = (int)A->i[3];
+    int kind = (int)A->i[3], format = (int)A->i[5];
     i64 run = (dim + parts - 1) / parts;
     FOR_EACH(t, A->i[0] * parts * inner) {
         i64 o = t / (parts * inner), part = t / inner % parts;
-        const real* row = x + o * dim * inner + t % inner;
+        i64 row = o * dim * inner + t % inner;
         i64 begin = part * run, end = begin + run < dim ? begin + run : dim;
         if (kind == 2) {
-            real best = row[0];
+            real best = SFX(load)(x, row, format);
             i64 at = 0;
             for (i64 d = 1; d < dim; ++d) {
+                real v = SFX(load)(x, row + d * inner, format);
                 /* NaN propagates, and the first maximum wins, as on the CPU. */
-                if (row[d * inner] > best || (row[d * inner] != row[d * inner] && best == best)) {
-                    best = row[d * inner];
+                if (v > best || (v != v && best == best)) {
+                    best = v;
                     at = d;
                 }
             }
@@ -30,7 +32,7 @@ KERNEL(SFX(reduce_dim)) {
             argmax[t] = at;
         } else {
             real acc = (real)0;
-            for (i64 d = begin; d < end; ++d) acc += row[d * inner];
+            for (i64 d = begin; d < end; ++d) acc += SFX(load)(x, row + d * inner, format);
             out[t] = acc * (real)A->f[0];
         }
     }

@@ -131,30 +131,32 @@ KERNEL(SFX(layer_norm_rows)) {
 
 /* Input gradient of `layer_norm_rows`: dx = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ ⊙ x̂)) with
  * ĝ = g ⊙ weight and x̂ = (x − mean) · rstd.  p0 dx, p1 g, p2 x, p3 weight (0: none),
- * p4 mean, p5 rstd; i0 rows, i1 width. */
+ * p4 mean, p5 rstd; i0 rows, i1 width, i2 x's storage format, i3 weight's (as for
+ * `binary`). */
 KERNEL(SFX(layer_norm_rows_backward)) {
     const KernelArgs* A = ARGS;
     real* dx = (real*)A->p[0];
     const real* g = (const real*)A->p[1];
-    const real* x = (const real*)A->p[2];
-    const real* weight = (const real*)A->p[3];
+    const void* x = (const void*)A->p[2];
+    const void* weight = (const void*)A->p[3];
     const real* means = (const real*)A->p[4];
     const real* rstds = (const real*)A->p[5];
     i64 width = A->i[1];
+    int fx = (int)A->i[2], fw = (int)A->i[3];
     real count = (real)width;
     FOR_EACH(r, A->i[0]) {
         i64 base = r * width;
         real mean = means[r], rstd = rstds[r];
         real sum_g = (real)0, sum_gx = (real)0;
         for (i64 j = 0; j < width; ++j) {
-            real g_hat = weight ? g[base + j] * weight[j] : g[base + j];
+            real g_hat = weight ? g[base + j] * SFX(load)(weight, j, fw) : g[base + j];
             sum_g += g_hat;
-            sum_gx += g_hat * ((x[base + j] - mean) * rstd);
+            sum_gx += g_hat * ((SFX(load)(x, base + j, fx) - mean) * rstd);
         }
         real mean_g = sum_g / count, mean_gx = sum_gx / count;
         for (i64 j = 0; j < width; ++j) {
-            real g_hat = weight ? g[base + j] * weight[j] : g[base + j];
-            real x_hat = (x[base + j] - mean) * rstd;
+            real g_hat = weight ? g[base + j] * SFX(load)(weight, j, fw) : g[base + j];
+            real x_hat = (SFX(load)(x, base + j, fx) - mean) * rstd;
             dx[base + j] = rstd * (g_hat - mean_g - x_hat * mean_gx);
         }
     }
@@ -163,13 +165,15 @@ KERNEL(SFX(layer_norm_rows_backward)) {
 /* Weight and bias gradients of `layer_norm_rows` as `parts` partial sums over runs of
  * ceil(rows / parts) rows, one index per (part, column), so no atomics; the caller sums the
  * parts: dweight = Σ g ⊙ x̂, dbias = Σ g.  p0 dweight [parts, width] (0: not needed), p1
- * dbias (likewise), p2 g, p3 x, p4 mean, p5 rstd; i0 width, i1 rows, i2 parts. */
+ * dbias (likewise), p2 g, p3 x, p4 mean, p5 rstd; i0 width, i1 rows, i2 parts, i3 x's
+ * storage format. */
 KERNEL(SFX(layer_norm_affine_backward)) {
     const KernelArgs* A = ARGS;
     real* dweight = (real*)A->p[0];
     real* dbias = (real*)A->p[1];
     const real* g = (const real*)A->p[2];
-    const real* x = (const real*)A->p[3];
+    const void* x = (const void*)A->p[3];
+    int fx = (int)A->i[3];
     const real* means = (const real*)A->p[4];
     const real* rstds = (const real*)A->p[5];
     i64 width = A->i[0], rows = A->i[1], parts = A->i[2];
@@ -180,7 +184,7 @@ KERNEL(SFX(layer_norm_affine_backward)) {
         real sum_gx = (real)0, sum_g = (real)0;
         for (i64 r = begin; r < end; ++r) {
             i64 k = r * width + c;
-            sum_gx += g[k] * ((x[k] - means[r]) * rstds[r]);
+            sum_gx += g[k] * ((SFX(load)(x, k, fx) - means[r]) * rstds[r]);
             sum_g += g[k];
         }
         if (dweight) dweight[t] = sum_gx;

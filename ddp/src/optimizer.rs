@@ -650,9 +650,9 @@ impl DistributedOptimizer {
                 .to_tensor_as(dtype)?
                 .into_buffer()?,
         };
-        let output = Tensor::<f32>::full_on(&[bucket.info.padded_numel], 0.0, bucket.device)?
-            .to_dtype(dtype)?
-            .into_buffer()?;
+        let output =
+            Tensor::<f32>::full_as(&[bucket.info.padded_numel], 0.0, dtype, bucket.device)?
+                .into_buffer()?;
         Ok(self.dp.start(AsyncOp::AllGatherInto { input, output })?)
     }
 

@@ -17,7 +17,7 @@ use crate::gpu::{GpuArray, KernelArgs, Stored, CONVERT_HALF};
 use crate::{Device, Element, Error, Result, Tensor};
 
 /// A 16-bit float format tensors can be stored in.
-pub(crate) trait HalfFloat: comm_core::Element + Copy + Default {
+pub(crate) trait HalfFloat: comm_core::Element + Stored {
     /// `convert_half`'s kind for narrowing into this format (widening is this + 2).
     const KIND: i64;
     fn narrow(value: f32) -> Self;
@@ -149,6 +149,18 @@ impl<H: HalfFloat> Packed<H> {
         })
     }
 
+    /// `shape` filled with `value` rounded once, on `device`.
+    fn full(op: &'static str, shape: &[usize], value: f64, device: Device) -> Result<Self> {
+        Ok(match device {
+            Device::Cpu => Packed::Cpu(ArcArray::from_elem(IxDyn(shape), H::narrow(value as f32))),
+            _ => {
+                let out = GpuArray::<H>::uninit(op, device, shape)?;
+                out.fill_rounded(value)?;
+                Packed::Gpu(out)
+            }
+        })
+    }
+
     /// Rows `ids` of a CPU `[vocab, hidden]` array, as they are, laid out as `shape`;
     /// `None` for device storage.
     fn cpu_rows(&self, ids: &[usize], shape: &[usize]) -> Option<Self> {
@@ -265,6 +277,21 @@ impl Half {
         Ok(match dtype {
             DType::F16 => Half::F16(Packed::narrow_cpu(array)),
             DType::BF16 => Half::Bf16(Packed::narrow_cpu(array)),
+            other => return Err(not_16_bit(op, other)),
+        })
+    }
+
+    /// `shape` filled with `value` rounded once to `dtype` (bf16 or f16), on `device`.
+    pub(crate) fn full(
+        op: &'static str,
+        dtype: DType,
+        shape: &[usize],
+        value: f64,
+        device: Device,
+    ) -> Result<Self> {
+        Ok(match dtype {
+            DType::F16 => Half::F16(Packed::full(op, shape, value, device)?),
+            DType::BF16 => Half::Bf16(Packed::full(op, shape, value, device)?),
             other => return Err(not_16_bit(op, other)),
         })
     }
@@ -403,7 +430,7 @@ pub(crate) fn written<T: Element>(
     dtype: DType,
     kernel: &impl PointwiseWrite,
 ) -> Result<Tensor<T>> {
-    fn fresh<T: Element, H: HalfFloat + Stored>(
+    fn fresh<T: Element, H: HalfFloat>(
         op: &'static str,
         device: Device,
         shape: &[usize],

@@ -81,6 +81,27 @@ impl<T: Element> Tensor<T> {
         }
     }
 
+    /// A tensor of `shape` filled with `value` rounded once to `dtype` (`T`'s own, bf16
+    /// or f16), made in that format on `device`: no tensor in `T` first.
+    ///
+    /// ```
+    /// use tape::{DType, Device, Tensor};
+    ///
+    /// let x = Tensor::<f32>::full_as(&[2, 3], 0.1, DType::BF16, Device::Cpu)?;
+    /// assert_eq!((x.dtype(), x.nbytes()), (DType::BF16, 12));
+    /// assert_eq!(x.to_vec()?[0], half::bf16::from_f32(0.1).to_f32());
+    /// # Ok::<(), tape::Error>(())
+    /// ```
+    pub fn full_as(shape: &[usize], value: T, dtype: DType, device: Device) -> Result<Self> {
+        const OP: &str = "full_as";
+        precision::check_dtype::<T>(OP, dtype)?;
+        if dtype == T::DTYPE {
+            return Self::full_on(shape, value, device);
+        }
+        let half = Half::full(OP, dtype, shape, value.into_f64(), device)?;
+        Ok(Self::from_half(half))
+    }
+
     /// A tensor of zeros.
     pub fn zeros(shape: &[usize]) -> Self {
         Self::full(shape, T::zero())

@@ -429,3 +429,26 @@ fn storage_format_travels_with_the_tensor() -> Result<()> {
     assert!(err.contains("master"), "{err}");
     Ok(())
 }
+
+#[test]
+fn full_as_rounds_its_value_once_into_the_format_on_every_device() -> Result<()> {
+    let mut devices = vec![Device::Cpu];
+    devices.extend(device::devices());
+    for device in devices {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let x = Tensor::<f32>::full_as(&[2, 3], 0.1, dtype, device)?;
+            assert_eq!((x.dtype(), x.device()), (dtype, device));
+            assert_eq!(
+                x.to_vec()?,
+                vec![round(dtype, 0.1); 6],
+                "{dtype} on {device}"
+            );
+        }
+        // f16 overflows to infinity, as rounding an f32 tensor would.
+        let big = Tensor::<f32>::full_as(&[1], 1.0e5, DType::F16, device)?;
+        assert_eq!(big.to_vec()?, vec![f32::INFINITY], "on {device}");
+        let err = Tensor::<f64>::full_as(&[1], 0.0, DType::F32, device).unwrap_err();
+        assert!(err.to_string().contains("bf16 or f16"), "{err}");
+    }
+    Ok(())
+}

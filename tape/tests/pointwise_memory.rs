@@ -42,7 +42,10 @@ fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
                 tape::ndarray::ArrayD::from_shape_fn(tape::ndarray::IxDyn(&[COLS]), |i| {
                     i[0] % 2 == 0
                 });
-            let ops: [(&str, isize, Make<'_>); 14] = [
+            let ops: [(&str, isize, Make<'_>); 15] = [
+                ("full_as", half, &|| {
+                    Tensor::full_as(&[ROWS, COLS], 0.5, dtype, device)
+                }),
                 ("add", half, &|| x.add(&y)),
                 ("mul by a broadcast row", half, &|| x.mul(&row)),
                 ("scale", half, &|| x.scale(0.25)),

@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use super::{backend, Backend, Kernel, KernelArgs, Precision};
+use super::{backend, Backend, Kernel, KernelArgs, Precision, Stored};
 use crate::{Device, Element, Result};
 
 /// One device allocation, freed (in stream order) when the last array using it goes.
@@ -230,16 +230,24 @@ impl<T: Element> GpuArray<T> {
 
     /// Sets every element to `value` in place (fresh arrays and flat storage only).
     pub(crate) fn fill(&self, value: T) -> Result<()> {
-        let mut args = KernelArgs::default();
-        args.p[0] = self.ptr();
-        args.i[0] = self.len() as i64;
-        args.f[0] = value.into_f64();
-        self.launch(&super::FILL, self.len(), &args)
+        self.fill_rounded(value.into_f64())
     }
 
     /// Runs `kernel`'s build for `T` over `items` indices.
     pub(crate) fn launch(&self, kernel: &Kernel, items: usize, args: &KernelArgs) -> Result<()> {
         self.launch_build(kernel, Precision::of::<T>(), items, args)
+    }
+}
+
+impl<E: Stored> GpuArray<E> {
+    /// Sets every element to `value` rounded once to the elements' format, in place
+    /// (fresh arrays and flat storage only).
+    pub(crate) fn fill_rounded(&self, value: f64) -> Result<()> {
+        let mut args = KernelArgs::default();
+        args.p[0] = self.ptr();
+        args.i[..2].copy_from_slice(&[self.len() as i64, E::FORMAT]);
+        args.f[0] = value;
+        self.launch_build(&super::FILL, E::build(), self.len(), &args)
     }
 }
 

@@ -314,7 +314,7 @@ fn moved_16_bit<T: Element>(
     }
 }
 
-fn moved_as<H: HalfFloat + Stored, T: Element>(
+fn moved_as<H: HalfFloat, T: Element>(
     tensors: &[&Tensor<T>],
     movement: &impl Movement,
 ) -> Result<Option<Tensor<T>>> {

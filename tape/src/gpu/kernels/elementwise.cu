@@ -1,13 +1,5 @@
 /* Elementwise kernels. Slot meanings are mirrored by tape/src/gpu/ops.rs. */
 
-/* out[i] = f0.  p0 out; i0 n. */
-KERNEL(SFX(fill)) {
-    const KernelArgs* A = ARGS;
-    real* out = (real*)A->p[0];
-    real value = (real)A->f[0];
-    FOR_EACH(i, A->i[0]) out[i] = value;
-}
-
 /* Storage formats of pointwise kernels' arrays: 0 `real`, 1 bf16, 2 f16. 16-bit values
  * are widened on load and the result rounded once on store, so a 16-bit operand needs
  * no widened copy. */
@@ -20,6 +12,15 @@ DEVFN real SFX(load)(const void* p, i64 at, int format) {
 DEVFN void SFX(store)(void* p, i64 at, int format, real v) {
     if (format == 0) ((real*)p)[at] = v;
     else ((u16*)p)[at] = format == 1 ? f32_to_bf16((float)v) : f32_to_f16((float)v);
+}
+
+/* out[i] = f0, stored in format i1 (as for `binary`: a 16-bit one rounded once).  p0
+ * out; i0 n, i1 out's format. */
+KERNEL(SFX(fill)) {
+    const KernelArgs* A = ARGS;
+    int format = (int)A->i[1];
+    real value = (real)A->f[0];
+    FOR_EACH(i, A->i[0]) SFX(store)((void*)A->p[0], i, format, value);
 }
 
 /* Broadcasting a (op) b.  p0 out, p1 a, p2 b; i0 n, i1 op (0 add, 1 sub, 2 mul, 3 div),

@@ -149,7 +149,8 @@ impl<H: HalfFloat> Packed<H> {
         })
     }
 
-    /// `shape` filled with `value` rounded once, on `device`.
+    /// `shape` filled with `value` rounded to `H` (through f32, as every rounding here),
+    /// on `device`.
     fn full(op: &'static str, shape: &[usize], value: f64, device: Device) -> Result<Self> {
         Ok(match device {
             Device::Cpu => Packed::Cpu(ArcArray::from_elem(IxDyn(shape), H::narrow(value as f32))),
@@ -281,7 +282,7 @@ impl Half {
         })
     }
 
-    /// `shape` filled with `value` rounded once to `dtype` (bf16 or f16), on `device`.
+    /// `shape` filled with `value` rounded to `dtype` (bf16 or f16), on `device`.
     pub(crate) fn full(
         op: &'static str,
         dtype: DType,

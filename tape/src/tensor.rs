@@ -81,8 +81,9 @@ impl<T: Element> Tensor<T> {
         }
     }
 
-    /// A tensor of `shape` filled with `value` rounded once to `dtype` (`T`'s own, bf16
-    /// or f16), made in that format on `device`: no tensor in `T` first.
+    /// A tensor of `shape` filled with `value` rounded to `dtype` (`T`'s own, bf16 or
+    /// f16) as [`to_dtype`](Self::to_dtype) rounds, made in that format on `device`: no
+    /// tensor in `T` first.
     ///
     /// ```
     /// use tape::{DType, Device, Tensor};

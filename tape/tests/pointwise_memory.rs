@@ -20,8 +20,8 @@ const COLS: usize = 256;
 /// Makes a tensor from the ones under test.
 type Make<'a> = &'a dyn Fn() -> tape::Result<Tensor>;
 
-/// An op on the tensor under test.
-type OneInput<'a> = &'a dyn Fn(&Tensor) -> tape::Result<Tensor>;
+/// An op on the tensors under test.
+type Inputs<'a> = &'a dyn Fn(&[Tensor]) -> tape::Result<Tensor>;
 
 #[test]
 fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
@@ -88,35 +88,41 @@ fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
             }
 
             let grad = Tensor::full_on(&[ROWS, COLS], 1.0, device)?;
-            let backwards: [(&str, OneInput<'_>); 7] = [
-                ("gelu", &|x| x.gelu(Gelu::Erf)),
-                ("exp", &|x| x.exp()),
-                ("tanh", &|x| x.tanh()),
-                ("softmax", &|x| x.softmax()),
-                // Backward reads the other 16-bit operand as stored.
-                ("mul", &|x| x.mul(&y)),
-                ("div", &|x| x.div(&y)),
-                // Its input and weight as stored; the weight's and bias's gradients are
-                // COLS-wide partial sums.
-                ("layer_norm", &|x| {
-                    x.layer_norm(Some(&row), Some(&row), 1e-5)
-                }),
+            // Each op's inputs (all parameters) and what its backward needs: the f32
+            // gradients of its inputs, and for tanh its recomputed f32 output.
+            let (one, two) = (4 * n, 8 * n);
+            let backwards: [(&str, Vec<&Tensor>, Inputs<'_>, isize); 7] = [
+                ("gelu", vec![&x], &|t| t[0].gelu(Gelu::Erf), one),
+                ("exp", vec![&x], &|t| t[0].exp(), one),
+                ("tanh", vec![&x], &|t| t[0].tanh(), two),
+                ("softmax", vec![&x], &|t| t[0].softmax(), one),
+                // Each operand's gradient reads the other operand as stored.
+                ("mul", vec![&x, &y], &|t| t[0].mul(&t[1]), two),
+                ("div's numerator", vec![&x], &|t| t[0].div(&y), one),
+                // Its input as stored; the weight's and bias's gradients are COLS-wide
+                // partial sums.
+                (
+                    "layer_norm",
+                    vec![&x, &row, &row],
+                    &|t| t[0].layer_norm(Some(&t[1]), Some(&t[2]), 1e-5),
+                    one + partial_sums,
+                ),
             ];
-            for (name, op) in backwards {
-                let p = Parameter::new("x", x.clone());
+            for (name, inputs, op, needed) in backwards {
+                let params: Vec<Parameter> = (inputs.iter().enumerate())
+                    .map(|(i, &value)| Parameter::new(format!("x{i}"), value.clone()))
+                    .collect();
                 let tape = Tape::new();
-                let out = op(&tape.watch(&p))?;
+                let watched: Vec<Tensor> = params.iter().map(|p| tape.watch(p)).collect();
+                let out = op(&watched)?;
                 counting::reset_peak();
                 let before = counting::live();
                 out.backward_with_grad(&grad)?;
                 let taken = counting::peak() - before;
-                // Tanh recomputes its f32 output from a kept 16-bit input.
-                let needed = if name == "tanh" { 8 * n } else { 4 * n };
-                let needed = if name == "layer_norm" {
-                    needed + partial_sums
-                } else {
-                    needed
-                };
+                assert!(
+                    params.iter().all(Parameter::has_grad),
+                    "{name}: every input gets a gradient"
+                );
                 assert!(
                     taken <= needed + needed / 8,
                     "{name}'s backward in {dtype} on {device} took {taken} bytes for {needed}"

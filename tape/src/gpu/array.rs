@@ -240,7 +240,7 @@ impl<T: Element> GpuArray<T> {
 }
 
 impl<E: Stored> GpuArray<E> {
-    /// Sets every element to `value` rounded once to the elements' format, in place
+    /// Sets every element to `value` rounded to the elements' format, in place
     /// (fresh arrays and flat storage only).
     pub(crate) fn fill_rounded(&self, value: f64) -> Result<()> {
         let mut args = KernelArgs::default();

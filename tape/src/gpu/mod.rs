@@ -120,11 +120,11 @@ impl Precision {
 
 /// Elements kernels read and write as stored: an element type (format 0, computed in by
 /// its own build of a kernel), or a 16-bit float (format 1 bf16, 2 f16), which pointwise
-/// kernels widen on load and round once on store, and shape kernels move as bits (their
-/// f32 build; both builds do the same).
+/// kernels widen on load and round once on store, and shape kernels move as bits.
 pub(crate) trait Stored: Copy + Default {
     const FORMAT: i64;
-    /// The build a shape kernel moving these elements runs.
+    /// The build a kernel that only moves or fills these elements runs: the element
+    /// type's own, or for 16-bit ones the f32 build.
     fn build() -> Precision;
 }
 

@@ -254,7 +254,6 @@ pub(crate) fn sum_parts(outputs: usize, extent: usize) -> usize {
 
 /// Launches `reduce_dim` over `x` (in any storage format) viewed as `[outer, extent,
 /// inner]` into `[outer, parts, inner]` in `T` (`kind`: 0 sum, 2 max, as in `reduce.cu`).
-#[allow(clippy::too_many_arguments)] // the launch's whole description
 fn launch_reduce<T: Element>(
     device: crate::Device,
     x: PointwiseInput<'_>,

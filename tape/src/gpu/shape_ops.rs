@@ -170,20 +170,19 @@ pub(crate) fn embedding_backward<T: Element>(
     Ok(table_grad)
 }
 
-/// `x` with `value` where `mask` (1 = fill, of `x`'s shape) is set: the gradient of
-/// `masked_fill` when `value` is 0.
-pub(crate) fn masked_fill<T: Element>(
-    x: &GpuArray<T>,
+/// `grad` with zeros where `mask` (1 = fill, broadcast to its shape) is set: the
+/// gradient of `masked_fill`.
+pub(crate) fn zero_masked<T: Element>(
+    grad: &GpuArray<T>,
     mask: &GpuArray<u8>,
-    value: f64,
 ) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit("masked_fill", x.device(), x.shape())?;
-    masked_fill_stored::<T, T>(&out, x.into(), mask, value)?;
+    let out = GpuArray::<T>::uninit("masked_fill", grad.device(), grad.shape())?;
+    masked_fill_stored::<T, T>(&out, grad.into(), mask, 0.0)?;
     Ok(out)
 }
 
-/// [`masked_fill`] of `x` in any storage format into `out` in any, computed in `T` (see
-/// `ops::binary_stored`).
+/// `x` with `value` where `mask` (1 = fill, broadcast to `x`'s shape) is set, `x` in any
+/// storage format and `out` in any, computed in `T` (see `ops::binary_stored`).
 pub(crate) fn masked_fill_stored<T: Element, O: Stored>(
     out: &GpuArray<O>,
     x: PointwiseInput<'_>,

@@ -117,7 +117,7 @@ impl<T: Element> Tensor<T> {
             return record_tensor(OP, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let grad = grad.device_array(OP, device)?;
-                    let grad = device::masked_fill(&grad, &fill, 0.0)?;
+                    let grad = device::zero_masked(&grad, &fill)?;
                     Ok(vec![Some(Tensor::from_gpu(grad))])
                 })
             });

@@ -5,6 +5,7 @@ use std::fmt;
 
 use ndarray::{ArcArray, ArrayD, IxDyn};
 
+use crate::gpu::ops::BinaryKind;
 use crate::gpu::GpuArray;
 use crate::precision::{self, Half};
 use crate::random::Generator;
@@ -281,14 +282,9 @@ impl<T: Element> Tensor<T> {
         match (&mut self.storage, &other.storage) {
             (Storage::Cpu(mine), Storage::Cpu(theirs)) => *mine += theirs,
             (Storage::Gpu(mine), Storage::Gpu(theirs)) => {
-                let shape = mine.shape().to_vec();
-                *mine = crate::gpu::ops::binary(
-                    op,
-                    crate::gpu::ops::BinaryKind::Add,
-                    mine,
-                    theirs,
-                    &shape,
-                )?;
+                let (device, shape) = (mine.device(), mine.shape().to_vec());
+                let sum = ((&*mine).into(), theirs.into());
+                *mine = crate::gpu::ops::binary(op, BinaryKind::Add, device, &shape, sum)?;
             }
             _ => unreachable!("devices compared equal above"),
         }

@@ -9,7 +9,8 @@
 //! - `embedding` of a 16-bit table copies its rows as they are, on the CPU and every
 //!   device: it takes its rows in the table's format, never a widened table.
 //!
-//! Values and gradients equal the copying path's.
+//! Values and gradients equal the copying path's. CUDA memory is not the host allocator's,
+//! so on a GPU the byte counts pin nothing and only formats and values are checked.
 
 #[path = "support/counting.rs"]
 mod counting;

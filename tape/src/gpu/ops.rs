@@ -43,16 +43,17 @@ pub(crate) enum BinaryKind {
     Div = 3,
 }
 
-/// `a (op) b` broadcast to `shape` (already checked compatible).
+/// `a (op) b` on `device`, broadcast to `shape` (already checked compatible), in `T`;
+/// the operands in any storage format (see [`binary_stored`]).
 pub(crate) fn binary<T: Element>(
     op: &'static str,
     kind: BinaryKind,
-    a: &GpuArray<T>,
-    b: &GpuArray<T>,
+    device: crate::Device,
     shape: &[usize],
+    (a, b): (PointwiseInput<'_>, PointwiseInput<'_>),
 ) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit(op, a.device(), shape)?;
-    binary_into(op, kind, &out, a, b)?;
+    let out = GpuArray::<T>::uninit(op, device, shape)?;
+    binary_stored::<T, T>(op, kind, &out, a, b)?;
     Ok(out)
 }
 
@@ -143,26 +144,22 @@ pub(crate) fn binary_backward<T: Element>(
 ) -> Result<Vec<Option<GpuArray<T>>>> {
     let op = "binary backward";
     let shape = grad.shape();
-    let apply = |kind, x: PointwiseInput<'_>, y: PointwiseInput<'_>| {
-        let out = GpuArray::<T>::uninit(op, grad.device(), shape)?;
-        binary_stored::<T, T>(op, kind, &out, x, y)?;
-        Ok::<_, Error>(out)
-    };
+    let apply = |kind, operands| binary::<T>(op, kind, grad.device(), shape, operands);
     let grad_a = match (needs[0], kind) {
         (false, _) => None,
         (true, BinaryKind::Add | BinaryKind::Sub) => Some(grad.clone()),
-        (true, BinaryKind::Mul | BinaryKind::Div) => Some(apply(kind, grad.into(), b)?),
+        (true, BinaryKind::Mul | BinaryKind::Div) => Some(apply(kind, (grad.into(), b))?),
     };
     let grad_b = match (needs[1], kind) {
         (false, _) => None,
         (true, BinaryKind::Add) => Some(grad.clone()),
         (true, BinaryKind::Sub) => Some(unary(UnaryKind::Scale, grad, -1.0)?),
-        (true, BinaryKind::Mul) => Some(apply(BinaryKind::Mul, grad.into(), a)?),
+        (true, BinaryKind::Mul) => Some(apply(BinaryKind::Mul, (grad.into(), a))?),
         (true, BinaryKind::Div) => {
             // d(a/b)/db = -(a/b)/b
-            let quotient = apply(BinaryKind::Div, a, b)?;
-            let over_b = apply(BinaryKind::Div, (&quotient).into(), b)?;
-            let product = binary(op, BinaryKind::Mul, grad, &over_b, shape)?;
+            let quotient = apply(BinaryKind::Div, (a, b))?;
+            let over_b = apply(BinaryKind::Div, ((&quotient).into(), b))?;
+            let product = apply(BinaryKind::Mul, (grad.into(), (&over_b).into()))?;
             Some(unary(UnaryKind::Scale, &product, -1.0)?)
         }
     };

@@ -347,7 +347,7 @@ impl DistributedOptimizer {
     }
 
     /// Scales the learning rate and weight decay of each parameter by `options(param)`,
-    /// e.g. [`ParamOptions::no_decay_for_vectors`].
+    /// e.g. [`ParamOptions::megatron_groups`].
     pub fn with_param_options(mut self, options: impl Fn(&Parameter) -> ParamOptions) -> Self {
         self.options = self.params.iter().map(options).collect();
         self
@@ -369,7 +369,7 @@ impl DistributedOptimizer {
     /// The learning rate the next step uses.
     pub fn next_lr(&self) -> f64 {
         self.schedule
-            .map_or(self.rule.base_lr(), |s| s.lr(self.steps + 1))
+            .map_or(self.rule.base_lr(), |s| s.lr(self.steps))
     }
 
     /// Clips the reduced gradients of the last backward to a global L2 norm of

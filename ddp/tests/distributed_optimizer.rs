@@ -71,7 +71,7 @@ fn wide_mlp(seed: u64) -> Vec<Parameter> {
 fn options(param: &Parameter) -> ParamOptions {
     ParamOptions {
         lr_mult: if param.name() == "w2" { 0.5 } else { 1.0 },
-        ..ParamOptions::no_decay_for_vectors(param)
+        ..ParamOptions::megatron_groups(param)
     }
 }
 
@@ -226,7 +226,7 @@ fn train(
         let (x, target) = slice(&global_batch(step, ROWS * 4), rank, rows)?;
         let (x, target) = (x.to_device(device)?, target.to_device(device)?);
         // Resumed or not, the step takes the schedule's rate for its position.
-        let expected_lr = schedule(rule).lr(step as u64 + 1);
+        let expected_lr = schedule(rule).lr(step as u64);
         anyhow::ensure!(opt.lr() == expected_lr, "step {step}: lr {}", opt.lr());
         let before = transfers(device);
         opt.zero_grad();

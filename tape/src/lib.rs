@@ -108,7 +108,7 @@ pub use optim::{
 };
 pub use parameter::{GradHook, ParamId, Parameter};
 pub use random::Generator;
-pub use schedule::{LrDecay, LrSchedule};
+pub use schedule::{LrDecay, LrSchedule, WsdAnneal};
 pub use tape::{GradHandle, Tape};
 pub use tensor::Tensor;
 pub use threads::{num_threads, set_num_threads};

@@ -132,7 +132,7 @@ impl<T: Element> Sgd<T> {
     }
 
     /// Scales the learning rate and weight decay of each parameter by `options(param)`
-    /// (PyTorch's parameter groups), e.g. [`ParamOptions::no_decay_for_vectors`].
+    /// (PyTorch's parameter groups), e.g. [`ParamOptions::megatron_groups`].
     pub fn with_param_options(mut self, options: impl Fn(&Parameter<T>) -> ParamOptions) -> Self {
         self.options = self.params.iter().map(options).collect();
         self
@@ -290,7 +290,7 @@ impl<T: Element> AdamW<T> {
     }
 
     /// Scales the learning rate and weight decay of each parameter by `options(param)`
-    /// (PyTorch's parameter groups), e.g. [`ParamOptions::no_decay_for_vectors`].
+    /// (PyTorch's parameter groups), e.g. [`ParamOptions::megatron_groups`].
     pub fn with_param_options(mut self, options: impl Fn(&Parameter<T>) -> ParamOptions) -> Self {
         self.options = self.params.iter().map(options).collect();
         self
@@ -422,12 +422,15 @@ impl Default for ParamOptions {
 }
 
 impl ParamOptions {
-    /// The usual choice (Megatron's default): no weight decay for parameters of fewer than
-    /// two dimensions, which are the biases and the normalisation weights; full decay for
-    /// the matrices.
-    pub fn no_decay_for_vectors<T: Element>(param: &Parameter<T>) -> ParamOptions {
+    /// Megatron-Core's default groups: no weight decay for a parameter whose name ends
+    /// in `.bias` or that has one dimension (biases and normalisation weights); full
+    /// decay for the rest, scalars included, as Megatron's `_get_param_groups` decides.
+    /// Pass it to `with_param_options`; without it every parameter is decayed, as in
+    /// `torch.optim.AdamW`.
+    pub fn megatron_groups<T: Element>(param: &Parameter<T>) -> ParamOptions {
+        let no_decay = param.name().ends_with(".bias") || param.shape().len() == 1;
         ParamOptions {
-            wd_mult: if param.shape().len() < 2 { 0.0 } else { 1.0 },
+            wd_mult: if no_decay { 0.0 } else { 1.0 },
             ..ParamOptions::default()
         }
     }
@@ -679,9 +682,10 @@ struct Clock {
 }
 
 impl Clock {
-    /// The learning rate of the next step (`lr` without a schedule).
+    /// The learning rate of the next step (`lr` without a schedule): the schedule at
+    /// the number of steps taken.
     fn next_lr(&self, lr: f64) -> f64 {
-        self.schedule.map_or(lr, |s| s.lr(self.steps + 1))
+        self.schedule.map_or(lr, |s| s.lr(self.steps))
     }
 
     /// Counts a step and returns its learning rate.

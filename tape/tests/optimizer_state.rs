@@ -76,7 +76,7 @@ fn a_loaded_state_continues_bit_identically() -> AnyResult {
             let mut resumed = build(resumed_params.clone());
             resumed.load_state(&state)?;
             assert_eq!(state.steps, 3, "{name} on {device}");
-            assert_eq!(resumed.lr(), original_lr_at(name, 4), "{name} on {device}");
+            assert_eq!(resumed.lr(), original_lr_at(name, 3), "{name} on {device}");
             for _ in 0..3 {
                 step(resumed.as_mut())?;
             }
@@ -106,13 +106,14 @@ fn a_loaded_state_continues_bit_identically() -> AnyResult {
     Ok(())
 }
 
-/// The learning rate each test optimizer's schedule gives step `step`.
-fn original_lr_at(name: &str, step: u64) -> f64 {
+/// The learning rate each test optimizer's schedule gives at `position` (after that
+/// many steps).
+fn original_lr_at(name: &str, position: u64) -> f64 {
     let schedule = match name {
         "adamw" => LrSchedule::new(0.1, 0.01, 2, 6, LrDecay::Cosine),
         _ => LrSchedule::new(0.05, 0.0, 1, 5, LrDecay::Linear),
     };
-    schedule.unwrap().lr(step)
+    schedule.unwrap().lr(position)
 }
 
 #[test]
@@ -150,11 +151,12 @@ fn the_schedule_sets_each_steps_learning_rate() -> AnyResult {
     for _ in 0..5 {
         let before = param.value().to_vec()?[0];
         param.set_grad(Some(Tensor::from_vec(vec![-1.0], &[1])?))?;
-        assert_eq!(sgd.lr(), schedule.lr(moves.len() as u64 + 1));
+        assert_eq!(sgd.lr(), schedule.lr(moves.len() as u64));
         sgd.step()?;
         moves.push(param.value().to_vec()?[0] - before);
     }
-    // Plain SGD moves by lr · 1: the schedule's 0.5, 1, 0.5, 0, 0, not the config's 123.
-    assert_eq!(moves, [0.5, 1.0, 0.5, 0.0, 0.0]);
+    // Plain SGD moves by lr · 1: the schedule's 0, 0.5, 1, 0.5, 0 (positions 0 to 4), not
+    // the config's 123.
+    assert_eq!(moves, [0.0, 0.5, 1.0, 0.5, 0.0]);
     Ok(())
 }

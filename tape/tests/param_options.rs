@@ -52,7 +52,7 @@ fn options(param: &Parameter) -> ParamOptions {
             wd_mult: 1.0,
         }
     } else {
-        ParamOptions::no_decay_for_vectors(param)
+        ParamOptions::megatron_groups(param)
     }
 }
 
@@ -87,24 +87,28 @@ fn options_equal_a_config_with_the_multipliers_folded_in() -> AnyResult {
     Ok(())
 }
 
+/// Megatron-Core's `_get_param_groups`: a name ending in `.bias` or one dimension means
+/// no decay, whatever else holds; everything else is decayed.
 #[test]
-fn vectors_get_no_decay_and_matrices_full_decay_by_default() {
-    let matrix: Parameter = Parameter::new("w", Tensor::zeros(&[2, 3]));
-    let vector: Parameter = Parameter::new("b", Tensor::zeros(&[3]));
-    let scalar: Parameter = Parameter::new("s", Tensor::zeros(&[]));
-    assert_eq!(
-        ParamOptions::no_decay_for_vectors(&matrix),
-        ParamOptions::default()
-    );
-    for param in [vector, scalar] {
-        let options = ParamOptions::no_decay_for_vectors(&param);
-        assert_eq!(
-            (options.lr_mult, options.wd_mult),
-            (1.0, 0.0),
-            "{}",
-            param.name()
-        );
-    }
+fn megatron_groups_skip_decay_for_biases_and_vectors() {
+    let decay = |name: &str, shape: &[usize]| {
+        let param: Parameter = Parameter::new(name, Tensor::zeros(shape));
+        let options = ParamOptions::megatron_groups(&param);
+        assert_eq!(options.lr_mult, 1.0, "{name}");
+        options.wd_mult
+    };
+    // A 2-D weight is decayed; a `.bias` of two dimensions is not.
+    assert_eq!(decay("block0.mlp.fc1.weight", &[4, 3]), 1.0);
+    assert_eq!(decay("adapter.bias", &[4, 3]), 0.0);
+    // A 1-D weight (a norm's) is not decayed, nor a 1-D bias.
+    assert_eq!(decay("block0.ln1.weight", &[3]), 0.0);
+    assert_eq!(decay("block0.mlp.fc1.bias", &[3]), 0.0);
+    // Only the suffix counts: `.bias` inside a name, or `bias` without the dot, is not it.
+    assert_eq!(decay("bias_proj.weight", &[2, 2]), 1.0);
+    assert_eq!(decay("unbias", &[2, 2]), 1.0);
+    // Scalars and 3-D tensors are decayed, as in Megatron (only `len(shape) == 1` is).
+    assert_eq!(decay("temperature", &[]), 1.0);
+    assert_eq!(decay("conv.weight", &[2, 2, 2]), 1.0);
 }
 
 #[test]

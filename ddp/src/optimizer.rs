@@ -379,11 +379,13 @@ impl DistributedOptimizer {
     ///
     /// `model` names the parameters whose gradients count, with their sharding, in the
     /// same order on every rank: this rank's model parameters (`Module::parameters` of
-    /// each chunk), less a stage's copy of a weight that another pipeline stage also
-    /// holds. Each must be one of the optimizer's. Every rank's shard squares are summed
-    /// over the data-parallel group, then the tensor-parallel group (counting
-    /// replicated parameters once), then each of `other_groups` (the pipeline group):
-    /// collective over all of them.
+    /// each chunk). Each must be one of the optimizer's. Those that
+    /// [count](layers::ShardedParameter::counts_in_model_sums) are summed (a stage's
+    /// [`shared_copy`](layers::ShardedParameter::shared_copy) of a weight another stage
+    /// holds is left out, a replicated parameter counted on tensor-parallel rank 0 only):
+    /// every rank's shard squares over the data-parallel group, then the tensor-parallel
+    /// group, then each of `other_groups` (the pipeline group): collective over all of
+    /// them. Every gradient of the optimizer is scaled.
     ///
     /// When the norm is not finite the gradients are dropped: skip the step on every
     /// rank (they all see the same norm); a [`step`](Self::step) before the next
@@ -512,7 +514,7 @@ impl DistributedOptimizer {
                     sharded.param.name()
                 ))
             })?;
-            counted[*index] = !sharded.is_tensor_parallel_duplicate(tp_rank);
+            counted[*index] = sharded.counts_in_model_sums(tp_rank);
         }
         Ok(counted)
     }

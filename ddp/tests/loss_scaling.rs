@@ -79,6 +79,7 @@ fn train(zero: bool, scaled: bool) -> Result<Vec<RankRun>> {
             param: probe.clone(),
             sharding: Sharding::Replicated,
             grad_reduce_group: None,
+            shared_copy: false,
         });
         let mut masters = if zero {
             let sharded = DistributedOptimizer::adamw([&ddp, &probe_ddp], ADAMW)?;

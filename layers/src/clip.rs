@@ -33,12 +33,13 @@ impl GradNorm {
 /// Scales every gradient by `max_norm / norm` when the L2 norm of all gradients of the
 /// model exceeds `max_norm`, as PyTorch's `clip_grad_norm_` on the serial model would.
 ///
-/// `params` are this rank's parameters; the norm sums their squares over the
+/// `params` are this rank's parameters, every one of which is scaled; the norm sums the
+/// squares of those that [count](ShardedParameter::counts_in_model_sums) over the
 /// tensor-parallel group, counting [`Sharding::Replicated`](crate::Sharding) parameters
-/// once (see [`ShardedParameter::is_tensor_parallel_duplicate`]), and then over each of
-/// `other_groups` (the pipeline group, whose stages hold different parameters; leave out
-/// a stage's copy of a weight that another stage also holds, such as a tied output
-/// embedding). Data-parallel replicas hold the same gradients after DDP's reduction, so
+/// once, and then over each of `other_groups` (the pipeline group, whose stages hold
+/// different parameters; a stage's copy of a weight that another stage also holds, such
+/// as a tied output embedding, is marked [`shared_copy`](ShardedParameter::shared_copy)
+/// and counted by the other stage only). Data-parallel replicas hold the same gradients after DDP's reduction, so
 /// the data-parallel group is not one of them. Gradients that are absent count as zero,
 /// but when no rank holds any gradient the call is an error: backward has not run, or
 /// the gradients live elsewhere (ddp's distributed optimizer keeps them in its shards
@@ -53,7 +54,7 @@ pub fn clip_grad_norm(
     check_max_norm(max_norm)?;
     let mut local = LocalSquares::default();
     for sharded in params {
-        if sharded.is_tensor_parallel_duplicate(tp.rank()) {
+        if !sharded.counts_in_model_sums(tp.rank()) {
             continue;
         }
         if let Some(grad) = sharded.param.try_grad()? {

@@ -109,6 +109,12 @@ impl VocabParallelEmbedding {
         self.range
     }
 
+    /// The table: this rank's rows `[vocabulary part, hidden]`, which an output layer
+    /// can share ([`ColumnParallelLinear::sharing_weight`](crate::ColumnParallelLinear::sharing_weight)).
+    pub fn weight(&self) -> &ShardedParameter {
+        &self.weight
+    }
+
     /// Embeds `ids` laid out as `ids_shape` (under sequence parallelism the first
     /// dimension is the sequence). The output is `ids_shape + [hidden]`, under sequence
     /// parallelism this rank's part of the first dimension. An id outside the vocabulary

@@ -80,5 +80,6 @@ pub(crate) fn sharded(
         param: Parameter::new(name, part),
         sharding,
         grad_reduce_group: (sequence_parallel_grad && tp.size() > 1).then_some(TP_GROUP),
+        shared_copy: false,
     })
 }

@@ -118,11 +118,11 @@ pub use init::MasterInit;
 pub use linear::{ColumnParallelLinear, LinearOptions, LinearOutput, RowParallelLinear};
 pub use parallel::{
     all_reduce_sequence_parallel_grads, part_of, Module, ShardedParameter, Sharding,
-    TensorParallel, TP_GROUP,
+    TensorParallel, EMBEDDING_GROUP, TP_GROUP,
 };
 pub use random::{
     RngState, RngStreamState, RngTracker, DEFAULT_STREAM, MODEL_PARALLEL_SEED_OFFSET,
-    MODEL_PARALLEL_STREAM,
+    MODEL_PARALLEL_STREAM, PIPELINE_SEED_STRIDE,
 };
 pub use scaler::{all_finite, GradScaler, GradScalerConfig, GradScalerState};
 pub use transformer::{

@@ -55,6 +55,9 @@ pub struct ColumnParallelLinear {
     gather_output: bool,
     skip_bias_add: bool,
     weight: ShardedParameter,
+    /// Whether the weight is this layer's own (listed by `parameters`), or another
+    /// module's that this layer shares ([`sharing_weight`](Self::sharing_weight)).
+    owns_weight: bool,
     bias: Option<ShardedParameter>,
 }
 
@@ -104,7 +107,56 @@ impl ColumnParallelLinear {
             gather_output,
             skip_bias_add: options.skip_bias_add,
             weight,
+            owns_weight: true,
             bias,
+        })
+    }
+
+    /// A layer without a bias whose weight is `weight`, a parameter another module owns
+    /// and lists: Megatron's output layer with `share_embeddings_and_output_weights`, where
+    /// the [`VocabParallelEmbedding`](crate::VocabParallelEmbedding)'s table `[vocabulary
+    /// part, hidden]` is also the head's `[output part, input]` weight. The two uses'
+    /// gradients add up in the one parameter, and this layer's
+    /// [`parameters`](crate::Module::parameters) leave it out, so an optimizer, DDP or a
+    /// checkpoint meets it once, through its owner.
+    ///
+    /// `weight` must be split along its first dimension, as both layers split it.
+    pub fn sharing_weight(
+        tp: &TensorParallel,
+        weight: &ShardedParameter,
+        gather_output: bool,
+    ) -> Result<Self> {
+        const OP: &str = "ColumnParallelLinear::sharing_weight";
+        let shape = weight.param.shape();
+        let Sharding::Split { dim: 0, full_len } = weight.sharding else {
+            return Err(Error::config(
+                OP,
+                format!(
+                    "'{}' is {}; a shared weight must be split along its first dimension \
+                     (split:0:<rows>), as a column-parallel layer splits its outputs",
+                    weight.param.name(),
+                    weight.sharding.encode()
+                ),
+            ));
+        };
+        let (_, rows) = crate::parallel::part_of(full_len, tp.rank(), tp.size())?;
+        if shape.len() != 2 || shape[0] != rows {
+            return Err(Error::shape(
+                OP,
+                &shape,
+                format!("[{rows}, in_features]: this rank's part of {full_len} rows"),
+            ));
+        }
+        check_features(OP, shape[1], full_len)?;
+        Ok(ColumnParallelLinear {
+            tp: tp.clone(),
+            in_features: shape[1],
+            out_features: full_len,
+            gather_output,
+            skip_bias_add: false,
+            weight: weight.clone(),
+            owns_weight: false,
+            bias: None,
         })
     }
 
@@ -162,10 +214,10 @@ impl ColumnParallelLinear {
 }
 
 impl crate::Module for ColumnParallelLinear {
+    /// The weight (unless it is shared: its owner lists it) and the bias.
     fn parameters(&self) -> Vec<ShardedParameter> {
-        std::iter::once(self.weight.clone())
-            .chain(self.bias.clone())
-            .collect()
+        let weight = self.owns_weight.then(|| self.weight.clone());
+        weight.into_iter().chain(self.bias.clone()).collect()
     }
 }
 

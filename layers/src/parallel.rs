@@ -14,6 +14,12 @@ use crate::error::{Error, Result};
 /// tensor-parallel group, as `ParallelState` names it for DDP's extra reductions.
 pub const TP_GROUP: &str = "tp";
 
+/// Name of the group whose ranks hold copies of a word embedding tied to the output
+/// layer across pipeline stages (the first and last stage of each pipeline, as
+/// `ParallelState` names it): each copy's gradient must be summed over it, as
+/// Megatron's `_allreduce_word_embedding_grads` does.
+pub const EMBEDDING_GROUP: &str = "embedding";
+
 /// The tensor-parallel group a layer runs on, and whether activations outside the
 /// tensor-parallel regions are split along the sequence (Megatron's sequence parallelism).
 #[derive(Clone)]
@@ -176,13 +182,23 @@ pub struct ShardedParameter {
     pub param: Parameter,
     /// How the full parameter is divided among tensor-parallel ranks.
     pub sharding: Sharding,
-    /// `Some(TP_GROUP)` for parameters used on sequence-split activations (layer norms
-    /// and row-parallel biases under sequence parallelism): each rank's gradient covers
-    /// only its part of the sequence, so the gradients must be summed over the
-    /// tensor-parallel group after backward (by DDP's extra reductions, which
-    /// `DistributedDataParallel::for_model` derives from this field, or by
-    /// [`all_reduce_sequence_parallel_grads`]).
+    /// The group whose ranks must sum this parameter's gradient after backward, each
+    /// holding only part of it (by DDP's extra reductions, which
+    /// `DistributedDataParallel::for_model` derives from this field):
+    /// * `Some(TP_GROUP)` for parameters used on sequence-split activations (layer norms
+    ///   and row-parallel biases under sequence parallelism): each rank's gradient covers
+    ///   only its part of the sequence (without DDP,
+    ///   [`all_reduce_sequence_parallel_grads`] sums them);
+    /// * `Some(EMBEDDING_GROUP)` for each stage's copy of a word embedding tied to the
+    ///   output layer across pipeline stages: the first stage's gradient comes from the
+    ///   lookup, the last stage's from the logits.
     pub grad_reduce_group: Option<&'static str>,
+    /// Whether this is a copy of a weight that another pipeline stage also holds and
+    /// counts: the last stage's copy of a word embedding tied to the output layer
+    /// (Megatron's `shared` flag). Sums over the whole model, such as the gradient norm,
+    /// leave it out so that the weight counts once; clipping still scales it, so that
+    /// the copies stay equal.
+    pub shared_copy: bool,
 }
 
 impl ShardedParameter {
@@ -192,6 +208,14 @@ impl ShardedParameter {
     /// `param_is_not_tensor_parallel_duplicate`, negated).
     pub fn is_tensor_parallel_duplicate(&self, tp_rank: usize) -> bool {
         self.sharding == Sharding::Replicated && tp_rank != 0
+    }
+
+    /// Whether sums over the whole model (the gradient norm) count this rank's copy on
+    /// tensor-parallel rank `tp_rank`: neither a
+    /// [tensor-parallel duplicate](Self::is_tensor_parallel_duplicate) nor a
+    /// [`shared_copy`](Self::shared_copy).
+    pub fn counts_in_model_sums(&self, tp_rank: usize) -> bool {
+        !self.shared_copy && !self.is_tensor_parallel_duplicate(tp_rank)
     }
 }
 

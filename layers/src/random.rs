@@ -9,6 +9,10 @@ use crate::error::{Error, Result};
 /// Offset of the model-parallel stream's seed, as Megatron-Core's `model_parallel_cuda_manual_seed`.
 pub const MODEL_PARALLEL_SEED_OFFSET: u64 = 2718;
 
+/// How far apart the seeds of consecutive pipeline stages are, as Megatron's
+/// `_set_random_seed` (`seed + 100 · pipeline rank`).
+pub const PIPELINE_SEED_STRIDE: u64 = 100;
+
 /// Name of the stream that differs between tensor-parallel ranks.
 pub const MODEL_PARALLEL_STREAM: &str = "model-parallel-rng";
 
@@ -71,7 +75,8 @@ impl Stream {
 }
 
 impl RngTracker {
-    /// The default and model-parallel streams of tensor-parallel rank `tp_rank`.
+    /// The default and model-parallel streams of tensor-parallel rank `tp_rank` of a
+    /// model without pipeline stages (or of its first stage).
     pub fn new(seed: u64, tp_rank: usize) -> Self {
         let model_parallel_seed = seed
             .wrapping_add(MODEL_PARALLEL_SEED_OFFSET)
@@ -81,6 +86,21 @@ impl RngTracker {
             model_parallel: Stream::new(model_parallel_seed),
             extra: BTreeMap::new(),
         }
+    }
+
+    /// The streams of tensor-parallel rank `tp_rank` in pipeline stage `stage`: seeded
+    /// from `seed + 100 · stage` ([`PIPELINE_SEED_STRIDE`]), as Megatron seeds each
+    /// pipeline rank, so that different stages draw different masks while the
+    /// tensor-parallel ranks of one stage share the default stream. Stage 0 is
+    /// [`new`](Self::new).
+    ///
+    /// Megatron gives the chunks of an interleaved schedule on one rank one tracker,
+    /// drawn from in turn; a caller with a tracker per chunk passes the chunk's virtual
+    /// stage (`chunk · pp + pp rank`) as `stage`, which is the pipeline rank without
+    /// interleaving and keeps the chunks' streams apart with it.
+    pub fn for_pipeline_stage(seed: u64, tp_rank: usize, stage: usize) -> Self {
+        let offset = PIPELINE_SEED_STRIDE.wrapping_mul(stage as u64);
+        RngTracker::new(seed.wrapping_add(offset), tp_rank)
     }
 
     /// The stream shared by every tensor-parallel rank.

@@ -222,8 +222,20 @@ impl ParallelSelfAttention {
     }
 
     /// Attends over `x: [sequence, batch, hidden]` (this rank's sequence part under
-    /// sequence parallelism); the output has `x`'s shape.
+    /// sequence parallelism) in training, with dropout on the attention probabilities
+    /// drawn from `rng`'s model-parallel stream; the output has `x`'s shape.
     pub fn forward(&self, tape: &Tape, x: &Tensor, rng: &mut RngTracker) -> Result<Tensor> {
+        self.attend(tape, x, Some(rng))
+    }
+
+    /// [`forward`](Self::forward) for evaluation and generation: no dropout, and no
+    /// random stream is drawn from (PyTorch's and Megatron's `eval()` mode).
+    pub fn forward_inference(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
+        self.attend(tape, x, None)
+    }
+
+    /// Attention with dropout drawn from `rng`, or none without it.
+    fn attend(&self, tape: &Tape, x: &Tensor, rng: Option<&mut RngTracker>) -> Result<Tensor> {
         if x.ndim() != 3 {
             return Err(Error::shape(
                 "ParallelSelfAttention",
@@ -246,8 +258,11 @@ impl ParallelSelfAttention {
         let (query, key, value) = (part(0)?, part(1)?, part(2)?);
         let probs = query
             .matmul_transposed(&key)?
-            .causal_softmax(1.0 / (head_dim as f64).sqrt())?
-            .dropout(self.dropout, rng.model_parallel_stream())?;
+            .causal_softmax(1.0 / (head_dim as f64).sqrt())?;
+        let probs = match rng {
+            Some(rng) => probs.dropout(self.dropout, rng.model_parallel_stream())?,
+            None => probs,
+        };
         let context = probs
             .matmul(&value)?
             .reshape(&[batch, heads, seq, head_dim])?
@@ -307,20 +322,37 @@ impl TransformerBlock {
     }
 
     /// Applies the block to `x: [sequence, batch, hidden]` (this rank's sequence part
-    /// under sequence parallelism).
+    /// under sequence parallelism) in training, with dropout drawn from `rng`.
     pub fn forward(&self, tape: &Tape, x: &Tensor, rng: &mut RngTracker) -> Result<Tensor> {
-        let attended = self
-            .attention
-            .forward(tape, &self.ln1.forward(tape, x)?, rng)?;
-        let hidden = x.add(&attended.dropout(
-            self.hidden_dropout,
-            rng.for_activations(self.sequence_parallel),
-        )?)?;
+        self.apply(tape, x, Some(rng))
+    }
+
+    /// [`forward`](Self::forward) for evaluation and generation: no dropout, and no
+    /// random stream is drawn from, so evaluating between training steps leaves the
+    /// training's masks as they would have been.
+    pub fn forward_inference(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
+        self.apply(tape, x, None)
+    }
+
+    fn apply(&self, tape: &Tape, x: &Tensor, mut rng: Option<&mut RngTracker>) -> Result<Tensor> {
+        let normed = self.ln1.forward(tape, x)?;
+        let attended = self.attention.attend(tape, &normed, rng.as_deref_mut())?;
+        let hidden = x.add(&self.residual_dropout(attended, rng.as_deref_mut())?)?;
         let transformed = self.mlp.forward(tape, &self.ln2.forward(tape, &hidden)?)?;
-        Ok(hidden.add(&transformed.dropout(
-            self.hidden_dropout,
-            rng.for_activations(self.sequence_parallel),
-        )?)?)
+        Ok(hidden.add(&self.residual_dropout(transformed, rng)?)?)
+    }
+
+    /// Hidden dropout on a residual branch: from the default stream (the branch is the
+    /// same on every tensor-parallel rank), or the model-parallel one under sequence
+    /// parallelism (each rank holds another part of the sequence).
+    fn residual_dropout(&self, branch: Tensor, rng: Option<&mut RngTracker>) -> Result<Tensor> {
+        Ok(match rng {
+            Some(rng) => branch.dropout(
+                self.hidden_dropout,
+                rng.for_activations(self.sequence_parallel),
+            )?,
+            None => branch,
+        })
     }
 }
 

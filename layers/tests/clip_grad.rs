@@ -160,6 +160,7 @@ fn a_norm_at_the_limit_is_scaled_by_megatrons_epsilon_and_one_just_under_it_is_n
                 param: a.clone(),
                 sharding: Sharding::Replicated,
                 grad_reduce_group: None,
+                shared_copy: false,
             }];
             let norm = clip_grad_norm(&params, &tp, &[], max_norm)?;
             outcomes.push((norm, a.grad().expect("grad").to_vec()?));
@@ -217,5 +218,6 @@ fn half_of_four(param: &Parameter) -> layers::ShardedParameter {
             full_len: 4,
         },
         grad_reduce_group: None,
+        shared_copy: false,
     }
 }

@@ -100,6 +100,7 @@ fn unscale(bad: Option<f32>) -> AnyResult<Vec<(bool, Vec<f32>)>> {
             param,
             sharding: Sharding::Replicated,
             grad_reduce_group: None,
+            shared_copy: false,
         });
         let finite = scaler(2000).unscale_grads(&params, &tp, &[])?;
         Ok((finite, w.grad().unwrap().to_vec()?))
@@ -133,6 +134,7 @@ fn unscaling_twice_in_a_step_is_an_error_and_the_check_sees_the_divided_values()
             param: w.clone(),
             sharding: Sharding::Replicated,
             grad_reduce_group: None,
+            shared_copy: false,
         }];
         // Below 1, dividing multiplies: f32::MAX / 0.5 overflows after the division.
         let mut s = GradScaler::new(GradScalerConfig {

@@ -64,6 +64,17 @@ impl Schedule {
         idle / ((self.chunks() * microbatches) as f64 + idle)
     }
 
+    /// What every step's microbatch count must be a multiple of over `pp` stages: `pp`
+    /// for the interleaved schedule (it runs microbatches in groups of the pipeline
+    /// size), 1 for the others. A forward-only pass of a single sequence (sampling, say)
+    /// sends this many copies.
+    pub fn microbatch_multiple(self, pp: usize) -> usize {
+        match self {
+            Schedule::Interleaved { .. } => pp.max(1),
+            _ => 1,
+        }
+    }
+
     /// Checks that this schedule can run `microbatches` over `pp` stages.
     pub fn validate(self, pp: usize, microbatches: usize) -> Result<()> {
         if pp == 0 || microbatches == 0 {
@@ -85,7 +96,7 @@ impl Schedule {
                         .into(),
                 ));
             }
-            if microbatches % pp != 0 {
+            if microbatches % self.microbatch_multiple(pp) != 0 {
                 let lower = microbatches / pp * pp;
                 let hint = if lower > 0 {
                     format!("{lower} or {}", lower + pp)

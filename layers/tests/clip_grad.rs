@@ -221,3 +221,45 @@ fn half_of_four(param: &Parameter) -> layers::ShardedParameter {
         shared_copy: false,
     }
 }
+
+/// A weight held by two pipeline stages (a tied embedding): the last stage's copy is a
+/// `shared_copy`, so the norm counts the weight once, and clipping scales both copies
+/// alike. Unmarked, the norm would count it twice (√2 times larger).
+#[test]
+fn a_shared_copy_is_scaled_but_counted_once() -> AnyResult<()> {
+    use comm_core::Communicator;
+    use std::sync::Arc;
+    for marked in [true, false] {
+        let norms = run_local(2, |comm| -> AnyResult<(f64, Vec<f32>)> {
+            let pipeline: Arc<dyn Communicator> = Arc::new(comm);
+            let stage = pipeline.rank();
+            // Each stage is its own tensor-parallel group of one.
+            let alone = pipeline.split(Some(stage as u32), 0, "tp")?.unwrap();
+            let tp = layers::TensorParallel::new(alone);
+            let copy = Parameter::new("embed.weight", Tensor::zeros(&[2]));
+            copy.set_grad(Some(Tensor::from_vec(vec![3.0, 4.0], &[2])?))?;
+            let sharded = layers::ShardedParameter {
+                param: copy.clone(),
+                sharding: Sharding::Split {
+                    dim: 0,
+                    full_len: 2,
+                },
+                grad_reduce_group: Some(layers::EMBEDDING_GROUP),
+                shared_copy: marked && stage == 1,
+            };
+            let norm = clip_grad_norm(&[sharded], &tp, &[&pipeline], 1.0)?;
+            Ok((norm.norm, copy.grad().unwrap().to_vec()?))
+        })?;
+        let expected = if marked { 5.0 } else { 50f64.sqrt() };
+        for (stage, (norm, grad)) in norms.iter().enumerate() {
+            assert!(
+                (norm - expected).abs() < 1e-12,
+                "stage {stage}: norm {norm}"
+            );
+            let scale = 1.0 / (expected + 1e-6);
+            let want = [(3.0 * scale) as f32, (4.0 * scale) as f32];
+            assert_eq!(grad, &want, "stage {stage} (marked: {marked})");
+        }
+    }
+    Ok(())
+}

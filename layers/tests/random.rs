@@ -178,3 +178,37 @@ fn master_weights_depend_on_name_and_seed_only() -> layers::Result<()> {
     assert_eq!(init.bias("a", &[2], 1.0)?.to_vec()?, vec![1.0, 1.0]);
     Ok(())
 }
+
+/// Megatron's `_set_random_seed`: pipeline stage `s` seeds its tracker from
+/// `seed + 100 · s`; stage 0 is the plain tracker. Stages draw apart; within a stage the
+/// tensor-parallel ranks share the default stream and not the model-parallel one.
+#[test]
+fn pipeline_stages_are_seeded_100_apart() {
+    assert_eq!(layers::PIPELINE_SEED_STRIDE, 100);
+    let state = |tracker: &RngTracker| tracker.state();
+    assert_eq!(
+        state(&RngTracker::for_pipeline_stage(1234, 1, 0)),
+        state(&RngTracker::new(1234, 1))
+    );
+    for stage in 1..4 {
+        let mut tp0 = RngTracker::for_pipeline_stage(1234, 0, stage);
+        let mut tp1 = RngTracker::for_pipeline_stage(1234, 1, stage);
+        let seed = 1234 + 100 * stage as u64;
+        assert_eq!(*tp0.default_stream(), Generator::new(seed));
+        assert_eq!(
+            *tp1.model_parallel_stream(),
+            Generator::new(seed + 2718 + 1)
+        );
+        assert_eq!(*tp0.default_stream(), *tp1.default_stream());
+        assert_ne!(
+            tp0.model_parallel_stream().next_u64(),
+            tp1.model_parallel_stream().next_u64()
+        );
+        let mut first = RngTracker::for_pipeline_stage(1234, 0, 0);
+        assert_ne!(
+            first.default_stream().next_u64(),
+            tp0.default_stream().next_u64(),
+            "stage {stage}"
+        );
+    }
+}

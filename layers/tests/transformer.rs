@@ -200,3 +200,63 @@ fn sequence_parallel_flags_exactly_the_norms_and_row_biases() -> AnyResult<()> {
     );
     Ok(())
 }
+
+/// The streams a block with dropout draws from, as Megatron's tracker routes them, on
+/// two tensor-parallel ranks: attention probabilities (sharded by head) from each rank's
+/// model-parallel stream; residual branches from the default stream shared by the ranks,
+/// or under sequence parallelism (each rank its part of the sequence) from the
+/// model-parallel one. Evaluation draws from none.
+#[test]
+fn dropout_draws_from_the_streams_megatron_uses() -> AnyResult<()> {
+    use layers::{RngState, RngTracker, TensorParallel};
+    let (x, _) = data();
+    let cases = [
+        // (attention, hidden, sequence parallel, default drawn, model-parallel drawn)
+        (0.2, 0.0, false, false, true),
+        (0.0, 0.2, false, true, false),
+        (0.0, 0.2, true, false, true),
+    ];
+    for (attention_dropout, hidden_dropout, sp, default_drawn, private_drawn) in cases {
+        let config = BlockConfig {
+            attention_dropout,
+            hidden_dropout,
+            ..config()
+        };
+        let what = format!("attention {attention_dropout}, hidden {hidden_dropout}, sp {sp}");
+        let ranks = comm_core::run_local(2, |comm| -> AnyResult<(RngState, RngState, bool)> {
+            let tp: TensorParallel = common::tp_context(comm, sp);
+            let block = TransformerBlock::new(&tp, "block0", &config, &init())?;
+            let x = if sp {
+                common::part(&x, 0, tp.rank(), tp.size())
+            } else {
+                x.clone()
+            };
+            let mut rng = RngTracker::new(5, tp.rank());
+            let before = rng.state();
+            let tape = Tape::new();
+            let evaluated = block.forward_inference(&tape, &x)?;
+            assert_eq!(rng.state(), before, "{what}: evaluation drew");
+            let trained = block.forward(&tape, &x, &mut rng)?;
+            let dropped = trained.to_vec()? != evaluated.to_vec()?;
+            Ok((before, rng.state(), dropped))
+        })?;
+        for (rank, (before, after, dropped)) in ranks.iter().enumerate() {
+            assert!(dropped, "{what}, rank {rank}: training dropped nothing");
+            let drawn = |i: usize| before.streams[i] != after.streams[i];
+            assert_eq!(
+                drawn(0),
+                default_drawn,
+                "{what}, rank {rank}: default stream"
+            );
+            assert_eq!(
+                drawn(1),
+                private_drawn,
+                "{what}, rank {rank}: model-parallel"
+            );
+        }
+        // The ranks' default streams stay in step; their model-parallel ones never meet.
+        assert_eq!(ranks[0].1.streams[0], ranks[1].1.streams[0], "{what}");
+        assert_ne!(ranks[0].1.streams[1], ranks[1].1.streams[1], "{what}");
+    }
+    Ok(())
+}

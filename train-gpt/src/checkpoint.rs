@@ -1,7 +1,7 @@
 //! What a checkpoint holds besides the weights and the optimizer state (which `layers`
 //! writes per tensor-parallel rank): the trainer's position and history in
-//! `trainer_state.json`, and each tensor-parallel rank's random streams in
-//! `rng_tp_{rank}_of_{size}.json`. Under pipeline parallelism each stage writes its
+//! `trainer_state.json`, and each tensor-parallel rank's random streams (one set per
+//! model chunk) in `rng_tp_{rank}_of_{size}.json`. Under pipeline parallelism each stage writes its
 //! files into its own directory, [`stage_dir`]. Every file is written to a temporary name and renamed
 //! into place; `trainer_state.json` is written last, so a directory that has it is whole.
 
@@ -12,12 +12,15 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
 const TRAINER_STATE: &str = "trainer_state.json";
-/// Changes whenever the files' layout does.
-const FORMAT: u64 = 1;
+/// Changes whenever the files' layout does. Format 1 (before tied embeddings and random
+/// streams per chunk) still reads: its models are untied and drew no random numbers.
+pub const FORMAT: u64 = 2;
 
 /// The run's position: the step (the number of losses), the data position (steps ×
 /// global batch samples), and what the next run must agree with.
 pub struct TrainerState {
+    /// The files' layout version (see [`FORMAT`]).
+    pub format: u64,
     /// Tensor-parallel size of the saved shards.
     pub tp: usize,
     /// Pipeline stages, and model chunks per stage, the run was split into.
@@ -45,7 +48,7 @@ impl TrainerState {
             "pp": self.pp,
             "chunks": self.chunks,
             "model": {"vocab": m.vocab, "layers": m.layers, "hidden": m.hidden,
-                      "heads": m.heads, "seq": m.seq},
+                      "heads": m.heads, "seq": m.seq, "tied": m.tied},
             // f32 → f64 is exact and JSON keeps f64 exactly, so the curve resumes
             // bit-identically.
             "losses": self.losses,
@@ -78,9 +81,10 @@ impl TrainerState {
             )
         };
         let number = |value: &Value| value.as_u64().map(|n| n as usize).with_context(bad);
+        let format = state["format"].as_u64();
         ensure!(
-            state["format"].as_u64() == Some(FORMAT),
-            "{} has format {}, this program reads format {FORMAT}",
+            matches!(format, Some(1..=FORMAT)),
+            "{} has format {}, this program reads formats 1 to {FORMAT}",
             path.display(),
             state["format"]
         );
@@ -111,6 +115,7 @@ impl TrainerState {
             }
         };
         Ok(TrainerState {
+            format: format.unwrap_or(FORMAT),
             tp: number(&state["tp"])?,
             pp: or_one(&state["pp"])?,
             chunks: or_one(&state["chunks"])?,
@@ -120,6 +125,11 @@ impl TrainerState {
                 hidden: number(&model["hidden"])?,
                 heads: number(&model["heads"])?,
                 seq: number(&model["seq"])?,
+                // Format 1 had no tied embeddings.
+                tied: model["tied"].as_bool().unwrap_or(false),
+                // Dropout is a setting of each run, not of the weights.
+                attention_dropout: 0.0,
+                hidden_dropout: 0.0,
             },
             global_batch: number(&state["global_batch"])?,
             losses,
@@ -153,6 +163,16 @@ impl TrainerState {
             self.chunks
         );
         let (s, m) = (&self.model, model);
+        ensure!(
+            s.tied == m.tied,
+            "the checkpoint's model has {} embeddings; {}",
+            if s.tied { "tied" } else { "untied" },
+            if s.tied {
+                "drop --untie-embeddings-and-output-weights"
+            } else {
+                "pass --untie-embeddings-and-output-weights"
+            }
+        );
         ensure!(
             (s.vocab, s.layers, s.hidden, s.heads, s.seq)
                 == (m.vocab, m.layers, m.hidden, m.heads, m.seq),
@@ -194,29 +214,33 @@ fn rng_path(dir: &Path, tp_rank: usize, tp_size: usize) -> PathBuf {
     dir.join(format!("rng_tp_{tp_rank}_of_{tp_size}.json"))
 }
 
-/// Writes this tensor-parallel rank's random streams.
-pub fn save_rng(dir: &Path, rng: &RngTracker, tp_rank: usize, tp_size: usize) -> Result<()> {
-    let streams: Vec<Value> = rng
-        .state()
-        .streams
+/// Writes this tensor-parallel rank's random streams, one set per model chunk.
+pub fn save_rng(dir: &Path, rngs: &[RngTracker], tp_rank: usize, tp_size: usize) -> Result<()> {
+    let chunks: Vec<Value> = rngs
         .iter()
-        .map(|s| json!({"name": s.name, "seed": s.seed, "words": s.words}))
+        .map(|rng| {
+            let streams: Vec<Value> = (rng.state().streams.iter())
+                .map(|s| json!({"name": s.name, "seed": s.seed, "words": s.words}))
+                .collect();
+            json!({ "streams": streams })
+        })
         .collect();
-    let text = serde_json::to_string_pretty(&json!({ "streams": streams }))?;
+    let text = serde_json::to_string_pretty(&json!({ "chunks": chunks }))?;
     write_atomically(&rng_path(dir, tp_rank, tp_size), &text)
 }
 
-/// Restores the random streams saved by the same tensor-parallel rank. At another
-/// tensor-parallel size the ranks' private streams have no counterpart: the tracker
-/// keeps its fresh seeds then (the demo draws from no stream: it has no dropout).
+/// Restores the random streams saved by the same tensor-parallel rank into `rngs` (one
+/// per chunk). At another tensor-parallel size the ranks' private streams have no
+/// counterpart: the trackers keep their fresh seeds then, and dropout masks differ from
+/// the uninterrupted run's. Format 1 drew no random numbers: nothing to restore.
 pub fn restore_rng(
     dir: &Path,
     saved: &TrainerState,
-    rng: &mut RngTracker,
+    rngs: &mut [RngTracker],
     tp_rank: usize,
     tp_size: usize,
 ) -> Result<()> {
-    if saved.tp != tp_size {
+    if saved.tp != tp_size || saved.format < 2 {
         return Ok(());
     }
     let path = rng_path(dir, tp_rank, tp_size);
@@ -225,24 +249,34 @@ pub fn restore_rng(
     let value: Value = serde_json::from_str(&text)
         .with_context(|| format!("{} is not valid JSON", path.display()))?;
     let bad = || format!("{} is malformed", path.display());
-    let streams = value["streams"]
-        .as_array()
-        .with_context(bad)?
-        .iter()
-        .map(|s| {
-            Ok(RngStreamState {
-                name: s["name"].as_str().with_context(bad)?.to_string(),
-                seed: s["seed"].as_u64().with_context(bad)?,
-                words: s["words"]
-                    .as_array()
-                    .with_context(bad)?
-                    .iter()
-                    .map(|w| w.as_u64().with_context(bad))
-                    .collect::<Result<_>>()?,
+    let chunks = value["chunks"].as_array().with_context(bad)?;
+    ensure!(
+        chunks.len() == rngs.len(),
+        "{} holds the random streams of {} model chunks, this rank has {}",
+        path.display(),
+        chunks.len(),
+        rngs.len()
+    );
+    for (chunk, rng) in chunks.iter().zip(rngs) {
+        let streams = chunk["streams"]
+            .as_array()
+            .with_context(bad)?
+            .iter()
+            .map(|s| {
+                Ok(RngStreamState {
+                    name: s["name"].as_str().with_context(bad)?.to_string(),
+                    seed: s["seed"].as_u64().with_context(bad)?,
+                    words: s["words"]
+                        .as_array()
+                        .with_context(bad)?
+                        .iter()
+                        .map(|w| w.as_u64().with_context(bad))
+                        .collect::<Result<_>>()?,
+                })
             })
-        })
-        .collect::<Result<_>>()?;
-    rng.restore(&RngState { streams })?;
+            .collect::<Result<_>>()?;
+        rng.restore(&RngState { streams })?;
+    }
     Ok(())
 }
 

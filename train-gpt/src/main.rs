@@ -55,7 +55,7 @@ use report::Progress;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use tape::LrDecay;
+use tape::{LrDecay, WsdAnneal};
 use train::{train_rank, RankResult, Schedule, TrainConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -128,6 +128,17 @@ struct Args {
     /// Context length in bytes.
     #[arg(long, default_value_t = 64)]
     seq: usize,
+    /// Give the output layer its own weight instead of the token embedding's table
+    /// (Megatron's flag; tied by default, as Megatron's GPT).
+    #[arg(long)]
+    untie_embeddings_and_output_weights: bool,
+    /// Dropout probability on each residual branch, in training (Megatron's
+    /// --hidden-dropout).
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    hidden_dropout: f64,
+    /// Dropout probability on the attention probabilities, in training.
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    attention_dropout: f64,
     /// Sequences per data-parallel rank per step (global batch = batch · dp).
     #[arg(long, default_value_t = 8)]
     batch: usize,
@@ -143,17 +154,33 @@ struct Args {
     /// Learning rate at the end of the decay [default: a tenth of --lr].
     #[arg(long)]
     min_lr: Option<f64>,
-    /// Steps of linear warm-up from 0 to --lr.
+    /// Steps of linear warm-up from --lr-warmup-init to --lr. As in Megatron, update k
+    /// takes the rate at position k − 1: the first runs at --lr-warmup-init, and update
+    /// --lr-warmup-steps + 1 at --lr.
     #[arg(long, default_value_t = 20)]
     lr_warmup_steps: u64,
+    /// The learning rate the warm-up starts from.
+    #[arg(long, default_value_t = 0.0, value_name = "LR")]
+    lr_warmup_init: f64,
     /// The step at which the decay reaches --min-lr (warm-up included). Fixed rather
     /// than derived from --steps, so that a run cut short and resumed follows the same
     /// schedule as an uninterrupted one.
     #[arg(long, default_value_t = 500)]
     lr_decay_steps: u64,
     /// Shape of the decay after the warm-up.
-    #[arg(long, value_enum, default_value_t = Decay::Cosine)]
+    #[arg(long, alias = "lr-decay-style", value_enum, default_value_t = Decay::Cosine)]
     lr_decay: Decay,
+    /// With --lr-decay wsd: the final steps before --lr-decay-steps over which the rate
+    /// anneals from --lr to --min-lr (it stays at --lr before them).
+    #[arg(long, value_name = "STEPS")]
+    lr_wsd_decay_steps: Option<u64>,
+    /// With --lr-decay wsd: the anneal's shape.
+    #[arg(long, value_enum, default_value_t = WsdStyle::Exponential)]
+    lr_wsd_decay_style: WsdStyle,
+    /// AdamW's decoupled weight decay; as in Megatron, biases and 1-D parameters (norms)
+    /// are not decayed.
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
     /// Scale the gradients down when their global L2 norm exceeds this (Megatron's
     /// --clip-grad); a step whose gradient norm is not finite is skipped.
     #[arg(long, value_name = "NORM")]
@@ -244,6 +271,18 @@ enum Decay {
     Constant,
     Linear,
     Cosine,
+    /// --lr · √(warm-up / step), never below --min-lr.
+    InverseSquareRoot,
+    /// Warmup-stable-decay: --lr until the last --lr-wsd-decay-steps, then an anneal.
+    Wsd,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum WsdStyle {
+    Linear,
+    Cosine,
+    Exponential,
+    MinusSqrt,
 }
 
 fn main() -> ExitCode {
@@ -546,14 +585,25 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
         args.lr > 0.0 && args.lr.is_finite(),
         "--lr must be positive"
     );
-    let schedule = schedule(args);
-    tape::LrSchedule::new(
-        schedule.lr,
-        schedule.min_lr,
-        schedule.warmup_steps,
-        schedule.decay_steps,
-        schedule.decay,
-    )?;
+    ensure!(
+        (args.lr_decay == Decay::Wsd) == args.lr_wsd_decay_steps.is_some(),
+        "--lr-decay wsd needs --lr-wsd-decay-steps (the anneal's length), and \
+         --lr-wsd-decay-steps needs --lr-decay wsd"
+    );
+    schedule(args).build()?;
+    for (flag, p) in [
+        ("--hidden-dropout", args.hidden_dropout),
+        ("--attention-dropout", args.attention_dropout),
+    ] {
+        ensure!(
+            (0.0..1.0).contains(&p),
+            "{flag} {p} is not a probability below 1"
+        );
+    }
+    ensure!(
+        args.weight_decay >= 0.0 && args.weight_decay.is_finite(),
+        "--weight-decay must be a finite number ≥ 0"
+    );
     ensure!(args.eval_batches >= 1, "--eval-batches must be at least 1");
     ensure!(
         matches!(args.precision, Precision::Fp16)
@@ -621,6 +671,9 @@ fn train_config(args: &Args) -> TrainConfig {
             hidden: args.hidden,
             heads: args.heads,
             seq: args.seq,
+            tied: !args.untie_embeddings_and_output_weights,
+            attention_dropout: args.attention_dropout,
+            hidden_dropout: args.hidden_dropout,
         },
         tp: args.tp,
         pp: args.pp,
@@ -636,6 +689,7 @@ fn train_config(args: &Args) -> TrainConfig {
         clip_grad: args.clip_grad,
         distributed_optimizer: args.use_distributed_optimizer,
         precision: args.precision.dtype(),
+        weight_decay: args.weight_decay,
         loss_scaler: loss_scaler(args),
         inject_grad_overflow: args.inject_grad_overflow,
         eval_interval: args.eval_interval,
@@ -643,6 +697,7 @@ fn train_config(args: &Args) -> TrainConfig {
         resume: args.resume.clone(),
         save: args.save.clone(),
         sample: true,
+        check_tied: args.check,
     }
 }
 
@@ -671,12 +726,24 @@ fn schedule(args: &Args) -> Schedule {
     Schedule {
         lr: args.lr,
         min_lr: args.min_lr.unwrap_or(args.lr / 10.0),
+        init_lr: args.lr_warmup_init,
         warmup_steps: args.lr_warmup_steps,
         decay_steps: args.lr_decay_steps,
         decay: match args.lr_decay {
             Decay::Constant => LrDecay::Constant,
             Decay::Linear => LrDecay::Linear,
             Decay::Cosine => LrDecay::Cosine,
+            Decay::InverseSquareRoot => LrDecay::InverseSquareRoot,
+            Decay::Wsd => LrDecay::Wsd {
+                // Refused before training when missing; 0 only reaches the check.
+                anneal_steps: args.lr_wsd_decay_steps.unwrap_or(0),
+                style: match args.lr_wsd_decay_style {
+                    WsdStyle::Linear => WsdAnneal::Linear,
+                    WsdStyle::Cosine => WsdAnneal::Cosine,
+                    WsdStyle::Exponential => WsdAnneal::Exponential,
+                    WsdStyle::MinusSqrt => WsdAnneal::MinusSqrt,
+                },
+            },
         },
     }
 }
@@ -779,34 +846,81 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
             moved.to_device_bytes, moved.to_host_bytes
         );
     }
+    if let Some(tied) = result.tied_copies {
+        println!("{}", describe_tied_copies(&tied));
+    }
     if args.check {
-        let serial = check_run(args, corpus, dp)?;
-        let differences: Vec<f32> = (losses.iter().zip(&serial))
-            .map(|(a, b)| (a - b).abs())
-            .collect();
-        let largest_by = |steps: usize| {
-            differences
-                .iter()
-                .take(steps)
-                .fold(0.0f32, |m, &d| m.max(d))
-        };
-        // Display never uses an exponent, so this is a plain decimal number.
-        println!("max loss difference: {}", largest_by(differences.len()));
-        // Rounding differences grow as training amplifies them; show how fast.
-        let growth: Vec<String> = [1, 10, 100]
-            .into_iter()
-            .filter(|&steps| steps < differences.len())
-            .map(|steps| format!("{:.1e} by step {steps}", largest_by(steps)))
-            .collect();
-        if !growth.is_empty() {
-            println!("largest difference {}", growth.join(", "));
-        }
+        compare_with_one_rank(args, corpus, dp, &result)?;
+    }
+    Ok(())
+}
+
+/// What `--check` found of the two stages' copies of the tied embedding.
+fn describe_tied_copies(tied: &train::TiedCopies) -> String {
+    match tied.first_difference {
+        None => format!(
+            "tied embedding copies: bit-identical on the first and last stage after each of \
+             {} steps",
+            tied.steps
+        ),
+        Some((step, elements)) => format!(
+            "tied embedding copies: the first and last stage's differ in {elements} \
+             elements after step {step}"
+        ),
+    }
+}
+
+/// Trains the same steps on one rank and prints how far this run's losses (and, when
+/// clipping, gradient norms) are from its. The loss line comes first; the others say
+/// how the differences grow.
+fn compare_with_one_rank(
+    args: &Args,
+    corpus: &Corpus,
+    dp: usize,
+    result: &RankResult,
+) -> Result<()> {
+    let serial = check_run(args, corpus, dp)?;
+    if args.hidden_dropout > 0.0 || args.attention_dropout > 0.0 {
+        println!(
+            "note: with dropout each layout draws other masks (per tensor-parallel rank and \
+             pipeline stage, as Megatron), so the losses differ by more than rounding"
+        );
+    }
+    let differences: Vec<f32> = (result.losses.iter().zip(&serial.losses))
+        .map(|(a, b)| (a - b).abs())
+        .collect();
+    let largest_by = |steps: usize| {
+        differences
+            .iter()
+            .take(steps)
+            .fold(0.0f32, |m, &d| m.max(d))
+    };
+    // Display never uses an exponent, so this is a plain decimal number.
+    println!("max loss difference: {}", largest_by(differences.len()));
+    // Rounding differences grow as training amplifies them; show how fast.
+    let growth: Vec<String> = [1, 10, 100]
+        .into_iter()
+        .filter(|&steps| steps < differences.len())
+        .map(|steps| format!("{:.1e} by step {steps}", largest_by(steps)))
+        .collect();
+    if !growth.is_empty() {
+        println!("largest difference {}", growth.join(", "));
+    }
+    let norms: Vec<f64> = (result.grad_norms.iter())
+        .filter_map(|(step, norm)| {
+            let (_, serial) = serial.grad_norms.iter().find(|(s, _)| s == step)?;
+            Some((norm - serial).abs() / serial.abs().max(f64::MIN_POSITIVE))
+        })
+        .collect();
+    if !norms.is_empty() {
+        let largest = norms.iter().fold(0.0f64, |m, &d| m.max(d));
+        println!("max relative gradient-norm difference: {largest}");
     }
     Ok(())
 }
 
 /// The same training on one rank: TP = 1, DP = 1, the whole global batch.
-fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<Vec<f32>> {
+fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
     println!("check: the same steps with TP 1 × DP 1 on one rank");
     let config = TrainConfig {
         tp: 1,
@@ -816,17 +930,21 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<Vec<f32>> {
         trace: false,
         sequence_parallel: false,
         batch: args.batch * dp,
+        // From the start, whatever the run under check resumed from: its losses include
+        // the saved steps'.
+        resume: None,
         save: None,
         sample: false,
         eval_interval: 0,
         distributed_optimizer: false,
+        check_tied: false,
         ..train_config(args)
     };
     let progress = Progress::new("check", args.steps, args.batch * dp * args.seq);
     let mut results = run_local(1, |comm| {
         train_rank(Arc::new(comm), &config, corpus, Some(&progress))
     })?;
-    Ok(results.swap_remove(0).losses)
+    Ok(results.swap_remove(0))
 }
 
 /// Tensor-parallel sizes that divide both the world and the attention heads.

@@ -2,13 +2,18 @@
 //! embedding → pre-norm transformer blocks → final layer norm → column-parallel head whose
 //! logits stay divided over the vocabulary, fed straight into the vocabulary-parallel
 //! cross-entropy.
+//!
+//! As in Megatron's GPT the head's weight is the token embedding's table unless the
+//! embeddings are untied. With pipeline stages the first stage (lookups) and the last
+//! (logits) each hold a copy, built from the same master weights, whose gradients DDP sums
+//! over the `"embedding"` group; the optimizer then updates both alike, so they stay equal.
 
 use anyhow::{Context, Result};
 use comm_core::Communicator;
 use layers::{
     checkpoint, vocab_parallel_cross_entropy_per_token, BlockConfig, ColumnParallelLinear,
     LayerNorm, LinearOptions, MasterInit, Module, RngTracker, ShardedParameter, Sharding,
-    TensorParallel, TokenLoss, TransformerBlock, VocabParallelEmbedding, TP_GROUP,
+    TensorParallel, TokenLoss, TransformerBlock, VocabParallelEmbedding, EMBEDDING_GROUP, TP_GROUP,
 };
 use std::path::Path;
 use std::sync::Arc;
@@ -25,6 +30,11 @@ pub struct GptConfig {
     pub heads: usize,
     /// Longest context; the position table has this many rows.
     pub seq: usize,
+    /// Whether the head's weight is the token embedding's table (Megatron's default).
+    pub tied: bool,
+    /// Dropout on attention probabilities and on each residual branch, in training.
+    pub attention_dropout: f64,
+    pub hidden_dropout: f64,
 }
 
 /// The whole model, or (under pipeline parallelism) the blocks of one stage, with the
@@ -36,6 +46,9 @@ pub struct Gpt {
     blocks: Vec<TransformerBlock>,
     last: Option<(LayerNorm, ColumnParallelLinear)>,
 }
+
+/// Name of the token embedding's table, and of the last stage's copy of it when tied.
+const EMBEDDING_WEIGHT: &str = "embed.weight";
 
 struct Embeddings {
     tokens: VocabParallelEmbedding,
@@ -53,7 +66,11 @@ impl Gpt {
         blocks: std::ops::Range<usize>,
     ) -> Result<Gpt> {
         let init = MasterInit::new(seed, INIT_STD);
-        let block = BlockConfig::new(config.hidden, config.heads);
+        let block = BlockConfig {
+            attention_dropout: config.attention_dropout,
+            hidden_dropout: config.hidden_dropout,
+            ..BlockConfig::new(config.hidden, config.heads)
+        };
         let first = if blocks.start == 0 {
             let tokens =
                 VocabParallelEmbedding::new(tp, "embed", config.vocab, config.hidden, &init)?;
@@ -67,6 +84,7 @@ impl Gpt {
                 // its gradient is a partial sum over the tensor-parallel group, like a
                 // layer norm's.
                 grad_reduce_group: (tp.sequence_parallel() && tp.size() > 1).then_some(TP_GROUP),
+                shared_copy: false,
             };
             Some(Embeddings { tokens, position })
         } else {
@@ -74,15 +92,34 @@ impl Gpt {
         };
         let last = if blocks.end == config.layers {
             let ln_f = LayerNorm::new(tp, "ln_f", config.hidden, block.layer_norm_eps, &init)?;
-            let head = ColumnParallelLinear::new(
-                tp,
-                "head",
-                config.hidden,
-                config.vocab,
-                false,
-                LinearOptions::default(),
-                &init,
-            )?;
+            let head = match (&first, config.tied) {
+                // One stage holds both ends: the head uses the table itself.
+                (Some(first), true) => {
+                    ColumnParallelLinear::sharing_weight(tp, first.tokens.weight(), false)?
+                }
+                // The last stage's copy: the same master weights, under the same name.
+                (None, true) => ColumnParallelLinear::new(
+                    tp,
+                    "embed",
+                    config.hidden,
+                    config.vocab,
+                    false,
+                    LinearOptions {
+                        bias: false,
+                        skip_bias_add: false,
+                    },
+                    &init,
+                )?,
+                (_, false) => ColumnParallelLinear::new(
+                    tp,
+                    "head",
+                    config.hidden,
+                    config.vocab,
+                    false,
+                    LinearOptions::default(),
+                    &init,
+                )?,
+            };
             Some((ln_f, head))
         } else {
             None
@@ -101,7 +138,8 @@ impl Gpt {
 
     /// This part's output for `ids` laid out `[seq, batch]` (a first part) or the previous
     /// part's `input`: the next part's input, or this rank's logits `[seq, batch, local
-    /// vocab]` (a last part).
+    /// vocab]` (a last part). With `rng` it trains (dropout drawn from it); without, it
+    /// evaluates (no dropout, no draws).
     pub fn forward_chunk(
         &self,
         tape: &Tape,
@@ -109,7 +147,7 @@ impl Gpt {
         input: Option<&Tensor>,
         seq: usize,
         batch: usize,
-        rng: &mut RngTracker,
+        mut rng: Option<&mut RngTracker>,
     ) -> Result<Tensor> {
         let mut hidden = match (&self.first, input) {
             (Some(first), _) => {
@@ -131,7 +169,10 @@ impl Gpt {
             (None, None) => anyhow::bail!("a later pipeline stage needs its input"),
         };
         for block in &self.blocks {
-            hidden = block.forward(tape, &hidden, rng)?;
+            hidden = match rng.as_deref_mut() {
+                Some(rng) => block.forward(tape, &hidden, rng)?,
+                None => block.forward_inference(tape, &hidden)?,
+            };
         }
         match &self.last {
             Some((ln_f, head)) => {
@@ -145,6 +186,21 @@ impl Gpt {
     /// Whether this part ends the model (its output is the logits).
     pub fn is_last(&self) -> bool {
         self.last.is_some()
+    }
+
+    /// Whether this part holds one of two copies of the tied embedding: the first
+    /// stage's table or the last stage's, when different stages hold them.
+    fn holds_tied_copy(&self) -> bool {
+        self.config.tied && (self.first.is_some() != self.last.is_some())
+    }
+
+    /// This part's copy of the tied embedding when another stage holds the other one.
+    pub fn tied_copy(&self) -> Option<Parameter> {
+        self.holds_tied_copy().then(|| {
+            (self.parameters().into_iter())
+                .find(|p| p.param.name() == EMBEDDING_WEIGHT)
+                .map(|p| p.param)
+        })?
     }
 
     /// Cross-entropy of `logits` against `labels` (laid out like the ids) as this
@@ -229,7 +285,10 @@ impl Module for RankModel<'_> {
 }
 
 impl Module for Gpt {
-    /// In the order forward uses them, which DDP's buckets follow.
+    /// In the order forward uses them, which DDP's buckets follow. A tied head's weight is
+    /// the table's, listed once; with the two on different stages, each copy is marked for
+    /// a sum of the copies' gradients over the embedding group, and the last stage's as
+    /// the shared copy that the gradient norm leaves out.
     fn parameters(&self) -> Vec<ShardedParameter> {
         let mut params = Vec::new();
         if let Some(first) = &self.first {
@@ -240,6 +299,17 @@ impl Module for Gpt {
         if let Some((ln_f, head)) = &self.last {
             params.extend(ln_f.parameters());
             params.extend(head.parameters());
+        }
+        if self.holds_tied_copy() {
+            // The first stage counts the weight in sums over the model; the last holds a
+            // shared copy.
+            let shared_copy = self.first.is_none();
+            for sharded in &mut params {
+                if sharded.param.name() == EMBEDDING_WEIGHT {
+                    sharded.grad_reduce_group = Some(EMBEDDING_GROUP);
+                    sharded.shared_copy = shared_copy;
+                }
+            }
         }
         params
     }

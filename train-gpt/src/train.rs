@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use tape::{
     AdamW, AdamWConfig, DType, Generator, LrDecay, LrSchedule, MixedPrecision, Optimizer,
-    Parameter, Tape, Transfers,
+    ParamOptions, Parameter, Tape, Transfers,
 };
 
 /// Text the trained model continues, one sample each.
@@ -56,6 +56,9 @@ pub struct TrainConfig {
     /// The parameters' storage format: f32, or bf16 / f16 with f32 master weights and
     /// f32 main gradients.
     pub precision: tape::DType,
+    /// AdamW's decoupled weight decay, applied as Megatron groups parameters (none for
+    /// biases and 1-D parameters).
+    pub weight_decay: f64,
     /// Dynamic loss scaling (fp16), if any.
     pub loss_scaler: Option<GradScalerConfig>,
     /// The step (counted from 1) at which the last rank's gradients are made to
@@ -68,6 +71,9 @@ pub struct TrainConfig {
     pub resume: Option<PathBuf>,
     pub save: Option<PathBuf>,
     pub sample: bool,
+    /// Compare the two stages' copies of a tied embedding bit for bit after every step
+    /// (reported in [`RankResult::tied_copies`]).
+    pub check_tied: bool,
 }
 
 /// The learning-rate schedule's settings (see [`LrSchedule::new`]).
@@ -75,9 +81,24 @@ pub struct TrainConfig {
 pub struct Schedule {
     pub lr: f64,
     pub min_lr: f64,
+    /// Where the warm-up starts (Megatron's `--lr-warmup-init`).
+    pub init_lr: f64,
     pub warmup_steps: u64,
     pub decay_steps: u64,
     pub decay: LrDecay,
+}
+
+impl Schedule {
+    pub fn build(&self) -> tape::Result<LrSchedule> {
+        LrSchedule::new(
+            self.lr,
+            self.min_lr,
+            self.warmup_steps,
+            self.decay_steps,
+            self.decay,
+        )?
+        .with_init_lr(self.init_lr)
+    }
 }
 
 /// What a rank brings back: the global mean loss of every step (resumed ones included),
@@ -85,6 +106,12 @@ pub struct Schedule {
 pub struct RankResult {
     pub losses: Vec<f32>,
     pub validation: Vec<(usize, f32)>,
+    /// The global gradient norm (before clipping) of each step this run took, by step,
+    /// when clipping.
+    pub grad_norms: Vec<(usize, f64)>,
+    /// How the tied embedding's copies compared, on ranks that hold one (with
+    /// [`TrainConfig::check_tied`]).
+    pub tied_copies: Option<TiedCopies>,
     pub samples: Vec<String>,
     /// Pipeline rank, tensor-parallel rank and data-parallel rank of this rank, and its
     /// timeline of the last step if tracing.
@@ -109,33 +136,9 @@ pub fn train_rank(
         .build()?;
     let state = ParallelState::new(world.clone(), layout)?;
     let tp = TensorParallel::from_state(&state).with_sequence_parallel(config.sequence_parallel);
-    // This rank's model chunks: chunk c holds virtual stage c·pp + pp rank's blocks.
-    let chunks = config.pipeline.chunks();
-    let per_part = config.model.layers / (config.pp * chunks);
-    let models = (0..chunks)
-        .map(|c| {
-            let part = c * config.pp + state.pp_rank();
-            Gpt::chunk(
-                &tp,
-                config.model,
-                config.seed,
-                part * per_part..(part + 1) * per_part,
-            )
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let (dp_rank, dp_size) = (state.dp_rank(), state.dp_size());
-    let global_batch = config.batch * dp_size;
-    let stage_dir = |dir: &std::path::Path| checkpoint::stage_dir(dir, state.pp_rank(), config.pp);
+    let models = build_chunks(&tp, &state, config)?;
     let saved = match &config.resume {
-        Some(dir) => {
-            let saved = TrainerState::read(dir)?;
-            let layout = (config.pp, chunks);
-            saved.check_compatible(&config.model, layout, global_batch, config.steps)?;
-            for model in &models {
-                model.load(&stage_dir(dir), saved.tp)?;
-            }
-            Some(saved)
-        }
+        Some(dir) => Some(load_weights(&models, dir, &state, config)?),
         None => None,
     };
     for sharded in models.iter().flat_map(Module::parameters) {
@@ -144,7 +147,8 @@ pub fn train_rank(
     }
 
     // Every gradient is averaged over "dp"; DDP reads from the model which parameters
-    // also need a sum over a model-parallel group (sequence-parallel norms over "tp").
+    // also need a sum over a model-parallel group (sequence-parallel norms over "tp", the
+    // copies of a tied embedding over "embedding").
     // One DDP per chunk: a chunk's gradients are complete after its last backward.
     let ddp_config = DdpConfig {
         use_distributed_optimizer: config.distributed_optimizer,
@@ -154,68 +158,37 @@ pub fn train_rank(
         .iter()
         .map(|model| DistributedDataParallel::for_model(model, &state, ddp_config.clone()))
         .collect::<ddp::Result<Vec<_>>>()?;
-    let s = config.schedule;
-    let schedule = LrSchedule::new(s.lr, s.min_lr, s.warmup_steps, s.decay_steps, s.decay)?;
-    let adamw = AdamWConfig {
-        lr: s.lr,
-        ..AdamWConfig::default()
-    };
-    let parameters: Vec<Parameter> = ddps.iter().flat_map(|d| d.parameters().to_vec()).collect();
-    let mut optimizer = match (config.distributed_optimizer, config.precision) {
-        (true, precision) => {
-            let sharded = DistributedOptimizer::adamw(&ddps, adamw)?.with_schedule(schedule);
-            TrainOptimizer::Distributed(match precision {
-                DType::F32 => sharded,
-                _ => sharded.store_params_as(precision)?,
-            })
-        }
-        (false, DType::F32) => {
-            TrainOptimizer::Replicated(AdamW::new(parameters, adamw).with_schedule(schedule))
-        }
-        (false, precision) => {
-            TrainOptimizer::Mixed(MixedPrecision::new(&parameters, precision, |masters| {
-                AdamW::new(masters, adamw).with_schedule(schedule)
-            })?)
-        }
-    };
+    let mut optimizer = TrainOptimizer::new(&ddps, config)?;
     if let Some(progress) = progress {
+        let dp_size = state.dp_size();
         progress.note(&model_state_line(&models, &ddps, &optimizer, dp_size));
     }
-    // No dropout is configured, so the streams are never drawn from; the blocks still
-    // take a tracker, seeded as Megatron seeds it, and checkpoints keep the first's.
-    let mut rngs: Vec<RngTracker> = (0..chunks)
-        .map(|_| RngTracker::new(config.seed, tp.rank()))
+    // Megatron seeds each pipeline stage apart; here each chunk (virtual stage) has its
+    // own tracker.
+    let mut rngs: Vec<RngTracker> = (0..models.len())
+        .map(|c| RngTracker::for_pipeline_stage(config.seed, tp.rank(), virtual_stage(c, &state)))
         .collect();
-    let (mut losses, mut validation) = (Vec::with_capacity(config.steps), Vec::new());
+    let mut history = History::default();
     let mut scaler = config.loss_scaler.map(GradScaler::new).transpose()?;
-    if let (Some(scaler), Some(state)) = (&mut scaler, saved.as_ref().and_then(|s| s.loss_scaler)) {
-        scaler.load_state(state)?;
-    }
     if let (Some(dir), Some(saved)) = (&config.resume, &saved) {
-        let (dir, rank_model) = (stage_dir(dir), RankModel(&models));
-        let state = layers::checkpoint::load_optimizer_state(
+        let dir = checkpoint::stage_dir(dir, state.pp_rank(), config.pp);
+        let rank_model = RankModel(&models);
+        let optimizer_state = layers::checkpoint::load_optimizer_state(
             &rank_model,
             &dir,
             saved.tp,
             tp.rank(),
             tp.size(),
         )?;
-        optimizer.as_dyn().load_state(&state)?;
-        for rng in &mut rngs {
-            checkpoint::restore_rng(&dir, saved, rng, tp.rank(), tp.size())?;
+        optimizer.as_dyn().load_state(&optimizer_state)?;
+        checkpoint::restore_rng(&dir, saved, &mut rngs, tp.rank(), tp.size())?;
+        if let (Some(scaler), Some(state)) = (&mut scaler, saved.loss_scaler) {
+            scaler.load_state(state)?;
         }
-        losses.extend_from_slice(&saved.losses);
-        validation.extend_from_slice(&saved.validation);
+        history.losses.extend_from_slice(&saved.losses);
+        history.validation.extend_from_slice(&saved.validation);
     }
 
-    let seq = config.model.seq;
-    let mut sampler = DistributedSampler::new(
-        corpus.training_windows(seq),
-        config.seed,
-        config.batch,
-        dp_rank,
-        dp_size,
-    );
     let mut chunks = Chunks {
         models: &models,
         ddps: &ddps,
@@ -224,125 +197,50 @@ pub fn train_rank(
         config,
         loss_scale: 1.0,
     };
-    let mut timeline = Vec::new();
-    let first_step = losses.len();
+    let mut trainer = Trainer {
+        optimizer,
+        scaler,
+        sampler: DistributedSampler::new(
+            corpus.training_windows(config.model.seq),
+            config.seed,
+            config.batch,
+            state.dp_rank(),
+            state.dp_size(),
+        ),
+        params: models.iter().flat_map(Module::parameters).collect(),
+        tied_copy: models.iter().find_map(Gpt::tied_copy),
+        progress,
+    };
+    let first_step = history.losses.len();
     let mut steady_transfers = Vec::new();
-    // Pipeline stages hold different blocks: their gradients meet over "pp".
-    let params: Vec<_> = models.iter().flat_map(Module::parameters).collect();
     for step in first_step..config.steps {
         let before = tape::transfers(config.device);
-        optimizer.as_dyn().zero_grad();
-        let microbatches = microbatches(corpus, &sampler.starts(step), config);
-        let trace = config.trace && step + 1 == config.steps;
-        chunks.loss_scale = scaler.as_ref().map_or(1.0, GradScaler::scale);
-        let last_rank = state.pp_rank() + 1 == config.pp
-            && tp.rank() + 1 == tp.size()
-            && dp_rank + 1 == dp_size;
-        if config.inject_grad_overflow == Some(step + 1) && last_rank {
-            chunks.loss_scale = f64::INFINITY;
-        }
-        let (step_loss, spans) = chunks.loss(&microbatches, Pass::Train, trace)?;
-        timeline = spans;
-        // Every rank holds the same global mean, so all of them stop here together.
-        if !step_loss.is_finite() {
-            bail!(
-                "step {}: the loss is {} (step {} had {}): training diverged; lower --lr \
-                 (now {}), lengthen --lr-warmup-steps (now {}) or clip with --clip-grad",
-                step + 1,
-                step_loss,
-                step,
-                losses.last().map_or("none".into(), |l: &f32| l.to_string()),
-                config.schedule.lr,
-                config.schedule.warmup_steps
-            );
-        }
-        let unscaled = match &scaler {
-            Some(scaler) => optimizer.unscale_grads(scaler, &params, &tp, &[state.pp()])?,
-            None => true,
-        };
-        let finite_gradients = unscaled
-            && match config.clip_grad {
-                Some(max_norm) => {
-                    let norm = optimizer.clip_grad_norm(&params, &tp, &[state.pp()], max_norm)?;
-                    if let (false, Some(progress)) = (norm.is_finite(), progress) {
-                        progress.note(&format!(
-                            "step {}: the gradient norm is {}; step skipped on every rank",
-                            step + 1,
-                            norm.norm
-                        ));
-                    }
-                    norm.is_finite()
-                }
-                None => true,
-            };
-        if finite_gradients {
-            optimizer.as_dyn().step()?;
-        }
-        if let Some(scaler) = &mut scaler {
-            let before = scaler.scale();
-            scaler.update(unscaled);
-            if let (false, Some(progress)) = (unscaled, progress) {
-                progress.note(&format!(
-                    "step {}: gradients overflowed at loss scale {}; step skipped on every \
-                     rank, loss scale now {}",
-                    step + 1,
-                    readable(before),
-                    readable(scaler.scale())
-                ));
-            }
-        }
+        trainer.step(&mut chunks, corpus, step, &mut history)?;
         if step > first_step || config.steps == first_step + 1 {
             steady_transfers.push(tape::transfers(config.device) - before);
-        }
-        losses.push(step_loss);
-        if let Some(progress) = progress {
-            progress.step(step + 1, step_loss);
         }
         let done = step + 1;
         let due =
             config.eval_interval > 0 && (done % config.eval_interval == 0 || done == config.steps);
         if due {
-            validation.push((done, validation_loss(&mut chunks, corpus)?));
+            history
+                .validation
+                .push((done, validation_loss(&mut chunks, corpus)?));
         }
     }
     if let Some(progress) = progress {
         progress.finish();
     }
-
     if let Some(dir) = &config.save {
-        // Data-parallel replicas are identical: one of them writes each stage's
-        // tensor-parallel shards; world rank 0 writes the trainer state last, once every
-        // shard is there. (Every chunk's random streams are the same: no stream is drawn.)
-        // Every data-parallel rank takes the optimizer state: sharded, that gathers it.
-        let optimizer_state = optimizer.as_dyn().state()?;
-        if dp_rank == 0 {
-            let (dir, rank_model) = (stage_dir(dir), RankModel(&models));
-            rank_model.save(&dir)?;
-            layers::checkpoint::save_optimizer_state(
-                &rank_model,
-                optimizer.model_params(),
-                &optimizer_state,
-                &dir,
-                tp.rank(),
-                tp.size(),
-            )?;
-            checkpoint::save_rng(&dir, &chunks.rngs[0], tp.rank(), tp.size())?;
-        }
-        world.barrier()?;
-        if world.rank() == 0 {
-            TrainerState {
-                tp: tp.size(),
-                pp: config.pp,
-                chunks: config.pipeline.chunks(),
-                model: config.model,
-                global_batch,
-                losses: losses.clone(),
-                validation: validation.clone(),
-                loss_scaler: scaler.as_ref().map(GradScaler::state),
-            }
-            .write(dir)?;
-        }
-        world.barrier()?;
+        let optimizer = &mut trainer.optimizer;
+        save(
+            dir,
+            &world,
+            &mut chunks,
+            optimizer,
+            trainer.scaler.as_ref(),
+            &history,
+        )?;
     }
     let mut samples = Vec::new();
     if config.sample {
@@ -353,13 +251,267 @@ pub fn train_rank(
         }
     }
     Ok(RankResult {
-        losses,
-        validation,
+        losses: history.losses,
+        validation: history.validation,
+        grad_norms: history.grad_norms,
+        tied_copies: history.tied_copies,
         samples,
-        coordinates: (state.pp_rank(), tp.rank(), dp_rank),
-        timeline,
+        coordinates: (state.pp_rank(), tp.rank(), state.dp_rank()),
+        timeline: history.timeline,
         transfers_per_step: mean(&steady_transfers),
     })
+}
+
+/// The virtual stage of this rank's chunk `chunk`: `chunk · pp + pp rank`.
+fn virtual_stage(chunk: usize, state: &ParallelState) -> usize {
+    chunk * state.pp_size() + state.pp_rank()
+}
+
+/// This rank's model chunks: chunk c holds virtual stage c·pp + pp rank's blocks.
+fn build_chunks(
+    tp: &TensorParallel,
+    state: &ParallelState,
+    config: &TrainConfig,
+) -> Result<Vec<Gpt>> {
+    let chunks = config.pipeline.chunks();
+    let per_part = config.model.layers / (config.pp * chunks);
+    (0..chunks)
+        .map(|c| {
+            let part = virtual_stage(c, state);
+            let blocks = part * per_part..(part + 1) * per_part;
+            Gpt::chunk(tp, config.model, config.seed, blocks)
+        })
+        .collect()
+}
+
+/// Reads a checkpoint's trainer state, checks that this run can continue it, and loads
+/// this rank's weights from it (re-cut from the saved tensor-parallel size).
+fn load_weights(
+    models: &[Gpt],
+    dir: &std::path::Path,
+    state: &ParallelState,
+    config: &TrainConfig,
+) -> Result<TrainerState> {
+    let saved = TrainerState::read(dir)?;
+    let layout = (config.pp, config.pipeline.chunks());
+    let global_batch = config.batch * state.dp_size();
+    saved.check_compatible(&config.model, layout, global_batch, config.steps)?;
+    let stage_dir = checkpoint::stage_dir(dir, state.pp_rank(), config.pp);
+    for model in models {
+        model.load(&stage_dir, saved.tp)?;
+    }
+    Ok(saved)
+}
+
+/// Writes the checkpoint: each stage's weights, optimizer state and random streams, then
+/// the trainer state (world rank 0, last, once every shard is there).
+fn save(
+    dir: &std::path::Path,
+    world: &Arc<dyn Communicator>,
+    chunks: &mut Chunks<'_>,
+    optimizer: &mut TrainOptimizer,
+    scaler: Option<&GradScaler>,
+    history: &History,
+) -> Result<()> {
+    let (state, config) = (chunks.state, chunks.config);
+    let tp = chunks.models[0].tp();
+    // Every data-parallel rank takes the optimizer state (sharded, that gathers it); the
+    // replicas are identical, so one of them writes each stage's shards.
+    let optimizer_state = optimizer.as_dyn().state()?;
+    if state.dp_rank() == 0 {
+        let (dir, rank_model) = (
+            checkpoint::stage_dir(dir, state.pp_rank(), config.pp),
+            RankModel(chunks.models),
+        );
+        rank_model.save(&dir)?;
+        layers::checkpoint::save_optimizer_state(
+            &rank_model,
+            optimizer.model_params(),
+            &optimizer_state,
+            &dir,
+            tp.rank(),
+            tp.size(),
+        )?;
+        checkpoint::save_rng(&dir, chunks.rngs, tp.rank(), tp.size())?;
+    }
+    world.barrier()?;
+    if world.rank() == 0 {
+        TrainerState {
+            format: checkpoint::FORMAT,
+            tp: tp.size(),
+            pp: config.pp,
+            chunks: config.pipeline.chunks(),
+            model: config.model,
+            global_batch: config.batch * state.dp_size(),
+            losses: history.losses.clone(),
+            validation: history.validation.clone(),
+            loss_scaler: scaler.map(GradScaler::state),
+        }
+        .write(dir)?;
+    }
+    world.barrier()?;
+    Ok(())
+}
+
+/// What the steps so far produced.
+#[derive(Default)]
+struct History {
+    losses: Vec<f32>,
+    validation: Vec<(usize, f32)>,
+    grad_norms: Vec<(usize, f64)>,
+    tied_copies: Option<TiedCopies>,
+    /// The last step's pipeline timeline, when tracing.
+    timeline: Vec<pipeline::Span>,
+}
+
+/// How the two copies of a tied embedding compared after each step (`--check` at more
+/// than one pipeline stage).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TiedCopies {
+    /// Steps after which they were compared.
+    pub steps: usize,
+    /// The first step after which they differed, and in how many elements.
+    pub first_difference: Option<(usize, usize)>,
+}
+
+/// The per-step machinery of one rank: the optimizer, the loss scaler, the sampler.
+struct Trainer<'a> {
+    optimizer: TrainOptimizer,
+    scaler: Option<GradScaler>,
+    sampler: DistributedSampler,
+    /// This rank's parameters, as clipping and unscaling take them.
+    params: Vec<ShardedParameter>,
+    /// This rank's copy of a tied embedding another stage also holds.
+    tied_copy: Option<Parameter>,
+    progress: Option<&'a Progress>,
+}
+
+impl Trainer<'_> {
+    /// One training step (0-based `step`): forward and backward of every microbatch,
+    /// gradient sync, unscaling and clipping, the update.
+    fn step(
+        &mut self,
+        chunks: &mut Chunks<'_>,
+        corpus: &Corpus,
+        step: usize,
+        history: &mut History,
+    ) -> Result<()> {
+        let (config, state) = (chunks.config, chunks.state);
+        self.optimizer.as_dyn().zero_grad();
+        let microbatches = microbatches(corpus, &self.sampler.starts(step), config);
+        let trace = config.trace && step + 1 == config.steps;
+        chunks.loss_scale = self.scaler.as_ref().map_or(1.0, GradScaler::scale);
+        let tp = chunks.models[0].tp();
+        let last_rank = state.pp_rank() + 1 == config.pp
+            && tp.rank() + 1 == tp.size()
+            && state.dp_rank() + 1 == state.dp_size();
+        if config.inject_grad_overflow == Some(step + 1) && last_rank {
+            chunks.loss_scale = f64::INFINITY;
+        }
+        let (step_loss, spans) = chunks.loss(&microbatches, Pass::Train, trace)?;
+        history.timeline = spans;
+        // Every rank holds the same global mean, so all of them stop here together.
+        if !step_loss.is_finite() {
+            bail!(
+                "step {}: the loss is {} (step {} had {}): training diverged; lower --lr \
+                 (now {}), lengthen --lr-warmup-steps (now {}) or clip with --clip-grad",
+                step + 1,
+                step_loss,
+                step,
+                history
+                    .losses
+                    .last()
+                    .map_or("none".into(), |l: &f32| l.to_string()),
+                config.schedule.lr,
+                config.schedule.warmup_steps
+            );
+        }
+        let unscaled = match &self.scaler {
+            Some(scaler) => {
+                self.optimizer
+                    .unscale_grads(scaler, &self.params, tp, &[state.pp()])?
+            }
+            None => true,
+        };
+        let finite = unscaled && self.clip(chunks, step, history)?;
+        if finite {
+            self.optimizer.as_dyn().step()?;
+        }
+        self.update_scaler(unscaled, step);
+        if config.check_tied {
+            self.compare_tied_copies(chunks.state, step, history)?;
+        }
+        history.losses.push(step_loss);
+        if let Some(progress) = self.progress {
+            progress.step(step + 1, step_loss);
+        }
+        Ok(())
+    }
+
+    /// Clips to `--clip-grad`, recording the norm: `false` (skip the step on every
+    /// rank) when it is not finite.
+    fn clip(&mut self, chunks: &Chunks<'_>, step: usize, history: &mut History) -> Result<bool> {
+        let Some(max_norm) = chunks.config.clip_grad else {
+            return Ok(true);
+        };
+        let tp = chunks.models[0].tp();
+        let groups = [chunks.state.pp()];
+        let norm = self
+            .optimizer
+            .clip_grad_norm(&self.params, tp, &groups, max_norm)?;
+        history.grad_norms.push((step + 1, norm.norm));
+        if let (false, Some(progress)) = (norm.is_finite(), self.progress) {
+            progress.note(&format!(
+                "step {}: the gradient norm is {}; step skipped on every rank",
+                step + 1,
+                norm.norm
+            ));
+        }
+        Ok(norm.is_finite())
+    }
+
+    /// Moves fp16's loss scale after a step that was (`unscaled`) or was not skipped.
+    fn update_scaler(&mut self, unscaled: bool, step: usize) {
+        let Some(scaler) = &mut self.scaler else {
+            return;
+        };
+        let before = scaler.scale();
+        scaler.update(unscaled);
+        if let (false, Some(progress)) = (unscaled, self.progress) {
+            progress.note(&format!(
+                "step {}: gradients overflowed at loss scale {}; step skipped on every \
+                 rank, loss scale now {}",
+                step + 1,
+                readable(before),
+                readable(scaler.scale())
+            ));
+        }
+    }
+
+    /// Compares this rank's copy of the tied embedding with the other stage's, bit by
+    /// bit, over the embedding group (the ranks of the first and last stage).
+    fn compare_tied_copies(
+        &self,
+        state: &ParallelState,
+        step: usize,
+        history: &mut History,
+    ) -> Result<()> {
+        let (Some(copy), Some(group)) = (&self.tied_copy, state.embedding()) else {
+            return Ok(());
+        };
+        let value = copy.value().to_dtype(DType::F32)?.to_vec()?;
+        let all: Vec<f32> = group.all_gather_vec(&value)?;
+        let (first, last) = all.split_at(value.len());
+        let differing = (first.iter().zip(last))
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        let record = history.tied_copies.get_or_insert_with(TiedCopies::default);
+        record.steps += 1;
+        if differing > 0 && record.first_difference.is_none() {
+            record.first_difference = Some((step + 1, differing));
+        }
+        Ok(())
+    }
 }
 
 /// A loss scale as a person reads it: whole below 10^15, else in scientific notation.
@@ -409,6 +561,43 @@ enum TrainOptimizer {
 }
 
 impl TrainOptimizer {
+    /// AdamW on the schedule over the parameters of `ddps`, weight decay grouped as
+    /// Megatron groups it, in the form `config` asks for.
+    fn new(ddps: &[DistributedDataParallel], config: &TrainConfig) -> Result<Self> {
+        let schedule = config.schedule.build()?;
+        let adamw = AdamWConfig {
+            lr: config.schedule.lr,
+            weight_decay: config.weight_decay,
+            ..AdamWConfig::default()
+        };
+        let groups = ParamOptions::megatron_groups;
+        let parameters: Vec<Parameter> =
+            ddps.iter().flat_map(|d| d.parameters().to_vec()).collect();
+        Ok(match (config.distributed_optimizer, config.precision) {
+            (true, precision) => {
+                let sharded = DistributedOptimizer::adamw(ddps, adamw)?
+                    .with_schedule(schedule)
+                    .with_param_options(groups);
+                TrainOptimizer::Distributed(match precision {
+                    DType::F32 => sharded,
+                    _ => sharded.store_params_as(precision)?,
+                })
+            }
+            (false, DType::F32) => TrainOptimizer::Replicated(
+                AdamW::new(parameters, adamw)
+                    .with_schedule(schedule)
+                    .with_param_options(groups),
+            ),
+            (false, precision) => {
+                TrainOptimizer::Mixed(MixedPrecision::new(&parameters, precision, |masters| {
+                    AdamW::new(masters, adamw)
+                        .with_schedule(schedule)
+                        .with_param_options(groups)
+                })?)
+            }
+        })
+    }
+
     fn as_dyn(&mut self) -> &mut dyn Optimizer {
         match self {
             TrainOptimizer::Replicated(adamw) => adamw,
@@ -499,8 +688,8 @@ enum Pass {
     Train,
     /// Forward only, with the loss.
     Evaluate,
-    /// Forward only; the last stage gathers the last position's logits.
-    Logits,
+    /// Forward only; the last stage gathers the logits at position `at`.
+    Logits { at: usize },
 }
 
 impl Chunks<'_> {
@@ -527,14 +716,20 @@ impl Chunks<'_> {
     /// The whole vocabulary's logits at the last position of one sequence `ids`, on the
     /// last stage's ranks (`None` on the others).
     fn last_logits(&mut self, ids: &[usize]) -> Result<Option<Vec<f32>>> {
-        // The interleaved schedule runs microbatches in groups of the pipeline size.
-        let copies = if self.config.pipeline.chunks() > 1 {
-            self.config.pp
-        } else {
-            1
+        // Sequence parallelism gives every tensor-parallel rank at least one position:
+        // a shorter context is padded at the end, which causal attention keeps from
+        // changing the logits before it.
+        let tp = self.models[0].tp();
+        let len = match tp.sequence_parallel() {
+            true => ids.len().max(tp.size()),
+            false => ids.len(),
         };
-        let microbatches = vec![(ids.to_vec(), Vec::new()); copies];
-        let (mut results, _) = self.run(&microbatches, (ids.len(), 1), Pass::Logits, false)?;
+        let mut padded = ids.to_vec();
+        padded.resize(len, 0);
+        let copies = self.config.pipeline.microbatch_multiple(self.config.pp);
+        let microbatches = vec![(padded, Vec::new()); copies];
+        let pass = Pass::Logits { at: ids.len() - 1 };
+        let (mut results, _) = self.run(&microbatches, (len, 1), pass, false)?;
         Ok((!results.is_empty()).then(|| results.swap_remove(0)))
     }
 
@@ -622,16 +817,18 @@ impl pipeline::Stage for GptStage<'_> {
     ) -> std::result::Result<tape::Tensor, Box<dyn std::error::Error + Send + Sync>> {
         let (ids, labels) = &self.microbatches[microbatch];
         let rows = ids.len() / self.len;
+        // Only training draws dropout masks.
+        let rng = (self.pass == Pass::Train).then_some(&mut *self.rng);
         let output = self
             .model
-            .forward_chunk(tape, ids, input, self.len, rows, self.rng)?;
+            .forward_chunk(tape, ids, input, self.len, rows, rng)?;
         if !self.model.is_last() {
             return Ok(output);
         }
-        if self.pass == Pass::Logits {
+        if let Pass::Logits { at } = self.pass {
             let group = self.model.tp().group();
             let sizes = mappings::split_sizes(self.model.config().vocab, group.size())?;
-            let last = output.narrow(0, self.len - 1, 1)?;
+            let last = output.narrow(0, at, 1)?;
             let full = mappings::gather_from_region(&last, group, 2, Some(&sizes))?;
             self.results.push(full.to_vec()?);
             return Ok(output);

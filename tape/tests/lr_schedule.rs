@@ -193,3 +193,51 @@ fn moves(optimizer: &mut dyn Optimizer<f64>, param: &Parameter<f64>, steps: u64)
         })
         .collect()
 }
+
+/// `torch.optim.AdamW` under `LambdaLR` with the same curve, fed the same gradients,
+/// in f64 (values printed by `tests/fixtures/torch_adamw_lambdalr.py`, torch 2.15): the
+/// parameters after each of 8 updates agree to rounding. The first update, at position
+/// 0, is at rate 0 in both.
+#[test]
+fn adamw_on_a_schedule_equals_torch_adamw_under_lambdalr() {
+    const TORCH: [[f64; 3]; 8] = [
+        [0.5, -0.25, 1.0],
+        [
+            0.49502769460390533,
+            -0.25485132758834594,
+            0.9989850041798285,
+        ],
+        [
+            0.48503250651115665,
+            -0.26256226194358784,
+            1.0035684482657643,
+        ],
+        [0.4763030524150761, -0.26535966636894176, 1.0099096513103638],
+        [0.4713379476273476, -0.2644456143263434, 1.0157497160659756],
+        [0.4701080299687487, -0.2626007521582629, 1.0194623407004195],
+        [0.4703503737157752, -0.26134504500464184, 1.020676378856794],
+        [0.47068689131200614, -0.260933078891175, 1.0207268714337336],
+    ];
+    let schedule = LrSchedule::new(1e-2, 1e-3, 2, 8, LrDecay::Cosine).unwrap();
+    let start = Tensor::from_vec(vec![0.5, -0.25, 1.0], &[3]).unwrap();
+    let w: Parameter<f64> = Parameter::new("w", start);
+    let config = AdamWConfig {
+        lr: 1e-2,
+        weight_decay: 0.01,
+        ..AdamWConfig::default()
+    };
+    let mut adamw = AdamW::new(vec![w.clone()], config).with_schedule(schedule);
+    for (k, expected) in (1..).zip(TORCH) {
+        let grad: Vec<f64> = (0..3).map(|i| (0.7 * k as f64 + i as f64).sin()).collect();
+        w.set_grad(Some(Tensor::from_vec(grad, &[3]).unwrap()))
+            .unwrap();
+        adamw.step().unwrap();
+        let got = w.value().to_vec().unwrap();
+        for (g, e) in got.iter().zip(expected) {
+            assert!(
+                (g - e).abs() <= 1e-14,
+                "update {k}: {got:?}, torch {expected:?}"
+            );
+        }
+    }
+}

@@ -3,14 +3,14 @@
 //! gradient norm; the first update at the warm-up's initial rate; dropout drawn from
 //! streams that resume exactly.
 
+mod common;
+
+use common::{scratch, words};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("train-gpt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
+/// One block on one rank: the smallest model, for runs that are about conventions.
+const SMALL: &str = "--layers 1 --hidden 16 --heads 2 --seq 16 --tp 1 --dp 1";
 
 /// Runs the demo with `args` (writing to `out`); returns success, stdout and stderr.
 fn run(args: &[&str], out: &Path) -> (bool, String, String) {
@@ -50,29 +50,9 @@ fn figure(stdout: &str, prefix: &str) -> f64 {
 #[test]
 fn tied_embeddings_across_stages_train_what_one_rank_trains() {
     let out = scratch("tied");
-    let stdout = succeed(
-        &[
-            "--pp",
-            "2",
-            "--tp",
-            "2",
-            "--dp",
-            "2",
-            "--layers",
-            "4",
-            "--microbatches",
-            "4",
-            "--use-distributed-optimizer",
-            "--clip-grad",
-            "0.05",
-            "--steps",
-            "8",
-            "--eval-interval",
-            "0",
-            "--check",
-        ],
-        &out,
-    );
+    let flags = "--pp 2 --tp 2 --dp 2 --layers 4 --microbatches 4 --use-distributed-optimizer \
+                 --clip-grad 0.05 --steps 8 --eval-interval 0 --check";
+    let stdout = succeed(&words(flags), &out);
     assert!(
         stdout.contains(
             "tied embedding copies: bit-identical on the first and last stage after each of \
@@ -91,37 +71,10 @@ fn tied_embeddings_across_stages_train_what_one_rank_trains() {
 #[test]
 fn tied_copies_stay_identical_in_bf16_under_the_distributed_optimizer() {
     let out = scratch("tied-bf16");
-    let stdout = succeed(
-        &[
-            "--pp",
-            "2",
-            "--tp",
-            "2",
-            "--dp",
-            "2",
-            "--layers",
-            "2",
-            "--hidden",
-            "32",
-            "--heads",
-            "2",
-            "--seq",
-            "16",
-            "--microbatches",
-            "2",
-            "--use-distributed-optimizer",
-            "--precision",
-            "bf16",
-            "--clip-grad",
-            "0.5",
-            "--steps",
-            "6",
-            "--eval-interval",
-            "0",
-            "--check",
-        ],
-        &out,
-    );
+    let flags = "--pp 2 --tp 2 --dp 2 --layers 2 --hidden 32 --heads 2 --seq 16 \
+                 --microbatches 2 --use-distributed-optimizer --precision bf16 --clip-grad 0.5 \
+                 --steps 6 --eval-interval 0 --check";
+    let stdout = succeed(&words(flags), &out);
     assert!(
         stdout.contains("bit-identical on the first and last stage after each of 6 steps"),
         "{stdout}"
@@ -151,22 +104,7 @@ fn tensor_names(path: &Path) -> Vec<String> {
 /// own weight and bias. A checkpoint of one kind does not resume as the other.
 #[test]
 fn tied_and_untied_models_save_what_they_hold_and_do_not_mix() {
-    let small = [
-        "--layers",
-        "1",
-        "--hidden",
-        "16",
-        "--heads",
-        "2",
-        "--seq",
-        "16",
-        "--tp",
-        "1",
-        "--dp",
-        "1",
-        "--eval-interval",
-        "0",
-    ];
+    let small = [&words(SMALL)[..], &["--eval-interval", "0"]].concat();
     let out = scratch("tie-out");
     let (tied, untied) = (scratch("tied-ckpt"), scratch("untied-ckpt"));
     let tied_arg = tied.to_string_lossy().into_owned();
@@ -218,24 +156,8 @@ fn the_first_update_runs_at_the_warmup_initial_rate() {
     let validation = |extra: &[&str]| -> f64 {
         let out = scratch("first-update");
         let args = [
-            &[
-                "--layers",
-                "1",
-                "--hidden",
-                "16",
-                "--heads",
-                "2",
-                "--seq",
-                "16",
-                "--tp",
-                "1",
-                "--dp",
-                "1",
-                "--steps",
-                "1",
-                "--eval-interval",
-                "1",
-            ][..],
+            &words(SMALL)[..],
+            &["--steps", "1", "--eval-interval", "1"],
             extra,
         ]
         .concat();
@@ -256,30 +178,10 @@ fn the_first_update_runs_at_the_warmup_initial_rate() {
 /// masks matter (the curve differs from the run without dropout).
 #[test]
 fn dropout_resumes_bit_identically_with_a_stream_per_chunk() {
-    let layout = [
-        "--pp",
-        "2",
-        "--tp",
-        "2",
-        "--dp",
-        "1",
-        "--layers",
-        "4",
-        "--hidden",
-        "16",
-        "--heads",
-        "2",
-        "--seq",
-        "16",
-        "--schedule",
-        "interleaved",
-        "--virtual-stages",
-        "2",
-        "--microbatches",
-        "2",
-        "--eval-interval",
-        "2",
-    ];
+    let layout = words(
+        "--pp 2 --tp 2 --dp 1 --layers 4 --hidden 16 --heads 2 --seq 16 --schedule interleaved \
+         --virtual-stages 2 --microbatches 2 --eval-interval 2",
+    );
     let dropout = ["--hidden-dropout", "0.2", "--attention-dropout", "0.2"];
     let losses = |out: &Path| std::fs::read_to_string(out.join("loss.csv")).unwrap();
     let (straight, resumed, plain) = (scratch("do-a"), scratch("do-b"), scratch("do-c"));

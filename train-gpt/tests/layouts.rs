@@ -4,6 +4,9 @@
 //! parallelism with sequence parallelism, the distributed optimizer, clipping, 16-bit
 //! formats, dropout, tied and untied embeddings and the emulated device.
 
+mod common;
+
+use common::scratch;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -62,12 +65,6 @@ const REFUSED: &[(&str, &str)] = &[
     ("--hidden-dropout 1", "--hidden-dropout"),
     ("--weight-decay=-1", "--weight-decay"),
 ];
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("train-gpt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
 
 /// The demo with [`SIZES`] (those `layout` does not set), no validation unless asked.
 fn train(layout: &[&str], extra: &[&str]) -> Output {

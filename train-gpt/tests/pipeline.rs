@@ -1,6 +1,9 @@
 //! The demo under pipeline parallelism: every schedule trains what one rank trains, and
 //! layouts that cannot work are refused before any rank starts, saying what would.
 
+mod common;
+
+use common::words;
 use std::process::Command;
 
 /// Runs a small model with `args` (no validation and a scratch --out unless they say);
@@ -33,10 +36,6 @@ fn train(args: &[&str]) -> (bool, String, String) {
 /// Two stages, two chunks each, interleaved.
 const INTERLEAVED: &str =
     "--pp 2 --tp 1 --dp 1 --schedule interleaved --virtual-stages 2 --microbatches 2";
-
-fn words(flags: &str) -> Vec<&str> {
-    flags.split_whitespace().collect()
-}
 
 /// The figure of `--check`'s `max loss difference: X` line.
 fn loss_difference(stdout: &str) -> f32 {

@@ -2,6 +2,9 @@
 //! `loss.csv` rows as the uninterrupted run, bit for bit at the same layout, and closely
 //! at another tensor-parallel size; mistakes in resuming are clear errors.
 
+mod common;
+
+use common::scratch;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -18,12 +21,6 @@ const SMALL: &[&str] = &[
     "--eval-interval",
     "3",
 ];
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("train-gpt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
 
 /// Runs the demo with [`SMALL`]'s sizes, except those `args` set.
 fn train(args: &[&str]) -> Output {

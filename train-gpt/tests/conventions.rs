@@ -6,7 +6,7 @@
 mod common;
 
 use common::{scratch, words};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 /// One block on one rank: the smallest model, for runs that are about conventions.

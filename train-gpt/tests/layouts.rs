@@ -7,7 +7,7 @@
 mod common;
 
 use common::scratch;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 /// A model small enough that the sweep takes seconds: two blocks, hidden 24 (divisible

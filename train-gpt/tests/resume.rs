@@ -5,7 +5,7 @@
 mod common;
 
 use common::scratch;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 /// A model small enough for a debug build: one block, hidden 16, 16-byte context.

@@ -274,6 +274,7 @@ enum Decay {
     /// --lr · √(warm-up / step), never below --min-lr.
     InverseSquareRoot,
     /// Warmup-stable-decay: --lr until the last --lr-wsd-decay-steps, then an anneal.
+    #[value(alias = "WSD")]
     Wsd,
 }
 
@@ -282,6 +283,7 @@ enum WsdStyle {
     Linear,
     Cosine,
     Exponential,
+    #[value(alias = "minus_sqrt")]
     MinusSqrt,
 }
 

@@ -203,3 +203,29 @@ fn dropout_resumes_bit_identically_with_a_stream_per_chunk() {
     succeed(&[&layout[..], &["--steps", "4"]].concat(), &plain);
     assert_ne!(losses(&straight), losses(&plain));
 }
+
+/// A tied run saved at TP 2 over two stages and resumed at TP 1: both stages re-cut their
+/// copies from shards that were equal, and the copies stay bit-identical.
+#[test]
+fn tied_copies_stay_identical_after_resuming_at_another_tp() {
+    let layout = "--pp 2 --dp 1 --layers 2 --hidden 16 --heads 2 --seq 16 --microbatches 2 \
+                  --eval-interval 0";
+    let (out, checkpoint) = (scratch("tied-tp-out"), scratch("tied-tp-ckpt"));
+    let save = checkpoint.to_string_lossy().into_owned();
+    let first = [
+        &words(layout)[..],
+        &["--tp", "2", "--steps", "3", "--save", &save],
+    ]
+    .concat();
+    succeed(&first, &out);
+    let resumed = [
+        &words(layout)[..],
+        &["--tp", "1", "--steps", "5", "--check"],
+    ]
+    .concat();
+    let stdout = succeed(&[&resumed[..], &["--resume", &save]].concat(), &out);
+    assert!(
+        stdout.contains("bit-identical on the first and last stage after each of 2 steps"),
+        "{stdout}"
+    );
+}

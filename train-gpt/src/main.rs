@@ -545,8 +545,26 @@ fn run_mpi_backend(_: &Args, _: &Corpus, _: Option<std::ops::Range<usize>>) -> R
     )
 }
 
-/// Checks the sizes before any rank starts, saying what would be valid.
+/// Checks every flag before any rank starts, saying what would be valid.
 fn validate(args: &Args, dp: usize) -> Result<()> {
+    validate_model(args, dp)?;
+    validate_optimizer(args)?;
+    validate_pipeline(args)?;
+    if let Some(dir) = &args.resume {
+        let saved = checkpoint::TrainerState::read(dir)?;
+        let chunks = pipeline_schedule(args).chunks();
+        saved.check_compatible(
+            &train_config(args).model,
+            (args.pp, chunks),
+            args.batch * dp,
+            args.steps,
+        )?;
+    }
+    Ok(())
+}
+
+/// The model's and the batch's sizes against the tensor-parallel split.
+fn validate_model(args: &Args, dp: usize) -> Result<()> {
     ensure!(args.tp >= 1, "--tp must be at least 1");
     ensure!(dp >= 1, "--dp must be at least 1");
     ensure!(args.heads >= 1, "--heads must be at least 1");
@@ -583,6 +601,21 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
         args.tp,
         args.tp
     );
+    for (flag, p) in [
+        ("--hidden-dropout", args.hidden_dropout),
+        ("--attention-dropout", args.attention_dropout),
+    ] {
+        ensure!(
+            (0.0..1.0).contains(&p),
+            "{flag} {p} is not a probability below 1"
+        );
+    }
+    ensure!(args.eval_batches >= 1, "--eval-batches must be at least 1");
+    Ok(())
+}
+
+/// The schedule, AdamW and the loss scaling.
+fn validate_optimizer(args: &Args) -> Result<()> {
     ensure!(
         args.lr > 0.0 && args.lr.is_finite(),
         "--lr must be positive"
@@ -593,20 +626,10 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
          --lr-wsd-decay-steps needs --lr-decay wsd"
     );
     schedule(args).build()?;
-    for (flag, p) in [
-        ("--hidden-dropout", args.hidden_dropout),
-        ("--attention-dropout", args.attention_dropout),
-    ] {
-        ensure!(
-            (0.0..1.0).contains(&p),
-            "{flag} {p} is not a probability below 1"
-        );
-    }
     ensure!(
         args.weight_decay >= 0.0 && args.weight_decay.is_finite(),
         "--weight-decay must be a finite number ≥ 0"
     );
-    ensure!(args.eval_batches >= 1, "--eval-batches must be at least 1");
     ensure!(
         matches!(args.precision, Precision::Fp16)
             || (args.initial_loss_scale.is_none()
@@ -624,6 +647,11 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
         args.inject_grad_overflow != Some(0),
         "--inject-grad-overflow counts steps from 1"
     );
+    Ok(())
+}
+
+/// The pipeline's split of the layers and the microbatches its schedule can run.
+fn validate_pipeline(args: &Args) -> Result<()> {
     ensure!(args.pp >= 1, "--pp must be at least 1");
     ensure!(
         args.virtual_stages == 1 || args.schedule == PipelineSchedule::Interleaved,
@@ -652,16 +680,6 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
         args.trace.is_none() || args.backend == Backend::Local,
         "--trace collects every stage's timeline in one process: use the local backend"
     );
-    if let Some(dir) = &args.resume {
-        let saved = checkpoint::TrainerState::read(dir)?;
-        let chunks = pipeline_schedule(args).chunks();
-        saved.check_compatible(
-            &train_config(args).model,
-            (args.pp, chunks),
-            args.batch * dp,
-            args.steps,
-        )?;
-    }
     Ok(())
 }
 

@@ -145,20 +145,8 @@ pub fn train_rank(
         let value = sharded.param.value().to_device(config.device)?;
         sharded.param.set_value(value)?;
     }
-
-    // Every gradient is averaged over "dp"; DDP reads from the model which parameters
-    // also need a sum over a model-parallel group (sequence-parallel norms over "tp", the
-    // copies of a tied embedding over "embedding").
-    // One DDP per chunk: a chunk's gradients are complete after its last backward.
-    let ddp_config = DdpConfig {
-        use_distributed_optimizer: config.distributed_optimizer,
-        ..DdpConfig::default()
-    };
-    let ddps = models
-        .iter()
-        .map(|model| DistributedDataParallel::for_model(model, &state, ddp_config.clone()))
-        .collect::<ddp::Result<Vec<_>>>()?;
-    let mut optimizer = TrainOptimizer::new(&ddps, config)?;
+    let ddps = build_ddps(&models, &state, config)?;
+    let optimizer = TrainOptimizer::new(&ddps, config)?;
     if let Some(progress) = progress {
         let dp_size = state.dp_size();
         progress.note(&model_state_line(&models, &ddps, &optimizer, dp_size));
@@ -168,27 +156,6 @@ pub fn train_rank(
     let mut rngs: Vec<RngTracker> = (0..models.len())
         .map(|c| RngTracker::for_pipeline_stage(config.seed, tp.rank(), virtual_stage(c, &state)))
         .collect();
-    let mut history = History::default();
-    let mut scaler = config.loss_scaler.map(GradScaler::new).transpose()?;
-    if let (Some(dir), Some(saved)) = (&config.resume, &saved) {
-        let dir = checkpoint::stage_dir(dir, state.pp_rank(), config.pp);
-        let rank_model = RankModel(&models);
-        let optimizer_state = layers::checkpoint::load_optimizer_state(
-            &rank_model,
-            &dir,
-            saved.tp,
-            tp.rank(),
-            tp.size(),
-        )?;
-        optimizer.as_dyn().load_state(&optimizer_state)?;
-        checkpoint::restore_rng(&dir, saved, &mut rngs, tp.rank(), tp.size())?;
-        if let (Some(scaler), Some(state)) = (&mut scaler, saved.loss_scaler) {
-            scaler.load_state(state)?;
-        }
-        history.losses.extend_from_slice(&saved.losses);
-        history.validation.extend_from_slice(&saved.validation);
-    }
-
     let mut chunks = Chunks {
         models: &models,
         ddps: &ddps,
@@ -197,59 +164,27 @@ pub fn train_rank(
         config,
         loss_scale: 1.0,
     };
-    let mut trainer = Trainer {
-        optimizer,
-        scaler,
-        sampler: DistributedSampler::new(
-            corpus.training_windows(config.model.seq),
-            config.seed,
-            config.batch,
-            state.dp_rank(),
-            state.dp_size(),
-        ),
-        params: models.iter().flat_map(Module::parameters).collect(),
-        tied_copy: models.iter().find_map(Gpt::tied_copy),
-        progress,
-    };
-    let first_step = history.losses.len();
-    let mut steady_transfers = Vec::new();
-    for step in first_step..config.steps {
-        let before = tape::transfers(config.device);
-        trainer.step(&mut chunks, corpus, step, &mut history)?;
-        if step > first_step || config.steps == first_step + 1 {
-            steady_transfers.push(tape::transfers(config.device) - before);
-        }
-        let done = step + 1;
-        let due =
-            config.eval_interval > 0 && (done % config.eval_interval == 0 || done == config.steps);
-        if due {
-            history
-                .validation
-                .push((done, validation_loss(&mut chunks, corpus)?));
-        }
+    let mut trainer = Trainer::new(optimizer, &chunks, corpus, progress)?;
+    let mut history = History::default();
+    if let (Some(dir), Some(saved)) = (&config.resume, &saved) {
+        trainer.resume(dir, saved, &mut chunks, &mut history)?;
     }
-    if let Some(progress) = progress {
-        progress.finish();
-    }
+    let transfers = trainer.train(&mut chunks, corpus, &mut history)?;
     if let Some(dir) = &config.save {
-        let optimizer = &mut trainer.optimizer;
+        let scaler = trainer.scaler.as_ref();
         save(
             dir,
             &world,
             &mut chunks,
-            optimizer,
-            trainer.scaler.as_ref(),
+            &mut trainer.optimizer,
+            scaler,
             &history,
         )?;
     }
-    let mut samples = Vec::new();
-    if config.sample {
-        let mut generator = Generator::new(config.seed);
-        for prompt in PROMPTS {
-            let text = generate(&mut chunks, prompt.as_bytes(), &mut generator)?;
-            samples.push(String::from_utf8_lossy(&text).into_owned());
-        }
-    }
+    let samples = match config.sample {
+        true => samples(&mut chunks)?,
+        false => Vec::new(),
+    };
     Ok(RankResult {
         losses: history.losses,
         validation: history.validation,
@@ -258,8 +193,39 @@ pub fn train_rank(
         samples,
         coordinates: (state.pp_rank(), tp.rank(), state.dp_rank()),
         timeline: history.timeline,
-        transfers_per_step: mean(&steady_transfers),
+        transfers_per_step: transfers,
     })
+}
+
+/// One DDP per chunk (a chunk's gradients are complete after its last backward). Every
+/// gradient is averaged over "dp"; DDP reads from the model which parameters also need a
+/// sum over a model-parallel group (sequence-parallel norms over "tp", the copies of a
+/// tied embedding over "embedding").
+fn build_ddps(
+    models: &[Gpt],
+    state: &ParallelState,
+    config: &TrainConfig,
+) -> Result<Vec<DistributedDataParallel>> {
+    let ddp_config = DdpConfig {
+        use_distributed_optimizer: config.distributed_optimizer,
+        ..DdpConfig::default()
+    };
+    Ok(models
+        .iter()
+        .map(|model| DistributedDataParallel::for_model(model, state, ddp_config.clone()))
+        .collect::<ddp::Result<Vec<_>>>()?)
+}
+
+/// Text the trained model writes after each of [`PROMPTS`].
+fn samples(chunks: &mut Chunks<'_>) -> Result<Vec<String>> {
+    let mut generator = Generator::new(chunks.config.seed);
+    PROMPTS
+        .iter()
+        .map(|prompt| {
+            let text = generate(chunks, prompt.as_bytes(), &mut generator)?;
+            Ok(String::from_utf8_lossy(&text).into_owned())
+        })
+        .collect()
 }
 
 /// The virtual stage of this rank's chunk `chunk`: `chunk · pp + pp rank`.
@@ -386,7 +352,92 @@ struct Trainer<'a> {
     progress: Option<&'a Progress>,
 }
 
-impl Trainer<'_> {
+impl<'a> Trainer<'a> {
+    fn new(
+        optimizer: TrainOptimizer,
+        chunks: &Chunks<'_>,
+        corpus: &Corpus,
+        progress: Option<&'a Progress>,
+    ) -> Result<Self> {
+        let (config, state) = (chunks.config, chunks.state);
+        Ok(Trainer {
+            optimizer,
+            scaler: config.loss_scaler.map(GradScaler::new).transpose()?,
+            sampler: DistributedSampler::new(
+                corpus.training_windows(config.model.seq),
+                config.seed,
+                config.batch,
+                state.dp_rank(),
+                state.dp_size(),
+            ),
+            params: chunks.models.iter().flat_map(Module::parameters).collect(),
+            tied_copy: chunks.models.iter().find_map(Gpt::tied_copy),
+            progress,
+        })
+    }
+
+    /// Continues where the checkpoint in `dir` stopped: the optimizer state, every
+    /// chunk's random streams, the loss scale and the curves so far (the weights are
+    /// already loaded).
+    fn resume(
+        &mut self,
+        dir: &std::path::Path,
+        saved: &TrainerState,
+        chunks: &mut Chunks<'_>,
+        history: &mut History,
+    ) -> Result<()> {
+        let state = chunks.state;
+        let dir = checkpoint::stage_dir(dir, state.pp_rank(), chunks.config.pp);
+        let tp = chunks.models[0].tp();
+        let rank_model = RankModel(chunks.models);
+        let optimizer_state = layers::checkpoint::load_optimizer_state(
+            &rank_model,
+            &dir,
+            saved.tp,
+            tp.rank(),
+            tp.size(),
+        )?;
+        self.optimizer.as_dyn().load_state(&optimizer_state)?;
+        checkpoint::restore_rng(&dir, saved, chunks.rngs, tp.rank(), tp.size())?;
+        if let (Some(scaler), Some(state)) = (&mut self.scaler, saved.loss_scaler) {
+            scaler.load_state(state)?;
+        }
+        history.losses.extend_from_slice(&saved.losses);
+        history.validation.extend_from_slice(&saved.validation);
+        Ok(())
+    }
+
+    /// The steps from where `history` ends to `--steps`, with the validation loss when
+    /// due; returns the host↔device copies of a step, averaged over the steps after the
+    /// first (which also uploads the model's first use of each constant).
+    fn train(
+        &mut self,
+        chunks: &mut Chunks<'_>,
+        corpus: &Corpus,
+        history: &mut History,
+    ) -> Result<Transfers> {
+        let config = chunks.config;
+        let first_step = history.losses.len();
+        let mut steady_transfers = Vec::new();
+        for step in first_step..config.steps {
+            let before = tape::transfers(config.device);
+            self.step(chunks, corpus, step, history)?;
+            if step > first_step || config.steps == first_step + 1 {
+                steady_transfers.push(tape::transfers(config.device) - before);
+            }
+            let done = step + 1;
+            let interval = config.eval_interval;
+            if interval > 0 && (done % interval == 0 || done == config.steps) {
+                let loss = validation_loss(chunks, corpus)?;
+                history.validation.push((done, loss));
+            }
+        }
+        if let Some(progress) = self.progress {
+            progress.finish();
+        }
+        Ok(mean(&steady_transfers))
+    }
+
     /// One training step (0-based `step`): forward and backward of every microbatch,
     /// gradient sync, unscaling and clipping, the update.
     fn step(

@@ -7,9 +7,14 @@
 //! busy with the first layers. A parameter joins the current bucket while the bucket
 //! stays within its byte cap; the first bucket has a smaller cap (1 MiB by default) so
 //! that communication starts as early as possible, the others a larger one (25 MiB).
-//! A single parameter larger than the cap gets a bucket of its own. The assignment
-//! depends only on the parameter sizes and the caps, so it is identical on every rank of
-//! the data-parallel group; ranks of a tensor-parallel group may differ (uneven shards).
+//! A single parameter larger than the cap gets a bucket of its own, and so does a
+//! parameter that another pipeline stage holds a copy of (a tied embedding, marked for
+//! the `"embedding"` group): alone in its bucket it sits at offset 0 in a buffer of its
+//! own size on both stages, so every collective adds its elements in the same order
+//! there (a ring algorithm's order depends on an element's position in the buffer), and
+//! the copies stay bit-identical. The assignment depends only on the parameter sizes,
+//! those marks and the caps, so it is identical on every rank of the data-parallel
+//! group; ranks of a tensor-parallel group may differ (uneven shards).
 //!
 //! Caps are measured in bytes of f32 gradient, whatever dtype a comm hook sends, so
 //! that switching on compression does not change which collectives run.
@@ -25,9 +30,11 @@ pub(crate) const GRAD_ELEMENT_BYTES: usize = std::mem::size_of::<f32>();
 
 /// Splits parameters (given by element count, in registration order) into buckets of
 /// registration indices: reverse order, first bucket capped at `first_cap_bytes`, the
-/// rest at `cap_bytes`.
+/// rest at `cap_bytes`; each parameter flagged in `alone` in a bucket of its own, where
+/// it falls in that order.
 pub(crate) fn assign(
     numels: &[usize],
+    alone: &[bool],
     first_cap_bytes: usize,
     cap_bytes: usize,
 ) -> Vec<Vec<usize>> {
@@ -35,6 +42,14 @@ pub(crate) fn assign(
     let mut current: Vec<usize> = Vec::new();
     let mut current_bytes = 0usize;
     for index in (0..numels.len()).rev() {
+        if alone.get(index).copied().unwrap_or(false) {
+            if !current.is_empty() {
+                buckets.push(std::mem::take(&mut current));
+                current_bytes = 0;
+            }
+            buckets.push(vec![index]);
+            continue;
+        }
         let bytes = numels[index].saturating_mul(GRAD_ELEMENT_BYTES);
         let cap = if buckets.is_empty() {
             first_cap_bytes
@@ -192,14 +207,25 @@ mod tests {
     fn reverse_order_small_first_bucket_and_cap() {
         // 6 parameters of 0.5 MiB each (131072 f32).
         let numels = vec![MIB / 8; 6];
-        let buckets = assign(&numels, MIB, 2 * MIB);
+        let buckets = assign(&numels, &[false; 6], MIB, 2 * MIB);
         assert_eq!(buckets, vec![vec![5, 4], vec![3, 2, 1, 0]]);
     }
 
     #[test]
     fn an_oversized_parameter_gets_its_own_bucket() {
         let numels = vec![10, 3 * MIB / 4, 10];
-        let buckets = assign(&numels, MIB, MIB);
+        let buckets = assign(&numels, &[false; 3], MIB, MIB);
         assert_eq!(buckets, vec![vec![2], vec![1], vec![0]]);
+    }
+
+    #[test]
+    fn a_parameter_flagged_alone_gets_its_own_bucket_in_place() {
+        let numels = vec![10; 5];
+        let alone = [false, false, true, false, false];
+        let buckets = assign(&numels, &alone, MIB, MIB);
+        assert_eq!(buckets, vec![vec![4, 3], vec![2], vec![1, 0]]);
+        // First or last in the walk: no empty bucket beside it.
+        let buckets = assign(&numels, &[true, false, false, false, true], MIB, MIB);
+        assert_eq!(buckets, vec![vec![4], vec![3, 2, 1], vec![0]]);
     }
 }

@@ -340,9 +340,15 @@ fn layout(
     sharding: Option<&Sharding>,
 ) -> Vec<BucketInfo> {
     let numels: Vec<usize> = params.iter().map(Parameter::numel).collect();
+    // A weight another pipeline stage also holds (a tied embedding) is reduced alone.
+    let alone: Vec<bool> = (params.iter())
+        .map(|p| (config.extra_reductions.groups_of(p)).contains(&layers::EMBEDDING_GROUP))
+        .collect();
     let assign = |members: Vec<usize>| {
         let sizes: Vec<usize> = members.iter().map(|&i| numels[i]).collect();
-        bucket::assign(&sizes, config.first_bucket_bytes, config.bucket_cap_bytes)
+        let alone: Vec<bool> = members.iter().map(|&i| alone[i]).collect();
+        let (first_cap, cap) = (config.first_bucket_bytes, config.bucket_cap_bytes);
+        bucket::assign(&sizes, &alone, first_cap, cap)
             .into_iter()
             .map(|bucket| {
                 bucket

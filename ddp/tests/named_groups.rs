@@ -98,6 +98,51 @@ fn tied_embedding_gradients_are_summed_over_the_embedding_group() -> Result<()> 
     Ok(())
 }
 
+/// Each stage's copy of a tied embedding is reduced in a bucket of its own, plain and
+/// sharded: at offset 0 of a buffer of the same size on both stages, whatever else each
+/// stage holds, so every collective adds its elements in the same order on both and the
+/// copies stay bit-identical (a ring's order depends on the position).
+#[test]
+fn a_tied_embedding_is_reduced_alone_at_the_same_place_on_both_stages() -> Result<()> {
+    let layout = RankLayout::builder(4).pp(2).build()?;
+    for sharded in [false, true] {
+        let buckets = run_local(4, |comm| -> Result<Vec<(usize, usize, usize)>> {
+            let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+            let embedding = Parameter::new("embed.weight", Tensor::ones(&[8, 4]));
+            let other = |name: &str, n: usize| Parameter::new(name, Tensor::ones(&[n]));
+            // Stage 0 looks the table up first; stage 1 ends with it, after other weights.
+            let params = match state.pp_rank() {
+                0 => vec![embedding.clone(), other("pos", 3), other("ln", 5)],
+                _ => vec![other("ln_f", 7), embedding.clone()],
+            };
+            let mut marks = NamedGroupReduction::new();
+            marks.mark(&state, &embedding, &["embedding"])?;
+            let config = DdpConfig {
+                extra_reductions: marks,
+                use_distributed_optimizer: sharded,
+                ..DdpConfig::default()
+            };
+            let ddp = DistributedDataParallel::new(params, state.dp().clone(), config)?;
+            let bucket = (ddp.buckets().iter())
+                .find(|b| b.params.iter().any(|p| p.name == "embed.weight"))
+                .expect("a bucket holds the embedding");
+            assert_eq!(bucket.params.len(), 1, "alone in its bucket");
+            Ok(vec![(
+                bucket.params[0].offset,
+                bucket.numel,
+                bucket.padded_numel,
+            )])
+        })?;
+        let first = &buckets[0];
+        assert!(
+            buckets.iter().all(|b| b == first),
+            "sharded {sharded}: {buckets:?}"
+        );
+        assert_eq!(first[0].0, 0);
+    }
+    Ok(())
+}
+
 #[test]
 fn marking_rejects_the_dp_group_and_unknown_names() -> Result<()> {
     let layout = RankLayout::builder(2).tp(2).build()?;

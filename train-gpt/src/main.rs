@@ -162,7 +162,8 @@ struct Args {
     /// The learning rate the warm-up starts from.
     #[arg(long, default_value_t = 0.0, value_name = "LR")]
     lr_warmup_init: f64,
-    /// The step at which the decay reaches --min-lr (warm-up included). Fixed rather
+    /// The schedule position (updates applied, warm-up included) at which the decay
+    /// reaches --min-lr: update --lr-decay-steps + 1 is the first at it. Fixed rather
     /// than derived from --steps, so that a run cut short and resumed follows the same
     /// schedule as an uninterrupted one.
     #[arg(long, default_value_t = 500)]
@@ -271,7 +272,8 @@ enum Decay {
     Constant,
     Linear,
     Cosine,
-    /// --lr · √(warm-up / step), never below --min-lr.
+    /// --lr · √(warm-up / position) after the warm-up, never below --min-lr, and
+    /// --min-lr after --lr-decay-steps.
     InverseSquareRoot,
     /// Warmup-stable-decay: --lr until the last --lr-wsd-decay-steps, then an anneal.
     #[value(alias = "WSD")]
@@ -822,6 +824,14 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
     );
     if let Some(dir) = &args.resume {
         println!("resuming the run saved in {}", dir.display());
+        let old = checkpoint::TrainerState::read(dir).is_ok_and(|s| s.format < 2);
+        if old {
+            println!(
+                "note: this checkpoint predates Megatron's schedule position and weight-decay \
+                 groups: the steps from here take the rate one position earlier and leave \
+                 biases and norms undecayed, unlike the run that saved it"
+            );
+        }
     }
 }
 

@@ -79,6 +79,7 @@
 #![warn(missing_docs)]
 
 mod buffer;
+mod call;
 mod calls;
 mod communicator;
 #[cfg(feature = "cuda")]
@@ -87,6 +88,7 @@ mod device;
 mod dtype;
 mod dual;
 mod error;
+mod flight_record;
 pub mod flight_recorder;
 pub mod local;
 #[cfg(feature = "mpi")]

@@ -217,7 +217,7 @@ fn run_queue(state: &QueueState) {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).unwrap_or_else(|panic| {
                 Err(Error::Config(format!(
                     "a non-blocking operation panicked: {}",
-                    crate::local::panic_message(panic.as_ref())
+                    crate::error::panic_message(panic.as_ref())
                 )))
             });
         completion.complete(result);

@@ -13,28 +13,19 @@ use half::{bf16, f16};
 use ndarray::{ArcArray, ArrayBase, Data, IxDyn};
 
 use crate::gpu::ops::PointwiseInput;
-use crate::gpu::{GpuArray, KernelArgs, Stored, CONVERT_HALF};
+use crate::gpu::{GpuArray, HalfFormat, KernelArgs, Stored, CONVERT_HALF};
 use crate::{Device, Element, Error, Result, Tensor};
 
-/// A 16-bit float format tensors can be stored in.
-pub(crate) trait HalfFloat: comm_core::Element + Stored {
-    /// `convert_half`'s kind for narrowing into this format (widening is this + 2).
-    const KIND: i64;
-    fn narrow(value: f32) -> Self;
-    fn widen(self) -> f32;
+/// A 16-bit float format tensors can be stored in: its element conversions (from
+/// [`HalfFormat`], which device code uses without the tensor storage) and where a
+/// tensor's storage holds it.
+pub(crate) trait HalfFloat: HalfFormat {
     /// The storage, if it is in this format.
     fn packed(half: &Half) -> Option<&Packed<Self>>;
     fn into_half(packed: Packed<Self>) -> Half;
 }
 
 impl HalfFloat for bf16 {
-    const KIND: i64 = 0;
-    fn narrow(value: f32) -> Self {
-        bf16::from_f32(value)
-    }
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
     fn packed(half: &Half) -> Option<&Packed<Self>> {
         match half {
             Half::Bf16(packed) => Some(packed),
@@ -47,13 +38,6 @@ impl HalfFloat for bf16 {
 }
 
 impl HalfFloat for f16 {
-    const KIND: i64 = 1;
-    fn narrow(value: f32) -> Self {
-        f16::from_f32(value)
-    }
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
     fn packed(half: &Half) -> Option<&Packed<Self>> {
         match half {
             Half::F16(packed) => Some(packed),

@@ -16,7 +16,7 @@ use crate::buffer::{BufMut, BufRef, Buffer};
 use crate::calls::{offsets, signatures_agree, CallCheck};
 use crate::communicator::{AsyncOp, Communicator, P2p, P2pWork};
 use crate::dtype::{reduce_raw, ReduceOp};
-use crate::error::{CallSignature, Error, OpKind, Result};
+use crate::error::{panic_message, CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{self, CallRecord, FlightRecord, Ticket};
 use crate::work::{ProgressQueue, Work};
 use group::{GroupShared, Message, Phase, WorldShared};
@@ -240,14 +240,6 @@ pub(crate) fn timeout_from_env() -> Result<Duration> {
                 ))
             }),
     }
-}
-
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic payload".to_string())
 }
 
 /// One rank's handle on a local group. Dropping it tells the peers this rank is gone:

@@ -7,8 +7,8 @@ use std::alloc::Layout;
 
 use half::{bf16, f16};
 
+use super::HalfFormat;
 use super::{Backend, Gemm, GemmFormat, Kernel, KernelArgs, Precision};
-use crate::precision::HalfFloat;
 use crate::{Device, Error, Result};
 
 pub(crate) struct Emulator;
@@ -125,10 +125,10 @@ macro_rules! accumulates_in_f32 {
         impl Stored for $t {
             type Sum = f32;
             fn widen(self) -> f32 {
-                HalfFloat::widen(self)
+                HalfFormat::widen(self)
             }
             fn narrow(sum: f32) -> $t {
-                <$t as HalfFloat>::narrow(sum)
+                <$t as HalfFormat>::narrow(sum)
             }
         }
     )*};

@@ -149,6 +149,35 @@ impl Stored for half::f16 {
     }
 }
 
+/// A 16-bit float format as kernels and GEMMs see it: its code in `convert_half` and
+/// its conversions to and from f32.
+pub(crate) trait HalfFormat: comm_core::Element + Stored {
+    /// `convert_half`'s kind for narrowing into this format (widening is this + 2).
+    const KIND: i64;
+    fn narrow(value: f32) -> Self;
+    fn widen(self) -> f32;
+}
+
+impl HalfFormat for half::bf16 {
+    const KIND: i64 = 0;
+    fn narrow(value: f32) -> Self {
+        half::bf16::from_f32(value)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl HalfFormat for half::f16 {
+    const KIND: i64 = 1;
+    fn narrow(value: f32) -> Self {
+        half::f16::from_f32(value)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
 /// The element format of a GEMM's A, B and C. Products of 16-bit matrices accumulate in
 /// f32 (cuBLAS's `CUBLAS_COMPUTE_32F`) and round C once, or write it in f32; the others
 /// accumulate in their own type.

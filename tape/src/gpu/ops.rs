@@ -1,8 +1,8 @@
 //! The math of each op on device arrays, forward and backward; `crate::ops` dispatches
 //! here for device tensors and records the backward on the tape.
 
+use super::HalfFormat;
 use super::{Gemm, GemmFormat, GpuArray, KernelArgs, Precision, Stored, MAX_DIMS};
-use crate::precision::HalfFloat;
 use crate::{Element, Error, Result};
 
 /// Row-major (contiguous) strides of `shape`.
@@ -402,7 +402,7 @@ fn product_in<T: Element>(
 /// [`matmul`] of two 16-bit matrices of one format, accumulated in f32 and rounded once
 /// into a 16-bit result (cuBLAS's GemmEx with f32 compute): no widened copy of either
 /// operand. Needs `k > 0`.
-pub(crate) fn matmul_16_bit<H: HalfFloat>(
+pub(crate) fn matmul_16_bit<H: HalfFormat>(
     device: crate::Device,
     shape: &[usize],
     a: Operand,
@@ -424,7 +424,7 @@ pub(crate) fn matmul_16_bit<H: HalfFloat>(
 
 /// [`matmul`] of two 16-bit matrices of one format into an unrounded f32 result (GemmEx
 /// with an f32 C). `T` must be f32: cuBLAS writes no other type from 16-bit operands.
-pub(crate) fn matmul_16_bit_widening<H: HalfFloat, T: Element>(
+pub(crate) fn matmul_16_bit_widening<H: HalfFormat, T: Element>(
     device: crate::Device,
     shape: &[usize],
     a: Operand,

@@ -7,9 +7,9 @@
 //! ([`BufRef::cuda`], [`BufMut::cuda`]), so it adds no method and changes no signature of
 //! the trait.
 
-use crate::device::Device;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
+use device::Device;
 use std::marker::PhantomData;
 
 /// The stream a device view's contents are ordered on; it also names the device and
@@ -193,7 +193,7 @@ impl<'a> BufRef<'a> {
     pub fn to_host(self) -> Result<Buffer> {
         #[cfg(feature = "cuda")]
         if let Some(stream) = self.cuda_stream() {
-            return crate::cuda::to_host(self, stream);
+            return cuda_views::to_host(self, stream);
         }
         let mut host = Buffer::zeros(self.dtype, self.len);
         host.as_buf_mut().copy_from_host_view(self);
@@ -283,7 +283,7 @@ impl<'a> BufMut<'a> {
         }
         #[cfg(feature = "cuda")]
         if let Some(stream) = self.cuda_stream() {
-            return crate::cuda::from_host(host, self, stream);
+            return cuda_views::from_host(host, self, stream);
         }
         self.copy_from_host_view(host.as_buf_ref());
         Ok(())
@@ -299,9 +299,40 @@ impl<'a> BufMut<'a> {
 }
 
 #[cfg(feature = "cuda")]
-mod device {
+mod cuda_views {
     use super::*;
     use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+
+    /// A host copy of a device view, taken after the work queued on its stream (a
+    /// transfer and a host wait, counted by the device layer).
+    pub(super) fn to_host(view: BufRef<'_>, stream: &CudaStream) -> Result<Buffer> {
+        let mut host = Buffer::zeros(view.dtype(), view.len());
+        let mut out = host.as_buf_mut();
+        // SAFETY: `host` was sized for the view's bytes; the copy completes before we
+        // return.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(out.host_ptr_mut(), view.byte_len());
+            device::cuda::download(stream, dst, view.device_ptr())?;
+        }
+        Ok(host)
+    }
+
+    /// Copies a host buffer of the same dtype and length into a device view and waits
+    /// for it.
+    pub(super) fn from_host(
+        host: &Buffer,
+        view: &mut BufMut<'_>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        debug_assert_eq!((host.dtype(), host.len()), (view.dtype(), view.len()));
+        let src = host.as_buf_ref();
+        // SAFETY: both sides hold `byte_len` bytes; the copy completes before we return.
+        unsafe {
+            let bytes = std::slice::from_raw_parts(src.host_ptr(), src.byte_len());
+            device::cuda::upload(stream, view.device_ptr(), bytes)?;
+        }
+        Ok(())
+    }
 
     fn check_device(owner: &CudaStream, stream: &CudaStream) -> Result<()> {
         let (slice_device, stream_device) = (owner.context().ordinal(), stream.context().ordinal());

@@ -1,8 +1,8 @@
 //! What one collective call was: its kind and each rank's arguments, as the cross-rank
 //! check compares them, errors report them and the flight recorder keeps them.
 
-use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
+use device::Device;
 use std::fmt;
 
 /// Which collective (or point-to-point operation) a call was.

@@ -3,9 +3,9 @@
 //! all ranks agree.
 
 use crate::buffer::{BufMut, BufRef};
-use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
+use device::Device;
 
 /// One rank's view of its group, for validating calls.
 pub(crate) struct CallCheck<'a> {

@@ -164,12 +164,9 @@ pub enum Error {
     #[error("MPI: {0}")]
     Mpi(String),
 
-    /// A CUDA library could not be loaded (libraries are found at run time).
-    #[error(
-        "{library} could not be loaded, and {purpose} needs it: install it, or add the \
-         directory that holds it to LD_LIBRARY_PATH (e.g. \
-         `export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH`){hint}"
-    )]
+    /// A CUDA library could not be loaded (libraries are found at run time); the device
+    /// layer's message.
+    #[error("{}", device::Error::LibraryMissing { library, purpose, hint })]
     LibraryMissing {
         /// The library's file name, as searched for.
         library: &'static str,
@@ -179,11 +176,9 @@ pub enum Error {
         hint: &'static str,
     },
 
-    /// The CUDA driver is loaded but there is no device with the requested ordinal.
-    #[error(
-        "no CUDA device {requested}: the driver reports {available} device(s); check \
-         `nvidia-smi` and CUDA_VISIBLE_DEVICES"
-    )]
+    /// The CUDA driver is loaded but there is no device with the requested ordinal; the
+    /// device layer's message.
+    #[error("{}", device::Error::NoDevice { requested: *requested, available: *available })]
     NoDevice {
         /// The ordinal asked for.
         requested: usize,
@@ -234,4 +229,32 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "non-string panic payload".to_string())
+}
+
+/// A device failure as a collective reports it: missing libraries and devices keep their
+/// own variants, a failed driver call is [`Error::Cuda`], the rest a configuration error
+/// with the device layer's message.
+impl From<device::Error> for Error {
+    fn from(error: device::Error) -> Error {
+        match error {
+            device::Error::LibraryMissing {
+                library,
+                purpose,
+                hint,
+            } => Error::LibraryMissing {
+                library,
+                purpose,
+                hint,
+            },
+            device::Error::NoDevice {
+                requested,
+                available,
+            } => Error::NoDevice {
+                requested,
+                available,
+            },
+            device::Error::Driver { call, message } => Error::Cuda { call, message },
+            other => Error::Config(other.to_string()),
+        }
+    }
 }

@@ -84,7 +84,6 @@ mod calls;
 mod communicator;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-mod device;
 mod dtype;
 mod dual;
 mod error;

@@ -841,8 +841,8 @@ impl Communicator for MpiCommunicator {
 
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(stream) = buf.cuda_stream() {
-            return crate::cuda::staged_inout(buf, stream, |host| self.all_reduce(host, op));
+        if buf.cuda_stream().is_some() {
+            return crate::cuda::staged_inout(buf, |host| self.all_reduce(host, op));
         }
         let sig = self.check().all_reduce(&buf, op)?;
         // SAFETY: read (copied into the check's exchange) before `call` writes `buf`.
@@ -890,8 +890,8 @@ impl Communicator for MpiCommunicator {
 
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(stream) = buf.cuda_stream() {
-            return crate::cuda::staged_inout(buf, stream, |host| self.broadcast(host, root));
+        if buf.cuda_stream().is_some() {
+            return crate::cuda::staged_inout(buf, |host| self.broadcast(host, root));
         }
         let sig = self.check().broadcast(&buf, root)?;
         let count = self.int(OpKind::Broadcast, "count", buf.len())?;
@@ -1023,8 +1023,8 @@ impl Communicator for MpiCommunicator {
 
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(stream) = buf.cuda_stream() {
-            return self.send(crate::cuda::to_host(buf, stream)?.as_buf_ref(), dest);
+        if buf.cuda_stream().is_some() {
+            return self.send(buf.to_host()?.as_buf_ref(), dest);
         }
         self.check().peer(OpKind::Send, "destination", dest)?;
         let count = self.int(OpKind::Send, "count", buf.len())?;
@@ -1050,10 +1050,10 @@ impl Communicator for MpiCommunicator {
 
     fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(stream) = buf.cuda_stream() {
+        if buf.cuda_stream().is_some() {
             let mut host = crate::Buffer::zeros(buf.dtype(), buf.len());
             self.recv(host.as_buf_mut(), src)?;
-            return crate::cuda::from_host(&host, &mut buf, stream);
+            return buf.copy_from_host(&host);
         }
         self.check().peer(OpKind::Recv, "source", src)?;
         self.core.queue.wait_idle();

@@ -14,9 +14,9 @@
 //! call finishes from the same exchange); [`agree`] hands every rank's words back.
 
 use crate::calls::signatures_agree;
-use crate::device::Device;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
+use device::Device;
 
 /// Words before the per-rank lists: op, dtype, reduce, count, root, memory.
 const HEADER: usize = 6;

@@ -124,6 +124,19 @@ impl Error {
         }
     }
 
+    /// A failure of the device layer while doing `op` on `device`: what the device could
+    /// not do, or the driver's own message.
+    pub(crate) fn on_device(op: &'static str, device: Device) -> impl Fn(device::Error) -> Self {
+        move |error| match error {
+            device::Error::Unsupported { .. } => Error::UnsupportedDevice { op, device },
+            other => Error::Device {
+                op,
+                device,
+                message: other.to_string(),
+            },
+        }
+    }
+
     /// Wraps any error from user code (a custom op, a hook) so it can travel out of `backward`.
     pub fn custom(
         op: impl Into<String>,

@@ -567,14 +567,10 @@ impl<T: Element> FlatView<T> {
                     if add {
                         ops::binary_into(op, ops::BinaryKind::Add, &window, &window, &source)
                     } else {
+                        let bytes = window.len() * std::mem::size_of::<T>();
                         // SAFETY: both hold `len` elements of `T` on this device.
-                        unsafe {
-                            window.backend().copy(
-                                window.ptr(),
-                                source.ptr(),
-                                window.len() * std::mem::size_of::<T>(),
-                            )
-                        }
+                        unsafe { window.stream().copy(window.ptr(), source.ptr(), bytes) }
+                            .map_err(crate::Error::on_device(op, window.device()))
                     }
                 }
             })

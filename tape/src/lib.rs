@@ -90,9 +90,11 @@ mod schedule;
 mod tape;
 mod tensor;
 mod threads;
-mod transfers;
 
 pub use comm_core::{DType, Device};
+/// Host↔device copies and host waits per thread and device, counted by the device layer
+/// (`Tensor::to_device`, `to_vec`, `item`, uploads an op stages).
+pub use device::{host_waits, transfers, Transfers};
 pub use element::Element;
 pub use error::{Error, Result};
 pub use flat::{FlatStorage, FlatView};
@@ -112,4 +114,3 @@ pub use schedule::{LrDecay, LrSchedule, WsdAnneal};
 pub use tape::{GradHandle, Tape};
 pub use tensor::Tensor;
 pub use threads::{num_threads, set_num_threads};
-pub use transfers::{transfers, Transfers};

@@ -1,77 +1,14 @@
-//! The reduction kernels: compiled once per process by NVRTC, loaded once per device.
+//! The reduction kernels: compiled once per process by NVRTC, loaded once per device
+//! (the device layer's module cache).
 
-use super::{driver_error, require, Library};
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, Result};
-use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::Ptx;
-use parking_lot::Mutex;
-use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use crate::error::Result;
+use cudarc::driver::CudaStream;
 
 const SOURCE: &str = include_str!("reduce.cu");
 
-/// PTX for `source` named `name`, for the virtual architecture `arch` (NVRTC's default
-/// when `None`), compiled by NVRTC on first use and kept for the process: compiling
-/// takes seconds and every device of one architecture loads the same PTX. `source` is
-/// called only on a miss. NVRTC's log on failure.
-pub fn compile(
-    name: &'static str,
-    source: impl FnOnce() -> String,
-    arch: Option<&'static str>,
-) -> Result<Ptx> {
-    type Compiled = std::result::Result<Ptx, String>;
-    type Key = (&'static str, Option<&'static str>);
-    static PTX: OnceLock<Mutex<HashMap<Key, Compiled>>> = OnceLock::new();
-    require(Library::Nvrtc, "compiling the CUDA kernels")?;
-    let mut cache = PTX.get_or_init(Default::default).lock();
-    cache
-        .entry((name, arch))
-        .or_insert_with(|| {
-            let options = cudarc::nvrtc::CompileOptions {
-                name: Some(name.into()),
-                arch,
-                ..Default::default()
-            };
-            cudarc::nvrtc::compile_ptx_with_opts(source(), options).map_err(|e| match e {
-                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                    log.to_string_lossy().into_owned()
-                }
-                other => format!("{other:?}"),
-            })
-        })
-        .clone()
-        .map_err(|message| Error::Cuda {
-            call: format!("nvrtcCompileProgram ({name})"),
-            message,
-        })
-}
-
-/// The PTX of `reduce.cu`.
-fn ptx() -> Result<Ptx> {
-    compile("ferrotron_reduce.cu", || SOURCE.into(), None)
-}
-
-fn module(stream: &CudaStream) -> Result<Arc<CudaModule>> {
-    static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
-    let ctx = stream.context();
-    let mut modules = MODULES.get_or_init(Default::default).lock();
-    if let Some(module) = modules.get(&ctx.ordinal()) {
-        return Ok(module.clone());
-    }
-    let module = ctx
-        .load_module(ptx()?)
-        .map_err(driver_error("cuModuleLoadData (reduce.cu)"))?;
-    modules.insert(ctx.ordinal(), module.clone());
-    Ok(module)
-}
-
-fn function(stream: &CudaStream, dtype: DType) -> Result<CudaFunction> {
-    let name = format!("reduce_{}", dtype.name());
-    module(stream)?
-        .load_function(&name)
-        .map_err(driver_error("cuModuleGetFunction"))
-}
+/// NVRTC's name for the module.
+const MODULE: &str = "ferrotron_reduce.cu";
 
 /// Queues `out[i] = op over r of input[r * count + i]` for `rows` contiguous rows.
 ///
@@ -90,7 +27,9 @@ pub(crate) unsafe fn reduce_rows(
     if count == 0 {
         return Ok(());
     }
-    let function = function(stream, dtype)?;
+    let ordinal = stream.context().ordinal();
+    let module = device::Module::cuda(ordinal, MODULE, || SOURCE.into(), None)?;
+    let function = module.function(&format!("reduce_{}", dtype.name()))?;
     // The codes reduce.cu switches on.
     let op_code: i32 = match op {
         ReduceOp::Sum => 0,
@@ -99,30 +38,16 @@ pub(crate) unsafe fn reduce_rows(
         ReduceOp::Min => 3,
         ReduceOp::Prod => 4,
     };
-    let (count, rows) = (count as u64, rows as i32);
-    let threads = 256u32;
-    let blocks = count.div_ceil(u64::from(threads)).min(65_535) as u32;
-    let config = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = stream.launch_builder(&function);
-    launch
-        .arg(&out)
-        .arg(&input)
-        .arg(&count)
-        .arg(&rows)
-        .arg(&op_code);
-    // SAFETY: argument types match `reduce_<dtype>` in reduce.cu; the caller guarantees
-    // the memory.
-    unsafe { launch.launch(config) }
-        .map(drop)
-        .map_err(driver_error("cuLaunchKernel (reduce)"))
+    let (count_arg, rows) = (count as u64, rows as i32);
+    // SAFETY: argument types match `reduce_<dtype>` in reduce.cu (out, in, count, rows,
+    // op); the caller guarantees the memory.
+    unsafe { function.launch_on(stream, count, &[&out, &input, &count_arg, &rows, &op_code]) }?;
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::{require, Library};
     use super::*;
 
     /// Compiling needs only libnvrtc, not a GPU: CI machines without it skip; a machine
@@ -133,7 +58,8 @@ mod tests {
             println!("skipped: {reason}");
             return;
         }
-        let ptx = ptx().expect("reduce.cu compiles");
+        let ptx =
+            super::super::compile(MODULE, || SOURCE.into(), None).expect("reduce.cu compiles");
         let text = ptx.to_src();
         for dtype in DType::ALL {
             let entry = format!(".entry reduce_{}", dtype.name());

@@ -16,9 +16,9 @@
 //! between the barriers of a call it entered.
 
 use crate::buffer::Buffer;
-use crate::device::Device;
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{FlightRecord, RankHistory, Recorder};
+use device::Device;
 use parking_lot::{Condvar, Mutex};
 use std::cell::UnsafeCell;
 use std::collections::VecDeque;

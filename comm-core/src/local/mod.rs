@@ -9,7 +9,7 @@
 //! read.
 
 #[cfg(feature = "cuda")]
-mod device;
+mod cuda;
 mod group;
 
 use crate::buffer::{BufMut, BufRef, Buffer};

@@ -3,21 +3,16 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
+use device::DeviceMemory;
+
 use super::{backend, Backend, Kernel, KernelArgs, Precision, Stored};
-use crate::{Device, Element, Result};
+use crate::{Device, Element, Error, Result};
 
-/// One device allocation, freed (in stream order) when the last array using it goes.
+/// One device allocation and the backend that runs work on it, freed (in its stream's
+/// order) when the last array using it goes.
 pub(crate) struct DeviceBuffer {
-    ptr: u64,
-    bytes: usize,
+    memory: DeviceMemory,
     backend: Arc<dyn Backend>,
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated by this backend with this size; no array refers to it anymore.
-        unsafe { self.backend.free(self.ptr, self.bytes) }
-    }
 }
 
 /// A contiguous row-major array of `T` on a device. Cloning shares the memory; arrays
@@ -63,14 +58,9 @@ impl<T: Copy + Default> GpuArray<T> {
             .ok_or_else(|| {
                 crate::Error::shape(op, &[shape], "the tensor's size in bytes overflows usize")
             })?;
-        // SAFETY: a fresh allocation owned by the returned array.
-        let ptr = unsafe { backend.alloc(bytes)? };
+        let memory = (backend.stream().alloc(bytes)).map_err(Error::on_device(op, device))?;
         Ok(GpuArray {
-            buffer: Arc::new(DeviceBuffer {
-                ptr,
-                bytes,
-                backend,
-            }),
+            buffer: Arc::new(DeviceBuffer { memory, backend }),
             offset_bytes: 0,
             shape: shape.to_vec(),
             _element: PhantomData,
@@ -90,9 +80,9 @@ impl<T: Copy + Default> GpuArray<T> {
         unsafe {
             let bytes =
                 std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data));
-            out.backend().upload(out.ptr(), bytes)?;
+            out.stream().upload(out.ptr(), bytes)
         }
-        crate::transfers::count(device, std::mem::size_of_val(data), true);
+        .map_err(Error::on_device(op, device))?;
         Ok(out)
     }
 
@@ -105,9 +95,9 @@ impl<T: Copy + Default> GpuArray<T> {
                 data.as_mut_ptr().cast::<u8>(),
                 std::mem::size_of_val(data.as_slice()),
             );
-            self.backend().download(bytes, self.ptr())?;
+            self.stream().download(bytes, self.ptr())
         }
-        crate::transfers::count(self.device(), std::mem::size_of_val(data.as_slice()), false);
+        .map_err(Error::on_device("to_host", self.device()))?;
         Ok(data)
     }
 
@@ -143,11 +133,10 @@ impl<T: Copy + Default> GpuArray<T> {
     /// A private copy (the caller may then write it in place).
     pub(crate) fn duplicate(&self, op: &'static str) -> Result<Self> {
         let out = Self::uninit(op, self.device(), &self.shape)?;
+        let bytes = self.len() * std::mem::size_of::<T>();
         // SAFETY: both hold `len` elements of `T`.
-        unsafe {
-            self.backend()
-                .copy(out.ptr(), self.ptr(), self.len() * std::mem::size_of::<T>())?
-        };
+        unsafe { self.stream().copy(out.ptr(), self.ptr(), bytes) }
+            .map_err(Error::on_device(op, self.device()))?;
         Ok(out)
     }
 
@@ -164,7 +153,7 @@ impl<T: Copy + Default> GpuArray<T> {
     }
 
     pub(crate) fn ptr(&self) -> u64 {
-        self.buffer.ptr + self.offset_bytes
+        self.buffer.memory.ptr() + self.offset_bytes
     }
 
     pub(crate) fn device(&self) -> Device {
@@ -175,6 +164,11 @@ impl<T: Copy + Default> GpuArray<T> {
         &*self.buffer.backend
     }
 
+    /// The stream the array's work is queued on (its backend's).
+    pub(crate) fn stream(&self) -> &device::Stream {
+        self.buffer.backend.stream()
+    }
+
     /// This array's memory as a communicator reads it: the emulator's (host memory of
     /// its own kind) or CUDA memory ordered on the backend's stream, with no copy.
     pub(crate) fn lend(&self) -> comm_core::BufRef<'_>
@@ -183,7 +177,7 @@ impl<T: Copy + Default> GpuArray<T> {
     {
         let dtype = <T as comm_core::Element>::DTYPE;
         #[cfg(feature = "cuda")]
-        if let Some(stream) = self.backend().cuda_stream() {
+        if let Some(stream) = self.stream().cuda() {
             // SAFETY: device memory of the stream's device holding `len` elements of `T`,
             // allocated and freed on that stream; arrays are never written once made, and
             // the view borrows `self`, which keeps the allocation alive.
@@ -206,7 +200,7 @@ impl<T: Copy + Default> GpuArray<T> {
     {
         let dtype = <T as comm_core::Element>::DTYPE;
         #[cfg(feature = "cuda")]
-        if let Some(stream) = self.backend().cuda_stream() {
+        if let Some(stream) = self.stream().cuda() {
             // SAFETY: as in `lend`, and the caller guarantees the view is the only access.
             return unsafe { comm_core::BufMut::cuda_raw(self.ptr(), self.len(), dtype, stream) };
         }
@@ -263,8 +257,10 @@ impl<T: Copy + Default> GpuArray<T> {
         if items == 0 {
             return Ok(());
         }
+        let function = self.backend().function(kernel, precision)?;
         // SAFETY: callers fill `args` with addresses of live arrays of this backend and
         // sizes matching the kernel's documented slots.
-        unsafe { self.backend().launch(kernel, precision, items, args) }
+        unsafe { self.stream().launch(&function, items, &[args]) }
+            .map_err(Error::on_device(kernel.name, self.device()))
     }
 }

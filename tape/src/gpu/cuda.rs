@@ -1,30 +1,14 @@
-//! [`Device::Cuda`] through cudarc: NVRTC-compiled kernels, cuBLAS GEMMs and stream-ordered
-//! memory, all on one stream per device.
+//! [`Device::Cuda`]: NVRTC-compiled kernels and stream-ordered memory from the device
+//! layer, GEMMs through cuBLAS, all on one stream per device.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use comm_core::cuda;
 use cudarc::cublas::sys as cublas_sys;
-use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 use parking_lot::Mutex;
 
-use super::{allow_tf32, Backend, Gemm, GemmFormat, Kernel, KernelArgs, Precision};
+use super::{allow_tf32, Backend, Gemm, GemmFormat, Kernel, Precision};
 use crate::{Device, Error, Result};
-
-// SAFETY: KernelArgs is a plain #[repr(C)] struct of integers and floats, which is
-// exactly what the kernels take by value.
-unsafe impl cudarc::driver::DeviceRepr for KernelArgs {}
-
-/// A failure of comm-core's shared CUDA plumbing (library checks, contexts, NVRTC) as
-/// this device's error.
-fn shared(device: Device, op: &'static str) -> impl Fn(comm_core::Error) -> Error {
-    move |e| Error::Device {
-        op,
-        device,
-        message: e.to_string(),
-    }
-}
 
 fn failure(device: Device, op: &'static str) -> impl Fn(String) -> Error {
     move |message| Error::Device {
@@ -64,6 +48,9 @@ fn source() -> String {
     .join("\n")
 }
 
+/// NVRTC's name for the kernels' module.
+const MODULE: &str = "ferrotron_tape.cu";
+
 /// The NVRTC target for a device of compute capability `major.minor`: its own virtual
 /// architecture where NVRTC knows it, else the oldest one CUDA 12 and 13 both support
 /// (7.5; double-precision atomicAdd needs 6.0), which the driver JIT-compiles forward.
@@ -77,12 +64,6 @@ fn architecture(major: i32, minor: i32) -> &'static str {
     }
 }
 
-/// PTX of every kernel for `arch`, compiled once per process and architecture.
-fn ptx(device: Device, arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
-    cuda::compile("ferrotron_tape.cu", source, Some(arch))
-        .map_err(shared(device, "compile kernels"))
-}
-
 /// A cuBLAS handle bound to the backend's stream.
 struct Blas(cublas_sys::cublasHandle_t);
 
@@ -91,9 +72,9 @@ unsafe impl Send for Blas {}
 
 pub(crate) struct CudaBackend {
     device: Device,
-    stream: Arc<CudaStream>,
-    module: Arc<CudaModule>,
-    functions: Mutex<HashMap<(&'static str, Precision), CudaFunction>>,
+    stream: device::Stream,
+    module: Arc<device::Module>,
+    functions: Mutex<HashMap<(&'static str, Precision), device::Function>>,
     blas: Mutex<Blas>,
 }
 
@@ -101,23 +82,31 @@ impl CudaBackend {
     pub(crate) fn new(ordinal: usize) -> Result<CudaBackend> {
         let device = Device::Cuda(ordinal);
         let fail = |op| failure(device, op);
-        let context = cuda::context(ordinal).map_err(shared(device, "open device"))?;
-        let stream = context
-            .new_stream()
-            .map_err(|e| fail("create stream")(format!("{e}")))?;
+        let open = Error::on_device("open device", device);
+        let context = device::cuda::context(ordinal).map_err(&open)?;
+        let stream = device::Stream::new(device).map_err(&open)?;
         let (major, minor) = context
             .compute_capability()
             .map_err(|e| fail("query compute capability")(format!("{e}")))?;
-        let module = context
-            .load_module(ptx(device, architecture(major, minor))?)
-            .map_err(|e| fail("load kernels")(format!("{e}")))?;
-        cuda::require(cuda::Library::Cublas, "matrix products on CUDA tensors")
-            .map_err(shared(device, "open device"))?;
+        let arch = architecture(major, minor);
+        let module = device::Module::cuda(ordinal, MODULE, source, Some(arch))
+            .map_err(Error::on_device("load kernels", device))?;
+        device::cuda::require(
+            device::cuda::Library::Cublas,
+            "matrix products on CUDA tensors",
+        )
+        .map_err(&open)?;
         let handle = cudarc::cublas::result::create_handle()
             .map_err(|e| fail("create cuBLAS handle")(format!("{e:?}")))?;
+        let cu_stream = stream.cuda().map(|s| s.cu_stream());
         // SAFETY: a fresh handle and a live stream of the same context.
-        unsafe { cudarc::cublas::result::set_stream(handle, stream.cu_stream() as _) }
-            .map_err(|e| fail("cublasSetStream")(format!("{e:?}")))?;
+        unsafe {
+            cudarc::cublas::result::set_stream(
+                handle,
+                cu_stream.unwrap_or(std::ptr::null_mut()) as _,
+            )
+        }
+        .map_err(|e| fail("cublasSetStream")(format!("{e:?}")))?;
         Ok(CudaBackend {
             device,
             stream,
@@ -130,27 +119,6 @@ impl CudaBackend {
     fn fail(&self, op: &'static str) -> impl Fn(String) -> Error {
         failure(self.device, op)
     }
-
-    fn bind(&self) -> Result<()> {
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| self.fail("cuCtxSetCurrent")(format!("{e}")))
-    }
-
-    fn function(&self, kernel: &Kernel, precision: Precision) -> Result<CudaFunction> {
-        let mut functions = self.functions.lock();
-        if let Some(function) = functions.get(&(kernel.name, precision)) {
-            return Ok(function.clone());
-        }
-        let name = format!("{}_{}", kernel.name, precision.suffix());
-        let function = self
-            .module
-            .load_function(&name)
-            .map_err(|e| self.fail("cuModuleGetFunction")(format!("{name}: {e}")))?;
-        functions.insert((kernel.name, precision), function.clone());
-        Ok(function)
-    }
 }
 
 impl Drop for CudaBackend {
@@ -160,114 +128,27 @@ impl Drop for CudaBackend {
     }
 }
 
-fn driver(result: cudarc::driver::sys::CUresult) -> std::result::Result<(), String> {
-    result.result().map_err(|e| format!("{e}"))
-}
-
 impl Backend for CudaBackend {
-    fn device(&self) -> Device {
-        self.device
+    fn stream(&self) -> &device::Stream {
+        &self.stream
     }
 
-    fn cuda_stream(&self) -> Option<&CudaStream> {
-        Some(&self.stream)
-    }
-
-    unsafe fn alloc(&self, bytes: usize) -> Result<u64> {
-        self.bind()?;
-        // SAFETY: stream-ordered allocation on our live stream.
-        unsafe { cudarc::driver::result::malloc_async(self.stream.cu_stream(), bytes.max(1)) }
-            .map_err(|e| self.fail("cuMemAllocAsync")(format!("{e} ({bytes} bytes)")))
-    }
-
-    unsafe fn free(&self, ptr: u64, _bytes: usize) {
-        if self.bind().is_ok() {
-            // SAFETY: allocated on this stream; later work on it cannot use the memory.
-            // A failure means the context is already broken; the next call reports it.
-            let _ = unsafe { cudarc::driver::result::free_async(ptr, self.stream.cu_stream()) };
+    fn function(&self, kernel: &Kernel, precision: Precision) -> Result<device::Function> {
+        let mut functions = self.functions.lock();
+        if let Some(function) = functions.get(&(kernel.name, precision)) {
+            return Ok(function.clone());
         }
-    }
-
-    unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
-        self.bind()?;
-        // SAFETY: the caller guarantees `dst`; a pageable source is copied before the
-        // call returns, and we synchronize anyway so `src` may go away at once.
-        unsafe {
-            driver(cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
-                dst,
-                src.as_ptr().cast(),
-                src.len(),
-                self.stream.cu_stream(),
-            ))
-        }
-        .and_then(|()| self.stream.synchronize().map_err(|e| format!("{e}")))
-        .map_err(self.fail("upload"))
-    }
-
-    unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<()> {
-        self.bind()?;
-        // SAFETY: the caller guarantees `src`; we wait for the copy before returning.
-        unsafe {
-            driver(cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr().cast(),
-                src,
-                dst.len(),
-                self.stream.cu_stream(),
-            ))
-        }
-        .and_then(|()| self.stream.synchronize().map_err(|e| format!("{e}")))
-        .map_err(self.fail("download"))
-    }
-
-    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        self.bind()?;
-        // SAFETY: the caller guarantees both ranges.
-        unsafe {
-            driver(cudarc::driver::sys::cuMemcpyAsync(
-                dst,
-                src,
-                bytes,
-                self.stream.cu_stream(),
-            ))
-        }
-        .map_err(self.fail("cuMemcpyAsync"))
-    }
-
-    unsafe fn launch(
-        &self,
-        kernel: &Kernel,
-        precision: Precision,
-        items: usize,
-        args: &KernelArgs,
-    ) -> Result<()> {
-        self.bind()?;
-        let function = self.function(kernel, precision)?;
-        let threads = 256u32;
-        // Grid-stride loops: enough blocks to fill the device, never more than needed.
-        let blocks = items.div_ceil(threads as usize).clamp(1, 65_535) as u32;
-        let config = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = self.stream.launch_builder(&function);
-        launch.arg(args);
-        // SAFETY: every kernel takes one KernelArgs by value; the caller guarantees the
-        // addresses in it.
-        unsafe { launch.launch(config) }
-            .map(drop)
-            .map_err(|e| self.fail("cuLaunchKernel")(format!("{}: {e}", kernel.name)))
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        self.bind()?;
-        self.stream
-            .synchronize()
-            .map_err(|e| self.fail("cuStreamSynchronize")(format!("{e}")))
+        let name = format!("{}_{}", kernel.name, precision.suffix());
+        let function =
+            (self.module.function(&name)).map_err(Error::on_device("load kernel", self.device))?;
+        functions.insert((kernel.name, precision), function.clone());
+        Ok(function)
     }
 
     unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
-        self.bind()?;
+        self.stream
+            .bind()
+            .map_err(Error::on_device("cublasGemmStridedBatched", self.device))?;
         let blas = self.blas.lock();
         let op = |t| {
             if t {
@@ -392,13 +273,13 @@ mod tests {
     /// the toolkit (or `pip download nvidia-cuda-nvrtc-cu12`) checks every kernel.
     #[test]
     fn every_kernel_compiles_with_nvrtc() {
-        if let Err(reason) = cuda::require(cuda::Library::Nvrtc, "this test") {
+        if let Err(reason) = device::cuda::require(device::cuda::Library::Nvrtc, "this test") {
             println!("skipped: {reason}");
             return;
         }
         // The fallback architecture and Hopper's (the GPU machines').
         for (major, minor) in [(7, 5), (9, 0)] {
-            let ptx = ptx(Device::Cuda(0), architecture(major, minor))
+            let ptx = device::cuda::compile(MODULE, source, Some(architecture(major, minor)))
                 .expect("the kernels compile")
                 .to_src();
             for kernel in super::super::KERNEL_LISTS

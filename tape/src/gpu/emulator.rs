@@ -3,83 +3,36 @@
 //! reference implementation of cuBLAS's column-major contract, so the row-major wrapper
 //! in `ops` is checked exactly as cuBLAS will read it.
 
-use std::alloc::Layout;
-
 use half::{bf16, f16};
 
 use super::HalfFormat;
-use super::{Backend, Gemm, GemmFormat, Kernel, KernelArgs, Precision};
+use super::{Backend, Gemm, GemmFormat, Kernel, Precision};
 use crate::{Device, Error, Result};
 
-pub(crate) struct Emulator;
+/// The emulated device: its one stream (every call runs to completion as it is made) and
+/// the host builds of the kernels.
+pub(crate) struct Emulator {
+    stream: device::Stream,
+}
 
-/// The host layout of a `bytes`-byte device allocation; `None` past `isize::MAX` bytes.
-fn layout(bytes: usize) -> Option<Layout> {
-    // 16-byte alignment: enough for f64 and i64, like cudaMalloc's (stronger) guarantee.
-    Layout::from_size_align(bytes.max(16), 16).ok()
+impl Emulator {
+    pub(crate) fn new() -> Result<Emulator> {
+        let stream = device::Stream::new(Device::Emulated)
+            .map_err(Error::on_device("open device", Device::Emulated))?;
+        Ok(Emulator { stream })
+    }
 }
 
 impl Backend for Emulator {
-    fn device(&self) -> Device {
-        Device::Emulated
+    fn stream(&self) -> &device::Stream {
+        &self.stream
     }
 
-    unsafe fn alloc(&self, bytes: usize) -> Result<u64> {
-        let out_of_memory = || Error::Device {
-            op: "alloc",
-            device: Device::Emulated,
-            message: format!("out of host memory allocating {bytes} bytes"),
-        };
-        let layout = layout(bytes).ok_or_else(out_of_memory)?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc(layout) };
-        if ptr.is_null() {
-            return Err(out_of_memory());
-        }
-        Ok(ptr as u64)
-    }
-
-    unsafe fn free(&self, ptr: u64, bytes: usize) {
-        // `alloc` succeeded with this size, so its layout exists.
-        if let Some(layout) = layout(bytes) {
-            // SAFETY: allocated by `alloc` with the same layout.
-            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) }
-        }
-    }
-
-    unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
-        // SAFETY: the caller guarantees `dst` holds `src.len()` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
-        Ok(())
-    }
-
-    unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<()> {
-        // SAFETY: the caller guarantees `src` holds `dst.len()` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
-        Ok(())
-    }
-
-    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        // SAFETY: the caller guarantees both ranges; `copy` tolerates overlap.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
-        Ok(())
-    }
-
-    unsafe fn launch(
-        &self,
-        kernel: &Kernel,
-        precision: Precision,
-        _items: usize,
-        args: &KernelArgs,
-    ) -> Result<()> {
-        // SAFETY: the host build reads `args` as the kernel's documented slots; the caller
-        // guarantees the addresses in them.
-        unsafe { (kernel.host[precision.index()])(args) };
-        Ok(())
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
+    fn function(&self, kernel: &Kernel, precision: Precision) -> Result<device::Function> {
+        Ok(device::Function::host(
+            kernel.name,
+            kernel.host[precision.index()],
+        ))
     }
 
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()> {

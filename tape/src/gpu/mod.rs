@@ -34,12 +34,15 @@ pub(crate) struct KernelArgs {
 /// Most dimensions a kernel's shape arguments can describe.
 pub(crate) const MAX_DIMS: usize = 8;
 
-/// A host build of one kernel.
-pub(crate) type HostKernel = unsafe extern "C" fn(*const KernelArgs);
+// SAFETY: a #[repr(C)] struct of integers and floats, which is exactly what every kernel
+// takes by value (`kernels/common.h`).
+unsafe impl device::KernelArg for KernelArgs {}
+
+/// A host build of one kernel: it reads a [`KernelArgs`] through the pointer.
+pub(crate) type HostKernel = device::HostKernel;
 
 /// A kernel by name, with its host builds for f32 and f64.
 pub(crate) struct Kernel {
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // NVRTC looks kernels up by name
     pub name: &'static str,
     pub host: [HostKernel; 2],
 }
@@ -48,8 +51,9 @@ pub(crate) struct Kernel {
 /// them all (the NVRTC test checks each one compiled).
 macro_rules! kernels {
     ($list:ident: $($constant:ident = $name:literal : $f32:ident, $f64:ident;)*) => {
+        // The C builds take `const KernelArgs*`; any pointer passes alike.
         extern "C" {
-            $(fn $f32(args: *const KernelArgs); fn $f64(args: *const KernelArgs);)*
+            $(fn $f32(args: *const std::ffi::c_void); fn $f64(args: *const std::ffi::c_void);)*
         }
         $(pub(crate) const $constant: Kernel = Kernel { name: $name, host: [$f32, $f64] };)*
         pub(crate) const $list: &[&Kernel] = &[$(&$constant),*];
@@ -227,34 +231,21 @@ pub(crate) struct Gemm {
     pub batch: usize,
 }
 
-/// What runs device work: memory, copies, kernels and GEMMs, in submission order.
+/// What runs a device's work: its stream (memory, copies and launches, from the device
+/// layer), each kernel's build for it, and GEMMs.
 ///
-/// Addresses are plain `u64`s owned by [`array::DeviceBuffer`]s; the `unsafe` methods
-/// require them to be live allocations of this backend, large enough for the access.
+/// Addresses are plain `u64`s of [`device::DeviceMemory`] that arrays hold; the `unsafe`
+/// method requires them to be live allocations of this backend's device, large enough for
+/// the access.
 pub(crate) trait Backend: Send + Sync {
-    fn device(&self) -> Device;
-    unsafe fn alloc(&self, bytes: usize) -> Result<u64>;
-    unsafe fn free(&self, ptr: u64, bytes: usize);
-    unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<()>;
-    unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<()>;
-    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
-    /// Runs `kernel` over `items` independent indices.
-    unsafe fn launch(
-        &self,
-        kernel: &Kernel,
-        precision: Precision,
-        items: usize,
-        args: &KernelArgs,
-    ) -> Result<()>;
-    unsafe fn gemm(&self, gemm: &Gemm) -> Result<()>;
-    /// Waits until all queued work has finished.
-    fn synchronize(&self) -> Result<()>;
-    /// The CUDA stream every array of this backend is ordered on (and freed on), for
-    /// lending them to communicators; `None` for the emulator.
-    #[cfg(feature = "cuda")]
-    fn cuda_stream(&self) -> Option<&cudarc::driver::CudaStream> {
-        None
+    /// The stream all of the device's tensor work is queued on, in submission order.
+    fn stream(&self) -> &device::Stream;
+    fn device(&self) -> Device {
+        self.stream().device()
     }
+    /// `kernel`'s `precision` build for this device.
+    fn function(&self, kernel: &Kernel, precision: Precision) -> Result<device::Function>;
+    unsafe fn gemm(&self, gemm: &Gemm) -> Result<()>;
 }
 
 /// Waits until all work queued on `device` has finished (like
@@ -263,7 +254,8 @@ pub(crate) trait Backend: Send + Sync {
 pub fn synchronize(device: Device) -> Result<()> {
     match device {
         Device::Cpu => Ok(()),
-        _ => backend("synchronize", device)?.synchronize(),
+        _ => (backend("synchronize", device)?.stream().synchronize())
+            .map_err(Error::on_device("synchronize", device)),
     }
 }
 
@@ -276,7 +268,7 @@ pub(crate) fn backend(op: &'static str, device: Device) -> Result<Arc<dyn Backen
     }
     let backend: Arc<dyn Backend> = match device {
         Device::Cpu => return Err(Error::UnsupportedDevice { op, device }),
-        Device::Emulated => Arc::new(emulator::Emulator),
+        Device::Emulated => Arc::new(emulator::Emulator::new()?),
         #[cfg(feature = "cuda")]
         Device::Cuda(ordinal) => Arc::new(cuda::CudaBackend::new(ordinal)?),
         #[cfg(not(feature = "cuda"))]

@@ -1,7 +1,8 @@
-//! Where memory lives and computation runs: one device type for every crate (tape's
-//! tensors, the buffers collectives move, DDP's buckets).
+//! Where memory lives and computation runs.
 
 use std::fmt;
+
+use crate::error::Error;
 
 /// A device: where a buffer's elements live and where tensors compute (tape moves
 /// tensors between devices with `Tensor::to_device`; operands of one op share a device).
@@ -13,7 +14,7 @@ pub enum Device {
     /// A CUDA device by ordinal (needs the `cuda` feature, and at run time libcuda, and
     /// libnvrtc and libcublas for tape, libnccl for the `nccl` backend).
     Cuda(usize),
-    /// The CUDA code path run on the host: tape's kernels compiled as C and executed
+    /// The CUDA code path run on the host: the kernels compiled as C and executed
     /// sequentially, with a reference GEMM. For testing and debugging device code on a
     /// machine without a GPU; slow by design. Its memory is host memory that the local
     /// and MPI backends move as such, kept apart from `Cpu` so that a call mixing the two
@@ -40,15 +41,10 @@ impl fmt::Display for Device {
 }
 
 impl std::str::FromStr for Device {
-    type Err = crate::Error;
+    type Err = Error;
 
     /// `cpu`, `emulated`, `cuda` (device 0) or `cuda:N`, as printed by `Display`.
-    fn from_str(text: &str) -> crate::Result<Device> {
-        let invalid = || {
-            crate::Error::Config(format!(
-                "{text:?} is not a device; use cpu, emulated, cuda or cuda:N"
-            ))
-        };
+    fn from_str(text: &str) -> Result<Device, Error> {
         match text {
             "cpu" => Ok(Device::Cpu),
             "emulated" => Ok(Device::Emulated),
@@ -57,7 +53,9 @@ impl std::str::FromStr for Device {
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(Device::Cuda)
-                .ok_or_else(invalid),
+                .ok_or_else(|| Error::NotADevice {
+                    text: text.to_string(),
+                }),
         }
     }
 }
@@ -77,7 +75,11 @@ mod tests {
             assert_eq!(device.to_string().parse::<Device>().unwrap(), device);
         }
         assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
-        assert!("gpu".parse::<Device>().is_err());
+        let error = "gpu".parse::<Device>().unwrap_err().to_string();
+        assert!(
+            error.contains("use cpu, emulated, cuda or cuda:N"),
+            "{error}"
+        );
         assert!("cuda:x".parse::<Device>().is_err());
     }
 }

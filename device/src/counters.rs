@@ -1,0 +1,114 @@
+//! Counts of what crosses between host and device, so that users and tests can see what
+//! a training step moves (a device-resident step moves only its batch and loss) and how
+//! often the host stops to wait for a device.
+//!
+//! Counted per thread, on the thread that asks: ranks run as threads by the local
+//! backend, or as processes, each see their own. Counting is the only state here; nothing
+//! reads it but [`transfers`] and [`host_waits`].
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use crate::Device;
+
+/// Host↔device copies one thread has asked for on one device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Transfers {
+    /// Bytes copied from host memory to the device.
+    pub to_device_bytes: u64,
+    /// Copies from host memory to the device.
+    pub to_device_copies: u64,
+    /// Bytes copied from the device to host memory.
+    pub to_host_bytes: u64,
+    /// Copies from the device to host memory.
+    pub to_host_copies: u64,
+}
+
+impl std::ops::Add for Transfers {
+    type Output = Transfers;
+
+    /// Both readings' copies together (two measured spans).
+    fn add(self, other: Transfers) -> Transfers {
+        Transfers {
+            to_device_bytes: self.to_device_bytes + other.to_device_bytes,
+            to_device_copies: self.to_device_copies + other.to_device_copies,
+            to_host_bytes: self.to_host_bytes + other.to_host_bytes,
+            to_host_copies: self.to_host_copies + other.to_host_copies,
+        }
+    }
+}
+
+impl std::ops::Sub for Transfers {
+    type Output = Transfers;
+
+    /// What was copied between two readings (`later - earlier`).
+    fn sub(self, earlier: Transfers) -> Transfers {
+        Transfers {
+            to_device_bytes: self.to_device_bytes - earlier.to_device_bytes,
+            to_device_copies: self.to_device_copies - earlier.to_device_copies,
+            to_host_bytes: self.to_host_bytes - earlier.to_host_bytes,
+            to_host_copies: self.to_host_copies - earlier.to_host_copies,
+        }
+    }
+}
+
+/// One device's counts on one thread.
+#[derive(Clone, Copy, Default)]
+struct Counts {
+    transfers: Transfers,
+    host_waits: u64,
+}
+
+thread_local! {
+    static COUNTS: RefCell<HashMap<Device, Counts>> = RefCell::new(HashMap::new());
+}
+
+fn with_counts<R>(device: Device, f: impl FnOnce(&mut Counts) -> R) -> R {
+    COUNTS.with(|counts| f(counts.borrow_mut().entry(device).or_default()))
+}
+
+/// The copies between host memory and `device` this thread has asked for so far
+/// (tensors moved to and from the device, values read back, uploads an op stages).
+/// Subtract two readings to measure a step.
+///
+/// ```
+/// use device::{transfers, Device, Stream};
+///
+/// let stream = Stream::new(Device::Emulated)?;
+/// let before = transfers(Device::Emulated);
+/// let memory = stream.alloc(16)?;
+/// // SAFETY: the allocation holds 16 bytes.
+/// unsafe { stream.upload(memory.ptr(), &[0u8; 16])? };
+/// let moved = transfers(Device::Emulated) - before;
+/// assert_eq!((moved.to_device_copies, moved.to_device_bytes), (1, 16));
+/// # Ok::<(), device::Error>(())
+/// ```
+pub fn transfers(device: Device) -> Transfers {
+    with_counts(device, |counts| counts.transfers)
+}
+
+/// How many times this thread has blocked on `device`: a stream or event synchronized,
+/// or a copy the host had to wait for (a download, a pageable upload). Subtract two
+/// readings to measure a step.
+pub fn host_waits(device: Device) -> u64 {
+    with_counts(device, |counts| counts.host_waits)
+}
+
+/// Counts a copy of `bytes` bytes to (`to_device`) or from `device`.
+pub(crate) fn count_transfer(device: Device, bytes: usize, to_device: bool) {
+    with_counts(device, |counts| {
+        let transfers = &mut counts.transfers;
+        if to_device {
+            transfers.to_device_bytes += bytes as u64;
+            transfers.to_device_copies += 1;
+        } else {
+            transfers.to_host_bytes += bytes as u64;
+            transfers.to_host_copies += 1;
+        }
+    });
+}
+
+/// Counts one time the host blocked on `device`.
+pub(crate) fn count_host_wait(device: Device) {
+    with_counts(device, |counts| counts.host_waits += 1);
+}

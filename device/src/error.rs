@@ -1,0 +1,89 @@
+//! What can go wrong with a device.
+
+use crate::Device;
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Every way a device operation can fail, with what to do about it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A CUDA library could not be loaded (libraries are found at run time).
+    #[error(
+        "{library} could not be loaded, and {purpose} needs it: install it, or add the \
+         directory that holds it to LD_LIBRARY_PATH (e.g. \
+         `export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH`){hint}"
+    )]
+    LibraryMissing {
+        /// The library's file name, as searched for.
+        library: &'static str,
+        /// What needed it.
+        purpose: &'static str,
+        /// Library-specific advice (may be empty).
+        hint: &'static str,
+    },
+
+    /// The CUDA driver is loaded but there is no device with the requested ordinal.
+    #[error(
+        "no CUDA device {requested}: the driver reports {available} device(s); check \
+         `nvidia-smi` and CUDA_VISIBLE_DEVICES"
+    )]
+    NoDevice {
+        /// The ordinal asked for.
+        requested: usize,
+        /// How many devices the driver reports.
+        available: usize,
+    },
+
+    /// A CUDA driver or NVRTC call failed; `message` is CUDA's own.
+    #[error("CUDA {call} failed: {message}")]
+    Driver {
+        /// The call (or step) that failed.
+        call: String,
+        /// CUDA's error name and description.
+        message: String,
+    },
+
+    /// The device cannot do this: the host has no streams, or CUDA is not built in.
+    #[error(
+        "{op}: not supported on {device}{}",
+        if matches!(device, Device::Cuda(_)) {
+            "; build with the `cuda` feature"
+        } else {
+            ""
+        }
+    )]
+    Unsupported {
+        /// What was asked for.
+        op: &'static str,
+        /// The device it was asked of.
+        device: Device,
+    },
+
+    /// An allocation of `bytes` bytes failed.
+    #[error("{device}: out of memory allocating {bytes} bytes")]
+    OutOfMemory {
+        /// Where.
+        device: Device,
+        /// How much.
+        bytes: usize,
+    },
+
+    /// An argument that cannot be right: a stream of another device, an event of a
+    /// stream on another device, a copy past an allocation's end.
+    #[error("{op}: {reason}")]
+    Invalid {
+        /// The operation that refused it.
+        op: &'static str,
+        /// What is wrong, and what to pass instead.
+        reason: String,
+    },
+
+    /// Text that names no device.
+    #[error("{text:?} is not a device; use cpu, emulated, cuda or cuda:N")]
+    NotADevice {
+        /// The text given.
+        text: String,
+    },
+}

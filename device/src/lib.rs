@@ -1,0 +1,48 @@
+//! The ground floor of ferrotron: everything about devices, in one place for the crates
+//! above it (comm-core's communicators, tape's tensors).
+//!
+//! - [`Device`]: the CPU, a CUDA device, or the emulated device (the CUDA code path run on
+//!   the host, so device code is tested on every machine);
+//! - [`Stream`] and [`Event`] as values: work queued on a stream runs in order; an event
+//!   marks a point another stream can wait for on the device, or the host can wait for;
+//! - [`DeviceMemory`]: allocations made and freed in a stream's order, the one way device
+//!   memory is owned; copies between host and device and within a device;
+//! - [`Module`] and [`Function`]: kernels compiled by NVRTC (CUDA) or built for the host
+//!   (emulated), launched on a stream;
+//! - counters of host↔device [`transfers`] and of [`host_waits`], per thread and device;
+//! - with the `cuda` feature, [`cuda`]: finding the CUDA libraries at run time (the
+//!   workspace builds and runs without them), one context per device per process, and
+//!   NVRTC's cache.
+//!
+//! ```
+//! use device::{host_waits, Device, Stream};
+//!
+//! // Two streams of one device: the second waits, on the device, for the first's copy.
+//! let (first, second) = (Stream::new(Device::Emulated)?, Stream::new(Device::Emulated)?);
+//! let memory = first.alloc(4)?;
+//! // SAFETY: the allocation holds 4 bytes.
+//! unsafe { first.copy(memory.ptr(), memory.ptr(), 4)? };
+//! let done = first.record()?;
+//! second.wait(&done)?; // the host does not wait here...
+//! let waits = host_waits(Device::Emulated);
+//! second.synchronize()?; // ...but here it does, and it is counted
+//! assert_eq!(host_waits(Device::Emulated), waits + 1);
+//! # Ok::<(), device::Error>(())
+//! ```
+#![warn(missing_docs)]
+
+mod counters;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod error;
+mod memory;
+mod module;
+mod place;
+mod stream;
+
+pub use counters::{host_waits, transfers, Transfers};
+pub use error::{Error, Result};
+pub use memory::DeviceMemory;
+pub use module::{Arg, Function, HostKernel, KernelArg, Module};
+pub use place::Device;
+pub use stream::{Event, Stream};

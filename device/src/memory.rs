@@ -1,0 +1,206 @@
+//! Device memory: one ownership model for every crate. A [`DeviceMemory`] is an
+//! allocation made in a stream's order and freed in that order when the last owner drops
+//! it; tensors, communicators and buffers all hold device memory this way and address it
+//! by `u64`, as the driver does. Copies between host and device, and within a device,
+//! are queued on a stream.
+
+use std::alloc::Layout;
+
+use crate::counters::count_transfer;
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+use crate::Device;
+
+/// Device memory allocated on a stream and freed on it when dropped.
+///
+/// On CUDA it comes from the device's stream-ordered pool (`cuMemAllocAsync`; the pool
+/// keeps freed memory for the next allocation instead of returning it at every
+/// synchronize). On the emulated device it is host memory aligned to 16 bytes, allocated
+/// anew each time, so a counting allocator sees every allocation.
+pub struct DeviceMemory {
+    ptr: u64,
+    bytes: usize,
+    stream: Stream,
+}
+
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceMemory")
+            .field("device", &self.stream.device())
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+/// The host layout of an emulated allocation of `bytes`; `None` past `isize::MAX`.
+fn emulated_layout(bytes: usize) -> Option<Layout> {
+    // 16-byte alignment: enough for f64 and i64, like cudaMalloc's (stronger) guarantee.
+    Layout::from_size_align(bytes.max(16), 16).ok()
+}
+
+impl DeviceMemory {
+    /// The first byte's device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Its size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The stream it was allocated on, which frees it.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The device it lives on.
+    pub fn device(&self) -> Device {
+        self.stream.device()
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        match self.stream.device() {
+            Device::Emulated => {
+                // `alloc` succeeded with this size, so its layout exists.
+                if let Some(layout) = emulated_layout(self.bytes) {
+                    // SAFETY: allocated by `Stream::alloc` with the same layout; this is
+                    // its only owner.
+                    unsafe { std::alloc::dealloc(self.ptr as *mut u8, layout) }
+                }
+            }
+            #[cfg(feature = "cuda")]
+            _ => {
+                if let (Ok(()), Some(stream)) = (self.stream.bind(), self.stream.cuda()) {
+                    // SAFETY: allocated on this stream; work that used it was queued on it
+                    // (or ordered before it) earlier. A failure means the context is
+                    // already broken, which the next call reports.
+                    let _ =
+                        unsafe { cudarc::driver::result::free_async(self.ptr, stream.cu_stream()) };
+                }
+            }
+            #[cfg(not(feature = "cuda"))]
+            _ => {}
+        }
+    }
+}
+
+impl Stream {
+    /// `bytes` bytes of device memory (at least one, so the address is valid), allocated
+    /// in this stream's order: work queued here after the call may use it.
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceMemory> {
+        let out_of_memory = || Error::OutOfMemory {
+            device: self.device(),
+            bytes,
+        };
+        let ptr = match self.device() {
+            Device::Emulated => {
+                let layout = emulated_layout(bytes).ok_or_else(out_of_memory)?;
+                // SAFETY: the layout has a non-zero size.
+                let ptr = unsafe { std::alloc::alloc(layout) };
+                if ptr.is_null() {
+                    return Err(out_of_memory());
+                }
+                ptr as u64
+            }
+            #[cfg(feature = "cuda")]
+            _ => {
+                // SAFETY: the allocation is owned by the returned memory, freed on drop.
+                unsafe { crate::cuda::alloc(self.cuda_stream("alloc")?, bytes)? }
+            }
+            #[cfg(not(feature = "cuda"))]
+            device => {
+                return Err(Error::Unsupported {
+                    op: "alloc",
+                    device,
+                })
+            }
+        };
+        self.issued();
+        Ok(DeviceMemory {
+            ptr,
+            bytes,
+            stream: self.clone(),
+        })
+    }
+
+    /// Copies `src` from host memory to device address `dst` and waits for the copy, so
+    /// `src` may change at once (a pageable copy: counted as a transfer and a host wait).
+    ///
+    /// # Safety
+    /// `dst` must be device memory of this stream's device, valid for `src.len()` bytes
+    /// and not used by other work until the copy is done.
+    pub unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
+        match self.device() {
+            Device::Emulated => {
+                count_transfer(self.device(), src.len(), true);
+                // SAFETY: the caller guarantees `dst`; emulated memory is host memory.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+                self.issued();
+                self.synchronize()
+            }
+            // SAFETY: as the caller guarantees.
+            #[cfg(feature = "cuda")]
+            _ => unsafe { crate::cuda::upload(self.cuda_stream("upload")?, dst, src) },
+            #[cfg(not(feature = "cuda"))]
+            device => Err(Error::Unsupported {
+                op: "upload",
+                device,
+            }),
+        }
+    }
+
+    /// Copies `dst.len()` bytes from device address `src` to host memory, after the work
+    /// queued before it, and waits for them (counted as a transfer and a host wait).
+    ///
+    /// # Safety
+    /// `src` must be device memory of this stream's device, valid for `dst.len()` bytes.
+    pub unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        match self.device() {
+            Device::Emulated => {
+                count_transfer(self.device(), dst.len(), false);
+                // SAFETY: the caller guarantees `src`; emulated memory is host memory.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len())
+                };
+                self.issued();
+                self.synchronize()
+            }
+            // SAFETY: as the caller guarantees.
+            #[cfg(feature = "cuda")]
+            _ => unsafe { crate::cuda::download(self.cuda_stream("download")?, dst, src) },
+            #[cfg(not(feature = "cuda"))]
+            device => Err(Error::Unsupported {
+                op: "download",
+                device,
+            }),
+        }
+    }
+
+    /// Queues a copy of `bytes` bytes between two device addresses (of this device, of
+    /// another, or of pinned host memory: unified addressing infers the direction). The
+    /// ranges may overlap only on the emulated device.
+    ///
+    /// # Safety
+    /// Both ranges must be valid for `bytes` bytes until the copy has run.
+    pub unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        match self.device() {
+            Device::Emulated => {
+                // SAFETY: the caller guarantees both ranges; `copy` tolerates overlap.
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+                self.issued();
+                Ok(())
+            }
+            // SAFETY: as the caller guarantees.
+            #[cfg(feature = "cuda")]
+            _ => unsafe { crate::cuda::copy(self.cuda_stream("copy")?, dst, src, bytes) },
+            #[cfg(not(feature = "cuda"))]
+            device => Err(Error::Unsupported { op: "copy", device }),
+        }
+    }
+}

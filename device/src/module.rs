@@ -1,0 +1,301 @@
+//! Kernels and their launch. A kernel is a loop over independent indices taking its
+//! arguments by value; on CUDA it comes from a module NVRTC compiled (once per process and
+//! architecture, loaded once per device), on the emulated device it is the same source
+//! built for the host, which runs the loop to completion when launched.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+use crate::Device;
+
+/// A kernel built for the host: it reads its one argument (a `#[repr(C)]` struct) through
+/// the pointer and runs every index in turn.
+pub type HostKernel = unsafe extern "C" fn(*const std::ffi::c_void);
+
+/// Plain data a kernel takes as one parameter, by value.
+///
+/// # Safety
+/// `Self` must be laid out as the kernel's parameter: a scalar, or a `#[repr(C)]` struct of
+/// scalars whose fields the kernel declares in the same order.
+pub unsafe trait KernelArg: Copy + Send + Sync + 'static {}
+
+// SAFETY: scalars are passed as themselves.
+unsafe impl KernelArg for u64 {}
+// SAFETY: as above.
+unsafe impl KernelArg for i64 {}
+// SAFETY: as above.
+unsafe impl KernelArg for u32 {}
+// SAFETY: as above.
+unsafe impl KernelArg for i32 {}
+// SAFETY: as above.
+unsafe impl KernelArg for f32 {}
+// SAFETY: as above.
+unsafe impl KernelArg for f64 {}
+
+/// One argument of a launch, whatever its type.
+pub trait Arg: Send + Sync {
+    /// Where the value is, for a host kernel.
+    #[doc(hidden)]
+    fn host_ptr(&self) -> *const std::ffi::c_void;
+    /// Pushes the value onto a CUDA launch.
+    #[cfg(feature = "cuda")]
+    #[doc(hidden)]
+    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+/// `A` as cudarc passes kernel parameters (a pointer to the value).
+#[cfg(feature = "cuda")]
+#[repr(transparent)]
+struct Param<A>(A);
+
+// SAFETY: `KernelArg` promises the layout the kernel reads.
+#[cfg(feature = "cuda")]
+unsafe impl<A: KernelArg> cudarc::driver::DeviceRepr for Param<A> {}
+
+impl<A: KernelArg> Arg for A {
+    fn host_ptr(&self) -> *const std::ffi::c_void {
+        (self as *const A).cast()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+        use cudarc::driver::PushKernelArg;
+        // SAFETY: `Param<A>` is `#[repr(transparent)]` over `A`.
+        let param = unsafe { &*(self as *const A).cast::<Param<A>>() };
+        launch.arg(param);
+    }
+}
+
+/// A kernel ready to launch on a stream of its device.
+#[derive(Clone)]
+pub struct Function {
+    name: Cow<'static, str>,
+    kind: FunctionKind,
+}
+
+#[derive(Clone)]
+enum FunctionKind {
+    Host(HostKernel),
+    #[cfg(feature = "cuda")]
+    Cuda(cudarc::driver::CudaFunction),
+}
+
+impl std::fmt::Debug for Function {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Function")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl Function {
+    /// A kernel's host build, for streams of the emulated device.
+    pub fn host(name: &'static str, kernel: HostKernel) -> Function {
+        Function {
+            name: Cow::Borrowed(name),
+            kind: FunctionKind::Host(kernel),
+        }
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// [`Stream::launch`] on a stream a caller holds only as cudarc's: enough blocks of
+    /// 256 threads to cover `items` (at most 65,535, which stride).
+    ///
+    /// # Safety
+    /// As [`Stream::launch`], and the function must come from a [`Module`] loaded on the
+    /// stream's device.
+    #[cfg(feature = "cuda")]
+    pub unsafe fn launch_on(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        items: usize,
+        args: &[&dyn Arg],
+    ) -> Result<()> {
+        const THREADS: u32 = 256;
+        let FunctionKind::Cuda(function) = &self.kind else {
+            return Err(Error::Invalid {
+                op: "Function::launch_on",
+                reason: format!(
+                    "{} is a host build; launch it on the emulated device",
+                    self.name
+                ),
+            });
+        };
+        if items == 0 {
+            return Ok(());
+        }
+        crate::cuda::bind(stream)?;
+        let blocks = items.div_ceil(THREADS as usize).clamp(1, 65_535) as u32;
+        let config = cudarc::driver::LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(function);
+        for arg in args {
+            arg.push(&mut launch);
+        }
+        // SAFETY: the caller guarantees the arguments and their addresses.
+        unsafe { launch.launch(config) }
+            .map(drop)
+            .map_err(|e| Error::Driver {
+                call: format!("cuLaunchKernel ({})", self.name),
+                message: format!("{e}"),
+            })
+    }
+}
+
+/// Kernels compiled for one CUDA device, with their functions looked up once.
+pub struct Module {
+    device: Device,
+    #[cfg(feature = "cuda")]
+    module: Arc<cudarc::driver::CudaModule>,
+    functions: Mutex<HashMap<String, Function>>,
+}
+
+impl std::fmt::Debug for Module {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Module")
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Module {
+    /// The module `name` for CUDA device `ordinal`: `source` compiled by NVRTC for the
+    /// virtual architecture `arch` (NVRTC's default when `None`), once per process and
+    /// architecture, and loaded once per device and name.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(
+        ordinal: usize,
+        name: &'static str,
+        source: impl FnOnce() -> String,
+        arch: Option<&'static str>,
+    ) -> Result<Arc<Module>> {
+        use std::sync::OnceLock;
+        type Key = (usize, &'static str);
+        static MODULES: OnceLock<Mutex<HashMap<Key, Arc<Module>>>> = OnceLock::new();
+        let mut modules = MODULES.get_or_init(Default::default).lock();
+        if let Some(module) = modules.get(&(ordinal, name)) {
+            return Ok(module.clone());
+        }
+        let ptx = crate::cuda::compile(name, source, arch)?;
+        let module = crate::cuda::context(ordinal)?
+            .load_module(ptx)
+            .map_err(|e| Error::Driver {
+                call: format!("cuModuleLoadData ({name})"),
+                message: format!("{e}"),
+            })?;
+        let module = Arc::new(Module {
+            device: Device::Cuda(ordinal),
+            module,
+            functions: Mutex::new(HashMap::new()),
+        });
+        modules.insert((ordinal, name), module.clone());
+        Ok(module)
+    }
+
+    /// The device the module was loaded on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The kernel called `name` in the module.
+    pub fn function(&self, name: &str) -> Result<Function> {
+        #[cfg(feature = "cuda")]
+        {
+            let mut functions = self.functions.lock();
+            if let Some(function) = functions.get(name) {
+                return Ok(function.clone());
+            }
+            let function = Function {
+                name: Cow::Owned(name.to_string()),
+                kind: FunctionKind::Cuda(self.module.load_function(name).map_err(|e| {
+                    Error::Driver {
+                        call: "cuModuleGetFunction".into(),
+                        message: format!("{name}: {e}"),
+                    }
+                })?),
+            };
+            functions.insert(name.to_string(), function.clone());
+            Ok(function)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (name, &self.functions);
+            Err(Error::Unsupported {
+                op: "Module::function",
+                device: self.device,
+            })
+        }
+    }
+}
+
+impl Stream {
+    /// Queues `function` over `items` independent indices with `args`: on CUDA enough
+    /// blocks of 256 threads to cover them (at most 65,535, which stride), on the emulated
+    /// device the host build run now (host builds take exactly one argument). Nothing is
+    /// queued for 0 items.
+    ///
+    /// # Safety
+    /// The arguments must be the kernel's, in order, and every address in them device
+    /// memory of this stream's device valid for what the kernel accesses until it has run.
+    pub unsafe fn launch(
+        &self,
+        function: &Function,
+        items: usize,
+        args: &[&dyn Arg],
+    ) -> Result<()> {
+        if items == 0 {
+            return Ok(());
+        }
+        match &function.kind {
+            FunctionKind::Host(kernel) => {
+                if self.device() != Device::Emulated {
+                    return Err(self.wrong_device(function));
+                }
+                let [arg] = args else {
+                    return Err(Error::Invalid {
+                        op: "Stream::launch",
+                        reason: format!(
+                            "the host build of {} takes one argument (a struct), not {}",
+                            function.name,
+                            args.len()
+                        ),
+                    });
+                };
+                // SAFETY: the caller guarantees the argument and the addresses in it.
+                unsafe { kernel(arg.host_ptr()) };
+                self.issued();
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            FunctionKind::Cuda(_) => {
+                let stream = self.cuda().ok_or_else(|| self.wrong_device(function))?;
+                // SAFETY: as the caller's.
+                unsafe { function.launch_on(stream, items, args) }
+            }
+        }
+    }
+
+    fn wrong_device(&self, function: &Function) -> Error {
+        Error::Invalid {
+            op: "Stream::launch",
+            reason: format!(
+                "{} was built for another device than this stream's ({})",
+                function.name,
+                self.device()
+            ),
+        }
+    }
+}

@@ -1,0 +1,255 @@
+//! Streams and events as values: work on a stream runs in the order it was queued; an
+//! event marks a point in a stream's work that another stream can wait for on the
+//! device, or the host can wait for.
+//!
+//! On CUDA a stream is a driver stream and an event a driver event. The emulated device
+//! runs every call to completion as it is made, so its events are complete when recorded;
+//! it keeps the same interface, so code written against it orders its work as a GPU needs.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::counters::count_host_wait;
+use crate::error::{Error, Result};
+use crate::Device;
+
+/// An ordered queue of device work. Cloning gives another handle on the same stream.
+#[derive(Clone)]
+pub struct Stream {
+    device: Device,
+    kind: Kind,
+}
+
+#[derive(Clone)]
+enum Kind {
+    Emulated(Arc<EmulatedQueue>),
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<cudarc::driver::CudaStream>),
+}
+
+/// An emulated stream: a position that every call advances, complete as soon as made.
+struct EmulatedQueue {
+    id: u64,
+    issued: AtomicU64,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stream {
+    /// A new stream on `device` (the emulated device, or a CUDA device of the `cuda`
+    /// feature); the host has none.
+    pub fn new(device: Device) -> Result<Stream> {
+        let kind = match device {
+            Device::Emulated => {
+                static NEXT: AtomicU64 = AtomicU64::new(1);
+                Kind::Emulated(Arc::new(EmulatedQueue {
+                    id: NEXT.fetch_add(1, Ordering::Relaxed),
+                    issued: AtomicU64::new(0),
+                }))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                let context = crate::cuda::context(ordinal)?;
+                let stream = context
+                    .new_stream()
+                    .map_err(crate::cuda::driver_error("cuStreamCreate"))?;
+                Kind::Cuda(stream)
+            }
+            _ => {
+                return Err(Error::Unsupported {
+                    op: "Stream::new",
+                    device,
+                })
+            }
+        };
+        Ok(Stream { device, kind })
+    }
+
+    /// A handle on a cudarc stream made elsewhere (an NCCL communicator's, say).
+    #[cfg(feature = "cuda")]
+    pub fn from_cuda(stream: Arc<cudarc::driver::CudaStream>) -> Stream {
+        Stream {
+            device: Device::Cuda(stream.context().ordinal()),
+            kind: Kind::Cuda(stream),
+        }
+    }
+
+    /// The cudarc stream behind a CUDA stream (for cuBLAS, NCCL and raw driver calls);
+    /// `None` on the emulated device.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(&self) -> Option<&Arc<cudarc::driver::CudaStream>> {
+        match &self.kind {
+            Kind::Cuda(stream) => Some(stream),
+            Kind::Emulated(_) => None,
+        }
+    }
+
+    /// The device the stream's work runs on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Whether `other` is a handle on this same stream.
+    pub fn same_as(&self, other: &Stream) -> bool {
+        match (&self.kind, &other.kind) {
+            (Kind::Emulated(a), Kind::Emulated(b)) => Arc::ptr_eq(a, b),
+            #[cfg(feature = "cuda")]
+            (Kind::Cuda(a), Kind::Cuda(b)) => a.cu_stream() == b.cu_stream(),
+            #[cfg(feature = "cuda")]
+            _ => false,
+        }
+    }
+
+    /// Makes the stream's context current on this thread, which raw driver calls need (a
+    /// no-op on the emulated device).
+    pub fn bind(&self) -> Result<()> {
+        match &self.kind {
+            Kind::Emulated(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(stream) => crate::cuda::bind(stream),
+        }
+    }
+
+    /// Marks the work queued so far: the event completes when it has run.
+    pub fn record(&self) -> Result<Event> {
+        let kind = match &self.kind {
+            Kind::Emulated(queue) => EventKind::Emulated {
+                stream: queue.id,
+                position: queue.issued.load(Ordering::Acquire),
+            },
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(stream) => {
+                self.bind()?;
+                let event = stream
+                    .record_event(None)
+                    .map_err(crate::cuda::driver_error("cuEventRecord"))?;
+                EventKind::Cuda(event)
+            }
+        };
+        Ok(Event {
+            device: self.device,
+            kind,
+        })
+    }
+
+    /// Makes the work queued on this stream from now on wait, on the device, until
+    /// `event` has completed. The host does not wait.
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        match (&self.kind, &event.kind) {
+            (Kind::Emulated(_), EventKind::Emulated { .. }) => Ok(()),
+            #[cfg(feature = "cuda")]
+            (Kind::Cuda(stream), EventKind::Cuda(event)) => {
+                self.bind()?;
+                stream
+                    .wait(event)
+                    .map_err(crate::cuda::driver_error("cuStreamWaitEvent"))
+            }
+            #[cfg(feature = "cuda")]
+            _ => Err(Error::Invalid {
+                op: "Stream::wait",
+                reason: format!(
+                    "a stream on {} cannot wait for an event recorded on {}",
+                    self.device, event.device
+                ),
+            }),
+        }
+    }
+
+    /// Blocks the host until every call queued on the stream has completed (counted in
+    /// [`host_waits`](crate::host_waits)).
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.kind {
+            Kind::Emulated(_) => {
+                count_host_wait(self.device);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(stream) => crate::cuda::synchronize(stream),
+        }
+    }
+
+    /// The cudarc stream behind a CUDA stream, or an error naming `op` on another device.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_stream(&self, op: &'static str) -> Result<&cudarc::driver::CudaStream> {
+        self.cuda().map(|s| &**s).ok_or(Error::Unsupported {
+            op,
+            device: self.device,
+        })
+    }
+
+    /// Counts one call queued on an emulated stream (which has already run it).
+    pub(crate) fn issued(&self) {
+        match &self.kind {
+            Kind::Emulated(queue) => {
+                queue.issued.fetch_add(1, Ordering::AcqRel);
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => {}
+        }
+    }
+}
+
+/// A point in a stream's work, recorded by [`Stream::record`].
+pub struct Event {
+    device: Device,
+    kind: EventKind,
+}
+
+enum EventKind {
+    /// The stream it was recorded on and how many calls had been queued there.
+    Emulated { stream: u64, position: u64 },
+    #[cfg(feature = "cuda")]
+    Cuda(cudarc::driver::CudaEvent),
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut debug = f.debug_struct("Event");
+        debug.field("device", &self.device);
+        match &self.kind {
+            EventKind::Emulated { stream, position } => {
+                debug.field("stream", stream).field("position", position);
+            }
+            #[cfg(feature = "cuda")]
+            EventKind::Cuda(_) => {}
+        }
+        debug.finish_non_exhaustive()
+    }
+}
+
+impl Event {
+    /// The device of the stream it was recorded on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Whether the work before it has completed, without waiting.
+    pub fn is_complete(&self) -> Result<bool> {
+        match &self.kind {
+            EventKind::Emulated { .. } => Ok(true),
+            #[cfg(feature = "cuda")]
+            EventKind::Cuda(event) => event
+                .try_is_complete()
+                .map_err(crate::cuda::driver_error("cuEventQuery")),
+        }
+    }
+
+    /// Blocks the host until the work before the event has completed (counted in
+    /// [`host_waits`](crate::host_waits)).
+    pub fn synchronize(&self) -> Result<()> {
+        count_host_wait(self.device);
+        match &self.kind {
+            EventKind::Emulated { .. } => Ok(()),
+            #[cfg(feature = "cuda")]
+            EventKind::Cuda(event) => event
+                .synchronize()
+                .map_err(crate::cuda::driver_error("cuEventSynchronize")),
+        }
+    }
+}

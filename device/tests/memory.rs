@@ -1,0 +1,88 @@
+//! Device memory on the emulated device: allocations returned when dropped, copies in
+//! both directions and within the device, and the transfer counters.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use device::{host_waits, transfers, Device, Stream};
+
+/// Live bytes the host allocator has handed out to this thread (emulated memory is host
+/// memory), so that tests running beside each other do not count each other's.
+struct Counting;
+
+thread_local! {
+    static LIVE: Cell<isize> = const { Cell::new(0) };
+}
+
+fn live() -> isize {
+    LIVE.with(Cell::get)
+}
+
+// SAFETY: forwards to the system allocator, only counting.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.with(|live| live.set(live.get() + layout.size() as isize));
+        // SAFETY: as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.with(|live| live.set(live.get() - layout.size() as isize));
+        // SAFETY: as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+#[test]
+fn an_allocation_is_returned_when_its_memory_is_dropped() -> device::Result<()> {
+    let stream = Stream::new(Device::Emulated)?;
+    let before = live();
+    let memory = stream.alloc(1 << 20)?;
+    assert!(live() - before >= 1 << 20);
+    assert_eq!(
+        (memory.bytes(), memory.device()),
+        (1 << 20, Device::Emulated)
+    );
+    assert!(memory.stream().same_as(&stream));
+    drop(memory);
+    assert_eq!(live(), before);
+    Ok(())
+}
+
+#[test]
+fn copies_in_both_directions_and_within_the_device() -> device::Result<()> {
+    let stream = Stream::new(Device::Emulated)?;
+    let (a, b) = (stream.alloc(8)?, stream.alloc(8)?);
+    let data = [1u8, 2, 3, 4, 5, 6, 7, 8];
+    let (moved, waited) = (transfers(Device::Emulated), host_waits(Device::Emulated));
+    let mut back = [0u8; 8];
+    // SAFETY: both allocations hold 8 bytes.
+    unsafe {
+        stream.upload(a.ptr(), &data)?;
+        stream.copy(b.ptr(), a.ptr(), 8)?;
+        stream.download(&mut back, b.ptr())?;
+    }
+    assert_eq!(back, data);
+    let moved = transfers(Device::Emulated) - moved;
+    assert_eq!(
+        (moved.to_device_copies, moved.to_device_bytes),
+        (1, 8),
+        "one upload"
+    );
+    assert_eq!((moved.to_host_copies, moved.to_host_bytes), (1, 8));
+    // The upload and the download each waited; the device-to-device copy did not.
+    assert_eq!(host_waits(Device::Emulated) - waited, 2);
+    Ok(())
+}
+
+#[test]
+fn an_allocation_of_zero_bytes_has_a_valid_address() -> device::Result<()> {
+    let stream = Stream::new(Device::Emulated)?;
+    let memory = stream.alloc(0)?;
+    assert_ne!(memory.ptr(), 0);
+    assert_eq!(memory.bytes(), 0);
+    Ok(())
+}

@@ -7,6 +7,9 @@ pub mod book_getting_started {}
 #[doc = include_str!("../../ARCHITECTURE.md")]
 pub mod book_architecture {}
 
+#[doc = include_str!("../../docs/src/device.md")]
+pub mod book_device {}
+
 #[doc = include_str!("../../docs/src/comm-core.md")]
 pub mod book_comm_core {}
 

@@ -3,7 +3,7 @@
 //! all ranks agree.
 
 use crate::buffer::{BufMut, BufRef};
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::{reduce_raw, DType, Element, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
 use device::Device;
 
@@ -355,6 +355,39 @@ pub(crate) fn signatures_agree(sigs: &[&CallSignature]) -> bool {
         }),
         OpKind::Barrier | OpKind::Split | OpKind::Send | OpKind::Recv | OpKind::Exchange => true,
     }
+}
+
+/// Reduces typed slices into `out` (a safe wrapper used by tests, benchmarks and
+/// sequential references): `out[i] = op(sources[0][i], sources[1][i], ...)`, combined in
+/// source order exactly as the backends combine ranks.
+pub fn reduce_slices<T: Element>(op: ReduceOp, sources: &[&[T]], out: &mut [T]) -> Result<()> {
+    let invalid = |detail: String| Error::InvalidBuffer {
+        op: OpKind::AllReduce,
+        group: "reduce_slices".into(),
+        detail,
+    };
+    if sources.is_empty() {
+        return Err(invalid("no sources given; pass at least one slice".into()));
+    }
+    if let Some(bad) = sources.iter().find(|s| s.len() != out.len()) {
+        return Err(invalid(format!(
+            "a source has {} elements but the output {}; all must have the same length",
+            bad.len(),
+            out.len()
+        )));
+    }
+    if !op.supports(T::DTYPE) {
+        return Err(Error::Unsupported {
+            op: OpKind::AllReduce,
+            reduce: op,
+            dtype: T::DTYPE,
+            hint: "averaging integers has no agreed rounding; use Sum and divide",
+        });
+    }
+    let ptrs: Vec<*const T> = sources.iter().map(|s| s.as_ptr()).collect();
+    // SAFETY: lengths checked above; `out` is a distinct &mut so it overlaps no source.
+    unsafe { reduce_raw(op, &ptrs, &[out.as_mut_ptr()], out.len()) };
+    Ok(())
 }
 
 #[cfg(test)]

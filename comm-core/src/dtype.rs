@@ -405,46 +405,10 @@ fn combine_tile<T: Element>(op: ReduceOp, acc: &mut [T::Acc], src: &[T]) {
     }
 }
 
-/// Reduces typed slices into `out` (a safe wrapper used by tests, benchmarks and
-/// sequential references): `out[i] = op(sources[0][i], sources[1][i], ...)`, combined in
-/// source order exactly as the backends combine ranks.
-pub fn reduce_slices<T: Element>(
-    op: ReduceOp,
-    sources: &[&[T]],
-    out: &mut [T],
-) -> crate::Result<()> {
-    let invalid = |detail: String| crate::Error::InvalidBuffer {
-        op: crate::OpKind::AllReduce,
-        group: "reduce_slices".into(),
-        detail,
-    };
-    if sources.is_empty() {
-        return Err(invalid("no sources given; pass at least one slice".into()));
-    }
-    if let Some(bad) = sources.iter().find(|s| s.len() != out.len()) {
-        return Err(invalid(format!(
-            "a source has {} elements but the output {}; all must have the same length",
-            bad.len(),
-            out.len()
-        )));
-    }
-    if !op.supports(T::DTYPE) {
-        return Err(crate::Error::Unsupported {
-            op: crate::OpKind::AllReduce,
-            reduce: op,
-            dtype: T::DTYPE,
-            hint: "averaging integers has no agreed rounding; use Sum and divide",
-        });
-    }
-    let ptrs: Vec<*const T> = sources.iter().map(|s| s.as_ptr()).collect();
-    // SAFETY: lengths checked above; `out` is a distinct &mut so it overlaps no source.
-    unsafe { reduce_raw(op, &ptrs, &[out.as_mut_ptr()], out.len()) };
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::calls::reduce_slices;
 
     #[test]
     fn every_dtype_name_parses_back_and_nothing_else_does() {

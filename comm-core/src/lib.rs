@@ -99,9 +99,10 @@ mod signature;
 mod work;
 
 pub use buffer::{BufMut, BufRef, Buffer, LentMemory};
+pub use calls::reduce_slices;
 pub use communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
 pub use device::Device;
-pub use dtype::{reduce_slices, DType, Element, ReduceOp};
+pub use dtype::{DType, Element, ReduceOp};
 pub use dual::DualCommunicator;
 pub use error::{CallSignature, Error, OpKind, Result};
 pub use flight_recorder::{CallRecord, CallState, FlightRecord, RankHistory};

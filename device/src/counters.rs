@@ -87,9 +87,10 @@ pub fn transfers(device: Device) -> Transfers {
     with_counts(device, |counts| counts.transfers)
 }
 
-/// How many times this thread has blocked on `device`: a stream or event synchronized,
-/// or a copy the host had to wait for (a download, a pageable upload). Subtract two
-/// readings to measure a step.
+/// How many times this thread has blocked on `device` through this crate: a stream or
+/// event synchronized, or a copy the host had to wait for (a download, a pageable
+/// upload). comm-core's NCCL backend still waits for its own events and check copies
+/// directly, which are not counted. Subtract two readings to measure a step.
 pub fn host_waits(device: Device) -> u64 {
     with_counts(device, |counts| counts.host_waits)
 }

@@ -116,6 +116,10 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     }
     let mut contexts = CONTEXTS.get_or_init(Default::default).lock();
     if let Some(context) = contexts.get(&ordinal) {
+        // Current on the calling thread, as a freshly retained one would be.
+        context
+            .bind_to_thread()
+            .map_err(driver_error("cuCtxSetCurrent"))?;
         return Ok(context.clone());
     }
     let context = CudaContext::new(ordinal).map_err(driver_error("cuDevicePrimaryCtxRetain"))?;
@@ -157,7 +161,8 @@ pub fn driver_error(call: &'static str) -> impl Fn(DriverError) -> Error {
     }
 }
 
-fn describe(e: &DriverError) -> String {
+/// A driver error as `NAME: description`.
+pub(crate) fn describe(e: &DriverError) -> String {
     match (e.error_name(), e.error_string()) {
         (Ok(name), Ok(text)) => format!("{}: {}", name.to_string_lossy(), text.to_string_lossy()),
         _ => format!("{:?}", e.0),
@@ -231,9 +236,15 @@ pub unsafe fn alloc(stream: &CudaStream, bytes: usize) -> Result<u64> {
     bind(stream)?;
     // SAFETY: a stream-ordered allocation on a live stream.
     unsafe { cudarc::driver::result::malloc_async(stream.cu_stream(), bytes.max(1)) }.map_err(|e| {
-        Error::Driver {
-            call: "cuMemAllocAsync".into(),
-            message: format!("{e} ({bytes} bytes)"),
+        match e.0 {
+            cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory {
+                device: device_of(stream),
+                bytes,
+            },
+            _ => Error::Driver {
+                call: "cuMemAllocAsync".into(),
+                message: format!("{} ({bytes} bytes)", describe(&e)),
+            },
         }
     })
 }

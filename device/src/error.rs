@@ -1,6 +1,6 @@
 //! What can go wrong with a device.
 
-use crate::Device;
+use crate::place::Device;
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -78,12 +78,5 @@ pub enum Error {
         op: &'static str,
         /// What is wrong, and what to pass instead.
         reason: String,
-    },
-
-    /// Text that names no device.
-    #[error("{text:?} is not a device; use cpu, emulated, cuda or cuda:N")]
-    NotADevice {
-        /// The text given.
-        text: String,
     },
 }

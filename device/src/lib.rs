@@ -5,8 +5,8 @@
 //!   the host, so device code is tested on every machine);
 //! - [`Stream`] and [`Event`] as values: work queued on a stream runs in order; an event
 //!   marks a point another stream can wait for on the device, or the host can wait for;
-//! - [`DeviceMemory`]: allocations made and freed in a stream's order, the one way device
-//!   memory is owned; copies between host and device and within a device;
+//! - [`DeviceMemory`]: allocations made and freed in a stream's order (how tensors hold
+//!   their memory); copies between host and device and within a device;
 //! - [`Module`] and [`Function`]: kernels compiled by NVRTC (CUDA) or built for the host
 //!   (emulated), launched on a stream;
 //! - counters of host↔device [`transfers`] and of [`host_waits`], per thread and device;
@@ -44,5 +44,5 @@ pub use counters::{host_waits, transfers, Transfers};
 pub use error::{Error, Result};
 pub use memory::DeviceMemory;
 pub use module::{Arg, Function, HostKernel, KernelArg, Module};
-pub use place::Device;
+pub use place::{Device, NotADevice};
 pub use stream::{Event, Stream};

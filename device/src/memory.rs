@@ -1,8 +1,9 @@
-//! Device memory: one ownership model for every crate. A [`DeviceMemory`] is an
-//! allocation made in a stream's order and freed in that order when the last owner drops
-//! it; tensors, communicators and buffers all hold device memory this way and address it
-//! by `u64`, as the driver does. Copies between host and device, and within a device,
-//! are queued on a stream.
+//! Device memory: a [`DeviceMemory`] is an allocation made in a stream's order and freed
+//! in that order when its owner drops it, addressed by `u64` as the driver does. tape's
+//! tensors hold their memory this way, and comm-core's scratch memory comes from the same
+//! stream-ordered pool (through `cuda::alloc`); comm-core's device views of cudarc slices,
+//! and the NCCL backend's own buffers, are still cudarc's. Copies between host and device,
+//! and within a device, are queued on a stream.
 
 use std::alloc::Layout;
 

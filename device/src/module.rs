@@ -38,8 +38,9 @@ unsafe impl KernelArg for f32 {}
 // SAFETY: as above.
 unsafe impl KernelArg for f64 {}
 
-/// One argument of a launch, whatever its type.
-pub trait Arg: Send + Sync {
+/// One argument of a launch, whatever its type: any [`KernelArg`] (implement that one;
+/// this trait is sealed).
+pub trait Arg: sealed::Sealed + Send + Sync {
     /// Where the value is, for a host kernel.
     #[doc(hidden)]
     fn host_ptr(&self) -> *const std::ffi::c_void;
@@ -47,6 +48,13 @@ pub trait Arg: Send + Sync {
     #[cfg(feature = "cuda")]
     #[doc(hidden)]
     fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+mod sealed {
+    /// Only [`KernelArg`](super::KernelArg)s are [`Arg`](super::Arg)s.
+    pub trait Sealed {}
+
+    impl<A: super::KernelArg> Sealed for A {}
 }
 
 /// `A` as cudarc passes kernel parameters (a pointer to the value).
@@ -150,7 +158,7 @@ impl Function {
             .map(drop)
             .map_err(|e| Error::Driver {
                 call: format!("cuLaunchKernel ({})", self.name),
-                message: format!("{e}"),
+                message: crate::cuda::describe(&e),
             })
     }
 }
@@ -174,7 +182,7 @@ impl std::fmt::Debug for Module {
 impl Module {
     /// The module `name` for CUDA device `ordinal`: `source` compiled by NVRTC for the
     /// virtual architecture `arch` (NVRTC's default when `None`), once per process and
-    /// architecture, and loaded once per device and name.
+    /// architecture, and loaded once per device, name and architecture.
     #[cfg(feature = "cuda")]
     pub fn cuda(
         ordinal: usize,
@@ -183,10 +191,10 @@ impl Module {
         arch: Option<&'static str>,
     ) -> Result<Arc<Module>> {
         use std::sync::OnceLock;
-        type Key = (usize, &'static str);
+        type Key = (usize, &'static str, Option<&'static str>);
         static MODULES: OnceLock<Mutex<HashMap<Key, Arc<Module>>>> = OnceLock::new();
         let mut modules = MODULES.get_or_init(Default::default).lock();
-        if let Some(module) = modules.get(&(ordinal, name)) {
+        if let Some(module) = modules.get(&(ordinal, name, arch)) {
             return Ok(module.clone());
         }
         let ptx = crate::cuda::compile(name, source, arch)?;
@@ -194,14 +202,14 @@ impl Module {
             .load_module(ptx)
             .map_err(|e| Error::Driver {
                 call: format!("cuModuleLoadData ({name})"),
-                message: format!("{e}"),
+                message: crate::cuda::describe(&e),
             })?;
         let module = Arc::new(Module {
             device: Device::Cuda(ordinal),
             module,
             functions: Mutex::new(HashMap::new()),
         });
-        modules.insert((ordinal, name), module.clone());
+        modules.insert((ordinal, name, arch), module.clone());
         Ok(module)
     }
 
@@ -223,7 +231,7 @@ impl Module {
                 kind: FunctionKind::Cuda(self.module.load_function(name).map_err(|e| {
                     Error::Driver {
                         call: "cuModuleGetFunction".into(),
-                        message: format!("{name}: {e}"),
+                        message: format!("{name}: {}", crate::cuda::describe(&e)),
                     }
                 })?),
             };

@@ -2,8 +2,6 @@
 
 use std::fmt;
 
-use crate::error::Error;
-
 /// A device: where a buffer's elements live and where tensors compute (tape moves
 /// tensors between devices with `Tensor::to_device`; operands of one op share a device).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -40,11 +38,19 @@ impl fmt::Display for Device {
     }
 }
 
+/// Text that names no device (what [`Device`]'s `FromStr` refuses).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{text:?} is not a device; use cpu, emulated, cuda or cuda:N")]
+pub struct NotADevice {
+    /// The text given.
+    pub text: String,
+}
+
 impl std::str::FromStr for Device {
-    type Err = Error;
+    type Err = NotADevice;
 
     /// `cpu`, `emulated`, `cuda` (device 0) or `cuda:N`, as printed by `Display`.
-    fn from_str(text: &str) -> Result<Device, Error> {
+    fn from_str(text: &str) -> Result<Device, NotADevice> {
         match text {
             "cpu" => Ok(Device::Cpu),
             "emulated" => Ok(Device::Emulated),
@@ -53,7 +59,7 @@ impl std::str::FromStr for Device {
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(Device::Cuda)
-                .ok_or_else(|| Error::NotADevice {
+                .ok_or_else(|| NotADevice {
                     text: text.to_string(),
                 }),
         }

@@ -100,7 +100,10 @@ impl Stream {
         match (&self.kind, &other.kind) {
             (Kind::Emulated(a), Kind::Emulated(b)) => Arc::ptr_eq(a, b),
             #[cfg(feature = "cuda")]
-            (Kind::Cuda(a), Kind::Cuda(b)) => a.cu_stream() == b.cu_stream(),
+            // Default streams are all null: the device tells them apart.
+            (Kind::Cuda(a), Kind::Cuda(b)) => {
+                self.device == other.device && a.cu_stream() == b.cu_stream()
+            }
             #[cfg(feature = "cuda")]
             _ => false,
         }

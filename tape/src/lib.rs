@@ -92,8 +92,10 @@ mod tensor;
 mod threads;
 
 pub use comm_core::{DType, Device};
-/// Host↔device copies and host waits per thread and device, counted by the device layer
-/// (`Tensor::to_device`, `to_vec`, `item`, uploads an op stages).
+/// Host↔device copies and host waits per thread and device, counted by the device layer:
+/// tensors' (`Tensor::to_device`, `to_vec`, `item`, uploads an op stages) and those
+/// comm-core makes to stage device memory through the host (MPI, the local backend's
+/// point-to-point mailbox).
 pub use device::{host_waits, transfers, Transfers};
 pub use element::Element;
 pub use error::{Error, Result};

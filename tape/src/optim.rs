@@ -4,7 +4,7 @@
 use ndarray::{ArrayD, IxDyn};
 
 use crate::flat::{with_regions, Regions};
-use crate::gpu::optim_ops::{adamw_step, sgd_step};
+use crate::gpu::optim_ops::{adamw_step, sgd_step, SgdScalars};
 use crate::gpu::GpuArray;
 use crate::schedule::LrSchedule;
 use crate::{Device, Element, Error, FlatView, Parameter, Result, Tensor};
@@ -157,7 +157,7 @@ impl<T: Element> Optimizer<T> for Sgd<T> {
                             value.shape(),
                         )?);
                     }
-                    sgd_step(value, grad, buffer.as_ref(), first, &update)
+                    sgd_step(value, grad, buffer.as_ref(), first, update.scalars())
                 })?;
                 continue;
             }
@@ -453,6 +453,17 @@ pub struct SgdUpdate {
 }
 
 impl SgdUpdate {
+    /// The update's scalars as the device kernel takes them.
+    fn scalars(&self) -> SgdScalars {
+        SgdScalars {
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            momentum: self.momentum,
+            dampening: self.dampening,
+            nesterov: self.nesterov,
+        }
+    }
+
     /// The update `config` (with this step's learning rate) makes to a parameter with
     /// `options`.
     pub fn new(config: &SgdConfig, options: ParamOptions) -> Self {
@@ -535,7 +546,9 @@ impl SgdUpdate {
                 [values, grads] => self.apply(values, grads, &mut [], first),
                 _ => unreachable!("two or three views"),
             },
-            Regions::Device(arrays) => sgd_step(&arrays[0], &arrays[1], arrays.get(2), first, self),
+            Regions::Device(arrays) => {
+                sgd_step(&arrays[0], &arrays[1], arrays.get(2), first, self.scalars())
+            }
         })
     }
 }

@@ -1,12 +1,22 @@
 //! Device math of the optimizer steps (SGD, AdamW), in place on the parameter.
 
 use super::{GpuArray, Kernel, KernelArgs};
-use crate::{Element, Result, SgdUpdate};
+use crate::{Element, Result};
 
 kernels! {
     OPTIM_KERNELS:
     SGD_STEP = "sgd_step": sgd_step_f32, sgd_step_f64;
     ADAMW_STEP = "adamw_step": adamw_step_f32, adamw_step_f64;
+}
+
+/// The scalars of one SGD step as `sgd_step` in optim.cu takes them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SgdScalars {
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub nesterov: bool,
 }
 
 /// One SGD step of `param` (written in place); `buffer` is the momentum buffer (with
@@ -16,7 +26,7 @@ pub(crate) fn sgd_step<T: Element>(
     grad: &GpuArray<T>,
     buffer: Option<&GpuArray<T>>,
     first: bool,
-    step: &SgdUpdate,
+    step: SgdScalars,
 ) -> Result<()> {
     let has_momentum = step.momentum != 0.0;
     let mut args = KernelArgs::default();

@@ -77,15 +77,19 @@ fn bytes_per_parameter(stdout: &str) -> f64 {
 
 #[test]
 fn sixteen_bit_training_follows_the_f32_curve() {
+    // Untied: with the head tied to the table, when a run leaves the loss plateau (near
+    // 3.3 here) moves by tens of steps with rounding, so at a given step any two formats
+    // can be 10% apart either way, depending on the corpus; untied they stay within 0.2%.
+    let untied = ["--untie-embeddings-and-output-weights"];
     let steps = 200;
     let f32_out = out_dir("fp32");
-    let stdout = train("fp32", steps, &f32_out, &[]);
+    let stdout = train("fp32", steps, &f32_out, &untied);
     assert_eq!(bytes_per_parameter(&stdout), 16.0);
     let exact = losses(&f32_out);
     assert_eq!(exact.len(), steps);
     for precision in ["bf16", "fp16"] {
         let out = out_dir(precision);
-        let stdout = train(precision, steps, &out, &[]);
+        let stdout = train(precision, steps, &out, &untied);
         // 2 (the parameter) + 4 (its f32 gradient) + 4 (the master) + 8 (AdamW).
         assert_eq!(bytes_per_parameter(&stdout), 18.0, "{stdout}");
         let curve = losses(&out);
@@ -94,14 +98,11 @@ fn sixteen_bit_training_follows_the_f32_curve() {
             curve.iter().all(|l| l.is_finite()),
             "{precision}: {curve:?}"
         );
-        // The mean of the last 50 steps: a single step's loss is one small batch's, and
-        // when a run leaves the unigram plateau (around 3.3 here) moves by tens of steps
-        // with rounding (seed 1, tied: bf16 leaves it about 30 steps after f32, 4% higher
-        // over these steps; fp16 1% lower).
+        // The mean of the last 50 steps: a single step's loss is one small batch's.
         let tail = |curve: &[f32]| curve[steps - 50..].iter().sum::<f32>() / 50.0;
         let (last, expected) = (tail(&curve), tail(&exact));
         assert!(
-            (last - expected).abs() <= 0.05 * expected,
+            (last - expected).abs() <= 0.03 * expected,
             "{precision}: loss over the last 50 steps {last}, f32 {expected}"
         );
         assert!(last < 0.7 * curve[0], "{precision}: the loss falls");

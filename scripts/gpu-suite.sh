@@ -2,10 +2,13 @@
 # The GPU half of the test suite and the GPU benchmarks (issue 8), in two steps:
 #
 #   scripts/gpu-suite.sh build   # on any x86-64 machine with Rust: test and bench
-#                                # binaries with CUDA support into .device-bin/
+#                                # binaries with CUDA support into .device-bin/, packed
+#                                # into .device-pack/ (carry that)
 #   scripts/gpu-suite.sh run     # on the GPU machine (no Rust needed), from the repo root
-#                                # with .device-bin/ present; logs go to $OUT (or ./gpu-logs)
-#   scripts/gpu-suite.sh tests   # `run`'s two halves on their own, for short device leases
+#                                # with .device-bin/ present; logs go to $LOGS, $OUT
+#                                # or ./gpu-logs
+#   scripts/gpu-suite.sh tests   # `run`'s parts on their own, for short device leases
+#   scripts/gpu-suite.sh nccl    # (the demo over NCCL against the CPU)
 #   scripts/gpu-suite.sh bench
 #   eval "$(scripts/gpu-suite.sh env)"   # the same LD_LIBRARY_PATH, to run a binary by hand
 #
@@ -26,11 +29,11 @@ build() {
     local features="comm-core/cuda,comm-core/cli,tape/cuda"
     # The test binaries with device code (the carry limit is 64 MiB): the GPU tests, the
     # device-vs-CPU tests, and the library unit tests (NVRTC compiles every kernel).
-    cargo test --release -p comm-core -p tape -p layers -p integration-tests \
-        --features "$features" --no-run --message-format=json 2>/dev/null |
+    cargo test --release -p device -p comm-core -p tape -p layers -p integration-tests \
+        --features "$features,device/cuda" --no-run --message-format=json 2>/dev/null |
         python3 -c '
 import json, sys
-wanted = {"gpu_local", "gpu_nccl", "device", "device_math", "device_nn", "device_shape",
+wanted = {"gpu", "gpu_local", "gpu_nccl", "device", "device_math", "device_nn", "device_shape",
           "device_training", "main_grad", "lending", "flat_updates", "low_precision", "shape_memory",
           "pointwise_memory",
           "comm_core", "tape"}
@@ -51,6 +54,17 @@ for line in sys.stdin:
     # Debug info is most of the size.
     strip --strip-debug "$BIN"/*
     du -sh "$BIN"
+    # The binaries come to about 64 MiB, the device tool's carry limit: carry them packed.
+    mkdir -p .device-pack
+    tar cf - "$BIN" | xz -T0 -6 >.device-pack/bin.tar.xz
+    du -sh .device-pack
+}
+
+# Unpacks the carried binaries where only the pack travelled.
+unpack() {
+    if [ ! -d "$BIN" ] && [ -f .device-pack/bin.tar.xz ]; then
+        tar xJf .device-pack/bin.tar.xz
+    fi
 }
 
 # A directory of unversioned symlinks to the CUDA libraries found on this machine, and
@@ -73,87 +87,135 @@ library_path() {
 }
 
 setup() {
+    unpack
     export LD_LIBRARY_PATH="$(library_path):${LD_LIBRARY_PATH:-}"
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    versions
+}
+
+# Logs go to $LOGS, else $OUT, else ./gpu-logs. Every command has a time limit, so one
+# that hangs costs its limit and not the lease.
+logs_dir() { echo "${LOGS:-${OUT:-gpu-logs}}"; }
+
+# `limit SECONDS COMMAND...`: runs it, and says so when it ran out of time.
+limit() {
+    local seconds=$1
+    shift
+    timeout --kill-after=5 "$seconds" "$@"
+    local status=$?
+    [ $status -eq 124 ] || [ $status -eq 137 ] && echo "TIMED OUT after ${seconds} s: $*"
+    return $status
+}
+
+versions() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+    python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda,
+        "NCCL", ".".join(map(str, torch.cuda.nccl.version())))' || true
+    pip list 2>/dev/null | grep -i -E "^nvidia-(nccl|cublas|cuda-nvrtc|cuda-runtime)" || true
 }
 
 tests() {
-    local logs=${OUT:-gpu-logs}
+    local logs
+    logs=$(logs_dir)
     mkdir -p "$logs"
     local failed=0
     for test in "$BIN"/test-*; do
         echo "== $test"
         # --nocapture: the `skipped: <reason>` lines must reach the log.
-        "$test" --test-threads=4 --nocapture >"$logs/$(basename "$test").log" 2>&1 || {
+        NCCL_MULTI_RANK_GPU_ENABLE=1 limit 120 "$test" --test-threads=4 --nocapture \
+            >"$logs/$(basename "$test").log" 2>&1 || {
             failed=1
             echo "FAILED: $test"
+            grep -E "^test .*FAILED|panicked" "$logs/$(basename "$test").log" | head -5
         }
-        grep -E "test result|skipped|panicked" "$logs/$(basename "$test").log" | sort | uniq -c
+        grep -E "test result|skipped" "$logs/$(basename "$test").log" | sort | uniq -c
+    done
+    return $failed
+}
+
+# `compare CPU.csv DEVICE.csv`: the largest loss difference between two curves (≤ 1e-3).
+compare() {
+    python3 - "$@" <<'PY'
+import csv, sys
+curves = [[float(row["loss"]) for row in csv.DictReader(open(path))] for path in sys.argv[1:]]
+worst = max(abs(a - b) for a, b in zip(*curves))
+print(f"device vs CPU loss curve: max difference {worst:.2e}",
+      "(within 1e-3)" if worst <= 1e-3 else "(OVER 1e-3)")
+sys.exit(0 if worst <= 1e-3 else 1)
+PY
+}
+
+# The demo over NCCL with two or four ranks on the one GPU, against the same run on the CPU.
+nccl_demo() {
+    local logs failed=0 name
+    logs=$(logs_dir)
+    local layouts=("--tp 2 --dp 1" "--pp 2 --layers 2" "--tp 2 --dp 2"
+        "--tp 2 --dp 2 --use-distributed-optimizer --precision bf16")
+    for layout in "${layouts[@]}"; do
+        name=$(echo "$layout" | tr -d ' -')
+        echo "-- NCCL $layout"
+        # shellcheck disable=SC2086
+        limit 60 "$BIN/train-gpt" $layout --steps 20 --out "$logs/cpu-$name" | tail -1
+        # shellcheck disable=SC2086
+        NCCL_MULTI_RANK_GPU_ENABLE=1 limit 90 "$BIN/train-gpt" --backend nccl --device cuda:0 \
+            $layout --steps 20 --check --out "$logs/nccl-$name" | tail -4 || failed=1
+        compare "$logs/cpu-$name/loss.csv" "$logs/nccl-$name/loss.csv" || failed=1
     done
     return $failed
 }
 
 bench() {
-    echo "== comm-bench"
-    "$BIN/comm-bench" --backend nccl --ranks 1 --sizes 1K,1M,64M --json
-    for ranks in 2 4; do
-        "$BIN/comm-bench" --memory cuda --ranks "$ranks" --sizes 1K,1M,64M --baseline device-copy --json
-    done
-    NCCL_MULTI_RANK_GPU_ENABLE=1 "$BIN/comm-bench" --backend nccl --ranks 2 --sizes 1K,1M,64M --json ||
-        echo "NCCL with 2 ranks on one GPU failed (it needs NCCL >= 2.30; see the error above)"
-    echo "== GEMM and per-op overhead: tape, then PyTorch"
-    "$BIN/bench_device" --device cuda:0
-    python3 tape/benches/torch_device_reference.py 4096
-    echo "== transformer block: ferrotron TP=1 and TP=2 on one GPU, then PyTorch"
-    "$BIN/bench_block" --tp 1 --device cuda:0 --json
-    "$BIN/bench_block" --tp 2 --device cuda:0 --json
-    python3 layers/benches/bench_block.py --device cuda --json
-    echo "== the demo on the GPU: TP 2 x DP 2 (and with PP 2) against the serial run, then timed"
-    local logs=${OUT:-gpu-logs}
-    "$BIN/train-gpt" --device cuda:0 --steps 20 --check --out "$logs/demo" | tail -1
-    "$BIN/train-gpt" --device cuda:0 --pp 2 --layers 2 --steps 20 --check --sequence-parallel \
-        --out "$logs/demo" | tail -1
-    # The distributed optimizer's device step (reduce-scatter and all-gather into lent
-    # memory) with bf16 products (GemmEx), on one rank's stream and over NCCL.
-    "$BIN/train-gpt" --device cuda:0 --use-distributed-optimizer --precision bf16 --steps 20 \
-        --check --out "$logs/demo" | tail -1
-    NCCL_MULTI_RANK_GPU_ENABLE=1 "$BIN/train-gpt" --backend nccl --device cuda:0 --tp 2 --dp 2 \
-        --use-distributed-optimizer --precision bf16 --steps 20 --check --out "$logs/demo" |
-        tail -1 || echo "the sharded bf16 demo over NCCL failed (see the error above)"
-    local start=$SECONDS
-    "$BIN/train-gpt" --device cuda:0 --out "$logs/demo" | tail -3
-    echo "default run: $((SECONDS - start)) s"
+    local logs failed=0
+    logs=$(logs_dir)
+    echo "== GEMM (f32, TF32, bf16 8192²) and per-op overhead: tape, then PyTorch"
+    limit 60 "$BIN/bench_device" --device cuda:0 || failed=1
+    limit 60 python3 tape/benches/torch_device_reference.py 4096 8192
+    echo "== transformer block, TP 1 in f32 and bf16, then PyTorch; TP 2 on one GPU"
+    limit 60 "$BIN/bench_block" --tp 1 --device cuda:0 --json --steps 20 || failed=1
+    limit 60 "$BIN/bench_block" --tp 1 --device cuda:0 --json --steps 20 --bf16 || failed=1
+    limit 60 python3 layers/benches/bench_block.py --device cuda --json --steps 20
+    limit 60 python3 layers/benches/bench_block.py --device cuda --json --steps 20 --bf16
+    limit 60 "$BIN/bench_block" --tp 2 --device cuda:0 --json || failed=1
     echo "== DDP overlap on the GPU: local backend over device memory, then NCCL (2 ranks)"
-    "$BIN/bench_ddp" --device cuda:0 --ranks 2 --json
-    NCCL_MULTI_RANK_GPU_ENABLE=1 "$BIN/bench_ddp" --backend nccl --device cuda:0 --ranks 2 \
-        --json || echo "bench_ddp over NCCL failed (see the error above)"
-    echo "== the demo over NCCL on one GPU (TP 2 x DP 1, TP 2 x DP 2) against the CPU curve"
-    local failed=0
-    for dp in 1 2; do
-        "$BIN/train-gpt" --tp 2 --dp $dp --steps 20 --out "$logs/cpu-dp$dp" | tail -1
-        NCCL_MULTI_RANK_GPU_ENABLE=1 "$BIN/train-gpt" --backend nccl --device cuda:0 --tp 2 \
-            --dp $dp --steps 20 --check --out "$logs/nccl-dp$dp" | tail -3
-        python3 - "$logs/cpu-dp$dp/loss.csv" "$logs/nccl-dp$dp/loss.csv" <<'PY' || failed=1
-import csv, sys
-curves = [[float(row["loss"]) for row in csv.DictReader(open(path))] for path in sys.argv[1:]]
-worst = max(abs(a - b) for a, b in zip(*curves))
-print(f"NCCL vs CPU loss curve: max difference {worst:.2e}",
-      "(within 1e-3)" if worst <= 1e-3 else "(OVER 1e-3)")
-sys.exit(0 if worst <= 1e-3 else 1)
-PY
-    done
+    limit 60 "$BIN/bench_ddp" --device cuda:0 --ranks 2 --json || failed=1
+    NCCL_MULTI_RANK_GPU_ENABLE=1 limit 60 "$BIN/bench_ddp" --backend nccl --device cuda:0 \
+        --ranks 2 --json || failed=1
+    echo "== collectives: NCCL 1 and 2 ranks, the local backend over device memory"
+    limit 60 "$BIN/comm-bench" --backend nccl --ranks 1 --sizes 1K,1M,64M --json
+    NCCL_MULTI_RANK_GPU_ENABLE=1 limit 60 "$BIN/comm-bench" --backend nccl --ranks 2 \
+        --sizes 1K,1M,64M --json || failed=1
+    limit 60 "$BIN/comm-bench" --memory cuda --ranks 2 --sizes 1K,1M,64M \
+        --baseline device-copy --json
+    echo "== the demo on the GPU over threads: TP 2 x DP 2 (and PP 2, SP; ZeRO bf16) vs one rank"
+    limit 60 "$BIN/train-gpt" --device cuda:0 --steps 20 --check --out "$logs/demo" | tail -3
+    limit 60 "$BIN/train-gpt" --device cuda:0 --pp 2 --layers 2 --steps 20 --check \
+        --sequence-parallel --out "$logs/demo" | tail -1
+    limit 60 "$BIN/train-gpt" --device cuda:0 --use-distributed-optimizer --precision bf16 \
+        --steps 20 --check --out "$logs/demo" | tail -1
+    echo "== the default demo run on cuda:0, timed"
+    local start=$SECONDS
+    limit 120 "$BIN/train-gpt" --device cuda:0 --out "$logs/demo" | tail -3
+    echo "default run: $((SECONDS - start)) s"
     return $failed
 }
 
 case "${1:-}" in
 build) build ;;
-run) setup; tests; status=$?; bench || status=1; exit $status ;;
+run)
+    setup
+    tests
+    status=$?
+    echo "== the demo over NCCL on one GPU against the CPU curve"
+    nccl_demo || status=1
+    bench || status=1
+    exit $status
+    ;;
 tests) setup && tests ;;
+nccl) setup && nccl_demo ;;
 bench) setup && bench ;;
 env) echo "export LD_LIBRARY_PATH=$(library_path):${LD_LIBRARY_PATH:-}" ;;
 *)
-    echo "usage: $0 build|run|tests|bench|env" >&2
+    echo "usage: $0 build|run|tests|nccl|bench|env" >&2
     exit 2
     ;;
 esac

@@ -9,6 +9,7 @@ after warm-up. Prints {"bench":"block_step","tp":T,"ms_per_step":F}.
 
     python layers/benches/bench_block.py --tp 2 --json
     python layers/benches/bench_block.py --device cuda --json   # the whole block, one GPU
+    python layers/benches/bench_block.py --device cuda --bf16 --json   # in bf16
 
 With --device cuda the block runs unsharded in this process on one GPU (the math of every
 TP size), the reference for `bench_block --device cuda:0`.
@@ -65,8 +66,11 @@ def worker(rank, size, args, port, queue):
         dist.init_process_group("gloo", rank=rank, world_size=size)
     torch.set_num_threads(args.threads)
 
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+
     def shard(full, dim, rank, size):
-        return torch.tensor_split(full, size, dim=dim)[rank].to(device).clone().requires_grad_()
+        part = torch.tensor_split(full, size, dim=dim)[rank]
+        return part.to(device=device, dtype=dtype).clone().requires_grad_()
 
     def sync():
         if device.type == "cuda":
@@ -79,17 +83,17 @@ def worker(rank, size, args, port, queue):
     qkv_w = shard(torch.randn(3 * HIDDEN, HIDDEN, generator=gen) * std, 0, rank, size)
     qkv_b = shard(torch.zeros(3 * HIDDEN), 0, rank, size)
     proj_w = shard(torch.randn(HIDDEN, HIDDEN, generator=gen) * std, 1, rank, size)
-    proj_b = torch.zeros(HIDDEN, device=device, requires_grad=True)
+    proj_b = torch.zeros(HIDDEN, device=device, dtype=dtype, requires_grad=True)
     fc1_w = shard(torch.randn(4 * HIDDEN, HIDDEN, generator=gen) * std, 0, rank, size)
     fc1_b = shard(torch.zeros(4 * HIDDEN), 0, rank, size)
     fc2_w = shard(torch.randn(HIDDEN, 4 * HIDDEN, generator=gen) * std, 1, rank, size)
-    fc2_b = torch.zeros(HIDDEN, device=device, requires_grad=True)
+    fc2_b = torch.zeros(HIDDEN, device=device, dtype=dtype, requires_grad=True)
     ln = [
-        torch.ones(HIDDEN, device=device, requires_grad=True),
-        torch.zeros(HIDDEN, device=device, requires_grad=True),
+        torch.ones(HIDDEN, device=device, dtype=dtype, requires_grad=True),
+        torch.zeros(HIDDEN, device=device, dtype=dtype, requires_grad=True),
     ] * 2
     params = [qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, *ln]
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(device)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(device=device, dtype=dtype)
     local_heads, head_dim = HEADS // size, HIDDEN // HEADS
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).to(device)
 
@@ -131,6 +135,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1, help="threads per rank")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--bf16", action="store_true", help="parameters and activations in bf16")
     args = parser.parse_args()
     if args.device == "cuda":
         import queue as queues
@@ -154,7 +159,8 @@ def main():
 def report(args, tp, median):
     if args.json:
         print(json.dumps({"bench": "block_step", "impl": "torch", "device": args.device,
-                          "tp": tp, "ms_per_step": round(median, 3)}))
+                          "dtype": "BF16" if args.bf16 else "F32", "tp": tp,
+                          "ms_per_step": round(median, 3)}))
     else:
         print(f"block step tp {tp} on {args.device}: {median:.3f} ms")
 

@@ -5,7 +5,8 @@
 //!
 //! `cargo run --release -p layers --example bench_block -- --tp 2 --json`; add
 //! `--device cuda:0` (build with `--features tape/cuda`) to run every rank's block on a
-//! GPU (activations between ranks go through host memory, see `mappings`).
+//! GPU (activations between ranks go through host memory, see `mappings`); `--bf16` to
+//! keep parameters and activations in bf16 (products accumulate in f32).
 
 // Training steps allocate and free many large arrays: mimalloc, told to keep freed pages,
 // hands them to the next step without page faults (see the performance chapter).
@@ -26,7 +27,7 @@ use std::time::Instant;
 
 use comm_core::{run_local, Communicator};
 use layers::{BlockConfig, MasterInit, Module, RngTracker, TensorParallel, TransformerBlock};
-use tape::{synchronize, Device, Generator, Tape, Tensor};
+use tape::{synchronize, DType, Device, Generator, Tape, Tensor};
 
 const HIDDEN: usize = 512;
 const HEADS: usize = 8;
@@ -40,6 +41,7 @@ struct Args {
     warmup: usize,
     steps: usize,
     threads: usize,
+    dtype: DType,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -50,6 +52,7 @@ fn parse_args() -> Result<Args, String> {
         warmup: 2,
         steps: 10,
         threads: 1,
+        dtype: DType::F32,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -64,13 +67,14 @@ fn parse_args() -> Result<Args, String> {
             "--steps" => args.steps = number("--steps")?.max(1),
             "--threads" => args.threads = number("--threads")?,
             "--json" => args.json = true,
+            "--bf16" => args.dtype = DType::BF16,
             "--device" => {
                 let text = it.next().unwrap_or_default();
                 args.device = text.parse().map_err(|e| format!("--device: {e}"))?;
             }
             other => {
                 return Err(format!(
-                    "unknown argument {other}; use --tp T [--device D] [--json] [--warmup N] [--steps N] [--threads N]"
+                    "unknown argument {other}; use --tp T [--device D] [--json] [--warmup N] [--steps N] [--threads N] [--bf16]"
                 ))
             }
         }
@@ -89,8 +93,9 @@ fn main() {
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args()?;
     let device = args.device;
-    let input =
-        Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut Generator::new(0)).to_device(device)?;
+    let input = Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut Generator::new(0))
+        .to_dtype(args.dtype)?
+        .to_device(device)?;
     let times = run_local(args.tp, |comm| -> layers::Result<Vec<f64>> {
         tape::set_num_threads(args.threads)?;
         let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
@@ -101,7 +106,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             &MasterInit::new(0, 0.02),
         )?;
         for p in block.parameters() {
-            p.param.set_value(p.param.value().to_device(device)?)?;
+            let value = p.param.value().to_dtype(args.dtype)?;
+            p.param.set_value(value.to_device(device)?)?;
         }
         let mut rng = RngTracker::new(0, tp.rank());
         let mut times = Vec::new();
@@ -127,12 +133,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let median = rank0.get(rank0.len() / 2).copied().unwrap_or(f64::NAN);
     if args.json {
         println!(
-            "{{\"bench\":\"block_step\",\"impl\":\"ferrotron\",\"device\":\"{device}\",\"tp\":{},\"ms_per_step\":{median:.3}}}",
-            args.tp
+            "{{\"bench\":\"block_step\",\"impl\":\"ferrotron\",\"device\":\"{device}\",\"dtype\":\"{:?}\",\"tp\":{},\"ms_per_step\":{median:.3}}}",
+            args.dtype, args.tp
         );
     } else {
         println!(
-            "block step (hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, batch {BATCH}), tp {}: {median:.3} ms (median of {})",
+            "block step (hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, batch {BATCH}, {:?}), tp {}: {median:.3} ms (median of {})",
+            args.dtype,
             args.tp,
             rank0.len()
         );

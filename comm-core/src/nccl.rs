@@ -915,8 +915,52 @@ fn init_rank(local: &Local, id: sys::ncclUniqueId, group: &str) -> Result<RawCom
     let mut comm: sys::ncclComm_t = std::ptr::null_mut();
     // SAFETY: a valid out-pointer; rank < nranks (the bootstrap's own rank and size).
     unsafe { nccl::comm_init_rank(&mut comm, local.nranks, id, local.rank) }
-        .map_err(|e| nccl_error("ncclCommInitRank", group, &e))?;
+        .map_err(|e| with_sharing_hint(nccl_error("ncclCommInitRank", group, &e)))?;
     Ok(RawComm(comm))
+}
+
+/// The version of the libnccl loaded, as (major, minor, patch).
+pub fn version() -> Result<(u32, u32, u32)> {
+    cuda::require(Library::Nccl, "nccl::version")?;
+    let code = nccl::get_nccl_version().map_err(|e| nccl_error("ncclGetVersion", "", &e))?;
+    let code = u32::try_from(code).unwrap_or(0);
+    // NCCL_VERSION_CODE: major·10000 + minor·100 + patch since 2.9, major·1000 + … before.
+    Ok(if code >= 20_900 {
+        (code / 10_000, code / 100 % 100, code % 100)
+    } else {
+        (code / 1000, code / 100 % 10, code % 100)
+    })
+}
+
+/// Whether ranks of one communicator may share a GPU here: NCCL ≥ 2.30 with
+/// `NCCL_MULTI_RANK_GPU_ENABLE=1` (older versions refuse with "Duplicate GPU detected").
+pub fn ranks_may_share_a_gpu() -> bool {
+    let enabled = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
+    enabled && version().is_ok_and(|v| v >= (2, 30, 0))
+}
+
+/// NCCL's "Duplicate GPU" refusal, with what would make the layout work.
+fn with_sharing_hint(error: Error) -> Error {
+    let Error::Nccl {
+        call,
+        group,
+        mut message,
+    } = error
+    else {
+        return error;
+    };
+    if message.contains("Duplicate GPU") {
+        let found = version().map_or_else(|_| "?".into(), |(a, b, c)| format!("{a}.{b}.{c}"));
+        message.push_str(&format!(
+            "; two ranks of a communicator share one GPU, which NCCL {found} refuses: give \
+             each rank its own GPU, or use NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1"
+        ));
+    }
+    Error::Nccl {
+        call,
+        group,
+        message,
+    }
 }
 
 /// Tells every rank of `bootstrap` whether one setup step failed here, and returns
@@ -1437,6 +1481,23 @@ impl Communicator for NcclCommunicator {
 mod tests {
     use super::*;
     use crate::run_local;
+
+    /// NCCL's refusal of two ranks on one GPU says what would make the layout work; other
+    /// errors pass unchanged.
+    #[test]
+    fn a_shared_gpu_refusal_says_what_to_do() {
+        let refusal = |message: &str| Error::Nccl {
+            call: "ncclCommInitRank",
+            group: "world".into(),
+            message: message.into(),
+        };
+        let hinted = with_sharing_hint(refusal("Duplicate GPU detected : rank 0 and rank 1"));
+        let text = hinted.to_string();
+        assert!(text.contains("give each rank its own GPU"), "{text}");
+        assert!(text.contains("NCCL_MULTI_RANK_GPU_ENABLE=1"), "{text}");
+        let other = with_sharing_hint(refusal("unhandled system error")).to_string();
+        assert!(!other.contains("own GPU"), "{other}");
+    }
 
     /// The agreement runs on the bootstrap alone, so it is tested without a GPU.
     #[test]

@@ -56,11 +56,11 @@ fn two_rank_devices() -> anyhow::Result<Option<usize>> {
         return Ok(None);
     }
     let count = cuda::device_count()?;
-    let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
-    if count < 2 && !shared {
+    if count < 2 && !comm_core::nccl::ranks_may_share_a_gpu() {
+        let (a, b, c) = comm_core::nccl::version()?;
         println!(
             "skipped: two ranks need two GPUs (found {count}), or NCCL >= 2.30 with \
-             NCCL_MULTI_RANK_GPU_ENABLE=1"
+             NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL here is {a}.{b}.{c})"
         );
         return Ok(None);
     }

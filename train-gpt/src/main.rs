@@ -872,6 +872,10 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
     if args.device != tape::Device::Cpu {
         let moved = result.transfers_per_step;
         println!(
+            "device host waits per step and rank: {:.1}",
+            result.host_waits_per_step
+        );
+        println!(
             "device transfers per step and rank: to device {} bytes, to host {} bytes",
             moved.to_device_bytes, moved.to_host_bytes
         );

@@ -120,6 +120,9 @@ pub struct RankResult {
     /// Host↔device copies of a training step on this rank, averaged over the steps after
     /// the first (which also uploads the model's first use of each constant).
     pub transfers_per_step: Transfers,
+    /// Times this rank's thread waited for its device in a step, over the same steps
+    /// (waits inside NCCL's own calls are not counted).
+    pub host_waits_per_step: f64,
 }
 
 /// Trains on every rank of `world` (tensor-parallel size `config.tp`, the rest data
@@ -169,7 +172,7 @@ pub fn train_rank(
     if let (Some(dir), Some(saved)) = (&config.resume, &saved) {
         trainer.resume(dir, saved, &mut chunks, &mut history)?;
     }
-    let transfers = trainer.train(&mut chunks, corpus, &mut history)?;
+    let steady = trainer.train(&mut chunks, corpus, &mut history)?;
     if let Some(dir) = &config.save {
         let scaler = trainer.scaler.as_ref();
         save(
@@ -193,7 +196,8 @@ pub fn train_rank(
         samples,
         coordinates: (state.pp_rank(), tp.rank(), state.dp_rank()),
         timeline: history.timeline,
-        transfers_per_step: transfers,
+        transfers_per_step: steady.transfers,
+        host_waits_per_step: steady.host_waits,
     })
 }
 
@@ -408,22 +412,24 @@ impl<'a> Trainer<'a> {
     }
 
     /// The steps from where `history` ends to `--steps`, with the validation loss when
-    /// due; returns the host↔device copies of a step, averaged over the steps after the
-    /// first (which also uploads the model's first use of each constant).
+    /// due; returns the host↔device copies and host waits of a step, averaged over the
+    /// steps after the first (which also uploads the model's first use of each constant).
     fn train(
         &mut self,
         chunks: &mut Chunks<'_>,
         corpus: &Corpus,
         history: &mut History,
-    ) -> Result<Transfers> {
+    ) -> Result<Steady> {
         let config = chunks.config;
         let first_step = history.losses.len();
-        let mut steady_transfers = Vec::new();
+        let (mut steady_transfers, mut waits) = (Vec::new(), Vec::new());
         for step in first_step..config.steps {
             let before = tape::transfers(config.device);
+            let waits_before = tape::host_waits(config.device);
             self.step(chunks, corpus, step, history)?;
             if step > first_step || config.steps == first_step + 1 {
                 steady_transfers.push(tape::transfers(config.device) - before);
+                waits.push(tape::host_waits(config.device) - waits_before);
             }
             let done = step + 1;
             let interval = config.eval_interval;
@@ -435,7 +441,10 @@ impl<'a> Trainer<'a> {
         if let Some(progress) = self.progress {
             progress.finish();
         }
-        Ok(mean(&steady_transfers))
+        Ok(Steady {
+            transfers: mean(&steady_transfers),
+            host_waits: waits.iter().sum::<u64>() as f64 / waits.len().max(1) as f64,
+        })
     }
 
     /// One training step (0-based `step`): forward and backward of every microbatch,
@@ -978,6 +987,12 @@ fn sample(logits: &[f32], generator: &mut Generator) -> u8 {
         }
     }
     (weights.len() - 1) as u8
+}
+
+/// What a step after the first costs in host↔device traffic, on average.
+struct Steady {
+    transfers: Transfers,
+    host_waits: f64,
 }
 
 /// The mean of per-step transfer counts (none: zero).

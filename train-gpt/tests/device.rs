@@ -77,9 +77,20 @@ fn a_device_run_ends_with_its_transfers_per_step() {
     let (to_device, to_host) = transfers(&sharded);
     assert!(to_device <= 64 * 32, "{to_device} bytes to the device");
     assert!(to_host <= 8 + 2 * 4, "{to_host} bytes to the host");
+    // Every run says how often its ranks waited for the device in a step: today the loss,
+    // the uploads and the collectives each wait (the asynchronous step removes them).
+    for run in [&emulated, &sharded] {
+        let waits: f64 = run
+            .lines()
+            .find_map(|l| l.strip_prefix("device host waits per step and rank: "))
+            .and_then(|n| n.parse().ok())
+            .expect("a host-waits line");
+        assert!(waits >= 1.0, "{waits} host waits");
+    }
     // The CPU run trains the same numbers (to the printed digits) and has no such line.
     let cpu = train("cpu", &[]);
     assert_eq!(loss_line(&emulated), loss_line(&cpu));
     assert!(!cpu.contains("device transfers"));
+    assert!(!cpu.contains("host waits"));
     assert_eq!(loss_line(&sharded), loss_line(&train("cpu", &zero)));
 }

@@ -8,7 +8,7 @@
 #                                # with .device-bin/ present; logs go to $LOGS, $OUT
 #                                # or ./gpu-logs
 #   scripts/gpu-suite.sh tests   # `run`'s parts on their own, for short device leases
-#   scripts/gpu-suite.sh nccl    # (the demo over NCCL against the CPU)
+#   scripts/gpu-suite.sh nccl    # (every run with two or more NCCL ranks)
 #   scripts/gpu-suite.sh bench
 #   eval "$(scripts/gpu-suite.sh env)"   # the same LD_LIBRARY_PATH, to run a binary by hand
 #
@@ -78,6 +78,8 @@ library_path() {
         local found
         found=$(find ${site:+"$site/nvidia"} /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu \
             -name "$lib.so*" 2>/dev/null | sort | tail -1)
+        # NCCL_LIB=/path/libnccl.so.2 picks another NCCL (two ranks on one GPU need 2.30).
+        if [ "$lib" = libnccl ] && [ -n "${NCCL_LIB:-}" ]; then found=$NCCL_LIB; fi
         if [ -n "$found" ]; then
             ln -sf "$found" "$links/$lib.so"
             dirs="$dirs:$(dirname "$found")"
@@ -164,6 +166,23 @@ nccl_demo() {
     return $failed
 }
 
+# Everything with two or more NCCL ranks: the tests, the collectives, DDP, the demo.
+nccl_all() {
+    local logs failed=0 test
+    logs=$(logs_dir)
+    mkdir -p "$logs"
+    export NCCL_MULTI_RANK_GPU_ENABLE=1
+    for test in "$BIN"/test-gpu_nccl-*; do
+        limit 120 "$test" --test-threads=1 --nocapture >"$logs/$(basename "$test").log" 2>&1 ||
+            failed=1
+        grep -E "^test |test result|skipped" "$logs/$(basename "$test").log"
+    done
+    limit 60 "$BIN/comm-bench" --backend nccl --ranks 2 --sizes 1K,1M,64M --json || failed=1
+    limit 60 "$BIN/bench_ddp" --backend nccl --device cuda:0 --ranks 2 --json || failed=1
+    nccl_demo || failed=1
+    return $failed
+}
+
 bench() {
     local logs failed=0
     logs=$(logs_dir)
@@ -211,7 +230,7 @@ run)
     exit $status
     ;;
 tests) setup && tests ;;
-nccl) setup && nccl_demo ;;
+nccl) setup && nccl_all ;;
 bench) setup && bench ;;
 env) echo "export LD_LIBRARY_PATH=$(library_path):${LD_LIBRARY_PATH:-}" ;;
 *)

@@ -333,9 +333,14 @@ impl NcclCommunicator {
                  {device}; pass a buffer on cuda:{device}"
             ),
             (Device::Cpu | Device::Emulated, _) => format!(
-                "the {role} is {memory} memory, and NCCL moves CUDA memory only; pass a view \
+                "the {role} is {} memory, and NCCL moves CUDA memory only; pass a view \
                  of device memory on cuda:{device} (`BufRef::cuda` / `BufMut::cuda`), or \
-                 use the local or mpi backend for host buffers"
+                 use the local or mpi backend for host buffers",
+                if memory == Device::Cpu {
+                    "host"
+                } else {
+                    "emulated-device"
+                }
             ),
         };
         Err(Error::InvalidBuffer {
@@ -668,6 +673,11 @@ impl NcclWork<'_> {
     /// the collective on the device, so that whatever is queued on them next, freeing or
     /// overwriting a buffer included, follows it even when this handle is leaked with
     /// `mem::forget` instead of waited for (what PyTorch's `recordStream` ensures).
+    ///
+    /// Only for handles given to callers: two ranks on one GPU that queue on one shared
+    /// stream deadlock here, since the first rank's wait holds back the work the second
+    /// rank's matching collective is queued behind. Blocking calls wait on the host and
+    /// skip it (found on an H200 with two ranks under NCCL 2.30).
     fn held_by(self, holders: &[&CudaStream]) -> Result<Self> {
         if let Some(done) = &self.pending.done {
             for stream in holders {
@@ -1145,7 +1155,10 @@ impl Communicator for NcclCommunicator {
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.all_reduce_async(buf, op)?.wait()
+        // Waited for on the host before any stream of the caller's is made to wait: ranks
+        // that share a GPU may share a compute stream too, and a peer's collective queued
+        // behind this one's wait on it could never start (see `NcclWork::held_by`).
+        self.queue_all_reduce(buf, op)?.wait()
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
@@ -1162,7 +1175,8 @@ impl Communicator for NcclCommunicator {
     }
 
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        self.all_gather_async(input, output)?.wait()
+        // As `all_reduce`: no stream of the caller's waits on NCCL.
+        self.queue_all_gather(input, output)?.wait()
     }
 
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
@@ -1195,7 +1209,8 @@ impl Communicator for NcclCommunicator {
     }
 
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.reduce_scatter_async(input, output, op)?.wait()
+        // As `all_reduce`: no stream of the caller's waits on NCCL.
+        self.queue_reduce_scatter(input, output, op)?.wait()
     }
 
     fn reduce_scatter_v(

@@ -415,6 +415,47 @@ fn two_ranks_match_the_reference_and_split() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Ranks on one GPU whose buffers are ordered on one shared stream (as tape's stream per
+/// device is for rank threads) complete blocking collectives: no rank makes the shared
+/// stream wait for its collective before the peer has queued the matching one. Before
+/// the blocking calls waited on the host first, the demo hung so on an H200.
+#[test]
+fn ranks_sharing_a_gpu_and_a_stream_complete_blocking_collectives() -> anyhow::Result<()> {
+    let Some(count) = two_rank_devices()? else {
+        return Ok(());
+    };
+    if count >= 2 {
+        println!("skipped: the ranks have a GPU each here, so they share no stream");
+        return Ok(());
+    }
+    let stream = cuda::context(0)?.new_stream()?;
+    run_local(2, |comm| -> anyhow::Result<()> {
+        let nccl = NcclCommunicator::new(Arc::new(comm), 0)?.with_timeout(PROMPT * 4);
+        let r = nccl.rank() as f32;
+        let mut x = Dev::new(&stream, &[r + 1.0; 1024])?;
+        let mut half = Dev::<f32>::zeros(&stream, 512)?;
+        for _ in 0..50 {
+            nccl.all_reduce(BufMut::cuda(&mut x.view_mut(), &stream)?, ReduceOp::Sum)?;
+            nccl.reduce_scatter(
+                BufRef::cuda(&x.view(), &stream)?,
+                BufMut::cuda(&mut half.view_mut(), &stream)?,
+                ReduceOp::Avg,
+            )?;
+            nccl.all_gather(
+                BufRef::cuda(&half.view(), &stream)?,
+                BufMut::cuda(&mut x.view_mut(), &stream)?,
+            )?;
+        }
+        // Each round doubles the sum of 1 and 2; the average and the gather keep it.
+        ensure_close(
+            "after 50 rounds",
+            &x.read(&stream)?,
+            &[3.0 * 2f32.powi(49); 1024],
+        )
+    })?;
+    Ok(())
+}
+
 fn check_split(comm: &NcclCommunicator, stream: &Arc<CudaStream>) -> anyhow::Result<()> {
     let (r, n) = (comm.rank(), comm.size());
     // Two groups of one rank each.

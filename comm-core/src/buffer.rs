@@ -9,7 +9,7 @@
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use device::Device;
+use device::{Device, DeviceMemory};
 use std::marker::PhantomData;
 
 /// The stream a device view's contents are ordered on; it also names the device and
@@ -376,33 +376,6 @@ mod cuda_views {
             })
         }
 
-        /// A view of `len` elements of `dtype` at device address `ptr`, ordered on
-        /// `stream`, for memory that is not a cudarc slice (a tensor library's own
-        /// allocations).
-        ///
-        /// # Safety
-        /// `ptr` must be device memory of `stream`'s device, valid for reads of `len`
-        /// elements of `dtype` and not written by anything else for `'a`, and freed (if
-        /// ever) in `stream`'s order.
-        pub unsafe fn cuda_raw(
-            ptr: u64,
-            len: usize,
-            dtype: DType,
-            stream: &'a CudaStream,
-        ) -> BufRef<'a> {
-            BufRef {
-                ptr: ptr as usize as *const u8,
-                len,
-                dtype,
-                emulated: false,
-                stream: Some(super::DeviceOrder {
-                    stream,
-                    owner: stream,
-                }),
-                _borrow: PhantomData,
-            }
-        }
-
         /// The device address of a CUDA view.
         pub(crate) fn device_ptr(&self) -> u64 {
             self.ptr as usize as u64
@@ -410,30 +383,6 @@ mod cuda_views {
     }
 
     impl<'a> BufMut<'a> {
-        /// A writable view of `len` elements of `dtype` at device address `ptr`, ordered
-        /// on `stream`; see [`BufRef::cuda_raw`].
-        ///
-        /// # Safety
-        /// As [`BufRef::cuda_raw`], and nothing else may read or write the memory for `'a`.
-        pub unsafe fn cuda_raw(
-            ptr: u64,
-            len: usize,
-            dtype: DType,
-            stream: &'a CudaStream,
-        ) -> BufMut<'a> {
-            BufMut {
-                ptr: ptr as usize as *mut u8,
-                len,
-                dtype,
-                emulated: false,
-                stream: Some(super::DeviceOrder {
-                    stream,
-                    owner: stream,
-                }),
-                _borrow: PhantomData,
-            }
-        }
-
         /// A writable view of device memory ordered on `stream`; see [`BufRef::cuda`].
         pub fn cuda<T, S>(slice: &'a mut S, stream: &'a CudaStream) -> Result<BufMut<'a>>
         where
@@ -464,6 +413,100 @@ mod cuda_views {
             self.ptr as usize as u64
         }
     }
+}
+
+/// Views of the device layer's allocations ([`DeviceMemory`]), the way tensors hold their
+/// memory: CUDA memory ordered on the stream it was allocated on, or the emulated
+/// device's. One constructor for both, with the range checked against the allocation.
+impl<'a> BufRef<'a> {
+    /// A view of `len` elements of `dtype` starting `offset` bytes into `memory`, ordered
+    /// on the stream that allocated it: a collective reads it after the work queued there.
+    pub fn device(
+        memory: &'a DeviceMemory,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+    ) -> Result<BufRef<'a>> {
+        let ptr = device_range(memory, offset, len, dtype, "BufRef::device")?;
+        Ok(BufRef {
+            ptr: ptr as usize as *const u8,
+            len,
+            dtype,
+            emulated: memory.device() == Device::Emulated,
+            #[cfg(feature = "cuda")]
+            stream: order_of(memory),
+            _borrow: PhantomData,
+        })
+    }
+}
+
+impl<'a> BufMut<'a> {
+    /// A writable view of `len` elements of `dtype` starting `offset` bytes into
+    /// `memory`; see [`BufRef::device`].
+    pub fn device(
+        memory: &'a mut DeviceMemory,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+    ) -> Result<BufMut<'a>> {
+        // SAFETY: `&mut` makes the view the only access for its lifetime.
+        unsafe { BufMut::device_shared(memory, offset, len, dtype) }
+    }
+
+    /// [`BufMut::device`] through a shared reference, for owners that hand out disjoint
+    /// ranges of one allocation (a tensor library's arrays and flat storage).
+    ///
+    /// # Safety
+    /// Nothing else may read or write the range while the view lives.
+    pub unsafe fn device_shared(
+        memory: &'a DeviceMemory,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+    ) -> Result<BufMut<'a>> {
+        let ptr = device_range(memory, offset, len, dtype, "BufMut::device")?;
+        Ok(BufMut {
+            ptr: ptr as usize as *mut u8,
+            len,
+            dtype,
+            emulated: memory.device() == Device::Emulated,
+            #[cfg(feature = "cuda")]
+            stream: order_of(memory),
+            _borrow: PhantomData,
+        })
+    }
+}
+
+/// The address of `len` elements of `dtype` at `offset` bytes into `memory`, checked to
+/// lie inside it and be aligned for `dtype`.
+fn device_range(
+    memory: &DeviceMemory,
+    offset: usize,
+    len: usize,
+    dtype: DType,
+    op: &'static str,
+) -> Result<u64> {
+    let size = dtype.size_in_bytes();
+    let end = len.checked_mul(size).and_then(|n| n.checked_add(offset));
+    if end.is_none_or(|end| end > memory.bytes()) || offset % size != 0 {
+        return Err(Error::Config(format!(
+            "{op}: {len} elements of {dtype:?} at byte {offset} do not fit the {}-byte \
+             allocation (or are not aligned for {dtype:?}); view a range inside it",
+            memory.bytes()
+        )));
+    }
+    Ok(memory.ptr() + offset as u64)
+}
+
+/// How a view of `memory` is ordered: on the CUDA stream that allocated it (`None` on the
+/// emulated device, whose calls run as they are made).
+#[cfg(feature = "cuda")]
+fn order_of(memory: &DeviceMemory) -> Option<DeviceOrder<'_>> {
+    let stream: &cudarc::driver::CudaStream = memory.stream().cuda()?;
+    Some(DeviceOrder {
+        stream,
+        owner: stream,
+    })
 }
 
 /// An owned buffer: what non-blocking operations take and hand back. Either a host

@@ -90,3 +90,37 @@ fn emulated_and_host_memory_cannot_meet_in_one_call() {
         assert!(matches!(err.root_cause(), Error::Mismatch { .. }), "{err}");
     }
 }
+
+/// The device layer's allocations (what tensors hold) are viewed in place, range-checked,
+/// and move exactly as host memory does.
+#[test]
+fn views_of_device_memory_are_checked_and_reduce_in_place() {
+    use device::Stream;
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
+    let sums = run_local(2, move |comm| -> comm_core::Result<Vec<u8>> {
+        let stream = Stream::new(Device::Emulated)?;
+        let mut memory = stream.alloc(6 * 4)?;
+        let mine: Vec<f32> = (0..6).map(|i| (comm.rank() * 10 + i) as f32).collect();
+        // SAFETY: the allocation holds six f32s.
+        unsafe { stream.upload(memory.ptr(), &bytes(&mine))? };
+        // Elements 2..6 only: a window, as flat storage lends one bucket of many.
+        let view = BufMut::device(&mut memory, 8, 4, DType::F32)?;
+        assert_eq!(view.memory(), Device::Emulated);
+        comm.all_reduce(view, ReduceOp::Sum)?;
+        let mut back = vec![0u8; 6 * 4];
+        // SAFETY: as above.
+        unsafe { stream.download(&mut back, memory.ptr())? };
+        // Past the end, or misaligned for the dtype: refused before communicating.
+        for (offset, len) in [(8, 5), (2, 1), (usize::MAX - 3, 1)] {
+            let Err(err) = BufRef::device(&memory, offset, len, DType::F32) else {
+                panic!("{len} elements at byte {offset} were accepted");
+            };
+            assert!(err.to_string().contains("24-byte allocation"), "{err}");
+        }
+        Ok(back)
+    })
+    .unwrap();
+    let expected = [0.0f32, 1.0, 14.0, 16.0, 18.0, 20.0];
+    assert_eq!(sums[0], bytes(&expected));
+    assert_eq!(sums[1], bytes(&[10.0, 11.0, 14.0, 16.0, 18.0, 20.0]));
+}

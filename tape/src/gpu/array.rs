@@ -169,23 +169,16 @@ impl<T: Copy + Default> GpuArray<T> {
         self.buffer.backend.stream()
     }
 
-    /// This array's memory as a communicator reads it: the emulator's (host memory of
-    /// its own kind) or CUDA memory ordered on the backend's stream, with no copy.
+    /// This array's memory as a communicator reads it, with no copy: a view of its
+    /// allocation, ordered on the stream that made it.
     pub(crate) fn lend(&self) -> comm_core::BufRef<'_>
     where
         T: comm_core::Element,
     {
         let dtype = <T as comm_core::Element>::DTYPE;
-        #[cfg(feature = "cuda")]
-        if let Some(stream) = self.stream().cuda() {
-            // SAFETY: device memory of the stream's device holding `len` elements of `T`,
-            // allocated and freed on that stream; arrays are never written once made, and
-            // the view borrows `self`, which keeps the allocation alive.
-            return unsafe { comm_core::BufRef::cuda_raw(self.ptr(), self.len(), dtype, stream) };
-        }
-        // SAFETY: emulated allocations are host memory of `len` elements of `T`, aligned
-        // for it; arrays are never written once made, and the view borrows `self`.
-        unsafe { comm_core::BufRef::emulated(self.ptr() as usize as *const u8, self.len(), dtype) }
+        let offset = self.offset_bytes as usize;
+        comm_core::BufRef::device(&self.buffer.memory, offset, self.len(), dtype)
+            .expect("an array lies inside its allocation, aligned for its elements")
     }
 
     /// A writable view of this array's memory, for a collective to fill; see
@@ -199,13 +192,10 @@ impl<T: Copy + Default> GpuArray<T> {
         T: comm_core::Element,
     {
         let dtype = <T as comm_core::Element>::DTYPE;
-        #[cfg(feature = "cuda")]
-        if let Some(stream) = self.stream().cuda() {
-            // SAFETY: as in `lend`, and the caller guarantees the view is the only access.
-            return unsafe { comm_core::BufMut::cuda_raw(self.ptr(), self.len(), dtype, stream) };
-        }
-        // SAFETY: as in `lend`, and the caller guarantees the view is the only access.
-        unsafe { comm_core::BufMut::emulated(self.ptr() as usize as *mut u8, self.len(), dtype) }
+        let offset = self.offset_bytes as usize;
+        // SAFETY: the caller guarantees the view is the only access.
+        unsafe { comm_core::BufMut::device_shared(&self.buffer.memory, offset, self.len(), dtype) }
+            .expect("an array lies inside its allocation, aligned for its elements")
     }
 }
 

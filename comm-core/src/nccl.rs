@@ -107,14 +107,6 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How long a waiting call polls between yields only: short collectives end within it and
-/// pay no sleep.
-const SPIN: Duration = Duration::from_millis(1);
-
-/// The pause between polls after [`SPIN`]: long collectives cost little CPU and gain
-/// little latency.
-const POLL_INTERVAL: Duration = Duration::from_micros(50);
-
 /// Environment variable that turns on the cross-rank signature check (`1`; off by
 /// default, see the module docs).
 pub const CHECK_ENV: &str = "FERROTRON_NCCL_CHECK";
@@ -489,9 +481,7 @@ impl NcclCommunicator {
         self.stream
             .memcpy_dtoh(&buffers.recv, all)
             .map_err(cuda::driver_error("cuMemcpyDtoHAsync"))?;
-        self.stream
-            .synchronize()
-            .map_err(cuda::driver_error("cuStreamSynchronize"))
+        device::cuda::synchronize(&self.stream).map_err(Error::from)
     }
 
     /// Aborts the communicator because of `error` (see [`abort_comm`]), then waits, at most
@@ -502,10 +492,17 @@ impl NcclCommunicator {
     fn abort(&self, state: &mut State, error: Error) -> Error {
         let error = abort_comm(state, error);
         if let Ok(drained) = self.stream.record_event(None) {
-            let started = Instant::now();
-            while !drained.try_is_complete().unwrap_or(true) && started.elapsed() < self.timeout() {
-                std::thread::sleep(POLL_INTERVAL);
-            }
+            let device = Device::Cuda(self.device);
+            let _ = device::cuda::wait_polling(&drained, device, |waited, _| {
+                if waited < self.timeout() {
+                    Ok(())
+                } else {
+                    Err(device::Error::Invalid {
+                        op: "abort",
+                        reason: "NCCL's queued work did not end within the timeout".into(),
+                    })
+                }
+            });
         }
         self.dump().attach(error)
     }
@@ -567,7 +564,8 @@ impl NcclCommunicator {
             .map_err(cuda::driver_error("cuEventRecord"))
     }
 
-    /// Waits for `done`, polling NCCL's asynchronous error and the clock.
+    /// Waits for `done`, polling NCCL's asynchronous error and the clock (one host wait
+    /// in the device layer's count).
     fn watch(
         &self,
         comm: sys::ncclComm_t,
@@ -576,34 +574,24 @@ impl NcclCommunicator {
         seq: u64,
         started: Instant,
     ) -> Result<()> {
-        loop {
-            let finished = done
-                .try_is_complete()
-                .map_err(cuda::driver_error("cuEventQuery"))?;
+        device::cuda::wait_polling(done, Device::Cuda(self.device), |_, finished| {
             // Checked after completion too: kernels that NCCL stopped on an error end.
             self.async_error(comm)?;
-            if finished {
+            let waited = started.elapsed();
+            if finished || waited < self.timeout() {
                 return Ok(());
             }
-            let waited = started.elapsed();
-            if waited >= self.timeout() {
-                return Err(Error::Timeout {
-                    group: self.name.clone(),
-                    op,
-                    seq,
-                    missing: Vec::new(),
-                    missing_world: Vec::new(),
-                    waited,
-                    // Filled by `abort`: this rank's record and the file it went to.
-                    history: Box::default(),
-                });
-            }
-            if waited < SPIN {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(POLL_INTERVAL);
-            }
-        }
+            Err(Error::Timeout {
+                group: self.name.clone(),
+                op,
+                seq,
+                missing: Vec::new(),
+                missing_world: Vec::new(),
+                waited,
+                // Filled by `abort`: this rank's record and the file it went to.
+                history: Box::default(),
+            })
+        })
     }
 
     fn async_error(&self, comm: sys::ncclComm_t) -> Result<()> {

@@ -144,6 +144,37 @@ fn one_rank_collectives_match_the_reference() -> anyhow::Result<()> {
     })
 }
 
+/// A blocking collective is one host wait in the device layer's count (the demo's "host
+/// waits per step" includes NCCL's), and a queued one is none until it is waited for.
+#[test]
+fn nccl_waits_are_counted_as_host_waits() -> anyhow::Result<()> {
+    let waits = || device::host_waits(device::Device::Cuda(0));
+    on_one_gpu(|nccl, stream| {
+        let mut x = Dev::new(stream, &[1.0f32; 256])?;
+        let before = waits();
+        nccl.all_reduce(BufMut::cuda(&mut x.view_mut(), stream)?, ReduceOp::Sum)?;
+        ensure!(
+            waits() - before == 1,
+            "a blocking all-reduce: {}",
+            waits() - before
+        );
+        let mut view = x.view_mut();
+        let work = nccl.all_reduce_async(BufMut::cuda(&mut view, stream)?, ReduceOp::Sum)?;
+        ensure!(
+            waits() - before == 1,
+            "queueing one: {}",
+            waits() - before - 1
+        );
+        work.wait()?;
+        ensure!(
+            waits() - before == 2,
+            "waiting for it: {}",
+            waits() - before - 1
+        );
+        Ok(())
+    })
+}
+
 /// With the signature check on, every collective (zero-element calls included) still
 /// matches the reference, and a group made by `split` runs with it too.
 #[test]

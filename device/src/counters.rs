@@ -88,9 +88,9 @@ pub fn transfers(device: Device) -> Transfers {
 }
 
 /// How many times this thread has blocked on `device` through this crate: a stream or
-/// event synchronized, or a copy the host had to wait for (a download, a pageable
-/// upload). comm-core's NCCL backend still waits for its own events and check copies
-/// directly, which are not counted. Subtract two readings to measure a step.
+/// event synchronized or polled to completion (comm-core's NCCL backend waits for its
+/// collectives so), or a copy the host had to wait for (a download, a pageable upload).
+/// Subtract two readings to measure a step.
 pub fn host_waits(device: Device) -> u64 {
     with_counts(device, |counts| counts.host_waits)
 }

@@ -222,6 +222,37 @@ pub fn synchronize(stream: &CudaStream) -> Result<()> {
         .map_err(driver_error("cuStreamSynchronize"))
 }
 
+/// Blocks the host until `event`, recorded on a stream of `device`, has completed, by
+/// polling it (counted as one host wait): `between(waited, complete)` runs after every
+/// poll and may end the wait with its error (a watchdog, a communication library's error
+/// check). Polls back to back for the first millisecond, so short work ends without a
+/// sleep, then every 50 µs.
+pub fn wait_polling<E: From<Error>>(
+    event: &cudarc::driver::CudaEvent,
+    device: Device,
+    mut between: impl FnMut(std::time::Duration, bool) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    const SPIN: std::time::Duration = std::time::Duration::from_millis(1);
+    const INTERVAL: std::time::Duration = std::time::Duration::from_micros(50);
+    count_host_wait(device);
+    let started = std::time::Instant::now();
+    loop {
+        let complete = event
+            .try_is_complete()
+            .map_err(driver_error("cuEventQuery"))?;
+        let waited = started.elapsed();
+        between(waited, complete)?;
+        if complete {
+            return Ok(());
+        }
+        if waited < SPIN {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(INTERVAL);
+        }
+    }
+}
+
 /// The device a stream belongs to.
 pub fn device_of(stream: &CudaStream) -> Device {
     Device::Cuda(stream.context().ordinal())

@@ -1,9 +1,10 @@
 //! Device memory: a [`DeviceMemory`] is an allocation made in a stream's order and freed
 //! in that order when its owner drops it, addressed by `u64` as the driver does. tape's
-//! tensors hold their memory this way, and comm-core's scratch memory comes from the same
-//! stream-ordered pool (through `cuda::alloc`); comm-core's device views of cudarc slices,
-//! and the NCCL backend's own buffers, are still cudarc's. Copies between host and device,
-//! and within a device, are queued on a stream.
+//! tensors hold their memory this way and lend it to collectives as comm-core's views of
+//! a `DeviceMemory`; comm-core's scratch memory comes from the same stream-ordered pool
+//! (through `cuda::alloc`). Views of cudarc slices (for callers who hold cudarc's), and
+//! the NCCL backend's own small buffers, are still cudarc's. Copies between host and
+//! device, and within a device, are queued on a stream.
 
 use std::alloc::Layout;
 

@@ -350,3 +350,28 @@ pub unsafe fn copy(stream: &CudaStream, dst: u64, src: u64, bytes: usize) -> Res
         .result()
         .map_err(driver_error("cuMemcpyAsync"))
 }
+
+/// `bytes` bytes (at least one) of zeroed page-locked host memory, usable by every context
+/// (`CU_MEMHOSTALLOC_PORTABLE`); free it with `cudarc`'s `free_host` once no copy uses it.
+pub(crate) fn alloc_pinned(ordinal: usize, bytes: usize) -> Result<*mut u8> {
+    const PORTABLE: std::ffi::c_uint = 1;
+    context(ordinal)?
+        .bind_to_thread()
+        .map_err(driver_error("cuCtxSetCurrent"))?;
+    // SAFETY: a plain allocation in the bound context.
+    let ptr = unsafe { cudarc::driver::result::malloc_host(bytes.max(1), PORTABLE) }.map_err(
+        |e| match e.0 {
+            cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory {
+                device: Device::Cuda(ordinal),
+                bytes,
+            },
+            _ => Error::Driver {
+                call: "cuMemHostAlloc".into(),
+                message: format!("{} ({bytes} bytes)", describe(&e)),
+            },
+        },
+    )?;
+    // SAFETY: `bytes.max(1)` writable bytes just allocated.
+    unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes.max(1)) };
+    Ok(ptr.cast())
+}

@@ -7,6 +7,8 @@
 //!   marks a point another stream can wait for on the device, or the host can wait for;
 //! - [`DeviceMemory`]: allocations made and freed in a stream's order (how tensors hold
 //!   their memory); copies between host and device and within a device;
+//! - [`PinnedMemory`]: page-locked host memory whose copies to and from a device are
+//!   queued without the host waiting, and waited for before the host touches it;
 //! - [`Module`] and [`Function`]: kernels compiled by NVRTC (CUDA) or built for the host
 //!   (emulated), launched on a stream;
 //! - counters of host↔device [`transfers`] and of [`host_waits`], per thread and device;
@@ -37,6 +39,7 @@ pub mod cuda;
 mod error;
 mod memory;
 mod module;
+mod pinned;
 mod place;
 mod stream;
 
@@ -44,5 +47,6 @@ pub use counters::{host_waits, transfers, Transfers};
 pub use error::{Error, Result};
 pub use memory::DeviceMemory;
 pub use module::{Arg, Function, HostKernel, KernelArg, Module};
+pub use pinned::PinnedMemory;
 pub use place::{Device, NotADevice};
 pub use stream::{Event, Stream};

@@ -95,3 +95,34 @@ fn a_kernel_compiled_by_nvrtc_runs_on_its_stream() -> device::Result<()> {
     let _ = stream;
     Ok(())
 }
+
+#[test]
+fn pinned_copies_are_queued_and_waited_for_when_read() -> device::Result<()> {
+    let stream = match gpu_stream() {
+        Ok(stream) => stream,
+        Err(reason) => {
+            println!("skipped: {reason}");
+            return Ok(());
+        }
+    };
+    let n = 1 << 24;
+    let memory = stream.alloc(n)?;
+    let mut outgoing = device::PinnedMemory::new(Device::Cuda(0), n)?;
+    for (i, byte) in outgoing.as_mut_slice()?.iter_mut().enumerate() {
+        *byte = (i % 251) as u8;
+    }
+    let mut incoming = device::PinnedMemory::new(Device::Cuda(0), n)?;
+    let waits = host_waits(Device::Cuda(0));
+    // SAFETY: the allocation holds n bytes.
+    unsafe {
+        stream.upload_pinned(memory.ptr(), &outgoing, n)?;
+        stream.download_pinned(&mut incoming, memory.ptr(), n)?;
+    }
+    // Queued: the host has not waited (16 MiB each way takes far longer than queueing).
+    assert_eq!(host_waits(Device::Cuda(0)), waits);
+    let back = incoming.as_slice()?.to_vec();
+    assert!(back.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+    // Reading the outgoing bytes again waits for nothing new: the upload has run.
+    assert_eq!(outgoing.as_slice()?[250], 250);
+    Ok(())
+}

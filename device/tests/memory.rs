@@ -86,3 +86,34 @@ fn an_allocation_of_zero_bytes_has_a_valid_address() -> device::Result<()> {
     assert_eq!(memory.bytes(), 0);
     Ok(())
 }
+
+/// Pinned copies are queued without a host wait and counted as transfers; the host waits
+/// (if at all) only when it reads the bytes; copies that do not fit are refused.
+#[test]
+fn pinned_copies_queue_without_host_waits() -> device::Result<()> {
+    use device::{host_waits, transfers, PinnedMemory};
+    let stream = Stream::new(Device::Emulated)?;
+    let memory = stream.alloc(8)?;
+    let mut outgoing = PinnedMemory::new(Device::Emulated, 8)?;
+    assert_eq!(outgoing.as_slice()?, &[0u8; 8]);
+    outgoing
+        .as_mut_slice()?
+        .copy_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
+    let mut incoming = PinnedMemory::new(Device::Emulated, 16)?;
+    let (waits, moved) = (host_waits(Device::Emulated), transfers(Device::Emulated));
+    // SAFETY: the allocation holds 8 bytes.
+    unsafe {
+        stream.upload_pinned(memory.ptr(), &outgoing, 8)?;
+        stream.download_pinned(&mut incoming, memory.ptr(), 8)?;
+    }
+    assert_eq!(host_waits(Device::Emulated), waits);
+    let copied = transfers(Device::Emulated) - moved;
+    assert_eq!((copied.to_device_bytes, copied.to_host_bytes), (8, 8));
+    assert_eq!(&incoming.as_slice()?[..8], &[1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(incoming.bytes(), 16);
+    // SAFETY: refused before any copy.
+    let error = unsafe { stream.upload_pinned(memory.ptr(), &outgoing, 9) }.unwrap_err();
+    assert!(error.to_string().contains("do not fit 8 bytes"), "{error}");
+    assert!(PinnedMemory::new(Device::Cpu, 8).is_err());
+    Ok(())
+}

@@ -1,0 +1,244 @@
+//! Page-locked ("pinned") host memory: copies between it and a device are queued on a
+//! stream and the host goes on, where a copy from ordinary (pageable) memory must wait.
+//! The memory remembers the copies still in flight, and the host waits for them before it
+//! touches the bytes or frees them, so no safe call can race a copy.
+
+use std::alloc::Layout;
+
+use parking_lot::Mutex;
+
+use crate::counters::count_transfer;
+use crate::error::{Error, Result};
+use crate::stream::{Event, Stream};
+use crate::Device;
+
+/// Host memory a device copies to and from without the host waiting.
+///
+/// On CUDA it is page-locked (`cuMemHostAlloc`), so the copy engine reads and writes it
+/// directly; on the emulated device it is ordinary aligned host memory, and copies run as
+/// they are made, as every emulated call does.
+///
+/// ```
+/// use device::{host_waits, Device, PinnedMemory, Stream};
+///
+/// let stream = Stream::new(Device::Emulated)?;
+/// let memory = stream.alloc(4)?;
+/// let mut staging = PinnedMemory::new(Device::Emulated, 4)?;
+/// staging.as_mut_slice()?.copy_from_slice(&[1, 2, 3, 4]);
+/// let waits = host_waits(Device::Emulated);
+/// // SAFETY: the allocation holds 4 bytes.
+/// unsafe { stream.upload_pinned(memory.ptr(), &staging, 4)? }; // queued; no host wait
+/// assert_eq!(host_waits(Device::Emulated), waits);
+/// # Ok::<(), device::Error>(())
+/// ```
+pub struct PinnedMemory {
+    ptr: *mut u8,
+    bytes: usize,
+    device: Device,
+    /// Events after the copies queued from or into this memory that may not have run.
+    in_flight: Mutex<Vec<Event>>,
+}
+
+// SAFETY: the memory is owned by this value alone; host access goes through `&`/`&mut`
+// borrows after waiting for the device's copies, and the event list is behind a lock.
+unsafe impl Send for PinnedMemory {}
+// SAFETY: as above; shared references only read the bytes or queue reads of them.
+unsafe impl Sync for PinnedMemory {}
+
+impl std::fmt::Debug for PinnedMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedMemory")
+            .field("device", &self.device)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+/// The layout of `bytes` (at least one) aligned to 16, as device allocations are.
+fn layout(bytes: usize) -> Option<Layout> {
+    Layout::from_size_align(bytes.max(1), 16).ok()
+}
+
+impl PinnedMemory {
+    /// `bytes` bytes of host memory, zeroed, for copies with `device` (the emulated device,
+    /// or a CUDA device of the `cuda` feature).
+    pub fn new(device: Device, bytes: usize) -> Result<PinnedMemory> {
+        let ptr = match device {
+            Device::Emulated => {
+                let layout = layout(bytes).ok_or(Error::OutOfMemory { device, bytes })?;
+                // SAFETY: the layout has a non-zero size.
+                let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+                if ptr.is_null() {
+                    return Err(Error::OutOfMemory { device, bytes });
+                }
+                ptr
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::alloc_pinned(ordinal, bytes)?,
+            _ => {
+                return Err(Error::Unsupported {
+                    op: "PinnedMemory::new",
+                    device,
+                })
+            }
+        };
+        Ok(PinnedMemory {
+            ptr,
+            bytes,
+            device,
+            in_flight: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Its size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The device its copies go to and come from.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The bytes, once every copy into them has run (a counted host wait if one has not).
+    pub fn as_slice(&mut self) -> Result<&[u8]> {
+        self.settle()?;
+        // SAFETY: `bytes` bytes owned by `self`; no copy is in flight, and `&mut self`
+        // keeps new ones from being queued while the slice lives.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) })
+    }
+
+    /// The bytes to write, once every copy from or into them has run.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        self.settle()?;
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only access.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) })
+    }
+
+    /// Waits for the copies still in flight.
+    fn settle(&self) -> Result<()> {
+        let mut in_flight = self.in_flight.lock();
+        for event in in_flight.iter() {
+            if !event.is_complete()? {
+                event.synchronize()?;
+            }
+        }
+        in_flight.clear();
+        Ok(())
+    }
+
+    /// Remembers a copy queued on `stream`, forgetting those that have run.
+    fn track(&self, stream: &Stream) -> Result<()> {
+        let event = stream.record()?;
+        let mut in_flight = self.in_flight.lock();
+        in_flight.retain(|e| !e.is_complete().unwrap_or(false));
+        in_flight.push(event);
+        Ok(())
+    }
+
+    /// Refuses a copy of `bytes` that does not fit, or on another device's stream.
+    fn check(&self, op: &'static str, stream: &Stream, bytes: usize) -> Result<()> {
+        if bytes > self.bytes || stream.device() != self.device {
+            return Err(Error::Invalid {
+                op,
+                reason: format!(
+                    "{bytes} bytes on a stream of {} do not fit {} bytes of pinned memory \
+                     for {}; copy at most its size, on a stream of its device",
+                    stream.device(),
+                    self.bytes,
+                    self.device
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        // A copy may still read or write the memory: wait for it before freeing. On an
+        // error the context is broken and its copies are gone with it.
+        let _ = self.settle();
+        match self.device {
+            Device::Emulated => {
+                if let Some(layout) = layout(self.bytes) {
+                    // SAFETY: allocated in `new` with this layout; this is its only owner.
+                    unsafe { std::alloc::dealloc(self.ptr, layout) }
+                }
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => {
+                // SAFETY: allocated by `cuMemHostAlloc`; no copy uses it any longer.
+                let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Stream {
+    /// Queues a copy of the first `bytes` bytes of `src` to device address `dst`, after
+    /// the work queued before it, and returns without waiting (counted as a transfer,
+    /// not a host wait). `src` cannot be written or freed until the copy has run.
+    ///
+    /// # Safety
+    /// `dst` must be device memory of this stream's device, valid for `bytes` bytes and
+    /// not used by other work until the copy is done.
+    pub unsafe fn upload_pinned(&self, dst: u64, src: &PinnedMemory, bytes: usize) -> Result<()> {
+        src.check("upload_pinned", self, bytes)?;
+        count_transfer(self.device(), bytes, true);
+        // SAFETY: pinned memory is host memory mapped for the device (unified
+        // addressing), valid for `bytes`; the caller guarantees `dst`.
+        unsafe { self.copy_queued(dst, src.ptr as u64, bytes)? };
+        src.track(self)
+    }
+
+    /// Queues a copy of `bytes` bytes from device address `src` into the start of `dst`,
+    /// after the work queued before it, and returns without waiting (counted as a
+    /// transfer); [`PinnedMemory::as_slice`] waits for it.
+    ///
+    /// # Safety
+    /// `src` must be device memory of this stream's device, valid for `bytes` bytes.
+    pub unsafe fn download_pinned(
+        &self,
+        dst: &mut PinnedMemory,
+        src: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        dst.check("download_pinned", self, bytes)?;
+        count_transfer(self.device(), bytes, false);
+        // SAFETY: as in `upload_pinned`, the other way.
+        unsafe { self.copy_queued(dst.ptr as u64, src, bytes)? };
+        dst.track(self)
+    }
+
+    /// Queues a copy between a device address and pinned memory (the emulated device's
+    /// are both host memory; CUDA's unified addressing tells the direction).
+    ///
+    /// # Safety
+    /// Both ranges valid for `bytes` until the copy has run.
+    unsafe fn copy_queued(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        match self.device() {
+            Device::Emulated => {
+                // SAFETY: as the caller guarantees; distinct allocations do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+                self.issued();
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            _ => {
+                let stream = self.cuda_stream("copy_queued")?;
+                // SAFETY: as the caller guarantees.
+                unsafe { crate::cuda::copy(stream, dst, src, bytes) }
+            }
+            #[cfg(not(feature = "cuda"))]
+            device => Err(Error::Unsupported {
+                op: "copy_queued",
+                device,
+            }),
+        }
+    }
+}

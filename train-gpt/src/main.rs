@@ -872,13 +872,12 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
     if args.device != tape::Device::Cpu {
         let moved = result.transfers_per_step;
         println!(
-            "device host waits per step and rank: {:.1}",
-            result.host_waits_per_step
-        );
-        println!(
             "device transfers per step and rank: to device {} bytes, to host {} bytes",
             moved.to_device_bytes, moved.to_host_bytes
         );
+        // A mean over the steps, to one decimal (whole numbers print without one).
+        let waits = (result.host_waits_per_step * 10.0).round() / 10.0;
+        println!("host waits per step and rank: {waits}");
     }
     if let Some(tied) = result.tied_copies {
         println!("{}", describe_tied_copies(&tied));

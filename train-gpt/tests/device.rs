@@ -35,11 +35,15 @@ fn loss_line(stdout: &str) -> &str {
         .expect("a loss line")
 }
 
-/// The last line's bytes per step and rank: (to the device, to the host).
+/// The transfer line's bytes per step and rank: (to the device, to the host).
 fn transfers(stdout: &str) -> (u64, u64) {
-    let last = stdout.lines().last().unwrap_or_default();
+    let prefix = "device transfers per step and rank: to device ";
+    let last = stdout
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_default();
     let figures: Vec<u64> = last
-        .strip_prefix("device transfers per step and rank: to device ")
+        .strip_prefix(prefix)
         .and_then(|rest| rest.strip_suffix(" bytes"))
         .map(|rest| {
             rest.split(" bytes, to host ")
@@ -47,7 +51,7 @@ fn transfers(stdout: &str) -> (u64, u64) {
                 .collect()
         })
         .unwrap_or_default();
-    assert_eq!(figures.len(), 2, "last line {last:?}");
+    assert_eq!(figures.len(), 2, "transfer line {last:?}");
     (figures[0], figures[1])
 }
 
@@ -82,10 +86,17 @@ fn a_device_run_ends_with_its_transfers_per_step() {
     for run in [&emulated, &sharded] {
         let waits: f64 = run
             .lines()
-            .find_map(|l| l.strip_prefix("device host waits per step and rank: "))
+            .find_map(|l| l.strip_prefix("host waits per step and rank: "))
             .and_then(|n| n.parse().ok())
             .expect("a host-waits line");
         assert!(waits >= 1.0, "{waits} host waits");
+        // Right after the transfer line, where scripts look for it.
+        let lines: Vec<&str> = run.lines().collect();
+        let at = lines.iter().position(|l| l.starts_with("device transfers"));
+        assert!(
+            at.is_some_and(|i| lines[i + 1].starts_with("host waits")),
+            "{run}"
+        );
     }
     // The CPU run trains the same numbers (to the printed digits) and has no such line.
     let cpu = train("cpu", &[]);

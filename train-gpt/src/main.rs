@@ -29,6 +29,7 @@
 mod checkpoint;
 mod data;
 mod model;
+mod placement;
 mod report;
 mod train;
 
@@ -501,24 +502,21 @@ fn run_mpi_backend(
         );
     }
     validate(args, dp)?;
-    tape::set_num_threads(args.threads.unwrap_or_else(|| {
-        // Processes on this machine as OpenMPI and MPICH report them; else assume all.
-        let ranks_here = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
-            .iter()
-            .find_map(|name| std::env::var(name).ok()?.parse().ok())
-            .unwrap_or(size);
-        (tape::num_threads() / ranks_here).max(1)
-    }))?;
+    // This node's processes as the launcher reports them (else assume all are here):
+    // they share its cores and take its devices in turn.
+    let placement = placement::from_environment().unwrap_or(placement::Placement {
+        local_rank: world.rank(),
+        local_size: size,
+    });
+    tape::set_num_threads(
+        args.threads
+            .unwrap_or_else(|| (tape::num_threads() / placement.local_size).max(1)),
+    )?;
     let rank0 = world.rank() == 0;
     if rank0 {
         announce(args, corpus, dp);
     }
-    // Processes on this machine take its devices in turn.
-    let local_rank = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]
-        .iter()
-        .find_map(|name| std::env::var(name).ok()?.parse().ok())
-        .unwrap_or(world.rank());
-    let (world, device) = connect(world, args.device, devices, local_rank)?;
+    let (world, device) = connect(world, args.device, devices, placement.local_rank)?;
     let config = TrainConfig {
         device,
         ..train_config(args)

@@ -115,6 +115,19 @@ impl PinnedMemory {
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) })
     }
 
+    /// Whether no copy from or into it is still in flight (never waits).
+    pub fn is_idle(&self) -> Result<bool> {
+        let mut in_flight = self.in_flight.lock();
+        let mut idle = true;
+        for event in in_flight.iter() {
+            idle &= event.is_complete()?;
+        }
+        if idle {
+            in_flight.clear();
+        }
+        Ok(idle)
+    }
+
     /// Waits for the copies still in flight.
     fn settle(&self) -> Result<()> {
         let mut in_flight = self.in_flight.lock();
@@ -212,6 +225,28 @@ impl Stream {
         dst.track(self)
     }
 
+    /// Copies `src` to device address `dst` through pinned staging memory and returns
+    /// without waiting for the device (counted as a transfer, not a host wait): `src` is
+    /// copied into a staging buffer at once, so the caller may change it as soon as this
+    /// returns, and the buffer is reused only after its copy has run. Work queued on this
+    /// stream afterwards sees the data. This is how a step uploads its batch.
+    ///
+    /// # Safety
+    /// `dst` must be device memory of this stream's device, valid for `src.len()` bytes
+    /// and not used by other streams until the copy is done.
+    pub unsafe fn upload_staged(&self, dst: u64, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let mut staging = take_staging(self.device(), src.len())?;
+        staging.as_mut_slice()?[..src.len()].copy_from_slice(src);
+        // SAFETY: the caller guarantees `dst`; the staging buffer holds `src.len()` bytes
+        // and goes back to the pool with the copy's event, so nothing reuses it early.
+        let queued = unsafe { self.upload_pinned(dst, &staging, src.len()) };
+        give_back_staging(staging);
+        queued
+    }
+
     /// Queues a copy between a device address and pinned memory (the emulated device's
     /// are both host memory; CUDA's unified addressing tells the direction).
     ///
@@ -240,5 +275,45 @@ impl Stream {
                 device,
             }),
         }
+    }
+}
+
+/// Staging buffers no copy uses any longer, or whose copies are still in flight, by device:
+/// one pool per process, as pinned memory is usable from every thread and stream.
+static STAGING: Mutex<Vec<PinnedMemory>> = Mutex::new(Vec::new());
+
+/// At most this many buffers wait in the pool; beyond it, idle ones are freed.
+const STAGING_KEPT: usize = 32;
+
+/// A staging buffer of `device` for at least `bytes` bytes whose copies have all run: one
+/// from the pool, or a new one (a power of two of at least 4 KiB, so sizes that vary a
+/// little reuse one buffer).
+fn take_staging(device: Device, bytes: usize) -> Result<PinnedMemory> {
+    {
+        let mut pool = STAGING.lock();
+        let mut found = None;
+        for (i, buffer) in pool.iter().enumerate() {
+            if buffer.device() == device && buffer.bytes() >= bytes && buffer.is_idle()? {
+                found = Some(i);
+                break;
+            }
+        }
+        if let Some(i) = found {
+            return Ok(pool.swap_remove(i));
+        }
+    }
+    PinnedMemory::new(device, bytes.next_power_of_two().max(4096))
+}
+
+/// Returns a staging buffer to the pool, freeing idle ones past [`STAGING_KEPT`].
+fn give_back_staging(buffer: PinnedMemory) {
+    let mut pool = STAGING.lock();
+    pool.push(buffer);
+    while pool.len() > STAGING_KEPT {
+        let Some(i) = pool.iter().position(|b| b.is_idle().unwrap_or(true)) else {
+            break;
+        };
+        // Idle: dropping it does not wait.
+        pool.swap_remove(i);
     }
 }

@@ -126,3 +126,26 @@ fn pinned_copies_are_queued_and_waited_for_when_read() -> device::Result<()> {
     assert_eq!(outgoing.as_slice()?[250], 250);
     Ok(())
 }
+
+#[test]
+fn staged_uploads_queue_without_host_waits() -> device::Result<()> {
+    let stream = match gpu_stream() {
+        Ok(stream) => stream,
+        Err(reason) => {
+            println!("skipped: {reason}");
+            return Ok(());
+        }
+    };
+    let memory = stream.alloc(1 << 20)?;
+    let waits = host_waits(Device::Cuda(0));
+    for round in 0..8u8 {
+        // SAFETY: the allocation holds 1 MiB.
+        unsafe { stream.upload_staged(memory.ptr(), &vec![round; 1 << 20])? };
+    }
+    assert_eq!(host_waits(Device::Cuda(0)), waits);
+    let mut back = vec![0u8; 1 << 20];
+    // SAFETY: as above.
+    unsafe { stream.download(&mut back, memory.ptr())? };
+    assert!(back.iter().all(|&b| b == 7));
+    Ok(())
+}

@@ -117,3 +117,32 @@ fn pinned_copies_queue_without_host_waits() -> device::Result<()> {
     assert!(PinnedMemory::new(Device::Cpu, 8).is_err());
     Ok(())
 }
+
+/// A staged upload takes its copy of the source at once and queues the transfer without a
+/// host wait; the data is there for work queued after it, and staging buffers are reused.
+#[test]
+fn staged_uploads_do_not_wait() -> device::Result<()> {
+    use device::{host_waits, transfers};
+    let stream = Stream::new(Device::Emulated)?;
+    let memory = stream.alloc(5000)?;
+    let waits = host_waits(Device::Emulated);
+    let moved = transfers(Device::Emulated);
+    for round in 0..40u8 {
+        let mut source = vec![round; 5000];
+        // SAFETY: the allocation holds 5000 bytes.
+        unsafe { stream.upload_staged(memory.ptr(), &source)? };
+        // The caller's bytes are free at once: the staging copy was taken.
+        source.fill(255);
+    }
+    assert_eq!(host_waits(Device::Emulated), waits);
+    let copied = transfers(Device::Emulated) - moved;
+    assert_eq!(
+        (copied.to_device_copies, copied.to_device_bytes),
+        (40, 40 * 5000)
+    );
+    let mut back = vec![0u8; 5000];
+    // SAFETY: as above.
+    unsafe { stream.download(&mut back, memory.ptr())? };
+    assert!(back.iter().all(|&b| b == 39));
+    Ok(())
+}

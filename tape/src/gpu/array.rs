@@ -80,7 +80,9 @@ impl<T: Copy + Default> GpuArray<T> {
         unsafe {
             let bytes =
                 std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data));
-            out.stream().upload(out.ptr(), bytes)
+            // Stream-ordered through pinned staging: the host does not wait, and the
+            // ops queued after it on the stream read the data.
+            out.stream().upload_staged(out.ptr(), bytes)
         }
         .map_err(Error::on_device(op, device))?;
         Ok(out)

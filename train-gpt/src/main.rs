@@ -29,6 +29,7 @@
 mod checkpoint;
 mod data;
 mod model;
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 mod placement;
 mod report;
 mod train;

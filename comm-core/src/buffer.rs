@@ -427,14 +427,14 @@ impl<'a> BufRef<'a> {
         len: usize,
         dtype: DType,
     ) -> Result<BufRef<'a>> {
-        let ptr = device_range(memory, offset, len, dtype, "BufRef::device")?;
+        let view = DeviceView::of(memory, offset, len, dtype, "BufRef::device")?;
         Ok(BufRef {
-            ptr: ptr as usize as *const u8,
+            ptr: view.ptr as usize as *const u8,
             len,
             dtype,
-            emulated: memory.device() == Device::Emulated,
+            emulated: view.emulated,
             #[cfg(feature = "cuda")]
-            stream: order_of(memory),
+            stream: view.order,
             _borrow: PhantomData,
         })
     }
@@ -464,49 +464,65 @@ impl<'a> BufMut<'a> {
         len: usize,
         dtype: DType,
     ) -> Result<BufMut<'a>> {
-        let ptr = device_range(memory, offset, len, dtype, "BufMut::device")?;
+        let view = DeviceView::of(memory, offset, len, dtype, "BufMut::device")?;
         Ok(BufMut {
-            ptr: ptr as usize as *mut u8,
+            ptr: view.ptr as usize as *mut u8,
             len,
             dtype,
-            emulated: memory.device() == Device::Emulated,
+            emulated: view.emulated,
             #[cfg(feature = "cuda")]
-            stream: order_of(memory),
+            stream: view.order,
             _borrow: PhantomData,
         })
     }
 }
 
-/// The address of `len` elements of `dtype` at `offset` bytes into `memory`, checked to
-/// lie inside it and be aligned for `dtype`.
-fn device_range(
-    memory: &DeviceMemory,
-    offset: usize,
-    len: usize,
-    dtype: DType,
-    op: &'static str,
-) -> Result<u64> {
-    let size = dtype.size_in_bytes();
-    let end = len.checked_mul(size).and_then(|n| n.checked_add(offset));
-    if end.is_none_or(|end| end > memory.bytes()) || offset % size != 0 {
-        return Err(Error::Config(format!(
-            "{op}: {len} elements of {dtype:?} at byte {offset} do not fit the {}-byte \
-             allocation (or are not aligned for {dtype:?}); view a range inside it",
-            memory.bytes()
-        )));
-    }
-    Ok(memory.ptr() + offset as u64)
+/// What a view of a range of [`DeviceMemory`] holds: its address, whether it is the
+/// emulated device's, and (CUDA) the stream that allocated it, which orders it.
+struct DeviceView<'a> {
+    ptr: u64,
+    emulated: bool,
+    #[cfg(feature = "cuda")]
+    order: Option<DeviceOrder<'a>>,
+    #[cfg(not(feature = "cuda"))]
+    order: PhantomData<&'a ()>,
 }
 
-/// How a view of `memory` is ordered: on the CUDA stream that allocated it (`None` on the
-/// emulated device, whose calls run as they are made).
-#[cfg(feature = "cuda")]
-fn order_of(memory: &DeviceMemory) -> Option<DeviceOrder<'_>> {
-    let stream: &cudarc::driver::CudaStream = memory.stream().cuda()?;
-    Some(DeviceOrder {
-        stream,
-        owner: stream,
-    })
+impl<'a> DeviceView<'a> {
+    /// `len` elements of `dtype` at `offset` bytes into `memory`, checked to lie inside
+    /// it and be aligned for `dtype`.
+    fn of(
+        memory: &'a DeviceMemory,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+        op: &'static str,
+    ) -> Result<DeviceView<'a>> {
+        let size = dtype.size_in_bytes();
+        let end = len.checked_mul(size).and_then(|n| n.checked_add(offset));
+        if end.is_none_or(|end| end > memory.bytes()) || offset % size != 0 {
+            return Err(Error::Config(format!(
+                "{op}: {len} elements of {dtype:?} at byte {offset} do not fit the {}-byte \
+                 allocation (or are not aligned for {dtype:?}); view a range inside it",
+                memory.bytes()
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        let order = memory.stream().cuda().map(|stream| {
+            let stream: &'a cudarc::driver::CudaStream = stream;
+            DeviceOrder {
+                stream,
+                owner: stream,
+            }
+        });
+        #[cfg(not(feature = "cuda"))]
+        let order = PhantomData;
+        Ok(DeviceView {
+            ptr: memory.ptr() + offset as u64,
+            emulated: memory.device() == Device::Emulated,
+            order,
+        })
+    }
 }
 
 /// An owned buffer: what non-blocking operations take and hand back. Either a host

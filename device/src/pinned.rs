@@ -1,7 +1,8 @@
 //! Page-locked ("pinned") host memory: copies between it and a device are queued on a
 //! stream and the host goes on, where a copy from ordinary (pageable) memory must wait.
-//! The memory remembers the copies still in flight, and the host waits for them before it
-//! touches the bytes or frees them, so no safe call can race a copy.
+//! The memory remembers the copies still in flight: the host waits for them before it
+//! touches the bytes or frees them, and a copy queued on another stream waits for them on
+//! the device, so no safe call can race a copy.
 
 use std::alloc::Layout;
 
@@ -140,9 +141,29 @@ impl PinnedMemory {
         Ok(())
     }
 
-    /// Remembers a copy queued on `stream`, forgetting those that have run.
+    /// Makes `stream` wait, on the device, for the copies in flight on other streams, so
+    /// a copy queued next cannot overlap them (a download into memory an upload on
+    /// another stream still reads). The host does not wait.
+    fn order_after(&self, stream: &Stream) -> Result<()> {
+        for event in self.in_flight.lock().iter() {
+            if !event.is_complete()? {
+                stream.wait(event)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Remembers a copy just queued on `stream`, forgetting those that have run. If its
+    /// event cannot be recorded, waits for the stream instead, so the copy is never
+    /// untracked, and reports the error.
     fn track(&self, stream: &Stream) -> Result<()> {
-        let event = stream.record()?;
+        let event = match stream.record() {
+            Ok(event) => event,
+            Err(error) => {
+                stream.synchronize()?;
+                return Err(error);
+            }
+        };
         let mut in_flight = self.in_flight.lock();
         in_flight.retain(|e| !e.is_complete().unwrap_or(false));
         in_flight.push(event);
@@ -180,9 +201,12 @@ impl Drop for PinnedMemory {
                 }
             }
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => {
-                // SAFETY: allocated by `cuMemHostAlloc`; no copy uses it any longer.
-                let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
+            Device::Cuda(ordinal) => {
+                // The free needs a current context on this thread, which `context` binds.
+                if crate::cuda::context(ordinal).is_ok() {
+                    // SAFETY: allocated by `cuMemHostAlloc`; no copy uses it any longer.
+                    let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
+                }
             }
             _ => {}
         }
@@ -199,6 +223,7 @@ impl Stream {
     /// not used by other work until the copy is done.
     pub unsafe fn upload_pinned(&self, dst: u64, src: &PinnedMemory, bytes: usize) -> Result<()> {
         src.check("upload_pinned", self, bytes)?;
+        src.order_after(self)?;
         count_transfer(self.device(), bytes, true);
         // SAFETY: pinned memory is host memory mapped for the device (unified
         // addressing), valid for `bytes`; the caller guarantees `dst`.
@@ -219,6 +244,7 @@ impl Stream {
         bytes: usize,
     ) -> Result<()> {
         dst.check("download_pinned", self, bytes)?;
+        dst.order_after(self)?;
         count_transfer(self.device(), bytes, false);
         // SAFETY: as in `upload_pinned`, the other way.
         unsafe { self.copy_queued(dst.ptr as u64, src, bytes)? };
@@ -242,9 +268,17 @@ impl Stream {
         staging.as_mut_slice()?[..src.len()].copy_from_slice(src);
         // SAFETY: the caller guarantees `dst`; the staging buffer holds `src.len()` bytes
         // and goes back to the pool with the copy's event, so nothing reuses it early.
-        let queued = unsafe { self.upload_pinned(dst, &staging, src.len()) };
-        give_back_staging(staging);
-        queued
+        match unsafe { self.upload_pinned(dst, &staging, src.len()) } {
+            Ok(()) => {
+                give_back_staging(staging);
+                Ok(())
+            }
+            Err(error) => {
+                // A copy may have been queued and not followed: never reuse the buffer.
+                std::mem::forget(staging);
+                Err(error)
+            }
+        }
     }
 
     /// Queues a copy between a device address and pinned memory (the emulated device's
@@ -291,11 +325,13 @@ const STAGING_KEPT: usize = 32;
 fn take_staging(device: Device, bytes: usize) -> Result<PinnedMemory> {
     {
         let mut pool = STAGING.lock();
-        let mut found = None;
+        // The smallest that fits, so a large buffer is not tied up by small uploads.
+        let mut found: Option<usize> = None;
         for (i, buffer) in pool.iter().enumerate() {
-            if buffer.device() == device && buffer.bytes() >= bytes && buffer.is_idle()? {
+            let fits = buffer.device() == device && buffer.bytes() >= bytes;
+            let smaller = found.is_none_or(|f| buffer.bytes() < pool[f].bytes());
+            if fits && smaller && buffer.is_idle()? {
                 found = Some(i);
-                break;
             }
         }
         if let Some(i) = found {
@@ -305,15 +341,19 @@ fn take_staging(device: Device, bytes: usize) -> Result<PinnedMemory> {
     PinnedMemory::new(device, bytes.next_power_of_two().max(4096))
 }
 
-/// Returns a staging buffer to the pool, freeing idle ones past [`STAGING_KEPT`].
+/// Returns a staging buffer to the pool, freeing idle ones past [`STAGING_KEPT`] (after
+/// the pool's lock is released: freeing pinned memory can synchronize).
 fn give_back_staging(buffer: PinnedMemory) {
-    let mut pool = STAGING.lock();
-    pool.push(buffer);
-    while pool.len() > STAGING_KEPT {
-        let Some(i) = pool.iter().position(|b| b.is_idle().unwrap_or(true)) else {
-            break;
-        };
-        // Idle: dropping it does not wait.
-        pool.swap_remove(i);
+    let mut freed = Vec::new();
+    {
+        let mut pool = STAGING.lock();
+        pool.push(buffer);
+        while pool.len() > STAGING_KEPT {
+            let Some(i) = pool.iter().position(|b| b.is_idle().unwrap_or(false)) else {
+                break;
+            };
+            freed.push(pool.swap_remove(i));
+        }
     }
+    drop(freed);
 }

@@ -683,6 +683,22 @@ impl NcclWork<'_> {
         self.finish()
     }
 
+    /// [`wait`](Self::wait) for a blocking call: on the host alone when it succeeds; when
+    /// it fails (the communicator is aborted, and its kernels may not have ended within
+    /// the drain), `holders` wait on the device for whatever NCCL had queued, so memory
+    /// the caller frees next is not freed under a kernel still writing it.
+    fn wait_blocking(mut self, holders: &[&CudaStream]) -> Result<()> {
+        let result = self.finish();
+        if result.is_err() {
+            if let Ok(drained) = self.communicator.stream.record_event(None) {
+                for stream in holders {
+                    let _ = stream.wait(&drained);
+                }
+            }
+        }
+        result
+    }
+
     fn finish(&mut self) -> Result<()> {
         self.communicator.complete(&mut self.pending)
     }
@@ -1146,7 +1162,8 @@ impl Communicator for NcclCommunicator {
         // Waited for on the host before any stream of the caller's is made to wait: ranks
         // that share a GPU may share a compute stream too, and a peer's collective queued
         // behind this one's wait on it could never start (see `NcclWork::held_by`).
-        self.queue_all_reduce(buf, op)?.wait()
+        let holders = buf.cuda_holders();
+        self.queue_all_reduce(buf, op)?.wait_blocking(&holders)
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
@@ -1164,7 +1181,9 @@ impl Communicator for NcclCommunicator {
 
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
         // As `all_reduce`: no stream of the caller's waits on NCCL.
-        self.queue_all_gather(input, output)?.wait()
+        let holders = [input.cuda_holders(), output.cuda_holders()].concat();
+        self.queue_all_gather(input, output)?
+            .wait_blocking(&holders)
     }
 
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
@@ -1198,7 +1217,9 @@ impl Communicator for NcclCommunicator {
 
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
         // As `all_reduce`: no stream of the caller's waits on NCCL.
-        self.queue_reduce_scatter(input, output, op)?.wait()
+        let holders = [input.cuda_holders(), output.cuda_holders()].concat();
+        self.queue_reduce_scatter(input, output, op)?
+            .wait_blocking(&holders)
     }
 
     fn reduce_scatter_v(

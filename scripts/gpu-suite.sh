@@ -60,9 +60,11 @@ for line in sys.stdin:
     du -sh .device-pack
 }
 
-# Unpacks the carried binaries where only the pack travelled.
+# Unpacks the carried binaries, replacing any left from an earlier call (a warm device
+# machine keeps ignored files between calls).
 unpack() {
-    if [ ! -d "$BIN" ] && [ -f .device-pack/bin.tar.xz ]; then
+    if [ -f .device-pack/bin.tar.xz ]; then
+        rm -rf "$BIN"
         tar xJf .device-pack/bin.tar.xz
     fi
 }
@@ -79,7 +81,12 @@ library_path() {
         found=$(find ${site:+"$site/nvidia"} /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu \
             -name "$lib.so*" 2>/dev/null | sort | tail -1)
         # NCCL_LIB=/path/libnccl.so.2 picks another NCCL (two ranks on one GPU need 2.30).
-        if [ "$lib" = libnccl ] && [ -n "${NCCL_LIB:-}" ]; then found=$NCCL_LIB; fi
+        if [ "$lib" = libnccl ] && [ -n "${NCCL_LIB:-}" ]; then
+            found=$(realpath -e "$NCCL_LIB") || {
+                echo "NCCL_LIB=$NCCL_LIB does not exist" >&2
+                found=""
+            }
+        fi
         if [ -n "$found" ]; then
             ln -sf "$found" "$links/$lib.so"
             dirs="$dirs:$(dirname "$found")"
@@ -130,7 +137,7 @@ tests() {
             echo "FAILED: $test"
             grep -E "^test .*FAILED|panicked" "$logs/$(basename "$test").log" | head -5
         }
-        grep -E "test result|skipped" "$logs/$(basename "$test").log" | sort | uniq -c
+        grep -E "test result|skipped|TIMED OUT" "$logs/$(basename "$test").log" | sort | uniq -c
     done
     return $failed
 }
@@ -206,14 +213,15 @@ bench() {
     limit 60 "$BIN/comm-bench" --memory cuda --ranks 2 --sizes 1K,1M,64M \
         --baseline device-copy --json
     echo "== the demo on the GPU over threads: TP 2 x DP 2 (and PP 2, SP; ZeRO bf16) vs one rank"
-    limit 60 "$BIN/train-gpt" --device cuda:0 --steps 20 --check --out "$logs/demo" | tail -3
+    limit 60 "$BIN/train-gpt" --device cuda:0 --steps 20 --check --out "$logs/demo" |
+        tail -3 || failed=1
     limit 60 "$BIN/train-gpt" --device cuda:0 --pp 2 --layers 2 --steps 20 --check \
-        --sequence-parallel --out "$logs/demo" | tail -1
+        --sequence-parallel --out "$logs/demo" | tail -1 || failed=1
     limit 60 "$BIN/train-gpt" --device cuda:0 --use-distributed-optimizer --precision bf16 \
-        --steps 20 --check --out "$logs/demo" | tail -1
+        --steps 20 --check --out "$logs/demo" | tail -1 || failed=1
     echo "== the default demo run on cuda:0, timed"
     local start=$SECONDS
-    limit 120 "$BIN/train-gpt" --device cuda:0 --out "$logs/demo" | tail -3
+    limit 120 "$BIN/train-gpt" --device cuda:0 --out "$logs/demo" | tail -3 || failed=1
     echo "default run: $((SECONDS - start)) s"
     return $failed
 }

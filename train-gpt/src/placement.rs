@@ -11,7 +11,7 @@ pub struct Placement {
 }
 
 /// The placement the launcher's variables give (`var` reads one), first found of
-/// OpenMPI, MPICH, Slurm and torchrun; `None` when none is set, or when one is set but
+/// OpenMPI, MPICH, torchrun and Slurm; `None` when none is set, or when one is set but
 /// inconsistent (a rank outside its size).
 pub fn from_launcher(var: impl Fn(&str) -> Option<String>) -> Option<Placement> {
     let number = |name: &str| var(name)?.trim().parse::<usize>().ok();
@@ -36,16 +36,25 @@ pub fn from_environment() -> Option<Placement> {
     from_launcher(|name| std::env::var(name).ok())
 }
 
-/// Slurm's tasks on this node: `SLURM_NTASKS_PER_NODE` when the job fixed it, else this
-/// node's entry (`SLURM_NODEID`) of `SLURM_TASKS_PER_NODE`, which compresses runs of equal
-/// counts as `4(x2),3` (4 on nodes 0 and 1, 3 on node 2).
+/// Slurm's tasks on this node: this node's entry of the step's list
+/// (`SLURM_STEP_TASKS_PER_NODE` at `SLURM_STEP_NODEID`), else of the job's
+/// (`SLURM_TASKS_PER_NODE` at `SLURM_NODEID`), else `SLURM_NTASKS_PER_NODE` (the job's
+/// request). The lists compress runs of equal counts: `4(x2),3` is 4 on nodes 0 and 1 and
+/// 3 on node 2.
 fn slurm_tasks_here(var: &impl Fn(&str) -> Option<String>) -> Option<usize> {
-    if let Some(fixed) = var("SLURM_NTASKS_PER_NODE").and_then(|v| v.trim().parse().ok()) {
-        return Some(fixed);
-    }
-    let node: usize = var("SLURM_NODEID")?.trim().parse().ok()?;
+    let entry = |list: &str, node: &str| {
+        let node: usize = var(node)?.trim().parse().ok()?;
+        nth_count(&var(list)?, node)
+    };
+    entry("SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODEID")
+        .or_else(|| entry("SLURM_TASKS_PER_NODE", "SLURM_NODEID"))
+        .or_else(|| var("SLURM_NTASKS_PER_NODE")?.trim().parse().ok())
+}
+
+/// Entry `node` of a Slurm count list such as `4(x2),3`.
+fn nth_count(list: &str, node: usize) -> Option<usize> {
     let mut first_node = 0;
-    for group in var("SLURM_TASKS_PER_NODE")?.split(',') {
+    for group in list.split(',') {
         let (count, repeat) = match group.trim().split_once("(x") {
             Some((count, rest)) => (count, rest.strip_suffix(')')?.parse().ok()?),
             None => (group.trim(), 1usize),
@@ -109,6 +118,15 @@ mod tests {
         // Past the listed nodes, or a rank outside its node's count: unknown.
         assert_eq!(on_node("3", "0"), None);
         assert_eq!(on_node("2", "3"), None);
+        // A step's own list (it may use fewer tasks than the job) comes first.
+        let step = [
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_STEP_NODEID", "0"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_TASKS_PER_NODE", "8(x2)"),
+        ];
+        assert_eq!(placement(&step), at(1, 2));
     }
 
     #[test]

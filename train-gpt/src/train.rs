@@ -121,7 +121,7 @@ pub struct RankResult {
     /// the first (which also uploads the model's first use of each constant).
     pub transfers_per_step: Transfers,
     /// Times this rank's thread waited for its device in a step, over the same steps
-    /// (waits inside NCCL's own calls are not counted).
+    /// (NCCL's waits for its collectives included).
     pub host_waits_per_step: f64,
 }
 

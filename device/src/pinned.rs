@@ -201,12 +201,10 @@ impl Drop for PinnedMemory {
                 }
             }
             #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => {
-                // The free needs a current context on this thread, which `context` binds.
-                if crate::cuda::context(ordinal).is_ok() {
-                    // SAFETY: allocated by `cuMemHostAlloc`; no copy uses it any longer.
-                    let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
-                }
+            // The free needs a current context on this thread, which `context` binds.
+            Device::Cuda(ordinal) if crate::cuda::context(ordinal).is_ok() => {
+                // SAFETY: allocated by `cuMemHostAlloc`; no copy uses it any longer.
+                let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
             }
             _ => {}
         }

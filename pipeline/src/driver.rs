@@ -174,7 +174,7 @@ impl Pipeline {
                     .push(Span::new(action.clone(), epoch, started));
             }
         }
-        Ok(step.report)
+        step.finish()
     }
 }
 
@@ -203,6 +203,8 @@ struct Step<'p> {
     to_send_forward: Option<(Key, Tensor)>,
     to_send_backward: Option<(Key, Tensor)>,
     backwards_done: Vec<usize>,
+    /// The last stage's losses, by microbatch, read together when the step ends.
+    losses: Vec<(usize, Tensor)>,
     report: StepReport,
 }
 
@@ -232,8 +234,27 @@ impl<'p> Step<'p> {
             to_send_forward: None,
             to_send_backward: None,
             backwards_done: vec![0; pipeline.config.schedule.chunks()],
+            losses: Vec::new(),
             report: StepReport::default(),
         }
+    }
+
+    /// The step's report, with the losses read from the device in one transfer (one host
+    /// wait per step, however many microbatches).
+    fn finish(mut self) -> Result<StepReport> {
+        if self.losses.is_empty() {
+            return Ok(self.report);
+        }
+        let scalars = (self.losses.iter())
+            .map(|(_, loss)| loss.reshape(&[1]))
+            .collect::<tape::Result<Vec<_>>>()?;
+        let values = Tensor::concat(&scalars.iter().collect::<Vec<_>>(), 0)?.to_vec()?;
+        let count = self.losses.iter().map(|&(m, _)| m + 1).max().unwrap_or(0);
+        self.report.losses = vec![f32::NAN; count];
+        for (&(microbatch, _), value) in self.losses.iter().zip(values) {
+            self.report.losses[microbatch] = value;
+        }
+        Ok(self.report)
     }
 
     /// The format of what travels forward (activations) or backward (gradients).
@@ -292,9 +313,8 @@ impl<'p> Step<'p> {
                     output.shape()
                 )));
             }
-            let losses = &mut self.report.losses;
-            losses.resize(losses.len().max(microbatch + 1), f32::NAN);
-            losses[microbatch] = output.item()?;
+            // Read when the step ends, with the other microbatches' losses.
+            self.losses.push((microbatch, output.detach()));
         } else {
             // The next exchange sends it, and then nothing here holds its values.
             self.to_send_forward = Some(((chunk, microbatch), output));
@@ -348,7 +368,6 @@ impl<'p> Step<'p> {
         let rank = self.pipeline.group.rank();
         let (next, prev) = ((rank + 1) % pp, (rank + pp - 1) % pp);
         let expected = &self.pipeline.config.shape;
-        let numel: usize = expected.iter().product();
         let mut slots = Vec::with_capacity(transfers.len());
         // A wrong shape of our own is reported after the exchange: the neighbour must
         // get its message (and its own error) rather than wait for one.
@@ -393,15 +412,11 @@ impl<'p> Step<'p> {
                     let format_code = code(tensor.dtype()).unwrap_or(-1);
                     let mut header = vec![vstage as i64, microbatch as i64, format_code];
                     header.extend(tensor.shape().iter().map(|&d| d as i64));
-                    // Sent as stored, staged through host memory by tape (which counts
-                    // the copy); one of the wrong size or format fails the receiver's
-                    // transfer too.
-                    let data = match tensor.dtype() {
-                        DType::F32 => Buffer::from_vec(tensor.to_vec()?),
-                        _ => tensor
-                            .to_device(Device::Cpu)?
-                            .lend(|view| view.to_host())??,
-                    };
+                    // Sent from the tensor's own memory, as stored: a device tensor stays
+                    // on its device (NCCL moves it there; the threads and MPI backends
+                    // stage device memory through the host themselves). One of the wrong
+                    // size or format fails the receiver's transfer too.
+                    let data = tensor.into_buffer()?;
                     Slot::Send {
                         peer: if forward { next } else { prev },
                         header,
@@ -423,7 +438,11 @@ impl<'p> Step<'p> {
                         forward,
                         key,
                         header: vec![0; 3 + expected.len()],
-                        data: Buffer::zeros(self.format(forward), numel),
+                        data: receive_buffer(
+                            self.pipeline.config.device,
+                            self.format(forward),
+                            expected,
+                        )?,
                     }
                 }
             };
@@ -520,13 +539,8 @@ impl<'p> Step<'p> {
                     expected: expected.clone(),
                 });
             }
-            let on_host = match format {
-                DType::F32 => Tensor::from_vec(data.into_vec::<f32>()?, expected)?,
-                _ => Tensor::filled_by(Device::Cpu, format, expected, |mut view| {
-                    view.copy_from_host(&data).map_err(Error::from)
-                })?,
-            };
-            let tensor = on_host.to_device(self.pipeline.config.device)?;
+            // The memory the transfer filled, on the stage's device: no copy.
+            let tensor = Tensor::from_buffer(data)?;
             if forward {
                 self.received.insert(key, tensor);
             } else {
@@ -553,6 +567,13 @@ enum Slot {
         header: Vec<i64>,
         data: Buffer,
     },
+}
+
+/// Memory for a received tensor of `shape` in `format` on `device` (zeros until the
+/// transfer fills it), lent so the transfer writes into it in place.
+fn receive_buffer(device: Device, format: DType, shape: &[usize]) -> Result<Buffer> {
+    let zeros = Tensor::<f32>::filled_by(device, format, shape, |_| Ok::<(), tape::Error>(()))?;
+    Ok(zeros.into_buffer()?)
 }
 
 /// The formats a header can name, by their code (their position).

@@ -445,7 +445,43 @@ fn run_local_backend(
         std::fs::write(path, pipeline::chrome_trace(&timelines))?;
         println!("pipeline timeline of the last step: {}", path.display());
     }
-    finish(args, corpus, dp, results.swap_remove(0))
+    let busiest = busiest_rank(results.iter().map(step_costs));
+    let mut result = results.swap_remove(0);
+    set_step_costs(&mut result, busiest);
+    finish(args, corpus, dp, result)
+}
+
+/// A rank's transfers and host waits per step, as numbers to take the largest of.
+fn step_costs(result: &RankResult) -> [f64; 5] {
+    let t = result.transfers_per_step;
+    [
+        t.to_device_bytes as f64,
+        t.to_device_copies as f64,
+        t.to_host_bytes as f64,
+        t.to_host_copies as f64,
+        result.host_waits_per_step,
+    ]
+}
+
+/// The largest of each figure over the ranks: the report shows the busiest rank's (the
+/// last pipeline stage reads the loss, the first uploads the batch).
+fn busiest_rank(costs: impl Iterator<Item = [f64; 5]>) -> [f64; 5] {
+    costs.fold([0.0; 5], |most, c| {
+        std::array::from_fn(|i| most[i].max(c[i]))
+    })
+}
+
+fn set_step_costs(
+    result: &mut RankResult,
+    [to_device, to_device_copies, to_host, to_host_copies, waits]: [f64; 5],
+) {
+    result.transfers_per_step = tape::Transfers {
+        to_device_bytes: to_device as u64,
+        to_device_copies: to_device_copies as u64,
+        to_host_bytes: to_host as u64,
+        to_host_copies: to_host_copies as u64,
+    };
+    result.host_waits_per_step = waits;
 }
 
 #[cfg(feature = "mpi")]
@@ -523,7 +559,11 @@ fn run_mpi_backend(
         ..train_config(args)
     };
     let progress = rank0.then(|| Progress::new("train", args.steps, args.batch * dp * args.seq));
-    let result = train_rank(world, &config, corpus, progress.as_ref())?;
+    let mut result = train_rank(world.clone(), &config, corpus, progress.as_ref())?;
+    // The busiest rank's transfers and host waits, as the threads backend reports them.
+    let mut costs = step_costs(&result);
+    comm_core::CommunicatorExt::all_reduce_slice(&*world, &mut costs, comm_core::ReduceOp::Max)?;
+    set_step_costs(&mut result, costs);
     if rank0 {
         finish(args, corpus, dp, result)?;
     }

@@ -6,10 +6,15 @@ use std::process::Command;
 
 /// Runs the README's device example with `device` and `extra` flags; returns stdout.
 fn train(device: &str, extra: &[&str]) -> String {
+    // One layer unless `extra` says otherwise (a pipeline needs one per stage).
+    let layers: &[&str] = if extra.contains(&"--layers") {
+        &[]
+    } else {
+        &["--layers", "1"]
+    };
     let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
-        .args([
-            "--device", device, "--tp", "2", "--dp", "2", "--layers", "1",
-        ])
+        .args(["--device", device, "--tp", "2", "--dp", "2"])
+        .args(layers)
         .args(extra)
         .args([
             "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "4",
@@ -107,6 +112,30 @@ fn a_device_run_ends_with_its_transfers_per_step() {
             "{run}"
         );
     }
+    // With pipeline stages, activations and their gradients stay on the device: the
+    // busiest rank (the last stage) brings back only its scalars (each microbatch's
+    // global mean, the step's losses in one read, the norm), where the activations alone
+    // were 4,096 bytes a step; and its losses are read once per step, not per microbatch.
+    let pipelined = train(
+        "emulated",
+        &[
+            "--layers",
+            "2",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--use-distributed-optimizer",
+            "--precision",
+            "bf16",
+            "--clip-grad",
+            "1.0",
+        ],
+    );
+    let (to_device, to_host) = transfers(&pipelined);
+    assert!(to_device <= 64 * 32, "{to_device} bytes to the device");
+    assert!(to_host <= 64, "{to_host} bytes to the host");
+    assert!(host_waits(&pipelined) <= 6.0, "{pipelined}");
     // The CPU run trains the same numbers (to the printed digits) and has no such line.
     let cpu = train("cpu", &[]);
     assert_eq!(loss_line(&emulated), loss_line(&cpu));

@@ -224,8 +224,9 @@ impl Stream {
         src.order_after(self)?;
         count_transfer(self.device(), bytes, true);
         // SAFETY: pinned memory is host memory mapped for the device (unified
-        // addressing), valid for `bytes`; the caller guarantees `dst`.
-        unsafe { self.copy_queued(dst, src.ptr as u64, bytes)? };
+        // addressing: a device copy reads it), valid for `bytes`; the caller guarantees
+        // `dst`.
+        unsafe { self.copy(dst, src.ptr as u64, bytes)? };
         src.track(self)
     }
 
@@ -245,7 +246,7 @@ impl Stream {
         dst.order_after(self)?;
         count_transfer(self.device(), bytes, false);
         // SAFETY: as in `upload_pinned`, the other way.
-        unsafe { self.copy_queued(dst.ptr as u64, src, bytes)? };
+        unsafe { self.copy(dst.ptr as u64, src, bytes)? };
         dst.track(self)
     }
 
@@ -276,36 +277,6 @@ impl Stream {
                 std::mem::forget(staging);
                 Err(error)
             }
-        }
-    }
-
-    /// Queues a copy between a device address and pinned memory (the emulated device's
-    /// are both host memory; CUDA's unified addressing tells the direction).
-    ///
-    /// # Safety
-    /// Both ranges valid for `bytes` until the copy has run.
-    unsafe fn copy_queued(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        match self.device() {
-            Device::Emulated => {
-                // SAFETY: as the caller guarantees; distinct allocations do not overlap.
-                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
-                self.issued();
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            _ => {
-                let stream = self.cuda_stream("copy_queued")?;
-                // SAFETY: as the caller guarantees.
-                unsafe { crate::cuda::copy(stream, dst, src, bytes) }
-            }
-            #[cfg(not(feature = "cuda"))]
-            device => Err(Error::Unsupported {
-                op: "copy_queued",
-                device,
-            }),
         }
     }
 }

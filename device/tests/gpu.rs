@@ -12,19 +12,26 @@ fn gpu_stream() -> Result<Stream, String> {
     Stream::new(Device::Cuda(0)).map_err(|e| e.to_string())
 }
 
+/// `cuda:0`'s stream; without one, prints why and returns from the test.
+macro_rules! gpu_or_skip {
+    () => {
+        match gpu_stream() {
+            Ok(stream) => stream,
+            Err(reason) => {
+                println!("skipped: {reason}");
+                return Ok(());
+            }
+        }
+    };
+}
+
 fn bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|x| x.to_ne_bytes()).collect()
 }
 
 #[test]
 fn streams_events_memory_and_copies_on_cuda() -> device::Result<()> {
-    let first = match gpu_stream() {
-        Ok(stream) => stream,
-        Err(reason) => {
-            println!("skipped: {reason}");
-            return Ok(());
-        }
-    };
+    let first = gpu_or_skip!();
     let second = Stream::new(Device::Cuda(0))?;
     assert!(!first.same_as(&second));
     let n = 1 << 20;
@@ -55,13 +62,7 @@ fn streams_events_memory_and_copies_on_cuda() -> device::Result<()> {
 
 #[test]
 fn a_kernel_compiled_by_nvrtc_runs_on_its_stream() -> device::Result<()> {
-    let stream = match gpu_stream() {
-        Ok(stream) => stream,
-        Err(reason) => {
-            println!("skipped: {reason}");
-            return Ok(());
-        }
-    };
+    let stream = gpu_or_skip!();
     #[cfg(feature = "cuda")]
     {
         let source = || {
@@ -98,13 +99,7 @@ fn a_kernel_compiled_by_nvrtc_runs_on_its_stream() -> device::Result<()> {
 
 #[test]
 fn pinned_copies_are_queued_and_waited_for_when_read() -> device::Result<()> {
-    let stream = match gpu_stream() {
-        Ok(stream) => stream,
-        Err(reason) => {
-            println!("skipped: {reason}");
-            return Ok(());
-        }
-    };
+    let stream = gpu_or_skip!();
     let n = 1 << 24;
     let memory = stream.alloc(n)?;
     let mut outgoing = device::PinnedMemory::new(Device::Cuda(0), n)?;
@@ -129,13 +124,7 @@ fn pinned_copies_are_queued_and_waited_for_when_read() -> device::Result<()> {
 
 #[test]
 fn staged_uploads_queue_without_host_waits() -> device::Result<()> {
-    let stream = match gpu_stream() {
-        Ok(stream) => stream,
-        Err(reason) => {
-            println!("skipped: {reason}");
-            return Ok(());
-        }
-    };
+    let stream = gpu_or_skip!();
     let memory = stream.alloc(1 << 20)?;
     let waits = host_waits(Device::Cuda(0));
     for round in 0..8u8 {

@@ -106,8 +106,9 @@ pub struct TokenLoss {
     /// Tokens whose label is not the ignore index, over the data-parallel group.
     pub global_tokens: usize,
     /// The loss over those tokens, `Σ token losses / global_tokens` (0 without tokens):
-    /// the same on every rank, for reporting.
-    pub global_mean: f32,
+    /// the same on every rank, for reporting. A one-element tensor on the logits'
+    /// device, so computing it reads nothing back; `item()` reads it (a host wait there).
+    pub global_mean: Tensor,
 }
 
 /// Cross-entropy normalised by the non-ignored tokens of the whole data-parallel batch
@@ -156,16 +157,22 @@ pub fn vocab_parallel_cross_entropy_per_token(
         .iter()
         .filter(|&&l| options.ignore_index != Some(l))
         .count();
-    // f64 keeps token counts exact up to 2^53.
-    let mut totals = [f64::from(local_sum.item()?), local_tokens as f64];
-    dp_group.all_reduce_slice(&mut totals, ReduceOp::Sum)?;
-    let [global_sum, global_tokens] = totals;
+    // The token counts are the host's (f64 keeps them exact up to 2^53); the loss sum
+    // stays on the logits' device, summed there over the group, so nothing waits here.
+    let mut global_tokens = [local_tokens as f64];
+    dp_group.all_reduce_slice(&mut global_tokens, ReduceOp::Sum)?;
+    let global_tokens = global_tokens[0];
+    let global_sum = local_sum.detach().updated_by(|view| {
+        dp_group
+            .all_reduce(view, ReduceOp::Sum)
+            .map_err(Error::from)
+    })?;
     // No token anywhere: every rank's sum is 0 and stays 0 with its gradient.
     let tokens = global_tokens.max(1.0);
     Ok(TokenLoss {
         loss: local_sum.scale(dp_group.size() as f64 / tokens)?,
         global_tokens: global_tokens as usize,
-        global_mean: (global_sum / tokens) as f32,
+        global_mean: global_sum.scale(1.0 / tokens)?,
     })
 }
 

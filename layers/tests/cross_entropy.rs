@@ -265,7 +265,7 @@ fn per_token_head(x: &Tensor, labels: &[i64]) -> AnyResult<Vec<PerTokenRank>> {
             tp_rank: state.tp_rank(),
             loss: token_loss.loss.item()?,
             global_tokens: token_loss.global_tokens,
-            global_mean: token_loss.global_mean,
+            global_mean: token_loss.global_mean.item()?,
             rank_mean,
             grads,
         })

@@ -53,6 +53,10 @@ pub struct PipelineConfig {
     /// 16-bit model, as Megatron's `pipeline_dtype`); their gradients travel in f32, the
     /// format gradients have.
     pub dtype: DType,
+    /// Read the last stage's losses into [`StepReport::losses`] when the step ends (one
+    /// host wait on a device); off for stages that report their loss themselves, so the
+    /// step reads nothing it does not use.
+    pub read_losses: bool,
 }
 
 impl PipelineConfig {
@@ -66,6 +70,7 @@ impl PipelineConfig {
             forward_only: false,
             device: Device::Cpu,
             dtype: DType::F32,
+            read_losses: true,
         }
     }
 }
@@ -74,7 +79,7 @@ impl PipelineConfig {
 #[derive(Clone, Debug, Default)]
 pub struct StepReport {
     /// Each microbatch's loss, in microbatch order, on the rank holding the model's last
-    /// stage; empty on the others.
+    /// stage; empty on the others, and when [`PipelineConfig::read_losses`] is off.
     pub losses: Vec<f32>,
     /// The most microbatches whose activations this rank held at once.
     pub peak_in_flight: usize,
@@ -242,7 +247,7 @@ impl<'p> Step<'p> {
     /// The step's report, with the losses read from the device in one transfer (one host
     /// wait per step, however many microbatches).
     fn finish(mut self) -> Result<StepReport> {
-        if self.losses.is_empty() {
+        if self.losses.is_empty() || !self.pipeline.config.read_losses {
             return Ok(self.report);
         }
         let scalars = (self.losses.iter())

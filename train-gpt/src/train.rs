@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use tape::{
     AdamW, AdamWConfig, DType, Generator, LrDecay, LrSchedule, MixedPrecision, Optimizer,
-    ParamOptions, Parameter, Tape, Transfers,
+    ParamOptions, Parameter, Tape, Tensor, Transfers,
 };
 
 /// Text the trained model continues, one sample each.
@@ -813,6 +813,8 @@ impl Chunks<'_> {
         let mut config =
             pipeline::PipelineConfig::new(self.config.pipeline, microbatches.len(), &shape);
         config.forward_only = pass != Pass::Train;
+        // The stages report the loss's global mean themselves.
+        config.read_losses = false;
         config.device = self.config.device;
         config.dtype = self.config.precision;
         if trace {
@@ -835,6 +837,7 @@ impl Chunks<'_> {
                 pass,
                 loss_scale: self.loss_scale,
                 results: Vec::new(),
+                means: Vec::new(),
             })
             .collect();
         let mut refs: Vec<&mut dyn pipeline::Stage> = stages
@@ -847,7 +850,16 @@ impl Chunks<'_> {
                 ddp.finish()?;
             }
         }
-        let results = stages.into_iter().flat_map(|s| s.results).collect();
+        let means: Vec<Tensor> = stages.iter_mut().flat_map(|s| s.means.drain(..)).collect();
+        let mut results: Vec<Vec<f32>> = stages.into_iter().flat_map(|s| s.results).collect();
+        if !means.is_empty() {
+            // The step's losses in one read (one host wait), however many microbatches.
+            let scalars = (means.iter())
+                .map(|m| m.reshape(&[1]))
+                .collect::<tape::Result<Vec<_>>>()?;
+            let values = Tensor::concat(&scalars.iter().collect::<Vec<_>>(), 0)?.to_vec()?;
+            results.extend(values.into_iter().map(|v| vec![v]));
+        }
         Ok((results, report.timeline))
     }
 }
@@ -864,8 +876,11 @@ struct GptStage<'a> {
     pass: Pass,
     /// What training multiplies the loss by before backward.
     loss_scale: f64,
-    /// The last stage's loss (one value) or logits of each microbatch.
+    /// The last stage's logits of each microbatch.
     results: Vec<Vec<f32>>,
+    /// The last stage's loss (its global mean) of each microbatch, on the device until
+    /// the step ends.
+    means: Vec<Tensor>,
 }
 
 impl pipeline::Stage for GptStage<'_> {
@@ -894,7 +909,7 @@ impl pipeline::Stage for GptStage<'_> {
             return Ok(output);
         }
         let loss = self.model.loss(&output, labels, self.dp)?;
-        self.results.push(vec![loss.global_mean]);
+        self.means.push(loss.global_mean);
         // The scaler's `scale_loss`, by its value: the stage holds the scale, not the
         // scaler (which the training loop updates between steps).
         if self.pass == Pass::Train && self.loss_scale != 1.0 {

@@ -12,16 +12,23 @@ struct Counting;
 
 thread_local! {
     static LIVE: Cell<isize> = const { Cell::new(0) };
+    static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
 }
 
 fn live() -> isize {
     LIVE.with(Cell::get)
 }
 
+/// Allocations this thread has made so far.
+fn allocations() -> usize {
+    ALLOCATIONS.with(Cell::get)
+}
+
 // SAFETY: forwards to the system allocator, only counting.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         LIVE.with(|live| live.set(live.get() + layout.size() as isize));
+        ALLOCATIONS.with(|n| n.set(n.get() + 1));
         // SAFETY: as the caller's.
         unsafe { System.alloc(layout) }
     }
@@ -119,22 +126,30 @@ fn pinned_copies_queue_without_host_waits() -> device::Result<()> {
 }
 
 /// A staged upload takes its copy of the source at once and queues the transfer without a
-/// host wait; the data is there for work queued after it, and staging buffers are reused.
+/// host wait; the data is there for work queued after it, and the staging buffer is reused
+/// (the pool allocates nothing after the first upload).
 #[test]
 fn staged_uploads_do_not_wait() -> device::Result<()> {
-    use device::{host_waits, transfers};
     let stream = Stream::new(Device::Emulated)?;
     let memory = stream.alloc(5000)?;
-    let waits = host_waits(Device::Emulated);
-    let moved = transfers(Device::Emulated);
+    // SAFETY: the allocation holds 5000 bytes. The first upload makes the pool's buffer.
+    unsafe { stream.upload_staged(memory.ptr(), &[0u8; 5000])? };
+    let (waits, moved, before, made) = (
+        host_waits(Device::Emulated),
+        transfers(Device::Emulated),
+        live(),
+        allocations(),
+    );
     for round in 0..40u8 {
         let mut source = vec![round; 5000];
-        // SAFETY: the allocation holds 5000 bytes.
+        // SAFETY: as above.
         unsafe { stream.upload_staged(memory.ptr(), &source)? };
         // The caller's bytes are free at once: the staging copy was taken.
         source.fill(255);
     }
     assert_eq!(host_waits(Device::Emulated), waits);
+    // Every later upload reused that buffer: the only allocations were the sources.
+    assert_eq!((live(), allocations() - made), (before, 40));
     let copied = transfers(Device::Emulated) - moved;
     assert_eq!(
         (copied.to_device_copies, copied.to_device_bytes),

@@ -156,10 +156,10 @@ impl Communicator for DualCommunicator {
         if !ops.iter().any(on_host) {
             return self.device.exchange(ops);
         }
-        // Mixed (a host header beside a CUDA tensor; the pipeline today stages its tensors
-        // through host memory, so it sends none): the host transfers first, then the
-        // device ones. A peer's matching batch mixes the same way, so
-        // both halves pair up in the same order on every rank.
+        // Mixed (the pipeline's host headers beside its device tensors): the host
+        // transfers first, then the device ones, one more round trip than a single
+        // batch. A peer's matching batch mixes the same way, so both halves pair up in
+        // the same order on every rank.
         let (mut host, mut device): (Vec<P2p<'_>>, Vec<P2p<'_>>) = (Vec::new(), Vec::new());
         for op in ops.iter_mut() {
             let part = if on_host(op) { &mut host } else { &mut device };

@@ -250,8 +250,9 @@ impl<'p> Step<'p> {
         if self.losses.is_empty() || !self.pipeline.config.read_losses {
             return Ok(self.report);
         }
+        // f32 whatever format a stage's loss is stored in, so they concatenate.
         let scalars = (self.losses.iter())
-            .map(|(_, loss)| loss.reshape(&[1]))
+            .map(|(_, loss)| loss.to_dtype(DType::F32)?.reshape(&[1]))
             .collect::<tape::Result<Vec<_>>>()?;
         let values = Tensor::concat(&scalars.iter().collect::<Vec<_>>(), 0)?.to_vec()?;
         let count = self.losses.iter().map(|&(m, _)| m + 1).max().unwrap_or(0);
@@ -361,7 +362,7 @@ impl<'p> Step<'p> {
         if let Some(input) = flight.input {
             let grad = match input.grad() {
                 Some(grad) => grad,
-                None => Tensor::zeros(&input.shape()),
+                None => Tensor::full_on(&input.shape(), 0.0, self.pipeline.config.device)?,
             };
             self.to_send_backward = Some(((chunk, microbatch), grad));
         }
@@ -417,11 +418,19 @@ impl<'p> Step<'p> {
                     let format_code = code(tensor.dtype()).unwrap_or(-1);
                     let mut header = vec![vstage as i64, microbatch as i64, format_code];
                     header.extend(tensor.shape().iter().map(|&d| d as i64));
-                    // Sent from the tensor's own memory, as stored: a device tensor stays
-                    // on its device (NCCL moves it there; the threads and MPI backends
-                    // stage device memory through the host themselves). One of the wrong
-                    // size or format fails the receiver's transfer too.
-                    let data = tensor.into_buffer()?;
+                    // Sent from the tensor's memory on the stage's device, as stored (a
+                    // device copy first only if autograd still shares it): NCCL moves it
+                    // on the GPU, the threads and MPI backends stage device memory through
+                    // the host themselves. The receiver posts memory of the expected shape
+                    // and format on its device, so a wrong tensor travels as such a
+                    // placeholder; the header tells the receiver what was wrong.
+                    let data = if own_error.is_some() {
+                        receive_buffer(self.pipeline.config.device, format, expected)?
+                    } else {
+                        tensor
+                            .to_device(self.pipeline.config.device)?
+                            .into_buffer()?
+                    };
                     Slot::Send {
                         peer: if forward { next } else { prev },
                         header,
@@ -577,8 +586,7 @@ enum Slot {
 /// Memory for a received tensor of `shape` in `format` on `device` (zeros until the
 /// transfer fills it), lent so the transfer writes into it in place.
 fn receive_buffer(device: Device, format: DType, shape: &[usize]) -> Result<Buffer> {
-    let zeros = Tensor::<f32>::filled_by(device, format, shape, |_| Ok::<(), tape::Error>(()))?;
-    Ok(zeros.into_buffer()?)
+    Ok(Tensor::<f32>::full_as(shape, 0.0, format, device)?.into_buffer()?)
 }
 
 /// The formats a header can name, by their code (their position).

@@ -193,7 +193,18 @@ fn gradients(
 
 /// The same global batch (two data-parallel halves' worth at DP 1) through a pipeline:
 /// each data-parallel rank takes `2 / dp` of the sequences of the reference.
-fn pipelined(schedule: Schedule, (pp, tp, dp): (usize, usize, usize), sp: bool) -> Outcome {
+fn pipelined(schedule: Schedule, layout: (usize, usize, usize), sp: bool) -> Outcome {
+    pipelined_losses(schedule, layout, sp, true).0
+}
+
+/// [`pipelined`], and the microbatch losses each rank's report holds (with
+/// `read_losses` as given).
+fn pipelined_losses(
+    schedule: Schedule,
+    (pp, tp, dp): (usize, usize, usize),
+    sp: bool,
+    read_losses: bool,
+) -> (Outcome, Vec<Vec<f32>>) {
     let world = pp * tp * dp;
     let layout = RankLayout::builder(world).tp(tp).pp(pp).build().unwrap();
     let ranks = run_local(world, |comm| -> Result<_, BoxError> {
@@ -217,7 +228,8 @@ fn pipelined(schedule: Schedule, (pp, tp, dp): (usize, usize, usize), sp: bool) 
         }
         // Under sequence parallelism each tensor-parallel rank holds its part of the sequence.
         let seq = if sp { SEQ / tp } else { SEQ };
-        let config = PipelineConfig::new(schedule, microbatches, &[seq, BATCH, HIDDEN]);
+        let mut config = PipelineConfig::new(schedule, microbatches, &[seq, BATCH, HIDDEN]);
+        config.read_losses = read_losses;
         let pipeline = Pipeline::new(state.pp().clone(), config)?;
         let mut refs: Vec<&mut dyn Stage> =
             stages.iter_mut().map(|s| s as &mut dyn Stage).collect();
@@ -228,15 +240,19 @@ fn pipelined(schedule: Schedule, (pp, tp, dp): (usize, usize, usize), sp: bool) 
             stage.ddp.as_ref().unwrap().finish()?;
             grads.extend(gradients(stage, state.tp_rank())?);
         }
-        Ok((report.mean_loss(), state.dp_rank(), grads))
+        Ok((report.mean_loss(), state.dp_rank(), grads, report.losses))
     })
     .unwrap();
+    let reported = ranks.iter().map(|r| r.3.clone()).collect();
     // The step's loss: the mean over data-parallel ranks of each last stage's mean.
     let losses: Vec<f32> = ranks.iter().filter_map(|r| r.0).collect();
+    if !read_losses {
+        return ((f32::NAN, BTreeMap::new()), reported);
+    }
     assert_eq!(losses.len(), tp * dp);
     let loss = losses.iter().sum::<f32>() / losses.len() as f32;
     let mut grads = BTreeMap::new();
-    for (_, dp_rank, rank_grads) in ranks {
+    for (_, dp_rank, rank_grads, _) in ranks {
         for (key, grad) in rank_grads {
             if let Some(seen) = grads.insert(key.clone(), grad.clone()) {
                 assert_eq!(
@@ -246,7 +262,7 @@ fn pipelined(schedule: Schedule, (pp, tp, dp): (usize, usize, usize), sp: bool) 
             }
         }
     }
-    (loss, grads)
+    ((loss, grads), reported)
 }
 
 fn assert_close(what: &str, reference: &Outcome, got: &Outcome) {
@@ -296,6 +312,23 @@ fn every_schedule_and_layout_matches_the_serial_model() {
             assert_close(&what, reference, &pipelined(schedule, (pp, tp, dp), false));
         }
     }
+}
+
+/// The last stage's losses come back per microbatch, in microbatch order whatever the
+/// schedule (read once, when the step ends), or not at all when not asked for.
+#[test]
+fn losses_come_back_in_microbatch_order_or_not_at_all() {
+    let losses = |schedule, read| pipelined_losses(schedule, (2, 1, 1), false, read).1;
+    let in_order = losses(Schedule::OneFOneB, true);
+    // Rank 1 holds the last stage of 1F1B; with two chunks, rank 1 again (virtual stage 3).
+    assert!(in_order[0].is_empty() && in_order[1].len() == 2 * MICROBATCHES);
+    assert!(in_order[1].windows(2).any(|w| w[0] != w[1]), "{in_order:?}");
+    assert_eq!(losses(Schedule::GPipe, true), in_order);
+    let interleaved = losses(Schedule::Interleaved { virtual_stages: 2 }, true);
+    for (a, b) in interleaved[1].iter().zip(&in_order[1]) {
+        assert!((a - b).abs() < 1e-5, "{interleaved:?} vs {in_order:?}");
+    }
+    assert!(losses(Schedule::OneFOneB, false).iter().all(Vec::is_empty));
 }
 
 /// Under sequence parallelism the stages exchange each rank's part of the sequence.

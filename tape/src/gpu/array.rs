@@ -118,7 +118,13 @@ impl<T: Copy + Default> GpuArray<T> {
     /// sharing the memory (flat storage hands its views to kernels this way, and tensors
     /// their contiguous ranges). The caller checks the range.
     pub(crate) fn window(&self, offset: usize, shape: &[usize]) -> Self {
-        debug_assert!(offset + shape.iter().product::<usize>() <= self.len());
+        // Callers check their ranges first (views, flat storage's layout); this keeps every
+        // array inside its allocation, which `lend` relies on.
+        assert!(
+            offset + shape.iter().product::<usize>() <= self.len(),
+            "a window of {shape:?} at element {offset} past an array of {} elements",
+            self.len()
+        );
         GpuArray {
             buffer: self.buffer.clone(),
             offset_bytes: self.offset_bytes + (offset * std::mem::size_of::<T>()) as u64,
@@ -179,6 +185,8 @@ impl<T: Copy + Default> GpuArray<T> {
     {
         let dtype = <T as comm_core::Element>::DTYPE;
         let offset = self.offset_bytes as usize;
+        // Invariant, not input: an array is a whole allocation of its elements (`uninit`)
+        // or a `window` of one, which asserts it lies inside; offsets are whole elements.
         comm_core::BufRef::device(&self.buffer.memory, offset, self.len(), dtype)
             .expect("an array lies inside its allocation, aligned for its elements")
     }
@@ -195,7 +203,8 @@ impl<T: Copy + Default> GpuArray<T> {
     {
         let dtype = <T as comm_core::Element>::DTYPE;
         let offset = self.offset_bytes as usize;
-        // SAFETY: the caller guarantees the view is the only access.
+        // SAFETY: the caller guarantees the view is the only access. The range is inside
+        // the allocation, as in `lend`.
         unsafe { comm_core::BufMut::device_shared(&self.buffer.memory, offset, self.len(), dtype) }
             .expect("an array lies inside its allocation, aligned for its elements")
     }

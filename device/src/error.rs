@@ -70,6 +70,24 @@ pub enum Error {
         bytes: usize,
     },
 
+    /// Two accesses to emulated memory, at least one a write, that nothing orders: on a
+    /// GPU the later could run before the earlier finishes (the emulated device's
+    /// ordering checker; see `Access`).
+    #[error(
+        "unordered accesses to emulated {memory}: {later} is not ordered after {earlier}; \
+         make the later call's stream wait for an event recorded after the earlier call \
+         (`Stream::record`, `Stream::wait`), or have the host wait for it before it \
+         touches the memory"
+    )]
+    Unordered {
+        /// The allocation: its kind, number and size.
+        memory: String,
+        /// The earlier call, its stream (or the host) and the bytes it touched.
+        earlier: String,
+        /// The later call, likewise.
+        later: String,
+    },
+
     /// An argument that cannot be right: a stream of another device, an event of a
     /// stream on another device, a copy past an allocation's end.
     #[error("{op}: {reason}")]

@@ -33,6 +33,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod checker;
 mod counters;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -43,6 +44,7 @@ mod pinned;
 mod place;
 mod stream;
 
+pub use checker::{host_access, Access};
 pub use counters::{host_waits, transfers, Transfers};
 pub use error::{Error, Result};
 pub use memory::DeviceMemory;

@@ -8,6 +8,7 @@
 
 use std::alloc::Layout;
 
+use crate::checker::{self, Access};
 use crate::counters::count_transfer;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
@@ -66,6 +67,9 @@ impl Drop for DeviceMemory {
     fn drop(&mut self) {
         match self.stream.device() {
             Device::Emulated => {
+                // Checked as a write in the stream's order; an unordered free is the
+                // stream's next error.
+                checker::freed(self.stream.agent(), self.ptr);
                 // `alloc` succeeded with this size, so its layout exists.
                 if let Some(layout) = emulated_layout(self.bytes) {
                     // SAFETY: allocated by `Stream::alloc` with the same layout; this is
@@ -105,6 +109,7 @@ impl Stream {
                 if ptr.is_null() {
                     return Err(out_of_memory());
                 }
+                checker::allocated(self.agent(), "device memory", ptr as u64, bytes);
                 ptr as u64
             }
             #[cfg(feature = "cuda")]
@@ -120,7 +125,6 @@ impl Stream {
                 })
             }
         };
-        self.issued();
         Ok(DeviceMemory {
             ptr,
             bytes,
@@ -138,9 +142,9 @@ impl Stream {
         match self.device() {
             Device::Emulated => {
                 count_transfer(self.device(), src.len(), true);
+                self.declare("upload", &[Access::write(dst, src.len())])?;
                 // SAFETY: the caller guarantees `dst`; emulated memory is host memory.
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
-                self.issued();
                 self.synchronize()
             }
             // SAFETY: as the caller guarantees.
@@ -163,11 +167,11 @@ impl Stream {
         match self.device() {
             Device::Emulated => {
                 count_transfer(self.device(), dst.len(), false);
+                self.declare("download", &[Access::read(src, dst.len())])?;
                 // SAFETY: the caller guarantees `src`; emulated memory is host memory.
                 unsafe {
                     std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len())
                 };
-                self.issued();
                 self.synchronize()
             }
             // SAFETY: as the caller guarantees.
@@ -193,9 +197,10 @@ impl Stream {
         }
         match self.device() {
             Device::Emulated => {
+                let accesses = [Access::read(src, bytes), Access::write(dst, bytes)];
+                self.declare("copy", &accesses)?;
                 // SAFETY: the caller guarantees both ranges; `copy` tolerates overlap.
                 unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
-                self.issued();
                 Ok(())
             }
             // SAFETY: as the caller guarantees.

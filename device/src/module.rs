@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::checker::Access;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::Device;
@@ -255,6 +256,11 @@ impl Stream {
     /// device the host build run now (host builds take exactly one argument). Nothing is
     /// queued for 0 items.
     ///
+    /// `accesses` are the memory the kernel reads and writes, which the emulated device's
+    /// ordering checker checks against other streams' and the host's accesses
+    /// ([`Error::Unordered`]; CUDA ignores them). Leaving memory out only hides it from
+    /// the checker.
+    ///
     /// # Safety
     /// The arguments must be the kernel's, in order, and every address in them device
     /// memory of this stream's device valid for what the kernel accesses until it has run.
@@ -263,6 +269,7 @@ impl Stream {
         function: &Function,
         items: usize,
         args: &[&dyn Arg],
+        accesses: &[Access],
     ) -> Result<()> {
         if items == 0 {
             return Ok(());
@@ -282,9 +289,13 @@ impl Stream {
                         ),
                     });
                 };
+                let name = match &function.name {
+                    Cow::Borrowed(name) => name,
+                    Cow::Owned(_) => "kernel",
+                };
+                self.declare(name, accesses)?;
                 // SAFETY: the caller guarantees the argument and the addresses in it.
                 unsafe { kernel(arg.host_ptr()) };
-                self.issued();
                 Ok(())
             }
             #[cfg(feature = "cuda")]

@@ -8,6 +8,7 @@ use std::alloc::Layout;
 
 use parking_lot::Mutex;
 
+use crate::checker::{self, Access};
 use crate::counters::count_transfer;
 use crate::error::{Error, Result};
 use crate::stream::{Event, Stream};
@@ -72,6 +73,7 @@ impl PinnedMemory {
                 if ptr.is_null() {
                     return Err(Error::OutOfMemory { device, bytes });
                 }
+                checker::allocated(None, "pinned memory", ptr as u64, bytes);
                 ptr
             }
             #[cfg(feature = "cuda")]
@@ -104,6 +106,7 @@ impl PinnedMemory {
     /// The bytes, once every copy into them has run (a counted host wait if one has not).
     pub fn as_slice(&mut self) -> Result<&[u8]> {
         self.settle()?;
+        self.host_access("read pinned memory", false)?;
         // SAFETY: `bytes` bytes owned by `self`; no copy is in flight, and `&mut self`
         // keeps new ones from being queued while the slice lives.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) })
@@ -112,6 +115,7 @@ impl PinnedMemory {
     /// The bytes to write, once every copy from or into them has run.
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
         self.settle()?;
+        self.host_access("write pinned memory", true)?;
         // SAFETY: as in `as_slice`, and `&mut self` makes this the only access.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) })
     }
@@ -124,7 +128,7 @@ impl PinnedMemory {
             idle &= event.is_complete()?;
         }
         if idle {
-            in_flight.clear();
+            keep_last(&mut in_flight);
         }
         Ok(idle)
     }
@@ -137,8 +141,23 @@ impl PinnedMemory {
                 event.synchronize()?;
             }
         }
-        in_flight.clear();
+        keep_last(&mut in_flight);
         Ok(())
+    }
+
+    /// Declares the host's access to the whole memory to the emulated device's checker
+    /// (no-op on CUDA).
+    fn host_access(&self, op: &'static str, write: bool) -> Result<()> {
+        if self.device != Device::Emulated {
+            return Ok(());
+        }
+        let ptr = self.ptr as u64;
+        let access = if write {
+            Access::write(ptr, self.bytes)
+        } else {
+            Access::read(ptr, self.bytes)
+        };
+        checker::host_access(op, &[access])
     }
 
     /// Makes `stream` wait, on the device, for the copies in flight on other streams, so
@@ -188,6 +207,14 @@ impl PinnedMemory {
     }
 }
 
+/// Forgets completed copies but the last: a thread that takes the memory over from
+/// another (the staging pool hands buffers between threads) finds that event complete
+/// too, which is how the ordering checker learns that the copies it never saw are done.
+fn keep_last(events: &mut Vec<Event>) {
+    let done = events.len().saturating_sub(1);
+    events.drain(..done);
+}
+
 impl Drop for PinnedMemory {
     fn drop(&mut self) {
         // A copy may still read or write the memory: wait for it before freeing. On an
@@ -195,6 +222,7 @@ impl Drop for PinnedMemory {
         let _ = self.settle();
         match self.device {
             Device::Emulated => {
+                checker::freed(None, self.ptr as u64);
                 if let Some(layout) = layout(self.bytes) {
                     // SAFETY: allocated in `new` with this layout; this is its only owner.
                     unsafe { std::alloc::dealloc(self.ptr, layout) }

@@ -4,11 +4,13 @@
 //!
 //! On CUDA a stream is a driver stream and an event a driver event. The emulated device
 //! runs every call to completion as it is made, so its events are complete when recorded;
-//! it keeps the same interface, so code written against it orders its work as a GPU needs.
+//! what a GPU would guarantee is followed by the ordering checker (`crate::checker`):
+//! every call, record, wait and host wait moves its clocks, and an access that a GPU could
+//! run out of order is an error.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::checker::{self, Access, Clock};
 use crate::counters::count_host_wait;
 use crate::error::{Error, Result};
 use crate::Device;
@@ -27,10 +29,15 @@ enum Kind {
     Cuda(Arc<cudarc::driver::CudaStream>),
 }
 
-/// An emulated stream: a position that every call advances, complete as soon as made.
+/// An emulated stream: its agent number in the ordering checker.
 struct EmulatedQueue {
     id: u64,
-    issued: AtomicU64,
+}
+
+impl Drop for EmulatedQueue {
+    fn drop(&mut self) {
+        checker::drop_stream(self.id);
+    }
 }
 
 impl std::fmt::Debug for Stream {
@@ -46,13 +53,9 @@ impl Stream {
     /// feature); the host has none.
     pub fn new(device: Device) -> Result<Stream> {
         let kind = match device {
-            Device::Emulated => {
-                static NEXT: AtomicU64 = AtomicU64::new(1);
-                Kind::Emulated(Arc::new(EmulatedQueue {
-                    id: NEXT.fetch_add(1, Ordering::Relaxed),
-                    issued: AtomicU64::new(0),
-                }))
-            }
+            Device::Emulated => Kind::Emulated(Arc::new(EmulatedQueue {
+                id: checker::new_stream(),
+            })),
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
                 let context = crate::cuda::context(ordinal)?;
@@ -124,7 +127,7 @@ impl Stream {
         let kind = match &self.kind {
             Kind::Emulated(queue) => EventKind::Emulated {
                 stream: queue.id,
-                position: queue.issued.load(Ordering::Acquire),
+                clock: checker::record(queue.id),
             },
             #[cfg(feature = "cuda")]
             Kind::Cuda(stream) => {
@@ -145,7 +148,10 @@ impl Stream {
     /// `event` has completed. The host does not wait.
     pub fn wait(&self, event: &Event) -> Result<()> {
         match (&self.kind, &event.kind) {
-            (Kind::Emulated(_), EventKind::Emulated { .. }) => Ok(()),
+            (Kind::Emulated(queue), EventKind::Emulated { clock, .. }) => {
+                checker::wait(queue.id, clock);
+                Ok(())
+            }
             #[cfg(feature = "cuda")]
             (Kind::Cuda(stream), EventKind::Cuda(event)) => {
                 self.bind()?;
@@ -168,9 +174,9 @@ impl Stream {
     /// [`host_waits`](crate::host_waits)).
     pub fn synchronize(&self) -> Result<()> {
         match &self.kind {
-            Kind::Emulated(_) => {
+            Kind::Emulated(queue) => {
                 count_host_wait(self.device);
-                Ok(())
+                checker::synchronize_stream(queue.id)
             }
             #[cfg(feature = "cuda")]
             Kind::Cuda(stream) => crate::cuda::synchronize(stream),
@@ -186,14 +192,28 @@ impl Stream {
         })
     }
 
-    /// Counts one call queued on an emulated stream (which has already run it).
-    pub(crate) fn issued(&self) {
+    /// Declares a call `op` queued on this stream that reads and writes `accesses`, for
+    /// work this crate does not queue itself but runs in the stream's order on the
+    /// emulated device (its reference GEMM, a collective of the local backend over
+    /// emulated memory): the ordering checker checks and records it as it does this
+    /// crate's own calls. A no-op on CUDA, whose driver orders real work.
+    ///
+    /// Returns [`Error::Unordered`] when an access conflicts with an earlier one that
+    /// nothing orders before it, and an unordered free of memory this stream freed.
+    pub fn declare(&self, op: &'static str, accesses: &[Access]) -> Result<()> {
         match &self.kind {
-            Kind::Emulated(queue) => {
-                queue.issued.fetch_add(1, Ordering::AcqRel);
-            }
+            Kind::Emulated(queue) => checker::queue(queue.id, op, accesses),
             #[cfg(feature = "cuda")]
-            Kind::Cuda(_) => {}
+            Kind::Cuda(_) => Ok(()),
+        }
+    }
+
+    /// The stream's agent number in the ordering checker (emulated streams only).
+    pub(crate) fn agent(&self) -> Option<u64> {
+        match &self.kind {
+            Kind::Emulated(queue) => Some(queue.id),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => None,
         }
     }
 }
@@ -205,8 +225,8 @@ pub struct Event {
 }
 
 enum EventKind {
-    /// The stream it was recorded on and how many calls had been queued there.
-    Emulated { stream: u64, position: u64 },
+    /// The stream it was recorded on and how far into every stream's work it is ordered.
+    Emulated { stream: u64, clock: Clock },
     #[cfg(feature = "cuda")]
     Cuda(cudarc::driver::CudaEvent),
 }
@@ -216,8 +236,9 @@ impl std::fmt::Debug for Event {
         let mut debug = f.debug_struct("Event");
         debug.field("device", &self.device);
         match &self.kind {
-            EventKind::Emulated { stream, position } => {
-                debug.field("stream", stream).field("position", position);
+            EventKind::Emulated { stream, clock } => {
+                let position = clock.get(*stream);
+                debug.field("stream", stream).field("position", &position);
             }
             #[cfg(feature = "cuda")]
             EventKind::Cuda(_) => {}
@@ -232,10 +253,14 @@ impl Event {
         self.device
     }
 
-    /// Whether the work before it has completed, without waiting.
+    /// Whether the work before it has completed, without waiting. Finding it complete
+    /// orders the host after that work, as waiting would.
     pub fn is_complete(&self) -> Result<bool> {
         match &self.kind {
-            EventKind::Emulated { .. } => Ok(true),
+            EventKind::Emulated { clock, .. } => {
+                checker::synchronize_event(clock);
+                Ok(true)
+            }
             #[cfg(feature = "cuda")]
             EventKind::Cuda(event) => event
                 .try_is_complete()
@@ -248,7 +273,10 @@ impl Event {
     pub fn synchronize(&self) -> Result<()> {
         count_host_wait(self.device);
         match &self.kind {
-            EventKind::Emulated { .. } => Ok(()),
+            EventKind::Emulated { clock, .. } => {
+                checker::synchronize_event(clock);
+                Ok(())
+            }
             #[cfg(feature = "cuda")]
             EventKind::Cuda(event) => event
                 .synchronize()

@@ -85,7 +85,7 @@ fn a_kernel_compiled_by_nvrtc_runs_on_its_stream() -> device::Result<()> {
         // SAFETY: the allocation holds n f32s, as the arguments say.
         unsafe {
             stream.upload(memory.ptr(), &bytes(&values))?;
-            stream.launch(&function, n, &[&memory.ptr(), &(n as u64), &2.0f32])?;
+            stream.launch(&function, n, &[&memory.ptr(), &(n as u64), &2.0f32], &[])?;
             stream.download(&mut back, memory.ptr())?;
         }
         let expected: Vec<f32> = values.iter().map(|x| 2.0 * x + 1.0).collect();

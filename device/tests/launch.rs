@@ -2,7 +2,7 @@
 
 use std::ffi::c_void;
 
-use device::{Device, Function, KernelArg, Stream};
+use device::{Access, Device, Function, KernelArg, Stream};
 
 /// The argument block of `add_one`.
 #[repr(C)]
@@ -42,7 +42,7 @@ fn a_host_build_runs_over_its_indices() -> device::Result<()> {
     // SAFETY: the allocation holds three f32s, as `args` says.
     unsafe {
         stream.upload(memory.ptr(), &bytes(&values))?;
-        stream.launch(&function, 3, &[&args])?;
+        stream.launch(&function, 3, &[&args], &[Access::write(memory.ptr(), 12)])?;
         stream.download(&mut back, memory.ptr())?;
     }
     assert_eq!(back.to_vec(), bytes(&[2.0, 3.0, 4.0]));
@@ -56,10 +56,10 @@ fn a_launch_of_the_wrong_shape_is_refused() -> device::Result<()> {
     let function = Function::host("add_one", add_one);
     let (a, b) = (1u64, 2u64);
     // SAFETY: refused before the kernel runs.
-    let error = unsafe { stream.launch(&function, 1, &[&a, &b]) }.unwrap_err();
+    let error = unsafe { stream.launch(&function, 1, &[&a, &b], &[]) }.unwrap_err();
     assert!(error.to_string().contains("takes one argument"), "{error}");
     // No indices, no launch: nothing is read.
     // SAFETY: the kernel does not run.
-    unsafe { stream.launch(&function, 0, &[]) }?;
+    unsafe { stream.launch(&function, 0, &[], &[]) }?;
     Ok(())
 }

@@ -259,9 +259,29 @@ impl<T: Copy + Default> GpuArray<T> {
             return Ok(());
         }
         let function = self.backend().function(kernel, precision)?;
+        let (accesses, count) = self.accesses(kernel, args);
         // SAFETY: callers fill `args` with addresses of live arrays of this backend and
         // sizes matching the kernel's documented slots.
-        unsafe { self.stream().launch(&function, items, &[args]) }
+        unsafe { (self.stream()).launch(&function, items, &[args], &accesses[..count]) }
             .map_err(Error::on_device(kernel.name, self.device()))
+    }
+
+    /// What a launch of `kernel` with `args` on this array reads and writes, for the
+    /// emulated device's ordering checker: this array exactly (the output), and every
+    /// other address to the end of its allocation (the kernel's arguments say no more),
+    /// written where the kernel writes through it.
+    fn accesses(&self, kernel: &Kernel, args: &KernelArgs) -> ([device::Access; 8], usize) {
+        let mut accesses = [device::Access::read(0, 0); 8];
+        let mut count = 0;
+        let bytes = self.len() * std::mem::size_of::<T>();
+        for (slot, &ptr) in args.p.iter().enumerate().filter(|(_, &p)| p != 0) {
+            accesses[count] = if ptr == self.ptr() {
+                device::Access::write(ptr, bytes)
+            } else {
+                device::Access::rest(ptr, kernel.writes(slot))
+            };
+            count += 1;
+        }
+        (accesses, count)
     }
 }

@@ -36,6 +36,15 @@ impl Backend for Emulator {
     }
 
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()> {
+        // Declared in the stream's order like a kernel: A and B read, C written.
+        let (read, write) = (
+            |p| device::Access::rest(p, false),
+            |p| device::Access::rest(p, true),
+        );
+        (self
+            .stream
+            .declare("gemm", &[read(gemm.a), read(gemm.b), write(gemm.c)]))
+        .map_err(Error::on_device("gemm", Device::Emulated))?;
         // SAFETY: the caller guarantees the matrices' extents.
         unsafe {
             match gemm.format {

@@ -47,6 +47,23 @@ pub(crate) struct Kernel {
     pub host: [HostKernel; 2],
 }
 
+impl Kernel {
+    /// Whether the kernel writes through address slot `slot` of its [`KernelArgs`]: the
+    /// first (the output) always; the others only where a kernel has several outputs
+    /// (read from `kernels/*.cu`).
+    pub(crate) fn writes(&self, slot: usize) -> bool {
+        let more: &[usize] = match self.name {
+            "reduce_dim" | "sgd_step" => &[2],
+            "adamw_step" => &[2, 3],
+            "cross_entropy_rows" => &[1],
+            "layer_norm_rows" => &[4, 5],
+            "layer_norm_affine_backward" => &[1],
+            _ => &[],
+        };
+        slot == 0 || more.contains(&slot)
+    }
+}
+
 /// Declares kernels compiled into the emulator and names them for NVRTC; `$list` names
 /// them all (the NVRTC test checks each one compiled).
 macro_rules! kernels {

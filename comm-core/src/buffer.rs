@@ -9,7 +9,8 @@
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use device::{Device, DeviceMemory};
+use device::{Access, Device, DeviceMemory, Stream};
+use std::cell::Cell;
 use std::marker::PhantomData;
 
 /// The stream a device view's contents are ordered on; it also names the device and
@@ -33,6 +34,10 @@ pub struct BufRef<'a> {
     len: usize,
     dtype: DType,
     emulated: bool,
+    /// The device layer's stream the memory belongs to (views of `DeviceMemory`): what
+    /// orders host-side collectives over emulated memory for the ordering checker, and
+    /// the stream device-resident messages are copied on.
+    ordered_on: Option<&'a Stream>,
     #[cfg(feature = "cuda")]
     stream: Option<DeviceOrder<'a>>,
     _borrow: PhantomData<&'a [u8]>,
@@ -44,6 +49,8 @@ pub struct BufMut<'a> {
     len: usize,
     dtype: DType,
     emulated: bool,
+    /// As in [`BufRef`].
+    ordered_on: Option<&'a Stream>,
     #[cfg(feature = "cuda")]
     stream: Option<DeviceOrder<'a>>,
     _borrow: PhantomData<&'a mut [u8]>,
@@ -56,6 +63,7 @@ impl<'a, T: Element> From<&'a [T]> for BufRef<'a> {
             len: slice.len(),
             dtype: T::DTYPE,
             emulated: false,
+            ordered_on: None,
             #[cfg(feature = "cuda")]
             stream: None,
             _borrow: PhantomData,
@@ -70,6 +78,7 @@ impl<'a, T: Element> From<&'a mut [T]> for BufMut<'a> {
             len: slice.len(),
             dtype: T::DTYPE,
             emulated: false,
+            ordered_on: None,
             #[cfg(feature = "cuda")]
             stream: None,
             _borrow: PhantomData,
@@ -119,6 +128,28 @@ macro_rules! view_accessors {
                 Device::Cpu
             }
         }
+        /// Declares to the emulated device's ordering checker that a backend is about to
+        /// touch this view from the host as `op`: in the order of the stream the memory
+        /// belongs to (a local collective runs as work queued there, as NCCL's would), or
+        /// as the host's own access when the view names no stream. Nothing for other
+        /// memory.
+        pub(crate) fn declare(&self, op: &'static str, write: bool) -> Result<()> {
+            if !self.emulated {
+                return Ok(());
+            }
+            let (ptr, bytes) = (self.ptr as usize as u64, self.byte_len());
+            let access = if write {
+                Access::write(ptr, bytes)
+            } else {
+                Access::read(ptr, bytes)
+            };
+            match self.ordered_on {
+                Some(stream) => stream.declare(op, &[access]),
+                None => device::host_access(op, &[access]),
+            }
+            .map_err(Error::from)
+        }
+
         /// The stream device memory is ordered on; `None` for host memory.
         #[cfg(feature = "cuda")]
         pub(crate) fn cuda_stream(&self) -> Option<StreamRef<'a>> {
@@ -159,6 +190,7 @@ impl<'a> BufRef<'a> {
             len,
             dtype,
             emulated: false,
+            ordered_on: None,
             #[cfg(feature = "cuda")]
             stream: None,
             _borrow: PhantomData,
@@ -177,6 +209,7 @@ impl<'a> BufRef<'a> {
             len,
             dtype,
             emulated: true,
+            ordered_on: None,
             #[cfg(feature = "cuda")]
             stream: None,
             _borrow: PhantomData,
@@ -188,6 +221,24 @@ impl<'a> BufRef<'a> {
         self.ptr
     }
 
+    /// What a point-to-point message carries: a copy of device memory in new memory of
+    /// the same device, queued on its stream (the host does not wait, and the bytes never
+    /// leave the device), or a host copy of anything else.
+    pub(crate) fn to_message(self) -> Result<Buffer> {
+        let Some(stream) = self.ordered_on else {
+            return self.to_host();
+        };
+        let bytes = self.byte_len();
+        let memory = stream.alloc(bytes)?;
+        // SAFETY: the new allocation and this view both hold `bytes` bytes.
+        unsafe { stream.copy(memory.ptr(), self.ptr as usize as u64, bytes)? };
+        Ok(Buffer::lent(Box::new(DeviceMessage {
+            memory,
+            dtype: self.dtype,
+            len: self.len,
+        })))
+    }
+
     /// A host copy of the elements, wherever they live (a device-to-host copy for device
     /// memory, ordered on its stream).
     pub fn to_host(self) -> Result<Buffer> {
@@ -196,6 +247,17 @@ impl<'a> BufRef<'a> {
             return cuda_views::to_host(self, stream);
         }
         let mut host = Buffer::zeros(self.dtype, self.len);
+        if let (true, Some(stream)) = (self.emulated, self.ordered_on) {
+            // A download, as on a GPU: after the stream's work, with the host waiting.
+            let dst = host.as_buf_mut();
+            // SAFETY: both hold `byte_len` bytes; the view lies inside its allocation.
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(dst.ptr, dst.byte_len());
+                stream.download(dst, self.ptr as usize as u64)?;
+            }
+            return Ok(host);
+        }
+        self.declare("to_host", false)?;
         host.as_buf_mut().copy_from_host_view(self);
         Ok(host)
     }
@@ -219,6 +281,7 @@ impl<'a> BufMut<'a> {
             len: self.len,
             dtype: self.dtype,
             emulated: self.emulated,
+            ordered_on: self.ordered_on,
             #[cfg(feature = "cuda")]
             stream: self.stream,
             _borrow: PhantomData,
@@ -247,6 +310,7 @@ impl<'a> BufMut<'a> {
             len,
             dtype,
             emulated: true,
+            ordered_on: None,
             #[cfg(feature = "cuda")]
             stream: None,
             _borrow: PhantomData,
@@ -268,24 +332,67 @@ impl<'a> BufMut<'a> {
                 host.memory()
             )));
         }
-        if host.dtype() != self.dtype {
-            return Err(Error::WrongDType {
-                expected: self.dtype,
-                found: host.dtype(),
-            });
-        }
-        if host.len() != self.len {
-            return Err(Error::Config(format!(
-                "copy_from_host: the host buffer holds {} elements, the view {}",
-                host.len(),
-                self.len
-            )));
-        }
+        self.check_fits("copy_from_host", host.dtype(), host.len())?;
         #[cfg(feature = "cuda")]
         if let Some(stream) = self.cuda_stream() {
             return cuda_views::from_host(host, self, stream);
         }
+        if let (true, Some(stream)) = (self.emulated, self.ordered_on) {
+            let src = host.as_buf_ref();
+            // SAFETY: both hold `byte_len` bytes; the view lies inside its allocation.
+            unsafe {
+                let src = std::slice::from_raw_parts(src.ptr, src.byte_len());
+                stream.upload(self.ptr as usize as u64, src)?;
+            }
+            return Ok(());
+        }
+        self.declare("copy_from_host", true)?;
         self.copy_from_host_view(host.as_buf_ref());
+        Ok(())
+    }
+
+    /// Refuses a source of another dtype or length.
+    fn check_fits(&self, op: &str, dtype: DType, len: usize) -> Result<()> {
+        if dtype != self.dtype {
+            return Err(Error::WrongDType {
+                expected: self.dtype,
+                found: dtype,
+            });
+        }
+        if len != self.len {
+            return Err(Error::Config(format!(
+                "{op}: the source holds {len} elements, the view {}",
+                self.len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Fills this view with a message made by [`BufRef::to_message`]: device to device
+    /// when both are device memory (queued on this view's stream after the sender's
+    /// copy, with no host wait), else through the host.
+    pub(crate) fn copy_from_message(&mut self, message: &Buffer) -> Result<()> {
+        let src = message.as_buf_ref();
+        let (Some(from), Some(to)) = (src.ordered_on, self.ordered_on) else {
+            if src.ordered_on.is_some() {
+                return self.copy_from_host(&src.to_host()?);
+            }
+            return self.copy_from_host(message);
+        };
+        self.check_fits("receive", src.dtype, src.len)?;
+        let (dst, bytes) = (self.ptr as usize as u64, self.byte_len());
+        // The sender's copy is queued on its stream: this stream waits for it, and the
+        // sender's stream, which frees the message, waits for this copy.
+        let crosses = !to.same_as(from);
+        if crosses && !SKIP_RECEIVE_WAIT.with(Cell::get) {
+            to.wait(&from.record()?)?;
+        }
+        // SAFETY: both ranges hold `bytes` bytes (same dtype and length, checked), the
+        // message is this call's alone, and `&mut self` makes this view the only access.
+        unsafe { to.copy(dst, src.ptr as usize as u64, bytes)? };
+        if crosses {
+            from.wait(&to.record()?)?;
+        }
         Ok(())
     }
 
@@ -368,6 +475,7 @@ mod cuda_views {
                 len: slice.len(),
                 dtype: T::DTYPE,
                 emulated: false,
+                ordered_on: None,
                 stream: Some(super::DeviceOrder {
                     stream,
                     owner: slice.stream(),
@@ -403,6 +511,7 @@ mod cuda_views {
                 len,
                 dtype: T::DTYPE,
                 emulated: false,
+                ordered_on: None,
                 stream: Some(super::DeviceOrder { stream, owner }),
                 _borrow: PhantomData,
             })
@@ -433,6 +542,7 @@ impl<'a> BufRef<'a> {
             len,
             dtype,
             emulated: view.emulated,
+            ordered_on: view.ordered_on,
             #[cfg(feature = "cuda")]
             stream: view.order,
             _borrow: PhantomData,
@@ -470,6 +580,7 @@ impl<'a> BufMut<'a> {
             len,
             dtype,
             emulated: view.emulated,
+            ordered_on: view.ordered_on,
             #[cfg(feature = "cuda")]
             stream: view.order,
             _borrow: PhantomData,
@@ -482,6 +593,7 @@ impl<'a> BufMut<'a> {
 struct DeviceView<'a> {
     ptr: u64,
     emulated: bool,
+    ordered_on: Option<&'a Stream>,
     #[cfg(feature = "cuda")]
     order: Option<DeviceOrder<'a>>,
     #[cfg(not(feature = "cuda"))]
@@ -520,6 +632,7 @@ impl<'a> DeviceView<'a> {
         Ok(DeviceView {
             ptr: memory.ptr() + offset as u64,
             emulated: memory.device() == Device::Emulated,
+            ordered_on: Some(memory.stream()),
             order,
         })
     }
@@ -753,4 +866,62 @@ mod tests {
         assert_eq!(view.as_ref().as_host_slice::<u8>().unwrap(), &[9, 2, 3]);
         assert_eq!(view.byte_len(), 3);
     }
+}
+
+/// Declares a collective's input and output to the emulated device's ordering checker
+/// (see `declare`).
+pub(crate) fn declare_in_out(
+    op: &'static str,
+    input: &BufRef<'_>,
+    output: &BufMut<'_>,
+) -> Result<()> {
+    input.declare(op, false)?;
+    output.declare(op, true)
+}
+
+/// Declares an exchange's sends and receives to the ordering checker.
+pub(crate) fn declare_exchange(ops: &[crate::P2p<'_>]) -> Result<()> {
+    for op in ops {
+        match op {
+            crate::P2p::Send { buf, .. } => buf.declare("exchange (send)", false)?,
+            crate::P2p::Recv { buf, .. } => buf.declare("exchange (recv)", true)?,
+        }
+    }
+    Ok(())
+}
+
+/// A message's data kept on its device: a copy of what was sent, allocated and filled on
+/// the sender's stream and freed there.
+#[derive(Debug)]
+struct DeviceMessage {
+    memory: DeviceMemory,
+    dtype: DType,
+    len: usize,
+}
+
+impl LentMemory for DeviceMessage {
+    fn view(&self) -> BufRef<'_> {
+        // The whole allocation, made for exactly these elements.
+        BufRef::device(&self.memory, 0, self.len, self.dtype)
+            .expect("a message's memory holds its elements")
+    }
+
+    fn view_mut(&mut self) -> BufMut<'_> {
+        BufMut::device(&mut self.memory, 0, self.len, self.dtype)
+            .expect("a message's memory holds its elements")
+    }
+}
+
+thread_local! {
+    /// See [`inject_missing_receive_wait`].
+    static SKIP_RECEIVE_WAIT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Fault injection for tests of the emulated device's ordering checker: while set, this
+/// thread's device-to-device receives leave out their stream's wait for the sender's
+/// copy, as a bug would, and the checker reports the receive's copy
+/// ([`Error::Unordered`]). Per thread, like ranks; for tests only.
+#[doc(hidden)]
+pub fn inject_missing_receive_wait(skip: bool) {
+    SKIP_RECEIVE_WAIT.with(|flag| flag.set(skip));
 }

@@ -186,6 +186,12 @@ pub enum Error {
         available: usize,
     },
 
+    /// Emulated device memory accessed out of the order a GPU guarantees: the device
+    /// layer's ordering checker found two accesses, at least one a write, that nothing
+    /// orders (its message names both and the memory).
+    #[error("{0}")]
+    Unordered(device::Error),
+
     /// A CUDA driver or NVRTC call failed; `message` is CUDA's own.
     #[error("CUDA {call} failed: {message}")]
     Cuda {
@@ -254,6 +260,7 @@ impl From<device::Error> for Error {
                 available,
             },
             device::Error::Driver { call, message } => Error::Cuda { call, message },
+            unordered @ device::Error::Unordered { .. } => Error::Unordered(unordered),
             other => Error::Config(other.to_string()),
         }
     }

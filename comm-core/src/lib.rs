@@ -98,6 +98,8 @@ pub mod nccl;
 mod signature;
 mod work;
 
+#[doc(hidden)]
+pub use buffer::inject_missing_receive_wait;
 pub use buffer::{BufMut, BufRef, Buffer, LentMemory};
 pub use calls::reduce_slices;
 pub use communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};

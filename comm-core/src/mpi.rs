@@ -840,6 +840,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        buf.declare("all_reduce", true)?;
         #[cfg(feature = "cuda")]
         if buf.cuda_stream().is_some() {
             return crate::cuda::staged_inout(buf, |host| self.all_reduce(host, op));
@@ -889,6 +890,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        buf.declare("broadcast", true)?;
         #[cfg(feature = "cuda")]
         if buf.cuda_stream().is_some() {
             return crate::cuda::staged_inout(buf, |host| self.broadcast(host, root));
@@ -923,6 +925,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        crate::buffer::declare_in_out("all_gather", &input, &output)?;
         #[cfg(feature = "cuda")]
         if crate::cuda::any_device(&input, &output) {
             return crate::cuda::staged(input, output, |input, output| {
@@ -934,6 +937,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
+        crate::buffer::declare_in_out("all_gather_v", &input, &output)?;
         #[cfg(feature = "cuda")]
         if crate::cuda::any_device(&input, &output) {
             return crate::cuda::staged(input, output, |input, output| {
@@ -945,6 +949,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        crate::buffer::declare_in_out("reduce_scatter", &input, &output)?;
         #[cfg(feature = "cuda")]
         if crate::cuda::any_device(&input, &output) {
             return crate::cuda::staged(input, output, |input, output| {
@@ -964,6 +969,7 @@ impl Communicator for MpiCommunicator {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
+        crate::buffer::declare_in_out("reduce_scatter_v", &input, &output)?;
         #[cfg(feature = "cuda")]
         if crate::cuda::any_device(&input, &output) {
             return crate::cuda::staged(input, output, |input, output| {
@@ -985,6 +991,7 @@ impl Communicator for MpiCommunicator {
         mut output: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
+        crate::buffer::declare_in_out("all_to_all_v", &input, &output)?;
         #[cfg(feature = "cuda")]
         if crate::cuda::any_device(&input, &output) {
             return crate::cuda::staged(input, output, |input, output| {
@@ -1022,6 +1029,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
+        buf.declare("send", false)?;
         #[cfg(feature = "cuda")]
         if buf.cuda_stream().is_some() {
             return self.send(buf.to_host()?.as_buf_ref(), dest);
@@ -1049,6 +1057,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
+        buf.declare("recv", true)?;
         #[cfg(feature = "cuda")]
         if buf.cuda_stream().is_some() {
             let mut host = crate::Buffer::zeros(buf.dtype(), buf.len());
@@ -1119,6 +1128,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        crate::buffer::declare_exchange(ops)?;
         #[cfg(feature = "cuda")]
         if ops.iter().any(|op| match op {
             P2p::Send { buf, .. } => buf.cuda_stream().is_some(),

@@ -344,22 +344,27 @@ impl Communicator for LocalCommunicator {
     }
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.core.queue.wait_idle();
+        buf.declare("all_reduce", true)?;
         self.core.all_reduce(buf, op)
     }
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
         self.core.queue.wait_idle();
+        buf.declare("broadcast", true)?;
         self.core.broadcast(buf, root)
     }
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
         self.core.queue.wait_idle();
+        crate::buffer::declare_in_out("all_gather", &input, &output)?;
         self.core.all_gather(input, output, None)
     }
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
         self.core.queue.wait_idle();
+        crate::buffer::declare_in_out("all_gather_v", &input, &output)?;
         self.core.all_gather(input, output, Some(counts))
     }
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.core.queue.wait_idle();
+        crate::buffer::declare_in_out("reduce_scatter", &input, &output)?;
         self.core.reduce_scatter(input, output, None, op)
     }
     fn reduce_scatter_v(
@@ -370,6 +375,7 @@ impl Communicator for LocalCommunicator {
         op: ReduceOp,
     ) -> Result<()> {
         self.core.queue.wait_idle();
+        crate::buffer::declare_in_out("reduce_scatter_v", &input, &output)?;
         self.core.reduce_scatter(input, output, Some(counts), op)
     }
     fn all_to_all_v(
@@ -380,23 +386,28 @@ impl Communicator for LocalCommunicator {
         recv_counts: &[usize],
     ) -> Result<()> {
         self.core.queue.wait_idle();
+        crate::buffer::declare_in_out("all_to_all_v", &input, &output)?;
         self.core
             .all_to_all_v(input, send_counts, output, recv_counts)
     }
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
         self.core.queue.wait_idle();
+        buf.declare("send", false)?;
         self.core.send(buf, dest)
     }
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
         self.core.queue.wait_idle();
+        buf.declare("recv", true)?;
         self.core.recv(buf, src)
     }
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
         self.core.queue.wait_idle();
+        crate::buffer::declare_exchange(ops)?;
         self.core.exchange(ops)
     }
     fn isend(&self, buf: BufRef<'_>, dest: usize) -> Result<P2pWork> {
         self.core.check().peer(OpKind::Send, "destination", dest)?;
+        buf.declare("isend", false)?;
         let posted = self.core.post(buf, dest)?;
         let core = self.core.clone();
         Ok(P2pWork::new(move || {
@@ -404,6 +415,7 @@ impl Communicator for LocalCommunicator {
         }))
     }
     fn irecv(&self, buf: Buffer, src: usize) -> Result<P2pWork> {
+        buf.as_buf_ref().declare("irecv", true)?;
         self.core.irecv(buf, src)
     }
     fn barrier(&self) -> Result<()> {
@@ -868,7 +880,7 @@ impl RankCore {
         let ticket = self
             .group
             .check_broken(self.rank, OpKind::Send, 0)
-            .and_then(|()| buf.to_host())
+            .and_then(|()| buf.to_message())
             .map(|data| {
                 let msg = Message {
                     data,
@@ -943,9 +955,8 @@ impl RankCore {
                 calls: vec![sent, mine],
             });
         }
-        // Device memory goes through the host too, which keeps the mailbox one type;
-        // collectives stay on the devices.
-        buf.copy_from_host(&msg.data)
+        // Device memory stays on the devices: the message is a device copy.
+        buf.copy_from_message(&msg.data)
     }
 }
 

@@ -431,6 +431,10 @@ impl<'a> Trainer<'a> {
                 steady_transfers.push(tape::transfers(config.device) - before);
                 waits.push(tape::host_waits(config.device) - waits_before);
             }
+            // `--check`'s own reads of the tied copies, outside the step's counts.
+            if config.check_tied {
+                self.compare_tied_copies(chunks.state, step, history)?;
+            }
             let done = step + 1;
             let interval = config.eval_interval;
             if interval > 0 && (done % interval == 0 || done == config.steps) {
@@ -498,9 +502,6 @@ impl<'a> Trainer<'a> {
             self.optimizer.as_dyn().step()?;
         }
         self.update_scaler(unscaled, step);
-        if config.check_tied {
-            self.compare_tied_copies(chunks.state, step, history)?;
-        }
         history.losses.push(step_loss);
         if let Some(progress) = self.progress {
             progress.step(step + 1, step_loss);

@@ -13,9 +13,9 @@
 //! sharded like its parameter, so it is re-cut to another tensor-parallel size the same
 //! way ([`save_optimizer_shard`], [`load_optimizer_state`]).
 //!
-//! Files are written to a temporary name and renamed into place, so a reader sees a
-//! whole file or the previous one, never a torn write; they are read through a memory
-//! map.
+//! Files are written to a temporary name, flushed to disk and renamed into place, so a
+//! reader sees a whole file or the previous one, never a torn write, even after a crash;
+//! they are read through a memory map.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -346,6 +346,8 @@ fn write_file(
     let temporary = PathBuf::from(temporary);
     safetensors::serialize_to_file(views, Some(metadata), &temporary)
         .map_err(|e| Error::checkpoint(&temporary, e.to_string()))?;
+    // On disk before the name is: a crash after the rename never leaves a torn file.
+    (std::fs::File::open(&temporary).and_then(|file| file.sync_all())).map_err(io(&temporary))?;
     std::fs::rename(&temporary, path).map_err(io(path))
 }
 

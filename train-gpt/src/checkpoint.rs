@@ -2,8 +2,13 @@
 //! writes per tensor-parallel rank): the trainer's position and history in
 //! `trainer_state.json`, and each tensor-parallel rank's random streams (one set per
 //! model chunk) in `rng_tp_{rank}_of_{size}.json`. Under pipeline parallelism each stage writes its
-//! files into its own directory, [`stage_dir`]. Every file is written to a temporary name and renamed
-//! into place; `trainer_state.json` is written last, so a directory that has it is whole.
+//! files into its own directory, [`stage_dir`]. Every file is written to a temporary name,
+//! flushed and renamed into place; `trainer_state.json` is written last, so a directory
+//! that has it is whole.
+//!
+//! Under a `--save` directory each save is a directory of its own, [`step_dir`], written
+//! as [`partial_dir`] and renamed into place when whole, after which the `latest` marker
+//! names it ([`commit_save`]); [`newest`] finds what `--resume` continues from.
 
 use crate::model::GptConfig;
 use anyhow::{bail, ensure, Context, Result};
@@ -280,13 +285,124 @@ pub fn restore_rng(
     Ok(())
 }
 
+/// Writes `text` to a temporary name, flushes it to disk and renames it into place.
 fn write_atomically(path: &Path, text: &str) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    let temporary = path.with_extension(format!("json.tmp-{}", std::process::id()));
-    std::fs::write(&temporary, text)
-        .with_context(|| format!("cannot write {}", temporary.display()))?;
+    let temporary = path.with_extension(format!("tmp-{}", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut file = std::fs::File::create(&temporary)?;
+        std::io::Write::write_all(&mut file, text.as_bytes())?;
+        file.sync_all()
+    };
+    write().with_context(|| format!("cannot write {}", temporary.display()))?;
     std::fs::rename(&temporary, path)
         .with_context(|| format!("cannot rename {} into place", temporary.display()))
+}
+
+/// Flushes a directory's entries (a rename in it) to disk.
+fn sync_dir(dir: &Path) -> Result<()> {
+    (std::fs::File::open(dir).and_then(|d| d.sync_all()))
+        .with_context(|| format!("cannot flush {}", dir.display()))
+}
+
+/// The marker naming the newest complete checkpoint under a `--save` directory.
+const LATEST: &str = "latest";
+
+/// Where the checkpoint of `step` goes under `root`: `step_0000400`, Megatron's
+/// `iter_0000400` under another name.
+pub fn step_dir(root: &Path, step: usize) -> PathBuf {
+    root.join(format!("step_{step:07}"))
+}
+
+/// Where the checkpoint of `step` is written before it is complete.
+pub fn partial_dir(root: &Path, step: usize) -> PathBuf {
+    root.join(format!(".step_{step:07}.partial"))
+}
+
+/// What `--resume DIR` continues from: `DIR` itself when it is a checkpoint, else its
+/// complete `step_*` directory of the highest step (the rename into place is what
+/// completes a save, so a crash before the `latest` marker moved still finds it), else
+/// the one the marker names; `None` when it holds no complete checkpoint. Incomplete
+/// ones (no trainer state, which is written last) are never chosen.
+pub fn newest(dir: &Path) -> Result<Option<PathBuf>> {
+    let complete = |path: &Path| path.join(TRAINER_STATE).is_file();
+    if complete(dir) {
+        return Ok(Some(dir.to_path_buf()));
+    }
+    let highest = steps(dir)?
+        .into_iter()
+        .rev()
+        .find(|(_, path)| complete(path));
+    if let Some((_, path)) = highest {
+        return Ok(Some(path));
+    }
+    let marked = std::fs::read_to_string(dir.join(LATEST)).map(|name| dir.join(name.trim()));
+    Ok(marked.ok().filter(|path| complete(path)))
+}
+
+/// The `step_*` directories under `root`, by step.
+fn steps(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("cannot list {}", root.display())),
+    };
+    let mut steps: Vec<(usize, PathBuf)> = entries
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let name = entry.file_name().into_string().ok()?;
+            let step = name.strip_prefix("step_")?.parse().ok()?;
+            Some((step, entry.path()))
+        })
+        .collect();
+    steps.sort();
+    Ok(steps)
+}
+
+/// Before the ranks write a save of `step`: clears what a crashed save of the same step
+/// left (world rank 0 alone, before the others start writing).
+pub fn prepare_save(root: &Path, step: usize) -> Result<()> {
+    let partial = partial_dir(root, step);
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial)
+            .with_context(|| format!("cannot clear {}", partial.display()))?;
+    }
+    std::fs::create_dir_all(&partial)
+        .with_context(|| format!("cannot create {}", partial.display()))
+}
+
+/// Once every file of `step`'s save is in its partial directory (the trainer state
+/// last): renames it into place, points `latest` at it and keeps the newest `keep`
+/// checkpoints (all without `keep`). World rank 0 alone. A crash at any point leaves the
+/// previous complete checkpoint, or this one, for `newest` to find.
+pub fn commit_save(root: &Path, step: usize, keep: Option<usize>) -> Result<PathBuf> {
+    let (partial, done) = (partial_dir(root, step), step_dir(root, step));
+    crate::faults::point("before the rename", step);
+    if done.exists() {
+        // A save of this step already completed (a run resumed before it): replaced.
+        std::fs::remove_dir_all(&done)
+            .with_context(|| format!("cannot replace {}", done.display()))?;
+    }
+    std::fs::rename(&partial, &done)
+        .with_context(|| format!("cannot rename {} into place", partial.display()))?;
+    sync_dir(root)?;
+    crate::faults::point("before the marker", step);
+    let name = done.file_name().map(|n| n.to_string_lossy().into_owned());
+    write_atomically(&root.join(LATEST), &name.unwrap_or_default())?;
+    sync_dir(root)?;
+    if let Some(keep) = keep {
+        // The newest others, besides this one (which `latest` names, whatever its step).
+        let others: Vec<_> = steps(root)?
+            .into_iter()
+            .filter(|(s, _)| *s != step)
+            .collect();
+        let old = others.len().saturating_sub(keep.saturating_sub(1));
+        for (_, path) in &others[..old] {
+            std::fs::remove_dir_all(path)
+                .with_context(|| format!("cannot remove the old checkpoint {}", path.display()))?;
+        }
+    }
+    Ok(done)
 }

@@ -28,10 +28,12 @@
 
 mod checkpoint;
 mod data;
+mod faults;
 mod model;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 mod placement;
 mod report;
+mod stop;
 mod train;
 
 // Training steps allocate and free many large arrays: mimalloc, told to keep freed pages,
@@ -235,16 +237,28 @@ struct Args {
     /// or emulated (the CUDA code path run on the host; slow, for checking).
     #[arg(long, default_value = "cpu")]
     device: tape::Device,
-    /// Save a checkpoint at the end in this directory: the weights and the AdamW state
-    /// (safetensors, one file per tensor-parallel rank), the random streams, the step,
-    /// data position and loss history.
+    /// Save checkpoints under this directory, each in its own `step_NNNNNNN` (at the end,
+    /// every --save-interval steps, and when a SIGTERM or SIGINT stops the run): the
+    /// weights and the AdamW state (safetensors, one file per tensor-parallel rank), the
+    /// random streams, the step, data position and loss history. A save is written
+    /// under a temporary name, flushed and renamed into place, and only then does the
+    /// `latest` marker name it.
     #[arg(long, value_name = "DIR")]
     save: Option<PathBuf>,
-    /// Continue a run saved with --save, up to --steps: weights, optimizer state,
-    /// schedule position, random streams and data position are restored. Any --tp works
-    /// (the shards are re-cut); the global batch (--batch × data-parallel size), the
-    /// model sizes, --pp and --virtual-stages must be the saved ones.
-    #[arg(long, value_name = "DIR")]
+    /// Also save every this many steps.
+    #[arg(long, value_name = "N", requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
+    save_interval: Option<u64>,
+    /// Keep only the newest this many checkpoints under --save (all by default).
+    #[arg(long, value_name = "K", requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
+    save_keep: Option<u64>,
+    /// Continue a run saved with --save, up to --steps: a checkpoint directory, a --save
+    /// directory (its newest complete checkpoint), or `auto` (the newest under --save,
+    /// or a fresh start when there is none: a job script can simply be re-submitted).
+    /// Weights, optimizer state, schedule position, random streams and data position are
+    /// restored. Any --tp works (the shards are re-cut); the global batch (--batch ×
+    /// data-parallel size), the model sizes, --pp and --virtual-stages must be the saved
+    /// ones.
+    #[arg(long, value_name = "DIR|auto")]
     resume: Option<PathBuf>,
     /// Train on this text file instead of the built-in documentation corpus.
     #[arg(long, value_name = "FILE")]
@@ -293,7 +307,8 @@ enum WsdStyle {
 
 fn main() -> ExitCode {
     keep_freed_memory();
-    match run(&Args::parse()) {
+    let mut args = Args::parse();
+    match resolve_resume(&mut args).and_then(|()| run(&args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {}", describe(&error));
@@ -313,6 +328,34 @@ fn describe(error: &anyhow::Error) -> String {
         }
     }
     message
+}
+
+/// Turns `--resume DIR` into the checkpoint it names (DIR itself, the one its `latest`
+/// marker names, or its newest complete `step_*`), and `--resume auto` into the newest
+/// checkpoint under `--save`, or none (a fresh start) when there is none yet.
+fn resolve_resume(args: &mut Args) -> Result<()> {
+    let Some(dir) = args.resume.take() else {
+        return Ok(());
+    };
+    if dir.as_os_str() == "auto" {
+        let Some(save) = &args.save else {
+            bail!("--resume auto continues the run saved under --save DIR; pass --save too");
+        };
+        args.resume = checkpoint::newest(save)?;
+        if args.resume.is_none() {
+            println!("no checkpoint under {} yet: starting fresh", save.display());
+        }
+        return Ok(());
+    }
+    match checkpoint::newest(&dir)? {
+        Some(found) => args.resume = Some(found),
+        None => bail!(
+            "{} holds no complete checkpoint (no trainer_state.json, no `latest` marker, no \
+             complete step_* directory); pass a directory written by --save",
+            dir.display()
+        ),
+    }
+    Ok(())
 }
 
 fn run(args: &Args) -> Result<()> {
@@ -757,6 +800,9 @@ fn train_config(args: &Args) -> TrainConfig {
         eval_batches: args.eval_batches,
         resume: args.resume.clone(),
         save: args.save.clone(),
+        save_interval: args.save_interval.map(|n| n as usize),
+        save_keep: args.save_keep.map(|n| n as usize),
+        stop: Some(stop::install()),
         sample: true,
         check_tied: args.check,
     }
@@ -901,8 +947,18 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         validation_csv.display(),
         svg.display()
     );
-    if let Some(dir) = &args.save {
+    if let Some(dir) = result.saved.last() {
         println!("checkpoint: {}", dir.display());
+    }
+    if let Some(step) = result.stopped {
+        match result.saved.last() {
+            Some(dir) => println!(
+                "stopped by a signal after step {step}; --resume {} continues it",
+                dir.display()
+            ),
+            None => println!("stopped by a signal after step {step}; nothing saved (no --save)"),
+        }
+        return Ok(());
     }
     println!("samples:");
     for sample in &result.samples {
@@ -1006,6 +1062,9 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
         // the saved steps'.
         resume: None,
         save: None,
+        save_interval: None,
+        save_keep: None,
+        stop: None,
         sample: false,
         eval_interval: 0,
         distributed_optimizer: false,

@@ -68,8 +68,17 @@ pub struct TrainConfig {
     pub eval_interval: usize,
     /// Global batches of held-out windows each validation runs.
     pub eval_batches: usize,
+    /// The checkpoint to continue (a step directory, or a directory that is one).
     pub resume: Option<PathBuf>,
+    /// Where checkpoints go: one directory per save under it.
     pub save: Option<PathBuf>,
+    /// Save every this many steps as well as at the end (`--save-interval`).
+    pub save_interval: Option<usize>,
+    /// Keep only the newest this many checkpoints (`--save-keep`).
+    pub save_keep: Option<usize>,
+    /// Set once a stop signal arrived: the ranks agree on it after each step, save and
+    /// end (SIGTERM, SIGINT).
+    pub stop: Option<&'static std::sync::atomic::AtomicBool>,
     pub sample: bool,
     /// Compare the two stages' copies of a tied embedding bit for bit after every step
     /// (reported in [`RankResult::tied_copies`]).
@@ -123,6 +132,10 @@ pub struct RankResult {
     /// Times this rank's thread waited for its device in a step, over the same steps
     /// (NCCL's waits for its collectives included).
     pub host_waits_per_step: f64,
+    /// The checkpoints this run wrote, oldest first.
+    pub saved: Vec<PathBuf>,
+    /// The step a stop signal ended the run after (saved, when there is `--save`).
+    pub stopped: Option<usize>,
 }
 
 /// Trains on every rank of `world` (tensor-parallel size `config.tp`, the rest data
@@ -173,18 +186,7 @@ pub fn train_rank(
         trainer.resume(dir, saved, &mut chunks, &mut history)?;
     }
     let steady = trainer.train(&mut chunks, corpus, &mut history)?;
-    if let Some(dir) = &config.save {
-        let scaler = trainer.scaler.as_ref();
-        save(
-            dir,
-            &world,
-            &mut chunks,
-            &mut trainer.optimizer,
-            scaler,
-            &history,
-        )?;
-    }
-    let samples = match config.sample {
+    let samples = match config.sample && history.stopped.is_none() {
         true => samples(&mut chunks)?,
         false => Vec::new(),
     };
@@ -198,6 +200,8 @@ pub fn train_rank(
         timeline: history.timeline,
         transfers_per_step: steady.transfers,
         host_waits_per_step: steady.host_waits,
+        saved: history.saved,
+        stopped: history.stopped,
     })
 }
 
@@ -273,17 +277,41 @@ fn load_weights(
     Ok(saved)
 }
 
-/// Writes the checkpoint: each stage's weights, optimizer state and random streams, then
-/// the trainer state (world rank 0, last, once every shard is there).
+/// Whether a stop signal reached any rank: every rank asks after every step, so all of
+/// them stop after the same one (a rank that saw the signal later still stops with the
+/// rest). One small all-reduce of host memory a step when a signal is watched.
+fn stop_agreed(chunks: &Chunks<'_>) -> Result<bool> {
+    let Some(flag) = chunks.config.stop else {
+        return Ok(false);
+    };
+    let mut seen = [u8::from(flag.load(std::sync::atomic::Ordering::Relaxed))];
+    let world = chunks.state.world();
+    world.all_reduce(
+        comm_core::BufMut::from(&mut seen[..]),
+        comm_core::ReduceOp::Max,
+    )?;
+    Ok(seen[0] == 1)
+}
+
+/// Writes the checkpoint of the steps so far under `root`: each stage's weights,
+/// optimizer state and random streams, then the trainer state (world rank 0, last, once
+/// every shard is there), into a partial directory that world rank 0 then renames into
+/// place and marks as the latest. Returns the checkpoint's directory.
 fn save(
-    dir: &std::path::Path,
-    world: &Arc<dyn Communicator>,
+    root: &std::path::Path,
     chunks: &mut Chunks<'_>,
     optimizer: &mut TrainOptimizer,
     scaler: Option<&GradScaler>,
     history: &History,
-) -> Result<()> {
+) -> Result<PathBuf> {
     let (state, config) = (chunks.state, chunks.config);
+    let world = state.world();
+    let step = history.losses.len();
+    if world.rank() == 0 {
+        checkpoint::prepare_save(root, step)?;
+    }
+    world.barrier()?;
+    let dir = &checkpoint::partial_dir(root, step);
     let tp = chunks.models[0].tp();
     // Every data-parallel rank takes the optimizer state (sharded, that gathers it); the
     // replicas are identical, so one of them writes each stage's shards.
@@ -293,6 +321,7 @@ fn save(
             checkpoint::stage_dir(dir, state.pp_rank(), config.pp),
             RankModel(chunks.models),
         );
+        crate::faults::point("before the shards", step);
         rank_model.save(&dir)?;
         layers::checkpoint::save_optimizer_state(
             &rank_model,
@@ -303,9 +332,11 @@ fn save(
             tp.size(),
         )?;
         checkpoint::save_rng(&dir, chunks.rngs, tp.rank(), tp.size())?;
+        crate::faults::point("after the shards", step);
     }
     world.barrier()?;
     if world.rank() == 0 {
+        crate::faults::point("before the trainer state", step);
         TrainerState {
             format: checkpoint::FORMAT,
             tp: tp.size(),
@@ -318,9 +349,10 @@ fn save(
             loss_scaler: scaler.map(GradScaler::state),
         }
         .write(dir)?;
+        checkpoint::commit_save(root, step, config.save_keep)?;
     }
     world.barrier()?;
-    Ok(())
+    Ok(checkpoint::step_dir(root, step))
 }
 
 /// What the steps so far produced.
@@ -332,6 +364,10 @@ struct History {
     tied_copies: Option<TiedCopies>,
     /// The last step's pipeline timeline, when tracing.
     timeline: Vec<pipeline::Span>,
+    /// The checkpoints this run wrote.
+    saved: Vec<PathBuf>,
+    /// The step a stop signal ended the run after.
+    stopped: Option<usize>,
 }
 
 /// How the two copies of a tied embedding compared after each step (`--check` at more
@@ -436,10 +472,27 @@ impl<'a> Trainer<'a> {
                 self.compare_tied_copies(chunks.state, step, history)?;
             }
             let done = step + 1;
+            let stop = stop_agreed(chunks)?;
             let interval = config.eval_interval;
-            if interval > 0 && (done % interval == 0 || done == config.steps) {
+            if interval > 0 && (done % interval == 0 || done == config.steps) && !stop {
                 let loss = validation_loss(chunks, corpus)?;
                 history.validation.push((done, loss));
+            }
+            let every = config.save_interval.unwrap_or(0);
+            let due = done == config.steps || stop || (every > 0 && done % every == 0);
+            if let (Some(root), true) = (&config.save, due) {
+                let saved = save(
+                    root,
+                    chunks,
+                    &mut self.optimizer,
+                    self.scaler.as_ref(),
+                    history,
+                )?;
+                history.saved.push(saved);
+            }
+            if stop {
+                history.stopped = Some(done);
+                break;
             }
         }
         if let Some(progress) = self.progress {

@@ -118,7 +118,8 @@ fn tied_and_untied_models_save_what_they_hold_and_do_not_mix() {
         &[&small[..], &["--steps", "1", "--save", &untied_arg, untie]].concat(),
         &out,
     );
-    let names = |dir: &Path| tensor_names(&dir.join("tp_0_of_1.safetensors"));
+    // One step saved: the checkpoint is the save directory's step_0000001.
+    let names = |dir: &Path| tensor_names(&dir.join("step_0000001/tp_0_of_1.safetensors"));
     let (tied_names, untied_names) = (names(&tied), names(&untied));
     assert!(tied_names.contains(&"embed.weight".to_string()));
     assert!(

@@ -150,7 +150,8 @@ fn every_accepted_layout_trains_checks_samples_plots_saves_and_resumes() {
             ],
         );
         assert_complete(&what, &stdout, &out, 2, flags);
-        assert!(checkpoint.join("trainer_state.json").is_file(), "{what}");
+        let saved = checkpoint.join("step_0000002/trainer_state.json");
+        assert!(saved.is_file(), "{what}");
 
         let what = format!("{flags} (resumed to 3)");
         let resume = [

@@ -53,6 +53,17 @@ pub struct Shard {
 /// Writes this rank's parameters of `module` to [`shard_path`]`(dir, tp_rank, tp_size)`,
 /// creating `dir` if needed.
 pub fn save_shard(module: &dyn Module, dir: &Path, tp_rank: usize, tp_size: usize) -> Result<()> {
+    snapshot_shard(module, dir, tp_rank, tp_size)?.write()
+}
+
+/// [`save_shard`]'s file, its tensors copied to host memory now and written when
+/// [`PendingFile::write`] is called (on another thread, while training goes on).
+pub fn snapshot_shard(
+    module: &dyn Module,
+    dir: &Path,
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<PendingFile> {
     let mut shard = Shard::default();
     for sharded in module.parameters() {
         let name = sharded.param.name().to_string();
@@ -67,7 +78,8 @@ pub fn save_shard(module: &dyn Module, dir: &Path, tp_rank: usize, tp_size: usiz
             ));
         }
     }
-    write_shard(&shard, dir, tp_rank, tp_size)
+    let path = shard_path(dir, tp_rank, tp_size);
+    PendingFile::of(&shard, dir, &path, tp_rank, tp_size, HashMap::new())
 }
 
 /// Loads this rank's parameters of `module` from [`shard_path`]`(dir, tp_rank, tp_size)`;
@@ -168,14 +180,8 @@ fn join_shards(
 
 /// Writes one rank's file.
 pub fn write_shard(shard: &Shard, dir: &Path, tp_rank: usize, tp_size: usize) -> Result<()> {
-    write_file(
-        shard,
-        dir,
-        &shard_path(dir, tp_rank, tp_size),
-        tp_rank,
-        tp_size,
-        HashMap::new(),
-    )
+    let path = shard_path(dir, tp_rank, tp_size);
+    PendingFile::of(shard, dir, &path, tp_rank, tp_size, HashMap::new())?.write()
 }
 
 /// Reads one rank's file.
@@ -209,6 +215,19 @@ pub fn save_optimizer_state(
     tp_rank: usize,
     tp_size: usize,
 ) -> Result<()> {
+    snapshot_optimizer_state(module, optimizer_params, state, dir, tp_rank, tp_size)?.write()
+}
+
+/// [`save_optimizer_state`]'s file, copied to host memory now and written later (see
+/// [`snapshot_shard`]).
+pub fn snapshot_optimizer_state(
+    module: &dyn Module,
+    optimizer_params: &[Parameter],
+    state: &OptimizerState,
+    dir: &Path,
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<PendingFile> {
     let path = optimizer_shard_path(dir, tp_rank, tp_size);
     let params = module.parameters();
     let same_params = params.len() == optimizer_params.len()
@@ -235,7 +254,7 @@ pub fn save_optimizer_state(
                 .insert(key, (sharded.sharding, tensor.clone()));
         }
     }
-    write_file(&shard, dir, &path, tp_rank, tp_size, metadata)
+    PendingFile::of(&shard, dir, &path, tp_rank, tp_size, metadata)
 }
 
 /// The optimizer state for this rank's parameters of `module` (tensor-parallel rank
@@ -307,51 +326,82 @@ pub fn load_optimizer_state(
     })
 }
 
-/// Writes `shard` to `path` with its shardings, `tp_rank`/`tp_size` and `metadata` in
-/// the header: to a temporary file first, renamed into place once complete.
-fn write_file(
-    shard: &Shard,
-    dir: &Path,
-    path: &Path,
-    tp_rank: usize,
-    tp_size: usize,
-    mut metadata: HashMap<String, String>,
-) -> Result<()> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| Error::Io { path, source }
-    };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    metadata.insert("tp_rank".to_string(), tp_rank.to_string());
-    metadata.insert("tp_size".to_string(), tp_size.to_string());
-    let mut bytes = Vec::with_capacity(shard.tensors.len());
-    for (name, (sharding, tensor)) in &shard.tensors {
-        metadata.insert(format!("{SHARDING_PREFIX}{name}"), sharding.encode());
-        let data: Vec<u8> = tensor
-            .to_vec()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        bytes.push((name.as_str(), tensor.shape().to_vec(), data));
-    }
-    let views = bytes
-        .iter()
-        .map(|(name, shape, data)| {
-            TensorView::new(Dtype::F32, shape.clone(), data).map(|view| (*name, view))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| Error::checkpoint(path, e.to_string()))?;
-    let mut temporary = path.as_os_str().to_owned();
-    temporary.push(format!(".tmp-{}", std::process::id()));
-    let temporary = PathBuf::from(temporary);
-    safetensors::serialize_to_file(views, Some(metadata), &temporary)
-        .map_err(|e| Error::checkpoint(&temporary, e.to_string()))?;
-    // On disk before the name is: a crash after the rename never leaves a torn file.
-    (std::fs::File::open(&temporary).and_then(|file| file.sync_all())).map_err(io(&temporary))?;
-    std::fs::rename(&temporary, path).map_err(io(path))
+/// A checkpoint file whose contents are in host memory, ready to write: what a save
+/// copies synchronously (device tensors come back to the host once), so the write itself
+/// can run beside training.
+#[derive(Debug)]
+pub struct PendingFile {
+    dir: PathBuf,
+    path: PathBuf,
+    /// Name, shape and little-endian f32 bytes of each tensor.
+    tensors: Vec<(String, Vec<usize>, Vec<u8>)>,
+    metadata: HashMap<String, String>,
 }
 
-/// Reads a file written by [`write_file`]: its tensors with their shardings, and the
+impl PendingFile {
+    /// `shard` with its shardings, `tp_rank`/`tp_size` and `metadata` for the header,
+    /// copied to host memory.
+    fn of(
+        shard: &Shard,
+        dir: &Path,
+        path: &Path,
+        tp_rank: usize,
+        tp_size: usize,
+        mut metadata: HashMap<String, String>,
+    ) -> Result<PendingFile> {
+        metadata.insert("tp_rank".to_string(), tp_rank.to_string());
+        metadata.insert("tp_size".to_string(), tp_size.to_string());
+        let mut tensors = Vec::with_capacity(shard.tensors.len());
+        for (name, (sharding, tensor)) in &shard.tensors {
+            metadata.insert(format!("{SHARDING_PREFIX}{name}"), sharding.encode());
+            let data: Vec<u8> = tensor
+                .to_vec()?
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            tensors.push((name.clone(), tensor.shape().to_vec(), data));
+        }
+        Ok(PendingFile {
+            dir: dir.to_path_buf(),
+            path: path.to_path_buf(),
+            tensors,
+            metadata,
+        })
+    }
+
+    /// Where it goes.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes it: to a temporary file first, flushed to disk, renamed into place once
+    /// complete.
+    pub fn write(self) -> Result<()> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| Error::Io { path, source }
+        };
+        let path = &self.path;
+        std::fs::create_dir_all(&self.dir).map_err(io(&self.dir))?;
+        let views = (self.tensors.iter())
+            .map(|(name, shape, data)| {
+                TensorView::new(Dtype::F32, shape.clone(), data).map(|view| (name.as_str(), view))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| Error::checkpoint(path, e.to_string()))?;
+        let mut temporary = path.as_os_str().to_owned();
+        temporary.push(format!(".tmp-{}", std::process::id()));
+        let temporary = PathBuf::from(temporary);
+        safetensors::serialize_to_file(views, Some(self.metadata), &temporary)
+            .map_err(|e| Error::checkpoint(&temporary, e.to_string()))?;
+        // On disk before the name is: a crash after the rename never leaves a torn file.
+        (std::fs::File::open(&temporary).and_then(|file| file.sync_all()))
+            .map_err(io(&temporary))?;
+        std::fs::rename(&temporary, path).map_err(io(path))
+    }
+}
+
+/// Reads a file written by [`PendingFile::write`]: its tensors with their shardings, and the
 /// header's metadata.
 fn read_file(path: &Path) -> Result<(Shard, HashMap<String, String>)> {
     let file = std::fs::File::open(path).map_err(|source| Error::Io {

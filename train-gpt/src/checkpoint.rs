@@ -219,8 +219,14 @@ fn rng_path(dir: &Path, tp_rank: usize, tp_size: usize) -> PathBuf {
     dir.join(format!("rng_tp_{tp_rank}_of_{tp_size}.json"))
 }
 
-/// Writes this tensor-parallel rank's random streams, one set per model chunk.
-pub fn save_rng(dir: &Path, rngs: &[RngTracker], tp_rank: usize, tp_size: usize) -> Result<()> {
+/// This tensor-parallel rank's random streams, one set per model chunk: the file and its
+/// text, taken now and written by [`write_atomically`] when the save writes.
+pub fn rng_file(
+    dir: &Path,
+    rngs: &[RngTracker],
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<(PathBuf, String)> {
     let chunks: Vec<Value> = rngs
         .iter()
         .map(|rng| {
@@ -231,7 +237,7 @@ pub fn save_rng(dir: &Path, rngs: &[RngTracker], tp_rank: usize, tp_size: usize)
         })
         .collect();
     let text = serde_json::to_string_pretty(&json!({ "chunks": chunks }))?;
-    write_atomically(&rng_path(dir, tp_rank, tp_size), &text)
+    Ok((rng_path(dir, tp_rank, tp_size), text))
 }
 
 /// Restores the random streams saved by the same tensor-parallel rank into `rngs` (one
@@ -286,7 +292,7 @@ pub fn restore_rng(
 }
 
 /// Writes `text` to a temporary name, flushes it to disk and renames it into place.
-fn write_atomically(path: &Path, text: &str) -> Result<()> {
+pub fn write_atomically(path: &Path, text: &str) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }

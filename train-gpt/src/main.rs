@@ -248,6 +248,11 @@ struct Args {
     /// Also save every this many steps.
     #[arg(long, value_name = "N", requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
     save_interval: Option<u64>,
+    /// Write each checkpoint in the background: the state is copied to host memory at
+    /// the step and written while training goes on; a save completes (and becomes the
+    /// latest) when the next one starts or the run ends.
+    #[arg(long, requires = "save")]
+    async_save: bool,
     /// Keep only the newest this many checkpoints under --save (all by default).
     #[arg(long, value_name = "K", requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
     save_keep: Option<u64>,
@@ -802,6 +807,7 @@ fn train_config(args: &Args) -> TrainConfig {
         save: args.save.clone(),
         save_interval: args.save_interval.map(|n| n as usize),
         save_keep: args.save_keep.map(|n| n as usize),
+        async_save: args.async_save,
         stop: Some(stop::install()),
         sample: true,
         check_tied: args.check,
@@ -948,7 +954,10 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         svg.display()
     );
     if let Some(dir) = result.saved.last() {
+        let saves = result.saved.len();
+        let wait = result.save_wait.as_secs_f64() * 1e3 / saves as f64;
         println!("checkpoint: {}", dir.display());
+        println!("saves: {saves}, training waited {wait:.1} ms per save");
     }
     if let Some(step) = result.stopped {
         match result.saved.last() {
@@ -1064,6 +1073,7 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
         save: None,
         save_interval: None,
         save_keep: None,
+        async_save: false,
         stop: None,
         sample: false,
         eval_interval: 0,

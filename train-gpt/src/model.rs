@@ -265,19 +265,6 @@ impl Gpt {
 /// optimizer holds them.
 pub struct RankModel<'a>(pub &'a [Gpt]);
 
-impl RankModel<'_> {
-    /// Writes this rank's shard (`tp_{rank}_of_{size}.safetensors`) of every chunk into
-    /// `dir`.
-    pub fn save(&self, dir: &Path) -> Result<()> {
-        let tp = self
-            .0
-            .first()
-            .map(Gpt::tp)
-            .context("a rank holds at least one chunk")?;
-        Ok(checkpoint::save_shard(self, dir, tp.rank(), tp.size())?)
-    }
-}
-
 impl Module for RankModel<'_> {
     fn parameters(&self) -> Vec<ShardedParameter> {
         self.0.iter().flat_map(Module::parameters).collect()

@@ -76,6 +76,8 @@ pub struct TrainConfig {
     pub save_interval: Option<usize>,
     /// Keep only the newest this many checkpoints (`--save-keep`).
     pub save_keep: Option<usize>,
+    /// Write checkpoints in the background while training goes on (`--async-save`).
+    pub async_save: bool,
     /// Set once a stop signal arrived: the ranks agree on it after each step, save and
     /// end (SIGTERM, SIGINT).
     pub stop: Option<&'static std::sync::atomic::AtomicBool>,
@@ -134,6 +136,8 @@ pub struct RankResult {
     pub host_waits_per_step: f64,
     /// The checkpoints this run wrote, oldest first.
     pub saved: Vec<PathBuf>,
+    /// How long this rank's training stood still for them, in all.
+    pub save_wait: std::time::Duration,
     /// The step a stop signal ended the run after (saved, when there is `--save`).
     pub stopped: Option<usize>,
 }
@@ -201,6 +205,7 @@ pub fn train_rank(
         transfers_per_step: steady.transfers,
         host_waits_per_step: steady.host_waits,
         saved: history.saved,
+        save_wait: history.save_wait,
         stopped: history.stopped,
     })
 }
@@ -293,17 +298,17 @@ fn stop_agreed(chunks: &Chunks<'_>) -> Result<bool> {
     Ok(seen[0] == 1)
 }
 
-/// Writes the checkpoint of the steps so far under `root`: each stage's weights,
-/// optimizer state and random streams, then the trainer state (world rank 0, last, once
-/// every shard is there), into a partial directory that world rank 0 then renames into
-/// place and marks as the latest. Returns the checkpoint's directory.
+/// Starts the checkpoint of the steps so far under `root`, in a partial directory: each
+/// stage's weights, optimizer state and random streams are copied to host memory now and
+/// written by this thread, or with `--async-save` by a background one while training
+/// goes on. [`PendingSave::finish`] completes it.
 fn save(
     root: &std::path::Path,
     chunks: &mut Chunks<'_>,
     optimizer: &mut TrainOptimizer,
     scaler: Option<&GradScaler>,
     history: &History,
-) -> Result<PathBuf> {
+) -> Result<PendingSave> {
     let (state, config) = (chunks.state, chunks.config);
     let world = state.world();
     let step = history.losses.len();
@@ -316,43 +321,98 @@ fn save(
     // Every data-parallel rank takes the optimizer state (sharded, that gathers it); the
     // replicas are identical, so one of them writes each stage's shards.
     let optimizer_state = optimizer.as_dyn().state()?;
+    let mut files = Vec::new();
+    let mut rng = None;
     if state.dp_rank() == 0 {
         let (dir, rank_model) = (
             checkpoint::stage_dir(dir, state.pp_rank(), config.pp),
             RankModel(chunks.models),
         );
-        crate::faults::point("before the shards", step);
-        rank_model.save(&dir)?;
-        layers::checkpoint::save_optimizer_state(
+        let (rank, size) = (tp.rank(), tp.size());
+        files.push(layers::checkpoint::snapshot_shard(
+            &rank_model,
+            &dir,
+            rank,
+            size,
+        )?);
+        files.push(layers::checkpoint::snapshot_optimizer_state(
             &rank_model,
             optimizer.model_params(),
             &optimizer_state,
             &dir,
-            tp.rank(),
-            tp.size(),
-        )?;
-        checkpoint::save_rng(&dir, chunks.rngs, tp.rank(), tp.size())?;
-        crate::faults::point("after the shards", step);
+            rank,
+            size,
+        )?);
+        rng = Some(checkpoint::rng_file(&dir, chunks.rngs, rank, size)?);
     }
-    world.barrier()?;
-    if world.rank() == 0 {
-        crate::faults::point("before the trainer state", step);
-        TrainerState {
-            format: checkpoint::FORMAT,
-            tp: tp.size(),
-            pp: config.pp,
-            chunks: config.pipeline.chunks(),
-            model: config.model,
-            global_batch: config.batch * state.dp_size(),
-            losses: history.losses.clone(),
-            validation: history.validation.clone(),
-            loss_scaler: scaler.map(GradScaler::state),
+    let write = move || -> Result<()> {
+        if rng.is_some() {
+            crate::faults::point("before the shards", step);
         }
-        .write(dir)?;
-        checkpoint::commit_save(root, step, config.save_keep)?;
+        for file in files {
+            file.write()?;
+        }
+        if let Some((path, text)) = rng {
+            checkpoint::write_atomically(&path, &text)?;
+            crate::faults::point("after the shards", step);
+        }
+        Ok(())
+    };
+    let writer = match config.async_save {
+        true => Some(std::thread::spawn(write)),
+        false => {
+            write()?;
+            None
+        }
+    };
+    let trainer_state = (world.rank() == 0).then(|| TrainerState {
+        format: checkpoint::FORMAT,
+        tp: tp.size(),
+        pp: config.pp,
+        chunks: config.pipeline.chunks(),
+        model: config.model,
+        global_batch: config.batch * state.dp_size(),
+        losses: history.losses.clone(),
+        validation: history.validation.clone(),
+        loss_scaler: scaler.map(GradScaler::state),
+    });
+    Ok(PendingSave {
+        root: root.to_path_buf(),
+        step,
+        writer,
+        trainer_state,
+    })
+}
+
+/// A save whose files are being written, in this thread or a background one.
+struct PendingSave {
+    root: PathBuf,
+    step: usize,
+    writer: Option<std::thread::JoinHandle<Result<()>>>,
+    /// World rank 0's: written last, once every rank's files are there.
+    trainer_state: Option<TrainerState>,
+}
+
+impl PendingSave {
+    /// Waits for this rank's files; once every rank's are written, world rank 0 writes
+    /// the trainer state, renames the checkpoint into place and marks it the latest.
+    /// Returns its directory.
+    fn finish(self, world: &Arc<dyn Communicator>, keep: Option<usize>) -> Result<PathBuf> {
+        let (root, step) = (&self.root, self.step);
+        if let Some(writer) = self.writer {
+            writer
+                .join()
+                .map_err(|_| anyhow::anyhow!("the checkpoint writer of step {step} panicked"))??;
+        }
+        world.barrier()?;
+        if let Some(state) = self.trainer_state {
+            crate::faults::point("before the trainer state", step);
+            state.write(&checkpoint::partial_dir(root, step))?;
+            checkpoint::commit_save(root, step, keep)?;
+        }
+        world.barrier()?;
+        Ok(checkpoint::step_dir(root, step))
     }
-    world.barrier()?;
-    Ok(checkpoint::step_dir(root, step))
 }
 
 /// What the steps so far produced.
@@ -368,6 +428,9 @@ struct History {
     saved: Vec<PathBuf>,
     /// The step a stop signal ended the run after.
     stopped: Option<usize>,
+    /// How long training stood still for saves (all of a save, or with `--async-save`
+    /// its copy to host memory and the wait for the previous one).
+    save_wait: std::time::Duration,
 }
 
 /// How the two copies of a tied embedding compared after each step (`--check` at more
@@ -390,6 +453,8 @@ struct Trainer<'a> {
     /// This rank's copy of a tied embedding another stage also holds.
     tied_copy: Option<Parameter>,
     progress: Option<&'a Progress>,
+    /// The save still being written (`--async-save`).
+    pending_save: Option<PendingSave>,
 }
 
 impl<'a> Trainer<'a> {
@@ -413,6 +478,7 @@ impl<'a> Trainer<'a> {
             params: chunks.models.iter().flat_map(Module::parameters).collect(),
             tied_copy: chunks.models.iter().find_map(Gpt::tied_copy),
             progress,
+            pending_save: None,
         })
     }
 
@@ -481,20 +547,28 @@ impl<'a> Trainer<'a> {
             let every = config.save_interval.unwrap_or(0);
             let due = done == config.steps || stop || (every > 0 && done % every == 0);
             if let (Some(root), true) = (&config.save, due) {
-                let saved = save(
+                let started = std::time::Instant::now();
+                // One save in flight at a time: the previous one completes first.
+                self.finish_save(chunks, history)?;
+                let pending = save(
                     root,
                     chunks,
                     &mut self.optimizer,
                     self.scaler.as_ref(),
                     history,
                 )?;
-                history.saved.push(saved);
+                self.pending_save = Some(pending);
+                if !config.async_save {
+                    self.finish_save(chunks, history)?;
+                }
+                history.save_wait += started.elapsed();
             }
             if stop {
                 history.stopped = Some(done);
                 break;
             }
         }
+        self.finish_save(chunks, history)?;
         if let Some(progress) = self.progress {
             progress.finish();
         }
@@ -502,6 +576,15 @@ impl<'a> Trainer<'a> {
             transfers: mean(&steady_transfers),
             host_waits: waits.iter().sum::<u64>() as f64 / waits.len().max(1) as f64,
         })
+    }
+
+    /// Completes the save in flight, if any, recording its directory.
+    fn finish_save(&mut self, chunks: &Chunks<'_>, history: &mut History) -> Result<()> {
+        if let Some(pending) = self.pending_save.take() {
+            let saved = pending.finish(chunks.state.world(), chunks.config.save_keep)?;
+            history.saved.push(saved);
+        }
+        Ok(())
     }
 
     /// One training step (0-based `step`): forward and backward of every microbatch,

@@ -215,3 +215,42 @@ fn sigterm_saves_the_step_in_progress_and_exits_zero() {
     );
     std::fs::remove_dir_all(&root).ok();
 }
+
+/// `--async-save`: the same checkpoints, written beside training; a save completes when
+/// the next one starts (or the run ends), so a crash while one is written leaves the one
+/// before.
+#[test]
+fn asynchronous_saves_write_the_same_checkpoints() {
+    let root = scratch("async");
+    let dir = |name: &str| root.join(name).to_string_lossy().into_owned();
+    succeed(&["--steps", "6", "--out", &dir("A")]);
+    let save = ["--save-interval", "2", "--async-save"];
+    succeed(
+        &[
+            &["--steps", "5", "--save", &dir("C"), "--out", &dir("B")],
+            &save[..],
+        ]
+        .concat(),
+    );
+    assert_eq!(
+        entries(&root.join("C")),
+        ["latest", "step_0000002", "step_0000004", "step_0000005"]
+    );
+    succeed(&["--steps", "6", "--resume", &dir("C"), "--out", &dir("B2")]);
+    assert_eq!(
+        rows(&root.join("B2/loss.csv")),
+        rows(&root.join("A/loss.csv"))
+    );
+    // A crash while step 4's files are written: step 2 is the newest complete one.
+    let crashed = dir("D");
+    let args = [&["--steps", "6", "--save", &crashed], &save[..]].concat();
+    let output = run(&args, Some("after the shards@4"));
+    assert_eq!(output.status.code(), Some(86), "the crash happened");
+    let stdout = succeed(&["--steps", "6", "--resume", &dir("D"), "--out", &dir("B3")]);
+    assert!(stdout.contains("step_0000002"), "{stdout}");
+    assert_eq!(
+        rows(&root.join("B3/loss.csv")),
+        rows(&root.join("A/loss.csv"))
+    );
+    std::fs::remove_dir_all(&root).ok();
+}

@@ -268,25 +268,60 @@ pub fn load_optimizer_state(
     tp_rank: usize,
     tp_size: usize,
 ) -> Result<OptimizerState> {
+    load_optimizer_state_inner(module, &[dir], saved_size, (tp_rank, tp_size), true)
+}
+
+/// [`load_optimizer_state`] from a checkpoint split over several directories (the
+/// pipeline stages of a run saved at another pipeline layout): each parameter's buffers
+/// and counts come from whichever directory holds them, and the other stages' are left.
+pub fn load_optimizer_state_across(
+    module: &dyn Module,
+    dirs: &[&Path],
+    saved_size: usize,
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<OptimizerState> {
+    load_optimizer_state_inner(module, dirs, saved_size, (tp_rank, tp_size), false)
+}
+
+fn load_optimizer_state_inner(
+    module: &dyn Module,
+    dirs: &[&Path],
+    saved_size: usize,
+    (tp_rank, tp_size): (usize, usize),
+    strict: bool,
+) -> Result<OptimizerState> {
+    let Some(dir) = dirs.first() else {
+        return Err(Error::checkpoint(
+            Path::new(""),
+            "no checkpoint directory given",
+        ));
+    };
     if saved_size == 0 {
         return Err(Error::checkpoint(
             dir,
             "the saved tensor-parallel size must be positive",
         ));
     }
-    let files = (0..saved_size)
-        .map(|rank| read_file(&optimizer_shard_path(dir, rank, saved_size)))
-        .collect::<Result<Vec<_>>>()?;
     let first = optimizer_shard_path(dir, 0, saved_size);
-    let metadata = &files[0].1;
+    let mut metadata = HashMap::new();
+    let mut full = BTreeMap::new();
+    for dir in dirs {
+        let files = (0..saved_size)
+            .map(|rank| read_file(&optimizer_shard_path(dir, rank, saved_size)))
+            .collect::<Result<Vec<_>>>()?;
+        metadata.extend(files[0].1.clone());
+        let shards: Vec<Shard> = files.into_iter().map(|(shard, _)| shard).collect();
+        full.extend(join_shards(&shards, |rank| {
+            optimizer_shard_path(dir, rank, saved_size)
+        })?);
+    }
     let number = |key: &str| -> Result<u64> {
         metadata
             .get(key)
             .and_then(|text| text.parse().ok())
             .ok_or_else(|| Error::checkpoint(&first, format!("no valid '{key}' in the metadata")))
     };
-    let shards: Vec<Shard> = files.iter().map(|(shard, _)| shard.clone()).collect();
-    let mut full = join_shards(&shards, |rank| optimizer_shard_path(dir, rank, saved_size))?;
     let params = module
         .parameters()
         .iter()
@@ -312,7 +347,7 @@ pub fn load_optimizer_state(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    if let Some(stray) = full.keys().next() {
+    if let Some(stray) = full.keys().next().filter(|_| strict) {
         return Err(Error::checkpoint(
             &first,
             format!(

@@ -12,9 +12,12 @@
 
 use crate::model::GptConfig;
 use anyhow::{bail, ensure, Context, Result};
+use layers::Sharding;
 use layers::{GradScalerState, RngState, RngStreamState, RngTracker};
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use tape::Tensor;
 
 const TRAINER_STATE: &str = "trainer_state.json";
 /// Changes whenever the files' layout does. Format 1 (before tied embeddings and random
@@ -152,21 +155,21 @@ impl TrainerState {
         })
     }
 
-    /// Checks that a run with these settings can continue this one.
+    /// The directories of every pipeline stage of the checkpoint in `dir`.
+    pub fn stage_dirs(&self, dir: &Path) -> Vec<PathBuf> {
+        (0..self.pp)
+            .map(|rank| stage_dir(dir, rank, self.pp))
+            .collect()
+    }
+
+    /// Checks that a run with these settings can continue this one (any tensor-parallel,
+    /// pipeline and data-parallel layout with the same model and global batch).
     pub fn check_compatible(
         &self,
         model: &GptConfig,
-        (pp, chunks): (usize, usize),
         global_batch: usize,
         steps: usize,
     ) -> Result<()> {
-        ensure!(
-            (self.pp, self.chunks) == (pp, chunks),
-            "the checkpoint was saved with --pp {} and {} model chunk(s) per stage \
-             (--virtual-stages); resume with those (any --tp and --dp work)",
-            self.pp,
-            self.chunks
-        );
         let (s, m) = (&self.model, model);
         ensure!(
             s.tied == m.tied,
@@ -203,6 +206,17 @@ impl TrainerState {
         }
         Ok(())
     }
+}
+
+/// Every parameter of a checkpoint saved at tensor-parallel size `tp`, joined into its
+/// full form, from all of its pipeline stages' directories (a tied embedding's two
+/// copies are bit-identical: either serves).
+pub fn read_stages(dirs: &[PathBuf], tp: usize) -> Result<BTreeMap<String, (Sharding, Tensor)>> {
+    let mut full = BTreeMap::new();
+    for dir in dirs {
+        full.extend(layers::checkpoint::read_full_checkpoint(dir, tp)?);
+    }
+    Ok(full)
 }
 
 /// Where pipeline stage `pp_rank` of `pp` keeps its files: `dir` itself without

@@ -260,9 +260,9 @@ struct Args {
     /// directory (its newest complete checkpoint), or `auto` (the newest under --save,
     /// or a fresh start when there is none: a job script can simply be re-submitted).
     /// Weights, optimizer state, schedule position, random streams and data position are
-    /// restored. Any --tp works (the shards are re-cut); the global batch (--batch ×
-    /// data-parallel size), the model sizes, --pp and --virtual-stages must be the saved
-    /// ones.
+    /// restored. Any --tp, --pp, --virtual-stages and data-parallel size works (layers
+    /// and shards are re-cut); the global batch (--batch × data-parallel size) and the
+    /// model sizes must be the saved ones.
     #[arg(long, value_name = "DIR|auto")]
     resume: Option<PathBuf>,
     /// Train on this text file instead of the built-in documentation corpus.
@@ -641,13 +641,7 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
     validate_pipeline(args)?;
     if let Some(dir) = &args.resume {
         let saved = checkpoint::TrainerState::read(dir)?;
-        let chunks = pipeline_schedule(args).chunks();
-        saved.check_compatible(
-            &train_config(args).model,
-            (args.pp, chunks),
-            args.batch * dp,
-            args.steps,
-        )?;
+        saved.check_compatible(&train_config(args).model, args.batch * dp, args.steps)?;
     }
     Ok(())
 }

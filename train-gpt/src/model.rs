@@ -11,10 +11,11 @@
 use anyhow::{Context, Result};
 use comm_core::Communicator;
 use layers::{
-    checkpoint, vocab_parallel_cross_entropy_per_token, BlockConfig, ColumnParallelLinear,
-    LayerNorm, LinearOptions, MasterInit, Module, RngTracker, ShardedParameter, Sharding,
-    TensorParallel, TokenLoss, TransformerBlock, VocabParallelEmbedding, EMBEDDING_GROUP, TP_GROUP,
+    vocab_parallel_cross_entropy_per_token, BlockConfig, ColumnParallelLinear, LayerNorm,
+    LinearOptions, MasterInit, Module, RngTracker, ShardedParameter, Sharding, TensorParallel,
+    TokenLoss, TransformerBlock, VocabParallelEmbedding, EMBEDDING_GROUP, TP_GROUP,
 };
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use tape::{CrossEntropyOptions, Parameter, Tape, Tensor};
@@ -231,10 +232,10 @@ impl Gpt {
         self.config
     }
 
-    /// Restores the weights from a checkpoint saved at tensor-parallel size `saved_tp`
-    /// (any size): the shards are joined into full tensors and this rank keeps its part.
-    pub fn load(&self, dir: &Path, saved_tp: usize) -> Result<()> {
-        let full = checkpoint::read_full_checkpoint(dir, saved_tp)?;
+    /// Restores the weights from a checkpoint's full tensors (joined from any
+    /// tensor-parallel size and pipeline layout; `dir` names it in errors): this rank
+    /// keeps its part of each of its parameters.
+    pub fn load(&self, full: &BTreeMap<String, (Sharding, Tensor)>, dir: &Path) -> Result<()> {
         for sharded in self.parameters() {
             let name = sharded.param.name();
             let (sharding, tensor) = full

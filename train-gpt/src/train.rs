@@ -272,12 +272,14 @@ fn load_weights(
     config: &TrainConfig,
 ) -> Result<TrainerState> {
     let saved = TrainerState::read(dir)?;
-    let layout = (config.pp, config.pipeline.chunks());
     let global_batch = config.batch * state.dp_size();
-    saved.check_compatible(&config.model, layout, global_batch, config.steps)?;
-    let stage_dir = checkpoint::stage_dir(dir, state.pp_rank(), config.pp);
+    saved.check_compatible(&config.model, global_batch, config.steps)?;
+    // Every saved stage's directory: at another pipeline layout a chunk's blocks may come
+    // from any of them (blocks are named by their index in the whole model).
+    let dirs = saved.stage_dirs(dir);
+    let full = checkpoint::read_stages(&dirs, saved.tp)?;
     for model in models {
-        model.load(&stage_dir, saved.tp)?;
+        model.load(&full, dir)?;
     }
     Ok(saved)
 }
@@ -492,19 +494,24 @@ impl<'a> Trainer<'a> {
         chunks: &mut Chunks<'_>,
         history: &mut History,
     ) -> Result<()> {
-        let state = chunks.state;
-        let dir = checkpoint::stage_dir(dir, state.pp_rank(), chunks.config.pp);
+        let (state, config) = (chunks.state, chunks.config);
         let tp = chunks.models[0].tp();
         let rank_model = RankModel(chunks.models);
-        let optimizer_state = layers::checkpoint::load_optimizer_state(
+        let dirs = saved.stage_dirs(dir);
+        let dirs: Vec<&std::path::Path> = dirs.iter().map(PathBuf::as_path).collect();
+        let optimizer_state = layers::checkpoint::load_optimizer_state_across(
             &rank_model,
-            &dir,
+            &dirs,
             saved.tp,
             tp.rank(),
             tp.size(),
         )?;
         self.optimizer.as_dyn().load_state(&optimizer_state)?;
-        checkpoint::restore_rng(&dir, saved, chunks.rngs, tp.rank(), tp.size())?;
+        // Random streams belong to a chunk of one layout: restored only at the saved one.
+        if (saved.pp, saved.chunks) == (config.pp, config.pipeline.chunks()) {
+            let dir = checkpoint::stage_dir(dir, state.pp_rank(), config.pp);
+            checkpoint::restore_rng(&dir, saved, chunks.rngs, tp.rank(), tp.size())?;
+        }
         if let (Some(scaler), Some(state)) = (&mut self.scaler, saved.loss_scaler) {
             scaler.load_state(state)?;
         }

@@ -86,5 +86,26 @@ for ranks in 2 4; do
     echo "--> mpirun -n $ranks mismatch: all $ranks ranks reported Mismatch and exited 1"
 done
 
+echo "==> a rank killed mid-run under mpirun -n 4: the job fails, --resume auto continues exactly"
+cargo build -q -p train-gpt --features mpi
+run_dir=$(mktemp -d)
+small="--backend mpi --tp 2 --layers 1 --hidden 16 --heads 2 --seq 16 --eval-interval 0 --steps 12"
+at=$((3 + RANDOM % 8))
+timeout 120 mpirun --oversubscribe -n 4 target/debug/train-gpt $small --out "$run_dir/A" >/dev/null
+if FERROTRON_KILL_AT="2@$at" timeout 120 mpirun --oversubscribe -x FERROTRON_KILL_AT -n 4 \
+    target/debug/train-gpt $small --save "$run_dir/C" --save-interval 2 --out "$run_dir/B" \
+    >"$run_dir/killed.log" 2>&1; then
+    echo "the run whose rank 2 was killed after step $at succeeded" >&2
+    exit 1
+fi
+saved=$(ls "$run_dir/C" | grep '^step_' | tail -1)
+timeout 120 mpirun --oversubscribe -n 4 target/debug/train-gpt $small --save "$run_dir/C" \
+    --resume auto --out "$run_dir/B" >"$run_dir/resumed.log"
+grep -q "resuming the run saved in .*$saved" "$run_dir/resumed.log"
+diff "$run_dir/A/loss.csv" "$run_dir/B/loss.csv"
+echo "--> rank 2 killed after step $at: the job failed; resumed from $saved with the" \
+    "uninterrupted run's losses"
+rm -r "$run_dir"
+
 echo "==> mdbook build docs"
 mdbook build docs

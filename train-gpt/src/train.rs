@@ -545,6 +545,7 @@ impl<'a> Trainer<'a> {
                 self.compare_tied_copies(chunks.state, step, history)?;
             }
             let done = step + 1;
+            crate::faults::kill_point(chunks.state.world().rank(), done);
             let stop = stop_agreed(chunks)?;
             let interval = config.eval_interval;
             if interval > 0 && (done % interval == 0 || done == config.steps) && !stop {

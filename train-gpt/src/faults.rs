@@ -32,7 +32,9 @@ pub fn kill_point(rank: usize, step: usize) {
     let Ok(at) = std::env::var("FERROTRON_KILL_AT") else {
         return;
     };
-    let parsed = at.split_once('@').and_then(|(r, s)| Some((r.parse().ok()?, s.parse().ok()?)));
+    let parsed = at
+        .split_once('@')
+        .and_then(|(r, s)| Some((r.parse().ok()?, s.parse().ok()?)));
     if parsed == Some((rank, step)) {
         eprintln!("rank {rank} kills itself after step {step} (FERROTRON_KILL_AT)");
         // SAFETY: signals this process; SIGKILL cannot be caught, the process ends here.

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::scratch;
+use common::{rows, scratch};
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -43,14 +43,6 @@ fn succeed(args: &[&str]) {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
-}
-
-fn rows(path: &Path) -> Vec<String> {
-    std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .lines()
-        .map(str::to_string)
-        .collect()
 }
 
 fn losses(path: &Path) -> Vec<f32> {

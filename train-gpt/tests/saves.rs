@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::scratch;
+use common::{rows, scratch};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -53,14 +53,6 @@ fn succeed(args: &[&str]) -> String {
         String::from_utf8_lossy(&output.stderr)
     );
     stdout
-}
-
-fn rows(path: &Path) -> Vec<String> {
-    std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .lines()
-        .map(str::to_string)
-        .collect()
 }
 
 fn entries(dir: &Path) -> Vec<String> {

@@ -105,6 +105,7 @@ mod init;
 mod linear;
 mod parallel;
 mod random;
+mod recompute;
 mod scaler;
 mod transformer;
 
@@ -124,6 +125,7 @@ pub use random::{
     RngState, RngStreamState, RngTracker, DEFAULT_STREAM, MODEL_PARALLEL_SEED_OFFSET,
     MODEL_PARALLEL_STREAM, PIPELINE_SEED_STRIDE,
 };
+pub use recompute::recompute_blocks;
 pub use scaler::{all_finite, GradScaler, GradScalerConfig, GradScalerState};
 pub use transformer::{
     BlockConfig, LayerNorm, ParallelMlp, ParallelSelfAttention, TransformerBlock,

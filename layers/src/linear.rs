@@ -48,6 +48,7 @@ impl Default for LinearOptions {
 /// computes its output features; `gather_output` all-gathers them along the last
 /// dimension. Output features that the group size does not divide are split by
 /// [`mappings::split_sizes`].
+#[derive(Clone)]
 pub struct ColumnParallelLinear {
     tp: TensorParallel,
     in_features: usize,
@@ -230,6 +231,7 @@ impl crate::Module for ColumnParallelLinear {
 /// parallelism summed and divided along the first dimension (reduce-scatter). The bias
 /// is replicated and added once, after the reduction; under sequence parallelism its
 /// gradient is partial per rank and is flagged for a tensor-parallel all-reduce.
+#[derive(Clone)]
 pub struct RowParallelLinear {
     tp: TensorParallel,
     in_features: usize,

@@ -16,6 +16,7 @@ use crate::random::RngTracker;
 /// Under sequence parallelism each rank normalises only its part of the sequence, so its
 /// parameter gradients are partial sums: both parameters are flagged with
 /// [`grad_reduce_group`](ShardedParameter::grad_reduce_group) `= Some("tp")`.
+#[derive(Clone)]
 pub struct LayerNorm {
     weight: ShardedParameter,
     bias: ShardedParameter,
@@ -101,6 +102,7 @@ impl BlockConfig {
 
 /// `row(gelu(column(x)))`: `hidden → ffn_hidden → hidden` with the inner activations
 /// divided among the tensor-parallel ranks, one reduction per forward pass.
+#[derive(Clone)]
 pub struct ParallelMlp {
     fc1: ColumnParallelLinear,
     fc2: RowParallelLinear,
@@ -161,6 +163,7 @@ impl Module for ParallelMlp {
 /// The fused QKV weight's rows are laid out head by head (`[q, k, v]` of head 0, then of
 /// head 1, ...), as Megatron-Core's, so cutting its rows among ranks hands each rank
 /// whole heads.
+#[derive(Clone)]
 pub struct ParallelSelfAttention {
     qkv: ColumnParallelLinear,
     proj: RowParallelLinear,
@@ -282,6 +285,7 @@ impl Module for ParallelSelfAttention {
 
 /// A pre-norm transformer block:
 /// `h = x + dropout(attention(ln1(x)))`, `out = h + dropout(mlp(ln2(h)))`.
+#[derive(Clone)]
 pub struct TransformerBlock {
     ln1: LayerNorm,
     attention: ParallelSelfAttention,

@@ -82,6 +82,8 @@ struct TapeState<T: Element> {
     /// Bumped whenever the nodes are consumed, so tensors from older passes are recognised.
     generation: u64,
     leaves: HashMap<ParamId, usize>,
+    /// Parameters [`Tape::watch`] replaces with others (see [`Tape::substitute`]).
+    substitutes: HashMap<ParamId, Parameter<T>>,
 }
 
 struct TapeShared<T: Element> {
@@ -147,6 +149,7 @@ impl<T: Element> Tape<T> {
                     nodes: Vec::new(),
                     generation: 0,
                     leaves: HashMap::new(),
+                    substitutes: HashMap::new(),
                 }),
                 recording: AtomicBool::new(true),
             }),
@@ -188,6 +191,14 @@ impl<T: Element> Tape<T> {
     /// The parameter's value as a tensor recorded on this tape, so that backward reaches the
     /// parameter's gradient. Watching the same parameter twice in one pass gives one leaf.
     pub fn watch(&self, param: &Parameter<T>) -> Tensor<T> {
+        let substitute = self
+            .shared
+            .state
+            .lock()
+            .substitutes
+            .get(&param.id())
+            .cloned();
+        let param = substitute.as_ref().unwrap_or(param);
         let mut value = param.value();
         if !self.is_recording() {
             return value;
@@ -211,6 +222,15 @@ impl<T: Element> Tape<T> {
             generation: state.generation,
         });
         value
+    }
+
+    /// Makes [`watch`](Self::watch) of `param` on this tape watch `stand_in` instead, so
+    /// code that reads its parameters by watching them runs on other values and its
+    /// backward fills `stand_in`'s gradient, not `param`'s (activation recomputation
+    /// replays a module's forward this way).
+    pub fn substitute(&self, param: &Parameter<T>, stand_in: &Parameter<T>) {
+        let mut state = self.shared.state.lock();
+        state.substitutes.insert(param.id(), stand_in.clone());
     }
 
     /// Backward from a one-element `loss`, as [`Tensor::backward`].

@@ -63,6 +63,18 @@ use tape::{LrDecay, WsdAnneal};
 use train::{train_rank, RankResult, Schedule, TrainConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RecomputeGranularity {
+    /// Whole transformer blocks.
+    Full,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RecomputeMethod {
+    Uniform,
+    Block,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Backend {
     /// Ranks are threads of this process.
     Local,
@@ -248,6 +260,19 @@ struct Args {
     /// Also save every this many steps.
     #[arg(long, value_name = "N", requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
     save_interval: Option<u64>,
+    /// Recompute activations in backward instead of keeping them (Megatron's
+    /// --recompute-granularity; only `full` is implemented: whole blocks keep only their
+    /// input, and their forward runs again in backward, with the same dropout masks).
+    #[arg(long, value_enum, requires = "recompute_method")]
+    recompute_granularity: Option<RecomputeGranularity>,
+    /// `uniform`: the blocks of each model chunk in groups of --recompute-num-layers,
+    /// each group recomputed; `block`: only the first --recompute-num-layers blocks of
+    /// each chunk, one by one.
+    #[arg(long, value_enum, requires = "recompute_granularity")]
+    recompute_method: Option<RecomputeMethod>,
+    /// Blocks per group (uniform) or blocks recomputed per chunk (block).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    recompute_num_layers: u64,
     /// Write each checkpoint in the background: the state is copied to host memory at
     /// the step and written while training goes on; a save completes (and becomes the
     /// latest) when the next one starts or the run ends.
@@ -802,10 +827,21 @@ fn train_config(args: &Args) -> TrainConfig {
         save_interval: args.save_interval.map(|n| n as usize),
         save_keep: args.save_keep.map(|n| n as usize),
         async_save: args.async_save,
+        recompute: recompute(args),
         stop: Some(stop::install()),
         sample: true,
         check_tied: args.check,
     }
+}
+
+/// The blocks `--recompute-*` recompute.
+fn recompute(args: &Args) -> Option<model::Recompute> {
+    let layers = args.recompute_num_layers as usize;
+    args.recompute_granularity?;
+    Some(match args.recompute_method? {
+        RecomputeMethod::Uniform => model::Recompute::Uniform(layers),
+        RecomputeMethod::Block => model::Recompute::Block(layers),
+    })
 }
 
 /// Dynamic loss scaling for fp16 (on by default there, as in PyTorch's AMP recipe and
@@ -1068,6 +1104,8 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
         save_interval: None,
         save_keep: None,
         async_save: false,
+        // The reference keeps every activation: --check then also checks recomputation.
+        recompute: None,
         stop: None,
         sample: false,
         eval_interval: 0,

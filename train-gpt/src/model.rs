@@ -46,6 +46,35 @@ pub struct Gpt {
     first: Option<Embeddings>,
     blocks: Vec<TransformerBlock>,
     last: Option<(LayerNorm, ColumnParallelLinear)>,
+    /// Which of the blocks training recomputes in backward.
+    recompute: Option<Recompute>,
+}
+
+/// Megatron's full activation recomputation, by its method: `Uniform(n)` recomputes the
+/// chunk's blocks in groups of `n` (each group keeping only its input), `Block(n)` the
+/// first `n` blocks of the chunk one by one, keeping the rest as usual.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recompute {
+    Uniform(usize),
+    Block(usize),
+}
+
+impl Recompute {
+    /// The chunk's `blocks` blocks as runs, each recomputed or not, in order.
+    fn runs(self, blocks: usize) -> Vec<(std::ops::Range<usize>, bool)> {
+        let (size, recomputed) = match self {
+            Recompute::Uniform(n) => (n.max(1), blocks),
+            Recompute::Block(n) => (1, n.min(blocks)),
+        };
+        let mut runs: Vec<_> = (0..recomputed)
+            .step_by(size)
+            .map(|start| (start..(start + size).min(recomputed), true))
+            .collect();
+        if recomputed < blocks {
+            runs.push((recomputed..blocks, false));
+        }
+        runs
+    }
 }
 
 /// Name of the token embedding's table, and of the last stage's copy of it when tied.
@@ -134,6 +163,7 @@ impl Gpt {
             first,
             blocks,
             last,
+            recompute: None,
         })
     }
 
@@ -148,7 +178,7 @@ impl Gpt {
         input: Option<&Tensor>,
         seq: usize,
         batch: usize,
-        mut rng: Option<&mut RngTracker>,
+        rng: Option<&mut RngTracker>,
     ) -> Result<Tensor> {
         let mut hidden = match (&self.first, input) {
             (Some(first), _) => {
@@ -169,12 +199,7 @@ impl Gpt {
             (None, Some(input)) => input.clone(),
             (None, None) => anyhow::bail!("a later pipeline stage needs its input"),
         };
-        for block in &self.blocks {
-            hidden = match rng.as_deref_mut() {
-                Some(rng) => block.forward(tape, &hidden, rng)?,
-                None => block.forward_inference(tape, &hidden)?,
-            };
-        }
+        hidden = self.blocks_forward(tape, hidden, rng)?;
         match &self.last {
             Some((ln_f, head)) => {
                 let hidden = ln_f.forward(tape, &hidden)?;
@@ -222,6 +247,44 @@ impl Gpt {
             &CrossEntropyOptions::default(),
             dp,
         )?)
+    }
+
+    /// Recomputes blocks in backward as `recompute` says (training only: evaluation
+    /// records nothing to recompute).
+    pub fn with_recompute(mut self, recompute: Option<Recompute>) -> Gpt {
+        self.recompute = recompute;
+        self
+    }
+
+    /// `hidden` through the chunk's blocks: with dropout from `rng` and recomputation
+    /// when training, without both otherwise.
+    fn blocks_forward(
+        &self,
+        tape: &Tape,
+        mut hidden: Tensor,
+        rng: Option<&mut RngTracker>,
+    ) -> Result<Tensor> {
+        let Some(rng) = rng else {
+            for block in &self.blocks {
+                hidden = block.forward_inference(tape, &hidden)?;
+            }
+            return Ok(hidden);
+        };
+        let runs = match self.recompute {
+            Some(recompute) => recompute.runs(self.blocks.len()),
+            None => vec![(0..self.blocks.len(), false)],
+        };
+        for (range, recomputed) in runs {
+            let blocks = &self.blocks[range];
+            if recomputed {
+                hidden = layers::recompute_blocks(blocks, tape, &hidden, rng)?;
+                continue;
+            }
+            for block in blocks {
+                hidden = block.forward(tape, &hidden, rng)?;
+            }
+        }
+        Ok(hidden)
     }
 
     pub fn tp(&self) -> &TensorParallel {

@@ -78,6 +78,8 @@ pub struct TrainConfig {
     pub save_keep: Option<usize>,
     /// Write checkpoints in the background while training goes on (`--async-save`).
     pub async_save: bool,
+    /// Blocks recomputed in backward instead of keeping their activations.
+    pub recompute: Option<crate::model::Recompute>,
     /// Set once a stop signal arrived: the ranks agree on it after each step, save and
     /// end (SIGTERM, SIGINT).
     pub stop: Option<&'static std::sync::atomic::AtomicBool>,
@@ -258,7 +260,7 @@ fn build_chunks(
         .map(|c| {
             let part = virtual_stage(c, state);
             let blocks = part * per_part..(part + 1) * per_part;
-            Gpt::chunk(tp, config.model, config.seed, blocks)
+            Ok(Gpt::chunk(tp, config.model, config.seed, blocks)?.with_recompute(config.recompute))
         })
         .collect()
 }

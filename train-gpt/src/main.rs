@@ -29,6 +29,7 @@
 mod checkpoint;
 mod data;
 mod faults;
+mod memory;
 mod model;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 mod placement;
@@ -37,9 +38,10 @@ mod stop;
 mod train;
 
 // Training steps allocate and free many large arrays: mimalloc, told to keep freed pages,
-// hands them to the next step without page faults (see the performance chapter).
+// hands them to the next step without page faults (see the performance chapter); each
+// allocation is counted against its rank for `measured peak per rank`.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: memory::Counting = memory::Counting;
 
 /// Keeps the memory a step frees for the next step instead of returning it to the OS.
 fn keep_freed_memory() {
@@ -524,8 +526,9 @@ fn run_local_backend(
     finish(args, corpus, dp, result)
 }
 
-/// A rank's transfers and host waits per step, as numbers to take the largest of.
-fn step_costs(result: &RankResult) -> [f64; 5] {
+/// A rank's transfers and host waits per step, and its peak memory, as numbers to take
+/// the largest of.
+fn step_costs(result: &RankResult) -> [f64; 6] {
     let t = result.transfers_per_step;
     [
         t.to_device_bytes as f64,
@@ -533,21 +536,23 @@ fn step_costs(result: &RankResult) -> [f64; 5] {
         t.to_host_bytes as f64,
         t.to_host_copies as f64,
         result.host_waits_per_step,
+        result.peak_bytes as f64,
     ]
 }
 
 /// The largest of each figure over the ranks: the report shows the busiest rank's (the
 /// last pipeline stage reads the loss, the first uploads the batch).
-fn busiest_rank(costs: impl Iterator<Item = [f64; 5]>) -> [f64; 5] {
-    costs.fold([0.0; 5], |most, c| {
+fn busiest_rank(costs: impl Iterator<Item = [f64; 6]>) -> [f64; 6] {
+    costs.fold([0.0; 6], |most, c| {
         std::array::from_fn(|i| most[i].max(c[i]))
     })
 }
 
 fn set_step_costs(
     result: &mut RankResult,
-    [to_device, to_device_copies, to_host, to_host_copies, waits]: [f64; 5],
+    [to_device, to_device_copies, to_host, to_host_copies, waits, peak]: [f64; 6],
 ) {
+    result.peak_bytes = peak as usize;
     result.transfers_per_step = tape::Transfers {
         to_device_bytes: to_device as u64,
         to_device_copies: to_device_copies as u64,
@@ -1013,6 +1018,7 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         let waits = (result.host_waits_per_step * 10.0).round() / 10.0;
         println!("host waits per step and rank: {waits}");
     }
+    println!("measured peak per rank: {} bytes", result.peak_bytes);
     if let Some(tied) = result.tied_copies {
         println!("{}", describe_tied_copies(&tied));
     }

@@ -142,6 +142,9 @@ pub struct RankResult {
     pub save_wait: std::time::Duration,
     /// The step a stop signal ended the run after (saved, when there is `--save`).
     pub stopped: Option<usize>,
+    /// The most host memory this rank held at once, from building its model to the end
+    /// of training (allocations its thread made; see `crate::memory`).
+    pub peak_bytes: usize,
 }
 
 /// Trains on every rank of `world` (tensor-parallel size `config.tp`, the rest data
@@ -152,6 +155,7 @@ pub fn train_rank(
     corpus: &Corpus,
     progress: Option<&Progress>,
 ) -> Result<RankResult> {
+    crate::memory::attribute_to_rank(world.rank());
     let layout = RankLayout::builder(world.size())
         .tp(config.tp)
         .pp(config.pp)
@@ -192,6 +196,7 @@ pub fn train_rank(
         trainer.resume(dir, saved, &mut chunks, &mut history)?;
     }
     let steady = trainer.train(&mut chunks, corpus, &mut history)?;
+    let peak_bytes = crate::memory::peak(world.rank());
     let samples = match config.sample && history.stopped.is_none() {
         true => samples(&mut chunks)?,
         false => Vec::new(),
@@ -208,6 +213,7 @@ pub fn train_rank(
         host_waits_per_step: steady.host_waits,
         saved: history.saved,
         save_wait: history.save_wait,
+        peak_bytes,
         stopped: history.stopped,
     })
 }

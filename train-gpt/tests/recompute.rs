@@ -58,3 +58,41 @@ fn recomputed_blocks_train_the_same_losses_bit_for_bit() {
     }
     std::fs::remove_dir_all(&root).ok();
 }
+
+/// `measured peak per rank` from a run with `flags` (one block run's sizes).
+fn peak(flags: &str) -> usize {
+    let base = "--layers 4 --hidden 64 --heads 4 --seq 64 --batch 8 --steps 2 --eval-interval 0";
+    let joined = format!("{base} {flags}");
+    let out = scratch(&format!("peak-{}", flags.len()));
+    let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
+        .args(joined.split_whitespace())
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("the train-gpt binary runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{joined}: {stdout}");
+    std::fs::remove_dir_all(&out).ok();
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("measured peak per rank: "))
+        .and_then(|l| l.strip_suffix(" bytes"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no peak line: {stdout}"))
+}
+
+/// The measured peak shows what recomputation and the 1F1B schedule trade: recomputing
+/// every block holds well under half the activations, and 1F1B's first stage holds at
+/// most two microbatches' activations where GPipe's holds all eight.
+#[test]
+fn the_measured_peak_falls_with_recomputation_and_with_1f1b() {
+    let kept = peak("--tp 1 --dp 1");
+    let recomputed = peak("--tp 1 --dp 1 --recompute-granularity full --recompute-method uniform");
+    assert!(
+        2 * recomputed < kept,
+        "recomputed {recomputed}, kept {kept}"
+    );
+    let gpipe = peak("--tp 1 --dp 1 --pp 2 --microbatches 8 --schedule gpipe");
+    let one_f_one_b = peak("--tp 1 --dp 1 --pp 2 --microbatches 8 --schedule 1f1b");
+    assert!(2 * one_f_one_b < gpipe, "1F1B {one_f_one_b}, GPipe {gpipe}");
+}

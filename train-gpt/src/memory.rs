@@ -1,0 +1,120 @@
+//! Memory per rank, measured: the demo's allocator is mimalloc with a small header on
+//! every allocation naming the rank whose thread made it, so a rank's live and peak
+//! bytes stay exact when another thread frees its memory (a message taken by its
+//! receiver, say). Threads that are no rank's (the main thread, communicators' progress
+//! threads, the checkpoint writer) count as slot 0.
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+/// Ranks counted apart (more share the last slot).
+const SLOTS: usize = 64;
+
+struct Slot {
+    live: AtomicIsize,
+    peak: AtomicIsize,
+}
+
+static COUNTS: [Slot; SLOTS] = [const {
+    Slot {
+        live: AtomicIsize::new(0),
+        peak: AtomicIsize::new(0),
+    }
+}; SLOTS];
+
+thread_local! {
+    /// This thread's slot: its rank + 1, or 0.
+    static SLOT: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Counts this thread's allocations as rank `rank`'s from now on, starting its peak
+/// from what it holds now.
+pub fn attribute_to_rank(rank: usize) {
+    let slot = (rank + 1).min(SLOTS - 1);
+    SLOT.with(|s| s.set(slot));
+    let counts = &COUNTS[slot];
+    counts
+        .peak
+        .store(counts.live.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+/// The most bytes rank `rank` has held at once since [`attribute_to_rank`].
+pub fn peak(rank: usize) -> usize {
+    let slot = (rank + 1).min(SLOTS - 1);
+    COUNTS[slot].peak.load(Ordering::Relaxed).max(0) as usize
+}
+
+/// mimalloc, counting each allocation against the rank of the thread that made it.
+pub struct Counting;
+
+/// The header before each allocation: at least 16 bytes and the alignment, so the
+/// allocation keeps its alignment; the slot is in its last 8 bytes.
+fn header(layout: Layout) -> usize {
+    layout.align().max(16)
+}
+
+fn count(slot: usize, bytes: isize) {
+    let counts = &COUNTS[slot];
+    let live = counts.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    counts.peak.fetch_max(live, Ordering::Relaxed);
+}
+
+fn this_slot() -> usize {
+    SLOT.try_with(Cell::get).unwrap_or(0)
+}
+
+// SAFETY: forwards to mimalloc with a larger layout of the same alignment and returns the
+// address past the header, which keeps the caller's alignment (the header is a multiple
+// of it); dealloc and realloc undo exactly that.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let header = header(layout);
+        let Ok(inner) = Layout::from_size_align(layout.size() + header, layout.align()) else {
+            return std::ptr::null_mut();
+        };
+        // SAFETY: a non-zero size (the header).
+        let base = unsafe { mimalloc::MiMalloc.alloc(inner) };
+        if base.is_null() {
+            return base;
+        }
+        let slot = this_slot();
+        // SAFETY: the header's last 8 bytes are inside the allocation and aligned to 8.
+        unsafe { base.add(header - 8).cast::<u64>().write(slot as u64) };
+        count(slot, layout.size() as isize);
+        // SAFETY: inside the allocation.
+        unsafe { base.add(header) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        let header = header(layout);
+        // SAFETY: `ptr` came from `alloc` with this layout: the header precedes it.
+        let base = unsafe { ptr.sub(header) };
+        let slot = unsafe { base.add(header - 8).cast::<u64>().read() } as usize;
+        count(slot.min(SLOTS - 1), -(layout.size() as isize));
+        let inner = Layout::from_size_align(layout.size() + header, layout.align())
+            .expect("the layout alloc made");
+        // SAFETY: allocated by mimalloc with `inner`.
+        unsafe { mimalloc::MiMalloc.dealloc(base, inner) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let header = header(layout);
+        // SAFETY: as in `dealloc`.
+        let base = unsafe { ptr.sub(header) };
+        let slot = unsafe { base.add(header - 8).cast::<u64>().read() } as usize;
+        let inner = Layout::from_size_align(layout.size() + header, layout.align())
+            .expect("the layout alloc made");
+        // SAFETY: allocated by mimalloc with `inner`; the header moves with the bytes.
+        let moved = unsafe { mimalloc::MiMalloc.realloc(base, inner, new_size + header) };
+        if moved.is_null() {
+            return moved;
+        }
+        count(
+            slot.min(SLOTS - 1),
+            new_size as isize - layout.size() as isize,
+        );
+        // SAFETY: inside the allocation.
+        unsafe { moved.add(header) }
+    }
+}

@@ -83,6 +83,10 @@ pub struct BlockConfig {
     pub hidden_dropout: f64,
     /// GELU formula of the MLP.
     pub gelu: Gelu,
+    /// Recompute the attention core (scores, softmax, dropout, the product with the
+    /// values) in backward instead of keeping its `sequence²` activations: Megatron's
+    /// `selective` recomputation.
+    pub recompute_attention_core: bool,
 }
 
 impl BlockConfig {
@@ -96,6 +100,7 @@ impl BlockConfig {
             attention_dropout: 0.0,
             hidden_dropout: 0.0,
             gelu: Gelu::Tanh,
+            recompute_attention_core: false,
         }
     }
 }
@@ -170,6 +175,7 @@ pub struct ParallelSelfAttention {
     local_heads: usize,
     head_dim: usize,
     dropout: f64,
+    recompute_core: bool,
 }
 
 impl ParallelSelfAttention {
@@ -221,6 +227,7 @@ impl ParallelSelfAttention {
             local_heads: heads / tp.size(),
             head_dim: hidden / heads,
             dropout: config.attention_dropout,
+            recompute_core: config.recompute_attention_core,
         })
     }
 
@@ -259,15 +266,15 @@ impl ParallelSelfAttention {
                 .reshape(&[batch * heads, seq, head_dim])?)
         };
         let (query, key, value) = (part(0)?, part(1)?, part(2)?);
-        let probs = query
-            .matmul_transposed(&key)?
-            .causal_softmax(1.0 / (head_dim as f64).sqrt())?;
-        let probs = match rng {
-            Some(rng) => probs.dropout(self.dropout, rng.model_parallel_stream())?,
-            None => probs,
+        let core = crate::recompute::AttentionCore {
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            dropout: self.dropout,
         };
-        let context = probs
-            .matmul(&value)?
+        let context = match rng {
+            Some(rng) if self.recompute_core => core.recomputed(&query, &key, &value, rng)?,
+            rng => core.forward(&query, &key, &value, rng)?,
+        };
+        let context = context
             .reshape(&[batch, heads, seq, head_dim])?
             .permute(&[2, 0, 1, 3])?
             .reshape(&[seq, batch, heads * head_dim])?;

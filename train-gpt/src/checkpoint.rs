@@ -138,6 +138,7 @@ impl TrainerState {
                 // Dropout is a setting of each run, not of the weights.
                 attention_dropout: 0.0,
                 hidden_dropout: 0.0,
+                recompute_attention_core: false,
             },
             global_batch: number(&state["global_batch"])?,
             losses,

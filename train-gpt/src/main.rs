@@ -68,6 +68,8 @@ use train::{train_rank, RankResult, Schedule, TrainConfig};
 enum RecomputeGranularity {
     /// Whole transformer blocks.
     Full,
+    /// The attention core of every block (scores, softmax, dropout).
+    Selective,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -262,10 +264,10 @@ struct Args {
     /// Also save every this many steps.
     #[arg(long, value_name = "N", requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
     save_interval: Option<u64>,
-    /// Recompute activations in backward instead of keeping them (Megatron's
-    /// --recompute-granularity; only `full` is implemented: whole blocks keep only their
-    /// input, and their forward runs again in backward, with the same dropout masks).
-    #[arg(long, value_enum, requires = "recompute_method")]
+    /// Recompute activations in backward instead of keeping them, with the same dropout
+    /// masks (Megatron's --recompute-granularity): `full` whole blocks, as
+    /// --recompute-method says; `selective` each block's attention core.
+    #[arg(long, value_enum)]
     recompute_granularity: Option<RecomputeGranularity>,
     /// `uniform`: the blocks of each model chunk in groups of --recompute-num-layers,
     /// each group recomputed; `block`: only the first --recompute-num-layers blocks of
@@ -667,6 +669,7 @@ fn run_mpi_backend(_: &Args, _: &Corpus, _: Option<std::ops::Range<usize>>) -> R
 /// Checks every flag before any rank starts, saying what would be valid.
 fn validate(args: &Args, dp: usize) -> Result<()> {
     validate_model(args, dp)?;
+    validate_recompute(args)?;
     validate_optimizer(args)?;
     validate_pipeline(args)?;
     if let Some(dir) = &args.resume {
@@ -674,6 +677,22 @@ fn validate(args: &Args, dp: usize) -> Result<()> {
         saved.check_compatible(&train_config(args).model, args.batch * dp, args.steps)?;
     }
     Ok(())
+}
+
+/// `--recompute-method` goes with `full` recomputation, and `full` needs one.
+fn validate_recompute(args: &Args) -> Result<()> {
+    match (args.recompute_granularity, args.recompute_method) {
+        (Some(RecomputeGranularity::Full), None) => bail!(
+            "--recompute-granularity full needs --recompute-method: uniform (the blocks in \
+             groups of --recompute-num-layers) or block (the first --recompute-num-layers \
+             blocks of each model chunk)"
+        ),
+        (Some(RecomputeGranularity::Selective), Some(_)) => bail!(
+            "--recompute-method applies to --recompute-granularity full; selective \
+             recomputes every block's attention core: drop --recompute-method"
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// The model's and the batch's sizes against the tensor-parallel split.
@@ -807,6 +826,8 @@ fn train_config(args: &Args) -> TrainConfig {
             tied: !args.untie_embeddings_and_output_weights,
             attention_dropout: args.attention_dropout,
             hidden_dropout: args.hidden_dropout,
+            recompute_attention_core: args.recompute_granularity
+                == Some(RecomputeGranularity::Selective),
         },
         tp: args.tp,
         pp: args.pp,
@@ -839,10 +860,12 @@ fn train_config(args: &Args) -> TrainConfig {
     }
 }
 
-/// The blocks `--recompute-*` recompute.
+/// The blocks `--recompute-granularity full` recomputes.
 fn recompute(args: &Args) -> Option<model::Recompute> {
     let layers = args.recompute_num_layers as usize;
-    args.recompute_granularity?;
+    if args.recompute_granularity != Some(RecomputeGranularity::Full) {
+        return None;
+    }
     Some(match args.recompute_method? {
         RecomputeMethod::Uniform => model::Recompute::Uniform(layers),
         RecomputeMethod::Block => model::Recompute::Block(layers),
@@ -1095,6 +1118,8 @@ fn compare_with_one_rank(
 /// The same training on one rank: TP = 1, DP = 1, the whole global batch.
 fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
     println!("check: the same steps with TP 1 × DP 1 on one rank");
+    let mut reference = train_config(args);
+    reference.model.recompute_attention_core = false;
     let config = TrainConfig {
         tp: 1,
         pp: 1,
@@ -1117,7 +1142,7 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
         eval_interval: 0,
         distributed_optimizer: false,
         check_tied: false,
-        ..train_config(args)
+        ..reference
     };
     let progress = Progress::new("check", args.steps, args.batch * dp * args.seq);
     let mut results = run_local(1, |comm| {

@@ -36,6 +36,9 @@ pub struct GptConfig {
     /// Dropout on attention probabilities and on each residual branch, in training.
     pub attention_dropout: f64,
     pub hidden_dropout: f64,
+    /// Recompute each block's attention core in backward (selective recomputation), a
+    /// setting of the run like dropout.
+    pub recompute_attention_core: bool,
 }
 
 /// The whole model, or (under pipeline parallelism) the blocks of one stage, with the
@@ -99,6 +102,7 @@ impl Gpt {
         let block = BlockConfig {
             attention_dropout: config.attention_dropout,
             hidden_dropout: config.hidden_dropout,
+            recompute_attention_core: config.recompute_attention_core,
             ..BlockConfig::new(config.hidden, config.heads)
         };
         let first = if blocks.start == 0 {

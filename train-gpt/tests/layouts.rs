@@ -64,6 +64,11 @@ const REFUSED: &[(&str, &str)] = &[
     ("--lr-warmup-init 1", "init_lr"),
     ("--hidden-dropout 1", "--hidden-dropout"),
     ("--weight-decay=-1", "--weight-decay"),
+    ("--recompute-granularity full", "needs --recompute-method"),
+    (
+        "--recompute-granularity selective --recompute-method block",
+        "drop --recompute-method",
+    ),
 ];
 
 /// The demo with [`SIZES`] (those `layout` does not set), no validation unless asked.

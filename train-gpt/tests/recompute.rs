@@ -1,6 +1,7 @@
-//! `--recompute-granularity full`: the demo trains the same losses, bit for bit, whether
-//! blocks keep their activations or recompute them in backward, with dropout on, under
-//! tensor, sequence and pipeline parallelism, by either method.
+//! `--recompute-granularity full|selective`: the demo trains the same losses, bit for
+//! bit, whether blocks keep their activations or recompute them (or their attention
+//! cores) in backward, with dropout on, under tensor, sequence and pipeline parallelism;
+//! and its measured peak shows what that saves.
 
 mod common;
 
@@ -40,13 +41,19 @@ fn recomputed_blocks_train_the_same_losses_bit_for_bit() {
     ] {
         let kept = root.join(format!("{name}-kept"));
         train(layout, "", &kept);
-        for method in [
-            "uniform --recompute-num-layers 2",
-            "block --recompute-num-layers 1",
+        for (method, flags) in [
+            (
+                "uniform",
+                "full --recompute-method uniform --recompute-num-layers 2",
+            ),
+            (
+                "block",
+                "full --recompute-method block --recompute-num-layers 1",
+            ),
+            ("selective", "selective"),
         ] {
-            let out = root.join(format!("{name}-{}", &method[..5]));
-            let flags = format!("--recompute-granularity full --recompute-method {method}");
-            train(layout, &flags, &out);
+            let out = root.join(format!("{name}-{method}"));
+            train(layout, &format!("--recompute-granularity {flags}"), &out);
             for file in ["loss.csv", "validation.csv"] {
                 assert_eq!(
                     rows(&out.join(file)),
@@ -82,15 +89,22 @@ fn peak(flags: &str) -> usize {
 }
 
 /// The measured peak shows what recomputation and the 1F1B schedule trade: recomputing
-/// every block holds well under half the activations, and 1F1B's first stage holds at
-/// most two microbatches' activations where GPipe's holds all eight.
+/// every block holds well under half the activations, recomputing the attention cores
+/// less, and 1F1B's first stage holds at most two microbatches' activations where
+/// GPipe's holds all eight.
 #[test]
 fn the_measured_peak_falls_with_recomputation_and_with_1f1b() {
     let kept = peak("--tp 1 --dp 1");
-    let recomputed = peak("--tp 1 --dp 1 --recompute-granularity full --recompute-method uniform");
+    let full = "--recompute-granularity full --recompute-method uniform";
+    let recomputed = peak(&format!("--tp 1 --dp 1 {full}"));
     assert!(
         2 * recomputed < kept,
         "recomputed {recomputed}, kept {kept}"
+    );
+    let selective = peak("--tp 1 --dp 1 --recompute-granularity selective");
+    assert!(
+        recomputed < selective && selective < kept,
+        "selective {selective}"
     );
     let gpipe = peak("--tp 1 --dp 1 --pp 2 --microbatches 8 --schedule gpipe");
     let one_f_one_b = peak("--tp 1 --dp 1 --pp 2 --microbatches 8 --schedule 1f1b");

@@ -523,8 +523,14 @@ fn run_local_backend(
         println!("pipeline timeline of the last step: {}", path.display());
     }
     let busiest = busiest_rank(results.iter().map(step_costs));
+    let peak = busiest[5] as usize;
+    let state = (results.iter().map(|r| busiest_model_state(r, peak)))
+        .fold([0.0f64; 4], |most, s| {
+            std::array::from_fn(|i| most[i].max(s[i]))
+        });
     let mut result = results.swap_remove(0);
     set_step_costs(&mut result, busiest);
+    set_model_state(&mut result, state);
     finish(args, corpus, dp, result)
 }
 
@@ -540,6 +546,25 @@ fn step_costs(result: &RankResult) -> [f64; 6] {
         result.host_waits_per_step,
         result.peak_bytes as f64,
     ]
+}
+
+/// The model state of the rank with the largest peak, given that peak (the ranks that
+/// reach it report theirs, the others zeros, and the largest of each figure is kept).
+fn busiest_model_state(result: &RankResult, peak: usize) -> [f64; 4] {
+    let s = result.model_state;
+    let mine = [s.values, s.grads, s.masters, s.moments].map(|b| b as f64);
+    if result.peak_bytes == peak {
+        mine
+    } else {
+        [0.0; 4]
+    }
+}
+
+fn set_model_state(result: &mut RankResult, [values, grads, masters, moments]: [f64; 4]) {
+    result.model_state.values = values as usize;
+    result.model_state.grads = grads as usize;
+    result.model_state.masters = masters as usize;
+    result.model_state.moments = moments as usize;
 }
 
 /// The largest of each figure over the ranks: the report shows the busiest rank's (the
@@ -643,7 +668,10 @@ fn run_mpi_backend(
     // The busiest rank's transfers and host waits, as the threads backend reports them.
     let mut costs = step_costs(&result);
     comm_core::CommunicatorExt::all_reduce_slice(&*world, &mut costs, comm_core::ReduceOp::Max)?;
+    let mut state = busiest_model_state(&result, costs[5] as usize);
+    comm_core::CommunicatorExt::all_reduce_slice(&*world, &mut state, comm_core::ReduceOp::Max)?;
     set_step_costs(&mut result, costs);
+    set_model_state(&mut result, state);
     if rank0 {
         finish(args, corpus, dp, result)?;
     }
@@ -1042,6 +1070,17 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         println!("host waits per step and rank: {waits}");
     }
     println!("measured peak per rank: {} bytes", result.peak_bytes);
+    let s = result.model_state;
+    println!(
+        "  of which model state {} (parameters {}, gradients {}, master weights {}, AdamW \
+         moments {}), activations and the rest {}",
+        s.total(),
+        s.values,
+        s.grads,
+        s.masters,
+        s.moments,
+        result.peak_bytes.saturating_sub(s.total())
+    );
     if let Some(tied) = result.tied_copies {
         println!("{}", describe_tied_copies(&tied));
     }

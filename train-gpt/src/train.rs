@@ -145,6 +145,8 @@ pub struct RankResult {
     /// The most host memory this rank held at once, from building its model to the end
     /// of training (allocations its thread made; see `crate::memory`).
     pub peak_bytes: usize,
+    /// What its model state takes, the known part of that peak.
+    pub model_state: ModelState,
 }
 
 /// Trains on every rank of `world` (tensor-parallel size `config.tp`, the rest data
@@ -173,9 +175,9 @@ pub fn train_rank(
     }
     let ddps = build_ddps(&models, &state, config)?;
     let optimizer = TrainOptimizer::new(&ddps, config)?;
+    let model_state = ModelState::of(&models, &ddps, &optimizer);
     if let Some(progress) = progress {
-        let dp_size = state.dp_size();
-        progress.note(&model_state_line(&models, &ddps, &optimizer, dp_size));
+        progress.note(&model_state_line(&model_state, state.dp_size()));
     }
     // Megatron seeds each pipeline stage apart; here each chunk (virtual stage) has its
     // own tracker.
@@ -214,6 +216,7 @@ pub fn train_rank(
         saved: history.saved,
         save_wait: history.save_wait,
         peak_bytes,
+        model_state,
         stopped: history.stopped,
     })
 }
@@ -738,21 +741,15 @@ fn readable(scale: f64) -> String {
 
 /// The line the run starts with about memory: bytes per parameter on this rank for the
 /// parameters, their (f32) main gradients, master weights and AdamW's moments.
-fn model_state_line(
-    models: &[Gpt],
-    ddps: &[DistributedDataParallel],
-    optimizer: &TrainOptimizer,
-    dp_size: usize,
-) -> String {
-    let params: Vec<Parameter> = models
-        .iter()
-        .flat_map(Module::parameters)
-        .map(|sharded| sharded.param)
-        .collect();
-    let count = params.iter().map(Parameter::numel).sum::<usize>().max(1) as f64;
-    let values: usize = params.iter().map(|p| p.value().nbytes()).sum();
-    let grads: usize = ddps.iter().map(DistributedDataParallel::buffer_bytes).sum();
-    let (masters, moments) = optimizer.state_bytes();
+fn model_state_line(state: &ModelState, dp_size: usize) -> String {
+    let ModelState {
+        parameters: count,
+        values,
+        grads,
+        masters,
+        moments,
+    } = *state;
+    let count = count.max(1) as f64;
     let per = |bytes: usize| bytes as f64 / count;
     format!(
         "model state per rank: {:.2} bytes per parameter (parameters {:.2}, gradients {:.2}, \
@@ -763,6 +760,40 @@ fn model_state_line(
         per(masters),
         per(moments)
     )
+}
+
+/// What a rank's model state takes: its parameters and the bytes of their values,
+/// gradient buckets, f32 master weights and AdamW moments.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ModelState {
+    pub parameters: usize,
+    pub values: usize,
+    pub grads: usize,
+    pub masters: usize,
+    pub moments: usize,
+}
+
+impl ModelState {
+    fn of(models: &[Gpt], ddps: &[DistributedDataParallel], optimizer: &TrainOptimizer) -> Self {
+        let params: Vec<Parameter> = models
+            .iter()
+            .flat_map(Module::parameters)
+            .map(|sharded| sharded.param)
+            .collect();
+        let (masters, moments) = optimizer.state_bytes();
+        ModelState {
+            parameters: params.iter().map(Parameter::numel).sum(),
+            values: params.iter().map(|p| p.value().nbytes()).sum(),
+            grads: ddps.iter().map(DistributedDataParallel::buffer_bytes).sum(),
+            masters,
+            moments,
+        }
+    }
+
+    /// The bytes in all.
+    pub fn total(&self) -> usize {
+        self.values + self.grads + self.masters + self.moments
+    }
 }
 
 /// AdamW kept whole on every data-parallel rank (on the parameters, or on f32 master

@@ -389,11 +389,12 @@ impl<'a> BufMut<'a> {
         }
         // SAFETY: both ranges hold `bytes` bytes (same dtype and length, checked), the
         // message is this call's alone, and `&mut self` makes this view the only access.
-        unsafe { to.copy(dst, src.ptr as usize as u64, bytes)? };
+        let copied = unsafe { to.copy(dst, src.ptr as usize as u64, bytes) };
+        // Whether or not the copy was queued, the free waits for this stream.
         if crosses {
             from.wait(&to.record()?)?;
         }
-        Ok(())
+        Ok(copied?)
     }
 
     /// Copies `src`'s bytes into this host view (as many as both hold).

@@ -167,8 +167,9 @@ struct Allocation {
     id: u64,
     bytes: u64,
     kind: &'static str,
-    /// At most [`RECORDS_KEPT`], allocated with the allocation: the checker allocates
-    /// nothing per call, so counting allocators see device memory, not bookkeeping.
+    /// At most [`RECORDS_KEPT`], allocated with the allocation: records never grow, so
+    /// counting allocators see device memory, not bookkeeping (clocks, a few words per
+    /// stream, are copied per call).
     records: Vec<Record>,
 }
 
@@ -207,8 +208,9 @@ pub(crate) fn drop_stream(agent: u64) {
 }
 
 /// Queues a call `op` on stream `agent` that makes `accesses`: checks each against the
-/// conflicting accesses before it and records it. The first unordered pair is the error
-/// (the call still counts as queued: the emulator has run it or is about to).
+/// conflicting accesses before it and records it. The first unordered pair is the error;
+/// the accesses are recorded either way, and callers return the error without running
+/// the call.
 pub(crate) fn queue(agent: u64, op: &'static str, accesses: &[Access]) -> Result<()> {
     let thread = this_thread();
     let mut state = STATE.lock();

@@ -96,6 +96,7 @@
 //! must divide evenly ([`Error::NotDivisible`]).
 #![warn(missing_docs)]
 
+mod attention_core;
 pub mod checkpoint;
 mod clip;
 mod cross_entropy;

@@ -266,7 +266,7 @@ impl ParallelSelfAttention {
                 .reshape(&[batch * heads, seq, head_dim])?)
         };
         let (query, key, value) = (part(0)?, part(1)?, part(2)?);
-        let core = crate::recompute::AttentionCore {
+        let core = crate::attention_core::AttentionCore {
             scale: 1.0 / (head_dim as f64).sqrt(),
             dropout: self.dropout,
         };

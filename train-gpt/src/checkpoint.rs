@@ -342,15 +342,17 @@ pub fn partial_dir(root: &Path, step: usize) -> PathBuf {
     root.join(format!(".step_{step:07}.partial"))
 }
 
-/// What `--resume DIR` continues from: `DIR` itself when it is a checkpoint, else its
-/// complete `step_*` directory of the highest step (the rename into place is what
-/// completes a save, so a crash before the `latest` marker moved still finds it), else
-/// the one the marker names; `None` when it holds no complete checkpoint. Incomplete
-/// ones (no trainer state, which is written last) are never chosen.
+/// What `--resume DIR` continues from: the checkpoint `DIR`'s `latest` marker names,
+/// else (no marker, or one naming nothing complete) its complete `step_*` directory of
+/// the highest step, else `DIR` itself when it is a checkpoint; `None` when it holds
+/// none. The marker comes first because a run resumed from an earlier step saves below
+/// the steps of the run it abandoned, whose directories may remain. Incomplete
+/// checkpoints (no trainer state, which is written last) are never chosen.
 pub fn newest(dir: &Path) -> Result<Option<PathBuf>> {
     let complete = |path: &Path| path.join(TRAINER_STATE).is_file();
-    if complete(dir) {
-        return Ok(Some(dir.to_path_buf()));
+    let marked = std::fs::read_to_string(dir.join(LATEST)).map(|name| dir.join(name.trim()));
+    if let Some(marked) = marked.ok().filter(|path| complete(path)) {
+        return Ok(Some(marked));
     }
     let highest = steps(dir)?
         .into_iter()
@@ -359,8 +361,7 @@ pub fn newest(dir: &Path) -> Result<Option<PathBuf>> {
     if let Some((_, path)) = highest {
         return Ok(Some(path));
     }
-    let marked = std::fs::read_to_string(dir.join(LATEST)).map(|name| dir.join(name.trim()));
-    Ok(marked.ok().filter(|path| complete(path)))
+    Ok(complete(dir).then(|| dir.to_path_buf()))
 }
 
 /// The `step_*` directories under `root`, by step.
@@ -400,6 +401,16 @@ pub fn prepare_save(root: &Path, step: usize) -> Result<()> {
 /// previous complete checkpoint, or this one, for `newest` to find.
 pub fn commit_save(root: &Path, step: usize, keep: Option<usize>) -> Result<PathBuf> {
     let (partial, done) = (partial_dir(root, step), step_dir(root, step));
+    // Every file is on disk already; their names, in each stage's directory, too.
+    let listing = std::fs::read_dir(&partial)
+        .with_context(|| format!("cannot list {}", partial.display()))?;
+    for entry in listing {
+        let path = entry?.path();
+        if path.is_dir() {
+            sync_dir(&path)?;
+        }
+    }
+    sync_dir(&partial)?;
     crate::faults::point("before the rename", step);
     if done.exists() {
         // A save of this step already completed (a run resumed before it): replaced.
@@ -414,10 +425,11 @@ pub fn commit_save(root: &Path, step: usize, keep: Option<usize>) -> Result<Path
     write_atomically(&root.join(LATEST), &name.unwrap_or_default())?;
     sync_dir(root)?;
     if let Some(keep) = keep {
-        // The newest others, besides this one (which `latest` names, whatever its step).
+        // The newest others below this one (which `latest` names); saves of higher steps
+        // belong to a run this one resumed before, and are left alone.
         let others: Vec<_> = steps(root)?
             .into_iter()
-            .filter(|(s, _)| *s != step)
+            .filter(|(s, _)| *s < step)
             .collect();
         let old = others.len().saturating_sub(keep.saturating_sub(1));
         for (_, path) in &others[..old] {

@@ -482,7 +482,7 @@ fn run_local_backend(
 ) -> Result<()> {
     let dp = args.dp.unwrap_or(2);
     validate(args, dp)?;
-    let config = train_config(args);
+    let config = training_config(args);
     let world = args.tp * args.pp * dp;
     if let Some(devices) = &devices {
         let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
@@ -661,7 +661,7 @@ fn run_mpi_backend(
     let (world, device) = connect(world, args.device, devices, placement.local_rank)?;
     let config = TrainConfig {
         device,
-        ..train_config(args)
+        ..training_config(args)
     };
     let progress = rank0.then(|| Progress::new("train", args.steps, args.batch * dp * args.seq));
     let mut result = train_rank(world.clone(), &config, corpus, progress.as_ref())?;
@@ -882,9 +882,19 @@ fn train_config(args: &Args) -> TrainConfig {
         save_keep: args.save_keep.map(|n| n as usize),
         async_save: args.async_save,
         recompute: recompute(args),
-        stop: Some(stop::install()),
+        // Installed where training starts (`training_config`), not while checking flags.
+        stop: None,
         sample: true,
         check_tied: args.check,
+    }
+}
+
+/// The run's configuration, with SIGTERM and SIGINT now asking it to stop after a step
+/// (a signal before this point ends the program as usual).
+fn training_config(args: &Args) -> TrainConfig {
+    TrainConfig {
+        stop: Some(stop::install()),
+        ..train_config(args)
     }
 }
 
@@ -1015,6 +1025,8 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
 /// On world rank 0 after training: the loss curve, the samples and, with --check, the
 /// comparison against one rank. The comparison's line is the program's last.
 fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result<()> {
+    // Training is over: a signal from here on (during --check, say) ends the program.
+    stop::uninstall();
     let losses = &result.losses;
     println!(
         "loss: {:.4} at step 1 → {:.4} at step {}",

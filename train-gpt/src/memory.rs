@@ -60,6 +60,28 @@ fn count(slot: usize, bytes: isize) {
     counts.peak.fetch_max(live, Ordering::Relaxed);
 }
 
+/// Allocates `layout` with its header through `raw` and counts it against this thread's
+/// rank.
+///
+/// # Safety
+/// `raw` must allocate its layout as `GlobalAlloc::alloc` does.
+unsafe fn allocate(layout: Layout, raw: impl FnOnce(Layout) -> *mut u8) -> *mut u8 {
+    let header = header(layout);
+    let Ok(inner) = Layout::from_size_align(layout.size() + header, layout.align()) else {
+        return std::ptr::null_mut();
+    };
+    let base = raw(inner);
+    if base.is_null() {
+        return base;
+    }
+    let slot = this_slot();
+    // SAFETY: the header's last 8 bytes are inside the allocation and aligned to 8.
+    unsafe { base.add(header - 8).cast::<u64>().write(slot as u64) };
+    count(slot, layout.size() as isize);
+    // SAFETY: inside the allocation.
+    unsafe { base.add(header) }
+}
+
 fn this_slot() -> usize {
     SLOT.try_with(Cell::get).unwrap_or(0)
 }
@@ -69,21 +91,13 @@ fn this_slot() -> usize {
 // of it); dealloc and realloc undo exactly that.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let header = header(layout);
-        let Ok(inner) = Layout::from_size_align(layout.size() + header, layout.align()) else {
-            return std::ptr::null_mut();
-        };
-        // SAFETY: a non-zero size (the header).
-        let base = unsafe { mimalloc::MiMalloc.alloc(inner) };
-        if base.is_null() {
-            return base;
-        }
-        let slot = this_slot();
-        // SAFETY: the header's last 8 bytes are inside the allocation and aligned to 8.
-        unsafe { base.add(header - 8).cast::<u64>().write(slot as u64) };
-        count(slot, layout.size() as isize);
-        // SAFETY: inside the allocation.
-        unsafe { base.add(header) }
+        // SAFETY: as the caller's.
+        unsafe { allocate(layout, |inner| mimalloc::MiMalloc.alloc(inner)) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as the caller's; mimalloc hands out zeroed pages without writing them.
+        unsafe { allocate(layout, |inner| mimalloc::MiMalloc.alloc_zeroed(inner)) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {

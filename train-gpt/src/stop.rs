@@ -19,6 +19,15 @@ extern "C" fn on_signal(signal: libc::c_int) {
     unsafe { libc::write(2, note.as_ptr().cast(), note.len()) };
 }
 
+/// Gives SIGINT and SIGTERM back their default action (ending the program), once
+/// nothing watches the flag any more.
+pub fn uninstall() {
+    for signal in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: restores the default disposition.
+        unsafe { libc::signal(signal, libc::SIG_DFL) };
+    }
+}
+
 /// Installs the handlers and returns the flag the training loop watches.
 pub fn install() -> &'static AtomicBool {
     let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;

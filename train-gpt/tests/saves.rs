@@ -123,8 +123,9 @@ fn saves_every_n_steps_keep_the_newest_and_resume_auto_continues() {
     std::fs::remove_dir_all(&root).ok();
 }
 
-/// A crash at each point of the second save (step 4) leaves step 2's checkpoint, or step
-/// 4's once it is renamed into place; resuming from the directory continues exactly.
+/// A crash at each point of the second save (step 4) leaves step 2's checkpoint, which
+/// `latest` still names (step 4's directory, renamed just before the crash, is complete
+/// but unmarked); resuming from the directory continues exactly.
 #[test]
 fn a_crash_anywhere_in_a_save_leaves_a_checkpoint_that_resumes_exactly() {
     let root = scratch("crashes");
@@ -136,7 +137,7 @@ fn a_crash_anywhere_in_a_save_leaves_a_checkpoint_that_resumes_exactly() {
         ("after the shards", 2),
         ("before the trainer state", 2),
         ("before the rename", 2),
-        ("before the marker", 4),
+        ("before the marker", 2),
     ];
     for (point, newest) in points {
         let save = dir(point);
@@ -244,5 +245,35 @@ fn asynchronous_saves_write_the_same_checkpoints() {
         rows(&root.join("B3/loss.csv")),
         rows(&root.join("A/loss.csv"))
     );
+    std::fs::remove_dir_all(&root).ok();
+}
+
+/// Resuming from an earlier checkpoint and saving again makes that run the latest, even
+/// though the abandoned run's later saves remain: `--resume auto` follows `latest`.
+#[test]
+fn a_rewound_run_is_the_one_auto_resumes() {
+    let root = scratch("rewind");
+    let dir = |name: &str| root.join(name).to_string_lossy().into_owned();
+    let checkpoints = dir("C");
+    let save = ["--save", &checkpoints, "--save-interval", "2"];
+    succeed(&[&["--steps", "6", "--out", &dir("B")], &save[..]].concat());
+    let rewind = format!("{checkpoints}/step_0000002");
+    let args = [
+        &["--steps", "4", "--resume", &rewind, "--out", &dir("B2")],
+        &save[..],
+    ];
+    succeed(&args.concat());
+    let latest = std::fs::read_to_string(root.join("C/latest")).unwrap();
+    assert_eq!(latest, "step_0000004");
+    assert!(
+        root.join("C/step_0000006").is_dir(),
+        "the abandoned save is left alone"
+    );
+    let args = [
+        &["--steps", "5", "--resume", "auto", "--out", &dir("B3")],
+        &save[..],
+    ];
+    let stdout = succeed(&args.concat());
+    assert!(stdout.contains("step_0000004"), "{stdout}");
     std::fs::remove_dir_all(&root).ok();
 }

@@ -267,18 +267,20 @@ impl<T: Copy + Default> GpuArray<T> {
     }
 
     /// What a launch of `kernel` with `args` on this array reads and writes, for the
-    /// emulated device's ordering checker: this array exactly (the output), and every
-    /// other address to the end of its allocation (the kernel's arguments say no more),
-    /// written where the kernel writes through it.
+    /// emulated device's ordering checker: each address the kernel writes through
+    /// written, the others read; this array's own range exactly (it may be the output
+    /// or an input), every other address to the end of its allocation (the kernel's
+    /// arguments say no more).
     fn accesses(&self, kernel: &Kernel, args: &KernelArgs) -> ([device::Access; 8], usize) {
         let mut accesses = [device::Access::read(0, 0); 8];
         let mut count = 0;
         let bytes = self.len() * std::mem::size_of::<T>();
         for (slot, &ptr) in args.p.iter().enumerate().filter(|(_, &p)| p != 0) {
-            accesses[count] = if ptr == self.ptr() {
-                device::Access::write(ptr, bytes)
-            } else {
-                device::Access::rest(ptr, kernel.writes(slot))
+            let write = kernel.writes(slot);
+            accesses[count] = match (ptr == self.ptr(), write) {
+                (true, true) => device::Access::write(ptr, bytes),
+                (true, false) => device::Access::read(ptr, bytes),
+                (false, write) => device::Access::rest(ptr, write),
             };
             count += 1;
         }

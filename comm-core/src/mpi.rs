@@ -1193,6 +1193,7 @@ impl Communicator for MpiCommunicator {
 
     fn irecv(&self, mut buf: crate::Buffer, src: usize) -> Result<P2pWork> {
         self.check().peer(OpKind::Recv, "source", src)?;
+        buf.as_buf_ref().declare("irecv", true)?;
         self.core.queue.wait_idle();
         let (dtype, len) = (buf.dtype(), buf.len());
         let seq = self.core.messages[1].load(Ordering::Relaxed);

@@ -156,10 +156,9 @@ fn this_thread() -> u64 {
         static AGENT: Agent = Agent(HOST_BIT | NEXT_THREAD.fetch_add(1, Ordering::Relaxed));
     }
     static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
-    // A thread past its thread-locals' destruction counts as a new one.
-    AGENT
-        .try_with(|agent| agent.0)
-        .unwrap_or_else(|_| HOST_BIT | NEXT_THREAD.fetch_add(1, Ordering::Relaxed))
+    // A thread past its thread-locals' destruction (freeing memory on its way out) is
+    // thread 0, one agent for all such threads, whose clock nothing else joins.
+    AGENT.try_with(|agent| agent.0).unwrap_or(HOST_BIT)
 }
 
 /// A tracked allocation and the accesses a later one may conflict with.
@@ -201,6 +200,8 @@ pub(crate) fn new_stream() -> u64 {
 }
 
 /// Forgets a dropped stream's clock (its recorded accesses stay: nothing ordered them).
+/// A pending unordered free of the stream is forgotten with it: nothing calls on the
+/// stream any more to report it.
 pub(crate) fn drop_stream(agent: u64) {
     let mut state = STATE.lock();
     state.clocks.remove(&agent);

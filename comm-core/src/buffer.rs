@@ -384,7 +384,10 @@ impl<'a> BufMut<'a> {
         // The sender's copy is queued on its stream: this stream waits for it, and the
         // sender's stream, which frees the message, waits for this copy.
         let crosses = !to.same_as(from);
-        if crosses && !SKIP_RECEIVE_WAIT.with(Cell::get) {
+        // The injected fault applies to the emulated device alone, where the checker
+        // reports it; on a GPU the copy would race.
+        let skip = SKIP_RECEIVE_WAIT.with(Cell::get) && to.device() == Device::Emulated;
+        if crosses && !skip {
             to.wait(&from.record()?)?;
         }
         // SAFETY: both ranges hold `bytes` bytes (same dtype and length, checked), the
@@ -919,9 +922,10 @@ thread_local! {
 }
 
 /// Fault injection for tests of the emulated device's ordering checker: while set, this
-/// thread's device-to-device receives leave out their stream's wait for the sender's
-/// copy, as a bug would, and the checker reports the receive's copy
-/// ([`Error::Unordered`]). Per thread, like ranks; for tests only.
+/// thread's device-to-device receives on the emulated device leave out their stream's
+/// wait for the sender's copy, as a bug would, and the checker reports the receive's copy
+/// ([`Error::Unordered`]). Receives on real devices ignore it (they would race). Per
+/// thread, like ranks; for tests only.
 #[doc(hidden)]
 pub fn inject_missing_receive_wait(skip: bool) {
     SKIP_RECEIVE_WAIT.with(|flag| flag.set(skip));

@@ -82,6 +82,24 @@ unsafe fn allocate(layout: Layout, raw: impl FnOnce(Layout) -> *mut u8) -> *mut 
     unsafe { base.add(header) }
 }
 
+/// The start of the mimalloc allocation behind `ptr`, the slot its header names and the
+/// layout it was made with.
+///
+/// # Safety
+/// `ptr` must come from [`Counting`] with `layout`.
+unsafe fn allocated(ptr: *mut u8, layout: Layout) -> (*mut u8, usize, Layout) {
+    let header = header(layout);
+    // SAFETY: the header precedes `ptr` in the same allocation.
+    let base = unsafe { ptr.sub(header) };
+    // SAFETY: `allocate` wrote the slot in the header's last 8 bytes.
+    let slot = unsafe { base.add(header - 8).cast::<u64>().read() } as usize;
+    // Invariant, not input: `allocate` built this very layout from the same size and
+    // alignment, so it is valid.
+    let inner = Layout::from_size_align(layout.size() + header, layout.align())
+        .expect("the layout `allocate` made");
+    (base, slot.min(SLOTS - 1), inner)
+}
+
 fn this_slot() -> usize {
     SLOT.try_with(Cell::get).unwrap_or(0)
 }
@@ -101,33 +119,23 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        let header = header(layout);
-        // SAFETY: `ptr` came from `alloc` with this layout: the header precedes it.
-        let base = unsafe { ptr.sub(header) };
-        let slot = unsafe { base.add(header - 8).cast::<u64>().read() } as usize;
-        count(slot.min(SLOTS - 1), -(layout.size() as isize));
-        let inner = Layout::from_size_align(layout.size() + header, layout.align())
-            .expect("the layout alloc made");
+        // SAFETY: `ptr` came from this allocator with `layout`.
+        let (base, slot, inner) = unsafe { allocated(ptr, layout) };
+        count(slot, -(layout.size() as isize));
         // SAFETY: allocated by mimalloc with `inner`.
         unsafe { mimalloc::MiMalloc.dealloc(base, inner) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let header = header(layout);
-        // SAFETY: as in `dealloc`.
-        let base = unsafe { ptr.sub(header) };
-        let slot = unsafe { base.add(header - 8).cast::<u64>().read() } as usize;
-        let inner = Layout::from_size_align(layout.size() + header, layout.align())
-            .expect("the layout alloc made");
+        // SAFETY: `ptr` came from this allocator with `layout`.
+        let (base, slot, inner) = unsafe { allocated(ptr, layout) };
         // SAFETY: allocated by mimalloc with `inner`; the header moves with the bytes.
         let moved = unsafe { mimalloc::MiMalloc.realloc(base, inner, new_size + header) };
         if moved.is_null() {
             return moved;
         }
-        count(
-            slot.min(SLOTS - 1),
-            new_size as isize - layout.size() as isize,
-        );
+        count(slot, new_size as isize - layout.size() as isize);
         // SAFETY: inside the allocation.
         unsafe { moved.add(header) }
     }

@@ -28,6 +28,9 @@ if ! mdbook --version 2>/dev/null | grep -q "$mdbook_version"; then
     cargo install --locked --quiet mdbook --version "$mdbook_version"
 fi
 
+# CI builds everything once: an incremental cache would only take disk (gigabytes for
+# the suite's test binaries) and save nothing.
+export CARGO_INCREMENTAL=0
 # OpenMPI refuses to start as root unless told; CI machines run as root.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # Containers often lack the network interfaces OpenMPI probes; stay on shared memory.

@@ -2,7 +2,8 @@
 # The whole ferrotron test suite, as CI runs it (.ci/run calls exactly this script).
 # Installs what it needs on Debian/Ubuntu (skipping what is present), then runs:
 # rustfmt, clippy with every feature, all workspace tests (unit, integration, doc; the
-# doctests include every Rust example of the mdBook), the MPI test binaries under mpirun
+# doctests include every Rust example of the mdBook), the emulated device's tests again
+# under FERROTRON_EMULATED_JITTER with two seeds, the MPI test binaries under mpirun
 # with 2 and 4 ranks, the check that mismatched MPI calls fail every rank with no setting,
 # and builds the mdBook.
 set -euo pipefail
@@ -50,9 +51,33 @@ if [ "$status" -ne 0 ]; then
     exit "$status"
 fi
 
+test_binaries=$(cargo test --workspace --all-features --no-run --message-format=json 2>/dev/null |
+    grep -o '"executable":"[^"]*"' | sed 's/"executable":"//; s/"$//' | sort -u)
+
+echo "==> the emulated device's tests again, its streams' workers delayed at random"
+# Every test file that runs on the emulated device (directly or through tape's device
+# helper); its binary is named after it and runs in its package's directory, as cargo
+# runs it.
+emulated=$(grep -rlE 'Emulated|emulated|support/device\.rs' --include='*.rs' ./*/tests |
+    grep -v '/support/' | sort -u)
+for seed in 1 2; do
+    for file in $emulated; do
+        package=${file%%/tests/*} name=$(basename "$file" .rs)
+        for test in $(echo "$test_binaries" | grep -E "/deps/${name}-[0-9a-f]+$"); do
+            log=$(mktemp)
+            (cd "$package" && FERROTRON_EMULATED_JITTER=$seed timeout 600 "$test" -q) >"$log" 2>&1 || {
+                cat "$log" >&2
+                echo "$file failed with FERROTRON_EMULATED_JITTER=$seed" >&2
+                exit 1
+            }
+            rm "$log"
+        done
+    done
+    echo "--> FERROTRON_EMULATED_JITTER=$seed: the tests of $(echo "$emulated" | wc -w) files passed"
+done
+
 echo "==> MPI test binaries under mpirun"
-mpi_tests=$(cargo test --workspace --all-features --no-run --message-format=json 2>/dev/null |
-    grep -o '"executable":"[^"]*/mpi_[a-z_]*-[0-9a-f]*"' | sed 's/"executable":"//; s/"$//' | sort -u)
+mpi_tests=$(echo "$test_binaries" | grep -E '/mpi_[a-z_]*-[0-9a-f]*$')
 if [ -z "$mpi_tests" ]; then
     echo "no MPI test binaries found" >&2
     exit 1

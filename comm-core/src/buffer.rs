@@ -150,6 +150,16 @@ macro_rules! view_accessors {
             .map_err(Error::from)
         }
 
+        /// Whether the host may read or write the elements now: host memory always;
+        /// emulated memory once the work queued on its stream has run (its worker runs
+        /// behind the host, and may still be writing them), which this waits for.
+        fn settled(&self) -> bool {
+            match (self.emulated, self.ordered_on) {
+                (true, Some(stream)) => stream.drain_emulated().is_ok(),
+                _ => true,
+            }
+        }
+
         /// The stream device memory is ordered on; `None` for host memory.
         #[cfg(feature = "cuda")]
         pub(crate) fn cuda_stream(&self) -> Option<StreamRef<'a>> {
@@ -170,9 +180,11 @@ impl<'a> BufRef<'a> {
     view_accessors!();
 
     /// The elements as a typed host slice, if the view is host (or emulated device)
-    /// memory of type `T`.
+    /// memory of type `T`; emulated memory once the work queued on its stream has run
+    /// (`None` if that stream is broken).
     pub fn as_host_slice<T: Element>(&self) -> Option<&'a [T]> {
-        (self.memory().is_host_addressable() && self.dtype == T::DTYPE).then(|| {
+        let readable = self.memory().is_host_addressable() && self.dtype == T::DTYPE;
+        (readable && self.settled()).then(|| {
             // SAFETY: built from a `&'a [T]` (or `&'a mut [T]`) of this length and type.
             unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.len) }
         })
@@ -289,9 +301,11 @@ impl<'a> BufMut<'a> {
     }
 
     /// The elements as a typed mutable host slice, if the view is host (or emulated
-    /// device) memory of type `T`.
+    /// device) memory of type `T`; emulated memory once the work queued on its stream
+    /// has run (`None` if that stream is broken).
     pub fn as_host_slice_mut<T: Element>(&mut self) -> Option<&mut [T]> {
-        (self.memory().is_host_addressable() && self.dtype == T::DTYPE).then(|| {
+        let writable = self.memory().is_host_addressable() && self.dtype == T::DTYPE;
+        (writable && self.settled()).then(|| {
             // SAFETY: built from a `&'a mut [T]` of this length and type, and `&mut self`
             // guarantees exclusive access for the returned lifetime.
             unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<T>(), self.len) }

@@ -3,8 +3,10 @@
 //! tensors, so a missing stream wait is an error on every machine instead of a race on a
 //! GPU.
 //!
-//! The emulated device runs each call as it is made, so its results never show a missing
-//! wait. What the checker follows is what a GPU would guarantee: a vector clock per agent
+//! The emulated device's streams run on worker threads (`crate::emulated`), so a missing
+//! wait may change a result there, but only when the timing happens to expose it. The
+//! checker finds it whatever the timing, by following what a GPU would guarantee: a
+//! vector clock per agent
 //! (how far into every agent's work its next call is ordered), where the agents are the
 //! streams and the host threads.
 //! - A call queued on a stream is ordered after the stream's earlier calls, after what
@@ -289,13 +291,15 @@ pub(crate) fn allocated(agent: Option<u64>, kind: &'static str, ptr: u64, bytes:
 
 /// Stops tracking the allocation at `ptr`, freed in stream `agent`'s order (`None`: by this
 /// thread, once its copies are waited for). An unordered free becomes the stream's pending
-/// error; the host's is dropped, as its owner has waited for every copy it queued.
-pub(crate) fn freed(agent: Option<u64>, ptr: u64) {
+/// error, and `false` tells the caller to leak the memory rather than free it under work
+/// that may still use it; the host's free is taken as ordered, as its owner has waited
+/// for every copy it queued.
+pub(crate) fn freed(agent: Option<u64>, ptr: u64) -> bool {
     let thread = this_thread();
     let mut state = STATE.lock();
     let bytes = match state.allocations.get(&ptr) {
         Some(allocation) => allocation.bytes as usize,
-        None => return,
+        None => return true,
     };
     let access = [Access::write(ptr, bytes)];
     let result = match agent {
@@ -303,8 +307,12 @@ pub(crate) fn freed(agent: Option<u64>, ptr: u64) {
         None => Ok(()),
     };
     state.allocations.remove(&ptr);
-    if let (Err(error), Some(agent)) = (result, agent) {
-        state.sticky.entry(agent).or_insert(error);
+    match (result, agent) {
+        (Err(error), Some(agent)) => {
+            state.sticky.entry(agent).or_insert(error);
+            false
+        }
+        _ => true,
     }
 }
 

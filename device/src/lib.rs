@@ -37,6 +37,7 @@ mod checker;
 mod counters;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod emulated;
 mod error;
 mod memory;
 mod module;

@@ -19,7 +19,8 @@ use crate::Device;
 /// On CUDA it comes from the device's stream-ordered pool (`cuMemAllocAsync`; the pool
 /// keeps freed memory for the next allocation instead of returning it at every
 /// synchronize). On the emulated device it is host memory aligned to 16 bytes, allocated
-/// anew each time, so a counting allocator sees every allocation.
+/// anew each time, so a counting allocator sees every allocation, and freed once the
+/// work queued before the free has run.
 pub struct DeviceMemory {
     ptr: u64,
     bytes: usize,
@@ -68,12 +69,20 @@ impl Drop for DeviceMemory {
         match self.stream.device() {
             Device::Emulated => {
                 // Checked as a write in the stream's order; an unordered free is the
-                // stream's next error.
-                checker::freed(self.stream.agent(), self.ptr);
+                // stream's next error, and its memory is leaked: another stream's work
+                // may still use it.
+                let ordered = checker::freed(self.stream.agent(), self.ptr);
+                // Returned to the host once the stream's queued work (which may still use
+                // it) has run: the host allocator then sees memory come and go in the
+                // program's order, as a GPU's stream-ordered pool hands it out. The wait
+                // is not counted (`cuMemFreeAsync` does not wait); a broken stream's
+                // memory is leaked, as its work may still be running.
+                let settled =
+                    ordered && (self.stream.emulated_worker()).is_some_and(|w| w.drain().is_ok());
                 // `alloc` succeeded with this size, so its layout exists.
-                if let Some(layout) = emulated_layout(self.bytes) {
-                    // SAFETY: allocated by `Stream::alloc` with the same layout; this is
-                    // its only owner.
+                if let (true, Some(layout)) = (settled, emulated_layout(self.bytes)) {
+                    // SAFETY: allocated by `Stream::alloc` with the same layout; this was
+                    // its only owner, and the work that used it has run.
                     unsafe { std::alloc::dealloc(self.ptr as *mut u8, layout) }
                 }
             }
@@ -142,6 +151,7 @@ impl Stream {
         match self.device() {
             Device::Emulated => {
                 count_transfer(self.device(), src.len(), true);
+                // Declaring waits for the work queued before, which may still use `dst`.
                 self.declare("upload", &[Access::write(dst, src.len())])?;
                 // SAFETY: the caller guarantees `dst`; emulated memory is host memory.
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
@@ -167,6 +177,7 @@ impl Stream {
         match self.device() {
             Device::Emulated => {
                 count_transfer(self.device(), dst.len(), false);
+                // Declaring waits for the work queued before, which may still write `src`.
                 self.declare("download", &[Access::read(src, dst.len())])?;
                 // SAFETY: the caller guarantees `src`; emulated memory is host memory.
                 unsafe {
@@ -198,10 +209,12 @@ impl Stream {
         match self.device() {
             Device::Emulated => {
                 let accesses = [Access::read(src, bytes), Access::write(dst, bytes)];
-                self.declare("copy", &accesses)?;
-                // SAFETY: the caller guarantees both ranges; `copy` tolerates overlap.
-                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
-                Ok(())
+                let (src, dst) = (src as usize, dst as usize);
+                self.queue_host("copy", &accesses, move || {
+                    // SAFETY: the caller guarantees both ranges until the copy has run;
+                    // `copy` tolerates overlap.
+                    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) }
+                })
             }
             // SAFETY: as the caller guarantees.
             #[cfg(feature = "cuda")]

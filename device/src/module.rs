@@ -11,6 +11,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::checker::Access;
+use crate::emulated::{Work, ARG_WORDS};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::Device;
@@ -42,9 +43,11 @@ unsafe impl KernelArg for f64 {}
 /// One argument of a launch, whatever its type: any [`KernelArg`] (implement that one;
 /// this trait is sealed).
 pub trait Arg: sealed::Sealed + Send + Sync {
-    /// Where the value is, for a host kernel.
+    /// Copies the value into `words` for a host kernel queued to run later (words, so
+    /// that the copy is aligned as any kernel argument needs); `false` if it does not
+    /// fit.
     #[doc(hidden)]
-    fn host_ptr(&self) -> *const std::ffi::c_void;
+    fn host_copy(&self, words: &mut [u64]) -> bool;
     /// Pushes the value onto a CUDA launch.
     #[cfg(feature = "cuda")]
     #[doc(hidden)]
@@ -68,8 +71,21 @@ struct Param<A>(A);
 unsafe impl<A: KernelArg> cudarc::driver::DeviceRepr for Param<A> {}
 
 impl<A: KernelArg> Arg for A {
-    fn host_ptr(&self) -> *const std::ffi::c_void {
-        (self as *const A).cast()
+    fn host_copy(&self, words: &mut [u64]) -> bool {
+        const { assert!(std::mem::align_of::<A>() <= std::mem::align_of::<u64>()) };
+        let bytes = std::mem::size_of::<A>();
+        if bytes > std::mem::size_of_val(words) {
+            return false;
+        }
+        // SAFETY: `words` holds at least `bytes` bytes; `A` is plain data (`KernelArg`).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (self as *const A).cast::<u8>(),
+                words.as_mut_ptr().cast::<u8>(),
+                bytes,
+            )
+        };
+        true
     }
 
     #[cfg(feature = "cuda")]
@@ -253,8 +269,8 @@ impl Module {
 impl Stream {
     /// Queues `function` over `items` independent indices with `args`: on CUDA enough
     /// blocks of 256 threads to cover them (at most 65,535, which stride), on the emulated
-    /// device the host build run now (host builds take exactly one argument). Nothing is
-    /// queued for 0 items.
+    /// device the host build, run by the stream's worker on a copy of the argument (host
+    /// builds take exactly one argument). Nothing is queued for 0 items.
     ///
     /// `accesses` are the memory the kernel reads and writes, which the emulated device's
     /// ordering checker checks against other streams' and the host's accesses
@@ -293,10 +309,25 @@ impl Stream {
                     Cow::Borrowed(name) => name,
                     Cow::Owned(_) => "kernel",
                 };
-                self.declare(name, accesses)?;
-                // SAFETY: the caller guarantees the argument and the addresses in it.
-                unsafe { kernel(arg.host_ptr()) };
-                Ok(())
+                let mut words = [0u64; ARG_WORDS];
+                if !arg.host_copy(&mut words) {
+                    return Err(Error::Invalid {
+                        op: "Stream::launch",
+                        reason: format!(
+                            "the argument of {} is larger than the emulated device's \
+                             {} bytes; pass a smaller struct",
+                            function.name,
+                            ARG_WORDS * 8
+                        ),
+                    });
+                }
+                // The caller guarantees the argument and the addresses in it until the
+                // kernel has run.
+                let work = Work::Kernel {
+                    kernel: *kernel,
+                    arg: words,
+                };
+                self.queue_emulated(name, accesses, work)
             }
             #[cfg(feature = "cuda")]
             FunctionKind::Cuda(_) => {

@@ -17,8 +17,8 @@ use crate::Device;
 /// Host memory a device copies to and from without the host waiting.
 ///
 /// On CUDA it is page-locked (`cuMemHostAlloc`), so the copy engine reads and writes it
-/// directly; on the emulated device it is ordinary aligned host memory, and copies run as
-/// they are made, as every emulated call does.
+/// directly; on the emulated device it is ordinary aligned host memory, which the
+/// stream's worker copies from and into in the stream's order.
 ///
 /// ```
 /// use device::{host_waits, Device, PinnedMemory, Stream};
@@ -222,7 +222,7 @@ impl Drop for PinnedMemory {
         let _ = self.settle();
         match self.device {
             Device::Emulated => {
-                checker::freed(None, self.ptr as u64);
+                checker::freed(None, self.ptr as u64); // the host's: always ordered
                 if let Some(layout) = layout(self.bytes) {
                     // SAFETY: allocated in `new` with this layout; this is its only owner.
                     unsafe { std::alloc::dealloc(self.ptr, layout) }

@@ -2,16 +2,18 @@
 //! event marks a point in a stream's work that another stream can wait for on the
 //! device, or the host can wait for.
 //!
-//! On CUDA a stream is a driver stream and an event a driver event. The emulated device
-//! runs every call to completion as it is made, so its events are complete when recorded;
-//! what a GPU would guarantee is followed by the ordering checker (`crate::checker`):
-//! every call, record, wait and host wait moves its clocks, and an access that a GPU could
-//! run out of order is an error.
+//! On CUDA a stream is a driver stream and an event a driver event. An emulated stream
+//! runs its work on a worker thread of its own (`crate::emulated`), so the host runs ahead
+//! of it as it would of a GPU; what a GPU would guarantee is also followed by the ordering
+//! checker (`crate::checker`): every call, record, wait and host wait moves its clocks,
+//! and an access that a GPU could run out of order is an error even on a run whose timing
+//! happened to hide it.
 
 use std::sync::Arc;
 
 use crate::checker::{self, Access, Clock};
 use crate::counters::count_host_wait;
+use crate::emulated::{Progress, Work, Worker};
 use crate::error::{Error, Result};
 use crate::Device;
 
@@ -29,9 +31,11 @@ enum Kind {
     Cuda(Arc<cudarc::driver::CudaStream>),
 }
 
-/// An emulated stream: its agent number in the ordering checker.
+/// An emulated stream: its agent number in the ordering checker and the worker that
+/// runs its calls.
 struct EmulatedQueue {
     id: u64,
+    worker: Worker,
 }
 
 impl Drop for EmulatedQueue {
@@ -53,9 +57,11 @@ impl Stream {
     /// feature); the host has none.
     pub fn new(device: Device) -> Result<Stream> {
         let kind = match device {
-            Device::Emulated => Kind::Emulated(Arc::new(EmulatedQueue {
-                id: checker::new_stream(),
-            })),
+            Device::Emulated => {
+                let id = checker::new_stream();
+                let worker = Worker::spawn(id).inspect_err(|_| checker::drop_stream(id))?;
+                Kind::Emulated(Arc::new(EmulatedQueue { id, worker }))
+            }
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
                 let context = crate::cuda::context(ordinal)?;
@@ -128,6 +134,8 @@ impl Stream {
             Kind::Emulated(queue) => EventKind::Emulated {
                 stream: queue.id,
                 clock: checker::record(queue.id),
+                progress: queue.worker.progress().clone(),
+                ticket: queue.worker.position(),
             },
             #[cfg(feature = "cuda")]
             Kind::Cuda(stream) => {
@@ -148,8 +156,24 @@ impl Stream {
     /// `event` has completed. The host does not wait.
     pub fn wait(&self, event: &Event) -> Result<()> {
         match (&self.kind, &event.kind) {
-            (Kind::Emulated(queue), EventKind::Emulated { clock, .. }) => {
+            (
+                Kind::Emulated(queue),
+                EventKind::Emulated {
+                    stream,
+                    clock,
+                    progress,
+                    ticket,
+                },
+            ) => {
                 checker::wait(queue.id, clock);
+                // A stream's own events are passed in order already.
+                if *stream != queue.id {
+                    let (progress, ticket) = (progress.clone(), *ticket);
+                    // A broken stream's error reaches the host at its own waits.
+                    queue.worker.queue(Work::Call(Box::new(move || {
+                        let _ = progress.wait(ticket);
+                    })));
+                }
                 Ok(())
             }
             #[cfg(feature = "cuda")]
@@ -176,6 +200,7 @@ impl Stream {
         match &self.kind {
             Kind::Emulated(queue) => {
                 count_host_wait(self.device);
+                queue.worker.drain()?;
                 checker::synchronize_stream(queue.id)
             }
             #[cfg(feature = "cuda")]
@@ -192,19 +217,81 @@ impl Stream {
         })
     }
 
-    /// Declares a call `op` queued on this stream that reads and writes `accesses`, for
-    /// work this crate does not queue itself but runs in the stream's order on the
-    /// emulated device (its reference GEMM, a collective of the local backend over
-    /// emulated memory): the ordering checker checks and records it as it does this
-    /// crate's own calls. A no-op on CUDA, whose driver orders real work.
+    /// Declares a call `op` on this stream that reads and writes `accesses` and that the
+    /// caller runs on the host as soon as this returns, for work that stands in for a
+    /// queued call on the emulated device (a collective of the local backend over
+    /// emulated memory, which NCCL would queue): the ordering checker checks and records
+    /// it as it does this crate's own calls, and the host waits for the work queued on
+    /// the stream before it (not counted as a host wait: on a GPU the call would be
+    /// queued). A no-op on CUDA, whose driver orders real work.
     ///
     /// Returns [`Error::Unordered`] when an access conflicts with an earlier one that
     /// nothing orders before it, and an unordered free of memory this stream freed.
     pub fn declare(&self, op: &'static str, accesses: &[Access]) -> Result<()> {
         match &self.kind {
-            Kind::Emulated(queue) => checker::queue(queue.id, op, accesses),
+            Kind::Emulated(queue) => {
+                checker::queue(queue.id, op, accesses)?;
+                queue.worker.drain()
+            }
             #[cfg(feature = "cuda")]
             Kind::Cuda(_) => Ok(()),
+        }
+    }
+
+    /// On the emulated device, blocks until the calls queued so far have run, for host
+    /// code that reads or writes the stream's memory in its place (a host view of
+    /// emulated memory): not counted as a host wait, and not seen by the ordering checker
+    /// (declare the access with [`declare`](Self::declare) for that). A no-op on CUDA.
+    pub fn drain_emulated(&self) -> Result<()> {
+        match &self.kind {
+            Kind::Emulated(queue) => queue.worker.drain(),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => Ok(()),
+        }
+    }
+
+    /// Queues `work`, a call `op` that reads and writes `accesses`, to run on the host in
+    /// this stream's order on the emulated device (its reference GEMM, say): checked by
+    /// the ordering checker as this crate's own calls are, and run by the stream's worker
+    /// after the work queued before it. [`Error::Unsupported`] on CUDA, whose work runs
+    /// on the GPU.
+    pub fn queue_host(
+        &self,
+        op: &'static str,
+        accesses: &[Access],
+        work: impl FnOnce() + Send + 'static,
+    ) -> Result<()> {
+        self.queue_emulated(op, accesses, Work::Call(Box::new(work)))
+    }
+
+    /// Checks `work`'s accesses and queues it on the emulated stream's worker.
+    pub(crate) fn queue_emulated(
+        &self,
+        op: &'static str,
+        accesses: &[Access],
+        work: Work,
+    ) -> Result<()> {
+        match &self.kind {
+            Kind::Emulated(queue) => {
+                checker::queue(queue.id, op, accesses)?;
+                queue.worker.queue(work);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => Err(Error::Unsupported {
+                op: "Stream::queue_host",
+                device: self.device,
+            }),
+        }
+    }
+
+    /// An emulated stream's worker, for this crate's own calls (which check their accesses
+    /// first); `None` on CUDA.
+    pub(crate) fn emulated_worker(&self) -> Option<&Worker> {
+        match &self.kind {
+            Kind::Emulated(queue) => Some(&queue.worker),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => None,
         }
     }
 
@@ -225,8 +312,14 @@ pub struct Event {
 }
 
 enum EventKind {
-    /// The stream it was recorded on and how far into every stream's work it is ordered.
-    Emulated { stream: u64, clock: Clock },
+    /// The stream it was recorded on, how far into every stream's work it is ordered, and
+    /// the stream's call it completes with.
+    Emulated {
+        stream: u64,
+        clock: Clock,
+        progress: Arc<Progress>,
+        ticket: u64,
+    },
     #[cfg(feature = "cuda")]
     Cuda(cudarc::driver::CudaEvent),
 }
@@ -236,7 +329,7 @@ impl std::fmt::Debug for Event {
         let mut debug = f.debug_struct("Event");
         debug.field("device", &self.device);
         match &self.kind {
-            EventKind::Emulated { stream, clock } => {
+            EventKind::Emulated { stream, clock, .. } => {
                 let position = clock.get(*stream);
                 debug.field("stream", stream).field("position", &position);
             }
@@ -257,9 +350,17 @@ impl Event {
     /// orders the host after that work, as waiting would.
     pub fn is_complete(&self) -> Result<bool> {
         match &self.kind {
-            EventKind::Emulated { clock, .. } => {
-                checker::synchronize_event(clock);
-                Ok(true)
+            EventKind::Emulated {
+                clock,
+                progress,
+                ticket,
+                ..
+            } => {
+                let complete = progress.reached(*ticket)?;
+                if complete {
+                    checker::synchronize_event(clock);
+                }
+                Ok(complete)
             }
             #[cfg(feature = "cuda")]
             EventKind::Cuda(event) => event
@@ -273,7 +374,13 @@ impl Event {
     pub fn synchronize(&self) -> Result<()> {
         count_host_wait(self.device);
         match &self.kind {
-            EventKind::Emulated { clock, .. } => {
+            EventKind::Emulated {
+                clock,
+                progress,
+                ticket,
+                ..
+            } => {
+                progress.wait(*ticket)?;
                 checker::synchronize_event(clock);
                 Ok(())
             }

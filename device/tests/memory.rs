@@ -3,33 +3,36 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::sync::atomic::{AtomicIsize, Ordering};
 
 use device::{host_waits, transfers, Device, Stream};
 
-/// Live bytes the host allocator has handed out to this thread (emulated memory is host
-/// memory), so that tests running beside each other do not count each other's.
+/// Counts what the host allocator hands out (emulated memory is host memory): per thread
+/// where tests running beside each other must not count each other's.
 struct Counting;
 
 thread_local! {
-    static LIVE: Cell<isize> = const { Cell::new(0) };
     static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
 }
 
-fn live() -> isize {
-    LIVE.with(Cell::get)
-}
-
-/// Allocations of at least 1 KiB this thread has made so far: buffers, not the few bytes
-/// an event's clock takes for the ordering checker.
+/// Allocations of at least 4 KiB this thread has made so far: buffers, not the bookkeeping
+/// of the ordering checker and of the streams' queues.
 fn allocations() -> usize {
     ALLOCATIONS.with(Cell::get)
 }
 
+/// Live bytes in allocations of exactly [`MARKED`] bytes, over all threads (one test
+/// frees on a thread of its own), and only one test allocates that size.
+static MARKED_LIVE: AtomicIsize = AtomicIsize::new(0);
+const MARKED: usize = (1 << 20) + 48;
+
 // SAFETY: forwards to the system allocator, only counting.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.with(|live| live.set(live.get() + layout.size() as isize));
-        if layout.size() >= 1024 {
+        if layout.size() == MARKED {
+            MARKED_LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
+        }
+        if layout.size() >= 4096 {
             ALLOCATIONS.with(|n| n.set(n.get() + 1));
         }
         // SAFETY: as the caller's.
@@ -37,7 +40,9 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.with(|live| live.set(live.get() - layout.size() as isize));
+        if layout.size() == MARKED {
+            MARKED_LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
+        }
         // SAFETY: as the caller's.
         unsafe { System.dealloc(ptr, layout) }
     }
@@ -47,20 +52,32 @@ unsafe impl GlobalAlloc for Counting {
 static ALLOCATOR: Counting = Counting;
 
 #[test]
-fn an_allocation_is_returned_when_its_memory_is_dropped() -> device::Result<()> {
+fn an_allocation_is_returned_in_its_streams_order_when_its_memory_is_dropped() -> device::Result<()>
+{
     let stream = Stream::new(Device::Emulated)?;
-    let before = live();
-    let memory = stream.alloc(1 << 20)?;
-    assert!(live() - before >= 1 << 20);
+    let large = || MARKED_LIVE.load(Ordering::SeqCst);
+    let before = large();
+    let memory = stream.alloc(MARKED)?;
+    assert_eq!(large() - before, MARKED as isize);
     assert_eq!(
         (memory.bytes(), memory.device()),
-        (1 << 20, Device::Emulated)
+        (MARKED, Device::Emulated)
     );
     assert!(memory.stream().same_as(&stream));
-    drop(memory);
-    // All of it, give or take the ordering checker's bookkeeping, which lives in maps
-    // shared with other threads' tests.
-    assert!((live() - before).abs() < 4096, "{} bytes", live() - before);
+    // Freed in the stream's order: not while a call queued before the free (which could
+    // still read the memory) has not run...
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    stream.queue_host("hold", &[], move || {
+        let _ = gate.recv();
+    })?;
+    let freeing = std::thread::spawn(move || drop(memory));
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(large() - before, MARKED as isize);
+    // ...and all of it once the stream has run.
+    drop(open);
+    freeing.join().expect("the free does not panic");
+    stream.synchronize()?;
+    assert_eq!(large(), before);
     Ok(())
 }
 
@@ -131,20 +148,15 @@ fn pinned_copies_queue_without_host_waits() -> device::Result<()> {
 }
 
 /// A staged upload takes its copy of the source at once and queues the transfer without a
-/// host wait; the data is there for work queued after it, and the staging buffer is reused
-/// (the pool allocates nothing after the first upload).
+/// host wait; the data is there for work queued after it, and a staging buffer whose copy
+/// has run is reused (the pool allocates nothing new then).
 #[test]
 fn staged_uploads_do_not_wait() -> device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let memory = stream.alloc(5000)?;
     // SAFETY: the allocation holds 5000 bytes. The first upload makes the pool's buffer.
     unsafe { stream.upload_staged(memory.ptr(), &[0u8; 5000])? };
-    let (waits, moved, before, made) = (
-        host_waits(Device::Emulated),
-        transfers(Device::Emulated),
-        live(),
-        allocations(),
-    );
+    let (waits, moved) = (host_waits(Device::Emulated), transfers(Device::Emulated));
     for round in 0..40u8 {
         let mut source = vec![round; 5000];
         // SAFETY: as above.
@@ -153,12 +165,22 @@ fn staged_uploads_do_not_wait() -> device::Result<()> {
         source.fill(255);
     }
     assert_eq!(host_waits(Device::Emulated), waits);
-    // Every later upload reused that buffer: the only allocations were the sources.
-    assert_eq!((live(), allocations() - made), (before, 40));
+    // A buffer still in flight is not reused, so the pool may have grown meanwhile (the
+    // stream's worker runs behind the host); once the copies have run, every upload reuses
+    // one: the only allocations are the sources.
+    stream.synchronize()?;
+    let made = allocations();
+    for round in 0..40u8 {
+        // SAFETY: as above.
+        unsafe { stream.upload_staged(memory.ptr(), &vec![round; 5000])? };
+        stream.synchronize()?;
+    }
+    // (The queued copies' few bytes of bookkeeping are freed by the worker, on its thread.)
+    assert_eq!(allocations() - made, 40);
     let copied = transfers(Device::Emulated) - moved;
     assert_eq!(
         (copied.to_device_copies, copied.to_device_bytes),
-        (40, 40 * 5000)
+        (80, 80 * 5000)
     );
     let mut back = vec![0u8; 5000];
     // SAFETY: as above.

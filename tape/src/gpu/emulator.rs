@@ -9,8 +9,8 @@ use super::HalfFormat;
 use super::{Backend, Gemm, GemmFormat, Kernel, Precision};
 use crate::{Device, Error, Result};
 
-/// The emulated device: its one stream (every call runs to completion as it is made) and
-/// the host builds of the kernels.
+/// The emulated device: its one stream (whose worker runs the calls in order while the
+/// host goes on) and the host builds of the kernels.
 pub(crate) struct Emulator {
     stream: device::Stream,
 }
@@ -36,27 +36,27 @@ impl Backend for Emulator {
     }
 
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()> {
-        // Declared in the stream's order like a kernel: A and B read, C written.
+        // Queued in the stream's order like a kernel: A and B read, C written.
         let (read, write) = (
             |p| device::Access::rest(p, false),
             |p| device::Access::rest(p, true),
         );
-        (self
-            .stream
-            .declare("gemm", &[read(gemm.a), read(gemm.b), write(gemm.c)]))
-        .map_err(Error::on_device("gemm", Device::Emulated))?;
-        // SAFETY: the caller guarantees the matrices' extents.
-        unsafe {
+        let accesses = [read(gemm.a), read(gemm.b), write(gemm.c)];
+        let gemm = *gemm;
+        // SAFETY (of the closure's call): the caller guarantees the matrices' extents
+        // until the work queued now has run.
+        let work = move || unsafe {
             match gemm.format {
-                GemmFormat::F32 => reference_gemm::<f32, f32>(gemm),
-                GemmFormat::F64 => reference_gemm::<f64, f64>(gemm),
-                GemmFormat::Bf16 => reference_gemm::<bf16, bf16>(gemm),
-                GemmFormat::F16 => reference_gemm::<f16, f16>(gemm),
-                GemmFormat::Bf16IntoF32 => reference_gemm::<bf16, f32>(gemm),
-                GemmFormat::F16IntoF32 => reference_gemm::<f16, f32>(gemm),
+                GemmFormat::F32 => reference_gemm::<f32, f32>(&gemm),
+                GemmFormat::F64 => reference_gemm::<f64, f64>(&gemm),
+                GemmFormat::Bf16 => reference_gemm::<bf16, bf16>(&gemm),
+                GemmFormat::F16 => reference_gemm::<f16, f16>(&gemm),
+                GemmFormat::Bf16IntoF32 => reference_gemm::<bf16, f32>(&gemm),
+                GemmFormat::F16IntoF32 => reference_gemm::<f16, f32>(&gemm),
             }
-        }
-        Ok(())
+        };
+        (self.stream.queue_host("gemm", &accesses, work))
+            .map_err(Error::on_device("gemm", Device::Emulated))
     }
 }
 

@@ -1,0 +1,220 @@
+//! The emulated device's streams run as a GPU's do: each has a worker thread that runs
+//! its queued work in order while the host goes on, so a host that reads memory before
+//! the work writing it has run reads stale bytes, as it would on a GPU. Host waits block
+//! until the work is done; a stream waiting for another's event blocks its worker, not
+//! the host.
+//!
+//! `FERROTRON_EMULATED_JITTER=<seed>` delays queued work at random (a quarter of the
+//! calls sleep up to 200 µs), so an ordering the program forgot shows up as wrong numbers
+//! or a checker error on some runs even where the worker would usually keep up.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+
+/// Words of a kernel's argument kept in the queue itself: a launch of a kernel whose
+/// argument fits allocates nothing (tape's argument block takes 48).
+pub(crate) const ARG_WORDS: usize = 64;
+
+/// Work queued on a stream, run by its worker.
+#[allow(clippy::large_enum_variant)] // inline on purpose: a boxed argument would allocate
+pub(crate) enum Work {
+    /// A host build of a kernel and a copy of its argument.
+    Kernel {
+        /// `module::HostKernel` (spelt out: this module is below `module`).
+        kernel: unsafe extern "C" fn(*const std::ffi::c_void),
+        arg: [u64; ARG_WORDS],
+    },
+    /// Anything else.
+    Call(Box<dyn FnOnce() + Send>),
+}
+
+impl Work {
+    fn run(self) {
+        match self {
+            // SAFETY: whoever queued the launch guaranteed the argument and the memory
+            // it names until the kernel has run (`Stream::launch`).
+            Work::Kernel { kernel, arg } => unsafe { kernel(arg.as_ptr().cast()) },
+            Work::Call(call) => call(),
+        }
+    }
+}
+
+/// A stream's queue and how far its worker has got: calls are numbered from 1 in the
+/// order queued.
+pub(crate) struct Progress {
+    state: Mutex<State>,
+    /// Signalled when a call has run (for host waits and other streams' workers).
+    advanced: Condvar,
+    /// Signalled when a call is queued or the stream is dropped (for the worker).
+    queued: Condvar,
+}
+
+struct State {
+    /// Calls not yet taken by the worker (a ring that keeps its capacity, so queuing a
+    /// kernel allocates nothing in the steady state, which memory counts would see).
+    waiting: VecDeque<Work>,
+    queued: u64,
+    done: u64,
+    /// The first call that panicked: the stream is broken from then on.
+    panicked: Option<String>,
+    /// The stream is gone: the worker runs what is left and exits.
+    closed: bool,
+}
+
+impl Progress {
+    /// Whether the calls up to `ticket` have run (an error once one has panicked).
+    pub(crate) fn reached(&self, ticket: u64) -> Result<bool> {
+        let state = self.state.lock();
+        failure(&state)?;
+        Ok(state.done >= ticket)
+    }
+
+    /// Blocks until the calls up to `ticket` have run.
+    pub(crate) fn wait(&self, ticket: u64) -> Result<()> {
+        let mut state = self.state.lock();
+        while state.done < ticket && state.panicked.is_none() {
+            self.advanced.wait(&mut state);
+        }
+        failure(&state)
+    }
+}
+
+fn failure(state: &State) -> Result<()> {
+    match &state.panicked {
+        Some(message) => Err(Error::Driver {
+            call: "emulated stream work".into(),
+            message: format!("a call queued on the stream panicked: {message}"),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A stream's queue and the thread that runs it. Dropping it lets the worker finish what
+/// is queued and exit.
+pub(crate) struct Worker {
+    progress: Arc<Progress>,
+}
+
+impl Worker {
+    /// A worker for stream `id` (named after it, for debuggers).
+    pub(crate) fn spawn(id: u64) -> Result<Worker> {
+        // Odd, so xorshift never sticks at zero.
+        let jitter = jitter()?.map(|seed| (seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1);
+        let progress = Arc::new(Progress {
+            state: Mutex::new(State {
+                waiting: VecDeque::with_capacity(64),
+                queued: 0,
+                done: 0,
+                panicked: None,
+                closed: false,
+            }),
+            advanced: Condvar::new(),
+            queued: Condvar::new(),
+        });
+        let shared = progress.clone();
+        std::thread::Builder::new()
+            .name(format!("emulated-stream-{id}"))
+            .spawn(move || run(&shared, jitter))
+            .map_err(|e| Error::Driver {
+                call: "emulated stream start".into(),
+                message: e.to_string(),
+            })?;
+        Ok(Worker { progress })
+    }
+
+    /// Queues `work`; returns its number.
+    pub(crate) fn queue(&self, work: Work) -> u64 {
+        let mut state = self.progress.state.lock();
+        state.waiting.push_back(work);
+        state.queued += 1;
+        self.progress.queued.notify_one();
+        state.queued
+    }
+
+    /// The number of the last call queued.
+    pub(crate) fn position(&self) -> u64 {
+        self.progress.state.lock().queued
+    }
+
+    /// Blocks until everything queued so far has run.
+    pub(crate) fn drain(&self) -> Result<()> {
+        let ticket = self.position();
+        self.progress.wait(ticket)
+    }
+
+    pub(crate) fn progress(&self) -> &Arc<Progress> {
+        &self.progress
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.progress.state.lock().closed = true;
+        self.progress.queued.notify_one();
+    }
+}
+
+fn run(progress: &Progress, mut jitter: Option<u64>) {
+    loop {
+        let work = {
+            let mut state = progress.state.lock();
+            loop {
+                if let Some(work) = state.waiting.pop_front() {
+                    break work;
+                }
+                if state.closed {
+                    return;
+                }
+                progress.queued.wait(&mut state);
+            }
+        };
+        if let Some(state) = &mut jitter {
+            delay(state);
+        }
+        // A panic must not leave the host waiting forever: it breaks the stream instead.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.run()));
+        let mut state = progress.state.lock();
+        state.done += 1;
+        if let Err(payload) = outcome {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".into());
+            state.panicked.get_or_insert(message);
+        }
+        progress.advanced.notify_all();
+    }
+}
+
+/// Sleeps before a quarter of the calls, up to 200 µs (xorshift on the stream's seed).
+fn delay(state: &mut u64) {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    if *state % 4 == 0 {
+        std::thread::sleep(Duration::from_micros((*state >> 8) % 200));
+    }
+}
+
+/// The seed of `FERROTRON_EMULATED_JITTER` (read at each new stream); `None` when unset.
+fn jitter() -> Result<Option<u64>> {
+    let Ok(text) = std::env::var("FERROTRON_EMULATED_JITTER") else {
+        return Ok(None);
+    };
+    text.trim()
+        .parse::<u64>()
+        .map(Some)
+        .map_err(|_| Error::Invalid {
+            op: "Stream::new",
+            reason: format!(
+                "FERROTRON_EMULATED_JITTER={text:?} is not a seed: set it to an unsigned \
+             integer (e.g. 7), or unset it to run the emulated device without delays"
+            ),
+        })
+}

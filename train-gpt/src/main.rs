@@ -398,21 +398,24 @@ fn run(args: &Args) -> Result<()> {
         None => Corpus::builtin(),
     };
     corpus.check_window(args.seq)?;
+    let devices = match args.backend {
+        Backend::Nccl => Some(nccl_devices(args)?),
+        _ => None,
+    };
     // A device that cannot be opened fails here, naming the missing driver or library.
-    if args.device != tape::Device::Cpu {
-        tape::Tensor::<f32>::zeros(&[1]).to_device(args.device)?;
+    // Opening one makes a context on it, so a process opens only its own: under a
+    // launcher, the one its local rank takes (not every process on --device's).
+    let own = match (&devices, under_mpirun(), placement::from_environment()) {
+        (Some(devices), true, Some(placement)) => tape::Device::Cuda(placement.device_of(devices)),
+        _ => args.device,
+    };
+    if own != tape::Device::Cpu {
+        tape::Tensor::<f32>::zeros(&[1]).to_device(own)?;
     }
-    match args.backend {
-        Backend::Local => run_local_backend(args, &corpus, None),
-        Backend::Mpi => run_mpi_backend(args, &corpus, None),
-        Backend::Nccl => {
-            let devices = nccl_devices(args)?;
-            if under_mpirun() {
-                run_mpi_backend(args, &corpus, Some(devices))
-            } else {
-                run_local_backend(args, &corpus, Some(devices))
-            }
-        }
+    match (args.backend, devices) {
+        (Backend::Mpi, _) => run_mpi_backend(args, &corpus, None),
+        (_, Some(devices)) if under_mpirun() => run_mpi_backend(args, &corpus, Some(devices)),
+        (_, devices) => run_local_backend(args, &corpus, devices),
     }
 }
 
@@ -445,18 +448,18 @@ fn nccl_devices(_: &Args) -> Result<std::ops::Range<usize>> {
 }
 
 /// This rank's world communicator: `comm` itself, or with `devices` an NCCL group of the
-/// same ranks on the rank's device (the `local_rank`-th in turn), paired with `comm` for
+/// same ranks on the rank's device (the node's in turn by local rank), paired with `comm` for
 /// host memory; and the device the rank computes on.
 fn connect(
     comm: Arc<dyn Communicator>,
     device: tape::Device,
     devices: Option<std::ops::Range<usize>>,
-    local_rank: usize,
+    placement: placement::Placement,
 ) -> Result<(Arc<dyn Communicator>, tape::Device)> {
     let Some(devices) = devices else {
         return Ok((comm, device));
     };
-    let ordinal = devices.start + local_rank % devices.len();
+    let ordinal = placement.device_of(&devices);
     Ok((nccl_world(comm, ordinal)?, tape::Device::Cuda(ordinal)))
 }
 
@@ -502,7 +505,12 @@ fn run_local_backend(
             tape::set_num_threads(threads)?;
         }
         let rank = comm.rank();
-        let (world, device) = connect(Arc::new(comm), config.device, devices.clone(), rank)?;
+        // Every rank thread is on this node.
+        let placement = placement::Placement {
+            local_rank: rank,
+            local_size: comm.size(),
+        };
+        let (world, device) = connect(Arc::new(comm), config.device, devices.clone(), placement)?;
         let config = TrainConfig {
             device,
             ..config.clone()
@@ -658,7 +666,7 @@ fn run_mpi_backend(
     if rank0 {
         announce(args, corpus, dp);
     }
-    let (world, device) = connect(world, args.device, devices, placement.local_rank)?;
+    let (world, device) = connect(world, args.device, devices, placement)?;
     let config = TrainConfig {
         device,
         ..training_config(args)

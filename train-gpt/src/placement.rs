@@ -10,6 +10,14 @@ pub struct Placement {
     pub local_size: usize,
 }
 
+impl Placement {
+    /// The GPU this process takes of `devices` (the node's, from `--device`'s on): the
+    /// local rank's in turn.
+    pub fn device_of(&self, devices: &std::ops::Range<usize>) -> usize {
+        devices.start + self.local_rank % devices.len().max(1)
+    }
+}
+
 /// The placement the launcher's variables give (`var` reads one), first found of
 /// OpenMPI, MPICH, torchrun and Slurm; `None` when none is set, or when one is set but
 /// inconsistent (a rank outside its size).
@@ -85,6 +93,19 @@ mod tests {
             local_rank,
             local_size,
         })
+    }
+
+    #[test]
+    fn processes_take_the_nodes_gpus_in_turn_from_the_first_given() {
+        let devices = 2..8; // --device cuda:2 on a node of 8 GPUs
+        let device = |local_rank| {
+            Placement {
+                local_rank,
+                local_size: 12,
+            }
+            .device_of(&devices)
+        };
+        assert_eq!([0, 1, 5, 6, 11].map(device), [2, 3, 7, 2, 7]);
     }
 
     #[test]

@@ -536,9 +536,14 @@ fn run_local_backend(
         .fold([0.0f64; 4], |most, s| {
             std::array::from_fn(|i| most[i].max(s[i]))
         });
+    let stages = (results.iter().map(|r| stage_memory(r, args.pp)))
+        .fold(vec![0.0f64; 2 * args.pp], |most, s| {
+            most.into_iter().zip(s).map(|(m, s)| m.max(s)).collect()
+        });
     let mut result = results.swap_remove(0);
     set_step_costs(&mut result, busiest);
     set_model_state(&mut result, state);
+    set_stage_memory(&mut result, &stages);
     finish(args, corpus, dp, result)
 }
 
@@ -566,6 +571,23 @@ fn busiest_model_state(result: &RankResult, peak: usize) -> [f64; 4] {
     } else {
         [0.0; 4]
     }
+}
+
+/// This rank's peak and model state in its pipeline stage's slots (the others zero), as
+/// numbers to take the largest of over the ranks: `pp` peaks, then `pp` model states.
+fn stage_memory(result: &RankResult, pp: usize) -> Vec<f64> {
+    let mut slots = vec![0.0; 2 * pp];
+    let stage = result.coordinates.0;
+    slots[stage] = result.peak_bytes as f64;
+    slots[pp + stage] = result.model_state.total() as f64;
+    slots
+}
+
+fn set_stage_memory(result: &mut RankResult, slots: &[f64]) {
+    let pp = slots.len() / 2;
+    result.stage_peaks = (0..pp)
+        .map(|s| [slots[s] as usize, slots[pp + s] as usize])
+        .collect();
 }
 
 fn set_model_state(result: &mut RankResult, [values, grads, masters, moments]: [f64; 4]) {
@@ -678,8 +700,11 @@ fn run_mpi_backend(
     comm_core::CommunicatorExt::all_reduce_slice(&*world, &mut costs, comm_core::ReduceOp::Max)?;
     let mut state = busiest_model_state(&result, costs[5] as usize);
     comm_core::CommunicatorExt::all_reduce_slice(&*world, &mut state, comm_core::ReduceOp::Max)?;
+    let mut stages = stage_memory(&result, args.pp);
+    comm_core::CommunicatorExt::all_reduce_slice(&*world, &mut stages, comm_core::ReduceOp::Max)?;
     set_step_costs(&mut result, costs);
     set_model_state(&mut result, state);
+    set_stage_memory(&mut result, &stages);
     if rank0 {
         finish(args, corpus, dp, result)?;
     }
@@ -1101,6 +1126,12 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         s.moments,
         result.peak_bytes.saturating_sub(s.total())
     );
+    if result.stage_peaks.len() > 1 {
+        let stages: Vec<String> = (result.stage_peaks.iter().enumerate())
+            .map(|(i, [peak, state])| format!("stage {i} {peak} bytes (model state {state})"))
+            .collect();
+        println!("measured peak per pipeline stage: {}", stages.join(", "));
+    }
     if let Some(tied) = result.tied_copies {
         println!("{}", describe_tied_copies(&tied));
     }

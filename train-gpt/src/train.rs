@@ -147,6 +147,9 @@ pub struct RankResult {
     pub peak_bytes: usize,
     /// What its model state takes, the known part of that peak.
     pub model_state: ModelState,
+    /// Each pipeline stage's largest peak and its ranks' largest model state, over the
+    /// whole world; empty until the launcher gathers them.
+    pub stage_peaks: Vec<[usize; 2]>,
 }
 
 /// Trains on every rank of `world` (tensor-parallel size `config.tp`, the rest data
@@ -217,6 +220,7 @@ pub fn train_rank(
         save_wait: history.save_wait,
         peak_bytes,
         model_state,
+        stage_peaks: Vec::new(),
         stopped: history.stopped,
     })
 }

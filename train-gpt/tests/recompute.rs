@@ -66,8 +66,8 @@ fn recomputed_blocks_train_the_same_losses_bit_for_bit() {
     std::fs::remove_dir_all(&root).ok();
 }
 
-/// `measured peak per rank` from a run with `flags` (one block run's sizes).
-fn peak(flags: &str) -> usize {
+/// The output of a short run with `flags` (one block run's sizes).
+fn run(flags: &str) -> String {
     let base = "--layers 4 --hidden 64 --heads 4 --seq 64 --batch 8 --steps 2 --eval-interval 0";
     let joined = format!("{base} {flags}");
     let out = scratch(&format!("peak-{}", flags.len()));
@@ -77,15 +77,40 @@ fn peak(flags: &str) -> usize {
         .arg(&out)
         .output()
         .expect("the train-gpt binary runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(output.status.success(), "{joined}: {stdout}");
     std::fs::remove_dir_all(&out).ok();
+    stdout
+}
+
+/// `measured peak per rank` from a run with `flags`.
+fn peak(flags: &str) -> usize {
+    let stdout = run(flags);
     stdout
         .lines()
         .find_map(|l| l.strip_prefix("measured peak per rank: "))
         .and_then(|l| l.strip_suffix(" bytes"))
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no peak line: {stdout}"))
+}
+
+/// What each pipeline stage held beyond its model state at its peak, from the line
+/// `measured peak per pipeline stage: stage 0 P bytes (model state S), stage 1 ...`.
+fn held_per_stage(stdout: &str) -> Vec<f64> {
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("measured peak per pipeline stage: "))
+        .unwrap_or_else(|| panic!("no per-stage line: {stdout}"));
+    line.split(", ")
+        .map(|stage| {
+            let numbers: Vec<f64> = stage
+                .split([' ', ')'])
+                .filter_map(|word| word.parse().ok())
+                .collect();
+            // [stage, peak, model state]
+            numbers[1] - numbers[2]
+        })
+        .collect()
 }
 
 /// The measured peak shows what recomputation and the 1F1B schedule trade: recomputing
@@ -109,4 +134,27 @@ fn the_measured_peak_falls_with_recomputation_and_with_1f1b() {
     let gpipe = peak("--tp 1 --dp 1 --pp 2 --microbatches 8 --schedule gpipe");
     let one_f_one_b = peak("--tp 1 --dp 1 --pp 2 --microbatches 8 --schedule 1f1b");
     assert!(2 * one_f_one_b < gpipe, "1F1B {one_f_one_b}, GPipe {gpipe}");
+}
+
+/// Each pipeline stage holds the microbatches its schedule keeps in flight. With one
+/// block on each of four stages and eight microbatches, GPipe's stages hold all eight
+/// and 1F1B's stage i holds 4 − i; on the middle stages (no embedding, no head) GPipe
+/// therefore holds 5 and 6 microbatches more than 1F1B, in units of what 1F1B's stage 1
+/// holds beyond its stage 2 (one microbatch of one block).
+#[test]
+fn each_pipeline_stage_holds_the_microbatches_its_schedule_keeps_in_flight() {
+    let stages = |schedule: &str| {
+        let flags = format!("--tp 1 --dp 1 --pp 4 --microbatches 8 --schedule {schedule}");
+        held_per_stage(&run(&flags))
+    };
+    let (gpipe, one_f_one_b) = (stages("gpipe"), stages("1f1b"));
+    let microbatch = one_f_one_b[1] - one_f_one_b[2];
+    for (stage, expected) in [(1, 5.0), (2, 6.0)] {
+        let more = (gpipe[stage] - one_f_one_b[stage]) / microbatch;
+        assert!(
+            (more - expected).abs() < 0.5,
+            "stage {stage}: GPipe held {more:.2} microbatches more than 1F1B, not {expected} \
+             (GPipe {gpipe:?}, 1F1B {one_f_one_b:?})"
+        );
+    }
 }

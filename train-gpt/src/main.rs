@@ -33,6 +33,7 @@ mod memory;
 mod model;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 mod placement;
+mod plan;
 mod report;
 mod stop;
 mod train;
@@ -298,6 +299,10 @@ struct Args {
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
     /// Directory for loss.csv and loss.svg.
+    /// Predict the peak memory per rank of each pipeline stage for these flags, by
+    /// category, and exit without training.
+    #[arg(long)]
+    plan: bool,
     #[arg(long, value_name = "DIR", default_value = "target/train_gpt")]
     out: PathBuf,
     /// Also train with TP = 1, DP = 1 on one rank (same seed, same global batches) and
@@ -398,6 +403,9 @@ fn run(args: &Args) -> Result<()> {
         None => Corpus::builtin(),
     };
     corpus.check_window(args.seq)?;
+    if args.plan {
+        return print_plan(args, &corpus);
+    }
     let devices = match args.backend {
         Backend::Nccl => Some(nccl_devices(args)?),
         _ => None,
@@ -417,6 +425,67 @@ fn run(args: &Args) -> Result<()> {
         (_, Some(devices)) if under_mpirun() => run_mpi_backend(args, &corpus, Some(devices)),
         (_, devices) => run_local_backend(args, &corpus, devices),
     }
+}
+
+/// `--plan`: each pipeline stage's predicted peak per rank, the largest first.
+fn print_plan(args: &Args, corpus: &Corpus) -> Result<()> {
+    let dp = args.dp.unwrap_or(2);
+    validate(args, dp)?;
+    let model = plan::Model {
+        layers: args.layers,
+        hidden: args.hidden,
+        heads: args.heads,
+        ffn: 4 * args.hidden,
+        vocab: data::VOCAB,
+        seq: args.seq,
+        tied: !args.untie_embeddings_and_output_weights,
+        hidden_dropout: args.hidden_dropout > 0.0,
+        attention_dropout: args.attention_dropout > 0.0,
+    };
+    let recompute = match (args.recompute_granularity, args.recompute_method) {
+        (Some(RecomputeGranularity::Selective), _) => plan::Recompute::Selective,
+        (Some(RecomputeGranularity::Full), Some(RecomputeMethod::Block)) => {
+            plan::Recompute::Block {
+                layers: args.recompute_num_layers as usize,
+            }
+        }
+        (Some(RecomputeGranularity::Full), _) => plan::Recompute::Uniform {
+            layers: args.recompute_num_layers as usize,
+        },
+        (None, _) => plan::Recompute::None,
+    };
+    let layout = plan::Layout {
+        tp: args.tp,
+        pp: args.pp,
+        dp,
+        schedule: pipeline_schedule(args),
+        microbatches: args.microbatches,
+        batch: args.batch,
+        element: args.precision.dtype().size_in_bytes(),
+        distributed_optimizer: args.use_distributed_optimizer,
+        sequence_parallel: args.sequence_parallel,
+        recompute,
+        device: args.device != tape::Device::Cpu,
+        corpus_bytes: corpus.len(),
+    };
+    let stages = plan::predict(&model, &layout)?;
+    let largest = stages.iter().map(plan::Breakdown::total).max().unwrap_or(0);
+    println!("predicted peak per rank: {largest} bytes");
+    for (stage, b) in stages.iter().enumerate() {
+        println!(
+            "  stage {stage}: {} (parameters {}, gradients {}, master weights {}, AdamW \
+             moments {}, activations {}, working memory {}, data {})",
+            b.total(),
+            b.parameters,
+            b.gradients,
+            b.master_weights,
+            b.moments,
+            b.activations,
+            b.working,
+            b.other
+        );
+    }
+    Ok(())
 }
 
 /// The CUDA devices `--backend nccl` gives its ranks in turn: `--device cuda:N` and the

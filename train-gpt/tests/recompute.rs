@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{rows, scratch};
+use common::{bytes_after, memory_run, rows, scratch};
 use std::process::Command;
 
 const SMALL: &str = "--layers 4 --hidden 16 --heads 2 --seq 16 --steps 4 --eval-interval 2 \
@@ -66,32 +66,9 @@ fn recomputed_blocks_train_the_same_losses_bit_for_bit() {
     std::fs::remove_dir_all(&root).ok();
 }
 
-/// The output of a short run with `flags` (one block run's sizes).
-fn run(flags: &str) -> String {
-    let base = "--layers 4 --hidden 64 --heads 4 --seq 64 --batch 8 --steps 2 --eval-interval 0";
-    let joined = format!("{base} {flags}");
-    let out = scratch(&format!("peak-{}", flags.len()));
-    let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
-        .args(joined.split_whitespace())
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .expect("the train-gpt binary runs");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(output.status.success(), "{joined}: {stdout}");
-    std::fs::remove_dir_all(&out).ok();
-    stdout
-}
-
 /// `measured peak per rank` from a run with `flags`.
 fn peak(flags: &str) -> usize {
-    let stdout = run(flags);
-    stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("measured peak per rank: "))
-        .and_then(|l| l.strip_suffix(" bytes"))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no peak line: {stdout}"))
+    bytes_after(&memory_run(flags), "measured peak per rank: ")
 }
 
 /// What each pipeline stage held beyond its model state at its peak, from the line
@@ -145,7 +122,7 @@ fn the_measured_peak_falls_with_recomputation_and_with_1f1b() {
 fn each_pipeline_stage_holds_the_microbatches_its_schedule_keeps_in_flight() {
     let stages = |schedule: &str| {
         let flags = format!("--tp 1 --dp 1 --pp 4 --microbatches 8 --schedule {schedule}");
-        held_per_stage(&run(&flags))
+        held_per_stage(&memory_run(&flags))
     };
     let (gpipe, one_f_one_b) = (stages("gpipe"), stages("1f1b"));
     let microbatch = one_f_one_b[1] - one_f_one_b[2];

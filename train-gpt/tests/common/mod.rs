@@ -23,3 +23,42 @@ pub fn rows(path: &Path) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// The sizes of the memory tests' runs: four blocks of hidden 64 over 64 tokens, eight
+/// sequences a step, two steps.
+pub const MEMORY_RUN: &str =
+    "--layers 4 --hidden 64 --heads 4 --seq 64 --batch 8 --steps 2 --eval-interval 0";
+
+/// The standard output of the demo run with [`MEMORY_RUN`] and `flags`, which must succeed.
+pub fn memory_run(flags: &str) -> String {
+    let joined = format!("{MEMORY_RUN} {flags}");
+    let out = scratch(&format!("memory-{:x}", fingerprint(&joined)));
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_train-gpt"))
+        .args(joined.split_whitespace())
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("the train-gpt binary runs");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{joined}: {stdout}{stderr}");
+    std::fs::remove_dir_all(&out).ok();
+    stdout
+}
+
+/// The number of bytes on the line of `stdout` that starts with `prefix` (`... N bytes`).
+pub fn bytes_after(stdout: &str, prefix: &str) -> usize {
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .and_then(|l| l.strip_suffix(" bytes"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no line {prefix:?}: {stdout}"))
+}
+
+fn fingerprint(text: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    text.hash(&mut hasher);
+    hasher.finish()
+}

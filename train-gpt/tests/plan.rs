@@ -1,0 +1,88 @@
+//! `--plan` predicts the peak memory per rank that a training run with the same flags then
+//! measures, within 10%, over a grid that spans tensor, sequence, pipeline and data
+//! parallelism, the three schedules, the distributed optimizer, the three precisions,
+//! recomputation, dropout and untied embeddings, on the CPU and on the emulated device.
+//! 16-bit runs on the CPU are allowed 12%: they hold up to a tenth more than predicted
+//! (the CPU widens 16-bit operands to f32), which the plan does not model yet.
+
+mod common;
+
+use common::{bytes_after, memory_run};
+
+/// Layouts and options, each with `--plan` and then trained.
+const GRID: [&str; 24] = [
+    "--tp 1 --dp 1",
+    "--tp 2 --dp 1",
+    "--tp 2 --dp 2",
+    "--tp 1 --dp 2 --use-distributed-optimizer",
+    "--tp 2 --dp 2 --use-distributed-optimizer --precision bf16",
+    "--tp 1 --dp 1 --precision bf16",
+    "--tp 1 --dp 1 --precision fp16",
+    "--tp 2 --dp 1 --sequence-parallel",
+    "--tp 2 --dp 1 --sequence-parallel --precision bf16",
+    "--tp 1 --dp 1 --recompute-granularity full --recompute-method uniform",
+    "--tp 1 --dp 1 --recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+    "--tp 1 --dp 1 --recompute-granularity full --recompute-method block --recompute-num-layers 2",
+    "--tp 1 --dp 1 --recompute-granularity selective",
+    "--tp 2 --dp 1 --sequence-parallel --recompute-granularity selective",
+    "--tp 1 --dp 1 --pp 2 --microbatches 8 --schedule gpipe",
+    "--tp 1 --dp 1 --pp 2 --microbatches 8 --schedule 1f1b",
+    "--tp 1 --dp 1 --pp 4 --microbatches 8 --schedule 1f1b",
+    "--tp 1 --dp 1 --pp 2 --microbatches 4 --schedule interleaved --virtual-stages 2",
+    "--tp 2 --dp 1 --pp 2 --microbatches 4",
+    "--tp 1 --dp 2 --pp 2 --microbatches 4 --use-distributed-optimizer --precision bf16",
+    "--tp 1 --dp 1 --hidden-dropout 0.1 --attention-dropout 0.1",
+    "--tp 1 --dp 1 --untie-embeddings-and-output-weights",
+    "--tp 1 --dp 1 --microbatches 4",
+    "--tp 2 --dp 2 --pp 2 --microbatches 4 --sequence-parallel --recompute-granularity full \
+     --recompute-method uniform",
+];
+
+/// Predicted and measured peaks of each layout on `device`, and those further apart than
+/// allowed.
+fn compare(device: &str, layouts: &[&str]) {
+    let mut report = Vec::new();
+    let mut misses = 0;
+    for layout in layouts {
+        let sixteen_bit = layout.contains("bf16") || layout.contains("fp16");
+        let allowed = if sixteen_bit && device == "cpu" {
+            0.12
+        } else {
+            0.10
+        };
+        let flags = format!("{layout} --device {device}");
+        let predicted = bytes_after(
+            &memory_run(&format!("{flags} --plan")),
+            "predicted peak per rank: ",
+        );
+        let measured = bytes_after(&memory_run(&flags), "measured peak per rank: ");
+        let ratio = predicted as f64 / measured as f64;
+        let miss = (ratio - 1.0).abs() > allowed;
+        misses += usize::from(miss);
+        report.push(format!(
+            "{} {predicted:>10} predicted {measured:>10} measured ({ratio:.3}) {flags}",
+            if miss { "MISS" } else { "    " }
+        ));
+    }
+    println!("{}", report.join("\n"));
+    assert_eq!(
+        misses,
+        0,
+        "{misses} predictions off by more than allowed:\n{}",
+        report.join("\n")
+    );
+}
+
+#[test]
+fn the_plan_predicts_the_measured_peak_on_the_cpu() {
+    compare("cpu", &GRID);
+}
+
+#[test]
+fn the_plan_predicts_the_measured_peak_on_the_emulated_device() {
+    // Every fourth layout (among them the distributed optimizer in bf16, sequence
+    // parallelism, selective recomputation, a 4-stage pipeline and dropout): the emulated
+    // device's reference products are slow. All 24 are within 8% (the book's table).
+    let layouts: Vec<&str> = GRID.iter().step_by(4).copied().collect();
+    compare("emulated", &layouts);
+}

@@ -51,33 +51,36 @@ if [ "$status" -ne 0 ]; then
     exit "$status"
 fi
 
+# Each test binary with the source file it was built from: "SOURCE EXECUTABLE".
 test_binaries=$(cargo test --workspace --all-features --no-run --message-format=json 2>/dev/null |
-    grep -o '"executable":"[^"]*"' | sed 's/"executable":"//; s/"$//' | sort -u)
+    sed -n 's/.*"src_path":"\([^"]*\)".*"executable":"\([^"]*\)".*/\1 \2/p' | sort -u)
 
 echo "==> the emulated device's tests again, its streams' workers delayed at random"
 # Every test file that runs on the emulated device (directly or through tape's device
-# helper); its binary is named after it and runs in its package's directory, as cargo
-# runs it.
-emulated=$(grep -rlE 'Emulated|emulated|support/device\.rs' --include='*.rs' ./*/tests |
+# helper), run from its package's directory as cargo runs it; a file with no binary fails.
+emulated=$(grep -rlE 'Emulated|emulated|support/device\.rs' --include='*.rs' "$PWD"/*/tests |
     grep -v '/support/' | sort -u)
 for seed in 1 2; do
     for file in $emulated; do
-        package=${file%%/tests/*} name=$(basename "$file" .rs)
-        for test in $(echo "$test_binaries" | grep -E "/deps/${name}-[0-9a-f]+$"); do
-            log=$(mktemp)
-            (cd "$package" && FERROTRON_EMULATED_JITTER=$seed timeout 600 "$test" -q) >"$log" 2>&1 || {
-                cat "$log" >&2
-                echo "$file failed with FERROTRON_EMULATED_JITTER=$seed" >&2
-                exit 1
-            }
-            rm "$log"
-        done
+        test=$(echo "$test_binaries" | awk -v f="$file" '$1 == f { print $2 }')
+        if [ -z "$test" ]; then
+            echo "no test binary was built from $file" >&2
+            exit 1
+        fi
+        log=$(mktemp)
+        (cd "${file%%/tests/*}" && FERROTRON_EMULATED_JITTER=$seed timeout 600 "$test" -q) \
+            >"$log" 2>&1 || {
+            cat "$log" >&2
+            echo "$file failed with FERROTRON_EMULATED_JITTER=$seed" >&2
+            exit 1
+        }
+        rm "$log"
     done
     echo "--> FERROTRON_EMULATED_JITTER=$seed: the tests of $(echo "$emulated" | wc -w) files passed"
 done
 
 echo "==> MPI test binaries under mpirun"
-mpi_tests=$(echo "$test_binaries" | grep -E '/mpi_[a-z_]*-[0-9a-f]*$')
+mpi_tests=$(echo "$test_binaries" | awk '{ print $2 }' | grep -E '/mpi_[a-z_]*-[0-9a-f]*$')
 if [ -z "$mpi_tests" ]; then
     echo "no MPI test binaries found" >&2
     exit 1

@@ -249,13 +249,18 @@ pub(crate) fn wait(agent: u64, event: &Clock) {
     STATE.lock().clocks.entry(agent).or_default().join(event);
 }
 
-/// This thread has seen stream `agent`'s work complete; returns the stream's pending
-/// error.
-pub(crate) fn synchronize_stream(agent: u64) -> Result<()> {
+/// Stream `agent`'s clock now (how far into every agent's work its queued calls are
+/// ordered), for a host wait that waits for exactly those calls.
+pub(crate) fn stream_clock(agent: u64) -> Clock {
+    STATE.lock().clocks.get(&agent).cloned().unwrap_or_default()
+}
+
+/// This thread has seen stream `agent`'s work up to `clock` (taken by [`stream_clock`])
+/// complete; returns the stream's pending error.
+pub(crate) fn synchronize_stream(agent: u64, clock: &Clock) -> Result<()> {
     let thread = this_thread();
     let mut state = STATE.lock();
-    let clock = state.clocks.get(&agent).cloned().unwrap_or_default();
-    state.clocks.entry(thread).or_default().join(&clock);
+    state.clocks.entry(thread).or_default().join(clock);
     match state.sticky.remove(&agent) {
         Some(error) => Err(error),
         None => Ok(()),

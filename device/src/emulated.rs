@@ -29,18 +29,32 @@ pub(crate) enum Work {
         kernel: unsafe extern "C" fn(*const std::ffi::c_void),
         arg: [u64; ARG_WORDS],
     },
+    /// Another stream's calls up to `ticket`, which this stream waits for; if that
+    /// stream is broken, this one breaks too (its later calls may read what the other
+    /// never wrote).
+    WaitFor {
+        progress: Arc<Progress>,
+        ticket: u64,
+    },
     /// Anything else.
     Call(Box<dyn FnOnce() + Send>),
 }
 
 impl Work {
-    fn run(self) {
+    /// Runs the call; `Err` breaks the stream.
+    fn run(self) -> std::result::Result<(), String> {
         match self {
             // SAFETY: whoever queued the launch guaranteed the argument and the memory
             // it names until the kernel has run (`Stream::launch`).
             Work::Kernel { kernel, arg } => unsafe { kernel(arg.as_ptr().cast()) },
+            Work::WaitFor { progress, ticket } => {
+                return progress
+                    .wait(ticket)
+                    .map_err(|e| format!("waited for: {e}"))
+            }
             Work::Call(call) => call(),
         }
+        Ok(())
     }
 }
 
@@ -64,6 +78,8 @@ struct State {
     panicked: Option<String>,
     /// The stream is gone: the worker runs what is left and exits.
     closed: bool,
+    /// The worker's thread, which must never wait for its own later calls.
+    worker: Option<std::thread::ThreadId>,
 }
 
 impl Progress {
@@ -74,10 +90,27 @@ impl Progress {
         Ok(state.done >= ticket)
     }
 
-    /// Blocks until the calls up to `ticket` have run.
+    /// Blocks until the calls up to `ticket` have run (a broken stream skips the rest, so
+    /// this returns once nothing queued before `ticket` can still touch memory). Called
+    /// from the stream's own worker (a queued call that frees memory or waits), the calls
+    /// before the running one have run already; waiting for the running one or later
+    /// would never end, and is an error.
     pub(crate) fn wait(&self, ticket: u64) -> Result<()> {
         let mut state = self.state.lock();
-        while state.done < ticket && state.panicked.is_none() {
+        if state.worker == Some(std::thread::current().id()) {
+            // The running call is number `done + 1`.
+            return match ticket <= state.done {
+                true => failure(&state),
+                false => Err(Error::Invalid {
+                    op: "emulated stream",
+                    reason: "a call queued on a stream waits for that stream's own later \
+                             work, which would never end; wait on another stream, or from \
+                             the host"
+                        .into(),
+                }),
+            };
+        }
+        while state.done < ticket {
             self.advanced.wait(&mut state);
         }
         failure(&state)
@@ -88,7 +121,7 @@ fn failure(state: &State) -> Result<()> {
     match &state.panicked {
         Some(message) => Err(Error::Driver {
             call: "emulated stream work".into(),
-            message: format!("a call queued on the stream panicked: {message}"),
+            message: format!("a call queued on the stream failed: {message}"),
         }),
         None => Ok(()),
     }
@@ -112,6 +145,7 @@ impl Worker {
                 done: 0,
                 panicked: None,
                 closed: false,
+                worker: None,
             }),
             advanced: Condvar::new(),
             queued: Condvar::new(),
@@ -147,6 +181,11 @@ impl Worker {
         self.progress.wait(ticket)
     }
 
+    /// Whether this thread is the worker itself (running a queued call).
+    pub(crate) fn is_current(&self) -> bool {
+        self.progress.state.lock().worker == Some(std::thread::current().id())
+    }
+
     pub(crate) fn progress(&self) -> &Arc<Progress> {
         &self.progress
     }
@@ -160,10 +199,17 @@ impl Drop for Worker {
 }
 
 fn run(progress: &Progress, mut jitter: Option<u64>) {
+    progress.state.lock().worker = Some(std::thread::current().id());
     loop {
         let work = {
             let mut state = progress.state.lock();
             loop {
+                // A broken stream's later calls are dropped unrun: their inputs may be
+                // wrong, and their memory may be freed once the host sees the error.
+                while state.panicked.is_some() && state.waiting.pop_front().is_some() {
+                    state.done += 1;
+                    progress.advanced.notify_all();
+                }
                 if let Some(work) = state.waiting.pop_front() {
                     break work;
                 }
@@ -178,14 +224,17 @@ fn run(progress: &Progress, mut jitter: Option<u64>) {
         }
         // A panic must not leave the host waiting forever: it breaks the stream instead.
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.run()));
+        let failed = match outcome {
+            Ok(result) => result.err(),
+            Err(payload) => Some(
+                (payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "(no message)".into()),
+            ),
+        };
         let mut state = progress.state.lock();
         state.done += 1;
-        if let Err(payload) = outcome {
-            let message = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "(no message)".into());
+        if let Some(message) = failed {
             state.panicked.get_or_insert(message);
         }
         progress.advanced.notify_all();

@@ -75,11 +75,13 @@ impl Drop for DeviceMemory {
                 // Returned to the host once the stream's queued work (which may still use
                 // it) has run: the host allocator then sees memory come and go in the
                 // program's order, as a GPU's stream-ordered pool hands it out. The wait
-                // is not counted (`cuMemFreeAsync` does not wait); a broken stream's
-                // memory is leaked, as its work may still be running.
-                let settled =
-                    ordered && (self.stream.emulated_worker()).is_some_and(|w| w.drain().is_ok());
-                // `alloc` succeeded with this size, so its layout exists.
+                // is not counted (`cuMemFreeAsync` does not wait). Freed by a call the
+                // stream runs (memory a queued closure owned), everything before that call
+                // has run and nothing after it can name the memory: it goes at once.
+                let settled = ordered
+                    && (self.stream.emulated_worker())
+                        .is_some_and(|w| w.is_current() || w.drain().is_ok()); // else leaked
+                                                                               // `alloc` succeeded with this size, so its layout exists.
                 if let (true, Some(layout)) = (settled, emulated_layout(self.bytes)) {
                     // SAFETY: allocated by `Stream::alloc` with the same layout; this was
                     // its only owner, and the work that used it has run.

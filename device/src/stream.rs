@@ -36,6 +36,10 @@ enum Kind {
 struct EmulatedQueue {
     id: u64,
     worker: Worker,
+    /// Held while a call moves the checker's clock and the worker's queue together, so
+    /// that an event's clock never covers a call its position does not (rank threads
+    /// share tape's stream).
+    order: parking_lot::Mutex<()>,
 }
 
 impl Drop for EmulatedQueue {
@@ -60,7 +64,11 @@ impl Stream {
             Device::Emulated => {
                 let id = checker::new_stream();
                 let worker = Worker::spawn(id).inspect_err(|_| checker::drop_stream(id))?;
-                Kind::Emulated(Arc::new(EmulatedQueue { id, worker }))
+                Kind::Emulated(Arc::new(EmulatedQueue {
+                    id,
+                    worker,
+                    order: parking_lot::Mutex::new(()),
+                }))
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
@@ -131,12 +139,15 @@ impl Stream {
     /// Marks the work queued so far: the event completes when it has run.
     pub fn record(&self) -> Result<Event> {
         let kind = match &self.kind {
-            Kind::Emulated(queue) => EventKind::Emulated {
-                stream: queue.id,
-                clock: checker::record(queue.id),
-                progress: queue.worker.progress().clone(),
-                ticket: queue.worker.position(),
-            },
+            Kind::Emulated(queue) => {
+                let _order = queue.order.lock();
+                EventKind::Emulated {
+                    stream: queue.id,
+                    clock: checker::record(queue.id),
+                    progress: queue.worker.progress().clone(),
+                    ticket: queue.worker.position(),
+                }
+            }
             #[cfg(feature = "cuda")]
             Kind::Cuda(stream) => {
                 self.bind()?;
@@ -165,14 +176,12 @@ impl Stream {
                     ticket,
                 },
             ) => {
+                let _order = queue.order.lock();
                 checker::wait(queue.id, clock);
                 // A stream's own events are passed in order already.
                 if *stream != queue.id {
                     let (progress, ticket) = (progress.clone(), *ticket);
-                    // A broken stream's error reaches the host at its own waits.
-                    queue.worker.queue(Work::Call(Box::new(move || {
-                        let _ = progress.wait(ticket);
-                    })));
+                    queue.worker.queue(Work::WaitFor { progress, ticket });
                 }
                 Ok(())
             }
@@ -200,8 +209,12 @@ impl Stream {
         match &self.kind {
             Kind::Emulated(queue) => {
                 count_host_wait(self.device);
-                queue.worker.drain()?;
-                checker::synchronize_stream(queue.id)
+                let (ticket, clock) = {
+                    let _order = queue.order.lock();
+                    (queue.worker.position(), checker::stream_clock(queue.id))
+                };
+                queue.worker.progress().wait(ticket)?;
+                checker::synchronize_stream(queue.id, &clock)
             }
             #[cfg(feature = "cuda")]
             Kind::Cuda(stream) => crate::cuda::synchronize(stream),
@@ -230,8 +243,12 @@ impl Stream {
     pub fn declare(&self, op: &'static str, accesses: &[Access]) -> Result<()> {
         match &self.kind {
             Kind::Emulated(queue) => {
-                checker::queue(queue.id, op, accesses)?;
-                queue.worker.drain()
+                let ticket = {
+                    let _order = queue.order.lock();
+                    checker::queue(queue.id, op, accesses)?;
+                    queue.worker.position()
+                };
+                queue.worker.progress().wait(ticket)
             }
             #[cfg(feature = "cuda")]
             Kind::Cuda(_) => Ok(()),
@@ -273,6 +290,7 @@ impl Stream {
     ) -> Result<()> {
         match &self.kind {
             Kind::Emulated(queue) => {
+                let _order = queue.order.lock();
                 checker::queue(queue.id, op, accesses)?;
                 queue.worker.queue(work);
                 Ok(())

@@ -102,3 +102,48 @@ fn a_call_that_panics_breaks_the_stream_instead_of_hanging_the_host() -> device:
     assert!(stream.record()?.synchronize().is_err());
     Ok(())
 }
+
+#[test]
+fn memory_a_queued_call_owns_is_freed_there_and_a_call_cannot_wait_for_its_own_stream(
+) -> device::Result<()> {
+    let stream = Stream::new(Device::Emulated)?;
+    let memory = stream.alloc(4)?;
+    let (said, heard) = mpsc::channel();
+    let same = stream.clone();
+    stream.queue_host("owns", &[], move || {
+        // Freed on the stream's own worker: at once, not by waiting for itself.
+        drop(memory);
+        // Waiting for its own stream would never end: an error instead.
+        let waited = same.record().and_then(|event| event.synchronize());
+        let _ = said.send(waited.is_err());
+    })?;
+    let refused = heard
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the queued call finished instead of waiting for itself");
+    assert!(refused);
+    stream.synchronize()
+}
+
+#[test]
+fn a_stream_waiting_for_a_broken_stream_breaks_too() -> device::Result<()> {
+    let (first, second) = (
+        Stream::new(Device::Emulated)?,
+        Stream::new(Device::Emulated)?,
+    );
+    first.queue_host("panics", &[], || panic!("a host build failed"))?;
+    // Queued behind the panic: dropped unrun.
+    let (ran, _) = (
+        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        (),
+    );
+    let flag = ran.clone();
+    first.queue_host("after", &[], move || {
+        flag.store(true, std::sync::atomic::Ordering::SeqCst)
+    })?;
+    second.wait(&first.record()?)?;
+    assert!(first.synchronize().is_err());
+    assert!(!ran.load(std::sync::atomic::Ordering::SeqCst));
+    let error = second.synchronize().unwrap_err();
+    assert!(error.to_string().contains("a host build failed"), "{error}");
+    Ok(())
+}

@@ -432,7 +432,9 @@ impl PendingFile {
         // On disk before the name is: a crash after the rename never leaves a torn file.
         (std::fs::File::open(&temporary).and_then(|file| file.sync_all()))
             .map_err(io(&temporary))?;
-        std::fs::rename(&temporary, path).map_err(io(path))
+        std::fs::rename(&temporary, path).map_err(io(path))?;
+        // The rename itself is on disk once the directory is.
+        (std::fs::File::open(&self.dir).and_then(|dir| dir.sync_all())).map_err(io(&self.dir))
     }
 }
 

@@ -298,11 +298,11 @@ struct Args {
     /// Train on this text file instead of the built-in documentation corpus.
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
-    /// Directory for loss.csv and loss.svg.
     /// Predict the peak memory per rank of each pipeline stage for these flags, by
     /// category, and exit without training.
     #[arg(long)]
     plan: bool,
+    /// Directory for loss.csv and loss.svg.
     #[arg(long, value_name = "DIR", default_value = "target/train_gpt")]
     out: PathBuf,
     /// Also train with TP = 1, DP = 1 on one rank (same seed, same global batches) and
@@ -429,7 +429,17 @@ fn run(args: &Args) -> Result<()> {
 
 /// `--plan`: each pipeline stage's predicted peak per rank, the largest first.
 fn print_plan(args: &Args, corpus: &Corpus) -> Result<()> {
-    let dp = args.dp.unwrap_or(2);
+    ensure!(
+        !matches!(args.device, tape::Device::Cuda(_)),
+        "--plan predicts host memory (and the emulated device's, which is host memory); \
+         CUDA memory is not modelled yet: plan with --device cpu or --device emulated"
+    );
+    // Under a launcher the world size sets DP, which the plan cannot see before MPI starts.
+    let dp = match (args.dp, under_mpirun()) {
+        (Some(dp), _) => dp,
+        (None, false) => 2,
+        (None, true) => bail!("--plan under a launcher: pass --dp, as the world would set it"),
+    };
     validate(args, dp)?;
     let model = plan::Model {
         layers: args.layers,

@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 /// Ranks counted apart (more share the last slot).
 const SLOTS: usize = 64;
 
+/// A cache line each, so that ranks counting at once do not contend for one.
+#[repr(align(64))]
 struct Slot {
     live: AtomicIsize,
     peak: AtomicIsize,
@@ -130,6 +132,10 @@ unsafe impl GlobalAlloc for Counting {
         let header = header(layout);
         // SAFETY: `ptr` came from this allocator with `layout`.
         let (base, slot, inner) = unsafe { allocated(ptr, layout) };
+        // The size with the header must stay a valid layout size, as `realloc` requires.
+        if Layout::from_size_align(new_size.saturating_add(header), layout.align()).is_err() {
+            return std::ptr::null_mut();
+        }
         // SAFETY: allocated by mimalloc with `inner`; the header moves with the bytes.
         let moved = unsafe { mimalloc::MiMalloc.realloc(base, inner, new_size + header) };
         if moved.is_null() {

@@ -9,6 +9,7 @@ use common::{rows, scratch};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A model small enough for a debug build, on two rank threads (TP 1 × DP 2).
 const SMALL: &[&str] = &[
@@ -173,6 +174,23 @@ fn sigterm_saves_the_step_in_progress_and_exits_zero() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // A stop that does not work must fail the test, not train for 100,000 steps.
+    let (pid, waited) = (
+        child.id() as i32,
+        std::sync::Arc::new(AtomicBool::new(false)),
+    );
+    let watchdog = waited.clone();
+    std::thread::spawn(move || {
+        for _ in 0..1200 {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            if watchdog.load(Ordering::SeqCst) {
+                return;
+            }
+        }
+        // SAFETY: kills the child this test started, still unwaited (so its pid is not
+        // reused), after two minutes.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    });
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     // Signal once two steps have run.
     for line in lines.by_ref() {
@@ -184,6 +202,7 @@ fn sigterm_saves_the_step_in_progress_and_exits_zero() {
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
     let status = child.wait().unwrap();
+    waited.store(true, Ordering::SeqCst);
     let stdout = rest.join("\n");
     assert!(status.success(), "{status}: {stdout}");
     let stopped = rest

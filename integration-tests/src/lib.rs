@@ -31,6 +31,9 @@ pub mod book_ddp {}
 #[doc = include_str!("../../docs/src/pipeline.md")]
 pub mod book_pipeline {}
 
+#[doc = include_str!("../../docs/src/planner.md")]
+pub mod book_planner {}
+
 #[doc = include_str!("../../docs/src/launching.md")]
 pub mod book_launching {}
 

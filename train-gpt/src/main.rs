@@ -302,6 +302,23 @@ struct Args {
     /// category, and exit without training.
     #[arg(long)]
     plan: bool,
+    /// With --plan: list the layouts of --world ranks that fit this much memory per rank
+    /// (e.g. 80GiB), with the bytes each sends per step, instead of planning this one.
+    #[arg(long, value_name = "BYTES", requires = "plan", requires = "world")]
+    fit: Option<planner::Bytes>,
+    /// With --fit: ranks in all (TP × PP × DP).
+    #[arg(long, requires = "fit")]
+    world: Option<usize>,
+    /// With --fit: sequences per step over all data-parallel ranks, the same for every
+    /// layout (default: --batch × 2, the batch of the default DP 2).
+    #[arg(long, requires = "fit")]
+    global_batch_size: Option<usize>,
+    /// With --fit: sequences per microbatch.
+    #[arg(long, requires = "fit", default_value_t = 1)]
+    micro_batch_size: usize,
+    /// With --fit: the largest tensor-parallel size to consider (TP stays inside a node).
+    #[arg(long, requires = "fit", default_value_t = 8)]
+    max_tp: usize,
     /// Directory for loss.csv and loss.svg.
     #[arg(long, value_name = "DIR", default_value = "target/train_gpt")]
     out: PathBuf,
@@ -404,7 +421,7 @@ fn run(args: &Args) -> Result<()> {
     };
     corpus.check_window(args.seq)?;
     if args.plan {
-        return print_plan(args, &corpus);
+        return plan(args, &corpus);
     }
     let devices = match args.backend {
         Backend::Nccl => Some(nccl_devices(args)?),
@@ -427,21 +444,48 @@ fn run(args: &Args) -> Result<()> {
     }
 }
 
-/// `--plan`: each pipeline stage's predicted peak per rank, the largest first.
-fn print_plan(args: &Args, corpus: &Corpus) -> Result<()> {
+/// `--plan`: the flags as the planner's model and layout (or search, with `--fit`).
+fn plan(args: &Args, corpus: &Corpus) -> Result<()> {
     ensure!(
         !matches!(args.device, tape::Device::Cuda(_)),
         "--plan predicts host memory (and the emulated device's, which is host memory); \
          CUDA memory is not modelled yet: plan with --device cpu or --device emulated"
     );
-    // Under a launcher the world size sets DP, which the plan cannot see before MPI starts.
-    let dp = match (args.dp, under_mpirun()) {
+    let Some(budget) = args.fit else {
+        let dp = planned_dp(args)?;
+        validate(args, dp)?;
+        return Ok(plan::print_layout(
+            &planned_model(args),
+            &planned_layout(args, dp, corpus),
+        )?);
+    };
+    let search = planner::Search {
+        world: args.world.unwrap_or(0),
+        budget: budget.0,
+        global_batch: match args.global_batch_size {
+            Some(global) => global,
+            None => args.batch * planned_dp(args)?,
+        },
+        micro_batch: args.micro_batch_size,
+        max_tp: args.max_tp,
+        element: args.precision.dtype().size_in_bytes(),
+        target: planned_target(args),
+        corpus_bytes: corpus.len(),
+    };
+    Ok(plan::print_fit(&planned_model(args), &search)?)
+}
+
+/// Under a launcher the world size sets DP, which the plan cannot see before MPI starts.
+fn planned_dp(args: &Args) -> Result<usize> {
+    Ok(match (args.dp, under_mpirun()) {
         (Some(dp), _) => dp,
         (None, false) => 2,
         (None, true) => bail!("--plan under a launcher: pass --dp, as the world would set it"),
-    };
-    validate(args, dp)?;
-    let model = plan::Model {
+    })
+}
+
+fn planned_model(args: &Args) -> planner::Model {
+    planner::Model {
         layers: args.layers,
         hidden: args.hidden,
         heads: args.heads,
@@ -451,20 +495,27 @@ fn print_plan(args: &Args, corpus: &Corpus) -> Result<()> {
         tied: !args.untie_embeddings_and_output_weights,
         hidden_dropout: args.hidden_dropout > 0.0,
         attention_dropout: args.attention_dropout > 0.0,
-    };
+    }
+}
+
+fn planned_target(args: &Args) -> planner::Target {
+    match args.device {
+        tape::Device::Cpu => planner::Target::Cpu,
+        _ => planner::Target::Device,
+    }
+}
+
+fn planned_layout(args: &Args, dp: usize, corpus: &Corpus) -> planner::Layout {
+    let layers = args.recompute_num_layers as usize;
     let recompute = match (args.recompute_granularity, args.recompute_method) {
-        (Some(RecomputeGranularity::Selective), _) => plan::Recompute::Selective,
+        (Some(RecomputeGranularity::Selective), _) => planner::Recompute::Selective,
         (Some(RecomputeGranularity::Full), Some(RecomputeMethod::Block)) => {
-            plan::Recompute::Block {
-                layers: args.recompute_num_layers as usize,
-            }
+            planner::Recompute::Block { layers }
         }
-        (Some(RecomputeGranularity::Full), _) => plan::Recompute::Uniform {
-            layers: args.recompute_num_layers as usize,
-        },
-        (None, _) => plan::Recompute::None,
+        (Some(RecomputeGranularity::Full), _) => planner::Recompute::Uniform { layers },
+        (None, _) => planner::Recompute::None,
     };
-    let layout = plan::Layout {
+    planner::Layout {
         tp: args.tp,
         pp: args.pp,
         dp,
@@ -475,27 +526,9 @@ fn print_plan(args: &Args, corpus: &Corpus) -> Result<()> {
         distributed_optimizer: args.use_distributed_optimizer,
         sequence_parallel: args.sequence_parallel,
         recompute,
-        device: args.device != tape::Device::Cpu,
+        target: planned_target(args),
         corpus_bytes: corpus.len(),
-    };
-    let stages = plan::predict(&model, &layout)?;
-    let largest = stages.iter().map(plan::Breakdown::total).max().unwrap_or(0);
-    println!("predicted peak per rank: {largest} bytes");
-    for (stage, b) in stages.iter().enumerate() {
-        println!(
-            "  stage {stage}: {} (parameters {}, gradients {}, master weights {}, AdamW \
-             moments {}, activations {}, working memory {}, data {})",
-            b.total(),
-            b.parameters,
-            b.gradients,
-            b.master_weights,
-            b.moments,
-            b.activations,
-            b.working,
-            b.other
-        );
     }
-    Ok(())
 }
 
 /// The CUDA devices `--backend nccl` gives its ranks in turn: `--device cuda:N` and the

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{bytes_after, memory_run};
+use common::{bytes_after, demo_stdout, memory_run};
 
 /// Layouts and options, each with `--plan` and then trained.
 const GRID: [&str; 24] = [
@@ -86,4 +86,87 @@ fn the_plan_predicts_the_measured_peak_on_the_emulated_device() {
     // device's reference products are slow. All 24 are within 8% (the book's table).
     let layouts: Vec<&str> = GRID.iter().step_by(4).copied().collect();
     compare("emulated", &layouts);
+}
+
+/// A model `--fit` places on four ranks, trained in bf16 for two steps.
+const FIT: &str = "--layers 4 --hidden 64 --heads 4 --seq 64 --steps 2 --eval-interval 0 \
+                   --precision bf16";
+
+/// The training flags of one row of `--fit`'s table (`tp pp dp schedule dist-opt
+/// recompute peak sent bubble`), and the peak it prints.
+fn row_flags(row: &str) -> (String, String) {
+    let c: Vec<&str> = row.split_whitespace().collect();
+    let (tp, pp, dp): (usize, usize, usize) = (
+        c[0].parse().unwrap(),
+        c[1].parse().unwrap(),
+        c[2].parse().unwrap(),
+    );
+    let batch = 16 / dp;
+    let mut flags = format!(
+        "--tp {tp} --pp {pp} --dp {dp} --batch {batch} --microbatches {}",
+        batch / 2
+    );
+    match c[3] {
+        "-" | "1f1b" => {}
+        interleaved => {
+            let v = interleaved.trim_start_matches("interleaved×");
+            flags += &format!(" --schedule interleaved --virtual-stages {v}");
+        }
+    }
+    if c[4] == "yes" {
+        flags += " --use-distributed-optimizer";
+    }
+    if tp > 1 {
+        flags += " --sequence-parallel";
+    }
+    flags += match c[5] {
+        "none" => "",
+        "selective" => " --recompute-granularity selective",
+        _ => " --recompute-granularity full --recompute-method uniform",
+    };
+    (flags, format!("{} {}", c[6], c[7]))
+}
+
+#[test]
+fn fit_lists_layouts_that_plan_and_train_within_the_budget() {
+    let budget = 3 << 20;
+    let listed = demo_stdout(&format!(
+        "{FIT} --plan --fit 3MiB --world 4 --global-batch-size 16 --micro-batch-size 2"
+    ));
+    println!("{listed}");
+    let rows: Vec<&str> = listed
+        .lines()
+        .skip(2)
+        .filter(|l| !l.contains("more"))
+        .collect();
+    let all = demo_stdout(&format!(
+        "{FIT} --plan --fit 1GiB --world 4 --global-batch-size 16 --micro-batch-size 2"
+    ));
+    assert!(
+        !rows.is_empty() && rows.len() < all.lines().count() - 2,
+        "{listed}{all}"
+    );
+    for row in [rows[0], rows[rows.len() - 1]] {
+        let (flags, peak) = row_flags(row);
+        let predicted = bytes_after(
+            &demo_stdout(&format!("{FIT} {flags} --plan")),
+            "predicted peak per rank: ",
+        );
+        assert_eq!(planner_bytes(predicted), peak, "{flags}");
+        assert!(predicted <= budget);
+        let measured = bytes_after(
+            &demo_stdout(&format!("{FIT} {flags}")),
+            "measured peak per rank: ",
+        );
+        // The plan's tolerance for 16-bit runs on the CPU.
+        assert!(
+            measured as f64 <= 1.12 * budget as f64,
+            "{flags}: {measured}"
+        );
+    }
+}
+
+/// A byte count as `--fit` prints it.
+fn planner_bytes(bytes: usize) -> String {
+    format!("{:.2} MiB", bytes as f64 / (1 << 20) as f64)
 }

@@ -31,17 +31,21 @@ pub const MEMORY_RUN: &str =
 
 /// The standard output of the demo run with [`MEMORY_RUN`] and `flags`, which must succeed.
 pub fn memory_run(flags: &str) -> String {
-    let joined = format!("{MEMORY_RUN} {flags}");
-    let out = scratch(&format!("memory-{:x}", fingerprint(&joined)));
+    demo_stdout(&format!("{MEMORY_RUN} {flags}"))
+}
+
+/// The standard output of the demo run with `flags`, which must succeed.
+pub fn demo_stdout(flags: &str) -> String {
+    let out = scratch(&format!("run-{:x}", fingerprint(flags)));
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_train-gpt"))
-        .args(joined.split_whitespace())
+        .args(flags.split_whitespace())
         .arg("--out")
         .arg(&out)
         .output()
         .expect("the train-gpt binary runs");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{joined}: {stdout}{stderr}");
+    assert!(output.status.success(), "{flags}: {stdout}{stderr}");
     std::fs::remove_dir_all(&out).ok();
     stdout
 }

@@ -471,6 +471,13 @@ impl Sizes {
                 block -= (e + mask) * scores;
             }
         }
+        // On the CPU a 16-bit x·Wᵀ transposes W into a rounded copy that its product keeps
+        // for backward: a 16-bit copy of the block's weights per microbatch in flight.
+        let transposed = |weights: usize| match e < 4 && !device {
+            true => e * weights,
+            false => 0,
+        };
+        block += transposed((4 * h * h + 2 * f * h) / t);
         let embedding = e * local
             + 8 * sb
             + if t > 1 {
@@ -489,7 +496,8 @@ impl Sizes {
             + 4 * logits
             + 4 * sb
             + 17 * sb
-            + untied_bias;
+            + untied_bias
+            + transposed(vocab_shard * h);
         let sixteen_bit_logits = if e < 4 { e * logits } else { 0 };
         let softmax_backward = if device || e < 4 { 8 } else { 4 };
         // On the CPU a 16-bit product widens its operands to f32 and computes in f32: the

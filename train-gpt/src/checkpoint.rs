@@ -55,7 +55,7 @@ impl TrainerState {
             "tp": self.tp,
             "pp": self.pp,
             "chunks": self.chunks,
-            "model": {"vocab": m.vocab, "layers": m.layers, "hidden": m.hidden,
+            "model": {"vocab": m.vocab, "valid_vocab": m.valid_vocab, "layers": m.layers, "hidden": m.hidden,
                       "heads": m.heads, "seq": m.seq, "tied": m.tied},
             // f32 → f64 is exact and JSON keeps f64 exactly, so the curve resumes
             // bit-identically.
@@ -129,6 +129,11 @@ impl TrainerState {
             chunks: or_one(&state["chunks"])?,
             model: GptConfig {
                 vocab: number(&model["vocab"])?,
+                // Older checkpoints hold bytes, every entry a token.
+                valid_vocab: match &model["valid_vocab"] {
+                    Value::Null => number(&model["vocab"])?,
+                    valid => number(valid)?,
+                },
                 layers: number(&model["layers"])?,
                 hidden: number(&model["hidden"])?,
                 heads: number(&model["heads"])?,
@@ -183,8 +188,17 @@ impl TrainerState {
             }
         );
         ensure!(
-            (s.vocab, s.layers, s.hidden, s.heads, s.seq)
-                == (m.vocab, m.layers, m.hidden, m.heads, m.seq),
+            (s.valid_vocab, s.vocab) == (m.valid_vocab, m.vocab),
+            "the checkpoint's model has {} tokens padded to {}, this run's {} padded to {}: \
+             pass the checkpoint's tokenizer, and a --tp that pads it to the same size (the \
+             vocabulary is padded to a multiple of 128 × TP)",
+            s.valid_vocab,
+            s.vocab,
+            m.valid_vocab,
+            m.vocab
+        );
+        ensure!(
+            (s.layers, s.hidden, s.heads, s.seq) == (m.layers, m.hidden, m.heads, m.seq),
             "the checkpoint is of a model with --layers {} --hidden {} --heads {} --seq {}; \
              pass those",
             s.layers,

@@ -298,6 +298,19 @@ struct Args {
     /// Train on this text file instead of the built-in documentation corpus.
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
+    /// Train on Megatron-LM indexed datasets: a prefix (PREFIX.idx and PREFIX.bin, as
+    /// preprocess_data.py or `preprocess` writes them), or weights and prefixes in pairs
+    /// to blend them (0.3 a 0.7 b). Needs --tokenizer.
+    #[arg(long, num_args = 1.., value_name = "[WEIGHT] PREFIX", conflicts_with = "data", requires = "tokenizer")]
+    data_path: Option<Vec<String>>,
+    /// With --data-path: the training, validation and test weights that cut each
+    /// dataset's sequences (Megatron's --split).
+    #[arg(long, default_value = "969,30,1")]
+    split: String,
+    /// The Hugging Face tokenizer.json of --data-path's tokens: it sets the vocabulary
+    /// (padded to a multiple of 128 × TP) and writes the samples.
+    #[arg(long, value_name = "FILE", requires = "data_path")]
+    tokenizer: Option<PathBuf>,
     /// Predict the peak memory per rank of each pipeline stage for these flags, by
     /// category, and exit without training.
     #[arg(long)]
@@ -415,9 +428,15 @@ fn resolve_resume(args: &mut Args) -> Result<()> {
 }
 
 fn run(args: &Args) -> Result<()> {
-    let corpus = match &args.data {
-        Some(path) => Corpus::from_file(path, args.seq)?,
-        None => Corpus::builtin(),
+    let corpus = match (&args.data, &args.data_path, &args.tokenizer) {
+        (_, Some(words), Some(tokenizer)) => Corpus::megatron(
+            datasets::parse_blend(words)?,
+            datasets::parse_split(&args.split)?,
+            args.seed,
+            data::Vocabulary::from_file(tokenizer)?,
+        )?,
+        (Some(path), _, _) => Corpus::from_file(path, args.seq)?,
+        _ => Corpus::builtin(),
     };
     corpus.check_window(args.seq)?;
     if args.plan {
@@ -453,9 +472,9 @@ fn plan(args: &Args, corpus: &Corpus) -> Result<()> {
     );
     let Some(budget) = args.fit else {
         let dp = planned_dp(args)?;
-        validate(args, dp)?;
+        validate(args, dp, &corpus.vocabulary)?;
         return Ok(plan::print_layout(
-            &planned_model(args),
+            &planned_model(args, corpus),
             &planned_layout(args, dp, corpus),
         )?);
     };
@@ -472,7 +491,7 @@ fn plan(args: &Args, corpus: &Corpus) -> Result<()> {
         target: planned_target(args),
         corpus_bytes: corpus.len(),
     };
-    Ok(plan::print_fit(&planned_model(args), &search)?)
+    Ok(plan::print_fit(&planned_model(args, corpus), &search)?)
 }
 
 /// Under a launcher the world size sets DP, which the plan cannot see before MPI starts.
@@ -484,13 +503,13 @@ fn planned_dp(args: &Args) -> Result<usize> {
     })
 }
 
-fn planned_model(args: &Args) -> planner::Model {
+fn planned_model(args: &Args, corpus: &Corpus) -> planner::Model {
     planner::Model {
         layers: args.layers,
         hidden: args.hidden,
         heads: args.heads,
         ffn: 4 * args.hidden,
-        vocab: data::VOCAB,
+        vocab: corpus.vocabulary.padded(args.tp),
         seq: args.seq,
         tied: !args.untie_embeddings_and_output_weights,
         hidden_dropout: args.hidden_dropout > 0.0,
@@ -596,8 +615,8 @@ fn run_local_backend(
     devices: Option<std::ops::Range<usize>>,
 ) -> Result<()> {
     let dp = args.dp.unwrap_or(2);
-    validate(args, dp)?;
-    let config = training_config(args);
+    validate(args, dp, &corpus.vocabulary)?;
+    let config = training_config(args, &corpus.vocabulary);
     let world = args.tp * args.pp * dp;
     if let Some(devices) = &devices {
         let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
@@ -785,7 +804,7 @@ fn run_mpi_backend(
             mp * dp
         );
     }
-    validate(args, dp)?;
+    validate(args, dp, &corpus.vocabulary)?;
     // This node's processes as the launcher reports them (else assume all are here):
     // they share its cores and take its devices in turn.
     let placement = placement::from_environment().unwrap_or(placement::Placement {
@@ -803,7 +822,7 @@ fn run_mpi_backend(
     let (world, device) = connect(world, args.device, devices, placement)?;
     let config = TrainConfig {
         device,
-        ..training_config(args)
+        ..training_config(args, &corpus.vocabulary)
     };
     let progress = rank0.then(|| Progress::new("train", args.steps, args.batch * dp * args.seq));
     let mut result = train_rank(world.clone(), &config, corpus, progress.as_ref())?;
@@ -840,14 +859,15 @@ fn run_mpi_backend(_: &Args, _: &Corpus, _: Option<std::ops::Range<usize>>) -> R
 }
 
 /// Checks every flag before any rank starts, saying what would be valid.
-fn validate(args: &Args, dp: usize) -> Result<()> {
-    validate_model(args, dp)?;
+fn validate(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Result<()> {
+    validate_model(args, dp, vocabulary)?;
     validate_recompute(args)?;
     validate_optimizer(args)?;
     validate_pipeline(args)?;
     if let Some(dir) = &args.resume {
         let saved = checkpoint::TrainerState::read(dir)?;
-        saved.check_compatible(&train_config(args).model, args.batch * dp, args.steps)?;
+        let model = train_config(args, vocabulary).model;
+        saved.check_compatible(&model, args.batch * dp, args.steps)?;
     }
     Ok(())
 }
@@ -869,7 +889,7 @@ fn validate_recompute(args: &Args) -> Result<()> {
 }
 
 /// The model's and the batch's sizes against the tensor-parallel split.
-fn validate_model(args: &Args, dp: usize) -> Result<()> {
+fn validate_model(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Result<()> {
     ensure!(args.tp >= 1, "--tp must be at least 1");
     ensure!(dp >= 1, "--dp must be at least 1");
     ensure!(args.heads >= 1, "--heads must be at least 1");
@@ -889,10 +909,10 @@ fn validate_model(args: &Args, dp: usize) -> Result<()> {
         list(&divisors(args.heads))
     );
     ensure!(
-        args.tp <= data::VOCAB,
+        args.tp <= vocabulary.size(),
         "--tp {} exceeds the {}-byte vocabulary it divides",
         args.tp,
-        data::VOCAB
+        vocabulary.size()
     );
     ensure!(
         args.layers >= 1 && args.seq >= 1 && args.batch >= 1 && args.steps >= 1,
@@ -988,10 +1008,11 @@ fn validate_pipeline(args: &Args) -> Result<()> {
     Ok(())
 }
 
-fn train_config(args: &Args) -> TrainConfig {
+fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
     TrainConfig {
         model: GptConfig {
-            vocab: data::VOCAB,
+            vocab: vocabulary.padded(args.tp),
+            valid_vocab: vocabulary.size(),
             layers: args.layers,
             hidden: args.hidden,
             heads: args.heads,
@@ -1036,10 +1057,10 @@ fn train_config(args: &Args) -> TrainConfig {
 
 /// The run's configuration, with SIGTERM and SIGINT now asking it to stop after a step
 /// (a signal before this point ends the program as usual).
-fn training_config(args: &Args) -> TrainConfig {
+fn training_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
     TrainConfig {
         stop: Some(stop::install()),
-        ..train_config(args)
+        ..train_config(args, vocabulary)
     }
 }
 
@@ -1105,7 +1126,7 @@ fn schedule(args: &Args) -> Schedule {
 fn announce(args: &Args, corpus: &Corpus, dp: usize) {
     println!(
         "GPT: {} layers, hidden {}, {} heads, context {} | TP {} × PP {} × DP {} = {} \
-         ranks{}{}{} on the {} backend, {}{} | {} steps of {} sequences | data: {} ({} bytes)",
+         ranks{}{}{} on the {} backend, {}{} | {} steps of {} sequences | data: {}",
         args.layers,
         args.hidden,
         args.heads,
@@ -1151,8 +1172,7 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
         },
         args.steps,
         args.batch * dp,
-        corpus.source,
-        corpus.len()
+        corpus.describe()
     );
     if let Some(dir) = &args.resume {
         println!("resuming the run saved in {}", dir.display());
@@ -1320,7 +1340,9 @@ fn compare_with_one_rank(
 /// The same training on one rank: TP = 1, DP = 1, the whole global batch.
 fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
     println!("check: the same steps with TP 1 × DP 1 on one rank");
-    let mut reference = train_config(args);
+    let mut reference = train_config(args, &corpus.vocabulary);
+    // One rank pads the vocabulary for TP 1; the padding is no token either way.
+    reference.model.vocab = corpus.vocabulary.padded(1);
     reference.model.recompute_attention_core = false;
     let config = TrainConfig {
         tp: 1,

@@ -23,9 +23,16 @@ use tape::{CrossEntropyOptions, Parameter, Tape, Tensor};
 /// Standard deviation of the master weights (GPT-2's).
 const INIT_STD: f64 = 0.02;
 
+/// Added to a padded vocabulary entry's logit: finite (so sums stay finite), and far
+/// enough below any real logit that its exponential underflows to 0.
+const PADDING_LOGIT: f32 = -1e30;
+
 #[derive(Debug, Clone, Copy)]
 pub struct GptConfig {
+    /// Rows of the embedding and columns of the logits: the tokens, padded.
     pub vocab: usize,
+    /// Tokens that exist; the logits of the padding after them are left out of the loss.
+    pub valid_vocab: usize,
     pub layers: usize,
     pub hidden: usize,
     pub heads: usize,
@@ -243,14 +250,31 @@ impl Gpt {
         labels: &[i64],
         dp: &Arc<dyn Communicator>,
     ) -> Result<TokenLoss> {
+        let logits = self.without_padding(logits)?;
         Ok(vocab_parallel_cross_entropy_per_token(
-            logits,
+            &logits,
             labels,
             self.tp.group(),
             self.config.vocab,
             &CrossEntropyOptions::default(),
             dp,
         )?)
+    }
+
+    /// `logits` in f32 with the padded vocabulary's columns pushed to a value whose
+    /// exponential is 0, so that they take no probability and get no gradient (Megatron
+    /// pads the vocabulary for its matrix shapes; the padding is no token).
+    fn without_padding(&self, logits: &Tensor) -> Result<Tensor> {
+        let (vocab, valid) = (self.config.vocab, self.config.valid_vocab);
+        if valid >= vocab {
+            return Ok(logits.clone());
+        }
+        let range = layers::VocabRange::new(vocab, self.tp.rank(), self.tp.size())?;
+        let mask: Vec<f32> = (range.start..range.end)
+            .map(|id| if id < valid { 0.0 } else { PADDING_LOGIT })
+            .collect();
+        let mask = Tensor::from_vec(mask, &[range.len()])?.to_device(logits.device())?;
+        Ok(logits.to_dtype(tape::DType::F32)?.add(&mask)?)
     }
 
     /// Recomputes blocks in backward as `recompute` says (training only: evaluation

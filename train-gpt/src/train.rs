@@ -3,7 +3,7 @@
 //! validation loss, exact resume, and text sampling at the end.
 
 use crate::checkpoint::{self, TrainerState};
-use crate::data::{Corpus, DistributedSampler};
+use crate::data::{Corpus, DistributedSampler, Split};
 use crate::model::{Gpt, GptConfig, RankModel};
 use crate::report::Progress;
 use anyhow::{bail, Result};
@@ -22,8 +22,8 @@ use tape::{
 
 /// Text the trained model continues, one sample each.
 const PROMPTS: &[&str] = &["The tensor", "Each rank ", "pub fn new"];
-/// Bytes generated per prompt.
-const SAMPLE_BYTES: usize = 80;
+/// Tokens generated per prompt (bytes, with the byte vocabulary).
+const SAMPLE_TOKENS: usize = 80;
 /// Sampling temperature: below 1 for readable text, above 0 so it does not loop.
 const TEMPERATURE: f32 = 0.8;
 
@@ -167,6 +167,12 @@ pub fn train_rank(
         .build()?;
     let state = ParallelState::new(world.clone(), layout)?;
     let tp = TensorParallel::from_state(&state).with_sequence_parallel(config.sequence_parallel);
+    let global_batch = config.batch * state.dp_size();
+    let validation = match config.eval_interval {
+        0 => 0,
+        _ => global_batch * config.eval_batches,
+    };
+    corpus.prepare(config.model.seq, global_batch, config.steps, validation)?;
     let models = build_chunks(&tp, &state, config)?;
     let saved = match &config.resume {
         Some(dir) => Some(load_weights(&models, dir, &state, config)?),
@@ -203,7 +209,7 @@ pub fn train_rank(
     let steady = trainer.train(&mut chunks, corpus, &mut history)?;
     let peak_bytes = crate::memory::peak(world.rank());
     let samples = match config.sample && history.stopped.is_none() {
-        true => samples(&mut chunks)?,
+        true => samples(&mut chunks, corpus)?,
         false => Vec::new(),
     };
     Ok(RankResult {
@@ -245,13 +251,14 @@ fn build_ddps(
 }
 
 /// Text the trained model writes after each of [`PROMPTS`].
-fn samples(chunks: &mut Chunks<'_>) -> Result<Vec<String>> {
+fn samples(chunks: &mut Chunks<'_>, corpus: &Corpus) -> Result<Vec<String>> {
     let mut generator = Generator::new(chunks.config.seed);
     PROMPTS
         .iter()
         .map(|prompt| {
-            let text = generate(chunks, prompt.as_bytes(), &mut generator)?;
-            Ok(String::from_utf8_lossy(&text).into_owned())
+            let ids = corpus.vocabulary.encode(prompt)?;
+            let text = generate(chunks, &ids, &mut generator)?;
+            Ok(corpus.vocabulary.decode(&text))
         })
         .collect()
 }
@@ -485,13 +492,7 @@ impl<'a> Trainer<'a> {
         Ok(Trainer {
             optimizer,
             scaler: config.loss_scaler.map(GradScaler::new).transpose()?,
-            sampler: DistributedSampler::new(
-                corpus.training_windows(config.model.seq),
-                config.seed,
-                config.batch,
-                state.dp_rank(),
-                state.dp_size(),
-            ),
+            sampler: sampler(corpus, config, state),
             params: chunks.models.iter().flat_map(Module::parameters).collect(),
             tied_copy: chunks.models.iter().find_map(Gpt::tied_copy),
             progress,
@@ -621,7 +622,7 @@ impl<'a> Trainer<'a> {
     ) -> Result<()> {
         let (config, state) = (chunks.config, chunks.state);
         self.optimizer.as_dyn().zero_grad();
-        let microbatches = microbatches(corpus, &self.sampler.starts(step), config);
+        let microbatches = microbatches(corpus, Split::Train, &self.sampler.starts(step), config)?;
         let trace = config.trace && step + 1 == config.steps;
         chunks.loss_scale = self.scaler.as_ref().map_or(1.0, GradScaler::scale);
         let tp = chunks.models[0].tp();
@@ -1113,21 +1114,37 @@ impl pipeline::Stage for GptStage<'_> {
     }
 }
 
-/// This data-parallel rank's rows `starts` of a global batch, split into the
+/// This data-parallel rank's sampler: its rows of every global batch.
+fn sampler(corpus: &Corpus, config: &TrainConfig, state: &ParallelState) -> DistributedSampler {
+    let sampler = DistributedSampler::new(
+        corpus.training_windows(config.model.seq),
+        config.seed,
+        config.batch,
+        state.dp_rank(),
+        state.dp_size(),
+    );
+    match corpus.shuffled() {
+        true => sampler,
+        false => sampler.in_order(),
+    }
+}
+
+/// This data-parallel rank's rows `starts` of a global batch of `split`, split into the
 /// configured microbatches, each as sequence-first ids and labels.
 fn microbatches(
     corpus: &Corpus,
+    split: Split,
     starts: &[usize],
     config: &TrainConfig,
-) -> Vec<(Vec<usize>, Vec<i64>)> {
+) -> Result<Vec<(Vec<usize>, Vec<i64>)>> {
     let seq = config.model.seq;
-    let (inputs, targets) = corpus.rows(starts, seq);
+    let (inputs, targets) = corpus.rows(split, starts, seq)?;
     let rows = starts.len() / config.microbatches;
-    inputs
+    Ok(inputs
         .chunks(rows * seq)
         .zip(targets.chunks(rows * seq))
         .map(|(i, t)| (sequence_first(i, seq), sequence_first(t, seq)))
-        .collect()
+        .collect())
 }
 
 /// The mean loss over the held-out windows: `eval_batches` global batches, each
@@ -1140,7 +1157,7 @@ fn validation_loss(chunks: &mut Chunks<'_>, corpus: &Corpus) -> Result<f32> {
     let mut total = 0.0;
     for batch in starts.chunks(global_batch) {
         let rows = &batch[dp_rank * config.batch..(dp_rank + 1) * config.batch];
-        let microbatches = microbatches(corpus, rows, config);
+        let microbatches = microbatches(corpus, Split::Validation, rows, config)?;
         total += chunks.loss(&microbatches, Pass::Evaluate, false)?.0;
     }
     Ok(total / config.eval_batches as f32)
@@ -1154,42 +1171,46 @@ fn sequence_first<T: Copy>(rows: &[T], seq: usize) -> Vec<T> {
         .collect()
 }
 
-/// Continues `prompt` by [`SAMPLE_BYTES`] bytes. The last stage's tensor-parallel ranks
+/// Continues `prompt` by [`SAMPLE_TOKENS`] tokens. The last stage's tensor-parallel ranks
 /// gather the full last-position logits and draw from the same generator, so they agree
-/// on each byte, which they broadcast to the other stages.
-fn generate(chunks: &mut Chunks<'_>, prompt: &[u8], generator: &mut Generator) -> Result<Vec<u8>> {
-    let seq = chunks.config.model.seq;
+/// on each token, which they broadcast to the other stages.
+fn generate(
+    chunks: &mut Chunks<'_>,
+    prompt: &[u32],
+    generator: &mut Generator,
+) -> Result<Vec<u32>> {
+    let (seq, vocab) = (chunks.config.model.seq, chunks.config.model.valid_vocab);
     let mut text = prompt.to_vec();
-    for _ in 0..SAMPLE_BYTES {
+    for _ in 0..SAMPLE_TOKENS {
         let context = &text[text.len().saturating_sub(seq)..];
-        let ids: Vec<usize> = context.iter().map(|&b| usize::from(b)).collect();
-        let mut byte = [chunks
+        let ids: Vec<usize> = context.iter().map(|&t| t as usize).collect();
+        let mut token = [chunks
             .last_logits(&ids)?
-            .map_or(0, |logits| sample(&logits, generator))];
+            .map_or(0, |logits| i64::from(sample(&logits[..vocab], generator)))];
         chunks
             .state
             .pp()
-            .broadcast_slice(&mut byte, chunks.config.pp - 1)?;
-        text.push(byte[0]);
+            .broadcast_slice(&mut token, chunks.config.pp - 1)?;
+        text.push(token[0] as u32);
     }
     Ok(text)
 }
 
-/// Draws a byte from `softmax(logits / TEMPERATURE)`.
-fn sample(logits: &[f32], generator: &mut Generator) -> u8 {
+/// Draws a token from `softmax(logits / TEMPERATURE)`.
+fn sample(logits: &[f32], generator: &mut Generator) -> u32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let weights: Vec<f64> = logits
         .iter()
         .map(|&l| f64::from((l - max) / TEMPERATURE).exp())
         .collect();
     let mut threshold = generator.uniform() * weights.iter().sum::<f64>();
-    for (byte, weight) in weights.iter().enumerate() {
+    for (token, weight) in weights.iter().enumerate() {
         threshold -= weight;
         if threshold <= 0.0 {
-            return byte as u8;
+            return token as u32;
         }
     }
-    (weights.len() - 1) as u8
+    (weights.len() - 1) as u32
 }
 
 /// What a step after the first costs in host↔device traffic, on average.

@@ -1,0 +1,271 @@
+//! Data from Megatron-LM: `preprocess` tokenizes text into an indexed dataset, the demo
+//! trains on it (alone and blended) with the tokenizer's vocabulary padded as Megatron
+//! pads it and the padding left out of the loss, and damaged files or a mismatched
+//! tokenizer are refused naming the file.
+
+mod common;
+
+use common::scratch;
+use datasets::IndexedDataset;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const WORDS: &str = "the model splits its layers over stages and its heads over ranks while \
+     every rank keeps a shard of the optimizer state and sends gradients to its group";
+
+/// A word-level tokenizer.json: `[UNK]`, `<|endoftext|>`, then every word of [`WORDS`].
+fn tokenizer(dir: &Path) -> (PathBuf, usize) {
+    let mut words: Vec<&str> = WORDS.split_whitespace().collect();
+    words.sort_unstable();
+    words.dedup();
+    let mut vocab = vec![
+        "\"[UNK]\": 0".to_string(),
+        "\"<|endoftext|>\": 1".to_string(),
+    ];
+    vocab.extend(
+        words
+            .iter()
+            .enumerate()
+            .map(|(i, w)| format!("\"{w}\": {}", i + 2)),
+    );
+    let special = |id: usize, content: &str| {
+        format!(
+            r#"{{"id": {id}, "content": "{content}", "single_word": false, "lstrip": false,
+               "rstrip": false, "normalized": false, "special": true}}"#
+        )
+    };
+    let json = format!(
+        r#"{{"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{}, {}], "normalizer": null,
+            "pre_tokenizer": {{"type": "Whitespace"}}, "post_processor": null,
+            "decoder": null,
+            "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "[UNK]"}}}}"#,
+        special(0, "[UNK]"),
+        special(1, "<|endoftext|>"),
+        vocab.join(", ")
+    );
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, json).unwrap();
+    (path, words.len() + 2)
+}
+
+/// `count` JSON-lines documents of words drawn in a fixed pattern.
+fn corpus(dir: &Path, count: usize, salt: usize) -> PathBuf {
+    let words: Vec<&str> = WORDS.split_whitespace().collect();
+    let lines: Vec<String> = (0..count)
+        .map(|d| {
+            let length = 20 + (d * 7 + salt) % 30;
+            let text: Vec<&str> = (0..length)
+                .map(|i| words[(d * 3 + i * (salt + 5)) % words.len()])
+                .collect();
+            format!("{{\"text\": \"{}\", \"id\": {d}}}", text.join(" "))
+        })
+        .collect();
+    let path = dir.join(format!("corpus{salt}.jsonl"));
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    path
+}
+
+/// An empty directory for `name`.
+fn fresh(name: &str) -> PathBuf {
+    let dir = scratch(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn run(binary: &str, args: &[&str]) -> Output {
+    Command::new(binary)
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn stdout(output: &Output) -> String {
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    text
+}
+
+/// Tokenizes `count` documents into `dir/NAME_text_document`.
+fn preprocess(dir: &Path, tokenizer: &Path, name: &str, count: usize, salt: usize) -> PathBuf {
+    let input = corpus(dir, count, salt);
+    let prefix = dir.join(name);
+    let out = stdout(&run(
+        env!("CARGO_BIN_EXE_preprocess"),
+        &[
+            "--input",
+            input.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--output-prefix",
+            prefix.to_str().unwrap(),
+            "--append-eod",
+        ],
+    ));
+    assert!(out.contains(&format!("{count} documents")), "{out}");
+    dir.join(format!("{name}_text_document"))
+}
+
+const MODEL: &[&str] = &[
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--batch",
+    "4",
+    "--steps",
+    "6",
+    "--eval-interval",
+    "3",
+];
+
+fn train(dir: &Path, extra: &[&str]) -> Output {
+    let out = dir.join("out");
+    let mut args: Vec<&str> = MODEL.to_vec();
+    args.extend(extra);
+    args.extend(["--out", out.to_str().unwrap()]);
+    run(env!("CARGO_BIN_EXE_train-gpt"), &args)
+}
+
+fn number_after(text: &str, prefix: &str) -> f64 {
+    let at = text
+        .find(prefix)
+        .unwrap_or_else(|| panic!("no {prefix:?} in {text}"))
+        + prefix.len();
+    let digits: String = text[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == 'e' || *c == '-')
+        .collect();
+    digits.parse().unwrap()
+}
+
+#[test]
+fn preprocess_writes_what_the_tokenizer_gives_with_end_of_document_tokens() {
+    let dir = fresh("datasets-preprocess");
+    let (tokenizer, _) = tokenizer(&dir);
+    let prefix = preprocess(&dir, &tokenizer, "docs", 12, 1);
+    let dataset = IndexedDataset::open(&prefix).unwrap();
+    assert_eq!(dataset.len(), 12);
+    assert_eq!(dataset.document_indices(), (0..=12).collect::<Vec<u64>>());
+    let first = dataset.sequence(0).unwrap();
+    // 21 words and the end-of-document token, none of them unknown.
+    assert_eq!(first.len(), 22);
+    assert_eq!(*first.last().unwrap(), 1);
+    assert!(first[..21].iter().all(|&t| t >= 2));
+}
+
+#[test]
+fn the_demo_trains_on_a_dataset_and_its_blend_exactly_at_any_layout() {
+    let dir = fresh("datasets-train");
+    let (tokenizer, size) = tokenizer(&dir);
+    let a = preprocess(&dir, &tokenizer, "a", 60, 1);
+    let b = preprocess(&dir, &tokenizer, "b", 40, 2);
+    let tok = tokenizer.to_str().unwrap();
+    let out = stdout(&train(
+        &dir,
+        &[
+            "--data-path",
+            a.to_str().unwrap(),
+            "--tokenizer",
+            tok,
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--check",
+        ],
+    ));
+    assert!(
+        out.contains(&format!("a vocabulary of {size} tokens")),
+        "{out}"
+    );
+    // The vocabulary is padded to 256 at TP 2 and to 128 at TP 1, and the padding takes
+    // no probability: the first loss of a model near zero is ln of the real tokens.
+    let first = number_after(&out, "loss: ");
+    assert!(
+        (first - (size as f64).ln()).abs() < 0.05,
+        "{first} vs ln {size}"
+    );
+    assert!(number_after(&out, "max loss difference: ") <= 1e-4, "{out}");
+    let blend = stdout(&train(
+        &dir,
+        &[
+            "--data-path",
+            "0.3",
+            a.to_str().unwrap(),
+            "0.7",
+            b.to_str().unwrap(),
+            "--tokenizer",
+            tok,
+            "--tp",
+            "1",
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--check",
+        ],
+    ));
+    assert!(
+        blend.contains("0.300 ×") && blend.contains("0.700 ×"),
+        "{blend}"
+    );
+    assert!(
+        number_after(&blend, "max loss difference: ") <= 1e-4,
+        "{blend}"
+    );
+}
+
+#[test]
+fn damaged_data_and_a_mismatched_tokenizer_are_refused_naming_the_file() {
+    let dir = fresh("datasets-refused");
+    let (tokenizer, _) = tokenizer(&dir);
+    let prefix = preprocess(&dir, &tokenizer, "docs", 30, 3);
+    let tok = tokenizer.to_str().unwrap();
+    let bin = datasets::paths(&prefix).1;
+    let bytes = std::fs::read(&bin).unwrap();
+    std::fs::write(&bin, &bytes[..bytes.len() - 10]).unwrap();
+    let truncated = train(
+        &dir,
+        &["--data-path", prefix.to_str().unwrap(), "--tokenizer", tok],
+    );
+    let err = String::from_utf8_lossy(&truncated.stderr);
+    assert!(!truncated.status.success());
+    assert!(
+        err.contains(bin.to_str().unwrap()) && err.contains("truncated"),
+        "{err}"
+    );
+    std::fs::write(&bin, &bytes).unwrap();
+    // A tokenizer of fewer tokens than the data uses.
+    let small = dir.join("small.json");
+    let text = std::fs::read_to_string(&tokenizer).unwrap();
+    let cut = text.find(", \"the\"").map_or(text.clone(), |at| {
+        let end = text[at + 1..].find(',').map_or(text.len(), |e| at + 1 + e);
+        format!("{}{}", &text[..at], &text[end..])
+    });
+    std::fs::write(&small, cut).unwrap();
+    let mismatched = train(
+        &dir,
+        &[
+            "--data-path",
+            prefix.to_str().unwrap(),
+            "--tokenizer",
+            small.to_str().unwrap(),
+        ],
+    );
+    let err = String::from_utf8_lossy(&mismatched.stderr);
+    assert!(!mismatched.status.success());
+    assert!(err.contains("outside the tokenizer"), "{err}");
+    let unpaired = train(&dir, &["--data-path", prefix.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&unpaired.stderr).contains("--tokenizer"));
+}

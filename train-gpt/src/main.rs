@@ -29,6 +29,7 @@
 mod checkpoint;
 mod data;
 mod faults;
+mod hf;
 mod memory;
 mod model;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
@@ -295,6 +296,13 @@ struct Args {
     /// model sizes must be the saved ones.
     #[arg(long, value_name = "DIR|auto")]
     resume: Option<PathBuf>,
+    /// Start from the weights of this Hugging Face GPT-2 directory (config.json and
+    /// model.safetensors, as `export-hf` writes them), cut to this run's layout; its sizes
+    /// must be the run's --layers, --hidden, --heads and --seq.
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
+    init_from: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Train on this text file instead of the built-in documentation corpus.
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
@@ -374,10 +382,45 @@ enum WsdStyle {
     MinusSqrt,
 }
 
+/// What else the binary does besides training.
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Write a checkpoint as a Hugging Face GPT-2 directory (config.json and
+    /// model.safetensors) that transformers.GPT2LMHeadModel.from_pretrained loads.
+    ExportHf {
+        /// A --save directory (its newest checkpoint) or one checkpoint in it.
+        #[arg(long, value_name = "CHECKPOINT")]
+        from: PathBuf,
+        /// The directory to write.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
+    /// Print a checkpoint's next-token logits after a prompt of token ids, computed on
+    /// one rank (what an export must reproduce).
+    Logits {
+        /// A --save directory (its newest checkpoint) or one checkpoint in it.
+        #[arg(long, value_name = "CHECKPOINT")]
+        from: PathBuf,
+        /// Token ids, separated by commas.
+        #[arg(long, value_delimiter = ',', required = true)]
+        ids: Vec<usize>,
+    },
+}
+
 fn main() -> ExitCode {
     keep_freed_memory();
     let mut args = Args::parse();
-    match resolve_resume(&mut args).and_then(|()| run(&args)) {
+    let done = match &args.command {
+        Some(Command::ExportHf { from, out }) => hf::export(from, out),
+        Some(Command::Logits { from, ids }) => hf::logits(from, ids).map(|logits| {
+            println!(
+                "logits: {}",
+                serde_json::to_string(&logits).unwrap_or_default()
+            )
+        }),
+        None => resolve_resume(&mut args).and_then(|()| run(&args)),
+    };
+    match done {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {}", describe(&error));
@@ -864,6 +907,38 @@ fn validate(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Result<()>
     validate_recompute(args)?;
     validate_optimizer(args)?;
     validate_pipeline(args)?;
+    if let Some(dir) = &args.init_from {
+        let shape = hf::read_shape(dir)?;
+        let theirs = (
+            shape.layers,
+            shape.hidden,
+            shape.heads,
+            shape.positions,
+            shape.vocab,
+        );
+        ensure!(
+            theirs
+                == (
+                    args.layers,
+                    args.hidden,
+                    args.heads,
+                    args.seq,
+                    vocabulary.size()
+                ),
+            "{} is a GPT-2 of {} layers, width {}, {} heads, {} positions and {} tokens: pass \
+             --layers {} --hidden {} --heads {} --seq {} (and the tokenizer it was trained with)",
+            dir.display(),
+            shape.layers,
+            shape.hidden,
+            shape.heads,
+            shape.positions,
+            shape.vocab,
+            shape.layers,
+            shape.hidden,
+            shape.heads,
+            shape.positions
+        );
+    }
     if let Some(dir) = &args.resume {
         let saved = checkpoint::TrainerState::read(dir)?;
         let model = train_config(args, vocabulary).model;
@@ -1043,6 +1118,7 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
         eval_interval: args.eval_interval,
         eval_batches: args.eval_batches,
         resume: args.resume.clone(),
+        init_from: args.init_from.clone(),
         save: args.save.clone(),
         save_interval: args.save_interval.map(|n| n as usize),
         save_keep: args.save_keep.map(|n| n as usize),
@@ -1355,6 +1431,7 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
         // From the start, whatever the run under check resumed from: its losses include
         // the saved steps'.
         resume: None,
+        init_from: args.init_from.clone(),
         save: None,
         save_interval: None,
         save_keep: None,

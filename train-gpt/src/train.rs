@@ -10,9 +10,11 @@ use anyhow::{bail, Result};
 use comm_core::{Communicator, CommunicatorExt};
 use ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
 use layers::{
-    GradNorm, GradScaler, GradScalerConfig, Module, RngTracker, ShardedParameter, TensorParallel,
+    GradNorm, GradScaler, GradScalerConfig, Module, RngTracker, ShardedParameter, Sharding,
+    TensorParallel,
 };
 use parallel_state::{ParallelState, RankLayout};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use tape::{
@@ -70,6 +72,8 @@ pub struct TrainConfig {
     pub eval_batches: usize,
     /// The checkpoint to continue (a step directory, or a directory that is one).
     pub resume: Option<PathBuf>,
+    /// A Hugging Face GPT-2 directory whose weights the run starts from.
+    pub init_from: Option<PathBuf>,
     /// Where checkpoints go: one directory per save under it.
     pub save: Option<PathBuf>,
     /// Save every this many steps as well as at the end (`--save-interval`).
@@ -178,6 +182,9 @@ pub fn train_rank(
         Some(dir) => Some(load_weights(&models, dir, &state, config)?),
         None => None,
     };
+    if let Some(dir) = &config.init_from {
+        load_pretrained(&models, dir, config)?;
+    }
     for sharded in models.iter().flat_map(Module::parameters) {
         let value = sharded.param.value().to_device(config.device)?;
         sharded.param.set_value(value)?;
@@ -304,6 +311,23 @@ fn load_weights(
         model.load(&full, dir)?;
     }
     Ok(saved)
+}
+
+/// Starts from a GPT-2 directory's weights: this rank keeps its part of each.
+fn load_pretrained(models: &[Gpt], dir: &std::path::Path, config: &TrainConfig) -> Result<()> {
+    let (_, weights) = crate::hf::import(dir)?;
+    let mut tensors = crate::hf::tensors(weights, config.model.vocab)?;
+    let full: BTreeMap<String, (Sharding, Tensor)> = (models.iter())
+        .flat_map(Module::parameters)
+        .filter_map(|p| {
+            let tensor = tensors.remove(p.param.name())?;
+            Some((p.param.name().to_string(), (p.sharding, tensor)))
+        })
+        .collect();
+    for model in models {
+        model.load(&full, dir)?;
+    }
+    Ok(())
 }
 
 /// Whether a stop signal reached any rank: every rank asks after every step, so all of

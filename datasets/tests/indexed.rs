@@ -1,6 +1,7 @@
-//! The `.idx`/`.bin` format: what is written reads back, a file written by a small
-//! independent writer of the published layout reads here, and damaged files are typed
-//! errors that name the file.
+//! The `.idx`/`.bin` format: what is written reads back, files written by Megatron-LM's
+//! own writer and by a small independent writer of the published layout read here, and
+//! damaged files are typed errors that name the file. (Megatron-LM's reader, run on a
+//! file `preprocess` wrote, reads every sequence back; the book has the record.)
 
 mod common;
 
@@ -159,4 +160,65 @@ fn damaged_files_are_typed_errors_naming_the_file() {
     ));
     let missing = IndexedDataset::open(dir.join("nothing")).err().unwrap();
     assert!(matches!(missing, Error::Io { .. }));
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Files written by Megatron-LM's `IndexedDatasetBuilder` (commit 00caa53, NumPy 2.4.6):
+/// documents `[1, 2, 3]`, `[65535, 7] [8]` (two sentences) and `[0, 9, 9, 9, 9]`, in
+/// `uint16`; and the same in `int32` with 100000 for the 0.
+const MEGATRON_U16: (&str, &str) = (
+    "4d4d494449445800000100000000000000080400000000000000040000000000000003000000020000000100\
+     000005000000000000000000000006000000000000000a000000000000000c00000000000000000000000000\
+     0000010000000000000003000000000000000400000000000000",
+    "010002000300ffff0700080000000900090009000900",
+);
+const MEGATRON_I32: (&str, &str) = (
+    "4d4d494449445800000100000000000000040400000000000000040000000000000003000000020000000100\
+     00000500000000000000000000000c0000000000000014000000000000001800000000000000000000000000\
+     0000010000000000000003000000000000000400000000000000",
+    "010000000200000003000000ffff00000700000008000000a086010009000000090000000900000009000000",
+);
+
+#[test]
+fn files_megatrons_writer_wrote_read_here() {
+    for (name, (idx, bin), dtype, first) in [
+        ("u16", MEGATRON_U16, DType::U16, 0),
+        ("i32", MEGATRON_I32, DType::I32, 100_000),
+    ] {
+        let prefix = scratch(&format!("megatron-{name}")).join("data");
+        let (i, b) = paths(&prefix);
+        std::fs::write(i, unhex(idx)).unwrap();
+        std::fs::write(b, unhex(bin)).unwrap();
+        let dataset = IndexedDataset::open(&prefix).unwrap();
+        assert_eq!(dataset.dtype(), dtype);
+        assert_eq!(dataset.document_indices(), [0, 1, 3, 4]);
+        let sequences: Vec<Vec<u32>> = (0..4).map(|s| dataset.sequence(s).unwrap()).collect();
+        assert_eq!(
+            sequences,
+            [
+                vec![1, 2, 3],
+                vec![65535, 7],
+                vec![8],
+                vec![first, 9, 9, 9, 9]
+            ]
+        );
+        // And what this crate writes for the same documents is the same bytes.
+        let ours = scratch(&format!("ours-{name}")).join("data");
+        let mut writer = IndexedWriter::create(&ours, dtype).unwrap();
+        writer.add_document(&[1, 2, 3]).unwrap();
+        writer.add_sequence(&[65535, 7]).unwrap();
+        writer.add_sequence(&[8]).unwrap();
+        writer.end_document();
+        writer.add_document(&[first, 9, 9, 9, 9]).unwrap();
+        writer.finish().unwrap();
+        let (oi, ob) = paths(&ours);
+        assert_eq!(std::fs::read(oi).unwrap(), unhex(idx), "{name} index");
+        assert_eq!(std::fs::read(ob).unwrap(), unhex(bin), "{name} data");
+    }
 }

@@ -34,6 +34,9 @@ pub mod book_pipeline {}
 #[doc = include_str!("../../docs/src/planner.md")]
 pub mod book_planner {}
 
+#[doc = include_str!("../../docs/src/data.md")]
+pub mod book_data {}
+
 #[doc = include_str!("../../docs/src/launching.md")]
 pub mod book_launching {}
 

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::scratch;
+use common::{fresh, succeeded, words};
 use datasets::IndexedDataset;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -66,13 +66,6 @@ fn corpus(dir: &Path, count: usize, salt: usize) -> PathBuf {
     path
 }
 
-/// An empty directory for `name`.
-fn fresh(name: &str) -> PathBuf {
-    let dir = scratch(name);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 fn run(binary: &str, args: &[&str]) -> Output {
     Command::new(binary)
         .args(args)
@@ -80,21 +73,11 @@ fn run(binary: &str, args: &[&str]) -> Output {
         .expect("the binary runs")
 }
 
-fn stdout(output: &Output) -> String {
-    let text = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    text
-}
-
 /// Tokenizes `count` documents into `dir/NAME_text_document`.
 fn preprocess(dir: &Path, tokenizer: &Path, name: &str, count: usize, salt: usize) -> PathBuf {
     let input = corpus(dir, count, salt);
     let prefix = dir.join(name);
-    let out = stdout(&run(
+    let out = succeeded(&run(
         env!("CARGO_BIN_EXE_preprocess"),
         &[
             "--input",
@@ -110,26 +93,12 @@ fn preprocess(dir: &Path, tokenizer: &Path, name: &str, count: usize, salt: usiz
     dir.join(format!("{name}_text_document"))
 }
 
-const MODEL: &[&str] = &[
-    "--layers",
-    "2",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--seq",
-    "16",
-    "--batch",
-    "4",
-    "--steps",
-    "6",
-    "--eval-interval",
-    "3",
-];
+const MODEL: &str =
+    "--layers 2 --hidden 32 --heads 4 --seq 16 --batch 4 --steps 6 --eval-interval 3";
 
 fn train(dir: &Path, extra: &[&str]) -> Output {
     let out = dir.join("out");
-    let mut args: Vec<&str> = MODEL.to_vec();
+    let mut args: Vec<&str> = words(MODEL);
     args.extend(extra);
     args.extend(["--out", out.to_str().unwrap()]);
     run(env!("CARGO_BIN_EXE_train-gpt"), &args)
@@ -169,7 +138,7 @@ fn the_demo_trains_on_a_dataset_and_its_blend_exactly_at_any_layout() {
     let a = preprocess(&dir, &tokenizer, "a", 60, 1);
     let b = preprocess(&dir, &tokenizer, "b", 40, 2);
     let tok = tokenizer.to_str().unwrap();
-    let out = stdout(&train(
+    let out = succeeded(&train(
         &dir,
         &[
             "--data-path",
@@ -195,7 +164,7 @@ fn the_demo_trains_on_a_dataset_and_its_blend_exactly_at_any_layout() {
         "{first} vs ln {size}"
     );
     assert!(number_after(&out, "max loss difference: ") <= 1e-4, "{out}");
-    let blend = stdout(&train(
+    let blend = succeeded(&train(
         &dir,
         &[
             "--data-path",

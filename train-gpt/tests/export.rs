@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::scratch;
+use common::{fresh, succeeded, words};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -22,34 +22,25 @@ fn demo(args: &[&str]) -> Output {
         .expect("the demo runs")
 }
 
-fn ok(output: Output) -> String {
-    let text = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    text
-}
-
 fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// Trains `steps` steps at `layout` from `init` (if any), saving under `dir/save`.
-fn train(dir: &Path, layout: &[&str], extra: &[&str]) -> PathBuf {
+/// Trains with `flags` (the layout and steps, one string) and `extra`, saving under
+/// `dir/save`.
+fn train(dir: &Path, flags: &str, extra: &[&str]) -> PathBuf {
     let save = dir.join("save");
     let out = dir.join("out");
     let mut args = MODEL.to_vec();
     args.extend(["--batch", "4", "--save", path(&save), "--out", path(&out)]);
-    args.extend(layout);
+    args.extend(words(flags));
     args.extend(extra);
-    ok(demo(&args));
+    succeeded(&demo(&args));
     save
 }
 
 fn export(from: &Path, to: &Path) {
-    ok(demo(&[
+    succeeded(&demo(&[
         "export-hf",
         "--from",
         path(from),
@@ -59,7 +50,7 @@ fn export(from: &Path, to: &Path) {
 }
 
 fn logits(from: &Path) -> Vec<f32> {
-    let out = ok(demo(&["logits", "--from", path(from), "--ids", PROMPT]));
+    let out = succeeded(&demo(&["logits", "--from", path(from), "--ids", PROMPT]));
     let json = out
         .lines()
         .find_map(|l| l.strip_prefix("logits: "))
@@ -67,29 +58,12 @@ fn logits(from: &Path) -> Vec<f32> {
     serde_json::from_str(json).unwrap()
 }
 
-fn fresh(name: &str) -> PathBuf {
-    let dir = scratch(name);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 #[test]
 fn export_then_import_at_another_layout_keeps_every_weight_bit_for_bit() {
     let dir = fresh("export-round-trip");
     let first = train(
         &dir.join("a"),
-        &[
-            "--tp",
-            "2",
-            "--pp",
-            "2",
-            "--dp",
-            "1",
-            "--microbatches",
-            "2",
-            "--steps",
-            "4",
-        ],
+        "--tp 2 --pp 2 --dp 1 --microbatches 2 --steps 4",
         &[],
     );
     let exported = dir.join("hf");
@@ -103,18 +77,7 @@ fn export_then_import_at_another_layout_keeps_every_weight_bit_for_bit() {
     // A first step with a learning rate of 0 (warm-up from 0) saves the imported weights.
     let second = train(
         &dir.join("b"),
-        &[
-            "--tp",
-            "1",
-            "--pp",
-            "2",
-            "--dp",
-            "1",
-            "--microbatches",
-            "2",
-            "--steps",
-            "1",
-        ],
+        "--tp 1 --pp 2 --dp 1 --microbatches 2 --steps 1",
         &[
             "--init-from",
             path(&exported),
@@ -154,7 +117,7 @@ fn transformers_computes_the_same_logits_from_the_export() {
         return;
     };
     let dir = fresh("export-transformers");
-    let saved = train(&dir, &["--tp", "2", "--dp", "1", "--steps", "5"], &[]);
+    let saved = train(&dir, "--tp 2 --dp 1 --steps 5", &[]);
     let exported = dir.join("hf");
     export(&saved, &exported);
     let script = format!(
@@ -187,15 +150,7 @@ fn models_gpt2_cannot_express_or_that_do_not_fit_are_refused() {
     let dir = fresh("export-refused");
     let untied = train(
         &dir.join("untied"),
-        &[
-            "--tp",
-            "1",
-            "--dp",
-            "1",
-            "--steps",
-            "1",
-            "--untie-embeddings-and-output-weights",
-        ],
+        "--tp 1 --dp 1 --steps 1 --untie-embeddings-and-output-weights",
         &[],
     );
     let refused = demo(&[
@@ -207,25 +162,12 @@ fn models_gpt2_cannot_express_or_that_do_not_fit_are_refused() {
     ]);
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("bias"));
-    let tied = train(
-        &dir.join("tied"),
-        &["--tp", "1", "--dp", "1", "--steps", "1"],
-        &[],
-    );
+    let tied = train(&dir.join("tied"), "--tp 1 --dp 1 --steps 1", &[]);
     let exported = dir.join("hf");
     export(&tied, &exported);
-    let mismatched = demo(&[
-        "--layers",
-        "3",
-        "--hidden",
-        "32",
-        "--heads",
-        "4",
-        "--seq",
-        "16",
-        "--init-from",
-        path(&exported),
-    ]);
+    let mut args = words("--layers 3 --hidden 32 --heads 4 --seq 16 --init-from");
+    args.push(path(&exported));
+    let mismatched = demo(&args);
     let err = String::from_utf8_lossy(&mismatched.stderr);
     assert!(!mismatched.status.success());
     assert!(

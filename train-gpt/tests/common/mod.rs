@@ -10,6 +10,24 @@ pub fn scratch(name: &str) -> PathBuf {
     dir
 }
 
+/// [`scratch`], created.
+pub fn fresh(name: &str) -> PathBuf {
+    let dir = scratch(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A finished command's standard output; it must have succeeded.
+pub fn succeeded(output: &std::process::Output) -> String {
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    text
+}
+
 /// Command-line flags written as one string, split into arguments.
 pub fn words(flags: &str) -> Vec<&str> {
     flags.split_whitespace().collect()

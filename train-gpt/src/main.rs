@@ -707,16 +707,15 @@ fn run_local_backend(
     let busiest = busiest_rank(results.iter().map(step_costs));
     let peak = busiest[5] as usize;
     let state = (results.iter().map(|r| busiest_model_state(r, peak)))
-        .fold([0.0f64; 4], |most, s| {
-            std::array::from_fn(|i| most[i].max(s[i]))
-        });
+        .reduce(|most, s| most.into_iter().zip(s).map(|(m, s)| m.max(s)).collect())
+        .unwrap_or_default();
     let stages = (results.iter().map(|r| stage_memory(r, args.pp)))
         .fold(vec![0.0f64; 2 * args.pp], |most, s| {
             most.into_iter().zip(s).map(|(m, s)| m.max(s)).collect()
         });
     let mut result = results.swap_remove(0);
     set_step_costs(&mut result, busiest);
-    set_model_state(&mut result, state);
+    set_model_state(&mut result, &state);
     set_stage_memory(&mut result, &stages);
     finish(args, corpus, dp, result)
 }
@@ -735,15 +734,16 @@ fn step_costs(result: &RankResult) -> [f64; 6] {
     ]
 }
 
-/// The model state of the rank with the largest peak, given that peak (the ranks that
-/// reach it report theirs, the others zeros, and the largest of each figure is kept).
-fn busiest_model_state(result: &RankResult, peak: usize) -> [f64; 4] {
+/// The model state and the peak's phases of the rank with the largest peak, given that
+/// peak (the ranks that reach it report theirs, the others zeros, and the largest of
+/// each figure is kept).
+fn busiest_model_state(result: &RankResult, peak: usize) -> Vec<f64> {
     let s = result.model_state;
-    let mine = [s.values, s.grads, s.masters, s.moments].map(|b| b as f64);
-    if result.peak_bytes == peak {
-        mine
-    } else {
-        [0.0; 4]
+    let state = [s.values, s.grads, s.masters, s.moments];
+    let mine = state.iter().chain(&result.peak_phases).map(|&b| b as f64);
+    match result.peak_bytes == peak {
+        true => mine.collect(),
+        false => vec![0.0; state.len() + result.peak_phases.len()],
     }
 }
 
@@ -764,11 +764,15 @@ fn set_stage_memory(result: &mut RankResult, slots: &[f64]) {
         .collect();
 }
 
-fn set_model_state(result: &mut RankResult, [values, grads, masters, moments]: [f64; 4]) {
-    result.model_state.values = values as usize;
-    result.model_state.grads = grads as usize;
-    result.model_state.masters = masters as usize;
-    result.model_state.moments = moments as usize;
+fn set_model_state(result: &mut RankResult, figures: &[f64]) {
+    let [values, grads, masters, moments] = [0, 1, 2, 3].map(|i| figures[i] as usize);
+    result.model_state.values = values;
+    result.model_state.grads = grads;
+    result.model_state.masters = masters;
+    result.model_state.moments = moments;
+    for (phase, &bytes) in result.peak_phases.iter_mut().zip(&figures[4..]) {
+        *phase = bytes as usize;
+    }
 }
 
 /// The largest of each figure over the ranks: the report shows the busiest rank's (the
@@ -877,7 +881,7 @@ fn run_mpi_backend(
     let mut stages = stage_memory(&result, args.pp);
     comm_core::CommunicatorExt::all_reduce_slice(&*world, &mut stages, comm_core::ReduceOp::Max)?;
     set_step_costs(&mut result, costs);
-    set_model_state(&mut result, state);
+    set_model_state(&mut result, &state);
     set_stage_memory(&mut result, &stages);
     if rank0 {
         finish(args, corpus, dp, result)?;
@@ -1334,6 +1338,10 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         s.moments,
         result.peak_bytes.saturating_sub(s.total())
     );
+    let phases: Vec<String> = (memory::PHASES.iter().zip(&result.peak_phases))
+        .map(|(phase, bytes)| format!("{} {bytes}", phase.name()))
+        .collect();
+    println!("  held by what allocated it: {}", phases.join(", "));
     if result.stage_peaks.len() > 1 {
         let stages: Vec<String> = (result.stage_peaks.iter().enumerate())
             .map(|(i, [peak, state])| format!("stage {i} {peak} bytes (model state {state})"))

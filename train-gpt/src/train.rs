@@ -4,6 +4,7 @@
 
 use crate::checkpoint::{self, TrainerState};
 use crate::data::{Corpus, DistributedSampler, Split};
+use crate::memory::{self, Phase};
 use crate::model::{Gpt, GptConfig, RankModel};
 use crate::report::Progress;
 use anyhow::{bail, Result};
@@ -151,6 +152,9 @@ pub struct RankResult {
     pub peak_bytes: usize,
     /// What its model state takes, the known part of that peak.
     pub model_state: ModelState,
+    /// That peak by what the rank was doing when it allocated, in
+    /// [`crate::memory::PHASES`]' order.
+    pub peak_phases: [usize; crate::memory::PHASES.len()],
     /// Each pipeline stage's largest peak and its ranks' largest model state, over the
     /// whole world; empty until the launcher gathers them.
     pub stage_peaks: Vec<[usize; 2]>,
@@ -177,6 +181,7 @@ pub fn train_rank(
         _ => global_batch * config.eval_batches,
     };
     corpus.prepare(config.model.seq, global_batch, config.steps, validation)?;
+    let building = memory::enter(Phase::Model);
     let models = build_chunks(&tp, &state, config)?;
     let saved = match &config.resume {
         Some(dir) => Some(load_weights(&models, dir, &state, config)?),
@@ -213,8 +218,10 @@ pub fn train_rank(
     if let (Some(dir), Some(saved)) = (&config.resume, &saved) {
         trainer.resume(dir, saved, &mut chunks, &mut history)?;
     }
+    drop(building);
     let steady = trainer.train(&mut chunks, corpus, &mut history)?;
-    let peak_bytes = crate::memory::peak(world.rank());
+    let peak_bytes = memory::peak(world.rank());
+    let peak_phases = memory::peak_by_phase(world.rank());
     let samples = match config.sample && history.stopped.is_none() {
         true => samples(&mut chunks, corpus)?,
         false => Vec::new(),
@@ -233,6 +240,7 @@ pub fn train_rank(
         save_wait: history.save_wait,
         peak_bytes,
         model_state,
+        peak_phases,
         stage_peaks: Vec::new(),
         stopped: history.stopped,
     })
@@ -589,6 +597,7 @@ impl<'a> Trainer<'a> {
             let stop = stop_agreed(chunks)?;
             let interval = config.eval_interval;
             if interval > 0 && (done % interval == 0 || done == config.steps) && !stop {
+                let _passes = memory::enter(Phase::Passes);
                 let loss = validation_loss(chunks, corpus)?;
                 history.validation.push((done, loss));
             }
@@ -596,6 +605,7 @@ impl<'a> Trainer<'a> {
             let due = done == config.steps || stop || (every > 0 && done % every == 0);
             if let (Some(root), true) = (&config.save, due) {
                 let started = std::time::Instant::now();
+                let _saving = memory::enter(Phase::Checkpoint);
                 // One save in flight at a time: the previous one completes first.
                 self.finish_save(chunks, history)?;
                 let pending = save(
@@ -646,7 +656,9 @@ impl<'a> Trainer<'a> {
     ) -> Result<()> {
         let (config, state) = (chunks.config, chunks.state);
         self.optimizer.as_dyn().zero_grad();
+        let reading = memory::enter(Phase::Data);
         let microbatches = microbatches(corpus, Split::Train, &self.sampler.starts(step), config)?;
+        drop(reading);
         let trace = config.trace && step + 1 == config.steps;
         chunks.loss_scale = self.scaler.as_ref().map_or(1.0, GradScaler::scale);
         let tp = chunks.models[0].tp();
@@ -656,7 +668,10 @@ impl<'a> Trainer<'a> {
         if config.inject_grad_overflow == Some(step + 1) && last_rank {
             chunks.loss_scale = f64::INFINITY;
         }
+        let passes = memory::enter(Phase::Passes);
         let (step_loss, spans) = chunks.loss(&microbatches, Pass::Train, trace)?;
+        drop(passes);
+        let _optimizer = memory::enter(Phase::Optimizer);
         history.timeline = spans;
         // Every rank holds the same global mean, so all of them stop here together.
         if !step_loss.is_finite() {

@@ -162,3 +162,67 @@ fn fit_lists_layouts_that_plan_and_train_within_the_budget() {
 fn planner_bytes(bytes: usize) -> String {
     format!("{:.2} MiB", bytes as f64 / (1 << 20) as f64)
 }
+
+/// The number after `label ` in `line`.
+fn figure(line: &str, label: &str) -> usize {
+    let at = line
+        .find(&format!("{label} "))
+        .unwrap_or_else(|| panic!("{label}: {line}"));
+    let digits: String = line[at + label.len() + 1..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().unwrap()
+}
+
+#[test]
+fn the_measured_peak_splits_by_phase_and_the_passes_hold_what_the_plan_says() {
+    let layouts = [
+        "--tp 1 --dp 1",
+        "--tp 1 --dp 1 --recompute-granularity full --recompute-method uniform",
+        "--tp 1 --dp 1 --recompute-granularity selective",
+        "--tp 2 --dp 2",
+        "--tp 2 --dp 1 --sequence-parallel --precision bf16",
+        "--tp 1 --dp 1 --pp 2 --microbatches 8",
+        "--tp 1 --dp 1 --hidden-dropout 0.1 --attention-dropout 0.1",
+    ];
+    let mut report = Vec::new();
+    for layout in layouts {
+        let run = memory_run(layout);
+        let peak = bytes_after(&run, "measured peak per rank: ");
+        let phases = run
+            .lines()
+            .find_map(|l| l.strip_prefix("  held by what allocated it: "))
+            .unwrap_or_else(|| panic!("no phases: {run}"));
+        let names = [
+            "building the model",
+            "reading data",
+            "forward and backward passes",
+            "the optimizer step",
+            "saving",
+            "other",
+        ];
+        let held: usize = names.iter().map(|n| figure(phases, n)).sum();
+        // Exact for one rank; another rank's free of a message at the instant of the
+        // peak could move the figures by that message.
+        let off = held.abs_diff(peak) as f64 / peak as f64;
+        assert!(
+            off <= 0.01,
+            "{layout}: the phases add up to {held}, not {peak}\n{run}"
+        );
+        // The plan's busiest stage: its activations and working memory are what the
+        // passes hold at the peak.
+        let plan = memory_run(&format!("{layout} --plan"));
+        let predicted = bytes_after(&plan, "predicted peak per rank: ");
+        let stage = plan
+            .lines()
+            .find(|l| l.contains(&format!(": {predicted} (")))
+            .unwrap();
+        let expected = figure(stage, "activations") + figure(stage, "working memory");
+        let passes = figure(phases, "forward and backward passes");
+        let ratio = expected as f64 / passes as f64;
+        report.push(format!("{ratio:.3} {expected:>10} {passes:>10} {layout}"));
+        assert!((ratio - 1.0).abs() <= 0.10, "{}", report.join("\n"));
+    }
+    println!("{}", report.join("\n"));
+}

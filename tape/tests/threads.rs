@@ -1,4 +1,5 @@
-//! The thread-count setting, and products split over threads equal the one-thread results.
+//! The thread-count setting, and products, layer norms, softmaxes and pointwise ops split
+//! over threads equal the one-thread results.
 
 use anyhow::Result;
 use tape::{num_threads, set_num_threads, Generator, Parameter, Tape, Tensor};
@@ -53,6 +54,60 @@ fn products_on_several_threads_equal_one_thread_bit_for_bit() -> Result<()> {
                 "{what} of case {a_shape:?}·{b_shape:?} differs between 1 and 3 threads"
             );
         }
+    }
+    Ok(())
+}
+
+/// Every row-wise and pointwise op's output and input gradient (and the layer norm's
+/// parameter gradients) on `x`.
+fn row_ops_and_grads(x: &Tensor<f32>) -> Result<Vec<Vec<f32>>> {
+    let width = *x.shape().last().unwrap_or(&1);
+    let px = Parameter::new("x", x.clone());
+    let weight = Parameter::new("w", randn(&[width], 7));
+    let bias = Parameter::new("b", randn(&[width], 8));
+    let tape = Tape::new();
+    let input = tape.watch(&px);
+    let outputs = [
+        input.layer_norm(Some(&tape.watch(&weight)), Some(&tape.watch(&bias)), 1e-5)?,
+        input.softmax()?,
+        input.causal_softmax(0.125)?,
+        input.gelu(tape::Gelu::Tanh)?,
+        input.gelu(tape::Gelu::Erf)?,
+        input.tanh()?,
+    ];
+    let mut total = outputs[0].sum()?;
+    let mut values = Vec::new();
+    for (i, y) in outputs.iter().enumerate() {
+        values.push(y.to_vec()?);
+        total = total.add(&y.mul(&randn(y.shape(), 20 + i as u64))?.sum()?)?;
+    }
+    total.backward()?;
+    for p in [&px, &weight, &bias] {
+        values.push(
+            p.grad()
+                .map(|g| g.to_vec())
+                .transpose()?
+                .unwrap_or_default(),
+        );
+    }
+    Ok(values)
+}
+
+#[test]
+fn row_and_pointwise_ops_on_several_threads_equal_one_thread_bit_for_bit() -> Result<()> {
+    // Square matrices (the causal softmax's rows are positions), enough elements for
+    // three threads, and a row count that does not divide evenly.
+    let x = randn(&[3, 257, 257], 5);
+    set_num_threads(1)?;
+    let one = row_ops_and_grads(&x)?;
+    set_num_threads(3)?;
+    let three = row_ops_and_grads(&x)?;
+    for (i, (a, b)) in one.iter().zip(&three).enumerate() {
+        assert!(!a.is_empty(), "result {i} is missing");
+        assert!(
+            a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "result {i} differs between 1 and 3 threads"
+        );
     }
     Ok(())
 }

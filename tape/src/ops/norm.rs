@@ -7,6 +7,7 @@ use crate::gpu::row_ops as device;
 use crate::gpu::{GpuArray, Stored};
 use crate::precision::{promoted, written, PointwiseWrite};
 use crate::tape::{record, record_tensor};
+use crate::threads::for_row_blocks;
 use crate::{Device, Element, Error, Result, Tensor};
 
 const OP: &str = "layer_norm";
@@ -48,25 +49,25 @@ impl<T: Element> Tensor<T> {
         let eps = T::from_f64(eps);
         let count = T::from_f64(width as f64);
         let mut out = vec![T::zero(); x.len()];
-        let (mut means, mut inv_std) = (vec![T::zero(); rows], vec![T::zero(); rows]);
-        let row_chunks = x.chunks_exact(width.max(1));
-        let out_chunks = out.chunks_exact_mut(width.max(1));
-        for (((row, out_row), mean), rstd) in row_chunks
-            .zip(out_chunks)
-            .zip(means.iter_mut())
-            .zip(inv_std.iter_mut())
-        {
-            *mean = lane_sum(row, |x| x) / count;
-            let var = lane_sum(row, |x| (x - *mean) * (x - *mean)) / count;
-            *rstd = T::one() / (var + eps).sqrt();
-            normalize(row, *mean, *rstd, out_row);
-            if let Some(w) = &weight_values {
-                out_row.iter_mut().zip(w).for_each(|(o, &w)| *o *= w);
+        // Each row's mean and 1/std.
+        let mut stats = vec![[T::zero(); 2]; rows];
+        let w = width.max(1);
+        for_row_blocks(&mut out, w, &mut stats, 1, |first, out, stats| {
+            let rows = x[first * w..].chunks_exact(w);
+            for ((row, out_row), [mean, rstd]) in rows.zip(out.chunks_exact_mut(w)).zip(stats) {
+                *mean = lane_sum(row, |x| x) / count;
+                let var = lane_sum(row, |x| (x - *mean) * (x - *mean)) / count;
+                *rstd = T::one() / (var + eps).sqrt();
+                normalize(row, *mean, *rstd, out_row);
+                if let Some(w) = &weight_values {
+                    out_row.iter_mut().zip(w).for_each(|(o, &w)| *o *= w);
+                }
+                if let Some(b) = &bias_values {
+                    out_row.iter_mut().zip(b).for_each(|(o, &b)| *o += b);
+                }
             }
-            if let Some(b) = &bias_values {
-                out_row.iter_mut().zip(b).for_each(|(o, &b)| *o += b);
-            }
-        }
+        });
+        let (means, inv_std): (Vec<T>, Vec<T>) = stats.into_iter().map(|[m, r]| (m, r)).unzip();
         let out = ArrayD::from_shape_vec(shape.clone(), out)
             .map_err(|e| Error::shape(OP, &[&shape], e.to_string()))?;
 
@@ -85,13 +86,17 @@ impl<T: Element> Tensor<T> {
                 let input = input.as_standard_layout();
                 let x = contiguous(OP, &input, &shape)?;
                 let mut normalized = vec![T::zero(); x.len()];
-                let rows = x.chunks_exact(width.max(1));
-                let normalized_rows = normalized.chunks_exact_mut(width.max(1));
-                for (((row, x_hat), &mean), &rstd) in
-                    rows.zip(normalized_rows).zip(&means).zip(&inv_std)
-                {
-                    normalize(row, mean, rstd, x_hat);
-                }
+                let w = width.max(1);
+                let mut none: [(); 0] = [];
+                for_row_blocks(&mut normalized, w, &mut none, 1, |first, block, _| {
+                    let rows = x[first * w..].chunks_exact(w);
+                    let stats = means[first..].iter().zip(&inv_std[first..]);
+                    for ((row, x_hat), (&mean, &rstd)) in
+                        rows.zip(block.chunks_exact_mut(w)).zip(stats)
+                    {
+                        normalize(row, mean, rstd, x_hat);
+                    }
+                });
                 let saved = Saved {
                     normalized: &normalized,
                     inv_std: &inv_std,
@@ -229,11 +234,11 @@ impl<T: Element> Saved<'_, T> {
         let mut input = need_input.then(|| vec![T::zero(); grad.len()]);
         let mut weight = need_weight.then(|| vec![T::zero(); self.width]);
         let mut bias = need_bias.then(|| vec![T::zero(); self.width]);
-        let mut g_hat = vec![T::zero(); self.width];
+        // The parameters' gradients sum over the rows in order, on one thread.
         let rows = grad
             .chunks_exact(width)
             .zip(self.normalized.chunks_exact(width));
-        for (row, ((g, x_hat), &rstd)) in rows.zip(self.inv_std).enumerate() {
+        for (g, x_hat) in rows {
             if let Some(dw) = &mut weight {
                 dw.iter_mut()
                     .zip(g)
@@ -243,17 +248,27 @@ impl<T: Element> Saved<'_, T> {
             if let Some(db) = &mut bias {
                 db.iter_mut().zip(g).for_each(|(d, &g)| *d += g);
             }
-            let Some(dx) = &mut input else { continue };
-            g_hat.copy_from_slice(g);
-            if let Some(w) = self.weight {
-                g_hat.iter_mut().zip(w).for_each(|(g, &w)| *g *= w);
-            }
-            let mean_g = lane_sum(&g_hat, |g| g) / count;
-            let mean_gx = lane_dot(&g_hat, x_hat) / count;
-            let dx = &mut dx[row * width..(row + 1) * width];
-            for ((d, &g), &x) in dx.iter_mut().zip(&g_hat).zip(x_hat) {
-                *d = rstd * (g - mean_g - x * mean_gx);
-            }
+        }
+        // Each row's input gradient on its own.
+        if let Some(dx) = &mut input {
+            let mut none: [(); 0] = [];
+            for_row_blocks(dx, width, &mut none, 1, |first, block, _| {
+                let mut g_hat = vec![T::zero(); self.width];
+                let rows = (grad[first * width..].chunks_exact(width))
+                    .zip(self.normalized[first * width..].chunks_exact(width))
+                    .zip(&self.inv_std[first..]);
+                for (((g, x_hat), &rstd), dx) in rows.zip(block.chunks_exact_mut(width)) {
+                    g_hat.copy_from_slice(g);
+                    if let Some(w) = self.weight {
+                        g_hat.iter_mut().zip(w).for_each(|(g, &w)| *g *= w);
+                    }
+                    let mean_g = lane_sum(&g_hat, |g| g) / count;
+                    let mean_gx = lane_dot(&g_hat, x_hat) / count;
+                    for ((d, &g), &x) in dx.iter_mut().zip(&g_hat).zip(x_hat) {
+                        *d = rstd * (g - mean_g - x * mean_gx);
+                    }
+                }
+            });
         }
         Gradients {
             input,

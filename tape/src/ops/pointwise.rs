@@ -8,7 +8,7 @@ use ndarray::{ArcArray, ArrayD, IxDyn, Zip};
 use crate::Element;
 
 /// `f` of every element, as a new array.
-pub(crate) fn map<T: Element>(input: &ArcArray<T, IxDyn>, f: impl Fn(T) -> T) -> ArrayD<T> {
+pub(crate) fn map<T: Element>(input: &ArcArray<T, IxDyn>, f: impl Fn(T) -> T + Sync) -> ArrayD<T> {
     let mut out = input.to_owned();
     match out.as_slice_memory_order_mut() {
         Some(values) => each(values, |x, _| f(x), None),
@@ -21,7 +21,7 @@ pub(crate) fn map<T: Element>(input: &ArcArray<T, IxDyn>, f: impl Fn(T) -> T) ->
 pub(crate) fn update_with<T: Element>(
     target: &mut ArrayD<T>,
     other: &ArcArray<T, IxDyn>,
-    f: impl Fn(T, T) -> T,
+    f: impl Fn(T, T) -> T + Sync,
 ) {
     let same_layout = target.strides() == other.strides();
     match (
@@ -34,8 +34,19 @@ pub(crate) fn update_with<T: Element>(
 }
 
 /// `values[i] = f(values[i], others[i])` (`others` absent: zero), on the widest vectors
-/// the CPU has.
-fn each<T: Element>(values: &mut [T], f: impl Fn(T, T) -> T, others: Option<&[T]>) {
+/// the CPU has and, for large arrays, on the calling thread's threads.
+fn each<T: Element>(values: &mut [T], f: impl Fn(T, T) -> T + Sync, others: Option<&[T]>) {
+    // Blocks of 64 elements as "rows": each element is computed alone, so the split does
+    // not change a bit.
+    const ROW: usize = 64;
+    let mut none: [(); 0] = [];
+    crate::threads::for_row_blocks(values, ROW, &mut none, 1, |first, block, _| {
+        let others = others.map(|o| &o[first * ROW..first * ROW + block.len()]);
+        each_on_one_thread(block, &f, others)
+    });
+}
+
+fn each_on_one_thread<T: Element>(values: &mut [T], f: impl Fn(T, T) -> T, others: Option<&[T]>) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has the one feature `each_avx2` is compiled for.

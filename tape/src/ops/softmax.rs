@@ -1,7 +1,7 @@
 //! Softmax and log-softmax along the last dimension, computed stably (max subtracted),
 //! and attention's causal softmax with its scale and upper-triangular mask fused in.
 
-use ndarray::{ArrayD, ArrayView1, ArrayViewMut1, Axis};
+use ndarray::{ArrayD, ArrayView1, Axis};
 
 use super::pointwise_inputs;
 use crate::gpu::ops::PointwiseInput;
@@ -122,27 +122,29 @@ fn for_each_row<T: Element>(
     op: &'static str,
     array: &mut ArrayD<T>,
     how: SoftmaxRows,
-    mut f: impl FnMut(&mut [T], usize),
+    f: impl Fn(&mut [T], usize) + Sync,
 ) -> Result<()> {
     let axis = Axis(array.ndim() - 1);
     let width = array.len_of(axis);
     let shape = array.shape().to_vec();
-    for (r, mut lane) in array.lanes_mut(axis).into_iter().enumerate() {
-        let seen = if how.causal { r % width + 1 } else { width };
-        let row = contiguous(op, &shape, &mut lane)?;
-        f(&mut row[..seen], r);
-        row[seen..].fill(T::zero());
-    }
+    let Some(values) = array.as_slice_mut() else {
+        return Err(Error::shape(
+            op,
+            &[&shape],
+            "internal: the rows are not row-major",
+        ));
+    };
+    // Rows are independent: blocks of them may run on the calling thread's threads.
+    let mut none: [(); 0] = [];
+    crate::threads::for_row_blocks(values, width, &mut none, 1, |first, block, _| {
+        for (i, row) in block.chunks_exact_mut(width.max(1)).enumerate() {
+            let r = first + i;
+            let seen = if how.causal { r % width + 1 } else { width };
+            f(&mut row[..seen], r);
+            row[seen..].fill(T::zero());
+        }
+    });
     Ok(())
-}
-
-fn contiguous<'a, T>(
-    op: &'static str,
-    shape: &[usize],
-    lane: &'a mut ArrayViewMut1<'_, T>,
-) -> Result<&'a mut [T]> {
-    lane.as_slice_mut()
-        .ok_or_else(|| Error::shape(op, &[shape], "internal: a row is not contiguous"))
 }
 
 /// `row ← softmax(scale · row)` (or its log form), in place.

@@ -53,7 +53,7 @@ impl Model {
     pub fn parameters(&self) -> usize {
         let (h, f) = (self.hidden, self.ffn);
         let block = 4 * h * h + 2 * f * h + 3 * h + f + 6 * h;
-        let head = if self.tied { 0 } else { self.vocab * (h + 1) };
+        let head = if self.tied { 0 } else { self.vocab * h };
         self.layers * block + (self.vocab + self.seq) * h + 2 * h + head
     }
 }
@@ -295,7 +295,7 @@ impl Chunk {
             let head = match (model.tied, pp) {
                 (true, 1) => 0,
                 (true, _) => sizes.vocab_shard * model.hidden,
-                (false, _) => sizes.vocab_shard * (model.hidden + 1),
+                (false, _) => sizes.vocab_shard * model.hidden,
             };
             parameters += head;
             forward_working = forward_working.max(sizes.loss_forward);
@@ -489,14 +489,12 @@ impl Sizes {
             } else {
                 0
             };
-        let untied_bias = if model.tied { 0 } else { e * logits };
         let head = e * local
             + 8 * sb / if sp { t } else { 1 }
             + e * sbh
             + 4 * logits
             + 4 * sb
             + 17 * sb
-            + untied_bias
             + transposed(vocab_shard * h);
         let sixteen_bit_logits = if e < 4 { e * logits } else { 0 };
         let softmax_backward = if device || e < 4 { 8 } else { 4 };

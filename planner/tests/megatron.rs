@@ -23,9 +23,8 @@ fn ferrotron_counts_the_biases_and_positions_megatrons_formula_leaves_out() {
         let (h, f) = (model.hidden, model.ffn);
         let theirs = megatron::estimate(&model, &serial(1)).parameters as usize;
         // Per block: the q, k, v and first MLP biases and the two projections' biases;
-        // then the positions; untied, the output layer's bias.
-        let missing =
-            model.layers * (3 * h + f + 2 * h) + model.seq * h + if tied { 0 } else { model.vocab };
+        // then the positions (the output layer has no bias, tied or not).
+        let missing = model.layers * (3 * h + f + 2 * h) + model.seq * h;
         assert_eq!(model.parameters(), theirs + missing);
     }
 }

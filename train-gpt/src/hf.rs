@@ -1,5 +1,4 @@
-//! Hugging Face GPT-2 checkpoints: the demo's model with tied embeddings is GPT-2's
-//! architecture (learned positions, pre-norm blocks with a final layer norm, tanh GELU,
+//! Hugging Face GPT-2 checkpoints: the demo's model is GPT-2's architecture (learned positions, pre-norm blocks with a final layer norm, tanh GELU,
 //! biased linears, attention scaled by 1/√d), so a checkpoint exports to a directory that
 //! `transformers.GPT2LMHeadModel.from_pretrained` loads, and such a directory starts a run.
 //!
@@ -31,12 +30,6 @@ pub fn export(from: &Path, out: &Path) -> Result<()> {
     let dir = checkpoint_dir(from)?;
     let saved = TrainerState::read(&dir)?;
     let model = saved.model;
-    ensure!(
-        model.tied,
-        "{}: the output layer is untied and has a bias, which GPT-2's has not; export a \
-         model trained with tied embeddings (the default)",
-        dir.display()
-    );
     let full = checkpoint::read_stages(&saved.stage_dirs(&dir), saved.tp)?;
     let mut tensors = BTreeMap::new();
     for (name, (_, tensor)) in &full {
@@ -120,7 +113,7 @@ fn config_json(model: &GptConfig) -> Value {
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
         "scale_attn_weights": true,
-        "tie_word_embeddings": true,
+        "tie_word_embeddings": model.tied,
         "torch_dtype": "float32",
         "bos_token_id": null,
         "eos_token_id": null,
@@ -129,6 +122,8 @@ fn config_json(model: &GptConfig) -> Value {
 
 /// The sizes a GPT-2 directory's `config.json` gives, as the demo's flags name them.
 pub struct Shape {
+    /// Whether the output layer is the token embedding (`tie_word_embeddings`).
+    pub tied: bool,
     pub vocab: usize,
     pub layers: usize,
     pub hidden: usize,
@@ -150,6 +145,7 @@ pub fn read_shape(dir: &Path) -> Result<Shape> {
             .with_context(|| format!("{} has no number {key:?}", path.display()))
     };
     let shape = Shape {
+        tied: config["tie_word_embeddings"].as_bool().unwrap_or(true),
         vocab: number("vocab_size")?,
         layers: number("n_layer")?,
         hidden: number("n_embd")?,
@@ -164,11 +160,6 @@ pub fn read_shape(dir: &Path) -> Result<Shape> {
         activation == "gelu_new" && inner == 4 * shape.hidden,
         "{}: the demo's blocks use tanh GELU (gelu_new) and an MLP of 4 × n_embd; this \
          model has {activation} and {inner}",
-        path.display()
-    );
-    ensure!(
-        config["tie_word_embeddings"].as_bool().unwrap_or(true),
-        "{}: untied output layers are not imported (the demo's untied head has a bias)",
         path.display()
     );
     Ok(shape)
@@ -266,13 +257,23 @@ fn block_names(i: usize) -> [(String, String, bool); 12] {
     ]
 }
 
-fn top_names() -> [(String, String); 4] {
-    [
+/// The tensors outside the blocks, (ours, theirs): the untied output layer's too.
+fn top_names(tied: bool) -> Vec<(String, String)> {
+    let mut names = vec![
         ("embed.weight".into(), "transformer.wte.weight".into()),
         ("position.weight".into(), "transformer.wpe.weight".into()),
         ("ln_f.weight".into(), "transformer.ln_f.weight".into()),
         ("ln_f.bias".into(), "transformer.ln_f.bias".into()),
-    ]
+    ];
+    if !tied {
+        names.push(("head.weight".into(), "lm_head.weight".into()));
+    }
+    names
+}
+
+/// Whether `name` holds a row per vocabulary entry (and so its padding).
+fn per_token(name: &str) -> bool {
+    name == "embed.weight" || name == "head.weight"
 }
 
 fn to_gpt2(ours: &BTreeMap<String, Full>, model: &GptConfig) -> Result<BTreeMap<String, Full>> {
@@ -282,15 +283,15 @@ fn to_gpt2(ours: &BTreeMap<String, Full>, model: &GptConfig) -> Result<BTreeMap<
     };
     let head_dim = model.hidden / model.heads;
     let mut out = BTreeMap::new();
-    for (name, theirs) in top_names() {
+    for (name, theirs) in top_names(model.tied) {
         let (shape, values) = get(&name)?.clone();
-        let full = match name.as_str() {
+        let full = match per_token(&name) {
             // The padding is no token.
-            "embed.weight" => (
+            true => (
                 vec![model.valid_vocab, shape[1]],
                 values[..model.valid_vocab * shape[1]].to_vec(),
             ),
-            _ => (shape, values),
+            false => (shape, values),
         };
         out.insert(theirs, full);
     }
@@ -317,7 +318,7 @@ fn from_gpt2(theirs: &HashMap<String, Full>, shape: &Shape) -> Result<BTreeMap<S
     };
     let head_dim = shape.hidden / shape.heads;
     let mut out = BTreeMap::new();
-    for (ours, name) in top_names() {
+    for (ours, name) in top_names(shape.tied) {
         out.insert(ours, get(&name)?.clone());
     }
     for i in 0..shape.layers {
@@ -388,7 +389,7 @@ fn read_weights(path: &Path) -> Result<HashMap<String, Full>> {
 pub fn tensors(full: BTreeMap<String, Full>, vocab: usize) -> Result<BTreeMap<String, Tensor>> {
     full.into_iter()
         .map(|(name, (mut shape, mut values))| {
-            if name == "embed.weight" && shape[0] < vocab {
+            if per_token(&name) && shape[0] < vocab {
                 values.resize(vocab * shape[1], 0.0);
                 shape[0] = vocab;
             }

@@ -942,6 +942,13 @@ fn validate(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Result<()>
             shape.heads,
             shape.positions
         );
+        ensure!(
+            shape.tied != args.untie_embeddings_and_output_weights,
+            "{} has {} embeddings: {} --untie-embeddings-and-output-weights",
+            dir.display(),
+            if shape.tied { "tied" } else { "untied" },
+            if shape.tied { "drop" } else { "pass" }
+        );
     }
     if let Some(dir) = &args.resume {
         let saved = checkpoint::TrainerState::read(dir)?;

@@ -151,13 +151,17 @@ impl Gpt {
                     },
                     &init,
                 )?,
+                // Megatron's output layer has no bias, tied or not.
                 (_, false) => ColumnParallelLinear::new(
                     tp,
                     "head",
                     config.hidden,
                     config.vocab,
                     false,
-                    LinearOptions::default(),
+                    LinearOptions {
+                        bias: false,
+                        skip_bias_add: false,
+                    },
                     &init,
                 )?,
             };

@@ -315,6 +315,14 @@ fn load_weights(
     // from any of them (blocks are named by their index in the whole model).
     let dirs = saved.stage_dirs(dir);
     let full = checkpoint::read_stages(&dirs, saved.tp)?;
+    // Before the output layer lost its bias (as Megatron's has none), untied runs saved
+    // one; dropping it would change the model they continue.
+    anyhow::ensure!(
+        !full.contains_key("head.bias"),
+        "{}: its untied output layer has a bias, which the demo's no longer has (Megatron's \
+         has none); continue it with the version that saved it, or start afresh",
+        dir.display()
+    );
     for model in models {
         model.load(&full, dir)?;
     }

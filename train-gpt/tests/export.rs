@@ -58,43 +58,38 @@ fn logits(from: &Path) -> Vec<f32> {
     serde_json::from_str(json).unwrap()
 }
 
+const UNTIE: &str = "--untie-embeddings-and-output-weights";
+
 #[test]
 fn export_then_import_at_another_layout_keeps_every_weight_bit_for_bit() {
-    let dir = fresh("export-round-trip");
-    let first = train(
-        &dir.join("a"),
-        "--tp 2 --pp 2 --dp 1 --microbatches 2 --steps 4",
-        &[],
-    );
-    let exported = dir.join("hf");
-    export(&first, &exported);
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(exported.join("config.json")).unwrap())
-            .unwrap();
-    assert_eq!(config["model_type"], "gpt2");
-    assert_eq!(config["n_layer"], 2);
-    assert_eq!(config["vocab_size"], 256);
-    // A first step with a learning rate of 0 (warm-up from 0) saves the imported weights.
-    let second = train(
-        &dir.join("b"),
-        "--tp 1 --pp 2 --dp 1 --microbatches 2 --steps 1",
-        &[
-            "--init-from",
-            path(&exported),
-            "--lr-warmup-steps",
-            "5",
-            "--lr-warmup-init",
-            "0",
-        ],
-    );
-    let again = dir.join("hf-again");
-    export(&second, &again);
-    let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
-    assert!(
-        bytes(&exported) == bytes(&again),
-        "the weights changed on the way"
-    );
-    assert_eq!(logits(&first), logits(&second));
+    for (name, tie) in [("tied", ""), ("untied", UNTIE)] {
+        let dir = fresh(&format!("export-round-trip-{name}"));
+        let first = train(
+            &dir.join("a"),
+            &format!("--tp 2 --pp 2 --dp 1 --microbatches 2 --steps 4 {tie}"),
+            &[],
+        );
+        let exported = dir.join("hf");
+        export(&first, &exported);
+        let text = std::fs::read_to_string(exported.join("config.json")).unwrap();
+        let config: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(config["model_type"], "gpt2");
+        assert_eq!(config["n_layer"], 2);
+        assert_eq!(config["vocab_size"], 256);
+        assert_eq!(config["tie_word_embeddings"], tie.is_empty());
+        // A first step with a learning rate of 0 (warm-up from 0) saves the imported
+        // weights.
+        let mut extra = words("--lr-warmup-steps 5 --lr-warmup-init 0 --init-from");
+        extra.push(path(&exported));
+        let layout = format!("--tp 1 --pp 2 --dp 1 --microbatches 2 --steps 1 {tie}");
+        let second = train(&dir.join("b"), &layout, &extra);
+        let again = dir.join("hf-again");
+        export(&second, &again);
+        let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+        let same = bytes(&exported) == bytes(&again);
+        assert!(same, "{name}: the weights changed on the way");
+        assert_eq!(logits(&first), logits(&second), "{name}");
+    }
 }
 
 /// A Python with torch and transformers: `FERROTRON_PYTHON`, or `python3`.
@@ -116,10 +111,17 @@ fn transformers_computes_the_same_logits_from_the_export() {
         );
         return;
     };
-    let dir = fresh("export-transformers");
-    let saved = train(&dir, "--tp 2 --dp 1 --steps 5", &[]);
+    for (name, tie) in [("tied", ""), ("untied", UNTIE)] {
+        let dir = fresh(&format!("export-transformers-{name}"));
+        let saved = train(&dir, &format!("--tp 2 --dp 1 --steps 5 {tie}"), &[]);
+        compare_with_transformers(&python, &dir, &saved);
+    }
+}
+
+/// Exports `saved` under `dir` and compares transformers' logits with ferrotron's.
+fn compare_with_transformers(python: &str, dir: &Path, saved: &Path) {
     let exported = dir.join("hf");
-    export(&saved, &exported);
+    export(saved, &exported);
     let script = format!(
         "import torch, transformers, json\n\
          m = transformers.GPT2LMHeadModel.from_pretrained({:?}).eval()\n\
@@ -136,7 +138,7 @@ fn transformers_computes_the_same_logits_from_the_export() {
         String::from_utf8_lossy(&output.stderr)
     );
     let theirs: Vec<f32> = serde_json::from_str(text.lines().last().unwrap()).unwrap();
-    let ours = logits(&saved);
+    let ours = logits(saved);
     assert_eq!(ours.len(), theirs.len());
     let largest = (ours.iter().zip(&theirs))
         .map(|(a, b)| (a - b).abs())
@@ -146,22 +148,8 @@ fn transformers_computes_the_same_logits_from_the_export() {
 }
 
 #[test]
-fn models_gpt2_cannot_express_or_that_do_not_fit_are_refused() {
+fn models_that_do_not_fit_the_run_are_refused() {
     let dir = fresh("export-refused");
-    let untied = train(
-        &dir.join("untied"),
-        "--tp 1 --dp 1 --steps 1 --untie-embeddings-and-output-weights",
-        &[],
-    );
-    let refused = demo(&[
-        "export-hf",
-        "--from",
-        path(&untied),
-        "--out",
-        path(&dir.join("x")),
-    ]);
-    assert!(!refused.status.success());
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("bias"));
     let tied = train(&dir.join("tied"), "--tp 1 --dp 1 --steps 1", &[]);
     let exported = dir.join("hf");
     export(&tied, &exported);
@@ -174,4 +162,10 @@ fn models_gpt2_cannot_express_or_that_do_not_fit_are_refused() {
         err.contains("pass --layers 2 --hidden 32 --heads 4 --seq 16"),
         "{err}"
     );
+    let mut args = words("--layers 2 --hidden 32 --heads 4 --seq 16 --init-from");
+    args.extend([path(&exported), UNTIE]);
+    let untied = demo(&args);
+    let err = String::from_utf8_lossy(&untied.stderr);
+    assert!(!untied.status.success());
+    assert!(err.contains("tied embeddings: drop --untie"), "{err}");
 }

@@ -146,5 +146,8 @@ echo "--> rank 2 killed after step $at: the job failed; resumed from $saved with
 rm -r "$run_dir"
 trap - EXIT
 
+echo "==> cargo doc, as docs.rs builds it: a broken intra-doc link fails"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features
+
 echo "==> mdbook build docs"
 mdbook build docs

@@ -10,7 +10,7 @@
 //!
 //! * `local`: ranks share memory, so a rank that times out or loses a peer reads every
 //!   rank's recorder and attaches the whole group's history to
-//!   [`Error::Timeout`](crate::Error::Timeout) and [`Error::PeerLost`](crate::Error::PeerLost)
+//!   [`Error::Timeout`] and [`Error::PeerLost`]
 //!   (`history`); their message summarises each rank's last call.
 //! * `mpi`, `nccl`: a stuck peer cannot be asked. A rank whose call fails (NCCL's watchdog
 //!   timeout or error, an MPI error) writes its own history to a file in

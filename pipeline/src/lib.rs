@@ -76,6 +76,8 @@
 //! # Ok::<(), BoxError>(())
 //! ```
 
+#![warn(missing_docs)]
+
 mod driver;
 mod error;
 pub mod schedule;

@@ -7,7 +7,7 @@
 //! * [`Parameter`]: a trainable leaf with a gradient slot and grad-ready hooks, which fire
 //!   the moment its gradient is complete while the rest of backward still runs.
 //! * [`CustomOp`]: user-defined differentiable ops (e.g. collectives).
-//! * [`Sgd`] and [`AdamW`] optimizers, and [`gradcheck`].
+//! * [`Sgd`] and [`AdamW`] optimizers, and [`gradcheck()`].
 //! * [`set_num_threads`]: how many threads a thread's matrix products use (default: the
 //!   cores available, shared among local-backend rank threads).
 //!

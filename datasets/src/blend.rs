@@ -13,7 +13,8 @@ pub fn parse_blend(words: &[String]) -> Result<Vec<(f64, PathBuf)>> {
     let pairs: Vec<(f64, PathBuf)> = match weighted && !words.is_empty() {
         true => words
             .chunks(2)
-            .map(|p| (p[0].parse().expect("checked"), PathBuf::from(p[1].trim())))
+            // `weighted` parsed every first word of a pair.
+            .map(|p| (p[0].parse().unwrap_or(0.0), PathBuf::from(p[1].trim())))
             .collect(),
         false => words
             .iter()

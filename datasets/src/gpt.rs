@@ -47,7 +47,15 @@ impl GptDataset {
                 dataset.len()
             )));
         }
-        let tokens: usize = range.clone().map(|i| dataset.sequence_length(i)).sum();
+        if range.end > u32::MAX as usize {
+            return Err(Error::Invalid(format!(
+                "{}: {} sequences; a GPT dataset indexes at most 2^32 (as Megatron's int32 \
+                 document index does)",
+                dataset.prefix().display(),
+                range.end
+            )));
+        }
+        let tokens: usize = range.clone().map(|i| dataset.length(i)).sum();
         if tokens <= seq {
             return Err(Error::Invalid(format!(
                 "{}: sequences {range:?} hold {tokens} tokens, not one sample of {} \
@@ -57,10 +65,19 @@ impl GptDataset {
             )));
         }
         // The smallest number of epochs whose tokens give the samples and one extra token.
+        let too_many = || {
+            Error::Invalid(format!(
+                "{samples:?} samples of {seq} tokens overflow this machine's integers"
+            ))
+        };
         let epochs = match samples {
             None => 1,
-            Some(n) => (n * seq + 1).div_ceil(tokens).max(1),
+            Some(n) => (n.checked_mul(seq).and_then(|t| t.checked_add(1)))
+                .ok_or_else(too_many)?
+                .div_ceil(tokens)
+                .max(1),
         };
+        epochs.checked_mul(tokens).ok_or_else(too_many)?;
         let separate = separate_final_epoch(samples, epochs, tokens, seq);
         let mut random = RandomState::new(config.seed);
         let ids: Vec<u32> = range.map(|i| i as u32).collect();
@@ -114,7 +131,7 @@ impl GptDataset {
         let mut tokens = Vec::with_capacity(self.seq + 1);
         while tokens.len() < self.seq + 1 {
             let id = self.documents[position] as usize;
-            let take = (self.dataset.sequence_length(id) - offset).min(self.seq + 1 - tokens.len());
+            let take = (self.dataset.length(id) - offset).min(self.seq + 1 - tokens.len());
             self.dataset.read(id, offset, take, &mut tokens)?;
             position += 1;
             offset = 0;
@@ -168,10 +185,10 @@ fn sample_starts(
     for i in 0..=count {
         let at = i * seq;
         // Skip sequences that end at or before the sample's first token (empty ones too).
-        while begins + dataset.sequence_length(documents[position] as usize) <= at
+        while begins + dataset.length(documents[position] as usize) <= at
             && position + 1 < documents.len()
         {
-            begins += dataset.sequence_length(documents[position] as usize);
+            begins += dataset.length(documents[position] as usize);
             position += 1;
         }
         starts.push((position, at - begins));

@@ -134,8 +134,11 @@ fn map(path: &Path) -> Result<Mmap> {
     unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))
 }
 
+/// The `u64` at `at`; callers stay inside the index, whose size `open` checked.
 fn u64_at(bytes: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&bytes[at..at + 8]);
+    u64::from_le_bytes(word)
 }
 
 impl IndexedDataset {
@@ -206,7 +209,16 @@ impl IndexedDataset {
     /// Every sequence inside the `.bin`, and document boundaries that cover them in order.
     fn check(&self, idx: &Path, bin: &Path) -> Result<()> {
         for i in 0..self.sequences {
-            let (start, length) = (self.pointer(i), self.sequence_length(i) as u64);
+            if self.raw_length(i) < 0 {
+                return Err(Error::format(
+                    idx,
+                    format!(
+                        "sequence {i} has a negative length ({})",
+                        self.raw_length(i)
+                    ),
+                ));
+            }
+            let (start, length) = (self.pointer(i), self.length(i) as u64);
             let end = start.saturating_add(length * self.dtype.size() as u64);
             if end > self.data.len() as u64 {
                 return Err(Error::Truncated {
@@ -254,10 +266,21 @@ impl IndexedDataset {
         self.sequences == 0
     }
 
-    /// Tokens in sequence `i`.
-    pub fn sequence_length(&self, i: usize) -> usize {
+    /// Tokens in sequence `i`, or `None` past the last sequence.
+    pub fn sequence_length(&self, i: usize) -> Option<usize> {
+        (i < self.sequences).then(|| self.length(i))
+    }
+
+    /// Tokens in sequence `i < len()` (checked non-negative by `open`).
+    pub(crate) fn length(&self, i: usize) -> usize {
+        self.raw_length(i).max(0) as usize
+    }
+
+    fn raw_length(&self, i: usize) -> i32 {
         let at = HEADER + 4 * i;
-        i32::from_le_bytes(self.index[at..at + 4].try_into().expect("4 bytes")).max(0) as usize
+        let mut word = [0u8; 4];
+        word.copy_from_slice(&self.index[at..at + 4]);
+        i32::from_le_bytes(word)
     }
 
     fn pointer(&self, i: usize) -> u64 {
@@ -274,11 +297,12 @@ impl IndexedDataset {
 
     /// Appends `count` tokens of sequence `i` from token `offset` to `out`.
     pub fn read(&self, i: usize, offset: usize, count: usize, out: &mut Vec<u32>) -> Result<()> {
-        if i >= self.sequences || offset + count > self.sequence_length(i) {
+        let end = offset.checked_add(count);
+        if i >= self.sequences || end.is_none_or(|end| end > self.length(i)) {
             return Err(Error::Invalid(format!(
                 "{}: tokens {offset}..{} of sequence {i} do not exist",
                 self.prefix.display(),
-                offset + count
+                offset.saturating_add(count)
             )));
         }
         let size = self.dtype.size();
@@ -300,7 +324,8 @@ impl IndexedDataset {
     /// Sequence `i`'s tokens.
     pub fn sequence(&self, i: usize) -> Result<Vec<u32>> {
         let mut out = Vec::new();
-        self.read(i, 0, self.sequence_length(i), &mut out)?;
+        let length = self.sequence_length(i).unwrap_or(0);
+        self.read(i, 0, length, &mut out)?;
         Ok(out)
     }
 }

@@ -46,6 +46,11 @@ fn written_datasets_read_back_in_every_token_type() {
             dataset.read(3, 4, 2, &mut part),
             Err(Error::Invalid(_))
         ));
+        let overflowing = dataset.read(3, 1, usize::MAX, &mut part);
+        assert!(matches!(overflowing, Err(Error::Invalid(_))));
+        assert_eq!(dataset.sequence_length(3), Some(5));
+        assert_eq!(dataset.sequence_length(4), None);
+        assert!(matches!(dataset.sequence(4), Err(Error::Invalid(_))));
     }
 }
 
@@ -152,6 +157,13 @@ fn damaged_files_are_typed_errors_naming_the_file() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("not an integer type"), "{err}");
+
+    let mut negative = index.clone();
+    negative[34..38].copy_from_slice(&(-3i32).to_le_bytes());
+    let err = IndexedDataset::open(copy("negative", negative, data.clone()))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("negative length"), "{err}");
 
     let short_idx = copy("short-idx", index[..index.len() - 3].to_vec(), data.clone());
     assert!(matches!(

@@ -61,16 +61,16 @@ pub struct Fit {
 /// recomputation, and with 1F1B and each interleaved schedule the layers allow (GPipe
 /// holds more than 1F1B and sends the same, so it never wins).
 pub fn fit(model: &Model, search: &Search) -> Result<Fit> {
-    if [
+    let sizes = [
         search.world,
         search.budget,
         search.global_batch,
         search.micro_batch,
-    ]
-    .contains(&0)
-    {
+    ];
+    if sizes.contains(&0) || search.max_tp == 0 {
         return Err(Error::Invalid(
-            "world, budget, global batch and micro-batch size must be at least 1".into(),
+            "world, budget, global batch, micro-batch size and largest TP must be at least 1"
+                .into(),
         ));
     }
     let mut all = Vec::new();

@@ -71,4 +71,9 @@ fn a_world_no_layout_divides_is_a_typed_error() {
         other => panic!("{other:?}"),
     }
     assert!(matches!(fit(&model(), &search(0)), Err(Error::Invalid(_))));
+    let no_tp = Search {
+        max_tp: 0,
+        ..search(usize::MAX)
+    };
+    assert!(matches!(fit(&model(), &no_tp), Err(Error::Invalid(_))));
 }

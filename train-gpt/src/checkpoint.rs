@@ -122,7 +122,7 @@ impl TrainerState {
                 number(value)
             }
         };
-        Ok(TrainerState {
+        let read = TrainerState {
             format: format.unwrap_or(FORMAT),
             tp: number(&state["tp"])?,
             pp: or_one(&state["pp"])?,
@@ -158,7 +158,15 @@ impl TrainerState {
                         .with_context(bad)?,
                 }),
             },
-        })
+        };
+        ensure!(
+            read.model.valid_vocab <= read.model.vocab,
+            "{}: {} tokens do not fit the {}-entry vocabulary it records; the file is damaged",
+            path.display(),
+            read.model.valid_vocab,
+            read.model.vocab
+        );
+        Ok(read)
     }
 
     /// The directories of every pipeline stage of the checkpoint in `dir`.

@@ -152,6 +152,13 @@ pub fn read_shape(dir: &Path) -> Result<Shape> {
         heads: number("n_head")?,
         positions: number("n_positions")?,
     };
+    ensure!(
+        shape.heads > 0 && shape.hidden % shape.heads == 0,
+        "{}: n_head {} does not divide n_embd {}",
+        path.display(),
+        shape.heads,
+        shape.hidden
+    );
     let activation = config["activation_function"].as_str().unwrap_or("gelu_new");
     let inner = config["n_inner"]
         .as_u64()
@@ -309,12 +316,36 @@ fn to_gpt2(ours: &BTreeMap<String, Full>, model: &GptConfig) -> Result<BTreeMap<
     Ok(out)
 }
 
+/// The shape `config.json`'s sizes give GPT-2's tensor `name`.
+fn gpt2_shape(name: &str, shape: &Shape) -> Vec<usize> {
+    let h = shape.hidden;
+    let ends = |suffix: &str| name.ends_with(suffix);
+    match () {
+        _ if ends("wte.weight") || ends("lm_head.weight") => vec![shape.vocab, h],
+        _ if ends("wpe.weight") => vec![shape.positions, h],
+        _ if ends("c_attn.weight") => vec![h, 3 * h],
+        _ if ends("c_attn.bias") => vec![3 * h],
+        _ if ends("mlp.c_fc.weight") => vec![h, 4 * h],
+        _ if ends("mlp.c_fc.bias") => vec![4 * h],
+        _ if ends("mlp.c_proj.weight") => vec![4 * h, h],
+        _ if ends("attn.c_proj.weight") => vec![h, h],
+        _ => vec![h],
+    }
+}
+
 fn from_gpt2(theirs: &HashMap<String, Full>, shape: &Shape) -> Result<BTreeMap<String, Full>> {
     let get = |name: &str| {
-        theirs
+        let full = theirs
             .get(name)
             .or_else(|| theirs.get(name.trim_start_matches("transformer.")))
-            .with_context(|| format!("the GPT-2 weights have no '{name}'"))
+            .with_context(|| format!("the GPT-2 weights have no '{name}'"))?;
+        let expected = gpt2_shape(name, shape);
+        ensure!(
+            full.0 == expected && full.1.len() == expected.iter().product::<usize>(),
+            "the GPT-2 weights' '{name}' is {:?}, but config.json's sizes make it {expected:?}",
+            full.0
+        );
+        Ok(full)
     };
     let head_dim = shape.hidden / shape.heads;
     let mut out = BTreeMap::new();

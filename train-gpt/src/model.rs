@@ -58,6 +58,8 @@ pub struct Gpt {
     last: Option<(LayerNorm, ColumnParallelLinear)>,
     /// Which of the blocks training recomputes in backward.
     recompute: Option<Recompute>,
+    /// What `without_padding` adds to this rank's logits, made once on their device.
+    padding_mask: std::sync::OnceLock<Tensor>,
 }
 
 /// Megatron's full activation recomputation, by its method: `Uniform(n)` recomputes the
@@ -179,6 +181,7 @@ impl Gpt {
             blocks,
             last,
             recompute: None,
+            padding_mask: std::sync::OnceLock::new(),
         })
     }
 
@@ -273,11 +276,19 @@ impl Gpt {
         if valid >= vocab {
             return Ok(logits.clone());
         }
-        let range = layers::VocabRange::new(vocab, self.tp.rank(), self.tp.size())?;
-        let mask: Vec<f32> = (range.start..range.end)
-            .map(|id| if id < valid { 0.0 } else { PADDING_LOGIT })
-            .collect();
-        let mask = Tensor::from_vec(mask, &[range.len()])?.to_device(logits.device())?;
+        let mask = match self.padding_mask.get() {
+            Some(mask) if mask.device() == logits.device() => mask.clone(),
+            _ => {
+                let range = layers::VocabRange::new(vocab, self.tp.rank(), self.tp.size())?;
+                let mask: Vec<f32> = (range.start..range.end)
+                    .map(|id| if id < valid { 0.0 } else { PADDING_LOGIT })
+                    .collect();
+                let mask = Tensor::from_vec(mask, &[range.len()])?.to_device(logits.device())?;
+                // Uploaded once: a later microbatch reuses it instead of copying again.
+                let _ = self.padding_mask.set(mask.clone());
+                mask
+            }
+        };
         Ok(logits.to_dtype(tape::DType::F32)?.add(&mask)?)
     }
 

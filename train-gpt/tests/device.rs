@@ -2,6 +2,9 @@
 //! the CPU trains, and a TP 2 × DP 2 step copies nothing between host and device but its
 //! batch and its loss, with the replicated or the distributed optimizer.
 
+mod common;
+
+use common::succeeded;
 use std::process::Command;
 
 /// Runs the README's device example with `device` and `extra` flags; returns stdout.
@@ -24,13 +27,7 @@ fn train(device: &str, extra: &[&str]) -> String {
         .arg(out_dir(device, extra))
         .output()
         .expect("the train-gpt binary runs");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "{device}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
+    succeeded(&output)
 }
 
 fn out_dir(device: &str, extra: &[&str]) -> std::path::PathBuf {

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{rows, scratch};
+use common::{rows, scratch, succeeded};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -46,14 +46,7 @@ fn run(args: &[&str], crash_at: Option<&str>) -> Output {
 }
 
 fn succeed(args: &[&str]) -> String {
-    let output = run(args, None);
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "train-gpt {args:?} failed:\n{stdout}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
+    succeeded(&run(args, None))
 }
 
 fn entries(dir: &Path) -> Vec<String> {

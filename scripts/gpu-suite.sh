@@ -29,7 +29,7 @@ build() {
     local features="comm-core/cuda,comm-core/cli,tape/cuda"
     # The test binaries with device code (the carry limit is 64 MiB): the GPU tests, the
     # device-vs-CPU tests, and the library unit tests (NVRTC compiles every kernel).
-    cargo test --release -p device -p comm-core -p tape -p layers -p integration-tests \
+    cargo test --release -p ferrotron-device -p ferrotron-comm-core -p ferrotron-tape -p ferrotron-layers -p integration-tests \
         --features "$features,device/cuda" --no-run --message-format=json 2>/dev/null |
         python3 -c '
 import json, sys
@@ -43,11 +43,11 @@ for line in sys.stdin:
             and m["profile"]["test"] and m["target"]["name"].replace("-", "_") in wanted):
         print(m["executable"])
 ' | while read -r exe; do cp "$exe" "$BIN/test-$(basename "$exe")"; done
-    cargo build --release -p comm-core --features comm-core/cuda,comm-core/cli --bin comm-bench
-    cargo build --release -p tape --features tape/cuda --example bench_device
-    cargo build --release -p layers --features tape/cuda --example bench_block
-    cargo build --release -p train-gpt --features cuda
-    cargo build --release -p ddp --features cuda --example bench_ddp
+    cargo build --release -p ferrotron-comm-core --features comm-core/cuda,comm-core/cli --bin comm-bench
+    cargo build --release -p ferrotron-tape --features tape/cuda --example bench_device
+    cargo build --release -p ferrotron-layers --features tape/cuda --example bench_block
+    cargo build --release -p ferrotron-train-gpt --features cuda
+    cargo build --release -p ferrotron-ddp --features cuda --example bench_ddp
     cp target/release/comm-bench target/release/examples/bench_device \
         target/release/examples/bench_block target/release/examples/bench_ddp \
         target/release/train-gpt "$BIN/"

@@ -3,12 +3,12 @@
 //! prints the `Mismatch` error and exits with status 1 instead of hanging.
 //!
 //! ```sh
-//! cargo build -p comm-core --features mpi --example mismatch
+//! cargo build -p ferrotron-comm-core --features mpi --example mismatch
 //! mpirun -n 2 target/debug/examples/mismatch
 //! ```
 
-use comm_core::mpi::{MpiWorld, CHECK_ENV};
-use comm_core::{Communicator, CommunicatorExt, Error, ReduceOp};
+use ferrotron_comm_core::mpi::{MpiWorld, CHECK_ENV};
+use ferrotron_comm_core::{Communicator, CommunicatorExt, Error, ReduceOp};
 use std::process::exit;
 
 fn main() {

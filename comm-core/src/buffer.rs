@@ -9,7 +9,7 @@
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use device::{Access, Device, DeviceMemory, Stream};
+use ferrotron_device::{Access, Device, DeviceMemory, Stream};
 use std::cell::Cell;
 use std::marker::PhantomData;
 
@@ -145,7 +145,7 @@ macro_rules! view_accessors {
             };
             match self.ordered_on {
                 Some(stream) => stream.declare(op, &[access]),
-                None => device::host_access(op, &[access]),
+                None => ferrotron_device::host_access(op, &[access]),
             }
             .map_err(Error::from)
         }
@@ -437,7 +437,7 @@ mod cuda_views {
         // return.
         unsafe {
             let dst = std::slice::from_raw_parts_mut(out.host_ptr_mut(), view.byte_len());
-            device::cuda::download(stream, dst, view.device_ptr())?;
+            ferrotron_device::cuda::download(stream, dst, view.device_ptr())?;
         }
         Ok(host)
     }
@@ -454,7 +454,7 @@ mod cuda_views {
         // SAFETY: both sides hold `byte_len` bytes; the copy completes before we return.
         unsafe {
             let bytes = std::slice::from_raw_parts(src.host_ptr(), src.byte_len());
-            device::cuda::upload(stream, view.device_ptr(), bytes)?;
+            ferrotron_device::cuda::upload(stream, view.device_ptr(), bytes)?;
         }
         Ok(())
     }
@@ -630,7 +630,7 @@ impl<'a> DeviceView<'a> {
     ) -> Result<DeviceView<'a>> {
         let size = dtype.size_in_bytes();
         let end = len.checked_mul(size).and_then(|n| n.checked_add(offset));
-        if end.is_none_or(|end| end > memory.bytes()) || offset % size != 0 {
+        if end.is_none_or(|end| end > memory.bytes()) || !offset.is_multiple_of(size) {
             return Err(Error::Config(format!(
                 "{op}: {len} elements of {dtype:?} at byte {offset} do not fit the {}-byte \
                  allocation (or are not aligned for {dtype:?}); view a range inside it",

@@ -2,7 +2,7 @@
 //! check compares them, errors report them and the flight recorder keeps them.
 
 use crate::dtype::{DType, ReduceOp};
-use device::Device;
+use ferrotron_device::Device;
 use std::fmt;
 
 /// Which collective (or point-to-point operation) a call was.

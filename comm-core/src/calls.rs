@@ -5,7 +5,7 @@
 use crate::buffer::{BufMut, BufRef};
 use crate::dtype::{reduce_raw, DType, Element, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
-use device::Device;
+use ferrotron_device::Device;
 
 /// One rank's view of its group, for validating calls.
 pub(crate) struct CallCheck<'a> {

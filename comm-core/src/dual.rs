@@ -19,9 +19,9 @@ use crate::work::Work;
 ///
 /// ```
 /// use std::sync::Arc;
-/// use comm_core::{run_local, Communicator, CommunicatorExt, DualCommunicator, ReduceOp};
+/// use ferrotron_comm_core::{run_local, Communicator, CommunicatorExt, DualCommunicator, ReduceOp};
 ///
-/// let sums = run_local(2, |comm| -> comm_core::Result<f32> {
+/// let sums = run_local(2, |comm| -> ferrotron_comm_core::Result<f32> {
 ///     let comm: Arc<dyn Communicator> = Arc::new(comm);
 ///     // On a GPU machine `device` would be an NcclCommunicator over `comm`.
 ///     let dual = DualCommunicator::new(comm.clone(), comm)?;
@@ -30,7 +30,7 @@ use crate::work::Work;
 ///     Ok(x[0])
 /// })?;
 /// assert_eq!(sums, [2.0, 2.0]);
-/// # Ok::<(), comm_core::Error>(())
+/// # Ok::<(), ferrotron_comm_core::Error>(())
 /// ```
 pub struct DualCommunicator {
     host: Arc<dyn Communicator>,

@@ -166,7 +166,7 @@ pub enum Error {
 
     /// A CUDA library could not be loaded (libraries are found at run time); the device
     /// layer's message.
-    #[error("{}", device::Error::LibraryMissing { library, purpose, hint })]
+    #[error("{}", ferrotron_device::Error::LibraryMissing { library, purpose, hint })]
     LibraryMissing {
         /// The library's file name, as searched for.
         library: &'static str,
@@ -178,7 +178,7 @@ pub enum Error {
 
     /// The CUDA driver is loaded but there is no device with the requested ordinal; the
     /// device layer's message.
-    #[error("{}", device::Error::NoDevice { requested: *requested, available: *available })]
+    #[error("{}", ferrotron_device::Error::NoDevice { requested: *requested, available: *available })]
     NoDevice {
         /// The ordinal asked for.
         requested: usize,
@@ -190,7 +190,7 @@ pub enum Error {
     /// layer's ordering checker found two accesses, at least one a write, that nothing
     /// orders (its message names both and the memory).
     #[error("{0}")]
-    Unordered(device::Error),
+    Unordered(ferrotron_device::Error),
 
     /// A CUDA driver or NVRTC call failed; `message` is CUDA's own.
     #[error("CUDA {call} failed: {message}")]
@@ -240,10 +240,10 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 /// A device failure as a collective reports it: missing libraries and devices keep their
 /// own variants, a failed driver call is [`Error::Cuda`], the rest a configuration error
 /// with the device layer's message.
-impl From<device::Error> for Error {
-    fn from(error: device::Error) -> Error {
+impl From<ferrotron_device::Error> for Error {
+    fn from(error: ferrotron_device::Error) -> Error {
         match error {
-            device::Error::LibraryMissing {
+            ferrotron_device::Error::LibraryMissing {
                 library,
                 purpose,
                 hint,
@@ -252,15 +252,15 @@ impl From<device::Error> for Error {
                 purpose,
                 hint,
             },
-            device::Error::NoDevice {
+            ferrotron_device::Error::NoDevice {
                 requested,
                 available,
             } => Error::NoDevice {
                 requested,
                 available,
             },
-            device::Error::Driver { call, message } => Error::Cuda { call, message },
-            unordered @ device::Error::Unordered { .. } => Error::Unordered(unordered),
+            ferrotron_device::Error::Driver { call, message } => Error::Cuda { call, message },
+            unordered @ ferrotron_device::Error::Unordered { .. } => Error::Unordered(unordered),
             other => Error::Config(other.to_string()),
         }
     }

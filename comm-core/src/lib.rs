@@ -18,40 +18,40 @@
 //! # A first collective
 //! Four ranks sum their rank numbers; each gets `0 + 1 + 2 + 3`:
 //! ```
-//! use comm_core::{run_local, Communicator, CommunicatorExt, ReduceOp};
+//! use ferrotron_comm_core::{run_local, Communicator, CommunicatorExt, ReduceOp};
 //!
 //! let results = run_local(4, |comm| {
 //!     let mut value = [comm.rank() as f64];
 //!     comm.all_reduce_slice(&mut value, ReduceOp::Sum)?;
-//!     Ok::<_, comm_core::Error>(value[0])
+//!     Ok::<_, ferrotron_comm_core::Error>(value[0])
 //! })?;
 //! assert_eq!(results, vec![6.0; 4]);
-//! # Ok::<(), comm_core::Error>(())
+//! # Ok::<(), ferrotron_comm_core::Error>(())
 //! ```
 //!
 //! # Sub-groups
 //! `split` works like `MPI_Comm_split`: ranks with the same colour form a group, ordered
 //! by key. Here even and odd ranks form two groups and gather their world ranks:
 //! ```
-//! use comm_core::{run_local, Communicator, CommunicatorExt};
+//! use ferrotron_comm_core::{run_local, Communicator, CommunicatorExt};
 //!
 //! let gathered = run_local(4, |comm| {
 //!     let color = (comm.rank() % 2) as u32;
 //!     // Every rank passes a colour, so every rank gets a group back.
 //!     let half = comm
 //!         .split(Some(color), comm.rank() as u32, "parity")?
-//!         .ok_or_else(|| comm_core::Error::Config("this rank opted out".into()))?;
+//!         .ok_or_else(|| ferrotron_comm_core::Error::Config("this rank opted out".into()))?;
 //!     half.all_gather_vec(&[comm.rank() as i32])
 //! })?;
 //! assert_eq!(gathered, vec![vec![0, 2], vec![1, 3], vec![0, 2], vec![1, 3]]);
-//! # Ok::<(), comm_core::Error>(())
+//! # Ok::<(), ferrotron_comm_core::Error>(())
 //! ```
 //!
 //! # Overlapping communication
 //! A non-blocking call takes ownership of its buffer and gives it back from
 //! [`Work::wait`]; calls on one communicator complete in the order they were issued.
 //! ```
-//! use comm_core::{run_local, CommunicatorExt, ReduceOp};
+//! use ferrotron_comm_core::{run_local, CommunicatorExt, ReduceOp};
 //!
 //! let out = run_local(2, |comm| {
 //!     let work = comm.all_reduce_async(vec![1.0f32; 8], ReduceOp::Avg)?;
@@ -59,7 +59,7 @@
 //!     work.wait()?.into_vec::<f32>()
 //! })?;
 //! assert_eq!(out[0], vec![1.0; 8]);
-//! # Ok::<(), comm_core::Error>(())
+//! # Ok::<(), ferrotron_comm_core::Error>(())
 //! ```
 //!
 //! # Errors, not hangs
@@ -67,7 +67,7 @@
 //! fails or drops its communicator makes its peers fail with [`Error::PeerLost`]; a rank
 //! that never arrives produces [`Error::Timeout`] naming it.
 //! ```
-//! use comm_core::{run_local, Communicator, CommunicatorExt, Error, ReduceOp};
+//! use ferrotron_comm_core::{run_local, Communicator, CommunicatorExt, Error, ReduceOp};
 //!
 //! let err = run_local(2, |comm| {
 //!     let mut x = vec![0.0f32; 1 + comm.rank()]; // rank 1 passes a longer buffer
@@ -77,6 +77,11 @@
 //! assert!(matches!(err.root_cause(), Error::Mismatch { seq: 0, .. }));
 //! ```
 #![warn(missing_docs)]
+
+// The README's example runs as a doctest, so the package's front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod buffer;
 mod call;
@@ -103,10 +108,10 @@ pub use buffer::inject_missing_receive_wait;
 pub use buffer::{BufMut, BufRef, Buffer, LentMemory};
 pub use calls::reduce_slices;
 pub use communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
-pub use device::Device;
 pub use dtype::{DType, Element, ReduceOp};
 pub use dual::DualCommunicator;
 pub use error::{CallSignature, Error, OpKind, Result};
+pub use ferrotron_device::Device;
 pub use flight_recorder::{CallRecord, CallState, FlightRecord, RankHistory};
 pub use local::{local_rank_threads, run_local, LocalCommunicator, LocalLauncher};
 #[cfg(feature = "cuda")]

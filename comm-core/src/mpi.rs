@@ -2,14 +2,14 @@
 //! process per rank, launched by `mpirun`.
 //!
 //! ```no_run
-//! use comm_core::mpi::MpiWorld;
-//! use comm_core::{CommunicatorExt, ReduceOp};
+//! use ferrotron_comm_core::mpi::MpiWorld;
+//! use ferrotron_comm_core::{CommunicatorExt, ReduceOp};
 //!
 //! let mpi = MpiWorld::init()?; // once per process
 //! let world = mpi.world()?;
 //! let mut x = [1.0f32];
 //! world.all_reduce_slice(&mut x, ReduceOp::Sum)?;
-//! # Ok::<(), comm_core::Error>(())
+//! # Ok::<(), ferrotron_comm_core::Error>(())
 //! ```
 //!
 //! Collectives map one-to-one onto MPI calls on the type-erased buffers. MPI has no

@@ -3,12 +3,12 @@
 //! it.
 //!
 //! ```no_run
-//! use comm_core::nccl::NcclCommunicator;
-//! use comm_core::{cuda, run_local, BufMut, Communicator, ReduceOp};
+//! use ferrotron_comm_core::nccl::NcclCommunicator;
+//! use ferrotron_comm_core::{cuda, run_local, BufMut, Communicator, ReduceOp};
 //! use std::sync::Arc;
 //!
 //! // Two ranks as threads, one GPU each; under `mpirun` the bootstrap is an MPI world.
-//! let sums = run_local(2, |comm| -> comm_core::Result<Vec<f32>> {
+//! let sums = run_local(2, |comm| -> ferrotron_comm_core::Result<Vec<f32>> {
 //!     let device = comm.rank();
 //!     let nccl = NcclCommunicator::new(Arc::new(comm), device)?;
 //!     let stream = cuda::context(device)?.default_stream();
@@ -17,7 +17,7 @@
 //!     stream.clone_dtoh(&x).map_err(cuda::driver_error("clone_dtoh"))
 //! })?;
 //! assert_eq!(sums[0], vec![2.0; 4]);
-//! # Ok::<(), comm_core::Error>(())
+//! # Ok::<(), ferrotron_comm_core::Error>(())
 //! ```
 //!
 //! # Bootstrap
@@ -101,7 +101,7 @@ use crate::work::Work;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::result::{self as nccl, NcclError, NcclStatus};
 use cudarc::nccl::sys;
-use device::Device;
+use ferrotron_device::Device;
 use parking_lot::Mutex;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::Arc;
@@ -481,7 +481,7 @@ impl NcclCommunicator {
         self.stream
             .memcpy_dtoh(&buffers.recv, all)
             .map_err(cuda::driver_error("cuMemcpyDtoHAsync"))?;
-        device::cuda::synchronize(&self.stream).map_err(Error::from)
+        ferrotron_device::cuda::synchronize(&self.stream).map_err(Error::from)
     }
 
     /// Aborts the communicator because of `error` (see [`abort_comm`]), then waits, at most
@@ -493,11 +493,11 @@ impl NcclCommunicator {
         let error = abort_comm(state, error);
         if let Ok(drained) = self.stream.record_event(None) {
             let device = Device::Cuda(self.device);
-            let _ = device::cuda::wait_polling(&drained, device, |waited, _| {
+            let _ = ferrotron_device::cuda::wait_polling(&drained, device, |waited, _| {
                 if waited < self.timeout() {
                     Ok(())
                 } else {
-                    Err(device::Error::Invalid {
+                    Err(ferrotron_device::Error::Invalid {
                         op: "abort",
                         reason: "NCCL's queued work did not end within the timeout".into(),
                     })
@@ -574,7 +574,7 @@ impl NcclCommunicator {
         seq: u64,
         started: Instant,
     ) -> Result<()> {
-        device::cuda::wait_polling(done, Device::Cuda(self.device), |_, finished| {
+        ferrotron_device::cuda::wait_polling(done, Device::Cuda(self.device), |_, finished| {
             // Checked after completion too: kernels that NCCL stopped on an error end.
             self.async_error(comm)?;
             let waited = started.elapsed();

@@ -16,7 +16,7 @@
 use crate::calls::signatures_agree;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, OpKind, Result};
-use device::Device;
+use ferrotron_device::Device;
 
 /// Words before the per-rank lists: op, dtype, reduce, count, root, memory.
 const HEADER: usize = 6;

@@ -3,7 +3,7 @@
 
 mod support;
 
-use comm_core::{
+use ferrotron_comm_core::{
     run_local, AsyncOp, Buffer, Communicator, CommunicatorExt, Error, LocalLauncher, ReduceOp,
 };
 use support::{data, reduced};

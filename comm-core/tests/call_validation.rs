@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-use comm_core::{BufMut, BufRef, Communicator, Error, LocalLauncher, OpKind, ReduceOp};
+use ferrotron_comm_core::{BufMut, BufRef, Communicator, Error, LocalLauncher, OpKind, ReduceOp};
 
 /// Every rank's error for `f`, which must fail on every rank. A short timeout: a check
 /// that were missing would make a peer wait for a partner that never comes.
 fn errors_of<F>(n: usize, f: F) -> Vec<Error>
 where
-    F: Fn(comm_core::LocalCommunicator) -> comm_core::Result<()> + Sync,
+    F: Fn(ferrotron_comm_core::LocalCommunicator) -> ferrotron_comm_core::Result<()> + Sync,
 {
     LocalLauncher::new(n)
         .unwrap()

@@ -5,7 +5,7 @@
 mod support;
 
 use anyhow::ensure;
-use comm_core::{run_local, Communicator, CommunicatorExt, DType, Element, ReduceOp};
+use ferrotron_comm_core::{run_local, Communicator, CommunicatorExt, DType, Element, ReduceOp};
 use proptest::prelude::*;
 use support::{data, offsets, reduced};
 
@@ -57,7 +57,7 @@ fn case() -> impl Strategy<Value = Case> {
         })
 }
 
-fn check_case<T: Element>(case: &Case) -> comm_core::Result<Vec<()>> {
+fn check_case<T: Element>(case: &Case) -> ferrotron_comm_core::Result<Vec<()>> {
     let n = case.ranks;
     run_local(n, |comm| -> anyhow::Result<()> {
         let r = comm.rank();
@@ -144,7 +144,7 @@ proptest! {
 
     #[test]
     fn collectives_match_sequential_reference(case in case()) {
-        let result = comm_core::with_dtype!(case.dtype, T => check_case::<T>(&case));
+        let result = ferrotron_comm_core::with_dtype!(case.dtype, T => check_case::<T>(&case));
         prop_assert!(result.is_ok(), "{case:?}: {}", result.unwrap_err());
     }
 }
@@ -158,7 +158,7 @@ fn every_rank_of_a_large_all_reduce_gets_identical_bits() {
             .map(|i| ((i * 31 + comm.rank() * 17) % 97) as f32 * 0.1)
             .collect();
         comm.all_reduce_slice(&mut v, ReduceOp::Sum)?;
-        Ok::<_, comm_core::Error>(v)
+        Ok::<_, ferrotron_comm_core::Error>(v)
     })
     .unwrap();
     assert!(results.iter().all(|r| r == &results[0]));

@@ -3,15 +3,15 @@
 //! host wait, and orders the receiver's stream after the sender's copy (which the emulated
 //! device's ordering checker verifies).
 
-use comm_core::{
+use ferrotron_comm_core::{
     inject_missing_receive_wait, run_local, BufMut, BufRef, Communicator, DType, Device, Error, P2p,
 };
-use device::{host_waits, transfers, DeviceMemory, Stream};
+use ferrotron_device::{host_waits, transfers, DeviceMemory, Stream};
 
 const LEN: usize = 64;
 
 /// `LEN` f32s of `value` in emulated memory allocated on `stream`.
-fn filled(stream: &Stream, value: f32) -> device::Result<DeviceMemory> {
+fn filled(stream: &Stream, value: f32) -> ferrotron_device::Result<DeviceMemory> {
     let memory = stream.alloc(4 * LEN)?;
     let bytes: Vec<u8> = (0..LEN).flat_map(|_| value.to_ne_bytes()).collect();
     // SAFETY: the allocation holds `4 * LEN` bytes.
@@ -19,7 +19,7 @@ fn filled(stream: &Stream, value: f32) -> device::Result<DeviceMemory> {
     Ok(memory)
 }
 
-fn read(memory: &DeviceMemory) -> device::Result<Vec<f32>> {
+fn read(memory: &DeviceMemory) -> ferrotron_device::Result<Vec<f32>> {
     let mut bytes = vec![0u8; 4 * LEN];
     // SAFETY: as in `filled`.
     unsafe { memory.stream().download(&mut bytes, memory.ptr())? };
@@ -31,7 +31,7 @@ fn read(memory: &DeviceMemory) -> device::Result<Vec<f32>> {
 
 /// Rank 0 sends its memory to rank 1 and receives rank 1's, each rank on a stream of its
 /// own (as ranks on separate GPUs are), through `exchange`.
-fn swap(comm: &dyn Communicator) -> comm_core::Result<(Vec<f32>, u64, u64)> {
+fn swap(comm: &dyn Communicator) -> ferrotron_comm_core::Result<(Vec<f32>, u64, u64)> {
     let rank = comm.rank();
     let stream = Stream::new(Device::Emulated)?;
     let mine = filled(&stream, rank as f32 + 1.0)?;
@@ -79,7 +79,7 @@ fn device_messages_stay_on_the_device_and_the_host_does_not_wait() {
 /// reports the receive, naming the sender's copy on its stream.
 /// Rank 0 sends its memory to rank 1 (one way, so nothing else orders the two streams),
 /// rank 1 leaving out the receive's stream wait when `skip_wait`.
-fn send_one_way(comm: &dyn Communicator, skip_wait: bool) -> comm_core::Result<Vec<f32>> {
+fn send_one_way(comm: &dyn Communicator, skip_wait: bool) -> ferrotron_comm_core::Result<Vec<f32>> {
     let stream = Stream::new(Device::Emulated)?;
     let mut memory = filled(&stream, comm.rank() as f32 + 1.0)?;
     if comm.rank() == 0 {

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use comm_core::{
+use ferrotron_comm_core::{
     run_local, BufMut, BufRef, Communicator, CommunicatorExt, DualCommunicator, Error, P2p,
     ReduceOp,
 };

@@ -2,7 +2,7 @@
 //! `Device::Emulated` tensors): the local backend moves them exactly as host memory, and
 //! a call that mixes them with host memory fails as a host/device mix does on a GPU.
 
-use comm_core::{
+use ferrotron_comm_core::{
     run_local, BufMut, BufRef, Communicator, DType, Device, Error, LocalLauncher, ReduceOp,
 };
 
@@ -21,7 +21,7 @@ fn emulated_mut(data: &mut [f32]) -> BufMut<'_> {
 fn collectives_on_emulated_memory_equal_host_memory() {
     // 5 and 40,000 elements per rank: staged and direct paths of the local backend.
     for len in [5usize, 40_000] {
-        let results = run_local(3, move |comm| -> comm_core::Result<_> {
+        let results = run_local(3, move |comm| -> ferrotron_comm_core::Result<_> {
             let r = comm.rank();
             let mine: Vec<f32> = (0..len).map(|i| (r * 7 + i % 13) as f32).collect();
             let (mut host_sum, mut emulated_sum) = (mine.clone(), mine.clone());
@@ -64,7 +64,7 @@ fn collectives_on_emulated_memory_equal_host_memory() {
 #[test]
 fn emulated_and_host_memory_cannot_meet_in_one_call() {
     // Input emulated, output host: rejected on the calling rank before communicating.
-    run_local(2, |comm| -> comm_core::Result<()> {
+    run_local(2, |comm| -> ferrotron_comm_core::Result<()> {
         let input = vec![1f32; 4];
         let mut output = vec![0f32; 8];
         let err = comm
@@ -95,9 +95,9 @@ fn emulated_and_host_memory_cannot_meet_in_one_call() {
 /// and move exactly as host memory does.
 #[test]
 fn views_of_device_memory_are_checked_and_reduce_in_place() {
-    use device::Stream;
+    use ferrotron_device::Stream;
     let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
-    let sums = run_local(2, move |comm| -> comm_core::Result<Vec<u8>> {
+    let sums = run_local(2, move |comm| -> ferrotron_comm_core::Result<Vec<u8>> {
         let stream = Stream::new(Device::Emulated)?;
         let mut memory = stream.alloc(6 * 4)?;
         let mine: Vec<f32> = (0..6).map(|i| (comm.rank() * 10 + i) as f32).collect();

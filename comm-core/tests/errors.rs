@@ -1,7 +1,7 @@
 //! Failure semantics of the local backend: mismatched calls, lost peers and timeouts are
 //! typed errors on every rank, promptly, never hangs or wrong numbers.
 
-use comm_core::{
+use ferrotron_comm_core::{
     run_local, CallSignature, Communicator, CommunicatorExt, DType, Error, LocalLauncher, OpKind,
     ReduceOp,
 };
@@ -14,7 +14,7 @@ const PROMPT: Duration = Duration::from_secs(5);
 /// Runs `f` on `n` ranks and returns every rank's own error (panicking if one succeeded).
 fn errors_of<F>(n: usize, f: F) -> Vec<Error>
 where
-    F: Fn(comm_core::LocalCommunicator) -> comm_core::Result<()> + Sync,
+    F: Fn(ferrotron_comm_core::LocalCommunicator) -> ferrotron_comm_core::Result<()> + Sync,
 {
     LocalLauncher::new(n)
         .unwrap()
@@ -343,8 +343,8 @@ fn wrong_buffer_sizes_are_rejected_before_communicating() {
     let errors = errors_of(2, |comm| {
         let mut out = vec![0f32; 3]; // must be 2 × 2
         comm.all_gather(
-            comm_core::BufRef::from(&[1f32, 2.0][..]),
-            comm_core::BufMut::from(&mut out),
+            ferrotron_comm_core::BufRef::from(&[1f32, 2.0][..]),
+            ferrotron_comm_core::BufMut::from(&mut out),
         )
     });
     for err in errors {

@@ -1,6 +1,6 @@
 //! The flight recorder: a timeout or a lost peer says which rank stopped where.
 
-use comm_core::{
+use ferrotron_comm_core::{
     CallRecord, CallState, Communicator, CommunicatorExt, DType, Error, FlightRecord,
     LocalLauncher, OpKind, ReduceOp,
 };

@@ -1,8 +1,8 @@
 //! The flight recorder's environment variable (its own binary: it changes the process
 //! environment).
 
-use comm_core::flight_recorder::FLIGHT_RECORDER_ENV;
-use comm_core::{CommunicatorExt, Error, LocalLauncher, ReduceOp};
+use ferrotron_comm_core::flight_recorder::FLIGHT_RECORDER_ENV;
+use ferrotron_comm_core::{CommunicatorExt, Error, LocalLauncher, ReduceOp};
 
 /// Each rank's own record, after three all-reduces.
 fn kept(launcher: LocalLauncher) -> Vec<usize> {

@@ -10,8 +10,8 @@
 mod support;
 
 use anyhow::{ensure, Context as _};
-use comm_core::cuda::{self, cudarc::driver::CudaStream};
-use comm_core::{
+use ferrotron_comm_core::cuda::{self, cudarc::driver::CudaStream};
+use ferrotron_comm_core::{
     run_local, with_dtype, BufMut, BufRef, Communicator, DType, Device, Element, Error, P2p,
     ReduceOp,
 };
@@ -83,7 +83,7 @@ fn call(
     len: usize,
     input: BufRef<'_>,
     output: BufMut<'_>,
-) -> comm_core::Result<()> {
+) -> ferrotron_comm_core::Result<()> {
     let (rank, n) = (comm.rank(), comm.size());
     match case {
         Case::AllReduce(op) => comm.all_reduce(output, op),
@@ -224,8 +224,8 @@ fn host_and_device_buffers_cannot_meet_in_one_call() -> anyhow::Result<()> {
     // One rank on the host, one on the device: every rank learns of the mismatch.
     // The closure returns comm-core's error so that the launcher's `RankFailed` keeps it
     // (an anyhow error could not be downcast back).
-    let results =
-        comm_core::LocalLauncher::new(2)?.run_each(move |comm| -> comm_core::Result<()> {
+    let results = ferrotron_comm_core::LocalLauncher::new(2)?.run_each(
+        move |comm| -> ferrotron_comm_core::Result<()> {
             let stream = cuda::context(comm.rank() % devices)?
                 .new_stream()
                 .map_err(cuda::driver_error("cuStreamCreate"))?;
@@ -239,7 +239,8 @@ fn host_and_device_buffers_cannot_meet_in_one_call() -> anyhow::Result<()> {
                 BufMut::cuda(&mut device, &stream)?
             };
             comm.all_reduce(view, ReduceOp::Sum)
-        });
+        },
+    );
     for result in results {
         let (_, err) = result.err().context("mixed memory must fail")?;
         ensure!(matches!(err.root_cause(), Error::Mismatch { .. }), "{err}");

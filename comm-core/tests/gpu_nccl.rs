@@ -7,9 +7,11 @@
 mod support;
 
 use anyhow::{bail, ensure, Context};
-use comm_core::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
-use comm_core::cuda::{self, Library};
-use comm_core::{
+use ferrotron_comm_core::cuda::cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
+};
+use ferrotron_comm_core::cuda::{self, Library};
+use ferrotron_comm_core::{
     run_local, AsyncOp, BufMut, BufRef, Buffer, CallSignature, Communicator, DType, Element, Error,
     LocalLauncher, NcclCommunicator, OpKind, ReduceOp,
 };
@@ -56,8 +58,8 @@ fn two_rank_devices() -> anyhow::Result<Option<usize>> {
         return Ok(None);
     }
     let count = cuda::device_count()?;
-    if count < 2 && !comm_core::nccl::ranks_may_share_a_gpu() {
-        let (a, b, c) = comm_core::nccl::version()?;
+    if count < 2 && !ferrotron_comm_core::nccl::ranks_may_share_a_gpu() {
+        let (a, b, c) = ferrotron_comm_core::nccl::version()?;
         println!(
             "skipped: two ranks need two GPUs (found {count}), or NCCL >= 2.30 with \
              NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL here is {a}.{b}.{c})"
@@ -148,7 +150,7 @@ fn one_rank_collectives_match_the_reference() -> anyhow::Result<()> {
 /// waits per step" includes NCCL's), and a queued one is none until it is waited for.
 #[test]
 fn nccl_waits_are_counted_as_host_waits() -> anyhow::Result<()> {
-    let waits = || device::host_waits(device::Device::Cuda(0));
+    let waits = || ferrotron_device::host_waits(ferrotron_device::Device::Cuda(0));
     on_one_gpu(|nccl, stream| {
         let mut x = Dev::new(stream, &[1.0f32; 256])?;
         let before = waits();
@@ -251,7 +253,7 @@ fn two_ranks_with_the_check_report_each_mismatch_on_every_rank() -> anyhow::Resu
 /// `Mismatch` at the same call on both ranks, with `expect` true of each rank's call.
 fn expect_mismatch(
     what: &str,
-    outcome: comm_core::Result<()>,
+    outcome: ferrotron_comm_core::Result<()>,
     expect: impl Fn(&CallSignature) -> bool,
 ) -> anyhow::Result<()> {
     match outcome {
@@ -730,7 +732,7 @@ fn ensure_close<T: Element>(what: &str, got: &[T], want: &[T]) -> anyhow::Result
 
 fn expect_err(
     what: &str,
-    result: comm_core::Result<()>,
+    result: ferrotron_comm_core::Result<()>,
     expected: impl Fn(&Error) -> bool,
 ) -> anyhow::Result<()> {
     match result {
@@ -747,7 +749,7 @@ struct LentSlice {
     stream: Arc<CudaStream>,
 }
 
-impl comm_core::LentMemory for LentSlice {
+impl ferrotron_comm_core::LentMemory for LentSlice {
     fn view(&self) -> BufRef<'_> {
         BufRef::cuda(&self.slice, &self.stream).expect("the slice lives on its stream's device")
     }
@@ -781,7 +783,7 @@ fn a_dual_communicator_routes_device_memory_to_nccl() -> anyhow::Result<()> {
         let host: Arc<dyn Communicator> = Arc::new(comm);
         let nccl: Arc<dyn Communicator> =
             Arc::new(NcclCommunicator::new(host.clone(), 0)?.with_timeout(TEST_TIMEOUT));
-        let dual = comm_core::DualCommunicator::new(host.clone(), nccl.clone())?;
+        let dual = ferrotron_comm_core::DualCommunicator::new(host.clone(), nccl.clone())?;
         let (host_calls, nccl_calls) = (recorded(host.as_ref()), recorded(nccl.as_ref()));
 
         let mut on_host = [1.0f32];
@@ -798,7 +800,7 @@ fn a_dual_communicator_routes_device_memory_to_nccl() -> anyhow::Result<()> {
                 op: ReduceOp::Sum,
             })?
             .wait()?;
-        ensure!(back.memory() == comm_core::Device::Cuda(0));
+        ensure!(back.memory() == ferrotron_comm_core::Device::Cuda(0));
         // From one lent buffer into another, as the distributed optimizer's shards.
         let lend = |values: &[f32]| -> anyhow::Result<Buffer> {
             Ok(Buffer::lent(Box::new(LentSlice {

@@ -6,8 +6,8 @@
 mod support;
 
 use anyhow::{ensure, Context};
-use comm_core::mpi::{MpiWorld, CHECK_ENV};
-use comm_core::{
+use ferrotron_comm_core::mpi::{MpiWorld, CHECK_ENV};
+use ferrotron_comm_core::{
     AsyncOp, Buffer, CallSignature, Communicator, CommunicatorExt, DType, Element, Error, OpKind,
     P2p, ReduceOp,
 };
@@ -132,7 +132,7 @@ fn split_and_async(world: &dyn Communicator) -> anyhow::Result<()> {
 fn expect_mismatch(
     world: &dyn Communicator,
     kind: &str,
-    call: impl FnOnce() -> comm_core::Result<()>,
+    call: impl FnOnce() -> ferrotron_comm_core::Result<()>,
     expect: impl Fn(&CallSignature) -> bool,
 ) -> anyhow::Result<()> {
     let (group, seq, calls) = match call() {
@@ -441,7 +441,8 @@ fn main() -> anyhow::Result<()> {
             // ranks; 257 and 20,000 take MPI's own collectives.
             for len in [0usize, 7, 256, 257, 20_000] {
                 let name = format!("collectives {dtype} {op} len={len}");
-                let outcome = comm_core::with_dtype!(dtype, T => collectives::<T>(&world, op, len));
+                let outcome =
+                    ferrotron_comm_core::with_dtype!(dtype, T => collectives::<T>(&world, op, len));
                 results.push((name, outcome));
             }
         }

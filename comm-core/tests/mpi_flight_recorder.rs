@@ -2,8 +2,8 @@
 //! it as a single rank; under `mpirun -n N` every rank checks its own record).
 #![cfg(feature = "mpi")]
 
-use comm_core::mpi::MpiWorld;
-use comm_core::{CallState, Communicator, CommunicatorExt, DType, OpKind, ReduceOp};
+use ferrotron_comm_core::mpi::MpiWorld;
+use ferrotron_comm_core::{CallState, Communicator, CommunicatorExt, DType, OpKind, ReduceOp};
 
 #[test]
 fn an_mpi_communicator_records_its_own_calls() {

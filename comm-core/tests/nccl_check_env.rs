@@ -3,8 +3,8 @@
 //! without a GPU: a bad value is an error on every rank, promptly.
 #![cfg(feature = "cuda")]
 
-use comm_core::nccl::CHECK_ENV;
-use comm_core::{Error, LocalLauncher, NcclCommunicator};
+use ferrotron_comm_core::nccl::CHECK_ENV;
+use ferrotron_comm_core::{Error, LocalLauncher, NcclCommunicator};
 use std::sync::Arc;
 use std::time::Duration;
 

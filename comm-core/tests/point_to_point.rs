@@ -3,7 +3,7 @@
 //! order, and a receive that does not match its message fails both ranks of that pair
 //! and nobody else, promptly.
 
-use comm_core::{
+use ferrotron_comm_core::{
     run_local, Buffer, Communicator, CommunicatorExt, DType, Error, LocalLauncher, OpKind, P2p,
 };
 use std::time::{Duration, Instant};

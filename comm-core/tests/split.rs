@@ -1,7 +1,7 @@
 //! `split` with MPI_Comm_split semantics: colours, key ordering, opting out, nesting, and
 //! sub-groups that work independently and concurrently.
 
-use comm_core::{run_local, Communicator, CommunicatorExt, Error, ReduceOp};
+use ferrotron_comm_core::{run_local, Communicator, CommunicatorExt, Error, ReduceOp};
 use proptest::prelude::*;
 
 #[test]
@@ -119,21 +119,23 @@ fn a_sub_communicator_keeps_its_rank_alive_in_the_sub_group() {
     // because rank 0's closure returned.
     let sub_result = std::sync::Mutex::new(None);
     let outcomes = std::thread::scope(|scope| {
-        comm_core::LocalLauncher::new(2).unwrap().run_each(|comm| {
-            let pair = comm.split(Some(0), 0, "pair")?.expect("member");
-            if comm.rank() == 1 {
-                let mut x = vec![1.0f32; 1 << 15];
-                pair.all_reduce_slice(&mut x, ReduceOp::Sum)?;
-                return Ok(x[0]);
-            }
-            let result = &sub_result;
-            scope.spawn(move || {
-                std::thread::sleep(std::time::Duration::from_millis(50));
-                let mut x = vec![2.0f32; 1 << 15];
-                *result.lock().unwrap() = Some(pair.all_reduce_slice(&mut x, ReduceOp::Sum));
-            });
-            Err(Error::Config("rank 0 gives up".into()))
-        })
+        ferrotron_comm_core::LocalLauncher::new(2)
+            .unwrap()
+            .run_each(|comm| {
+                let pair = comm.split(Some(0), 0, "pair")?.expect("member");
+                if comm.rank() == 1 {
+                    let mut x = vec![1.0f32; 1 << 15];
+                    pair.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+                    return Ok(x[0]);
+                }
+                let result = &sub_result;
+                scope.spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    let mut x = vec![2.0f32; 1 << 15];
+                    *result.lock().unwrap() = Some(pair.all_reduce_slice(&mut x, ReduceOp::Sum));
+                });
+                Err(Error::Config("rank 0 gives up".into()))
+            })
     });
     let rank1 = outcomes[1].as_ref().map_err(|(_, e)| e.to_string());
     assert_eq!(rank1, Ok(&3.0));

@@ -1,6 +1,6 @@
 //! The timeout environment variable (its own binary: it changes the process environment).
 
-use comm_core::{local::TIMEOUT_ENV, Error, LocalLauncher};
+use ferrotron_comm_core::{local::TIMEOUT_ENV, Error, LocalLauncher};
 
 #[test]
 fn invalid_and_valid_timeout_variables() {

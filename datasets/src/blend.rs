@@ -9,7 +9,8 @@ use std::path::PathBuf;
 /// The datasets of a `--data-path` list and their normalized weights: `PREFIX`, or
 /// `W1 PREFIX1 W2 PREFIX2 …`. A list of prefixes without weights weighs them equally.
 pub fn parse_blend(words: &[String]) -> Result<Vec<(f64, PathBuf)>> {
-    let weighted = words.len() % 2 == 0 && words.chunks(2).all(|p| p[0].parse::<f64>().is_ok());
+    let weighted =
+        words.len().is_multiple_of(2) && words.chunks(2).all(|p| p[0].parse::<f64>().is_ok());
     let pairs: Vec<(f64, PathBuf)> = match weighted && !words.is_empty() {
         true => words
             .chunks(2)

@@ -6,7 +6,7 @@
 //!
 //! # Writing and reading a dataset
 //! ```
-//! use datasets::{DType, IndexedDataset, IndexedWriter};
+//! use ferrotron_datasets::{DType, IndexedDataset, IndexedWriter};
 //!
 //! let dir = std::env::temp_dir().join(format!("datasets-doc-{}", std::process::id()));
 //! std::fs::create_dir_all(&dir).unwrap();
@@ -21,12 +21,12 @@
 //! assert_eq!(dataset.sequence(1)?, [40, 588, 340, 50256]);
 //! assert_eq!(dataset.document_indices(), [0, 1, 2]);
 //! # std::fs::remove_dir_all(&dir).ok();
-//! # Ok::<(), datasets::Error>(())
+//! # Ok::<(), ferrotron_datasets::Error>(())
 //! ```
 //!
 //! # Samples in Megatron's order
 //! ```
-//! use datasets::{split_ranges, parse_split, GptConfig, GptDataset, IndexedDataset, IndexedWriter, DType};
+//! use ferrotron_datasets::{split_ranges, parse_split, GptConfig, GptDataset, IndexedDataset, IndexedWriter, DType};
 //! use std::sync::Arc;
 //!
 //! # let dir = std::env::temp_dir().join(format!("datasets-doc2-{}", std::process::id()));
@@ -41,9 +41,14 @@
 //! assert!(samples.len() >= 100);
 //! assert_eq!(samples.sample(0)?.len(), 9); // 8 inputs and the last target
 //! # std::fs::remove_dir_all(&dir).ok();
-//! # Ok::<(), datasets::Error>(())
+//! # Ok::<(), ferrotron_datasets::Error>(())
 //! ```
 #![warn(missing_docs)]
+
+// The README's example runs as a doctest, so the package's front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod blend;
 mod error;

@@ -6,7 +6,7 @@
 mod common;
 
 use common::scratch;
-use datasets::{paths, DType, Error, IndexedDataset, IndexedWriter};
+use ferrotron_datasets::{paths, DType, Error, IndexedDataset, IndexedWriter};
 use std::path::Path;
 
 #[test]

@@ -6,7 +6,7 @@
 mod common;
 
 use common::numbered;
-use datasets::{
+use ferrotron_datasets::{
     blending_indices, component_samples, parse_blend, parse_split, split_ranges, Blend, GptConfig,
     GptDataset, IndexedDataset, RandomState,
 };

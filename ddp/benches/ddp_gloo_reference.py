@@ -1,4 +1,4 @@
-"""PyTorch DDP (gloo, CPU) reference for `cargo run --release -p ddp --example bench_ddp`.
+"""PyTorch DDP (gloo, CPU) reference for `cargo run --release -p ferrotron-ddp --example bench_ddp`.
 
 Same model and measurement: 8 x (Linear(1024, 1024) + relu), batch 32 per rank, loss =
 mean of the output, bucket cap 4 MiB; a step is forward + backward (+ the sync where

@@ -14,8 +14,8 @@
 //! the share of the sync time that overlap hides (0 when sync costs nothing measurable).
 //!
 //! ```text
-//! cargo run --release -p ddp --example bench_ddp -- --ranks 2 --json
-//! cargo run --release -p ddp --features cuda --example bench_ddp -- --backend nccl \
+//! cargo run --release -p ferrotron-ddp --example bench_ddp -- --ranks 2 --json
+//! cargo run --release -p ferrotron-ddp --features cuda --example bench_ddp -- --backend nccl \
 //!     --device cuda:0 --ranks 2 --json
 //! ```
 
@@ -24,9 +24,9 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::{Parser, ValueEnum};
-use comm_core::{run_local, Communicator};
-use ddp::{DdpConfig, DistributedDataParallel};
-use tape::{Device, Generator, Parameter, Tape, Tensor};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel};
+use ferrotron_tape::{Device, Generator, Parameter, Tape, Tensor};
 
 mod support;
 
@@ -106,7 +106,7 @@ fn time_mode(
             None => loss.backward()?,
         }
         // A device step ends when its kernels have.
-        tape::synchronize(device)?;
+        ferrotron_tape::synchronize(device)?;
         if step >= 2 {
             times.push(start.elapsed().as_secs_f64() * 1e3);
         }
@@ -125,14 +125,14 @@ fn over_nccl(
     let Device::Cuda(first) = first else {
         anyhow::bail!("--backend nccl needs --device cuda:N");
     };
-    let count = comm_core::cuda::device_count()?;
+    let count = ferrotron_comm_core::cuda::device_count()?;
     anyhow::ensure!(
         first < count,
         "--device cuda:{first}, but there are {count} CUDA devices"
     );
     let ordinal = first + rank % (count - first);
-    let nccl = comm_core::NcclCommunicator::new(comm.clone(), ordinal)?;
-    let dual = comm_core::DualCommunicator::new(comm, Arc::new(nccl))?;
+    let nccl = ferrotron_comm_core::NcclCommunicator::new(comm.clone(), ordinal)?;
+    let dual = ferrotron_comm_core::DualCommunicator::new(comm, Arc::new(nccl))?;
     Ok((Arc::new(dual), Device::Cuda(ordinal)))
 }
 

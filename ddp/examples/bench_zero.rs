@@ -16,12 +16,12 @@
 //! after the steps.
 //!
 //! With `--precision bf16` or `fp16` the parameters are stored in 16 bits and trained
-//! through f32 master weights: replicated (`tape::MixedPrecision`) under plain DDP, this
+//! through f32 master weights: replicated (`ferrotron_tape::MixedPrecision`) under plain DDP, this
 //! rank's shard of them under the distributed optimizer. Gradients stay f32.
 //!
 //! ```text
-//! cargo run --release -p ddp --example bench_zero -- --dp 4 --json
-//! cargo run --release -p ddp --example bench_zero -- --dp 4 --precision bf16 --json
+//! cargo run --release -p ferrotron-ddp --example bench_zero -- --dp 4 --json
+//! cargo run --release -p ferrotron-ddp --example bench_zero -- --dp 4 --precision bf16 --json
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout};
@@ -31,9 +31,9 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Parser;
-use comm_core::{run_local, Communicator};
-use ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
-use tape::{
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
+use ferrotron_tape::{
     AdamW, AdamWConfig, DType, Generator, MixedPrecision, Optimizer, Parameter, Tape, Tensor,
 };
 
@@ -167,7 +167,7 @@ fn train(dp: usize, zero: bool, dtype: DType) -> Result<Run> {
             params: params
                 .iter()
                 .map(|p| p.value().to_vec())
-                .collect::<tape::Result<_>>()?,
+                .collect::<ferrotron_tape::Result<_>>()?,
         }))
     })?;
     per_rank

@@ -19,9 +19,9 @@
 //! Caps are measured in bytes of f32 gradient, whatever dtype a comm hook sends, so
 //! that switching on compression does not change which collectives run.
 
-use comm_core::{Buffer, DType};
+use ferrotron_comm_core::{Buffer, DType};
+use ferrotron_tape::ParamId;
 use half::{bf16, f16};
-use tape::ParamId;
 
 use crate::error::{Error, Result};
 
@@ -176,22 +176,22 @@ fn out_of_range(range: &std::ops::Range<usize>, len: usize) -> Error {
 
 /// Sums `range` of the buffer in place over `comm` (a blocking collective).
 pub(crate) fn all_reduce_range(
-    comm: &dyn comm_core::Communicator,
+    comm: &dyn ferrotron_comm_core::Communicator,
     buffer: &mut Buffer,
     range: std::ops::Range<usize>,
-    op: comm_core::ReduceOp,
+    op: ferrotron_comm_core::ReduceOp,
 ) -> Result<()> {
-    fn reduce<T: comm_core::Element>(
-        comm: &dyn comm_core::Communicator,
+    fn reduce<T: ferrotron_comm_core::Element>(
+        comm: &dyn ferrotron_comm_core::Communicator,
         slice: &mut [T],
         range: std::ops::Range<usize>,
-        op: comm_core::ReduceOp,
+        op: ferrotron_comm_core::ReduceOp,
     ) -> Result<()> {
         let len = slice.len();
         let part = slice
             .get_mut(range.clone())
             .ok_or_else(|| out_of_range(&range, len))?;
-        comm.all_reduce(comm_core::BufMut::from(part), op)?;
+        comm.all_reduce(ferrotron_comm_core::BufMut::from(part), op)?;
         Ok(())
     }
     with_wire_slice_mut!(buffer, slice => reduce(comm, slice, range, op))

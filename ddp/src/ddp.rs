@@ -6,11 +6,11 @@ use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
-use comm_core::{Communicator, DType};
-use layers::Module;
-use parallel_state::ParallelState;
+use ferrotron_comm_core::{Communicator, DType};
+use ferrotron_layers::Module;
+use ferrotron_parallel_state::ParallelState;
+use ferrotron_tape::{Parameter, Tensor};
 use parking_lot::Mutex;
-use tape::{Parameter, Tensor};
 
 use crate::bucket::{self, BucketInfo, BucketParam, GRAD_ELEMENT_BYTES};
 use crate::config::DdpConfig;
@@ -93,7 +93,7 @@ impl DistributedDataParallel {
                     return Ok(());
                 };
                 let outcome = reducer.lock().on_grad_ready(index);
-                outcome.map_err(|e| tape::Error::custom("ddp grad-ready hook", e))
+                outcome.map_err(|e| ferrotron_tape::Error::custom("ddp grad-ready hook", e))
             });
         }
         Ok(DistributedDataParallel {
@@ -109,7 +109,7 @@ impl DistributedDataParallel {
     /// Wraps every parameter of `model` (in [`Module::parameters`] order) for
     /// data-parallel training over `state`'s data-parallel group, with the extra
     /// model-parallel reductions the parameters ask for themselves: each parameter whose
-    /// [`grad_reduce_group`](layers::ShardedParameter::grad_reduce_group) names a group
+    /// [`grad_reduce_group`](ferrotron_layers::ShardedParameter::grad_reduce_group) names a group
     /// (sequence-parallel layer norms and row-parallel biases: `"tp"`) is marked for it.
     /// Marks already in [`DdpConfig::extra_reductions`] are kept, so a parameter is
     /// summed over every group either source names (each once). Collective over the
@@ -192,7 +192,7 @@ impl DistributedDataParallel {
             Ok(()) => self.finish(),
             // Backward reached a gradient whose bucket is still being reduced: the last
             // step was never finished.
-            Err(tape::Error::Leased {
+            Err(ferrotron_tape::Error::Leased {
                 parameter: Some(name),
                 ..
             }) => {
@@ -342,7 +342,9 @@ fn layout(
     let numels: Vec<usize> = params.iter().map(Parameter::numel).collect();
     // A weight another pipeline stage also holds (a tied embedding) is reduced alone.
     let alone: Vec<bool> = (params.iter())
-        .map(|p| (config.extra_reductions.groups_of(p)).contains(&layers::EMBEDDING_GROUP))
+        .map(|p| {
+            (config.extra_reductions.groups_of(p)).contains(&ferrotron_layers::EMBEDDING_GROUP)
+        })
         .collect();
     let assign = |members: Vec<usize>| {
         let sizes: Vec<usize> = members.iter().map(|&i| numels[i]).collect();

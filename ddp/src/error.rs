@@ -11,19 +11,19 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A collective failed (peer lost, timeout, mismatch between ranks, ...).
     #[error(transparent)]
-    Comm(#[from] comm_core::Error),
+    Comm(#[from] ferrotron_comm_core::Error),
 
     /// A tensor or parameter operation failed (including errors from backward).
     #[error(transparent)]
-    Tape(#[from] tape::Error),
+    Tape(#[from] ferrotron_tape::Error),
 
     /// A layers function (such as the gradient-norm reduction) failed.
     #[error(transparent)]
-    Layers(#[from] layers::Error),
+    Layers(#[from] ferrotron_layers::Error),
 
     /// A named group could not be found or joined.
     #[error(transparent)]
-    ParallelState(#[from] parallel_state::Error),
+    ParallelState(#[from] ferrotron_parallel_state::Error),
 
     /// The data-parallel ranks do not hold the same parameter shapes, so their gradients
     /// cannot be averaged element by element.
@@ -139,12 +139,12 @@ impl fmt::Display for ShapeMismatch {
 
 impl Error {
     /// Recovers an error of this crate that a grad-ready hook passed out of `backward`
-    /// wrapped in [`tape::Error::Custom`]; other tape errors stay tape errors.
-    pub(crate) fn from_backward(error: tape::Error) -> Error {
+    /// wrapped in [`ferrotron_tape::Error::Custom`]; other tape errors stay tape errors.
+    pub(crate) fn from_backward(error: ferrotron_tape::Error) -> Error {
         match error {
-            tape::Error::Custom { op, source } => match source.downcast::<Error>() {
+            ferrotron_tape::Error::Custom { op, source } => match source.downcast::<Error>() {
                 Ok(ours) => *ours,
-                Err(source) => Error::Tape(tape::Error::Custom { op, source }),
+                Err(source) => Error::Tape(ferrotron_tape::Error::Custom { op, source }),
             },
             other => Error::Tape(other),
         }

@@ -20,7 +20,7 @@
 //! [`NamedGroupReduction`](crate::NamedGroupReduction) run after all buckets, outside
 //! any hook.
 
-use comm_core::{AsyncOp, Buffer, Communicator, DType, ReduceOp, Work};
+use ferrotron_comm_core::{AsyncOp, Buffer, Communicator, DType, ReduceOp, Work};
 
 use crate::bucket::BucketParam;
 use crate::error::Result;
@@ -42,7 +42,7 @@ pub trait CommHook: Send + Sync {
 
     /// Starts reducing `bucket` (in [`wire_dtype`](Self::wire_dtype)) over `dp`; the
     /// [`Work`] gives back the bucket holding the data-parallel *average*.
-    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work>;
+    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> ferrotron_comm_core::Result<Work>;
 
     /// Whether [`start_reduce_scatter`](Self::start_reduce_scatter) is this hook's
     /// reduction too, so that it can serve a
@@ -61,7 +61,7 @@ pub trait CommHook: Send + Sync {
         dp: &dyn Communicator,
         bucket: Buffer,
         shard: Buffer,
-    ) -> comm_core::Result<Work> {
+    ) -> ferrotron_comm_core::Result<Work> {
         dp.start(AsyncOp::ReduceScatterInto {
             input: bucket,
             output: shard,
@@ -125,7 +125,7 @@ impl CommHook for AllReduceAvg {
         true
     }
 
-    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work> {
+    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> ferrotron_comm_core::Result<Work> {
         dp.start(AsyncOp::AllReduce {
             buf: bucket,
             op: ReduceOp::Avg,
@@ -174,7 +174,7 @@ impl CommHook for CompressedAllReduce {
         true
     }
 
-    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work> {
+    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> ferrotron_comm_core::Result<Work> {
         AllReduceAvg.start(dp, bucket)
     }
 }

@@ -1,8 +1,8 @@
 //! Construction-time collectives: every DP rank must hold the same parameter shapes, and
 //! starts from DP rank 0's values.
 
-use comm_core::{Communicator, CommunicatorExt};
-use tape::{Parameter, Tensor};
+use ferrotron_comm_core::{Communicator, CommunicatorExt};
+use ferrotron_tape::{Parameter, Tensor};
 
 use crate::bucket::BucketInfo;
 use crate::error::{Error, Result, ShapeMismatch};

@@ -9,14 +9,14 @@
 //! the gradient averaged over all ranks, so the optimizer steps stay identical — the same
 //! parameters as one rank training on the whole batch.
 //! ```
-//! use comm_core::run_local;
-//! use ddp::{DdpConfig, DistributedDataParallel};
+//! use ferrotron_comm_core::run_local;
+//! use ferrotron_ddp::{DdpConfig, DistributedDataParallel};
 //! use std::sync::Arc;
-//! use tape::{Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
+//! use ferrotron_tape::{Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
 //!
-//! let weights = run_local(2, |comm| -> ddp::Result<Vec<f32>> {
+//! let weights = run_local(2, |comm| -> ferrotron_ddp::Result<Vec<f32>> {
 //!     // Ranks start from different values: construction broadcasts rank 0's.
-//!     let w = Parameter::new("w", Tensor::full(&[2, 1], comm_core::Communicator::rank(&comm) as f32));
+//!     let w = Parameter::new("w", Tensor::full(&[2, 1], ferrotron_comm_core::Communicator::rank(&comm) as f32));
 //!     let ddp = DistributedDataParallel::new(vec![w.clone()], Arc::new(comm), DdpConfig::default())?;
 //!     let mut sgd = Sgd::new(vec![w.clone()], SgdConfig::new(0.1));
 //!
@@ -40,11 +40,11 @@
 //! Inside [`no_sync`](DistributedDataParallel::no_sync) backward passes only accumulate;
 //! the last micro-batch, outside it, reduces the accumulated gradient once.
 //! ```
-//! # use comm_core::run_local;
-//! # use ddp::{DdpConfig, DistributedDataParallel};
+//! # use ferrotron_comm_core::run_local;
+//! # use ferrotron_ddp::{DdpConfig, DistributedDataParallel};
 //! # use std::sync::Arc;
-//! # use tape::{Parameter, Tape, Tensor};
-//! let grads = run_local(2, |comm| -> ddp::Result<Vec<f32>> {
+//! # use ferrotron_tape::{Parameter, Tape, Tensor};
+//! let grads = run_local(2, |comm| -> ferrotron_ddp::Result<Vec<f32>> {
 //!     let w = Parameter::new("w", Tensor::ones(&[3]));
 //!     let ddp = DistributedDataParallel::new(vec![w.clone()], Arc::new(comm), DdpConfig::default())?;
 //!     let tape = Tape::new();
@@ -75,15 +75,15 @@
 //! norms and row-parallel biases over `"tp"`, tied embeddings over `"embedding"`.
 //! [`DistributedDataParallel::for_model`] takes a `layers` model and derives these
 //! reductions from its parameters' own
-//! [`grad_reduce_group`](layers::ShardedParameter::grad_reduce_group), so nothing needs
+//! [`grad_reduce_group`](ferrotron_layers::ShardedParameter::grad_reduce_group), so nothing needs
 //! marking by hand:
 //! ```
-//! use comm_core::run_local;
-//! use ddp::{DdpConfig, DistributedDataParallel};
-//! use layers::{LayerNorm, MasterInit, Module, TensorParallel};
-//! use parallel_state::{ParallelState, RankLayout};
+//! use ferrotron_comm_core::run_local;
+//! use ferrotron_ddp::{DdpConfig, DistributedDataParallel};
+//! use ferrotron_layers::{LayerNorm, MasterInit, Module, TensorParallel};
+//! use ferrotron_parallel_state::{ParallelState, RankLayout};
 //! use std::sync::Arc;
-//! use tape::{Generator, Tape, Tensor};
+//! use ferrotron_tape::{Generator, Tape, Tensor};
 //!
 //! // TP = 2 × DP = 2 with sequence parallelism: each rank normalises 2 of its
 //! // replica's 4 sequence positions.
@@ -126,9 +126,9 @@
 //!   with the same counts.
 //! * `init` — the construction-time shape check and broadcast from DP rank 0.
 //!
-//! **Gradient buffer.** Each bucket is one allocation ([`tape::FlatStorage`]) on the
+//! **Gradient buffer.** Each bucket is one allocation ([`ferrotron_tape::FlatStorage`]) on the
 //! parameters' device, and the parameters' gradients are views into it
-//! ([`tape::Parameter::attach_main_grad`]): backward accumulates into the bucket, the
+//! ([`ferrotron_tape::Parameter::attach_main_grad`]): backward accumulates into the bucket, the
 //! all-reduce runs on it in place (it holds a lease on the storage until it completes),
 //! and the averages are then the parameters' gradients, with no copy either way. The
 //! buckets together are one flat gradient index space (see
@@ -139,6 +139,11 @@
 //! comm hook sends a rounded copy of each bucket, made on its device, and the average is
 //! widened back into the bucket (or, sharded, into the shard).
 #![warn(missing_docs)]
+
+// The README's example runs as a doctest, so the package's front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod bucket;
 mod config;

@@ -26,9 +26,9 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
-use comm_core::{Communicator, CommunicatorExt, ReduceOp};
-use parallel_state::ParallelState;
-use tape::{ParamId, Parameter, Tensor};
+use ferrotron_comm_core::{Communicator, CommunicatorExt, ReduceOp};
+use ferrotron_parallel_state::ParallelState;
+use ferrotron_tape::{ParamId, Parameter, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -50,15 +50,15 @@ use crate::error::{Error, Result};
 /// none had.
 ///
 /// ```
-/// use comm_core::run_local;
-/// use ddp::{DdpConfig, DistributedDataParallel, NamedGroupReduction};
-/// use parallel_state::{ParallelState, RankLayout};
+/// use ferrotron_comm_core::run_local;
+/// use ferrotron_ddp::{DdpConfig, DistributedDataParallel, NamedGroupReduction};
+/// use ferrotron_parallel_state::{ParallelState, RankLayout};
 /// use std::sync::Arc;
-/// use tape::{Parameter, Tape, Tensor};
+/// use ferrotron_tape::{Parameter, Tape, Tensor};
 ///
 /// // 4 ranks: TP = 2 × DP = 2. A sequence-parallel layer norm weight is marked "tp".
 /// let layout = RankLayout::builder(4).tp(2).build()?;
-/// let grads = run_local(4, |comm| -> ddp::Result<Vec<f32>> {
+/// let grads = run_local(4, |comm| -> ferrotron_ddp::Result<Vec<f32>> {
 ///     let state = ParallelState::new(Arc::new(comm), layout.clone())?;
 ///     let ln = Parameter::new("ln.weight", Tensor::ones(&[2]));
 ///     let mut marks = NamedGroupReduction::new();
@@ -218,7 +218,7 @@ impl GroupReduction {
         };
         let grads = (self.members.iter())
             .map(|&i| params[i].try_grad())
-            .collect::<tape::Result<Vec<Option<Tensor>>>>()?;
+            .collect::<ferrotron_tape::Result<Vec<Option<Tensor>>>>()?;
         let mut flags: Vec<f32> = grads
             .iter()
             .map(|g| f32::from(u8::from(g.is_some())))
@@ -234,7 +234,7 @@ impl GroupReduction {
                     None => Tensor::full_on(&[numel], 0.0, device),
                 }
             })
-            .collect::<tape::Result<Vec<Tensor>>>()?;
+            .collect::<ferrotron_tape::Result<Vec<Tensor>>>()?;
         let summed = Tensor::concat(&flat.iter().collect::<Vec<_>>(), 0)?.updated_by(|buf| {
             self.comm
                 .all_reduce(buf, ReduceOp::Sum)

@@ -6,7 +6,7 @@
 //! reduce-scatters the buckets (so each rank receives only its shard of the averaged
 //! gradient) and keeps no gradient in the parameters; the optimizer keeps moments only
 //! for its shard, updates its pieces of the parameters with the same per-element update
-//! as [`tape::AdamW`] and [`tape::Sgd`], and all-gathers the updated values bucket by
+//! as [`ferrotron_tape::AdamW`] and [`ferrotron_tape::Sgd`], and all-gathers the updated values bucket by
 //! bucket into every rank's parameters (non-blocking: a bucket's gather runs while the
 //! next bucket is updated). Parameters stored as bf16 or f16 are updated
 //! through f32 master weights, of which each rank too keeps only its shard.
@@ -18,13 +18,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use comm_core::{AsyncOp, Communicator, CommunicatorExt, DType, ReduceOp, Work};
-use layers::{GradNorm, GradScaler, LocalSquares, ShardedParameter, TensorParallel};
-use parking_lot::Mutex;
-use tape::{
+use ferrotron_comm_core::{AsyncOp, Communicator, CommunicatorExt, DType, ReduceOp, Work};
+use ferrotron_layers::{GradNorm, GradScaler, LocalSquares, ShardedParameter, TensorParallel};
+use ferrotron_tape::{
     AdamWConfig, AdamWUpdate, Device, FlatStorage, FlatView, LrSchedule, Optimizer, OptimizerState,
     ParamId, ParamOptions, ParamState, Parameter, SgdConfig, SgdUpdate, Tensor, MASTER_BUFFER,
 };
+use parking_lot::Mutex;
 
 use crate::bucket::BucketInfo;
 use crate::error::{Error, Result};
@@ -120,12 +120,12 @@ impl Bucket {
 /// every rank ends the step with the parameters plain DDP and a replicated optimizer
 /// would have given.
 /// ```
-/// use comm_core::run_local;
-/// use ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
+/// use ferrotron_comm_core::run_local;
+/// use ferrotron_ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
 /// use std::sync::Arc;
-/// use tape::{AdamWConfig, Parameter, Tape, Tensor};
+/// use ferrotron_tape::{AdamWConfig, Parameter, Tape, Tensor};
 ///
-/// let weights = run_local(2, |comm| -> ddp::Result<Vec<f32>> {
+/// let weights = run_local(2, |comm| -> ferrotron_ddp::Result<Vec<f32>> {
 ///     let w = Parameter::new("w", Tensor::ones(&[3, 2]));
 ///     let config = DdpConfig { use_distributed_optimizer: true, ..DdpConfig::default() };
 ///     let ddp = DistributedDataParallel::new(vec![w.clone()], Arc::new(comm), config)?;
@@ -177,7 +177,7 @@ pub struct DistributedOptimizer {
 }
 
 impl DistributedOptimizer {
-    /// AdamW over the parameters of `ddps` (in that order), as [`tape::AdamW`] with
+    /// AdamW over the parameters of `ddps` (in that order), as [`ferrotron_tape::AdamW`] with
     /// `config`.
     pub fn adamw<'a>(
         ddps: impl IntoIterator<Item = &'a DistributedDataParallel>,
@@ -187,7 +187,7 @@ impl DistributedOptimizer {
     }
 
     /// SGD (momentum, weight decay, Nesterov) over the parameters of `ddps` (in that
-    /// order), as [`tape::Sgd`] with `config`.
+    /// order), as [`ferrotron_tape::Sgd`] with `config`.
     pub fn sgd<'a>(
         ddps: impl IntoIterator<Item = &'a DistributedDataParallel>,
         config: SgdConfig,
@@ -294,7 +294,7 @@ impl DistributedOptimizer {
     /// Stores every parameter as `dtype` (bf16 or f16) and keeps f32 master weights of
     /// this rank's shard, taken from the values before rounding: 2 bytes per parameter
     /// for the values and `4/dp` for the masters (Megatron's `--bf16` with the
-    /// distributed optimizer). Call it where [`tape::MixedPrecision`] would be built:
+    /// distributed optimizer). Call it where [`ferrotron_tape::MixedPrecision`] would be built:
     /// once the values are final (after DDP's broadcast and a checkpoint's weights), as
     /// later changes to the parameters do not reach the masters.
     ///
@@ -373,15 +373,15 @@ impl DistributedOptimizer {
     }
 
     /// Clips the reduced gradients of the last backward to a global L2 norm of
-    /// `max_norm`, as [`layers::clip_grad_norm`] clips the gradients of plain DDP: the
+    /// `max_norm`, as [`ferrotron_layers::clip_grad_norm`] clips the gradients of plain DDP: the
     /// same norm (to rounding), the same scale, applied when [`step`](Self::step) updates
     /// with these gradients (a later backward's gradients are not scaled).
     ///
     /// `model` names the parameters whose gradients count, with their sharding, in the
     /// same order on every rank: this rank's model parameters (`Module::parameters` of
     /// each chunk). Each must be one of the optimizer's. Those that
-    /// [count](layers::ShardedParameter::counts_in_model_sums) are summed (a stage's
-    /// [`shared_copy`](layers::ShardedParameter::shared_copy) of a weight another stage
+    /// [count](ferrotron_layers::ShardedParameter::counts_in_model_sums) are summed (a stage's
+    /// [`shared_copy`](ferrotron_layers::ShardedParameter::shared_copy) of a weight another stage
     /// holds is left out, a replicated parameter counted on tensor-parallel rank 0 only):
     /// every rank's shard squares over the data-parallel group, then the tensor-parallel
     /// group, then each of `other_groups` (the pipeline group): collective over all of
@@ -426,7 +426,7 @@ impl DistributedOptimizer {
             .into_iter()
             .chain(other_groups.iter().copied())
             .collect();
-        let norm = layers::reduce_grad_norm(local, &groups, max_norm)?;
+        let norm = ferrotron_layers::reduce_grad_norm(local, &groups, max_norm)?;
         for reducer in &self.reducers {
             let mut reducer = reducer.lock();
             if !norm.is_finite() {
@@ -449,10 +449,10 @@ impl DistributedOptimizer {
     /// Divides the reduced gradients of the last backward by `scaler`'s loss scale
     /// (applied when [`step`](Self::step) updates with them), unless some rank then holds
     /// a non-finite one: then every rank drops them and gets `false` (skip the step, then
-    /// [`GradScaler::update`](layers::GradScaler::update) with it). Collective over the
+    /// [`GradScaler::update`](ferrotron_layers::GradScaler::update) with it). Collective over the
     /// data-parallel group (whose ranks hold different shards), the tensor-parallel
     /// group and each of `other_groups` (the pipeline group). Once per step, as
-    /// [`GradScaler::unscale_grads`](layers::GradScaler::unscale_grads).
+    /// [`GradScaler::unscale_grads`](ferrotron_layers::GradScaler::unscale_grads).
     pub fn unscale_grads(
         &mut self,
         scaler: &GradScaler,
@@ -469,7 +469,7 @@ impl DistributedOptimizer {
                 .ok_or_else(|| self.nothing_to_step_with())?;
             let shards = (reduced.shards.iter())
                 .map(|shard| FlatView::new(shard, 0, &[shard.len()]))
-                .collect::<tape::Result<Vec<_>>>()?;
+                .collect::<ferrotron_tape::Result<Vec<_>>>()?;
             // Each element as the step will take it (with any factor pending).
             finite &= FlatView::all_finite_scaled(&shards, reduced.scale * inverse)?;
         }
@@ -477,7 +477,7 @@ impl DistributedOptimizer {
             .into_iter()
             .chain(other_groups.iter().copied())
             .collect();
-        let finite = layers::all_finite(finite, &groups)?;
+        let finite = ferrotron_layers::all_finite(finite, &groups)?;
         for reducer in &self.reducers {
             let mut reducer = reducer.lock();
             if !finite {
@@ -678,9 +678,9 @@ impl DistributedOptimizer {
         Ok(())
     }
 
-    /// The whole optimizer state, as [`tape::AdamW`] or [`tape::Sgd`] over the same
+    /// The whole optimizer state, as [`ferrotron_tape::AdamW`] or [`ferrotron_tape::Sgd`] over the same
     /// parameters would report it, with each 16-bit parameter's master weights as the
-    /// buffer [`MASTER_BUFFER`] (as [`tape::MixedPrecision`] reports them): every rank
+    /// buffer [`MASTER_BUFFER`] (as [`ferrotron_tape::MixedPrecision`] reports them): every rank
     /// all-gathers the shards (collective over the data-parallel group), so a checkpoint
     /// written from it loads at any data-parallel size, or into a replicated optimizer.
     pub fn state(&self) -> Result<OptimizerState> {
@@ -733,7 +733,7 @@ impl DistributedOptimizer {
     }
 
     /// Restores a [`state`](Self::state) (or a replicated optimizer's, of the same
-    /// rule, or a [`tape::MixedPrecision`]'s over it): this rank keeps its shard of it.
+    /// rule, or a [`ferrotron_tape::MixedPrecision`]'s over it): this rank keeps its shard of it.
     /// Saved master weights of 16-bit parameters replace the masters and, rounded, the
     /// parameters. A state for other parameters (count, shapes or buffer names, master
     /// weights of an f32 parameter) is an error and changes nothing.
@@ -863,13 +863,13 @@ fn upload(view: &FlatView, values: &[f32]) -> Result<()> {
     Ok(view.copy_from(&values)?)
 }
 
-/// The distributed optimizer behind the [`tape::Optimizer`] interface, so that training
+/// The distributed optimizer behind the [`ferrotron_tape::Optimizer`] interface, so that training
 /// loops and checkpoints written for a replicated optimizer take it unchanged; errors
-/// come back wrapped in [`tape::Error::Custom`].
+/// come back wrapped in [`ferrotron_tape::Error::Custom`].
 impl Optimizer for DistributedOptimizer {
-    fn step(&mut self) -> tape::Result<()> {
+    fn step(&mut self) -> ferrotron_tape::Result<()> {
         DistributedOptimizer::step(self)
-            .map_err(|e| tape::Error::custom("DistributedOptimizer::step", e))
+            .map_err(|e| ferrotron_tape::Error::custom("DistributedOptimizer::step", e))
     }
 
     fn params(&self) -> &[Parameter] {
@@ -880,14 +880,14 @@ impl Optimizer for DistributedOptimizer {
         self.next_lr()
     }
 
-    fn state(&self) -> tape::Result<OptimizerState> {
+    fn state(&self) -> ferrotron_tape::Result<OptimizerState> {
         DistributedOptimizer::state(self)
-            .map_err(|e| tape::Error::custom("DistributedOptimizer::state", e))
+            .map_err(|e| ferrotron_tape::Error::custom("DistributedOptimizer::state", e))
     }
 
-    fn load_state(&mut self, state: &OptimizerState) -> tape::Result<()> {
+    fn load_state(&mut self, state: &OptimizerState) -> ferrotron_tape::Result<()> {
         DistributedOptimizer::load_state(self, state)
-            .map_err(|e| tape::Error::custom("DistributedOptimizer::load_state", e))
+            .map_err(|e| ferrotron_tape::Error::custom("DistributedOptimizer::load_state", e))
     }
 }
 

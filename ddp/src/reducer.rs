@@ -39,8 +39,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use comm_core::{Buffer, Communicator, CommunicatorExt, DType, ReduceOp, Work};
-use tape::{Device, FlatStorage, FlatView, Parameter};
+use ferrotron_comm_core::{Buffer, Communicator, CommunicatorExt, DType, ReduceOp, Work};
+use ferrotron_tape::{Device, FlatStorage, FlatView, Parameter};
 
 use crate::bucket::BucketInfo;
 use crate::error::{Error, Result};

@@ -6,10 +6,10 @@ mod support;
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::{run_local, Communicator};
-use ddp::DistributedDataParallel;
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_ddp::DistributedDataParallel;
+use ferrotron_tape::Tape;
 use support::{global_batch, loss, max_relative_error, mlp, optimizer, slice, small_buckets, Opt};
-use tape::Tape;
 
 const RANKS: usize = 2;
 const MICRO_BATCHES: usize = 4;

@@ -9,10 +9,10 @@ mod support;
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::{run_local, Communicator};
-use ddp::{CompressedAllReduce, DdpConfig, DistributedDataParallel};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_ddp::{CompressedAllReduce, DdpConfig, DistributedDataParallel};
+use ferrotron_tape::{host_waits, transfers, Device, Parameter, Tape, Transfers};
 use support::{global_batch, loss, max_relative_error, mlp, optimizer, slice, small_buckets, Opt};
-use tape::{host_waits, transfers, Device, Parameter, Tape, Transfers};
 
 const RANKS: usize = 2;
 const MICRO_BATCHES: usize = 2;

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::run_local;
-use ddp::{
+use ferrotron_comm_core::run_local;
+use ferrotron_ddp::{
     DdpConfig, DistributedDataParallel, DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES,
 };
-use tape::{Parameter, Tensor};
+use ferrotron_tape::{Parameter, Tensor};
 
 /// Element counts of the parameters, in registration order.
 const NUMELS: [usize; 7] = [300, 10, 200, 200, 50, 400, 20];

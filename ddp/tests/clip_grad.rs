@@ -1,5 +1,5 @@
 //! Global gradient-norm clipping under data parallelism, with plain DDP
-//! (`layers::clip_grad_norm` on the averaged gradients) and with the distributed optimizer
+//! (`ferrotron_layers::clip_grad_norm` on the averaged gradients) and with the distributed optimizer
 //! (its `clip_grad_norm` on the reduced shards): at TP ∈ {1, 2, 4} × DP ∈ {1, 2} both
 //! report the serial model's norm and apply the serial model's clipped update. A NaN
 //! gradient on one rank is reported by every rank, every rank skips the step, and
@@ -10,14 +10,14 @@ mod support;
 use std::sync::Arc;
 
 use anyhow::Result;
-use ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
-use layers::{
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
+use ferrotron_layers::{
     BlockConfig, GradNorm, MasterInit, Module, RngTracker, Sharding, TensorParallel,
     TransformerBlock,
 };
-use parallel_state::{ParallelState, RankLayout};
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_tape::{Generator, Optimizer, Sgd, SgdConfig, Tape, Tensor};
 use support::{max_relative_error, tp_block, BLOCK_HIDDEN as HIDDEN};
-use tape::{Generator, Optimizer, Sgd, SgdConfig, Tape, Tensor};
 
 const SEQ: usize = 4;
 /// Rows of the global batch.
@@ -57,70 +57,73 @@ fn train(
     let mut rng = Generator::new(11);
     let x = Tensor::randn(&[SEQ, ROWS, HIDDEN], 1.0, &mut rng);
     let weights = Tensor::randn(&[SEQ, ROWS, HIDDEN], 1.0, &mut rng);
-    Ok(comm_core::run_local(tp * dp, |comm| -> Result<RankRun> {
-        let state = ParallelState::new(Arc::new(comm), layout.clone())?;
-        let (tp, model) = tp_block(&state, tp > 1)?;
-        let ddp_config = DdpConfig {
-            use_distributed_optimizer: zero,
-            // Several buckets, so that the norm sums shards of more than one.
-            bucket_cap_bytes: 4 * 1024,
-            ..DdpConfig::default()
-        };
-        let ddp = DistributedDataParallel::for_model(&model, &state, ddp_config)?;
-        let mut zero_opt = zero
-            .then(|| DistributedOptimizer::sgd([&ddp], SGD))
-            .transpose()?;
-        let mut plain_opt = Sgd::new(ddp.parameters().to_vec(), SGD);
-        let sharded = model.parameters();
-        let before = snapshot(&sharded)?;
-        let rows = ROWS / dp;
-        let seq = SEQ / tp.size();
-        let part = |t: &Tensor| -> tape::Result<Tensor> {
-            t.narrow(1, state.dp_rank() * rows, rows)?
-                .narrow(0, tp.rank() * seq, seq)
-        };
-        let mut norms = Vec::new();
-        for (step, poison) in poisoned.iter().enumerate() {
-            let mut input = part(&x)?.to_vec()?;
-            if *poison == Some(state.dp_rank()) {
-                input[step] = f32::NAN;
-            }
-            let input = Tensor::from_vec(input, &[seq, rows, HIDDEN])?;
-            let tape = Tape::new();
-            let out = model.forward(&tape, &input, &mut RngTracker::new(5, tp.rank()))?;
-            // The mean over this rank's rows: DDP's average of the ranks' means is the
-            // mean over the global batch, the serial model's loss.
-            let loss = out.mul(&part(&weights)?)?.sum()?.scale(1.0 / rows as f64)?;
-            plain_opt.zero_grad();
-            ddp.backward(&loss)?;
-            let norm = match &mut zero_opt {
-                Some(opt) => opt.clip_grad_norm(&sharded, &tp, &[], max_norm)?,
-                None => layers::clip_grad_norm(&sharded, &tp, &[], max_norm)?,
+    Ok(ferrotron_comm_core::run_local(
+        tp * dp,
+        |comm| -> Result<RankRun> {
+            let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+            let (tp, model) = tp_block(&state, tp > 1)?;
+            let ddp_config = DdpConfig {
+                use_distributed_optimizer: zero,
+                // Several buckets, so that the norm sums shards of more than one.
+                bucket_cap_bytes: 4 * 1024,
+                ..DdpConfig::default()
             };
-            if norm.is_finite() {
-                match &mut zero_opt {
-                    Some(opt) => opt.step()?,
-                    None => plain_opt.step()?,
+            let ddp = DistributedDataParallel::for_model(&model, &state, ddp_config)?;
+            let mut zero_opt = zero
+                .then(|| DistributedOptimizer::sgd([&ddp], SGD))
+                .transpose()?;
+            let mut plain_opt = Sgd::new(ddp.parameters().to_vec(), SGD);
+            let sharded = model.parameters();
+            let before = snapshot(&sharded)?;
+            let rows = ROWS / dp;
+            let seq = SEQ / tp.size();
+            let part = |t: &Tensor| -> ferrotron_tape::Result<Tensor> {
+                t.narrow(1, state.dp_rank() * rows, rows)?
+                    .narrow(0, tp.rank() * seq, seq)
+            };
+            let mut norms = Vec::new();
+            for (step, poison) in poisoned.iter().enumerate() {
+                let mut input = part(&x)?.to_vec()?;
+                if *poison == Some(state.dp_rank()) {
+                    input[step] = f32::NAN;
                 }
-            } else if let Some(opt) = &mut zero_opt {
-                let err = opt.step().unwrap_err().to_string();
-                assert!(err.contains("dropped"), "{err}");
+                let input = Tensor::from_vec(input, &[seq, rows, HIDDEN])?;
+                let tape = Tape::new();
+                let out = model.forward(&tape, &input, &mut RngTracker::new(5, tp.rank()))?;
+                // The mean over this rank's rows: DDP's average of the ranks' means is the
+                // mean over the global batch, the serial model's loss.
+                let loss = out.mul(&part(&weights)?)?.sum()?.scale(1.0 / rows as f64)?;
+                plain_opt.zero_grad();
+                ddp.backward(&loss)?;
+                let norm = match &mut zero_opt {
+                    Some(opt) => opt.clip_grad_norm(&sharded, &tp, &[], max_norm)?,
+                    None => ferrotron_layers::clip_grad_norm(&sharded, &tp, &[], max_norm)?,
+                };
+                if norm.is_finite() {
+                    match &mut zero_opt {
+                        Some(opt) => opt.step()?,
+                        None => plain_opt.step()?,
+                    }
+                } else if let Some(opt) = &mut zero_opt {
+                    let err = opt.step().unwrap_err().to_string();
+                    assert!(err.contains("dropped"), "{err}");
+                }
+                norms.push(norm);
             }
-            norms.push(norm);
-        }
-        Ok(RankRun {
-            tp_rank: tp.rank(),
-            dp_rank: state.dp_rank(),
-            norms,
-            shardings: sharded.iter().map(|s| s.sharding).collect(),
-            before,
-            after: snapshot(&sharded)?,
-        })
-    })?)
+            Ok(RankRun {
+                tp_rank: tp.rank(),
+                dp_rank: state.dp_rank(),
+                norms,
+                shardings: sharded.iter().map(|s| s.sharding).collect(),
+                before,
+                after: snapshot(&sharded)?,
+            })
+        },
+    )?)
 }
 
 /// Copies of the parameters' values (optimizers may update them in place).
-fn snapshot(params: &[layers::ShardedParameter]) -> tape::Result<Vec<Tensor>> {
+fn snapshot(params: &[ferrotron_layers::ShardedParameter]) -> ferrotron_tape::Result<Vec<Tensor>> {
     params
         .iter()
         .map(|s| {
@@ -238,7 +241,7 @@ fn two_chunks(zero: bool) -> Result<Vec<(GradNorm, Vec<Vec<f32>>)>> {
     let mut rng = Generator::new(12);
     let x = Tensor::randn(&[SEQ, ROWS, HIDDEN], 1.0, &mut rng);
     let weights = Tensor::randn(&[SEQ, ROWS, HIDDEN], 1.0, &mut rng);
-    Ok(comm_core::run_local(2, |comm| -> Result<_> {
+    Ok(ferrotron_comm_core::run_local(2, |comm| -> Result<_> {
         let state = ParallelState::new(Arc::new(comm), layout.clone())?;
         let (tp, first) = tp_block(&state, false)?;
         let (_, second) = tp_block(&state, false)?;
@@ -257,8 +260,9 @@ fn two_chunks(zero: bool) -> Result<Vec<(GradNorm, Vec<Vec<f32>>)>> {
             .transpose()?;
         if let Some(opt) = &zero_opt {
             // The chunks' parameters, in the order the DDPs were given.
-            let ids =
-                |params: &[tape::Parameter]| params.iter().map(|p| p.id()).collect::<Vec<_>>();
+            let ids = |params: &[ferrotron_tape::Parameter]| {
+                params.iter().map(|p| p.id()).collect::<Vec<_>>()
+            };
             let chunks: Vec<_> = model.iter().map(|s| s.param.clone()).collect();
             anyhow::ensure!(ids(Optimizer::params(opt)) == ids(&chunks));
         }
@@ -284,7 +288,7 @@ fn two_chunks(zero: bool) -> Result<Vec<(GradNorm, Vec<Vec<f32>>)>> {
                     norm
                 }
                 None => {
-                    let norm = layers::clip_grad_norm(&model, &tp, &[], 1.0)?;
+                    let norm = ferrotron_layers::clip_grad_norm(&model, &tp, &[], 1.0)?;
                     plain_opt.step()?;
                     norm
                 }
@@ -293,7 +297,7 @@ fn two_chunks(zero: bool) -> Result<Vec<(GradNorm, Vec<Vec<f32>>)>> {
         let values = model.iter().map(|s| s.param.value().to_vec());
         Ok((
             norm.expect("two steps"),
-            values.collect::<tape::Result<_>>()?,
+            values.collect::<ferrotron_tape::Result<_>>()?,
         ))
     })?)
 }
@@ -323,7 +327,7 @@ fn a_clip_scales_only_the_gradients_it_measured() -> Result<()> {
         let layout = RankLayout::builder(2).build()?;
         let mut rng = Generator::new(13);
         let x = Tensor::randn(&[SEQ, ROWS, HIDDEN], 1.0, &mut rng);
-        Ok(comm_core::run_local(2, |comm| -> Result<_> {
+        Ok(ferrotron_comm_core::run_local(2, |comm| -> Result<_> {
             let state = ParallelState::new(Arc::new(comm), layout.clone())?;
             let (tp, model) = tp_block(&state, false)?;
             let config = DdpConfig {
@@ -349,7 +353,7 @@ fn a_clip_scales_only_the_gradients_it_measured() -> Result<()> {
             Ok(snapshot(&model.parameters())?
                 .iter()
                 .map(|t| t.to_vec())
-                .collect::<tape::Result<_>>()?)
+                .collect::<ferrotron_tape::Result<_>>()?)
         })?)
     };
     assert_eq!(run(true)?, run(false)?);
@@ -358,7 +362,7 @@ fn a_clip_scales_only_the_gradients_it_measured() -> Result<()> {
 
 #[test]
 fn the_distributed_optimizer_refuses_a_parameter_it_does_not_hold() -> Result<()> {
-    comm_core::run_local(1, |comm| -> Result<()> {
+    ferrotron_comm_core::run_local(1, |comm| -> Result<()> {
         let layout = RankLayout::builder(1).build()?;
         let state = ParallelState::new(Arc::new(comm), layout)?;
         let tp = TensorParallel::from_state(&state);

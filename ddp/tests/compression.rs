@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::{run_local, Communicator};
-use ddp::{CompressedAllReduce, DdpConfig, DistributedDataParallel};
-use tape::{Generator, Parameter, Tape, Tensor};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_ddp::{CompressedAllReduce, DdpConfig, DistributedDataParallel};
+use ferrotron_tape::{Generator, Parameter, Tape, Tensor};
 
 const RANKS: usize = 4;
 const LEN: usize = 1000;

@@ -2,10 +2,10 @@
 //! further collectives on parts of it, whose results become the gradients.
 
 use anyhow::Result;
-use comm_core::{run_local, AsyncOp, Buffer, Communicator, ReduceOp, Work};
-use ddp::{CommHook, DdpConfig, DistributedDataParallel, ReducedBucket};
+use ferrotron_comm_core::{run_local, AsyncOp, Buffer, Communicator, ReduceOp, Work};
+use ferrotron_ddp::{CommHook, DdpConfig, DistributedDataParallel, ReducedBucket};
+use ferrotron_tape::{Parameter, Tape, Tensor};
 use std::sync::Arc;
-use tape::{Parameter, Tape, Tensor};
 
 const RANKS: usize = 3;
 const LEN: usize = 8;
@@ -21,14 +21,14 @@ impl CommHook for SumFirstHalf {
         "sum-first-half"
     }
 
-    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work> {
+    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> ferrotron_comm_core::Result<Work> {
         dp.start(AsyncOp::AllReduce {
             buf: bucket,
             op: ReduceOp::Avg,
         })
     }
 
-    fn after_reduce(&self, bucket: &mut ReducedBucket<'_>) -> ddp::Result<()> {
+    fn after_reduce(&self, bucket: &mut ReducedBucket<'_>) -> ferrotron_ddp::Result<()> {
         let half = bucket.params()[0].range().len() / 2;
         bucket.all_reduce_range(self.group.as_ref(), 0..half, ReduceOp::Sum)
     }

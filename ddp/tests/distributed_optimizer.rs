@@ -13,19 +13,19 @@ mod support;
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::{run_local, Buffer, Communicator, Work};
-use ddp::{
+use ferrotron_comm_core::{run_local, Buffer, Communicator, Work};
+use ferrotron_ddp::{
     CommHook, CompressedAllReduce, DdpConfig, DistributedDataParallel, DistributedOptimizer,
 };
-use layers::RngTracker;
-use parallel_state::{ParallelState, RankLayout};
-use support::{
-    global_batch, loss, max_relative_error, slice, tp_block, values, BLOCK_HIDDEN, INPUTS, OUTPUTS,
-};
-use tape::{
+use ferrotron_layers::RngTracker;
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_tape::{
     transfers, AdamW, AdamWConfig, DType, Device, Generator, LrDecay, LrSchedule, MixedPrecision,
     Optimizer, OptimizerState, ParamOptions, Parameter, Sgd, SgdConfig, Tape, Tensor, Transfers,
     MASTER_BUFFER,
+};
+use support::{
+    global_batch, loss, max_relative_error, slice, tp_block, values, BLOCK_HIDDEN, INPUTS, OUTPUTS,
 };
 
 const STEPS: usize = 5;
@@ -100,7 +100,10 @@ fn replicated(rule: Rule, params: Vec<Parameter>) -> Box<dyn Optimizer> {
     }
 }
 
-fn sharded(rule: Rule, ddp: &DistributedDataParallel) -> ddp::Result<DistributedOptimizer> {
+fn sharded(
+    rule: Rule,
+    ddp: &DistributedDataParallel,
+) -> ferrotron_ddp::Result<DistributedOptimizer> {
     Ok(match rule {
         Rule::AdamW => DistributedOptimizer::adamw([ddp], ADAMW)?,
         Rule::Sgd => DistributedOptimizer::sgd([ddp], SGD)?,
@@ -416,10 +419,11 @@ fn the_state_is_the_replicated_optimizers_and_every_rank_holds_its_share() -> Re
         assert_eq!(got.steps, want.steps);
         for (index, (got, want)) in got.params.iter().zip(&want.params).enumerate() {
             assert_eq!(got.steps, want.steps, "{rule:?} parameter {index}");
-            let names =
-                |p: &tape::ParamState| p.buffers.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+            let names = |p: &ferrotron_tape::ParamState| {
+                p.buffers.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>()
+            };
             assert_eq!(names(got), names(want), "{rule:?} parameter {index}");
-            let buffers = |p: &tape::ParamState| -> Vec<Vec<f32>> {
+            let buffers = |p: &ferrotron_tape::ParamState| -> Vec<Vec<f32>> {
                 p.buffers.iter().map(|(_, b)| b.to_vec().unwrap()).collect()
             };
             let error = max_relative_error(&buffers(got), &buffers(want));
@@ -524,7 +528,7 @@ fn block_parameters(dp: usize, rule: Rule, zero: bool) -> Result<Vec<Vec<Vec<f32
             (Rule::Sgd, false) => Box::new(Sgd::new(params.clone(), sgd)),
         };
         let seq = SEQ / 2;
-        let part = |t: &Tensor| -> tape::Result<Tensor> {
+        let part = |t: &Tensor| -> ferrotron_tape::Result<Tensor> {
             t.narrow(1, state.dp_rank() * BATCH, BATCH)?
                 .narrow(0, state.tp_rank() * seq, seq)
         };
@@ -566,8 +570,8 @@ impl CommHook for Doubling {
         "doubling"
     }
 
-    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work> {
-        ddp::AllReduceAvg.start(dp, bucket)
+    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> ferrotron_comm_core::Result<Work> {
+        ferrotron_ddp::AllReduceAvg.start(dp, bucket)
     }
 }
 

@@ -6,7 +6,7 @@ mod support;
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::run_local;
+use ferrotron_comm_core::run_local;
 use support::{max_relative_error, small_buckets, train_ddp, train_single, Opt};
 
 const ROWS: usize = 4;
@@ -57,7 +57,7 @@ fn default_buckets_give_the_same_result() -> Result<()> {
             Opt::AdamW,
             ROWS,
             STEPS,
-            ddp::DdpConfig::default(),
+            ferrotron_ddp::DdpConfig::default(),
         )
     })?;
     assert!(max_relative_error(&per_rank[1], &expected) <= 1e-5);

@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::run_local;
-use ddp::{CommHook, DdpConfig, DistributedDataParallel, Error};
-use tape::{Parameter, Tape, Tensor};
+use ferrotron_comm_core::run_local;
+use ferrotron_ddp::{CommHook, DdpConfig, DistributedDataParallel, Error};
+use ferrotron_tape::{Parameter, Tape, Tensor};
 
 #[test]
 fn a_second_backward_without_finish_is_reported_and_recovers() -> Result<()> {
@@ -36,7 +36,7 @@ fn a_second_backward_without_finish_is_reported_and_recovers() -> Result<()> {
 #[test]
 fn duplicate_parameters_and_zero_caps_are_rejected() -> Result<()> {
     run_local(1, |comm| -> Result<()> {
-        let comm: Arc<dyn comm_core::Communicator> = Arc::new(comm);
+        let comm: Arc<dyn ferrotron_comm_core::Communicator> = Arc::new(comm);
         let w = Parameter::new("w", Tensor::ones(&[2]));
         let err = DistributedDataParallel::new(
             vec![w.clone(), w.clone()],
@@ -74,15 +74,15 @@ impl CommHook for IntegerHook {
     fn name(&self) -> &str {
         "integer"
     }
-    fn wire_dtype(&self) -> comm_core::DType {
-        comm_core::DType::I32
+    fn wire_dtype(&self) -> ferrotron_comm_core::DType {
+        ferrotron_comm_core::DType::I32
     }
     fn start(
         &self,
-        dp: &dyn comm_core::Communicator,
-        bucket: comm_core::Buffer,
-    ) -> comm_core::Result<comm_core::Work> {
-        ddp::AllReduceAvg.start(dp, bucket)
+        dp: &dyn ferrotron_comm_core::Communicator,
+        bucket: ferrotron_comm_core::Buffer,
+    ) -> ferrotron_comm_core::Result<ferrotron_comm_core::Work> {
+        ferrotron_ddp::AllReduceAvg.start(dp, bucket)
     }
 }
 
@@ -103,10 +103,10 @@ fn a_hook_with_a_non_float_wire_dtype_is_rejected() -> Result<()> {
 
 #[test]
 fn a_lost_peer_fails_the_step_instead_of_hanging() -> Result<()> {
-    let outcomes = comm_core::LocalLauncher::new(2)?
+    let outcomes = ferrotron_comm_core::LocalLauncher::new(2)?
         .timeout(std::time::Duration::from_secs(20))
         .run_each(|comm| -> Result<()> {
-            let rank = comm_core::Communicator::rank(&comm);
+            let rank = ferrotron_comm_core::Communicator::rank(&comm);
             let w = Parameter::new("w", Tensor::ones(&[2]));
             let ddp = DistributedDataParallel::new(
                 vec![w.clone()],
@@ -126,7 +126,8 @@ fn a_lost_peer_fails_the_step_instead_of_hanging() -> Result<()> {
     assert!(
         matches!(
             rank0.root_cause(),
-            comm_core::Error::RankFailed { .. } | comm_core::Error::PeerLost { .. }
+            ferrotron_comm_core::Error::RankFailed { .. }
+                | ferrotron_comm_core::Error::PeerLost { .. }
         ),
         "{rank0}"
     );

@@ -4,13 +4,13 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::{run_local, Communicator, LocalLauncher};
-use ddp::{DdpConfig, DistributedDataParallel, Error, ShapeMismatch};
-use tape::{Parameter, Tensor};
+use ferrotron_comm_core::{run_local, Communicator, LocalLauncher};
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel, Error, ShapeMismatch};
+use ferrotron_tape::{Parameter, Tensor};
 
 #[test]
 fn shape_mismatches_are_listed_per_rank_on_every_rank() -> Result<()> {
-    let outcomes = LocalLauncher::new(3)?.run_each(|comm| -> ddp::Result<()> {
+    let outcomes = LocalLauncher::new(3)?.run_each(|comm| -> ferrotron_ddp::Result<()> {
         let mut params = vec![
             Parameter::new(
                 "w",
@@ -25,7 +25,7 @@ fn shape_mismatches_are_listed_per_rank_on_every_rank() -> Result<()> {
     });
     for outcome in outcomes {
         let (_, error) = outcome.expect_err("every rank fails");
-        let comm_core::Error::RankFailed { source, .. } = error else {
+        let ferrotron_comm_core::Error::RankFailed { source, .. } = error else {
             panic!("expected RankFailed, got {error}");
         };
         let message = source.to_string();
@@ -81,7 +81,7 @@ fn parameters_start_from_dp_rank_0() -> Result<()> {
         Ok(params
             .iter()
             .map(|p| p.value().to_vec())
-            .collect::<tape::Result<_>>()?)
+            .collect::<ferrotron_tape::Result<_>>()?)
     })?;
     assert_eq!(values, vec![vec![vec![0.0; 4], vec![10.0; 3]]; 4]);
     Ok(())

@@ -9,14 +9,16 @@ mod support;
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::{run_local, Communicator};
-use ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
-use layers::{GradScaler, GradScalerConfig, Module, RngTracker, ShardedParameter, Sharding};
-use parallel_state::{ParallelState, RankLayout};
-use support::{tp_block, values, BLOCK_HIDDEN};
-use tape::{
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
+use ferrotron_layers::{
+    GradScaler, GradScalerConfig, Module, RngTracker, ShardedParameter, Sharding,
+};
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_tape::{
     AdamW, AdamWConfig, DType, Generator, MixedPrecision, Optimizer, Parameter, Tape, Tensor,
 };
+use support::{tp_block, values, BLOCK_HIDDEN};
 
 const STEPS: usize = 3;
 const SEQ: usize = 4;
@@ -93,7 +95,7 @@ fn train(zero: bool, scaled: bool) -> Result<Vec<RankRun>> {
             growth_interval: 2,
             ..GradScalerConfig::default()
         })?;
-        let part = |t: &Tensor| -> tape::Result<Tensor> {
+        let part = |t: &Tensor| -> ferrotron_tape::Result<Tensor> {
             t.narrow(1, state.dp_rank() * BATCH, BATCH)?.narrow(
                 0,
                 state.tp_rank() * SEQ / 2,
@@ -141,7 +143,7 @@ fn train(zero: bool, scaled: bool) -> Result<Vec<RankRun>> {
                 // left on them would show.
                 match &mut masters {
                     Masters::Replicated(adamw) => {
-                        layers::clip_grad_norm(&scaled_params, &tp, &[], MAX_NORM)?;
+                        ferrotron_layers::clip_grad_norm(&scaled_params, &tp, &[], MAX_NORM)?;
                         adamw.step()?
                     }
                     Masters::Sharded(adamw) => {

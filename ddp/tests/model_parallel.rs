@@ -12,14 +12,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::{run_local, Communicator};
-use ddp::{DdpConfig, DistributedDataParallel, NamedGroupReduction};
-use layers::{
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel, NamedGroupReduction};
+use ferrotron_layers::{
     part_of, BlockConfig, MasterInit, Module, RngTracker, Sharding, TensorParallel,
     TransformerBlock,
 };
-use parallel_state::{ParallelState, RankLayout};
-use tape::{Generator, Parameter, Tape, Tensor};
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_tape::{Generator, Parameter, Tape, Tensor};
 
 const TP: usize = 3;
 const DP: usize = 2;
@@ -38,7 +38,7 @@ fn block_config() -> BlockConfig {
     }
 }
 
-fn block(tp: &TensorParallel) -> layers::Result<TransformerBlock> {
+fn block(tp: &TensorParallel) -> ferrotron_layers::Result<TransformerBlock> {
     TransformerBlock::new(tp, "block", &block_config(), &MasterInit::new(7, 0.3))
 }
 
@@ -113,7 +113,8 @@ struct RankGrads {
 
 /// Runs one TP × DP backward step; `wrap` builds DDP over the rank's model.
 fn parallel_grads(
-    wrap: impl Fn(&TransformerBlock, &ParallelState) -> ddp::Result<DistributedDataParallel> + Sync,
+    wrap: impl Fn(&TransformerBlock, &ParallelState) -> ferrotron_ddp::Result<DistributedDataParallel>
+        + Sync,
 ) -> Result<Vec<RankGrads>> {
     let layout = RankLayout::builder(TP * DP).tp(TP).build()?;
     let (x, weights) = data();
@@ -124,7 +125,7 @@ fn parallel_grads(
         let model = block(&tp)?;
         let ddp = wrap(&model, &state)?;
         let (seq_start, seq_len) = part_of(SEQ, tp_rank, TP)?;
-        let part = |t: &Tensor| -> tape::Result<Tensor> {
+        let part = |t: &Tensor| -> ferrotron_tape::Result<Tensor> {
             t.narrow(1, dp_rank * BATCH, BATCH)?
                 .narrow(0, seq_start, seq_len)
         };

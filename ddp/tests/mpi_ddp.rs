@@ -2,7 +2,7 @@
 //! parameters as the single-rank large-batch run, which every rank computes locally.
 //!
 //! ```text
-//! cargo test -p ddp --features mpi --test mpi_ddp --no-run
+//! cargo test -p ferrotron-ddp --features mpi --test mpi_ddp --no-run
 //! mpirun -n 4 target/debug/deps/mpi_ddp-<hash>
 //! ```
 //! Rank 0 prints `N passed, M failed`; the exit status is non-zero on any failure.
@@ -12,9 +12,9 @@ mod support;
 use std::sync::Arc;
 
 use anyhow::ensure;
-use comm_core::mpi::MpiWorld;
-use comm_core::Communicator;
-use ddp::DdpConfig;
+use ferrotron_comm_core::mpi::MpiWorld;
+use ferrotron_comm_core::Communicator;
+use ferrotron_ddp::DdpConfig;
 use support::{max_relative_error, small_buckets, train_ddp, train_single, Opt};
 
 const ROWS: usize = 4;

@@ -4,10 +4,12 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::run_local;
-use ddp::{CompressedAllReduce, DdpConfig, DistributedDataParallel, Error, NamedGroupReduction};
-use parallel_state::{ParallelState, RankLayout};
-use tape::{Parameter, Tape, Tensor};
+use ferrotron_comm_core::run_local;
+use ferrotron_ddp::{
+    CompressedAllReduce, DdpConfig, DistributedDataParallel, Error, NamedGroupReduction,
+};
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_tape::{Parameter, Tape, Tensor};
 
 /// TP = 2 × DP = 2 on 4 ranks: TP groups {0,1} {2,3}, DP groups {0,2} {1,3}.
 /// Parameters (registration order) `a` (marked "tp"), `b` (unmarked), `c` (marked "tp"),
@@ -53,7 +55,7 @@ fn tp_marked_gradients_are_dp_averaged_then_tp_summed() -> Result<()> {
         Ok(params
             .iter()
             .map(|p| p.grad().map(|g| g.to_vec()).transpose())
-            .collect::<tape::Result<Option<Vec<_>>>>()?
+            .collect::<ferrotron_tape::Result<Option<Vec<_>>>>()?
             .unwrap_or_default())
     })?;
     // DP averages: ranks 0 and 2 → (1 + 3)/2 = 2; ranks 1 and 3 → (2 + 4)/2 = 3.
@@ -238,7 +240,7 @@ fn marked_parameters_without_gradients_take_part_as_zeros() -> Result<()> {
         Ok(params
             .iter()
             .map(|p| p.grad().map(|g| g.to_vec()).transpose())
-            .collect::<tape::Result<_>>()?)
+            .collect::<ferrotron_tape::Result<_>>()?)
     })?;
     for g in &grads {
         assert_eq!(g[0], Some(vec![2.0; 2]));

@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
-use comm_core::{run_local, Buffer, Communicator, Work};
-use ddp::{AllReduceAvg, CommHook, DdpConfig, DistributedDataParallel, SyncProgress};
-use tape::{CustomOp, Parameter, Tape, Tensor};
+use ferrotron_comm_core::{run_local, Buffer, Communicator, Work};
+use ferrotron_ddp::{AllReduceAvg, CommHook, DdpConfig, DistributedDataParallel, SyncProgress};
+use ferrotron_tape::{CustomOp, Parameter, Tape, Tensor};
 
 /// Identity op whose backward records how many buckets had started by then.
 struct Probe {
@@ -19,10 +19,18 @@ impl CustomOp<f32> for Probe {
     fn name(&self) -> &str {
         "probe"
     }
-    fn forward(&self, inputs: &[Tensor], _saved: &mut Vec<Tensor>) -> tape::Result<Tensor> {
+    fn forward(
+        &self,
+        inputs: &[Tensor],
+        _saved: &mut Vec<Tensor>,
+    ) -> ferrotron_tape::Result<Tensor> {
         Ok(inputs[0].clone())
     }
-    fn backward(&self, grad: &Tensor, _saved: &[Tensor]) -> tape::Result<Vec<Option<Tensor>>> {
+    fn backward(
+        &self,
+        grad: &Tensor,
+        _saved: &[Tensor],
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor>>> {
         self.seen
             .store(self.progress.buckets_started(), Ordering::SeqCst);
         Ok(vec![Some(grad.clone())])
@@ -149,7 +157,7 @@ impl CommHook for ProgressLoggingHook {
     fn name(&self) -> &str {
         "progress-logging"
     }
-    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> comm_core::Result<Work> {
+    fn start(&self, dp: &dyn Communicator, bucket: Buffer) -> ferrotron_comm_core::Result<Work> {
         if let Some(progress) = self.progress.lock().expect("slot").as_ref() {
             self.seen
                 .lock()

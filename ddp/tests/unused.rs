@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::{run_local, Communicator};
-use ddp::{DdpConfig, DistributedDataParallel, Error};
-use tape::{Parameter, Tape, Tensor};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel, Error};
+use ferrotron_tape::{Parameter, Tape, Tensor};
 
 /// `used` on every rank, `rank0_only` on rank 0, `never` on no rank; one bucket each, with
 /// `never` and `rank0_only` launching first.
@@ -44,7 +44,7 @@ fn unused_parameters_are_zeros_with_the_flag() -> Result<()> {
         Ok(params
             .iter()
             .map(|p| p.grad().map(|g| g.to_vec()).transpose())
-            .collect::<tape::Result<_>>()?)
+            .collect::<ferrotron_tape::Result<_>>()?)
     })?;
     for per_param in &grads {
         assert_eq!(per_param[0], Some(vec![1.5; 3]), "(1 + 2) / 2");
@@ -86,7 +86,7 @@ fn without_the_flag_an_error_names_the_parameters_and_the_next_step_works() -> R
         let full = params
             .iter()
             .map(|p| tape.watch(p).sum())
-            .collect::<tape::Result<Vec<_>>>()?;
+            .collect::<ferrotron_tape::Result<Vec<_>>>()?;
         let loss = full[0].add(&full[1])?.add(&full[2])?;
         ddp.backward(&loss)?;
         for p in &params {

@@ -72,7 +72,7 @@ fn with_counts<R>(device: Device, f: impl FnOnce(&mut Counts) -> R) -> R {
 /// Subtract two readings to measure a step.
 ///
 /// ```
-/// use device::{transfers, Device, Stream};
+/// use ferrotron_device::{transfers, Device, Stream};
 ///
 /// let stream = Stream::new(Device::Emulated)?;
 /// let before = transfers(Device::Emulated);
@@ -81,7 +81,7 @@ fn with_counts<R>(device: Device, f: impl FnOnce(&mut Counts) -> R) -> R {
 /// unsafe { stream.upload(memory.ptr(), &[0u8; 16])? };
 /// let moved = transfers(Device::Emulated) - before;
 /// assert_eq!((moved.to_device_copies, moved.to_device_bytes), (1, 16));
-/// # Ok::<(), device::Error>(())
+/// # Ok::<(), ferrotron_device::Error>(())
 /// ```
 pub fn transfers(device: Device) -> Transfers {
     with_counts(device, |counts| counts.transfers)

@@ -246,7 +246,7 @@ fn delay(state: &mut u64) {
     *state ^= *state << 13;
     *state ^= *state >> 7;
     *state ^= *state << 17;
-    if *state % 4 == 0 {
+    if (*state).is_multiple_of(4) {
         std::thread::sleep(Duration::from_micros((*state >> 8) % 200));
     }
 }

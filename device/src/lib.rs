@@ -17,7 +17,7 @@
 //!   NVRTC's cache.
 //!
 //! ```
-//! use device::{host_waits, Device, Stream};
+//! use ferrotron_device::{host_waits, Device, Stream};
 //!
 //! // Two streams of one device: the second waits, on the device, for the first's copy.
 //! let (first, second) = (Stream::new(Device::Emulated)?, Stream::new(Device::Emulated)?);
@@ -29,9 +29,14 @@
 //! let waits = host_waits(Device::Emulated);
 //! second.synchronize()?; // ...but here it does, and it is counted
 //! assert_eq!(host_waits(Device::Emulated), waits + 1);
-//! # Ok::<(), device::Error>(())
+//! # Ok::<(), ferrotron_device::Error>(())
 //! ```
 #![warn(missing_docs)]
+
+// The README's example runs as a doctest, so the package's front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod checker;
 mod counters;

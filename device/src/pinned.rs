@@ -21,7 +21,7 @@ use crate::Device;
 /// stream's worker copies from and into in the stream's order.
 ///
 /// ```
-/// use device::{host_waits, Device, PinnedMemory, Stream};
+/// use ferrotron_device::{host_waits, Device, PinnedMemory, Stream};
 ///
 /// let stream = Stream::new(Device::Emulated)?;
 /// let memory = stream.alloc(4)?;
@@ -31,7 +31,7 @@ use crate::Device;
 /// // SAFETY: the allocation holds 4 bytes.
 /// unsafe { stream.upload_pinned(memory.ptr(), &staging, 4)? }; // queued; no host wait
 /// assert_eq!(host_waits(Device::Emulated), waits);
-/// # Ok::<(), device::Error>(())
+/// # Ok::<(), ferrotron_device::Error>(())
 /// ```
 pub struct PinnedMemory {
     ptr: *mut u8,

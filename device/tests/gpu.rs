@@ -2,7 +2,7 @@
 //! copies both ways, a kernel compiled by NVRTC and launched, and the counters. Runs where
 //! `cuda:0` exists and the crate has its `cuda` feature; elsewhere it prints `skipped: …`.
 
-use device::{host_waits, transfers, Device, Stream};
+use ferrotron_device::{host_waits, transfers, Device, Stream};
 
 /// `cuda:0`'s stream, or why there is none.
 fn gpu_stream() -> Result<Stream, String> {
@@ -30,7 +30,7 @@ fn bytes(values: &[f32]) -> Vec<u8> {
 }
 
 #[test]
-fn streams_events_memory_and_copies_on_cuda() -> device::Result<()> {
+fn streams_events_memory_and_copies_on_cuda() -> ferrotron_device::Result<()> {
     let first = gpu_or_skip!();
     let second = Stream::new(Device::Cuda(0))?;
     assert!(!first.same_as(&second));
@@ -61,7 +61,7 @@ fn streams_events_memory_and_copies_on_cuda() -> device::Result<()> {
 }
 
 #[test]
-fn a_kernel_compiled_by_nvrtc_runs_on_its_stream() -> device::Result<()> {
+fn a_kernel_compiled_by_nvrtc_runs_on_its_stream() -> ferrotron_device::Result<()> {
     let stream = gpu_or_skip!();
     #[cfg(feature = "cuda")]
     {
@@ -74,7 +74,7 @@ fn a_kernel_compiled_by_nvrtc_runs_on_its_stream() -> device::Result<()> {
              }\n"
             .to_string()
         };
-        let module = device::Module::cuda(0, "device-test-scale-add", source, None)?;
+        let module = ferrotron_device::Module::cuda(0, "device-test-scale-add", source, None)?;
         assert_eq!(module.device(), Device::Cuda(0));
         let function = module.function("scale_add")?;
         // More items than 65,535 blocks of 256 cover, so the kernel's stride loop is used.
@@ -98,15 +98,15 @@ fn a_kernel_compiled_by_nvrtc_runs_on_its_stream() -> device::Result<()> {
 }
 
 #[test]
-fn pinned_copies_are_queued_and_waited_for_when_read() -> device::Result<()> {
+fn pinned_copies_are_queued_and_waited_for_when_read() -> ferrotron_device::Result<()> {
     let stream = gpu_or_skip!();
     let n = 1 << 24;
     let memory = stream.alloc(n)?;
-    let mut outgoing = device::PinnedMemory::new(Device::Cuda(0), n)?;
+    let mut outgoing = ferrotron_device::PinnedMemory::new(Device::Cuda(0), n)?;
     for (i, byte) in outgoing.as_mut_slice()?.iter_mut().enumerate() {
         *byte = (i % 251) as u8;
     }
-    let mut incoming = device::PinnedMemory::new(Device::Cuda(0), n)?;
+    let mut incoming = ferrotron_device::PinnedMemory::new(Device::Cuda(0), n)?;
     let waits = host_waits(Device::Cuda(0));
     // SAFETY: the allocation holds n bytes.
     unsafe {
@@ -123,7 +123,7 @@ fn pinned_copies_are_queued_and_waited_for_when_read() -> device::Result<()> {
 }
 
 #[test]
-fn staged_uploads_queue_without_host_waits() -> device::Result<()> {
+fn staged_uploads_queue_without_host_waits() -> ferrotron_device::Result<()> {
     let stream = gpu_or_skip!();
     let memory = stream.alloc(1 << 20)?;
     let waits = host_waits(Device::Cuda(0));

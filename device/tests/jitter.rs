@@ -3,12 +3,12 @@
 //! not a seed is refused when a stream is made. One test in this binary, as it sets the
 //! process's environment.
 
-use device::{Access, Device, Error, Stream};
+use ferrotron_device::{Access, Device, Error, Stream};
 
 const ROUNDS: usize = 200;
 
 #[test]
-fn jittered_streams_ordered_by_events_give_exact_results() -> device::Result<()> {
+fn jittered_streams_ordered_by_events_give_exact_results() -> ferrotron_device::Result<()> {
     std::env::set_var("FERROTRON_EMULATED_JITTER", "seven");
     let error = Stream::new(Device::Emulated).unwrap_err();
     assert!(

@@ -2,7 +2,7 @@
 
 use std::ffi::c_void;
 
-use device::{Access, Device, Function, KernelArg, Stream};
+use ferrotron_device::{Access, Device, Function, KernelArg, Stream};
 
 /// The argument block of `add_one`.
 #[repr(C)]
@@ -28,7 +28,7 @@ unsafe extern "C" fn add_one(args: *const c_void) {
 }
 
 #[test]
-fn a_host_build_runs_over_its_indices() -> device::Result<()> {
+fn a_host_build_runs_over_its_indices() -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let memory = stream.alloc(4 * 3)?;
     let values = [1.0f32, 2.0, 3.0];
@@ -51,7 +51,7 @@ fn a_host_build_runs_over_its_indices() -> device::Result<()> {
 }
 
 #[test]
-fn a_launch_of_the_wrong_shape_is_refused() -> device::Result<()> {
+fn a_launch_of_the_wrong_shape_is_refused() -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let function = Function::host("add_one", add_one);
     let (a, b) = (1u64, 2u64);

@@ -5,7 +5,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use device::{host_waits, transfers, Device, Stream};
+use ferrotron_device::{host_waits, transfers, Device, Stream};
 
 /// Counts what the host allocator hands out (emulated memory is host memory): per thread
 /// where tests running beside each other must not count each other's.
@@ -52,8 +52,8 @@ unsafe impl GlobalAlloc for Counting {
 static ALLOCATOR: Counting = Counting;
 
 #[test]
-fn an_allocation_is_returned_in_its_streams_order_when_its_memory_is_dropped() -> device::Result<()>
-{
+fn an_allocation_is_returned_in_its_streams_order_when_its_memory_is_dropped(
+) -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let large = || MARKED_LIVE.load(Ordering::SeqCst);
     let before = large();
@@ -82,7 +82,7 @@ fn an_allocation_is_returned_in_its_streams_order_when_its_memory_is_dropped() -
 }
 
 #[test]
-fn copies_in_both_directions_and_within_the_device() -> device::Result<()> {
+fn copies_in_both_directions_and_within_the_device() -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let (a, b) = (stream.alloc(8)?, stream.alloc(8)?);
     let data = [1u8, 2, 3, 4, 5, 6, 7, 8];
@@ -108,7 +108,7 @@ fn copies_in_both_directions_and_within_the_device() -> device::Result<()> {
 }
 
 #[test]
-fn an_allocation_of_zero_bytes_has_a_valid_address() -> device::Result<()> {
+fn an_allocation_of_zero_bytes_has_a_valid_address() -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let memory = stream.alloc(0)?;
     assert_ne!(memory.ptr(), 0);
@@ -119,8 +119,8 @@ fn an_allocation_of_zero_bytes_has_a_valid_address() -> device::Result<()> {
 /// Pinned copies are queued without a host wait and counted as transfers; the host waits
 /// (if at all) only when it reads the bytes; copies that do not fit are refused.
 #[test]
-fn pinned_copies_queue_without_host_waits() -> device::Result<()> {
-    use device::{host_waits, transfers, PinnedMemory};
+fn pinned_copies_queue_without_host_waits() -> ferrotron_device::Result<()> {
+    use ferrotron_device::{host_waits, transfers, PinnedMemory};
     let stream = Stream::new(Device::Emulated)?;
     let memory = stream.alloc(8)?;
     let mut outgoing = PinnedMemory::new(Device::Emulated, 8)?;
@@ -151,7 +151,7 @@ fn pinned_copies_queue_without_host_waits() -> device::Result<()> {
 /// host wait; the data is there for work queued after it, and a staging buffer whose copy
 /// has run is reused (the pool allocates nothing new then).
 #[test]
-fn staged_uploads_do_not_wait() -> device::Result<()> {
+fn staged_uploads_do_not_wait() -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let memory = stream.alloc(5000)?;
     // SAFETY: the allocation holds 5000 bytes. The first upload makes the pool's buffer.

@@ -4,7 +4,7 @@
 
 use std::ffi::c_void;
 
-use device::{host_access, Access, Device, Error, Function, KernelArg, Stream};
+use ferrotron_device::{host_access, Access, Device, Error, Function, KernelArg, Stream};
 
 /// `dst[i] = src[i] + 1` over `len` f32s: a kernel's host build.
 #[repr(C)]
@@ -32,7 +32,7 @@ const LEN: usize = 4;
 const BYTES: usize = 4 * LEN;
 
 /// Runs `add_one` from `src` into `dst` on `stream`, declaring what it reads and writes.
-fn add(stream: &Stream, dst: u64, src: u64) -> device::Result<()> {
+fn add(stream: &Stream, dst: u64, src: u64) -> ferrotron_device::Result<()> {
     let args = AddOne {
         dst,
         src,
@@ -50,14 +50,14 @@ fn add(stream: &Stream, dst: u64, src: u64) -> device::Result<()> {
     }
 }
 
-fn two_streams() -> device::Result<(Stream, Stream)> {
+fn two_streams() -> ferrotron_device::Result<(Stream, Stream)> {
     Ok((
         Stream::new(Device::Emulated)?,
         Stream::new(Device::Emulated)?,
     ))
 }
 
-fn unordered(result: device::Result<()>) -> String {
+fn unordered(result: ferrotron_device::Result<()>) -> String {
     match result {
         Err(error @ Error::Unordered { .. }) => error.to_string(),
         other => panic!("expected an unordered access, got {other:?}"),
@@ -65,7 +65,8 @@ fn unordered(result: device::Result<()>) -> String {
 }
 
 #[test]
-fn a_kernel_reading_what_another_stream_writes_needs_an_event_wait() -> device::Result<()> {
+fn a_kernel_reading_what_another_stream_writes_needs_an_event_wait() -> ferrotron_device::Result<()>
+{
     let (producer, consumer) = two_streams()?;
     let (input, output) = (producer.alloc(BYTES)?, producer.alloc(BYTES)?);
     // `output` is allocated on the producer: the consumer may use it once it waited.
@@ -89,7 +90,7 @@ fn a_kernel_reading_what_another_stream_writes_needs_an_event_wait() -> device::
 }
 
 #[test]
-fn reads_never_conflict_and_one_stream_is_ordered_by_itself() -> device::Result<()> {
+fn reads_never_conflict_and_one_stream_is_ordered_by_itself() -> ferrotron_device::Result<()> {
     let (first, second) = two_streams()?;
     let shared = first.alloc(BYTES)?;
     let (a, b) = (first.alloc(BYTES)?, first.alloc(BYTES)?);
@@ -104,7 +105,7 @@ fn reads_never_conflict_and_one_stream_is_ordered_by_itself() -> device::Result<
 }
 
 #[test]
-fn ordering_is_transitive_through_events_of_other_streams() -> device::Result<()> {
+fn ordering_is_transitive_through_events_of_other_streams() -> ferrotron_device::Result<()> {
     let streams = [
         Stream::new(Device::Emulated)?,
         Stream::new(Device::Emulated)?,
@@ -121,7 +122,7 @@ fn ordering_is_transitive_through_events_of_other_streams() -> device::Result<()
 }
 
 #[test]
-fn the_host_must_wait_before_it_touches_device_work() -> device::Result<()> {
+fn the_host_must_wait_before_it_touches_device_work() -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let (a, b) = (stream.alloc(BYTES)?, stream.alloc(BYTES)?);
     add(&stream, a.ptr(), b.ptr())?;
@@ -145,7 +146,7 @@ fn the_host_must_wait_before_it_touches_device_work() -> device::Result<()> {
 }
 
 #[test]
-fn an_unordered_free_is_the_freeing_streams_next_error() -> device::Result<()> {
+fn an_unordered_free_is_the_freeing_streams_next_error() -> ferrotron_device::Result<()> {
     let (owner, user) = two_streams()?;
     let memory = owner.alloc(BYTES)?;
     let scratch = user.alloc(BYTES)?;
@@ -167,7 +168,7 @@ fn an_unordered_free_is_the_freeing_streams_next_error() -> device::Result<()> {
 }
 
 #[test]
-fn memory_is_used_on_another_stream_only_after_its_allocation() -> device::Result<()> {
+fn memory_is_used_on_another_stream_only_after_its_allocation() -> ferrotron_device::Result<()> {
     let (owner, user) = two_streams()?;
     let (memory, scratch) = (owner.alloc(BYTES)?, user.alloc(BYTES)?);
     let message = unordered(add(&user, scratch.ptr(), memory.ptr()));
@@ -176,7 +177,7 @@ fn memory_is_used_on_another_stream_only_after_its_allocation() -> device::Resul
 }
 
 #[test]
-fn an_access_past_the_allocation_is_refused() -> device::Result<()> {
+fn an_access_past_the_allocation_is_refused() -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let memory = stream.alloc(BYTES)?;
     let error = stream
@@ -190,17 +191,17 @@ fn an_access_past_the_allocation_is_refused() -> device::Result<()> {
 /// communication stream reduces it in place after an event, and the compute stream uses
 /// the result after the collective's event. Dropping either wait is reported.
 #[test]
-fn a_bucket_reduction_without_its_waits_is_reported() -> device::Result<()> {
+fn a_bucket_reduction_without_its_waits_is_reported() -> ferrotron_device::Result<()> {
     let (compute, comm) = two_streams()?;
     let (bucket, weights) = (compute.alloc(BYTES)?, compute.alloc(BYTES)?);
-    let reduce = |wait_before: bool| -> device::Result<()> {
+    let reduce = |wait_before: bool| -> ferrotron_device::Result<()> {
         add(&compute, bucket.ptr(), weights.ptr())?; // backward writes the gradients
         if wait_before {
             comm.wait(&compute.record()?)?;
         }
         comm.declare("all_reduce", &[Access::write(bucket.ptr(), BYTES)])
     };
-    let update = |wait_after: bool| -> device::Result<()> {
+    let update = |wait_after: bool| -> ferrotron_device::Result<()> {
         if wait_after {
             compute.wait(&comm.record()?)?;
         }

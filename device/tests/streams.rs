@@ -1,10 +1,10 @@
 //! Streams and events on the emulated device: recording, waiting on the device, waiting on
 //! the host (counted), and what is refused.
 
-use device::{host_waits, Device, Error, Stream};
+use ferrotron_device::{host_waits, Device, Error, Stream};
 
 #[test]
-fn events_order_streams_and_host_waits_are_counted() -> device::Result<()> {
+fn events_order_streams_and_host_waits_are_counted() -> ferrotron_device::Result<()> {
     let (first, second) = (
         Stream::new(Device::Emulated)?,
         Stream::new(Device::Emulated)?,
@@ -28,7 +28,7 @@ fn events_order_streams_and_host_waits_are_counted() -> device::Result<()> {
 }
 
 #[test]
-fn events_remember_where_their_stream_stood() -> device::Result<()> {
+fn events_remember_where_their_stream_stood() -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let at_start = format!("{:?}", stream.record()?);
     let _memory = stream.alloc(4)?;
@@ -39,7 +39,7 @@ fn events_remember_where_their_stream_stood() -> device::Result<()> {
 }
 
 #[test]
-fn host_waits_are_counted_per_thread() -> device::Result<()> {
+fn host_waits_are_counted_per_thread() -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let here = host_waits(Device::Emulated);
     std::thread::scope(|scope| {

@@ -7,11 +7,11 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use device::{host_waits, Access, Device, Error, Stream};
+use ferrotron_device::{host_waits, Access, Device, Error, Stream};
 
 /// Queues a call on `stream` that holds its worker until the returned sender is dropped
 /// or sent to.
-fn hold(stream: &Stream) -> device::Result<mpsc::Sender<()>> {
+fn hold(stream: &Stream) -> ferrotron_device::Result<mpsc::Sender<()>> {
     let (open, gate) = mpsc::channel::<()>();
     stream.queue_host("hold", &[], move || {
         let _ = gate.recv();
@@ -20,12 +20,12 @@ fn hold(stream: &Stream) -> device::Result<mpsc::Sender<()>> {
 }
 
 /// Queues a copy of 4 bytes from `src` to `dst` on `stream`.
-fn copy(stream: &Stream, dst: u64, src: u64) -> device::Result<()> {
+fn copy(stream: &Stream, dst: u64, src: u64) -> ferrotron_device::Result<()> {
     // SAFETY: every caller passes 4-byte allocations alive until the stream has run.
     unsafe { stream.copy(dst, src, 4) }
 }
 
-fn read(stream: &Stream, memory: u64) -> device::Result<[u8; 4]> {
+fn read(stream: &Stream, memory: u64) -> ferrotron_device::Result<[u8; 4]> {
     let mut back = [0u8; 4];
     // SAFETY: a 4-byte allocation.
     unsafe { stream.download(&mut back, memory)? };
@@ -33,7 +33,8 @@ fn read(stream: &Stream, memory: u64) -> device::Result<[u8; 4]> {
 }
 
 #[test]
-fn the_host_runs_ahead_of_a_stream_and_waits_for_it_only_when_asked() -> device::Result<()> {
+fn the_host_runs_ahead_of_a_stream_and_waits_for_it_only_when_asked() -> ferrotron_device::Result<()>
+{
     let stream = Stream::new(Device::Emulated)?;
     let (a, b) = (stream.alloc(4)?, stream.alloc(4)?);
     // SAFETY: both hold 4 bytes.
@@ -57,7 +58,7 @@ fn the_host_runs_ahead_of_a_stream_and_waits_for_it_only_when_asked() -> device:
 }
 
 #[test]
-fn a_stream_waiting_for_an_event_holds_its_worker_not_the_host() -> device::Result<()> {
+fn a_stream_waiting_for_an_event_holds_its_worker_not_the_host() -> ferrotron_device::Result<()> {
     let (first, second) = (
         Stream::new(Device::Emulated)?,
         Stream::new(Device::Emulated)?,
@@ -90,7 +91,8 @@ fn a_stream_waiting_for_an_event_holds_its_worker_not_the_host() -> device::Resu
 }
 
 #[test]
-fn a_call_that_panics_breaks_the_stream_instead_of_hanging_the_host() -> device::Result<()> {
+fn a_call_that_panics_breaks_the_stream_instead_of_hanging_the_host() -> ferrotron_device::Result<()>
+{
     let stream = Stream::new(Device::Emulated)?;
     stream.queue_host("panics", &[], || panic!("a host build failed"))?;
     let error = stream.synchronize().unwrap_err();
@@ -105,7 +107,7 @@ fn a_call_that_panics_breaks_the_stream_instead_of_hanging_the_host() -> device:
 
 #[test]
 fn memory_a_queued_call_owns_is_freed_there_and_a_call_cannot_wait_for_its_own_stream(
-) -> device::Result<()> {
+) -> ferrotron_device::Result<()> {
     let stream = Stream::new(Device::Emulated)?;
     let memory = stream.alloc(4)?;
     let (said, heard) = mpsc::channel();
@@ -125,7 +127,7 @@ fn memory_a_queued_call_owns_is_freed_there_and_a_call_cannot_wait_for_its_own_s
 }
 
 #[test]
-fn a_stream_waiting_for_a_broken_stream_breaks_too() -> device::Result<()> {
+fn a_stream_waiting_for_a_broken_stream_breaks_too() -> ferrotron_device::Result<()> {
     let (first, second) = (
         Stream::new(Device::Emulated)?,
         Stream::new(Device::Emulated)?,

@@ -5,8 +5,8 @@
 
 mod support;
 
+use ferrotron_tape::{Device, Tensor};
 use support::{assert_matches_serial, train_parallel, train_serial, Arch, Opt, Setup};
-use tape::{Device, Tensor};
 
 fn devices() -> Vec<Device> {
     let mut devices = vec![Device::Emulated];

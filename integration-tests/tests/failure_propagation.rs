@@ -1,7 +1,7 @@
 //! DESIGN.md invariant 4 end to end: a rank that fails (returns an error, or panics)
 //! before backward in a TP = 2 × DP = 2 training step (`layers` model, `ddp` over the DP
 //! group, extra reductions over `"tp"`) makes every other rank's training step return
-//! a typed error — `comm_core::Error::PeerLost` or `Broken`, found through the `layers` /
+//! a typed error — `ferrotron_comm_core::Error::PeerLost` or `Broken`, found through the `layers` /
 //! `ddp` / `mappings` / `tape` error chains — well under 5 s (the collective timeout is
 //! set to 30 s, so only the lost-peer detection can be that fast), and the launcher
 //! reports the failing rank's own error as the root cause.
@@ -15,7 +15,7 @@ use std::fmt;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use comm_core::{Communicator, LocalLauncher};
+use ferrotron_comm_core::{Communicator, LocalLauncher};
 use support::{comm_error, train_rank, Arch, BoxError, Opt, Setup};
 
 /// The error the failing rank returns.
@@ -49,7 +49,7 @@ struct Survivor {
     rank: usize,
     /// From the injected failure to this rank's error.
     elapsed: Duration,
-    /// The `comm_core::Error` variant behind the error, if any.
+    /// The `ferrotron_comm_core::Error` variant behind the error, if any.
     comm: Option<String>,
     message: String,
 }
@@ -63,7 +63,7 @@ fn run_with_failure(
     failing_rank: usize,
     failing_step: usize,
     failure: Failure,
-) -> (comm_core::Error, Vec<Survivor>) {
+) -> (ferrotron_comm_core::Error, Vec<Survivor>) {
     let failed_at = OnceLock::<Instant>::new();
     let survivors = Mutex::new(Vec::new());
     let before_backward = |rank: usize, step: usize| -> Result<(), BoxError> {
@@ -89,8 +89,8 @@ fn run_with_failure(
                         .map(Instant::elapsed)
                         .expect("a peer failed before the injected failure");
                     let comm = comm_error(&**error).map(|c| match c {
-                        comm_core::Error::PeerLost { .. } => "PeerLost".to_string(),
-                        comm_core::Error::Broken { .. } => "Broken".to_string(),
+                        ferrotron_comm_core::Error::PeerLost { .. } => "PeerLost".to_string(),
+                        ferrotron_comm_core::Error::Broken { .. } => "Broken".to_string(),
                         other => format!("{other:?}"),
                     });
                     survivors.lock().unwrap().push(Survivor {
@@ -144,7 +144,7 @@ fn check(setup: &Setup, failing_rank: usize, failure: Failure) {
 
     // The launcher names the failing rank and its own error as the root cause.
     match &error {
-        comm_core::Error::RankFailed { rank, source } => {
+        ferrotron_comm_core::Error::RankFailed { rank, source } => {
             assert_eq!(*rank, failing_rank, "root cause: {error}");
             match failure {
                 Failure::Error => {

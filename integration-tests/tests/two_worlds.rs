@@ -30,7 +30,7 @@ fn fingerprint(ranks: &[RankResult]) -> Fingerprint {
 }
 
 /// World `seed` on `device`: its own master weights, data and optimizer.
-fn world(seed: u64, opt: Opt, device: tape::Device) -> Setup {
+fn world(seed: u64, opt: Opt, device: ferrotron_tape::Device) -> Setup {
     Setup {
         init_seed: seed,
         data_seed: 1000 * seed,
@@ -41,18 +41,18 @@ fn world(seed: u64, opt: Opt, device: tape::Device) -> Setup {
 
 #[test]
 fn two_concurrent_worlds_equal_sequential_runs() -> anyhow::Result<()> {
-    concurrent_worlds_equal_sequential_runs(tape::Device::Cpu, 3)
+    concurrent_worlds_equal_sequential_runs(ferrotron_tape::Device::Cpu, 3)
 }
 
 /// A device's backend (and its compiled kernels) is cached once per process: the one
 /// stated exception to having no global state. Two worlds sharing it still do not meet.
 #[test]
 fn two_concurrent_worlds_on_one_device_equal_sequential_runs() -> anyhow::Result<()> {
-    concurrent_worlds_equal_sequential_runs(tape::Device::Emulated, 1)
+    concurrent_worlds_equal_sequential_runs(ferrotron_tape::Device::Emulated, 1)
 }
 
 fn concurrent_worlds_equal_sequential_runs(
-    device: tape::Device,
+    device: ferrotron_tape::Device,
     rounds: usize,
 ) -> anyhow::Result<()> {
     let (a, b) = (world(1, Opt::Sgd, device), world(2, Opt::AdamW, device));

@@ -1,4 +1,4 @@
-"""PyTorch reference for `cargo run --release -p layers --example bench_block`.
+"""PyTorch reference for `cargo run --release -p ferrotron-layers --example bench_block`.
 
 One pre-norm transformer block (hidden 512, 8 heads, sequence 128, batch 8), tensor
 parallel over TP gloo processes on the CPU, Megatron-style: LN -> QKV column-parallel

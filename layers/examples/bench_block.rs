@@ -3,7 +3,7 @@
 //! local backend, one thread each unless `--threads N`; prints the median milliseconds per
 //! step over the timed steps.
 //!
-//! `cargo run --release -p layers --example bench_block -- --tp 2 --json`; add
+//! `cargo run --release -p ferrotron-layers --example bench_block -- --tp 2 --json`; add
 //! `--device cuda:0` (build with `--features tape/cuda`) to run every rank's block on a
 //! GPU (activations between ranks go through host memory, see `mappings`); `--bf16` to
 //! keep parameters and activations in bf16 (products accumulate in f32).
@@ -25,9 +25,11 @@ fn keep_freed_memory() {
 use std::sync::Arc;
 use std::time::Instant;
 
-use comm_core::{run_local, Communicator};
-use layers::{BlockConfig, MasterInit, Module, RngTracker, TensorParallel, TransformerBlock};
-use tape::{synchronize, DType, Device, Generator, Tape, Tensor};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_layers::{
+    BlockConfig, MasterInit, Module, RngTracker, TensorParallel, TransformerBlock,
+};
+use ferrotron_tape::{synchronize, DType, Device, Generator, Tape, Tensor};
 
 const HIDDEN: usize = 512;
 const HEADS: usize = 8;
@@ -96,8 +98,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let input = Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut Generator::new(0))
         .to_dtype(args.dtype)?
         .to_device(device)?;
-    let times = run_local(args.tp, |comm| -> layers::Result<Vec<f64>> {
-        tape::set_num_threads(args.threads)?;
+    let times = run_local(args.tp, |comm| -> ferrotron_layers::Result<Vec<f64>> {
+        ferrotron_tape::set_num_threads(args.threads)?;
         let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
         let block = TransformerBlock::new(
             &tp,

@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use tape::{CustomOp, Parameter, Tape, Tensor};
+use ferrotron_tape::{CustomOp, Parameter, Tape, Tensor};
 
 use crate::RngTracker;
 
@@ -25,7 +25,7 @@ impl AttentionCore {
         key: &Tensor,
         value: &Tensor,
         rng: Option<&mut RngTracker>,
-    ) -> tape::Result<Tensor> {
+    ) -> ferrotron_tape::Result<Tensor> {
         let probs = query.matmul_transposed(key)?.causal_softmax(self.scale)?;
         let probs = match rng {
             Some(rng) => probs.dropout(self.dropout, rng.model_parallel_stream())?,
@@ -42,7 +42,7 @@ impl AttentionCore {
         key: &Tensor,
         value: &Tensor,
         rng: &mut RngTracker,
-    ) -> tape::Result<Tensor> {
+    ) -> ferrotron_tape::Result<Tensor> {
         let before = rng.clone();
         let (q, k, v) = (query.detach(), key.detach(), value.detach());
         let output = self.forward(&q, &k, &v, Some(rng))?;
@@ -67,13 +67,21 @@ impl CustomOp for RecomputeCore {
         "recompute attention core"
     }
 
-    fn forward(&self, inputs: &[Tensor], saved: &mut Vec<Tensor>) -> tape::Result<Tensor> {
+    fn forward(
+        &self,
+        inputs: &[Tensor],
+        saved: &mut Vec<Tensor>,
+    ) -> ferrotron_tape::Result<Tensor> {
         saved.extend(inputs.iter().cloned());
         let output = self.output.lock().ok().and_then(|mut output| output.take());
-        output.ok_or_else(|| tape::Error::custom(self.name(), "its forward ran twice"))
+        output.ok_or_else(|| ferrotron_tape::Error::custom(self.name(), "its forward ran twice"))
     }
 
-    fn backward(&self, grad: &Tensor, saved: &[Tensor]) -> tape::Result<Vec<Option<Tensor>>> {
+    fn backward(
+        &self,
+        grad: &Tensor,
+        saved: &[Tensor],
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor>>> {
         let replay = Tape::new();
         let inputs: Vec<Parameter> = (saved.iter().zip(["query", "key", "value"]))
             .map(|(value, name)| Parameter::new(name, value.clone()))

@@ -8,7 +8,7 @@
 //! `replicated` or `split:<dim>:<full_len>`), so a checkpoint can be re-cut without the
 //! model's code.
 //!
-//! An optimizer's state ([`tape::OptimizerState`]) is saved beside the weights in
+//! An optimizer's state ([`ferrotron_tape::OptimizerState`]) is saved beside the weights in
 //! `optim_tp_{rank}_of_{n}.safetensors`: each buffer is a tensor `<parameter>/<buffer>`
 //! sharded like its parameter, so it is re-cut to another tensor-parallel size the same
 //! way ([`save_optimizer_shard`], [`load_optimizer_state`]).
@@ -20,9 +20,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+use ferrotron_tape::{Optimizer, OptimizerState, ParamState, Parameter, Tensor};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
-use tape::{Optimizer, OptimizerState, ParamState, Parameter, Tensor};
 
 use crate::error::{Error, Result};
 use crate::parallel::{Module, Sharding};

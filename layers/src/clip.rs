@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use comm_core::{Communicator, CommunicatorExt, ReduceOp};
+use ferrotron_comm_core::{Communicator, CommunicatorExt, ReduceOp};
 
 use crate::{Error, Result, ShardedParameter, TensorParallel};
 

@@ -6,9 +6,9 @@
 
 use std::sync::Arc;
 
-use comm_core::{Communicator, CommunicatorExt, ReduceOp};
-use tape::ndarray::{ArrayD, IxDyn};
-use tape::{CrossEntropyOptions, CustomOp, Reduction, RowTarget, Tensor};
+use ferrotron_comm_core::{Communicator, CommunicatorExt, ReduceOp};
+use ferrotron_tape::ndarray::{ArrayD, IxDyn};
+use ferrotron_tape::{CrossEntropyOptions, CustomOp, Reduction, RowTarget, Tensor};
 
 use crate::embedding::VocabRange;
 use crate::error::{Error, Result};
@@ -92,7 +92,7 @@ pub fn vocab_parallel_cross_entropy(
     };
     // bf16 or f16 logits: the loss is computed in f32 and the gradient flows back through
     // the cast (Megatron's `.float()` before its vocabulary-parallel cross-entropy).
-    let logits = logits.to_dtype(tape::DType::F32)?;
+    let logits = logits.to_dtype(ferrotron_tape::DType::F32)?;
     Tensor::apply(Arc::new(op), &[&logits]).map_err(unwrap_own_error)
 }
 
@@ -177,11 +177,11 @@ pub fn vocab_parallel_cross_entropy_per_token(
 }
 
 /// Errors raised inside the op's forward come back wrapped by the tape.
-fn unwrap_own_error(error: tape::Error) -> Error {
+fn unwrap_own_error(error: ferrotron_tape::Error) -> Error {
     match error {
-        tape::Error::Custom { op, source } => match source.downcast::<Error>() {
+        ferrotron_tape::Error::Custom { op, source } => match source.downcast::<Error>() {
             Ok(ours) => *ours,
-            Err(source) => Error::Tape(tape::Error::Custom { op, source }),
+            Err(source) => Error::Tape(ferrotron_tape::Error::Custom { op, source }),
         },
         other => Error::Tape(other),
     }
@@ -295,22 +295,26 @@ impl CustomOp for VocabParallelCrossEntropy {
         OP
     }
 
-    fn forward(&self, inputs: &[Tensor], saved: &mut Vec<Tensor>) -> tape::Result<Tensor> {
+    fn forward(
+        &self,
+        inputs: &[Tensor],
+        saved: &mut Vec<Tensor>,
+    ) -> ferrotron_tape::Result<Tensor> {
         let logits = inputs
             .first()
-            .ok_or_else(|| tape::Error::custom(OP, "takes one input, the logits"))?;
+            .ok_or_else(|| ferrotron_tape::Error::custom(OP, "takes one input, the logits"))?;
         self.forward_inner(logits, saved)
-            .map_err(|e| tape::Error::custom(OP, e))
+            .map_err(|e| ferrotron_tape::Error::custom(OP, e))
     }
 
     fn backward(
         &self,
         grad_output: &Tensor,
         saved: &[Tensor],
-    ) -> tape::Result<Vec<Option<Tensor>>> {
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor>>> {
         let grad = self
             .backward_inner(grad_output, saved)
-            .map_err(|e| tape::Error::custom(OP, e))?;
+            .map_err(|e| ferrotron_tape::Error::custom(OP, e))?;
         Ok(vec![Some(grad)])
     }
 }

@@ -1,8 +1,8 @@
 //! The vocabulary-parallel embedding (Megatron-Core's `VocabParallelEmbedding`).
 
-use mappings::{reduce_from_region, reduce_scatter_to_sequence_parallel_region};
-use tape::ndarray::{ArrayD, IxDyn};
-use tape::{Tape, Tensor};
+use ferrotron_mappings::{reduce_from_region, reduce_scatter_to_sequence_parallel_region};
+use ferrotron_tape::ndarray::{ArrayD, IxDyn};
+use ferrotron_tape::{Tape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::init::{sharded, MasterInit};
@@ -21,15 +21,15 @@ impl VocabRange {
     /// Rank `rank`'s range when `vocab_size` ids are divided among `size` ranks.
     ///
     /// The vocabulary is split unevenly when `size` does not divide it, by
-    /// [`mappings::split_sizes`] (the first `vocab_size % size` ranks own one id more);
+    /// [`ferrotron_mappings::split_sizes`] (the first `vocab_size % size` ranks own one id more);
     /// nothing is padded, so logits and embeddings have exactly `vocab_size` rows in all.
     /// ```
-    /// use layers::VocabRange;
+    /// use ferrotron_layers::VocabRange;
     ///
     /// let ranges: Vec<_> = (0..4).map(|r| VocabRange::new(10, r, 4)).collect::<Result<_, _>>()?;
     /// assert_eq!(ranges.iter().map(|r| (r.start, r.end)).collect::<Vec<_>>(),
     ///            vec![(0, 3), (3, 6), (6, 8), (8, 10)]);
-    /// # Ok::<(), layers::Error>(())
+    /// # Ok::<(), ferrotron_layers::Error>(())
     /// ```
     pub fn new(vocab_size: usize, rank: usize, size: usize) -> Result<Self> {
         let (start, len) = crate::parallel::part_of(vocab_size, rank, size)?;

@@ -98,16 +98,16 @@ pub enum Error {
     },
     /// A collective failed (mismatched calls, a lost peer, a timeout).
     #[error(transparent)]
-    Comm(#[from] comm_core::Error),
+    Comm(#[from] ferrotron_comm_core::Error),
     /// A tensor operation failed.
     #[error(transparent)]
-    Tape(#[from] tape::Error),
+    Tape(#[from] ferrotron_tape::Error),
     /// A differentiable collective failed.
     #[error(transparent)]
-    Mappings(#[from] mappings::Error),
+    Mappings(#[from] ferrotron_mappings::Error),
     /// A parallel layout or group was invalid.
     #[error(transparent)]
-    ParallelState(#[from] parallel_state::Error),
+    ParallelState(#[from] ferrotron_parallel_state::Error),
 }
 
 impl Error {

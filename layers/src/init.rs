@@ -2,7 +2,7 @@
 //! tensor and keeps its part, so a model of any tensor-parallel size starts from the
 //! same numbers as the serial one.
 
-use tape::{Generator, Parameter, Tensor};
+use ferrotron_tape::{Generator, Parameter, Tensor};
 
 use crate::error::Result;
 use crate::parallel::{ShardedParameter, Sharding, TensorParallel, TP_GROUP};

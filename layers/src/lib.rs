@@ -15,17 +15,17 @@
 //! * global gradient-norm clipping over the sharded model ([`clip_grad_norm`]).
 //!
 //! Every layer is built with a [`TensorParallel`] context (the tensor-parallel group and
-//! the sequence-parallel switch) and runs on the [`tape`] autograd; the collectives are
-//! [`mappings`]' differentiable ones, so backward is exact too.
+//! the sequence-parallel switch) and runs on the [`tape`](ferrotron_tape) autograd; the collectives are
+//! [`mappings`](ferrotron_mappings)' differentiable ones, so backward is exact too.
 //!
 //! # Two ranks compute what one rank computes
 //! An MLP on two rank threads gives the serial output, because both start from the same
 //! master weights:
 //! ```
-//! use comm_core::{run_local, Communicator};
-//! use layers::{BlockConfig, MasterInit, ParallelMlp, TensorParallel};
+//! use ferrotron_comm_core::{run_local, Communicator};
+//! use ferrotron_layers::{BlockConfig, MasterInit, ParallelMlp, TensorParallel};
 //! use std::sync::Arc;
-//! use tape::{Generator, Tape, Tensor};
+//! use ferrotron_tape::{Generator, Tape, Tensor};
 //!
 //! let config = BlockConfig::new(8, 2);
 //! let init = MasterInit::new(42, 0.1);
@@ -36,7 +36,7 @@
 //!         let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
 //!         let mlp = ParallelMlp::new(&tp, "mlp", &config, &init)?;
 //!         let y = mlp.forward(&Tape::new(), &x)?;
-//!         Ok::<_, layers::Error>(y.to_vec()?)
+//!         Ok::<_, ferrotron_layers::Error>(y.to_vec()?)
 //!     })
 //! };
 //! let (serial, parallel) = (run(1)?, run(2)?);
@@ -50,13 +50,13 @@
 //! Embedding → block → logits from a column-parallel layer (no gather) → cross-entropy
 //! over the vocabulary shards; 3 ranks share a vocabulary of 10 as 4 + 3 + 3 ids.
 //! ```
-//! use comm_core::{run_local, Communicator};
-//! use layers::{
+//! use ferrotron_comm_core::{run_local, Communicator};
+//! use ferrotron_layers::{
 //!     vocab_parallel_cross_entropy, BlockConfig, ColumnParallelLinear, LinearOptions,
 //!     MasterInit, RngTracker, TensorParallel, TransformerBlock, VocabParallelEmbedding,
 //! };
 //! use std::sync::Arc;
-//! use tape::{CrossEntropyOptions, Tape};
+//! use ferrotron_tape::{CrossEntropyOptions, Tape};
 //!
 //! let losses = run_local(3, |comm| {
 //!     let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
@@ -74,7 +74,7 @@
 //!     let loss = vocab_parallel_cross_entropy(
 //!         &logits, &[5, 9, 2, 3], tp.group(), 10, &CrossEntropyOptions::default())?;
 //!     loss.backward()?;
-//!     Ok::<_, layers::Error>(loss.item()?)
+//!     Ok::<_, ferrotron_layers::Error>(loss.item()?)
 //! })?;
 //! assert!(losses.iter().all(|&l| (l - losses[0]).abs() < 1e-6 && l > 0.0));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -92,9 +92,14 @@
 //!
 //! # Uneven splits
 //! Sizes the group does not divide (vocabulary, MLP width, sequence) are split by
-//! [`mappings::split_sizes`]: the first `len % size` ranks get one more. Attention heads
+//! [`ferrotron_mappings::split_sizes`]: the first `len % size` ranks get one more. Attention heads
 //! must divide evenly ([`Error::NotDivisible`]).
 #![warn(missing_docs)]
+
+// The README's example runs as a doctest, so the package's front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod attention_core;
 pub mod checkpoint;

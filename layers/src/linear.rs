@@ -1,11 +1,11 @@
 //! Column- and row-parallel linear layers (Megatron-Core's `ColumnParallelLinear` and
 //! `RowParallelLinear`). Weights are stored `[out_features, in_features]`, as PyTorch's.
 
-use mappings::{
+use ferrotron_mappings::{
     copy_to_region, gather_from_region, gather_from_sequence_parallel_region, reduce_from_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_region,
 };
-use tape::{Tape, Tensor};
+use ferrotron_tape::{Tape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::init::{sharded, MasterInit};
@@ -47,7 +47,7 @@ impl Default for LinearOptions {
 /// (first dimension) are all-gathered (and the input gradient reduce-scattered). Each rank
 /// computes its output features; `gather_output` all-gathers them along the last
 /// dimension. Output features that the group size does not divide are split by
-/// [`mappings::split_sizes`].
+/// [`ferrotron_mappings::split_sizes`].
 #[derive(Clone)]
 pub struct ColumnParallelLinear {
     tp: TensorParallel,
@@ -204,7 +204,7 @@ impl ColumnParallelLinear {
             other => other,
         };
         if self.gather_output {
-            let sizes = mappings::split_sizes(self.out_features, self.tp.size())?;
+            let sizes = ferrotron_mappings::split_sizes(self.out_features, self.tp.size())?;
             output = gather_from_region(&output, group, output.ndim() - 1, Some(&sizes))?;
         }
         Ok(LinearOutput {
@@ -321,7 +321,7 @@ impl RowParallelLinear {
         let input = if self.input_is_parallel {
             x.clone()
         } else {
-            let sizes = mappings::split_sizes(self.in_features, self.tp.size())?;
+            let sizes = ferrotron_mappings::split_sizes(self.in_features, self.tp.size())?;
             scatter_to_region(x, group, x.ndim() - 1, Some(&sizes))?
         };
         let partial = matmul_transposed(&input, &tape.watch(&self.weight.param))?;

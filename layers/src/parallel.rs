@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use comm_core::Communicator;
-use parallel_state::ParallelState;
-use tape::{Parameter, Tensor};
+use ferrotron_comm_core::Communicator;
+use ferrotron_parallel_state::ParallelState;
+use ferrotron_tape::{Parameter, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -81,16 +81,16 @@ impl TensorParallel {
     }
 
     /// This rank's `(start, len)` when `full_len` elements are divided among the group by
-    /// [`mappings::split_sizes`] (balanced: parts differ by at most one).
+    /// [`ferrotron_mappings::split_sizes`] (balanced: parts differ by at most one).
     pub fn part(&self, full_len: usize) -> Result<(usize, usize)> {
         part_of(full_len, self.rank(), self.size())
     }
 }
 
 /// Rank `rank`'s `(start, len)` of `full_len` elements split among `size` ranks by
-/// [`mappings::split_sizes`].
+/// [`ferrotron_mappings::split_sizes`].
 pub fn part_of(full_len: usize, rank: usize, size: usize) -> Result<(usize, usize)> {
-    let sizes = mappings::split_sizes(full_len, size)?;
+    let sizes = ferrotron_mappings::split_sizes(full_len, size)?;
     let start = sizes.iter().take(rank).sum();
     let len = sizes.get(rank).copied().ok_or_else(|| {
         Error::config(
@@ -107,7 +107,7 @@ pub enum Sharding {
     /// Every rank holds the whole tensor.
     Replicated,
     /// Dimension `dim`, `full_len` long in the serial model, is divided by
-    /// [`mappings::split_sizes`]; rank `r` holds part `r`.
+    /// [`ferrotron_mappings::split_sizes`]; rank `r` holds part `r`.
     Split {
         /// The divided dimension.
         dim: usize,
@@ -235,7 +235,7 @@ pub fn all_reduce_sequence_parallel_grads(
     module: &dyn Module,
     group: &Arc<dyn Communicator>,
 ) -> Result<()> {
-    use comm_core::ReduceOp;
+    use ferrotron_comm_core::ReduceOp;
     for sharded in module.parameters() {
         if sharded.grad_reduce_group.is_none() || group.size() == 1 {
             continue;
@@ -248,7 +248,7 @@ pub fn all_reduce_sequence_parallel_grads(
         let summed = grad.updated_by(|buf| {
             group
                 .all_reduce(buf, ReduceOp::Sum)
-                .map_err(|e| tape::Error::custom("all_reduce_sequence_parallel_grads", e))
+                .map_err(|e| ferrotron_tape::Error::custom("all_reduce_sequence_parallel_grads", e))
         })?;
         param.set_grad(Some(summed))?;
     }

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use tape::Generator;
+use ferrotron_tape::Generator;
 
 use crate::error::{Error, Result};
 

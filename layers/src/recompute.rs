@@ -13,7 +13,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use tape::{CustomOp, Parameter, Tape, Tensor};
+use ferrotron_tape::{CustomOp, Parameter, Tape, Tensor};
 
 use crate::{Module, Result, RngTracker, TransformerBlock};
 
@@ -71,14 +71,22 @@ impl CustomOp for Recompute {
         "recompute"
     }
 
-    fn forward(&self, inputs: &[Tensor], saved: &mut Vec<Tensor>) -> tape::Result<Tensor> {
+    fn forward(
+        &self,
+        inputs: &[Tensor],
+        saved: &mut Vec<Tensor>,
+    ) -> ferrotron_tape::Result<Tensor> {
         // The input and the parameters' values at this forward: what backward replays.
         saved.extend(inputs.iter().cloned());
         let output = self.output.lock().ok().and_then(|mut output| output.take());
-        output.ok_or_else(|| tape::Error::custom("recompute", "its forward ran twice"))
+        output.ok_or_else(|| ferrotron_tape::Error::custom("recompute", "its forward ran twice"))
     }
 
-    fn backward(&self, grad: &Tensor, saved: &[Tensor]) -> tape::Result<Vec<Option<Tensor>>> {
+    fn backward(
+        &self,
+        grad: &Tensor,
+        saved: &[Tensor],
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor>>> {
         let replay = Tape::new();
         // Stand-ins with the saved values take the parameters' places, so the replay's
         // gradients land in them and go back through the caller's tape.
@@ -94,7 +102,7 @@ impl CustomOp for Recompute {
         let mut rng = self.rng.clone();
         for block in &self.blocks {
             hidden = (block.forward(&replay, &hidden, &mut rng))
-                .map_err(|e| tape::Error::custom("recompute", e))?;
+                .map_err(|e| ferrotron_tape::Error::custom("recompute", e))?;
         }
         hidden.backward_with_grad(grad)?;
         let mut grads = vec![input.grad()];

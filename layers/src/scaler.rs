@@ -10,8 +10,8 @@
 use std::cell::Cell;
 use std::sync::Arc;
 
-use comm_core::{Communicator, CommunicatorExt, ReduceOp};
-use tape::Tensor;
+use ferrotron_comm_core::{Communicator, CommunicatorExt, ReduceOp};
+use ferrotron_tape::Tensor;
 
 use crate::{Error, Result, ShardedParameter, TensorParallel};
 
@@ -65,7 +65,7 @@ pub struct GradScalerState {
 /// 4. [`update`](Self::update) with what step 2 returned.
 ///
 /// ```
-/// use layers::{GradScaler, GradScalerConfig};
+/// use ferrotron_layers::{GradScaler, GradScalerConfig};
 ///
 /// let mut scaler = GradScaler::new(GradScalerConfig { growth_interval: 2, ..Default::default() })?;
 /// assert_eq!(scaler.scale(), 65536.0);
@@ -74,7 +74,7 @@ pub struct GradScalerState {
 /// scaler.update(true);
 /// scaler.update(true); // two finite steps in a row: double it
 /// assert_eq!(scaler.scale(), 65536.0);
-/// # Ok::<(), layers::Error>(())
+/// # Ok::<(), ferrotron_layers::Error>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct GradScaler {

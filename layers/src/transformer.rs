@@ -3,7 +3,7 @@
 //! in Megatron-Core; under sequence parallelism the sequence dimension is this rank's
 //! part outside the tensor-parallel regions.
 
-use tape::{Gelu, Tape, Tensor};
+use ferrotron_tape::{Gelu, Tape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::init::{sharded, MasterInit};

@@ -6,14 +6,14 @@ mod common;
 
 use std::path::PathBuf;
 
-use comm_core::run_local;
 use common::{tp_context, AnyResult};
-use layers::checkpoint::{
+use ferrotron_comm_core::run_local;
+use ferrotron_layers::checkpoint::{
     convert_checkpoint, load_optimizer_state, load_shard, optimizer_shard_path,
     read_full_checkpoint, save_optimizer_shard, save_shard,
 };
-use layers::{BlockConfig, MasterInit, Module, TransformerBlock};
-use tape::{AdamW, AdamWConfig, Optimizer};
+use ferrotron_layers::{BlockConfig, MasterInit, Module, TransformerBlock};
+use ferrotron_tape::{AdamW, AdamWConfig, Optimizer};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("layers-ckpt-{}-{name}", std::process::id()));
@@ -118,11 +118,11 @@ fn loading_into_a_mismatched_model_is_an_error() -> AnyResult<()> {
         let wider = TransformerBlock::new(&tp, "b", &BlockConfig::new(8, 4), &init)?;
         assert!(matches!(
             load_shard(&wider, &dir, tp.rank(), tp.size()),
-            Err(layers::Error::Checkpoint { .. })
+            Err(ferrotron_layers::Error::Checkpoint { .. })
         ));
         assert!(matches!(
             load_shard(&block, &dir, tp.rank(), 4),
-            Err(layers::Error::Io { .. })
+            Err(ferrotron_layers::Error::Io { .. })
         ));
         Ok(())
     })?;
@@ -213,12 +213,12 @@ fn optimizer_state_of_another_model_is_an_error() -> AnyResult<()> {
         let other = TransformerBlock::new(&tp, "other", &config(), &init)?;
         assert!(matches!(
             load_optimizer_state(&other, &dir, 1, 0, 1),
-            Err(layers::Error::Checkpoint { .. })
+            Err(ferrotron_layers::Error::Checkpoint { .. })
         ));
         // An optimizer over other parameters cannot be saved as this module's.
         assert!(matches!(
             save_optimizer_shard(&other, &optimizer, &dir, 0, 1),
-            Err(layers::Error::Checkpoint { .. })
+            Err(ferrotron_layers::Error::Checkpoint { .. })
         ));
         // A torn file (as a crash in the middle of a write would leave without the
         // rename) is reported, not misread.
@@ -227,7 +227,7 @@ fn optimizer_state_of_another_model_is_an_error() -> AnyResult<()> {
         std::fs::write(&path, &bytes[..bytes.len() / 2])?;
         assert!(matches!(
             load_optimizer_state(&block, &dir, 1, 0, 1),
-            Err(layers::Error::Checkpoint { .. })
+            Err(ferrotron_layers::Error::Checkpoint { .. })
         ));
         Ok(())
     })?;

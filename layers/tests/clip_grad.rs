@@ -4,13 +4,13 @@
 
 mod common;
 
-use comm_core::run_local;
 use common::{assert_close, full_grads, grads_of, part, tp_context, AnyResult};
-use layers::{
+use ferrotron_comm_core::run_local;
+use ferrotron_layers::{
     all_reduce_sequence_parallel_grads, clip_grad_norm, BlockConfig, GradNorm, MasterInit, Module,
     RngTracker, Sharding, TransformerBlock,
 };
-use tape::{Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{Generator, Parameter, Tape, Tensor};
 
 const SEQ: usize = 6;
 const BATCH: usize = 2;
@@ -156,7 +156,7 @@ fn a_norm_at_the_limit_is_scaled_by_megatrons_epsilon_and_one_just_under_it_is_n
         for max_norm in [5.0, 5.0 + 1e-6] {
             let a = Parameter::new("a", Tensor::zeros(&[2]));
             a.set_grad(Some(Tensor::from_vec(vec![3.0, 4.0], &[2])?))?;
-            let params = [layers::ShardedParameter {
+            let params = [ferrotron_layers::ShardedParameter {
                 param: a.clone(),
                 sharding: Sharding::Replicated,
                 grad_reduce_group: None,
@@ -210,8 +210,8 @@ fn clipping_without_any_gradient_is_an_error_on_every_rank_not_a_zero_norm() -> 
 }
 
 /// `param` as each of two tensor ranks' half of a 4-vector.
-fn half_of_four(param: &Parameter) -> layers::ShardedParameter {
-    layers::ShardedParameter {
+fn half_of_four(param: &Parameter) -> ferrotron_layers::ShardedParameter {
+    ferrotron_layers::ShardedParameter {
         param: param.clone(),
         sharding: Sharding::Split {
             dim: 0,
@@ -227,7 +227,7 @@ fn half_of_four(param: &Parameter) -> layers::ShardedParameter {
 /// alike. Unmarked, the norm would count it twice (√2 times larger).
 #[test]
 fn a_shared_copy_is_scaled_but_counted_once() -> AnyResult<()> {
-    use comm_core::Communicator;
+    use ferrotron_comm_core::Communicator;
     use std::sync::Arc;
     for marked in [true, false] {
         let norms = run_local(2, |comm| -> AnyResult<(f64, Vec<f32>)> {
@@ -235,16 +235,16 @@ fn a_shared_copy_is_scaled_but_counted_once() -> AnyResult<()> {
             let stage = pipeline.rank();
             // Each stage is its own tensor-parallel group of one.
             let alone = pipeline.split(Some(stage as u32), 0, "tp")?.unwrap();
-            let tp = layers::TensorParallel::new(alone);
+            let tp = ferrotron_layers::TensorParallel::new(alone);
             let copy = Parameter::new("embed.weight", Tensor::zeros(&[2]));
             copy.set_grad(Some(Tensor::from_vec(vec![3.0, 4.0], &[2])?))?;
-            let sharded = layers::ShardedParameter {
+            let sharded = ferrotron_layers::ShardedParameter {
                 param: copy.clone(),
                 sharding: Sharding::Split {
                     dim: 0,
                     full_len: 2,
                 },
-                grad_reduce_group: Some(layers::EMBEDDING_GROUP),
+                grad_reduce_group: Some(ferrotron_layers::EMBEDDING_GROUP),
                 shared_copy: marked && stage == 1,
             };
             let norm = clip_grad_norm(&[sharded], &tp, &[&pipeline], 1.0)?;

@@ -10,14 +10,14 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use comm_core::{run_local, Communicator, CommunicatorExt, ReduceOp};
 use common::{assert_close, full_grads, grads_of, join, part, AnyResult};
-use layers::{
+use ferrotron_comm_core::{run_local, Communicator, CommunicatorExt, ReduceOp};
+use ferrotron_layers::{
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_per_token, ColumnParallelLinear,
     LinearOptions, MasterInit, TensorParallel,
 };
-use parallel_state::{ParallelState, RankLayout};
-use tape::{CrossEntropyOptions, Device, Generator, Parameter, Reduction, Tape, Tensor};
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_tape::{CrossEntropyOptions, Device, Generator, Parameter, Reduction, Tape, Tensor};
 
 const ROWS: usize = 6;
 const VOCAB: usize = 10;
@@ -36,7 +36,7 @@ fn serial(
 }
 
 /// A scalar from any reduction's output, so that `None` gets a non-uniform upstream grad.
-fn weighted(loss: &Tensor, weights: &Tensor) -> tape::Result<Tensor> {
+fn weighted(loss: &Tensor, weights: &Tensor) -> ferrotron_tape::Result<Tensor> {
     if loss.ndim() == 0 {
         loss.scale(1.7)
     } else {
@@ -135,14 +135,14 @@ fn rejects_out_of_range_labels_and_bad_shapes() -> AnyResult<()> {
         Ok((
             matches!(
                 label,
-                Err(layers::Error::LabelOutOfRange {
+                Err(ferrotron_layers::Error::LabelOutOfRange {
                     label: 10,
                     vocab_size: 10,
                     ..
                 })
             ),
-            matches!(count, Err(layers::Error::Shape { .. })),
-            matches!(width, Err(layers::Error::Shape { .. })),
+            matches!(count, Err(ferrotron_layers::Error::Shape { .. })),
+            matches!(width, Err(ferrotron_layers::Error::Shape { .. })),
         ))
     })?;
     assert_eq!(checks, vec![(true, true, true); 2]);
@@ -193,10 +193,10 @@ struct PerTokenRank {
     /// This rank's plain [`Reduction::Mean`], for showing what per-token fixes.
     rank_mean: f32,
     /// Parameter gradients after averaging over the data-parallel group, as DDP does.
-    grads: Vec<(String, layers::Sharding, Tensor)>,
+    grads: Vec<(String, ferrotron_layers::Sharding, Tensor)>,
 }
 
-fn head(tp: &TensorParallel) -> layers::Result<ColumnParallelLinear> {
+fn head(tp: &TensorParallel) -> ferrotron_layers::Result<ColumnParallelLinear> {
     let init = MasterInit::new(11, 0.5);
     ColumnParallelLinear::new(
         tp,
@@ -361,7 +361,10 @@ fn per_token_loss_takes_only_the_mean_reduction() -> AnyResult<()> {
             &options,
             tp.group(),
         );
-        Ok(matches!(result, Err(layers::Error::Config { .. })))
+        Ok(matches!(
+            result,
+            Err(ferrotron_layers::Error::Config { .. })
+        ))
     })?;
     assert_eq!(results, vec![true]);
     Ok(())

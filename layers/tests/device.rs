@@ -8,13 +8,15 @@
 
 mod common;
 
-use comm_core::run_local;
 use common::{assert_close, part, tp_context, AnyResult};
-use layers::{
+use ferrotron_comm_core::run_local;
+use ferrotron_layers::{
     all_reduce_sequence_parallel_grads, BlockConfig, LayerNorm, MasterInit, Module, RngTracker,
     TransformerBlock,
 };
-use tape::{host_waits, transfers, Device, Generator, Parameter, Tape, Tensor, Transfers};
+use ferrotron_tape::{
+    host_waits, transfers, Device, Generator, Parameter, Tape, Tensor, Transfers,
+};
 
 const SEQ: usize = 4;
 const BATCH: usize = 2;
@@ -69,7 +71,7 @@ fn run_block(tp: usize, sequence_parallel: bool, device: Device) -> AnyResult<Ve
                 let grad = p.param.grad().expect("every parameter gets a gradient");
                 Ok((p.param.name().to_string(), host(grad)?))
             })
-            .collect::<tape::Result<_>>()?;
+            .collect::<ferrotron_tape::Result<_>>()?;
         Ok((
             host(output)?,
             host(x.grad().expect("input gradient"))?,

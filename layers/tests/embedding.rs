@@ -3,10 +3,10 @@
 
 mod common;
 
-use comm_core::run_local;
 use common::{assert_close, join, part, tp_context, AnyResult};
-use layers::{MasterInit, Module, VocabParallelEmbedding, VocabRange};
-use tape::{Generator, Parameter, Tape, Tensor};
+use ferrotron_comm_core::run_local;
+use ferrotron_layers::{MasterInit, Module, VocabParallelEmbedding, VocabRange};
+use ferrotron_tape::{Generator, Parameter, Tape, Tensor};
 
 const VOCAB: usize = 10;
 const HIDDEN: usize = 4;
@@ -73,7 +73,7 @@ fn embedding_matches_serial_lookup() -> AnyResult<()> {
 /// on the master table.
 #[test]
 fn a_head_sharing_the_table_adds_both_uses_gradients() -> AnyResult<()> {
-    use layers::ColumnParallelLinear;
+    use ferrotron_layers::ColumnParallelLinear;
     let init = MasterInit::new(8, 1.0);
     let r = Tensor::randn(&[5, 2, VOCAB], 1.0, &mut Generator::new(2));
     let table = Parameter::new("t", init.weight("emb.weight", &[VOCAB, HIDDEN]));
@@ -111,7 +111,7 @@ fn a_head_sharing_the_table_adds_both_uses_gradients() -> AnyResult<()> {
 /// Only a table split along its rows, in this rank's part, can be shared.
 #[test]
 fn a_shared_weight_must_be_split_by_rows() -> AnyResult<()> {
-    use layers::{ColumnParallelLinear, ShardedParameter, Sharding};
+    use ferrotron_layers::{ColumnParallelLinear, ShardedParameter, Sharding};
     let errors = run_local(2, |comm| -> AnyResult<Vec<String>> {
         let tp = tp_context(comm, false);
         let weight = |sharding, rows| ShardedParameter {

@@ -2,13 +2,13 @@
 
 mod common;
 
-use comm_core::run_local;
 use common::{tp_context, AnyResult};
-use layers::{
+use ferrotron_comm_core::run_local;
+use ferrotron_layers::{
     BlockConfig, ColumnParallelLinear, Error, LinearOptions, MasterInit, ParallelSelfAttention,
     RngTracker, RowParallelLinear, TransformerBlock, VocabParallelEmbedding,
 };
-use tape::{Tape, Tensor};
+use ferrotron_tape::{Tape, Tensor};
 
 #[test]
 fn out_of_range_id_is_named() -> AnyResult<()> {

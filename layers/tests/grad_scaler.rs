@@ -7,9 +7,9 @@
 
 use std::sync::Arc;
 
-use comm_core::{run_local, Communicator};
-use layers::{GradScaler, GradScalerConfig, ShardedParameter, Sharding, TensorParallel};
-use tape::{Parameter, Tape, Tensor};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_layers::{GradScaler, GradScalerConfig, ShardedParameter, Sharding, TensorParallel};
+use ferrotron_tape::{Parameter, Tape, Tensor};
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 

@@ -4,13 +4,13 @@
 
 mod common;
 
-use comm_core::run_local;
 use common::{assert_close, join, part, tp_context, AnyResult};
-use layers::{
+use ferrotron_comm_core::run_local;
+use ferrotron_layers::{
     all_reduce_sequence_parallel_grads, ColumnParallelLinear, LinearOptions, MasterInit, Module,
     RowParallelLinear,
 };
-use tape::{Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{Generator, Parameter, Tape, Tensor};
 
 const SEQ: usize = 5;
 const BATCH: usize = 2;

@@ -1,13 +1,13 @@
 //! The RNG tracker's streams: the default stream is shared by tensor-parallel ranks, the
 //! model-parallel stream is seeded `seed + 2718 + tp_rank`, as Megatron-Core's.
 
-use layers::{
+use ferrotron_layers::{
     MasterInit, RngState, RngStreamState, RngTracker, DEFAULT_STREAM, MODEL_PARALLEL_STREAM,
 };
-use tape::Generator;
+use ferrotron_tape::Generator;
 
 #[test]
-fn streams_follow_megatron_seeding() -> layers::Result<()> {
+fn streams_follow_megatron_seeding() -> ferrotron_layers::Result<()> {
     let mut rank0 = RngTracker::new(1234, 0);
     let mut rank1 = RngTracker::new(1234, 1);
     assert_eq!(
@@ -31,7 +31,7 @@ fn streams_follow_megatron_seeding() -> layers::Result<()> {
 }
 
 #[test]
-fn named_streams_are_unique() -> layers::Result<()> {
+fn named_streams_are_unique() -> ferrotron_layers::Result<()> {
     let mut tracker = RngTracker::new(1, 0);
     tracker.add("expert", 77)?;
     assert_eq!(*tracker.stream("expert")?, Generator::new(77));
@@ -44,7 +44,7 @@ fn named_streams_are_unique() -> layers::Result<()> {
 /// Megatron's `test_cuda_rng_states_tracker`: a seed already in use is rejected, whether
 /// the default stream, this rank's model-parallel stream or an added stream holds it.
 #[test]
-fn seeds_are_unique_across_streams() -> layers::Result<()> {
+fn seeds_are_unique_across_streams() -> ferrotron_layers::Result<()> {
     let mut tracker = RngTracker::new(1, 3);
     tracker.add("expert", 77)?;
     for (seed, owner) in [
@@ -53,7 +53,7 @@ fn seeds_are_unique_across_streams() -> layers::Result<()> {
         (77, "expert"),
     ] {
         match tracker.add("other", seed) {
-            Err(layers::Error::DuplicateSeed {
+            Err(ferrotron_layers::Error::DuplicateSeed {
                 seed: got, stream, ..
             }) => assert_eq!((got, stream.as_str()), (seed, owner)),
             other => panic!("seed {seed}: expected DuplicateSeed, got {other:?}"),
@@ -68,7 +68,7 @@ fn seeds_are_unique_across_streams() -> layers::Result<()> {
 }
 
 /// Some draws of every kind from every stream, as bits so that equality is exact.
-fn draws(tracker: &mut RngTracker) -> layers::Result<Vec<u64>> {
+fn draws(tracker: &mut RngTracker) -> ferrotron_layers::Result<Vec<u64>> {
     let mut out = Vec::new();
     for name in [DEFAULT_STREAM, MODEL_PARALLEL_STREAM, "expert"] {
         let stream = tracker.stream(name)?;
@@ -80,14 +80,14 @@ fn draws(tracker: &mut RngTracker) -> layers::Result<Vec<u64>> {
     Ok(out)
 }
 
-fn tracker_with_expert(tp_rank: usize) -> layers::Result<RngTracker> {
+fn tracker_with_expert(tp_rank: usize) -> ferrotron_layers::Result<RngTracker> {
     let mut tracker = RngTracker::new(1234, tp_rank);
     tracker.add("expert", 5)?;
     Ok(tracker)
 }
 
 #[test]
-fn restored_state_continues_with_identical_draws() -> layers::Result<()> {
+fn restored_state_continues_with_identical_draws() -> ferrotron_layers::Result<()> {
     let mut original = tracker_with_expert(1)?;
     draws(&mut original)?;
     let saved = original.state();
@@ -115,7 +115,8 @@ fn restored_state_continues_with_identical_draws() -> layers::Result<()> {
 }
 
 #[test]
-fn restore_rejects_states_of_other_streams_and_leaves_the_tracker_alone() -> layers::Result<()> {
+fn restore_rejects_states_of_other_streams_and_leaves_the_tracker_alone(
+) -> ferrotron_layers::Result<()> {
     let saved = tracker_with_expert(0)?.state();
     let mut missing = saved.clone();
     missing.streams.pop();
@@ -148,7 +149,7 @@ fn restore_rejects_states_of_other_streams_and_leaves_the_tracker_alone() -> lay
         draws(&mut tracker)?;
         let before = tracker.state();
         match tracker.restore(state) {
-            Err(error @ layers::Error::RngStateMismatch { .. }) => {
+            Err(error @ ferrotron_layers::Error::RngStateMismatch { .. }) => {
                 let text = error.to_string();
                 assert!(text.contains(mention), "{what}: {text}");
             }
@@ -159,13 +160,13 @@ fn restore_rejects_states_of_other_streams_and_leaves_the_tracker_alone() -> lay
     // A tracker that lacks the added stream refuses the state that has it.
     assert!(matches!(
         RngTracker::new(1234, 0).restore(&saved),
-        Err(layers::Error::RngStateMismatch { .. })
+        Err(ferrotron_layers::Error::RngStateMismatch { .. })
     ));
     Ok(())
 }
 
 #[test]
-fn master_weights_depend_on_name_and_seed_only() -> layers::Result<()> {
+fn master_weights_depend_on_name_and_seed_only() -> ferrotron_layers::Result<()> {
     let init = MasterInit::new(5, 1.0);
     assert_eq!(
         init.weight("a", &[2, 3]).to_vec()?,
@@ -184,7 +185,7 @@ fn master_weights_depend_on_name_and_seed_only() -> layers::Result<()> {
 /// tensor-parallel ranks share the default stream and not the model-parallel one.
 #[test]
 fn pipeline_stages_are_seeded_100_apart() {
-    assert_eq!(layers::PIPELINE_SEED_STRIDE, 100);
+    assert_eq!(ferrotron_layers::PIPELINE_SEED_STRIDE, 100);
     let state = |tracker: &RngTracker| tracker.state();
     assert_eq!(
         state(&RngTracker::for_pipeline_stage(1234, 1, 0)),

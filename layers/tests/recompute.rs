@@ -7,8 +7,10 @@
 mod common;
 
 use common::{run_sequence_model, AnyResult, FullRun};
-use layers::{recompute_blocks, BlockConfig, MasterInit, Module, RngTracker, TransformerBlock};
-use tape::{Generator, Tape, Tensor};
+use ferrotron_layers::{
+    recompute_blocks, BlockConfig, MasterInit, Module, RngTracker, TransformerBlock,
+};
+use ferrotron_tape::{Generator, Tape, Tensor};
 
 const SEQ: usize = 8;
 const BATCH: usize = 2;
@@ -19,21 +21,24 @@ const HEADS: usize = 4;
 struct Blocks(Vec<TransformerBlock>);
 
 impl Module for Blocks {
-    fn parameters(&self) -> Vec<layers::ShardedParameter> {
+    fn parameters(&self) -> Vec<ferrotron_layers::ShardedParameter> {
         self.0.iter().flat_map(Module::parameters).collect()
     }
 }
 
-fn build(tp: &layers::TensorParallel) -> layers::Result<Blocks> {
+fn build(tp: &ferrotron_layers::TensorParallel) -> ferrotron_layers::Result<Blocks> {
     build_with(tp, false)
 }
 
 /// The same blocks recomputing their attention core (selective recomputation).
-fn build_selective(tp: &layers::TensorParallel) -> layers::Result<Blocks> {
+fn build_selective(tp: &ferrotron_layers::TensorParallel) -> ferrotron_layers::Result<Blocks> {
     build_with(tp, true)
 }
 
-fn build_with(tp: &layers::TensorParallel, selective: bool) -> layers::Result<Blocks> {
+fn build_with(
+    tp: &ferrotron_layers::TensorParallel,
+    selective: bool,
+) -> ferrotron_layers::Result<Blocks> {
     let config = BlockConfig {
         attention_dropout: 0.2,
         hidden_dropout: 0.1,
@@ -43,11 +48,16 @@ fn build_with(tp: &layers::TensorParallel, selective: bool) -> layers::Result<Bl
     let init = MasterInit::new(7, 0.2).with_bias_std(0.1);
     let blocks = (0..3)
         .map(|i| TransformerBlock::new(tp, &format!("block{i}"), &config, &init))
-        .collect::<layers::Result<_>>()?;
+        .collect::<ferrotron_layers::Result<_>>()?;
     Ok(Blocks(blocks))
 }
 
-fn plain(m: &Blocks, tape: &Tape, x: &Tensor, rng: &mut RngTracker) -> layers::Result<Tensor> {
+fn plain(
+    m: &Blocks,
+    tape: &Tape,
+    x: &Tensor,
+    rng: &mut RngTracker,
+) -> ferrotron_layers::Result<Tensor> {
     let mut hidden = x.clone();
     for block in &m.0 {
         hidden = block.forward(tape, &hidden, rng)?;
@@ -56,7 +66,12 @@ fn plain(m: &Blocks, tape: &Tape, x: &Tensor, rng: &mut RngTracker) -> layers::R
 }
 
 /// The first two blocks recomputed together, the third kept as usual.
-fn recomputed(m: &Blocks, tape: &Tape, x: &Tensor, rng: &mut RngTracker) -> layers::Result<Tensor> {
+fn recomputed(
+    m: &Blocks,
+    tape: &Tape,
+    x: &Tensor,
+    rng: &mut RngTracker,
+) -> ferrotron_layers::Result<Tensor> {
     let hidden = recompute_blocks(&m.0[..2], tape, x, rng)?;
     m.0[2].forward(tape, &hidden, rng)
 }

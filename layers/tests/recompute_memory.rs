@@ -5,11 +5,11 @@
 #[path = "../../tape/tests/support/counting.rs"]
 mod counting;
 
-use comm_core::run_local;
-use layers::{
+use ferrotron_comm_core::run_local;
+use ferrotron_layers::{
     recompute_blocks, BlockConfig, MasterInit, RngTracker, TensorParallel, TransformerBlock,
 };
-use tape::{Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{Generator, Parameter, Tape, Tensor};
 
 const SEQ: usize = 64;
 const BATCH: usize = 4;
@@ -19,7 +19,7 @@ const BLOCKS: usize = 4;
 /// Bytes live after the forward of `BLOCKS` blocks, recomputed or not, and the input
 /// gradient after backward.
 fn held(recompute: bool) -> (isize, Vec<f32>) {
-    run_local(1, move |comm| -> layers::Result<_> {
+    run_local(1, move |comm| -> ferrotron_layers::Result<_> {
         let tp = TensorParallel::new(std::sync::Arc::new(comm));
         let config = BlockConfig {
             hidden_dropout: 0.1,
@@ -28,7 +28,7 @@ fn held(recompute: bool) -> (isize, Vec<f32>) {
         let init = MasterInit::new(1, 0.1);
         let blocks = (0..BLOCKS)
             .map(|i| TransformerBlock::new(&tp, &format!("block{i}"), &config, &init))
-            .collect::<layers::Result<Vec<_>>>()?;
+            .collect::<ferrotron_layers::Result<Vec<_>>>()?;
         let x = Parameter::new(
             "x",
             Tensor::randn(&[SEQ, BATCH, HIDDEN], 1.0, &mut Generator::new(2)),

@@ -6,10 +6,10 @@
 mod common;
 
 use common::{assert_close, assert_runs_equal, run_sequence_model, AnyResult};
-use layers::{
+use ferrotron_layers::{
     BlockConfig, MasterInit, Module, ParallelMlp, ParallelSelfAttention, TransformerBlock,
 };
-use tape::{causal_mask, Generator, Tape, Tensor};
+use ferrotron_tape::{causal_mask, Generator, Tape, Tensor};
 
 const SEQ: usize = 6;
 const BATCH: usize = 2;
@@ -40,7 +40,7 @@ fn data() -> (Tensor, Tensor) {
 struct TwoBlocks(TransformerBlock, TransformerBlock);
 
 impl Module for TwoBlocks {
-    fn parameters(&self) -> Vec<layers::ShardedParameter> {
+    fn parameters(&self) -> Vec<ferrotron_layers::ShardedParameter> {
         let mut params = self.0.parameters();
         params.extend(self.1.parameters());
         params
@@ -50,9 +50,12 @@ impl Module for TwoBlocks {
 #[test]
 fn mlp_matches_serial_for_every_tp_and_sequence_parallel() -> AnyResult<()> {
     let (x, w) = data();
-    let build = |tp: &layers::TensorParallel| ParallelMlp::new(tp, "mlp", &config(), &init());
-    let forward =
-        |m: &ParallelMlp, tape: &Tape, x: &Tensor, _: &mut layers::RngTracker| m.forward(tape, x);
+    let build =
+        |tp: &ferrotron_layers::TensorParallel| ParallelMlp::new(tp, "mlp", &config(), &init());
+    let forward = |m: &ParallelMlp,
+                   tape: &Tape,
+                   x: &Tensor,
+                   _: &mut ferrotron_layers::RngTracker| m.forward(tape, x);
     let serial = run_sequence_model(1, false, &x, &w, build, forward)?;
     for tp in [2, 3, 4] {
         for sp in [false, true] {
@@ -66,12 +69,14 @@ fn mlp_matches_serial_for_every_tp_and_sequence_parallel() -> AnyResult<()> {
 #[test]
 fn attention_matches_serial_for_every_tp_and_sequence_parallel() -> AnyResult<()> {
     let (x, w) = data();
-    let build =
-        |tp: &layers::TensorParallel| ParallelSelfAttention::new(tp, "attn", &config(), &init());
-    let forward = |m: &ParallelSelfAttention,
-                   tape: &Tape,
-                   x: &Tensor,
-                   rng: &mut layers::RngTracker| { m.forward(tape, x, rng) };
+    let build = |tp: &ferrotron_layers::TensorParallel| {
+        ParallelSelfAttention::new(tp, "attn", &config(), &init())
+    };
+    let forward =
+        |m: &ParallelSelfAttention,
+         tape: &Tape,
+         x: &Tensor,
+         rng: &mut ferrotron_layers::RngTracker| { m.forward(tape, x, rng) };
     let serial = run_sequence_model(1, false, &x, &w, build, forward)?;
     for tp in [2, 3, 4] {
         for sp in [false, true] {
@@ -85,10 +90,10 @@ fn attention_matches_serial_for_every_tp_and_sequence_parallel() -> AnyResult<()
 #[test]
 fn serial_attention_matches_a_plain_per_head_implementation() -> AnyResult<()> {
     let (x, _) = data();
-    let outputs = comm_core::run_local(1, |comm| -> AnyResult<Tensor> {
+    let outputs = ferrotron_comm_core::run_local(1, |comm| -> AnyResult<Tensor> {
         let tp = common::tp_context(comm, false);
         let attention = ParallelSelfAttention::new(&tp, "attn", &config(), &init())?;
-        let mut rng = layers::RngTracker::new(0, 0);
+        let mut rng = ferrotron_layers::RngTracker::new(0, 0);
         Ok(attention.forward(&Tape::new(), &x, &mut rng)?)
     })?;
     // Plain reference from the master weights, one (batch, head) at a time.
@@ -126,16 +131,17 @@ fn serial_attention_matches_a_plain_per_head_implementation() -> AnyResult<()> {
 #[test]
 fn two_blocks_match_serial_with_and_without_sequence_parallel() -> AnyResult<()> {
     let (x, w) = data();
-    let build = |tp: &layers::TensorParallel| -> layers::Result<TwoBlocks> {
+    let build = |tp: &ferrotron_layers::TensorParallel| -> ferrotron_layers::Result<TwoBlocks> {
         Ok(TwoBlocks(
             TransformerBlock::new(tp, "block0", &config(), &init())?,
             TransformerBlock::new(tp, "block1", &config(), &init())?,
         ))
     };
-    let forward = |m: &TwoBlocks, tape: &Tape, x: &Tensor, rng: &mut layers::RngTracker| {
-        let h = m.0.forward(tape, x, rng)?;
-        m.1.forward(tape, &h, rng)
-    };
+    let forward =
+        |m: &TwoBlocks, tape: &Tape, x: &Tensor, rng: &mut ferrotron_layers::RngTracker| {
+            let h = m.0.forward(tape, x, rng)?;
+            m.1.forward(tape, &h, rng)
+        };
     let serial = run_sequence_model(1, false, &x, &w, build, forward)?;
     for tp in [2, 4] {
         for sp in [false, true] {
@@ -155,10 +161,13 @@ fn hidden_dropout_on_replicated_activations_is_identical_across_tp() -> AnyResul
         hidden_dropout: 0.3,
         ..config()
     };
-    let build = |tp: &layers::TensorParallel| TransformerBlock::new(tp, "block0", &config, &init());
-    let forward = |m: &TransformerBlock, tape: &Tape, x: &Tensor, rng: &mut layers::RngTracker| {
-        m.forward(tape, x, rng)
+    let build = |tp: &ferrotron_layers::TensorParallel| {
+        TransformerBlock::new(tp, "block0", &config, &init())
     };
+    let forward =
+        |m: &TransformerBlock, tape: &Tape, x: &Tensor, rng: &mut ferrotron_layers::RngTracker| {
+            m.forward(tape, x, rng)
+        };
     let serial = run_sequence_model(1, false, &x, &w, build, forward)?;
     let parallel = run_sequence_model(2, false, &x, &w, build, forward)?;
     assert_runs_equal("block with hidden dropout, tp=2", &parallel, &serial);
@@ -168,7 +177,9 @@ fn hidden_dropout_on_replicated_activations_is_identical_across_tp() -> AnyResul
         false,
         &x,
         &w,
-        |tp: &layers::TensorParallel| TransformerBlock::new(tp, "block0", &self::config(), &init()),
+        |tp: &ferrotron_layers::TensorParallel| {
+            TransformerBlock::new(tp, "block0", &self::config(), &init())
+        },
         forward,
     )?;
     assert_ne!(plain.output.to_vec()?, serial.output.to_vec()?);
@@ -177,13 +188,13 @@ fn hidden_dropout_on_replicated_activations_is_identical_across_tp() -> AnyResul
 
 #[test]
 fn sequence_parallel_flags_exactly_the_norms_and_row_biases() -> AnyResult<()> {
-    let flagged = comm_core::run_local(2, |comm| -> AnyResult<Vec<String>> {
+    let flagged = ferrotron_comm_core::run_local(2, |comm| -> AnyResult<Vec<String>> {
         let tp = common::tp_context(comm, true);
         let block = TransformerBlock::new(&tp, "b", &config(), &init())?;
         Ok(block
             .parameters()
             .into_iter()
-            .filter(|p| p.grad_reduce_group == Some(layers::TP_GROUP))
+            .filter(|p| p.grad_reduce_group == Some(ferrotron_layers::TP_GROUP))
             .map(|p| p.param.name().to_string())
             .collect())
     })?;
@@ -208,7 +219,7 @@ fn sequence_parallel_flags_exactly_the_norms_and_row_biases() -> AnyResult<()> {
 /// model-parallel one. Evaluation draws from none.
 #[test]
 fn dropout_draws_from_the_streams_megatron_uses() -> AnyResult<()> {
-    use layers::{RngState, RngTracker, TensorParallel};
+    use ferrotron_layers::{RngState, RngTracker, TensorParallel};
     let (x, _) = data();
     let cases = [
         // (attention, hidden, sequence parallel, default drawn, model-parallel drawn)
@@ -223,23 +234,24 @@ fn dropout_draws_from_the_streams_megatron_uses() -> AnyResult<()> {
             ..config()
         };
         let what = format!("attention {attention_dropout}, hidden {hidden_dropout}, sp {sp}");
-        let ranks = comm_core::run_local(2, |comm| -> AnyResult<(RngState, RngState, bool)> {
-            let tp: TensorParallel = common::tp_context(comm, sp);
-            let block = TransformerBlock::new(&tp, "block0", &config, &init())?;
-            let x = if sp {
-                common::part(&x, 0, tp.rank(), tp.size())
-            } else {
-                x.clone()
-            };
-            let mut rng = RngTracker::new(5, tp.rank());
-            let before = rng.state();
-            let tape = Tape::new();
-            let evaluated = block.forward_inference(&tape, &x)?;
-            assert_eq!(rng.state(), before, "{what}: evaluation drew");
-            let trained = block.forward(&tape, &x, &mut rng)?;
-            let dropped = trained.to_vec()? != evaluated.to_vec()?;
-            Ok((before, rng.state(), dropped))
-        })?;
+        let ranks =
+            ferrotron_comm_core::run_local(2, |comm| -> AnyResult<(RngState, RngState, bool)> {
+                let tp: TensorParallel = common::tp_context(comm, sp);
+                let block = TransformerBlock::new(&tp, "block0", &config, &init())?;
+                let x = if sp {
+                    common::part(&x, 0, tp.rank(), tp.size())
+                } else {
+                    x.clone()
+                };
+                let mut rng = RngTracker::new(5, tp.rank());
+                let before = rng.state();
+                let tape = Tape::new();
+                let evaluated = block.forward_inference(&tape, &x)?;
+                assert_eq!(rng.state(), before, "{what}: evaluation drew");
+                let trained = block.forward(&tape, &x, &mut rng)?;
+                let dropped = trained.to_vec()? != evaluated.to_vec()?;
+                Ok((before, rng.state(), dropped))
+            })?;
         for (rank, (before, after, dropped)) in ranks.iter().enumerate() {
             assert!(dropped, "{what}, rank {rank}: training dropped nothing");
             let drawn = |i: usize| before.streams[i] != after.streams[i];

@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use comm_core::Communicator;
-use tape::Tensor;
+use ferrotron_comm_core::Communicator;
+use ferrotron_tape::Tensor;
 
 use crate::collective::{Collective, Exchange};
 use crate::error::{Error, Result};
@@ -30,10 +30,10 @@ use crate::Scalar;
 ///   agree outside `gather_dim`, along which each rank may hold a different length.
 ///
 /// ```
-/// use comm_core::{run_local, Communicator};
-/// use mappings::all_to_all;
+/// use ferrotron_comm_core::{run_local, Communicator};
+/// use ferrotron_mappings::all_to_all;
 /// use std::sync::Arc;
-/// use tape::Tensor;
+/// use ferrotron_tape::Tensor;
 ///
 /// // Each of 2 ranks holds its half of a sequence (dim 0) with 2 heads (dim 1);
 /// // afterwards each holds the whole sequence for one head.
@@ -41,7 +41,7 @@ use crate::Scalar;
 ///     let r = comm.rank() as f64;
 ///     let x = Tensor::<f64>::from_vec(vec![10.0 * r, 10.0 * r + 1.0], &[1, 2])?;
 ///     let group = Arc::new(comm) as Arc<dyn Communicator>;
-///     all_to_all(&x, &group, 1, 0, None)?.to_vec().map_err(mappings::Error::from)
+///     all_to_all(&x, &group, 1, 0, None)?.to_vec().map_err(ferrotron_mappings::Error::from)
 /// })?;
 /// assert_eq!(outputs, vec![vec![0.0, 10.0], vec![1.0, 11.0]]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())

@@ -1,8 +1,8 @@
 //! The non-differentiable steps a mapping runs in its forward or backward pass: each one
 //! collective (or none) over a group, on a whole tensor, returning a new tensor.
 
-use comm_core::{Communicator, ReduceOp};
-use tape::Tensor;
+use ferrotron_comm_core::{Communicator, ReduceOp};
+use ferrotron_tape::Tensor;
 
 use crate::error::{Error, Result};
 use crate::split::{offsets, DimLayout};
@@ -139,7 +139,7 @@ fn pack_rank_blocks<T: Scalar>(x: &Tensor<T>, dim: usize, sizes: &[usize]) -> Re
         .split(sizes, dim)?
         .into_iter()
         .map(flat)
-        .collect::<tape::Result<Vec<_>>>()?;
+        .collect::<ferrotron_tape::Result<Vec<_>>>()?;
     Ok(Tensor::concat(&blocks.iter().collect::<Vec<_>>(), 0)?)
 }
 
@@ -159,7 +159,7 @@ fn unpack_rank_blocks<T: Scalar>(
         .into_iter()
         .zip(sizes)
         .map(|(block, &size)| block.reshape(&with_len(shape, dim, size)))
-        .collect::<tape::Result<Vec<_>>>()?;
+        .collect::<ferrotron_tape::Result<Vec<_>>>()?;
     Ok(Tensor::concat(&parts.iter().collect::<Vec<_>>(), dim)?)
 }
 
@@ -191,7 +191,7 @@ fn layout_with(op: &'static str, shape: &[usize], dim: usize, len: usize) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tape::Device;
+    use ferrotron_tape::Device;
 
     #[test]
     fn blocks_round_trip_along_a_middle_dimension_on_every_device() -> Result<()> {

@@ -76,42 +76,47 @@ pub enum Error {
 
     /// A collective failed (mismatched calls, a lost peer, a timeout).
     #[error(transparent)]
-    Comm(#[from] comm_core::Error),
+    Comm(#[from] ferrotron_comm_core::Error),
 
     /// A tensor operation failed.
     #[error(transparent)]
-    Tape(#[from] tape::Error),
+    Tape(#[from] ferrotron_tape::Error),
 }
 
 impl Error {
     /// Turns a collective's error into this crate's, recognising the signal of a peer that
     /// rejected its arguments (it issues a barrier where the others issue `op`).
-    pub(crate) fn from_comm(op: &'static str, error: comm_core::Error) -> Error {
+    pub(crate) fn from_comm(op: &'static str, error: ferrotron_comm_core::Error) -> Error {
         match error {
-            comm_core::Error::Mismatch {
+            ferrotron_comm_core::Error::Mismatch {
                 ref group,
                 ref calls,
                 ..
-            } if calls.iter().any(|c| c.op == comm_core::OpKind::Barrier) => Error::PeerRejected {
-                op,
-                group: group.clone(),
-                ranks: calls
-                    .iter()
-                    .filter(|c| c.op == comm_core::OpKind::Barrier)
-                    .map(|c| c.rank)
-                    .collect(),
-            },
+            } if calls
+                .iter()
+                .any(|c| c.op == ferrotron_comm_core::OpKind::Barrier) =>
+            {
+                Error::PeerRejected {
+                    op,
+                    group: group.clone(),
+                    ranks: calls
+                        .iter()
+                        .filter(|c| c.op == ferrotron_comm_core::OpKind::Barrier)
+                        .map(|c| c.rank)
+                        .collect(),
+                }
+            }
             other => Error::Comm(other),
         }
     }
 
     /// Recovers this crate's error from a tape error raised inside a mapping's forward
-    /// (the tape wraps custom-op errors in [`tape::Error::Custom`]).
-    pub(crate) fn from_tape(error: tape::Error) -> Error {
+    /// (the tape wraps custom-op errors in [`ferrotron_tape::Error::Custom`]).
+    pub(crate) fn from_tape(error: ferrotron_tape::Error) -> Error {
         match error {
-            tape::Error::Custom { op, source } => match source.downcast::<Error>() {
+            ferrotron_tape::Error::Custom { op, source } => match source.downcast::<Error>() {
                 Ok(ours) => *ours,
-                Err(source) => Error::Tape(tape::Error::Custom { op, source }),
+                Err(source) => Error::Tape(ferrotron_tape::Error::Custom { op, source }),
             },
             other => Error::Tape(other),
         }

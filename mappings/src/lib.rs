@@ -1,6 +1,6 @@
 //! Differentiable collectives for tensor, sequence and context parallel regions.
 //!
-//! A *mapping* is a [`tape`] op whose forward pass is one collective over a group
+//! A *mapping* is a [`tape`](ferrotron_tape) op whose forward pass is one collective over a group
 //! communicator and whose backward pass is the conjugate collective, as in Megatron-Core's
 //! `tensor_parallel/mappings.py`:
 //!
@@ -18,7 +18,7 @@
 //! | [`all_gather_variable`] | all-gather of per-rank lengths | keep own part, optionally summed first |
 //! | [`all_to_all`] | all-to-all (cut one dim, join another) | the inverse all-to-all |
 //!
-//! Mappings use only the [`Communicator`](comm_core::Communicator) trait, so they run
+//! Mappings use only the [`Communicator`](ferrotron_comm_core::Communicator) trait, so they run
 //! unchanged on every backend; groups come from `parallel-state` (`state.tp()`, ...) or
 //! any communicator. A group of one rank is the identity with no communication. Every
 //! mapping returns a new tensor and never changes its input.
@@ -34,7 +34,7 @@
 //! rank has (exchanged shapes, per-rank counts compared by comm-core) fail everywhere at
 //! once, and a rank that rejects its own arguments makes its peers fail with
 //! [`Error::PeerRejected`] rather than wait. Errors in a backward pass come out of
-//! `backward()` as [`tape::Error::Custom`] whose source is this crate's [`Error`].
+//! `backward()` as [`ferrotron_tape::Error::Custom`] whose source is this crate's [`Error`].
 //! Every rank must run backward through the same mappings in the same order, as it ran
 //! forward (a rank whose input does not require grad skips the backward collective, and
 //! its peers then time out).
@@ -45,10 +45,10 @@
 //! up in [`reduce_from_region`]. Backward, the scatter gathers the two halves of the
 //! input gradient, exactly as if one rank had computed the whole product.
 //! ```
-//! use comm_core::{run_local, Communicator};
-//! use mappings::{reduce_from_region, scatter_to_region};
+//! use ferrotron_comm_core::{run_local, Communicator};
+//! use ferrotron_mappings::{reduce_from_region, scatter_to_region};
 //! use std::sync::Arc;
-//! use tape::{Parameter, Tape, Tensor};
+//! use ferrotron_tape::{Parameter, Tape, Tensor};
 //!
 //! let grads = run_local(2, |comm| {
 //!     let group: Arc<dyn Communicator> = Arc::new(comm);
@@ -60,7 +60,7 @@
 //!     let y = reduce_from_region(&x_part.matmul(&w)?, &group)?;
 //!     assert_eq!(y.to_vec()?, vec![1.0 + 2.0 + 2.0 * (3.0 + 4.0)]);
 //!     y.sum()?.backward()?;
-//!     Ok::<_, mappings::Error>(x.grad().map(|g| g.to_vec()).transpose()?)
+//!     Ok::<_, ferrotron_mappings::Error>(x.grad().map(|g| g.to_vec()).transpose()?)
 //! })?;
 //! // dy/dx = W on every rank: the scatter's backward gathered the two halves.
 //! assert_eq!(grads[0], Some(vec![1.0, 1.0, 2.0, 2.0]));
@@ -72,10 +72,10 @@
 //! Three ranks hold 1, 2 and 3 rows; the gather learns the lengths by itself, and its
 //! backward hands each rank the gradient of its own rows.
 //! ```
-//! use comm_core::{run_local, Communicator};
-//! use mappings::all_gather_variable;
+//! use ferrotron_comm_core::{run_local, Communicator};
+//! use ferrotron_mappings::all_gather_variable;
 //! use std::sync::Arc;
-//! use tape::{Parameter, Tape, Tensor};
+//! use ferrotron_tape::{Parameter, Tape, Tensor};
 //!
 //! let results = run_local(3, |comm| {
 //!     let rows = comm.rank() + 1;
@@ -85,12 +85,17 @@
 //!     let (all, sizes) = all_gather_variable(&tape.watch(&x), &group, 0, None, false)?;
 //!     assert_eq!(all.shape(), &[6, 2]);
 //!     all.scale(2.0)?.sum()?.backward()?;
-//!     Ok::<_, mappings::Error>((sizes, x.grad().map(|g| g.shape().to_vec())))
+//!     Ok::<_, ferrotron_mappings::Error>((sizes, x.grad().map(|g| g.shape().to_vec())))
 //! })?;
 //! assert_eq!(results[2], (vec![1, 2, 3], Some(vec![3, 2])));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 #![warn(missing_docs)]
+
+// The README's example runs as a doctest, so the package's front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod all_to_all;
 mod collective;
@@ -110,6 +115,6 @@ pub use regions::{
 pub use split::split_sizes;
 
 /// An element type both tensors and collectives handle: `f32` and `f64`.
-pub trait Scalar: tape::Element + comm_core::Element {}
+pub trait Scalar: ferrotron_tape::Element + ferrotron_comm_core::Element {}
 
-impl<T: tape::Element + comm_core::Element> Scalar for T {}
+impl<T: ferrotron_tape::Element + ferrotron_comm_core::Element> Scalar for T {}

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use comm_core::{Communicator, CommunicatorExt};
-use tape::{CustomOp, Tensor};
+use ferrotron_comm_core::{Communicator, CommunicatorExt};
+use ferrotron_tape::{CustomOp, Tensor};
 
 use crate::collective::{Collective, Partition};
 use crate::error::{Error, Result};
@@ -39,24 +39,24 @@ impl<T: Scalar> CustomOp<T> for Mapping {
         &self,
         inputs: &[Tensor<T>],
         _saved: &mut Vec<Tensor<T>>,
-    ) -> tape::Result<Tensor<T>> {
+    ) -> ferrotron_tape::Result<Tensor<T>> {
         let x = inputs
             .first()
-            .ok_or_else(|| tape::Error::custom(self.name, "a mapping takes one input"))?;
+            .ok_or_else(|| ferrotron_tape::Error::custom(self.name, "a mapping takes one input"))?;
         self.forward
             .run(self.name, x, self.group.as_ref())
-            .map_err(|e| tape::Error::custom(self.name, e))
+            .map_err(|e| ferrotron_tape::Error::custom(self.name, e))
     }
 
     fn backward(
         &self,
         grad_output: &Tensor<T>,
         _saved: &[Tensor<T>],
-    ) -> tape::Result<Vec<Option<Tensor<T>>>> {
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor<T>>>> {
         let grad = self
             .backward
             .run(self.name, grad_output, self.group.as_ref())
-            .map_err(|e| tape::Error::custom(self.name, e))?;
+            .map_err(|e| ferrotron_tape::Error::custom(self.name, e))?;
         Ok(vec![Some(grad)])
     }
 }

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use comm_core::Communicator;
-use tape::Tensor;
+use ferrotron_comm_core::Communicator;
+use ferrotron_tape::Tensor;
 
 use crate::collective::Collective;
 use crate::error::Result;

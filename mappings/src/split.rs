@@ -19,13 +19,13 @@ use crate::error::{Error, Result};
 /// explicit per-rank sizes accept empty parts.
 ///
 /// ```
-/// use mappings::split_sizes;
+/// use ferrotron_mappings::split_sizes;
 ///
 /// assert_eq!(split_sizes(10, 4)?, vec![3, 3, 2, 2]);
 /// assert_eq!(split_sizes(9, 4)?, vec![3, 2, 2, 2]);
 /// assert_eq!(split_sizes(8, 4)?, vec![2, 2, 2, 2]);
 /// assert!(split_sizes(3, 4).is_err());
-/// # Ok::<(), mappings::Error>(())
+/// # Ok::<(), ferrotron_mappings::Error>(())
 /// ```
 pub fn split_sizes(len: usize, parts: usize) -> Result<Vec<usize>> {
     split_sizes_for("split_sizes", len, parts)

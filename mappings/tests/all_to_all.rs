@@ -5,9 +5,9 @@
 mod support;
 
 use anyhow::Result;
-use mappings::{all_to_all, split_sizes};
+use ferrotron_mappings::{all_to_all, split_sizes};
+use ferrotron_tape::Tensor;
 use support::{assert_close, distributed, part, random, serial, with_len, Layout};
-use tape::Tensor;
 
 const BASE: [usize; 3] = [2, 3, 2];
 
@@ -85,7 +85,7 @@ fn all_to_all_matches_the_world() -> Result<()> {
                             .map(|r| {
                                 let parts = (0..n)
                                     .map(|s| part(&xs[s], scatter_dim, &splits[s], r))
-                                    .collect::<tape::Result<Vec<_>>>()?;
+                                    .collect::<ferrotron_tape::Result<Vec<_>>>()?;
                                 let refs: Vec<&Tensor<f64>> = parts.iter().collect();
                                 Tensor::concat(&refs, gather_dim)
                             })

@@ -19,10 +19,10 @@ mod support;
 use std::sync::Arc;
 
 use anyhow::{ensure, Result};
-use comm_core::{run_local, Communicator};
-use mappings::{all_gather_from_region, all_gather_variable, gather_from_region};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_mappings::{all_gather_from_region, all_gather_variable, gather_from_region};
+use ferrotron_tape::{CrossEntropyOptions, Parameter, Reduction, Tape, Tensor};
 use support::{random, Group};
-use tape::{CrossEntropyOptions, Parameter, Reduction, Tape, Tensor};
 
 const BATCHES: [usize; 3] = [2, 3, 1];
 const FEATURES: usize = 4;
@@ -42,7 +42,7 @@ fn contrastive(
     batch: &Tensor<f64>,
     first_label: usize,
     reduction: Reduction,
-) -> tape::Result<Tensor<f64>> {
+) -> ferrotron_tape::Result<Tensor<f64>> {
     let logits = anchors.matmul(&batch.transpose(0, 1)?)?;
     let labels: Vec<i64> = (0..anchors.shape()[0])
         .map(|i| (first_label + i) as i64)
@@ -92,7 +92,7 @@ impl Gather {
         )
     }
 
-    fn run(self, x: &Tensor<f64>, group: &Group) -> mappings::Result<Tensor<f64>> {
+    fn run(self, x: &Tensor<f64>, group: &Group) -> ferrotron_mappings::Result<Tensor<f64>> {
         match self {
             Gather::OwnSliceByHand => {
                 // Gathering a detached tensor records nothing: no gradient flows back.

@@ -5,14 +5,14 @@
 mod support;
 
 use anyhow::Result;
-use mappings::{
+use ferrotron_mappings::{
     all_gather_from_region, all_to_all, copy_to_region, gather_from_region, reduce_from_region,
     reduce_scatter_to_region, scatter_to_region,
 };
+use ferrotron_tape::{Device, Tensor, Transfers};
 use support::{assert_close, distributed_on, random, Group, Layout};
-use tape::{Device, Tensor, Transfers};
 
-type Mapping = fn(&Tensor<f64>, &Group) -> mappings::Result<Tensor<f64>>;
+type Mapping = fn(&Tensor<f64>, &Group) -> ferrotron_mappings::Result<Tensor<f64>>;
 
 #[test]
 fn every_mapping_on_the_emulated_device_equals_the_cpu_with_no_host_copies() -> Result<()> {

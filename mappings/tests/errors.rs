@@ -8,16 +8,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
-use comm_core::{run_local, Communicator, LocalLauncher};
-use mappings::{
+use ferrotron_comm_core::{run_local, Communicator, LocalLauncher};
+use ferrotron_mappings::{
     all_gather_variable, all_to_all, gather_from_region, reduce_from_region,
     reduce_scatter_to_region, scatter_to_region, split_sizes, Error,
 };
+use ferrotron_tape::{Parameter, Tape, Tensor};
 use support::Group;
-use tape::{Parameter, Tape, Tensor};
 
 /// A short name for each error, comparable across ranks.
-fn kind(result: mappings::Result<Tensor<f64>>) -> &'static str {
+fn kind(result: ferrotron_mappings::Result<Tensor<f64>>) -> &'static str {
     match result {
         Ok(_) => "ok",
         Err(Error::DimOutOfRange { .. }) => "dim",
@@ -25,7 +25,7 @@ fn kind(result: mappings::Result<Tensor<f64>>) -> &'static str {
         Err(Error::InvalidSizes { .. }) => "sizes",
         Err(Error::ShapeMismatch { .. }) => "shapes",
         Err(Error::PeerRejected { .. }) => "peer",
-        Err(Error::Comm(comm_core::Error::Mismatch { .. })) => "comm mismatch",
+        Err(Error::Comm(ferrotron_comm_core::Error::Mismatch { .. })) => "comm mismatch",
         Err(_) => "other",
     }
 }
@@ -33,7 +33,7 @@ fn kind(result: mappings::Result<Tensor<f64>>) -> &'static str {
 /// Runs `f` on `n` ranks and returns each rank's error kind.
 fn kinds(
     n: usize,
-    f: impl Fn(usize, &Group) -> mappings::Result<Tensor<f64>> + Sync,
+    f: impl Fn(usize, &Group) -> ferrotron_mappings::Result<Tensor<f64>> + Sync,
 ) -> Result<Vec<&'static str>> {
     Ok(run_local(n, |comm| -> Result<&'static str> {
         let rank = comm.rank();
@@ -178,14 +178,14 @@ fn backward_errors_come_out_of_backward() -> Result<()> {
             let group: Group = Arc::new(comm);
             let x = Parameter::new("x", Tensor::<f64>::ones(&[2]));
             let tape = Tape::new();
-            let y = mappings::copy_to_region(&tape.watch(&x), &group)?;
+            let y = ferrotron_mappings::copy_to_region(&tape.watch(&x), &group)?;
             if rank == 0 {
                 // Rank 0 leaves without running backward (and drops its communicator).
                 return Ok(None);
             }
             let error = y.sum()?.backward().err();
             Ok(error.map(|e| match e {
-                tape::Error::Custom { op, source } => {
+                ferrotron_tape::Error::Custom { op, source } => {
                     let ours = source
                         .downcast_ref::<Error>()
                         .map(|e| matches!(e, Error::Comm(_)));

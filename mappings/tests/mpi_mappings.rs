@@ -6,14 +6,14 @@
 use std::sync::Arc;
 
 use anyhow::{ensure, Result};
-use comm_core::mpi::MpiWorld;
-use comm_core::Communicator;
-use mappings::{
+use ferrotron_comm_core::mpi::MpiWorld;
+use ferrotron_comm_core::Communicator;
+use ferrotron_mappings::{
     all_gather_from_region, all_gather_variable, all_to_all, copy_to_region, gather_from_region,
     reduce_from_region, reduce_scatter_to_region, scatter_to_region, split_sizes, Error,
 };
-use parallel_state::{ParallelState, RankLayout};
-use tape::{Parameter, Tape, Tensor};
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_tape::{Parameter, Tape, Tensor};
 
 type Group = Arc<dyn Communicator>;
 
@@ -143,7 +143,7 @@ fn main() -> Result<()> {
     let mpi = MpiWorld::init()?;
     let world: Group = Arc::new(mpi.world()?);
     let world_rank = world.rank();
-    let tp = if world.size() % 2 == 0 { 2 } else { 1 };
+    let tp = if world.size().is_multiple_of(2) { 2 } else { 1 };
     let layout = RankLayout::builder(world.size()).tp(tp).build()?;
     let state = ParallelState::new(world.clone(), layout)?;
     let tp_group = state.tp().clone();

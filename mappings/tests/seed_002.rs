@@ -5,10 +5,12 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use comm_core::{run_local, Communicator};
-use mappings::{copy_to_region, gather_from_region, reduce_from_region, scatter_to_region};
-use parallel_state::{ParallelState, RankLayout};
-use tape::{Parameter, Tape, Tensor};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_mappings::{
+    copy_to_region, gather_from_region, reduce_from_region, scatter_to_region,
+};
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_tape::{Parameter, Tape, Tensor};
 
 /// Runs `check` on 8 local ranks with the seed's layout; `check` gets the global rank and
 /// the rank's TP group.

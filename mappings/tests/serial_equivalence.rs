@@ -5,16 +5,16 @@
 mod support;
 
 use anyhow::Result;
-use mappings::{
+use ferrotron_mappings::{
     all_gather_from_region, all_gather_variable, copy_to_region, gather_from_region,
     gather_from_sequence_parallel_region, reduce_from_region, reduce_scatter_to_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_region,
     scatter_to_sequence_parallel_region, split_sizes,
 };
+use ferrotron_tape::Tensor;
 use support::{
     assert_close, distributed, part, random, serial, sum_all, with_len, Layout, RankResult,
 };
-use tape::Tensor;
 
 const BASE: [usize; 3] = [2, 3, 2];
 const MAX_RANKS: usize = 8;
@@ -127,7 +127,7 @@ fn reduce_scatter_matches_the_world() -> Result<()> {
             for (len, sizes) in cuts(n) {
                 let parts = cut_sizes(n, len, &sizes)?;
                 let inputs = per_rank_inputs(&vec![with_len(&BASE, dim, len); n], 5);
-                let world = |xs: &[Tensor<f64>]| -> tape::Result<Vec<Tensor<f64>>> {
+                let world = |xs: &[Tensor<f64>]| -> ferrotron_tape::Result<Vec<Tensor<f64>>> {
                     let total = sum_all(xs)?;
                     (0..n).map(|r| part(&total, dim, &parts, r)).collect()
                 };
@@ -163,7 +163,7 @@ fn gathers_match_the_world() -> Result<()> {
                 let shapes: Vec<Vec<usize>> =
                     lengths.iter().map(|&l| with_len(&BASE, dim, l)).collect();
                 let inputs = per_rank_inputs(&shapes, 13);
-                let gathered = |xs: &[Tensor<f64>]| -> tape::Result<Vec<Tensor<f64>>> {
+                let gathered = |xs: &[Tensor<f64>]| -> ferrotron_tape::Result<Vec<Tensor<f64>>> {
                     let refs: Vec<&Tensor<f64>> = xs.iter().collect();
                     Ok(vec![Tensor::concat(&refs, dim)?; xs.len()])
                 };
@@ -258,7 +258,7 @@ fn gather_undoes_scatter() -> Result<()> {
 fn the_world_emulation_passes_gradcheck() -> Result<()> {
     let inputs = per_rank_inputs(&[vec![2, 1, 2], vec![2, 3, 2], vec![2, 2, 2]], 17);
     let weights: Vec<Tensor<f64>> = (0..3).map(|r| random(&[2, 6, 2], 40 + r)).collect();
-    tape::gradcheck(
+    ferrotron_tape::gradcheck(
         |xs| {
             let refs: Vec<&Tensor<f64>> = xs.iter().collect();
             let gathered = Tensor::concat(&refs, 1)?;
@@ -269,7 +269,7 @@ fn the_world_emulation_passes_gradcheck() -> Result<()> {
             Ok(loss)
         },
         &inputs,
-        &tape::GradCheckOptions::default(),
+        &ferrotron_tape::GradCheckOptions::default(),
     )?;
     Ok(())
 }

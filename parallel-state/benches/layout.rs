@@ -2,10 +2,10 @@
 //! rank's view of a 1,048,576-rank layout (coordinates and memberships in nanoseconds,
 //! member lists in time proportional to their length).
 //!
-//! `CARGO_TARGET_DIR=/work/target-ps cargo bench -p parallel-state --bench layout`
+//! `CARGO_TARGET_DIR=/work/target-ps cargo bench -p ferrotron-parallel-state --bench layout`
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use parallel_state::{GroupKind, RankLayout};
+use ferrotron_parallel_state::{GroupKind, RankLayout};
 use std::hint::black_box;
 
 fn enumerate_all_groups(c: &mut Criterion) {

@@ -1,8 +1,8 @@
 //! Prints a Megatron rank layout: every group and each rank's coordinates.
 //!
 //! ```text
-//! cargo run -p parallel-state --example layout -- --world 16 --tp 2 --pp 4
-//! cargo run -p parallel-state --example layout -- --world 16 --tp 2 --pp 4 --json
+//! cargo run -p ferrotron-parallel-state --example layout -- --world 16 --tp 2 --pp 4
+//! cargo run -p ferrotron-parallel-state --example layout -- --world 16 --tp 2 --pp 4 --json
 //! ```
 //!
 //! `--json` prints one object mapping each group family (`tp, pp, dp, cp, dp-cp, tp-pp,
@@ -11,11 +11,11 @@
 //! configurations exit non-zero with the error on stderr.
 //!
 //! The bytes each rank sends per step for a model on such a layout, and its memory, are
-//! the planner's (`planner::traffic`, `planner::predict`, and `train-gpt --plan --fit`).
+//! the planner's (`ferrotron_planner::traffic`, `ferrotron_planner::predict`, and `train-gpt --plan --fit`).
 
 use anyhow::{bail, Result};
 use clap::Parser;
-use parallel_state::{GroupKind, Order, RankLayout};
+use ferrotron_parallel_state::{GroupKind, Order, RankLayout};
 
 #[derive(Parser, Debug)]
 #[command(about = "Megatron-Core rank layout and per-rank communication volume")]

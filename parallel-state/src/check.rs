@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 use crate::layout::{GroupKind, RankLayout};
 use crate::state::ParallelState;
-use comm_core::{Communicator, CommunicatorExt, ReduceOp};
+use ferrotron_comm_core::{Communicator, CommunicatorExt, ReduceOp};
 use std::sync::Arc;
 
 /// Builds a [`ParallelState`] for `layout` over `world` and checks every group this
@@ -16,8 +16,8 @@ use std::sync::Arc;
 /// call this with their own world communicator.
 ///
 /// ```
-/// use comm_core::{run_local, Communicator};
-/// use parallel_state::{check_group_sums, RankLayout};
+/// use ferrotron_comm_core::{run_local, Communicator};
+/// use ferrotron_parallel_state::{check_group_sums, RankLayout};
 /// use std::sync::Arc;
 ///
 /// let layout = RankLayout::builder(4).tp(2).build()?;

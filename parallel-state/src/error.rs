@@ -168,7 +168,7 @@ pub enum Error {
 
     /// A communication failure while building or using groups.
     #[error(transparent)]
-    Comm(#[from] comm_core::Error),
+    Comm(#[from] ferrotron_comm_core::Error),
 }
 
 fn divisors(n: usize) -> Vec<usize> {
@@ -176,7 +176,7 @@ fn divisors(n: usize) -> Vec<usize> {
     let mut large = Vec::new();
     let mut d = 1;
     while d * d <= n {
-        if n % d == 0 {
+        if n.is_multiple_of(d) {
             small.push(d);
             if d * d != n {
                 large.push(n / d);

@@ -358,7 +358,7 @@ fn divisor(world: usize, names: &str, factors: &[usize]) -> Result<usize> {
         .iter()
         .try_fold(1usize, |acc, &f| acc.checked_mul(f))
         .unwrap_or(usize::MAX);
-    if world % product == 0 {
+    if world.is_multiple_of(product) {
         return Ok(product);
     }
     let shown: Vec<String> = factors.iter().map(|f| f.to_string()).collect();
@@ -393,12 +393,12 @@ fn resolve_stages(group: &'static str, stages: &[Stage], pp: usize) -> Result<Ve
 /// whole family.
 ///
 /// ```
-/// use parallel_state::{GroupKind, RankLayout};
+/// use ferrotron_parallel_state::{GroupKind, RankLayout};
 /// let layout = RankLayout::builder(8).tp(2).pp(2).build()?;
 /// assert_eq!(layout.dp(), 2);
 /// assert_eq!(layout.groups(GroupKind::Tp), vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
 /// assert_eq!(layout.group_of(GroupKind::Pp, 5)?, Some(vec![1, 5]));
-/// # Ok::<(), parallel_state::Error>(())
+/// # Ok::<(), ferrotron_parallel_state::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankLayout {

@@ -7,7 +7,7 @@
 //!
 //! * [`RankLayout`] is the pure arithmetic: rank lists of every group family and each
 //!   rank's coordinates, with no communication.
-//! * [`ParallelState`] splits a world [`Communicator`](comm_core::Communicator) into one
+//! * [`ParallelState`] splits a world [`Communicator`](ferrotron_comm_core::Communicator) into one
 //!   communicator per group, and keeps a registry of groups by name.
 //!
 //! # A layout
@@ -15,7 +15,7 @@
 //! default order `"tp-cp-ep-dp-pp"` the leftmost axis varies fastest, so TP groups are
 //! neighbours and pipeline stages are 4 ranks apart.
 //! ```
-//! use parallel_state::{Coordinates, GroupKind, RankLayout};
+//! use ferrotron_parallel_state::{Coordinates, GroupKind, RankLayout};
 //!
 //! let layout = RankLayout::builder(16).tp(2).pp(4).build()?;
 //! assert_eq!(layout.dp(), 2);
@@ -28,13 +28,13 @@
 //! assert_eq!(layout.coordinates(13)?, Coordinates { tp: 1, cp: 0, dp: 0, pp: 3 });
 //! assert_eq!(layout.group_of(GroupKind::TpPp, 13)?, Some(vec![0, 1, 4, 5, 8, 9, 12, 13]));
 //! assert_eq!(layout.next_pipeline_rank(13)?, 1); // the last stage wraps to the first
-//! # Ok::<(), parallel_state::Error>(())
+//! # Ok::<(), ferrotron_parallel_state::Error>(())
 //! ```
 //!
 //! # Invalid configurations
 //! Errors say what is wrong and what would be valid:
 //! ```
-//! use parallel_state::{Error, RankLayout};
+//! use ferrotron_parallel_state::{Error, RankLayout};
 //!
 //! let err = RankLayout::builder(12).tp(8).build().unwrap_err();
 //! assert!(matches!(err, Error::NotDivisible { world: 12, product: 8, .. }));
@@ -42,15 +42,15 @@
 //!
 //! let err = RankLayout::builder(8).cp(2).order("tp-dp-pp".parse()?).build().unwrap_err();
 //! assert!(matches!(err, Error::MissingOrderAxis { axis: "cp", .. }));
-//! # Ok::<(), parallel_state::Error>(())
+//! # Ok::<(), ferrotron_parallel_state::Error>(())
 //! ```
 //!
 //! # Process groups
 //! [`ParallelState::new`] is collective over the world. Here eight local ranks (threads)
 //! with TP = 2, PP = 2 sum their world ranks over their TP group: group `[6, 7]` gets 13.
 //! ```
-//! use comm_core::{run_local, CommunicatorExt, ReduceOp};
-//! use parallel_state::{ParallelState, RankLayout};
+//! use ferrotron_comm_core::{run_local, CommunicatorExt, ReduceOp};
+//! use ferrotron_parallel_state::{ParallelState, RankLayout};
 //! use std::sync::Arc;
 //!
 //! let layout = RankLayout::builder(8).tp(2).pp(2).build()?;
@@ -58,7 +58,7 @@
 //!     let state = ParallelState::new(Arc::new(comm), layout.clone())?;
 //!     let mut x = [state.rank() as f64];
 //!     state.tp().all_reduce_slice(&mut x, ReduceOp::Sum)?;
-//!     Ok::<_, parallel_state::Error>(x[0])
+//!     Ok::<_, ferrotron_parallel_state::Error>(x[0])
 //! })?;
 //! assert_eq!(sums, vec![1.0, 1.0, 5.0, 5.0, 9.0, 9.0, 13.0, 13.0]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -70,8 +70,8 @@
 //! user-defined rank lists join the registry with [`ParallelState::add_group`], also
 //! collective.
 //! ```
-//! use comm_core::run_local;
-//! use parallel_state::{ParallelState, RankLayout};
+//! use ferrotron_comm_core::run_local;
+//! use ferrotron_parallel_state::{ParallelState, RankLayout};
 //! use std::sync::Arc;
 //!
 //! let layout = RankLayout::builder(4).tp(2).build()?;
@@ -79,12 +79,17 @@
 //!     let mut state = ParallelState::new(Arc::new(comm), layout.clone())?;
 //!     state.add_group("evens", &[0, 2])?;
 //!     let evens = state.size_named("evens").ok();
-//!     Ok::<_, parallel_state::Error>((state.size_named("tp-cp")?, evens))
+//!     Ok::<_, ferrotron_parallel_state::Error>((state.size_named("tp-cp")?, evens))
 //! })?;
 //! assert_eq!(sizes, vec![(2, Some(2)), (2, None), (2, Some(2)), (2, None)]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 #![warn(missing_docs)]
+
+// The README's example runs as a doctest, so the package's front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod check;
 mod error;

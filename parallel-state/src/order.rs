@@ -49,12 +49,12 @@ impl fmt::Display for Axis {
 /// out are appended at the end (they must then have size 1).
 ///
 /// ```
-/// use parallel_state::{Axis, Order};
+/// use ferrotron_parallel_state::{Axis, Order};
 /// let order: Order = "tp-pp-dp".parse()?;
 /// assert_eq!(order.axes(), &[Axis::Tp, Axis::Pp, Axis::Dp]);
 /// assert_eq!(Order::default().to_string(), "tp-cp-ep-dp-pp");
 /// assert!("tp-tp".parse::<Order>().is_err());
-/// # Ok::<(), parallel_state::Error>(())
+/// # Ok::<(), ferrotron_parallel_state::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Order {

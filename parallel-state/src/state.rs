@@ -2,7 +2,7 @@
 
 use crate::error::{Error, Result};
 use crate::layout::{Coordinates, ExpertCoordinates, GroupKind, RankLayout};
-use comm_core::Communicator;
+use ferrotron_comm_core::Communicator;
 use std::collections::HashMap;
 use std::sync::Arc;
 

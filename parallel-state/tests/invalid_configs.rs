@@ -1,6 +1,6 @@
 //! Invalid configurations are typed errors that say what is wrong and what is valid.
 
-use parallel_state::{Error, Order, RankLayout, Stage};
+use ferrotron_parallel_state::{Error, Order, RankLayout, Stage};
 
 fn message(result: Result<RankLayout, Error>) -> (Error, String) {
     let error = result.expect_err("configuration should be rejected");
@@ -163,7 +163,7 @@ fn stages_and_ranks_out_of_range() -> anyhow::Result<()> {
     }
     assert!(layout.coordinates(11).is_ok());
     let error = layout
-        .rank_of(parallel_state::Coordinates {
+        .rank_of(ferrotron_parallel_state::Coordinates {
             tp: 2,
             ..Default::default()
         })

@@ -8,7 +8,7 @@
 //! coordinates read the same way (leftmost fastest), and each group lists its ranks by
 //! the named coordinates, leftmost fastest, which is ascending.
 
-use parallel_state::{Coordinates, ExpertCoordinates, GroupKind, RankLayout, Stage};
+use ferrotron_parallel_state::{Coordinates, ExpertCoordinates, GroupKind, RankLayout, Stage};
 
 type Groups = Vec<Vec<usize>>;
 

@@ -3,9 +3,9 @@
 //! Run as `mpirun -n 4 target/debug/deps/mpi_parallel_state-*` (a single rank under
 //! `cargo test`).
 
-use comm_core::mpi::MpiWorld;
-use comm_core::Communicator;
-use parallel_state::{check_group_sums, Order, RankLayout};
+use ferrotron_comm_core::mpi::MpiWorld;
+use ferrotron_comm_core::Communicator;
+use ferrotron_parallel_state::{check_group_sums, Order, RankLayout};
 use std::sync::Arc;
 
 fn main() -> anyhow::Result<()> {
@@ -16,9 +16,9 @@ fn main() -> anyhow::Result<()> {
     let mut failed = 0;
     // Every (tp, pp, cp) whose product divides the world, in both a default and a
     // non-default order.
-    for tp in (1..=n).filter(|t| n % t == 0) {
-        for pp in (1..=n / tp).filter(|p| (n / tp) % p == 0) {
-            for cp in (1..=n / (tp * pp)).filter(|c| (n / (tp * pp)) % c == 0) {
+    for tp in (1..=n).filter(|t| n.is_multiple_of(*t)) {
+        for pp in (1..=n / tp).filter(|p| (n / tp).is_multiple_of(*p)) {
+            for cp in (1..=n / (tp * pp)).filter(|c| (n / (tp * pp)).is_multiple_of(*c)) {
                 for order in ["tp-cp-ep-dp-pp", "tp-pp-dp-cp"] {
                     let layout = order
                         .parse::<Order>()

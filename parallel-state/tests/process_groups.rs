@@ -1,8 +1,8 @@
 //! `ParallelState` over the local backend: group members and all-reduce sums match the
 //! layout, named groups work, and several states coexist in one process.
 
-use comm_core::{run_local, Communicator, CommunicatorExt, ReduceOp};
-use parallel_state::{check_group_sums, Error, GroupKind, ParallelState, RankLayout};
+use ferrotron_comm_core::{run_local, Communicator, CommunicatorExt, ReduceOp};
+use ferrotron_parallel_state::{check_group_sums, Error, GroupKind, ParallelState, RankLayout};
 use std::sync::Arc;
 
 /// Sum of world ranks over this rank's group of `kind`.

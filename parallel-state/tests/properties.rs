@@ -1,7 +1,7 @@
 //! Properties of every valid layout: families partition the ranks, TP and DP groups
 //! are orthogonal, coordinates round-trip, and per-rank queries match enumeration.
 
-use parallel_state::{Axis, Error, GroupKind, Order, RankLayout};
+use ferrotron_parallel_state::{Axis, Error, GroupKind, Order, RankLayout};
 use proptest::prelude::*;
 use std::collections::HashSet;
 

@@ -1,6 +1,6 @@
 //! Per-rank queries never materialise a family, so a million-rank layout is instant.
 
-use parallel_state::{GroupKind, RankLayout};
+use ferrotron_parallel_state::{GroupKind, RankLayout};
 use std::time::{Duration, Instant};
 
 #[test]

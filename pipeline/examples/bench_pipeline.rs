@@ -3,7 +3,7 @@
 //! the idle fraction of each rank's step is compared with the theory.
 //!
 //! ```sh
-//! cargo run --release -p pipeline --example bench_pipeline -- \
+//! cargo run --release -p ferrotron-pipeline --example bench_pipeline -- \
 //!     --pp 4 --microbatches 8 --schedule interleaved --virtual-stages 2 --json
 //! ```
 //! `--trace FILE` writes the step as Chrome trace JSON (Perfetto, `chrome://tracing`),
@@ -11,11 +11,11 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use comm_core::{run_local, Communicator};
-use pipeline::{chrome_trace, Action, Pipeline, PipelineConfig, Schedule, Span, Stage};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_pipeline::{chrome_trace, Action, Pipeline, PipelineConfig, Schedule, Span, Stage};
+use ferrotron_tape::{Tape, Tensor};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tape::{Tape, Tensor};
 
 #[derive(Parser, Debug)]
 struct Args {

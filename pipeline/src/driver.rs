@@ -4,11 +4,11 @@
 use crate::error::{Error, Result};
 use crate::schedule::{peak_in_flight, Action, Schedule, Transfer};
 use crate::trace::Span;
-use comm_core::{Buffer, Communicator, DType, P2p};
+use ferrotron_comm_core::{Buffer, Communicator, DType, P2p};
+use ferrotron_tape::{Device, GradHandle, Parameter, Tape, Tensor};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
-use tape::{Device, GradHandle, Parameter, Tape, Tensor};
 
 /// One model chunk of a pipeline stage, as this rank runs it.
 pub trait Stage {
@@ -253,7 +253,7 @@ impl<'p> Step<'p> {
         // f32 whatever format a stage's loss is stored in, so they concatenate.
         let scalars = (self.losses.iter())
             .map(|(_, loss)| loss.to_dtype(DType::F32)?.reshape(&[1]))
-            .collect::<tape::Result<Vec<_>>>()?;
+            .collect::<ferrotron_tape::Result<Vec<_>>>()?;
         let values = Tensor::concat(&scalars.iter().collect::<Vec<_>>(), 0)?.to_vec()?;
         let count = self.losses.iter().map(|&(m, _)| m + 1).max().unwrap_or(0);
         self.report.losses = vec![f32::NAN; count];

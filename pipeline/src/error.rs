@@ -43,7 +43,7 @@ pub enum Error {
         /// The format it had.
         got: String,
         /// The configured format.
-        expected: comm_core::DType,
+        expected: ferrotron_comm_core::DType,
     },
     /// The user's stage failed.
     #[error("pipeline stage {stage}, microbatch {microbatch}: {source}")]
@@ -57,10 +57,10 @@ pub enum Error {
     },
     /// A transfer between stages failed.
     #[error(transparent)]
-    Comm(#[from] comm_core::Error),
+    Comm(#[from] ferrotron_comm_core::Error),
     /// The autograd tape failed.
     #[error(transparent)]
-    Tape(#[from] tape::Error),
+    Tape(#[from] ferrotron_tape::Error),
 }
 
 /// This crate's result.

@@ -1,12 +1,12 @@
 //! Pipeline parallelism for ferrotron: Megatron-Core's `pipeline_parallel` schedules over
-//! any [`Communicator`](comm_core::Communicator).
+//! any [`Communicator`](ferrotron_comm_core::Communicator).
 //!
 //! A model is cut into stages, one per rank of the pipeline group (or, interleaved,
 //! several chunks per rank). Each step splits the batch into microbatches and drives them
 //! through the stages under a [`Schedule`]: [GPipe](Schedule::GPipe),
 //! [1F1B](Schedule::OneFOneB) or [interleaved 1F1B](Schedule::Interleaved). Activations go
 //! forward and their gradients backward in batched exchanges
-//! ([`Communicator::exchange`](comm_core::Communicator::exchange)), so neighbours never
+//! ([`Communicator::exchange`](ferrotron_comm_core::Communicator::exchange)), so neighbours never
 //! deadlock; each transfer carries a small header, so a misshapen tensor is a typed error
 //! on both sides instead of a misread. The last stage returns each microbatch's loss and
 //! the step's gradients are the mean over microbatches, as one big batch would give.
@@ -20,10 +20,10 @@
 //! A two-layer model `loss = mean((tanh(x·W₁)·W₂)²)` split over two rank threads, four
 //! microbatches, 1F1B; the gradients equal the serial model's:
 //! ```
-//! use comm_core::{run_local, Communicator};
-//! use pipeline::{Pipeline, PipelineConfig, Schedule, Stage};
+//! use ferrotron_comm_core::{run_local, Communicator};
+//! use ferrotron_pipeline::{Pipeline, PipelineConfig, Schedule, Stage};
 //! use std::sync::Arc;
-//! use tape::{Generator, Parameter, Tape, Tensor};
+//! use ferrotron_tape::{Generator, Parameter, Tape, Tensor};
 //!
 //! type BoxError = Box<dyn std::error::Error + Send + Sync>;
 //! let mut rng = Generator::new(1);
@@ -77,6 +77,11 @@
 //! ```
 
 #![warn(missing_docs)]
+
+// The README's example runs as a doctest, so the package's front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod driver;
 mod error;

@@ -96,7 +96,7 @@ impl Schedule {
                         .into(),
                 ));
             }
-            if microbatches % self.microbatch_multiple(pp) != 0 {
+            if !microbatches.is_multiple_of(self.microbatch_multiple(pp)) {
                 let lower = microbatches / pp * pp;
                 let hint = if lower > 0 {
                     format!("{lower} or {}", lower + pp)

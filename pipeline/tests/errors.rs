@@ -1,11 +1,11 @@
 //! Mistakes are typed errors on every rank they concern, promptly: misshapen or
 //! misformatted tensors between stages, bad microbatch counts, chunk lists and failing stages.
 
-use comm_core::{Communicator, Error as CommError, LocalLauncher};
-use pipeline::{Error, Pipeline, PipelineConfig, Schedule, Stage};
+use ferrotron_comm_core::{Communicator, Error as CommError, LocalLauncher};
+use ferrotron_pipeline::{Error, Pipeline, PipelineConfig, Schedule, Stage};
+use ferrotron_tape::{Parameter, Tape, Tensor};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tape::{Parameter, Tape, Tensor};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -15,7 +15,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 struct Linear {
     weight: Parameter,
     last: bool,
-    distort: Option<fn(&Tensor) -> tape::Result<Tensor>>,
+    distort: Option<fn(&Tensor) -> ferrotron_tape::Result<Tensor>>,
     fail: bool,
 }
 
@@ -186,12 +186,13 @@ fn bad_microbatch_counts_and_chunk_lists_are_configuration_errors() {
 
 #[test]
 fn an_activation_in_another_format_fails_both_sides() {
-    let errors = two_stages(|stage| stage.distort = Some(|y| y.to_dtype(tape::DType::BF16)));
+    let errors =
+        two_stages(|stage| stage.distort = Some(|y| y.to_dtype(ferrotron_tape::DType::BF16)));
     match &errors[0] {
         Error::Format {
             what: "activation sent",
             got,
-            expected: tape::DType::F32,
+            expected: ferrotron_tape::DType::F32,
             ..
         } if got == "bf16" => {
             assert!(errors[0].to_string().contains("PipelineConfig::dtype"));
@@ -214,9 +215,9 @@ fn an_activation_in_another_format_fails_both_sides() {
 
 #[test]
 fn activations_travel_only_as_f32_bf16_or_f16() {
-    comm_core::run_local(1, |comm| -> Result<(), BoxError> {
+    ferrotron_comm_core::run_local(1, |comm| -> Result<(), BoxError> {
         let mut config = PipelineConfig::new(Schedule::OneFOneB, 1, &[3, 4]);
-        config.dtype = tape::DType::F64;
+        config.dtype = ferrotron_tape::DType::F64;
         let err = Pipeline::new(Arc::new(comm), config)
             .err()
             .expect("refused");

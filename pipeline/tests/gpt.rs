@@ -1,18 +1,18 @@
 //! A GPT split over pipeline stages, with tensor and data parallelism, computes the
 //! serial model's loss and gradients under every schedule.
 
-use comm_core::{run_local, Communicator};
-use ddp::{DdpConfig, DistributedDataParallel};
-use layers::{
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel};
+use ferrotron_layers::{
     vocab_parallel_cross_entropy, BlockConfig, ColumnParallelLinear, LayerNorm, LinearOptions,
     MasterInit, Module, RngTracker, ShardedParameter, TensorParallel, TransformerBlock,
     VocabParallelEmbedding,
 };
-use parallel_state::{ParallelState, RankLayout};
-use pipeline::{Pipeline, PipelineConfig, Schedule, Stage};
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_pipeline::{Pipeline, PipelineConfig, Schedule, Stage};
+use ferrotron_tape::{CrossEntropyOptions, Tape, Tensor};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use tape::{CrossEntropyOptions, Tape, Tensor};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -60,7 +60,10 @@ struct GptChunk {
 }
 
 impl GptChunk {
-    fn new(tp: &TensorParallel, layers: std::ops::Range<usize>) -> layers::Result<GptChunk> {
+    fn new(
+        tp: &TensorParallel,
+        layers: std::ops::Range<usize>,
+    ) -> ferrotron_layers::Result<GptChunk> {
         let init = MasterInit::new(5, 0.3);
         let config = BlockConfig::new(HIDDEN, HEADS);
         let embed = (layers.start == 0)
@@ -76,7 +79,7 @@ impl GptChunk {
         };
         let blocks = layers
             .map(|i| TransformerBlock::new(tp, &format!("block{i}"), &config, &init))
-            .collect::<layers::Result<_>>()?;
+            .collect::<ferrotron_layers::Result<_>>()?;
         Ok(GptChunk {
             tp: tp.clone(),
             embed,
@@ -170,7 +173,7 @@ fn reference(tp: usize, sequence_parallel: bool) -> Outcome {
         loss.backward()?;
         // Sequence-parallel layer norms and biases hold partial sums until reduced (the
         // pipelined runs' DDP does it).
-        layers::all_reduce_sequence_parallel_grads(&model, tp.group())?;
+        ferrotron_layers::all_reduce_sequence_parallel_grads(&model, tp.group())?;
         let loss = loss.item()?;
         Ok((loss, gradients(&model, tp.rank())?))
     })
@@ -379,7 +382,7 @@ fn forward_only_steps_give_the_serial_losses() {
                     let vstage = c * pp + group.rank();
                     GptChunk::new(&tp, vstage * per_chunk..(vstage + 1) * per_chunk)
                 })
-                .collect::<layers::Result<Vec<_>>>()?;
+                .collect::<ferrotron_layers::Result<Vec<_>>>()?;
             let mut config = PipelineConfig::new(schedule, microbatches, &[SEQ, BATCH, HIDDEN]);
             config.forward_only = true;
             let pipeline = Pipeline::new(group, config)?;

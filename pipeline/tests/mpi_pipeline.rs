@@ -4,17 +4,17 @@
 //! sides.
 //!
 //! ```text
-//! cargo test -p pipeline --features mpi --test mpi_pipeline --no-run
+//! cargo test -p ferrotron-pipeline --features mpi --test mpi_pipeline --no-run
 //! mpirun -n 4 target/debug/deps/mpi_pipeline-<hash>
 //! ```
 //! Rank 0 prints `N passed, M failed`; the exit status is non-zero on any failure.
 
 use anyhow::ensure;
-use comm_core::mpi::MpiWorld;
-use comm_core::Communicator;
-use pipeline::{Error, Pipeline, PipelineConfig, Schedule, Stage};
+use ferrotron_comm_core::mpi::MpiWorld;
+use ferrotron_comm_core::Communicator;
+use ferrotron_pipeline::{Error, Pipeline, PipelineConfig, Schedule, Stage};
+use ferrotron_tape::{Parameter, Tape, Tensor};
 use std::sync::Arc;
-use tape::{Parameter, Tape, Tensor};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -3,12 +3,14 @@
 //! fit 80 GiB. The book's tables come from this output.
 //!
 //! ```text
-//! cargo run --release -p planner --example published
+//! cargo run --release -p ferrotron-planner --example published
 //! ```
 
 use anyhow::Result;
-use pipeline::Schedule;
-use planner::{fit, megatron, predict, Breakdown, Bytes, Layout, Model, Recompute, Search, Target};
+use ferrotron_pipeline::Schedule;
+use ferrotron_planner::{
+    fit, megatron, predict, Breakdown, Bytes, Layout, Model, Recompute, Search, Target,
+};
 
 /// Megatron pads the vocabulary to a multiple of 128 × TP.
 fn padded(vocab: usize, tp: usize) -> usize {

@@ -3,7 +3,7 @@
 use crate::memory::{predict, Breakdown, Layout, Model, Recompute, Target};
 use crate::traffic::traffic;
 use crate::{Error, Result};
-use pipeline::Schedule;
+use ferrotron_pipeline::Schedule;
 
 /// What every layout must keep the same, and the budget it must fit.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -140,17 +140,18 @@ fn cost(recompute: Recompute) -> u8 {
 }
 
 fn divisors(n: usize) -> impl Iterator<Item = usize> {
-    (1..=n).filter(move |d| n % d == 0)
+    (1..=n).filter(move |d| n.is_multiple_of(*d))
 }
 
 fn layouts(model: &Model, search: &Search) -> Vec<Layout> {
     let mut out = Vec::new();
-    let tps = divisors(model.heads).filter(|&t| t <= search.max_tp && search.world % t == 0);
+    let tps =
+        divisors(model.heads).filter(|&t| t <= search.max_tp && search.world.is_multiple_of(t));
     for tp in tps {
-        let pps = divisors(model.layers).filter(|&p| (search.world / tp) % p == 0);
+        let pps = divisors(model.layers).filter(|&p| (search.world / tp).is_multiple_of(p));
         for pp in pps.collect::<Vec<_>>() {
             let dp = search.world / (tp * pp);
-            if search.global_batch % (dp * search.micro_batch) != 0 {
+            if !search.global_batch.is_multiple_of(dp * search.micro_batch) {
                 continue;
             }
             let batch = search.global_batch / dp;
@@ -189,7 +190,7 @@ fn layouts(model: &Model, search: &Search) -> Vec<Layout> {
 
 fn schedules(layers: usize, pp: usize, microbatches: usize) -> Vec<Schedule> {
     let mut out = vec![Schedule::OneFOneB];
-    if pp > 1 && microbatches % pp == 0 {
+    if pp > 1 && microbatches.is_multiple_of(pp) {
         let interleaved = divisors(layers / pp)
             .filter(|&v| v > 1)
             .map(|virtual_stages| Schedule::Interleaved { virtual_stages });

@@ -10,8 +10,8 @@
 //! # A prediction
 //! A 4-layer GPT at TP 2 × PP 2 × DP 2 in bf16 with the distributed optimizer:
 //! ```
-//! use pipeline::Schedule;
-//! use planner::{predict, traffic, Layout, Model, Recompute, Target};
+//! use ferrotron_pipeline::Schedule;
+//! use ferrotron_planner::{predict, traffic, Layout, Model, Recompute, Target};
 //!
 //! let model = Model::gpt(4, 256, 8, 1024, 128);
 //! let layout = Layout {
@@ -42,12 +42,12 @@
 //! // What each stage's ranks send per step; pipelines send activations both ways.
 //! let sent = traffic(&model, &layout)?;
 //! assert!(sent[0].pipeline > 0.0 && sent[0].data > 0.0);
-//! # Ok::<(), planner::Error>(())
+//! # Ok::<(), ferrotron_planner::Error>(())
 //! ```
 //!
 //! # Layouts that fit
 //! ```
-//! use planner::{fit, Bytes, Model, Search, Target};
+//! use ferrotron_planner::{fit, Bytes, Model, Search, Target};
 //!
 //! let model = Model::gpt(8, 512, 8, 1024, 256);
 //! let search = Search {
@@ -63,9 +63,14 @@
 //! let found = fit(&model, &search)?;
 //! assert!(found.fitting.iter().all(|c| c.peak <= search.budget));
 //! assert!(found.fitting.windows(2).all(|w| w[0].traffic <= w[1].traffic));
-//! # Ok::<(), planner::Error>(())
+//! # Ok::<(), ferrotron_planner::Error>(())
 //! ```
 #![warn(missing_docs)]
+
+// The README's example runs as a doctest, so the package's front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod bytes;
 mod fit;
@@ -87,7 +92,7 @@ pub enum Error {
     Invalid(String),
     /// The schedule refuses the layout.
     #[error(transparent)]
-    Schedule(#[from] pipeline::Error),
+    Schedule(#[from] ferrotron_pipeline::Error),
 }
 
 /// Result type of this crate.

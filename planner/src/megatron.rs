@@ -6,7 +6,7 @@
 //! keeps no scores, masks take a byte).
 
 use crate::memory::{Layout, Model, Recompute};
-use pipeline::Schedule;
+use ferrotron_pipeline::Schedule;
 
 /// Megatron's estimate for the most loaded rank (the first pipeline stage's).
 #[derive(Clone, Copy, Debug, PartialEq)]

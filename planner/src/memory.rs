@@ -6,7 +6,7 @@
 //! shuffled window order.
 
 use crate::{Error, Result};
-use pipeline::{Action, Schedule};
+use ferrotron_pipeline::{Action, Schedule};
 
 /// The model: a GPT of pre-norm blocks (layer norms with biases, biased linears,
 /// multi-head attention, a GELU MLP) with learned positions, as `layers` builds it.
@@ -131,19 +131,22 @@ impl Layout {
                 "tp, pp, dp, microbatches and virtual stages must be at least 1".into(),
             );
         }
-        if model.heads == 0 || model.hidden % model.heads != 0 || model.heads % self.tp != 0 {
+        if model.heads == 0
+            || !model.hidden.is_multiple_of(model.heads)
+            || !model.heads.is_multiple_of(self.tp)
+        {
             return invalid(format!(
                 "{} heads must divide the hidden size {} and divide by tp {}",
                 model.heads, model.hidden, self.tp
             ));
         }
-        if model.layers % (self.pp * chunks) != 0 {
+        if !model.layers.is_multiple_of(self.pp * chunks) {
             return invalid(format!(
                 "{} layers do not split evenly over {} stages × {chunks} chunks",
                 model.layers, self.pp
             ));
         }
-        if self.batch % self.microbatches != 0 {
+        if !self.batch.is_multiple_of(self.microbatches) {
             return invalid(format!(
                 "a batch of {} sequences does not split into {} equal microbatches",
                 self.batch, self.microbatches

@@ -1,7 +1,7 @@
 //! The layouts that fit a budget: all of them and only them, the least traffic first,
 //! each with the peak `predict` gives it.
 
-use planner::{fit, predict, Error, Model, Search, Target};
+use ferrotron_planner::{fit, predict, Error, Model, Search, Target};
 
 fn model() -> Model {
     Model::gpt(8, 128, 8, 512, 64)

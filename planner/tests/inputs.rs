@@ -4,7 +4,7 @@
 mod common;
 
 use common::serial;
-use planner::{predict, Bytes, Error, Layout, Model, Recompute};
+use ferrotron_planner::{predict, Bytes, Error, Layout, Model, Recompute};
 
 #[test]
 fn byte_counts_parse_with_binary_and_decimal_units() {

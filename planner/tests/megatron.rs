@@ -4,7 +4,7 @@
 mod common;
 
 use common::serial;
-use planner::{megatron, predict, Layout, Model, Recompute};
+use ferrotron_planner::{megatron, predict, Layout, Model, Recompute};
 
 #[test]
 fn gpt3_has_175_billion_parameters_by_megatrons_count() {

@@ -3,8 +3,8 @@
 mod common;
 
 use common::serial;
-use pipeline::Schedule;
-use planner::{traffic, Layout, Model, Recompute};
+use ferrotron_pipeline::Schedule;
+use ferrotron_planner::{traffic, Layout, Model, Recompute};
 
 fn model() -> Model {
     Model::gpt(4, 64, 4, 256, 32)

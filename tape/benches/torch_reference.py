@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch reference for `cargo run --release -p tape --example bench_tape -- --json`.
+"""PyTorch reference for `cargo run --release -p ferrotron-tape --example bench_tape -- --json`.
 
 Runs the same two benchmarks on one CPU thread (`--threads N` for more) and prints the
 same JSON keys, one object per line:

@@ -1,7 +1,7 @@
 //! Device benchmarks, side by side with `tape/benches/torch_device_reference.py` (which
 //! measures the same with PyTorch on the same GPU); not run in CI.
 //!
-//! `cargo run --release -p tape --features cuda --example bench_device -- --device cuda:0`
+//! `cargo run --release -p ferrotron-tape --features cuda --example bench_device -- --device cuda:0`
 //! prints one JSON object per line:
 //! - `gemm`: a 4096×4096·4096×4096 f32 product, FP32 and TF32 (median ms, TFLOP/s);
 //! - `gemm_bf16`: an 8192×8192·8192×8192 product of bf16 matrices, accumulated in f32
@@ -12,7 +12,9 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use tape::{set_allow_tf32, synchronize, DType, Device, Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{
+    set_allow_tf32, synchronize, DType, Device, Generator, Parameter, Tape, Tensor,
+};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

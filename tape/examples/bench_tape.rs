@@ -1,6 +1,6 @@
 //! Micro-benchmarks of the tape (not run in CI).
 //!
-//! `cargo run --release -p tape --example bench_tape -- --json [--threads N]` prints one
+//! `cargo run --release -p ferrotron-tape --example bench_tape -- --json [--threads N]` prints one
 //! JSON object per line; `tape/benches/torch_reference.py` measures the same with PyTorch.
 //! One thread unless `--threads` says otherwise.
 
@@ -21,7 +21,7 @@ fn keep_freed_memory() {
     unsafe { libmimalloc_sys::mi_option_set(PURGE_DELAY, -1) }
 }
 
-use tape::{Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
+use ferrotron_tape::{Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
 
 const CHAIN_LEN: usize = 1000;
 const WIDTH: usize = 1024;
@@ -113,7 +113,7 @@ fn main() -> Result<()> {
             .ok_or_else(|| anyhow::anyhow!("--threads needs a positive integer"))?,
         None => 1,
     };
-    tape::set_num_threads(threads)?;
+    ferrotron_tape::set_num_threads(threads)?;
     let (fwd, bwd) = tiny_ops()?;
     let (ms, rss) = mlp_step()?;
     if json {

@@ -23,7 +23,7 @@ pub trait Element:
     + 'static
 {
     /// The runtime tag of the type (what a full-precision tensor of it reports).
-    const DTYPE: comm_core::DType;
+    const DTYPE: ferrotron_comm_core::DType;
     /// Converts from `f64`, rounding to the nearest representable value.
     fn from_f64(value: f64) -> Self;
     /// Widens (or keeps) the value as `f64`.
@@ -36,7 +36,7 @@ pub trait Element:
 }
 
 impl Element for f32 {
-    const DTYPE: comm_core::DType = comm_core::DType::F32;
+    const DTYPE: ferrotron_comm_core::DType = ferrotron_comm_core::DType::F32;
     fn from_f64(value: f64) -> Self {
         value as f32
     }
@@ -53,7 +53,7 @@ impl Element for f32 {
 }
 
 impl Element for f64 {
-    const DTYPE: comm_core::DType = comm_core::DType::F64;
+    const DTYPE: ferrotron_comm_core::DType = ferrotron_comm_core::DType::F64;
     fn from_f64(value: f64) -> Self {
         value
     }

@@ -126,9 +126,12 @@ impl Error {
 
     /// A failure of the device layer while doing `op` on `device`: what the device could
     /// not do, or the driver's own message.
-    pub(crate) fn on_device(op: &'static str, device: Device) -> impl Fn(device::Error) -> Self {
+    pub(crate) fn on_device(
+        op: &'static str,
+        device: Device,
+    ) -> impl Fn(ferrotron_device::Error) -> Self {
         move |error| match error {
-            device::Error::Unsupported { .. } => Error::UnsupportedDevice { op, device },
+            ferrotron_device::Error::Unsupported { .. } => Error::UnsupportedDevice { op, device },
             other => Error::Device {
                 op,
                 device,

@@ -24,13 +24,13 @@ use crate::{DType, Device, Element, Error, Result, Tensor};
 /// share it.
 ///
 /// ```
-/// use tape::{Device, FlatStorage, FlatView, Tensor};
+/// use ferrotron_tape::{Device, FlatStorage, FlatView, Tensor};
 ///
 /// let storage = FlatStorage::<f32>::zeros(Device::Cpu, 6)?;
 /// let view = FlatView::new(&storage, 2, &[2, 2])?;
 /// assert_eq!(view.to_tensor()?.to_vec()?, vec![0.0; 4]);
 /// assert!(FlatView::new(&storage, 4, &[2, 2]).is_err(), "past the end");
-/// # Ok::<(), tape::Error>(())
+/// # Ok::<(), ferrotron_tape::Error>(())
 /// ```
 pub struct FlatStorage<T: Element = f32> {
     shared: Arc<Shared<T>>,
@@ -125,14 +125,14 @@ impl<T: Element> FlatStorage<T> {
         Arc::ptr_eq(&self.shared, &other.shared)
     }
 
-    /// The whole storage as an owned [`comm_core::Buffer`] for a non-blocking collective
+    /// The whole storage as an owned [`ferrotron_comm_core::Buffer`] for a non-blocking collective
     /// to run on in place (host, emulated or CUDA memory, the last ordered on the
     /// device's tape stream). Until the buffer is dropped (after the operation hands it
     /// back, or with a failed one), every other access to the storage and its views is
     /// refused with [`Error::Leased`]; a second lease too.
-    pub fn lease(&self) -> Result<comm_core::Buffer>
+    pub fn lease(&self) -> Result<ferrotron_comm_core::Buffer>
     where
-        T: comm_core::Element,
+        T: ferrotron_comm_core::Element,
     {
         let mut leased = self.shared.leased.lock();
         if *leased {
@@ -142,7 +142,7 @@ impl<T: Element> FlatStorage<T> {
             });
         }
         *leased = true;
-        Ok(comm_core::Buffer::lent(Box::new(Lease {
+        Ok(ferrotron_comm_core::Buffer::lent(Box::new(Lease {
             storage: self.clone(),
         })))
     }
@@ -151,9 +151,9 @@ impl<T: Element> FlatStorage<T> {
     /// [`lease`](Self::lease) is dropped, which ends it (the result is already in place);
     /// any other buffer (a 16-bit copy, a tensor's memory, a host vector) has its elements
     /// copied in, widened, and must hold exactly [`len`](Self::len) of them.
-    pub fn receive(&self, result: comm_core::Buffer) -> Result<()>
+    pub fn receive(&self, result: ferrotron_comm_core::Buffer) -> Result<()>
     where
-        T: comm_core::Element,
+        T: ferrotron_comm_core::Element,
     {
         let result = match result.into_lent() {
             Ok(memory) => {
@@ -162,7 +162,7 @@ impl<T: Element> FlatStorage<T> {
                 if own.is_some_and(|lease| lease.storage.same_storage(self)) {
                     return Ok(());
                 }
-                comm_core::Buffer::lent(memory)
+                ferrotron_comm_core::Buffer::lent(memory)
             }
             Err(host) => host,
         };
@@ -308,26 +308,26 @@ impl<T: Element> std::fmt::Debug for Lease<T> {
     }
 }
 
-impl<T: Element + comm_core::Element> comm_core::LentMemory for Lease<T> {
-    fn view(&self) -> comm_core::BufRef<'_> {
+impl<T: Element + ferrotron_comm_core::Element> ferrotron_comm_core::LentMemory for Lease<T> {
+    fn view(&self) -> ferrotron_comm_core::BufRef<'_> {
         let shared = &self.storage.shared;
         match &shared.memory {
             // SAFETY: the whole allocation; while this lease lives every other access is
             // refused, so nothing writes it.
-            Memory::Host(ptr) => comm_core::BufRef::from(unsafe {
+            Memory::Host(ptr) => ferrotron_comm_core::BufRef::from(unsafe {
                 std::slice::from_raw_parts(ptr.cast_const(), shared.len)
             }),
             Memory::Device(array) => array.lend(),
         }
     }
 
-    fn view_mut(&mut self) -> comm_core::BufMut<'_> {
+    fn view_mut(&mut self) -> ferrotron_comm_core::BufMut<'_> {
         let shared = &self.storage.shared;
         match &shared.memory {
             // SAFETY: as in `view`; `&mut self` makes this the lease's only view.
-            Memory::Host(ptr) => {
-                comm_core::BufMut::from(unsafe { std::slice::from_raw_parts_mut(*ptr, shared.len) })
-            }
+            Memory::Host(ptr) => ferrotron_comm_core::BufMut::from(unsafe {
+                std::slice::from_raw_parts_mut(*ptr, shared.len)
+            }),
             // SAFETY: the storage's array is never handed out whole, and its windows are
             // used only under the lock, which the lease keeps everyone else from using.
             Memory::Device(array) => unsafe { array.lend_mut() },

@@ -9,9 +9,9 @@
 //! non-blocking collective to run on in place, and the buffer a tensor again once the
 //! operation hands it back ([`Tensor::from_buffer`]).
 //!
-//! [`Device::Emulated`]: comm_core::Device::Emulated
+//! [`Device::Emulated`]: ferrotron_comm_core::Device::Emulated
 
-use comm_core::{BufMut, BufRef, Buffer};
+use ferrotron_comm_core::{BufMut, BufRef, Buffer};
 use half::{bf16, f16};
 use ndarray::{ArcArray, ArrayD, IxDyn};
 
@@ -22,16 +22,16 @@ use crate::{DType, Device, Element, Error, Result, Tensor};
 
 const OP: &str = "lend";
 
-impl<T: Element + comm_core::Element> Tensor<T> {
+impl<T: Element + ferrotron_comm_core::Element> Tensor<T> {
     /// Runs `read` on a view of the elements in row-major order, for a communicator to
     /// read (a send, the input of a gather): the tensor's own memory, or for a CPU tensor
     /// that is not row-major (a transposed view), a row-major host copy.
     ///
     /// ```
-    /// use comm_core::{run_local, Communicator, ReduceOp};
-    /// use tape::Tensor;
+    /// use ferrotron_comm_core::{run_local, Communicator, ReduceOp};
+    /// use ferrotron_tape::Tensor;
     ///
-    /// let sums = run_local(2, |comm| -> Result<Vec<f32>, tape::Error> {
+    /// let sums = run_local(2, |comm| -> Result<Vec<f32>, ferrotron_tape::Error> {
     ///     let x = Tensor::from_vec(vec![1.0, comm.rank() as f32], &[2])?;
     ///     let mut total = vec![0f32; 4];
     ///     x.lend(|view| comm.all_gather(view, (&mut total).into()))?
@@ -99,7 +99,7 @@ enum Fresh<T: Element> {
     Device(GpuArray<T>),
 }
 
-impl<T: Element + comm_core::Element> Fresh<T> {
+impl<T: Element + ferrotron_comm_core::Element> Fresh<T> {
     fn write<E: From<Error>>(
         self,
         write: impl FnOnce(BufMut<'_>) -> std::result::Result<(), E>,
@@ -126,7 +126,7 @@ impl<T: Element + comm_core::Element> Fresh<T> {
     }
 }
 
-impl<T: Element + comm_core::Element> Tensor<T> {
+impl<T: Element + ferrotron_comm_core::Element> Tensor<T> {
     /// This tensor's elements, in their storage format and on their device, as an owned
     /// [`Buffer`] for a non-blocking collective to read and write in place: the tensor's
     /// own memory, or a private row-major copy when another tensor shares it. Once the
@@ -134,8 +134,8 @@ impl<T: Element + comm_core::Element> Tensor<T> {
     /// tensor again, with no copy.
     ///
     /// ```
-    /// use comm_core::{run_local, AsyncOp, Communicator, ReduceOp};
-    /// use tape::{DType, Tensor};
+    /// use ferrotron_comm_core::{run_local, AsyncOp, Communicator, ReduceOp};
+    /// use ferrotron_tape::{DType, Tensor};
     ///
     /// let sums = run_local(2, |comm| -> Result<Vec<f32>, Box<dyn std::error::Error + Send + Sync>> {
     ///     let x = Tensor::from_vec(vec![1.0, comm.rank() as f32], &[2])?.to_dtype(DType::BF16)?;
@@ -145,7 +145,7 @@ impl<T: Element + comm_core::Element> Tensor<T> {
     ///     Ok(sum.to_vec()?)
     /// })?;
     /// assert_eq!(sums[0], [2.0, 1.0]);
-    /// # Ok::<(), comm_core::Error>(())
+    /// # Ok::<(), ferrotron_comm_core::Error>(())
     /// ```
     pub fn into_buffer(self) -> Result<Buffer> {
         const OP: &str = "Tensor::into_buffer";
@@ -196,7 +196,7 @@ impl<T: Element + comm_core::Element> Tensor<T> {
     fn from_host_buffer(op: &'static str, host: Buffer) -> Result<Tensor<T>> {
         let dtype = host.dtype();
         let len = host.len();
-        let wrong = |e: comm_core::Error| Error::invalid(op, e.to_string());
+        let wrong = |e: ferrotron_comm_core::Error| Error::invalid(op, e.to_string());
         let packed = |half: Half| Ok(Tensor::from_half(half));
         match dtype {
             DType::BF16 => packed(Half::Bf16(Packed::Cpu(vector(
@@ -234,7 +234,7 @@ enum Owned<E> {
     Device(GpuArray<E>),
 }
 
-impl<E: comm_core::Element + Copy + Default> LentArray<E> {
+impl<E: ferrotron_comm_core::Element + Copy + Default> LentArray<E> {
     fn host(array: ArcArray<E, IxDyn>, shape: Vec<usize>) -> Buffer {
         Buffer::lent(Box::new(LentArray {
             memory: Owned::Host(row_major_vec(array)),
@@ -285,7 +285,9 @@ fn row_major_vec<E: Copy>(array: ArcArray<E, IxDyn>) -> Vec<E> {
     values
 }
 
-impl<E: comm_core::Element + Copy + Default> comm_core::LentMemory for LentArray<E> {
+impl<E: ferrotron_comm_core::Element + Copy + Default> ferrotron_comm_core::LentMemory
+    for LentArray<E>
+{
     fn view(&self) -> BufRef<'_> {
         match &self.memory {
             Owned::Host(values) => BufRef::from(values.as_slice()),

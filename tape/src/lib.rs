@@ -13,7 +13,7 @@
 //!
 //! # Training a linear model
 //! ```
-//! use tape::{Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
+//! use ferrotron_tape::{Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
 //!
 //! let mut rng = Generator::new(0);
 //! let w = Parameter::new("w", Tensor::<f32>::randn(&[3, 1], 0.1, &mut rng));
@@ -35,7 +35,7 @@
 //!     sgd.step()?;
 //! }
 //! assert!(losses[49] < losses[0] / 4.0, "{losses:?}");
-//! # Ok::<(), tape::Error>(())
+//! # Ok::<(), ferrotron_tape::Error>(())
 //! ```
 //!
 //! # Grad-ready hooks
@@ -43,7 +43,7 @@
 //! ```
 //! use parking_lot::Mutex;
 //! use std::sync::Arc;
-//! use tape::{Parameter, Tape, Tensor};
+//! use ferrotron_tape::{Parameter, Tape, Tensor};
 //!
 //! let w = Parameter::new("w", Tensor::<f32>::ones(&[2]));
 //! let seen = Arc::new(Mutex::new(Vec::new()));
@@ -57,22 +57,27 @@
 //! let tape = Tape::new();
 //! tape.watch(&w).scale(3.0)?.sum()?.backward()?;
 //! assert_eq!(*seen.lock(), vec![vec![3.0, 3.0]]);
-//! # Ok::<(), tape::Error>(())
+//! # Ok::<(), ferrotron_tape::Error>(())
 //! ```
 //!
 //! # Checking gradients
 //! ```
-//! use tape::{gradcheck, GradCheckOptions, Tensor};
+//! use ferrotron_tape::{gradcheck, GradCheckOptions, Tensor};
 //!
 //! let x = Tensor::<f64>::from_vec(vec![0.5, -1.0, 2.0], &[3])?;
 //! gradcheck(|xs| xs[0].tanh()?.mul(&xs[0]), &[x], &GradCheckOptions::default())?;
-//! # Ok::<(), tape::Error>(())
+//! # Ok::<(), ferrotron_tape::Error>(())
 //! ```
 //!
 //! # No gradient
 //! [`Tape::no_grad`] runs a closure without recording (evaluation, optimizer-like updates);
 //! [`Tensor::detach`] cuts one tensor off.
 #![warn(missing_docs)]
+
+// The README's example runs as a doctest, so the package's front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 mod element;
 mod error;
@@ -91,14 +96,14 @@ mod tape;
 mod tensor;
 mod threads;
 
-pub use comm_core::{DType, Device};
+pub use element::Element;
+pub use error::{Error, Result};
+pub use ferrotron_comm_core::{DType, Device};
 /// Host↔device copies and host waits per thread and device, counted by the device layer:
 /// tensors' (`Tensor::to_device`, `to_vec`, `item`, uploads an op stages) and those
 /// comm-core makes to stage device memory through the host (MPI, the local backend's
 /// point-to-point mailbox).
-pub use device::{host_waits, transfers, Transfers};
-pub use element::Element;
-pub use error::{Error, Result};
+pub use ferrotron_device::{host_waits, transfers, Transfers};
 pub use flat::{FlatStorage, FlatView};
 pub use gpu::{allow_tf32, set_allow_tf32, synchronize};
 pub use gradcheck::{gradcheck, GradCheckOptions};

@@ -19,7 +19,7 @@ pub const MASTER_BUFFER: &str = "master_param";
 /// [`MASTER_BUFFER`], so a checkpoint of it resumes the same run.
 ///
 /// ```
-/// use tape::{AdamW, AdamWConfig, DType, MixedPrecision, Optimizer, Parameter, Tape, Tensor};
+/// use ferrotron_tape::{AdamW, AdamWConfig, DType, MixedPrecision, Optimizer, Parameter, Tape, Tensor};
 ///
 /// let w = Parameter::new("w", Tensor::from_vec(vec![1.0, 2.0], &[2])?);
 /// let config = AdamWConfig { lr: 1e-4, weight_decay: 0.0, ..AdamWConfig::default() };
@@ -37,7 +37,7 @@ pub const MASTER_BUFFER: &str = "master_param";
 /// assert_eq!(w.value().to_vec()?, [1.0, 2.0]);
 /// let master = adamw.params()[0].value().to_vec()?;
 /// assert!((master[0] - (1.0 - 3e-4)).abs() < 1e-6);
-/// # Ok::<(), tape::Error>(())
+/// # Ok::<(), ferrotron_tape::Error>(())
 /// ```
 pub struct MixedPrecision<O> {
     model: Vec<Parameter>,

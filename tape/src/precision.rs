@@ -8,7 +8,7 @@
 //! format out of the type lets one tape hold a bf16 model and its f32 loss, as PyTorch
 //! autocast and Megatron's `--bf16` do.
 
-use comm_core::DType;
+use ferrotron_comm_core::DType;
 use half::{bf16, f16};
 use ndarray::{ArcArray, ArrayBase, Data, IxDyn};
 
@@ -183,12 +183,12 @@ impl<H: HalfFloat> Packed<H> {
     }
 
     /// Runs `read` on a view of the 16-bit elements, for a communicator.
-    fn lend<R>(&self, read: impl FnOnce(comm_core::BufRef<'_>) -> R) -> R {
+    fn lend<R>(&self, read: impl FnOnce(ferrotron_comm_core::BufRef<'_>) -> R) -> R {
         match self {
             Packed::Gpu(array) => read(array.lend()),
             Packed::Cpu(array) => match array.as_slice() {
-                Some(slice) => read(comm_core::BufRef::from(slice)),
-                None => read(comm_core::BufRef::from(
+                Some(slice) => read(ferrotron_comm_core::BufRef::from(slice)),
+                None => read(ferrotron_comm_core::BufRef::from(
                     &array.iter().copied().collect::<Vec<H>>(),
                 )),
             },
@@ -214,7 +214,7 @@ impl<H: HalfFloat> Packed<H> {
     /// or a fresh allocation.
     unsafe fn write<E: From<Error>>(
         self,
-        write: impl FnOnce(comm_core::BufMut<'_>) -> std::result::Result<(), E>,
+        write: impl FnOnce(ferrotron_comm_core::BufMut<'_>) -> std::result::Result<(), E>,
     ) -> std::result::Result<Self, E> {
         match self {
             Packed::Cpu(array) => {
@@ -223,7 +223,7 @@ impl<H: HalfFloat> Packed<H> {
                 let slice = owned
                     .as_slice_mut()
                     .ok_or_else(|| Error::shape("lend", &[&shape], "not row-major"))?;
-                write(comm_core::BufMut::from(slice))?;
+                write(ferrotron_comm_core::BufMut::from(slice))?;
                 Ok(Packed::Cpu(owned.into_shared()))
             }
             Packed::Gpu(array) => {
@@ -363,7 +363,7 @@ impl Half {
         })
     }
 
-    pub(crate) fn lend<R>(&self, read: impl FnOnce(comm_core::BufRef<'_>) -> R) -> R {
+    pub(crate) fn lend<R>(&self, read: impl FnOnce(ferrotron_comm_core::BufRef<'_>) -> R) -> R {
         each_format!(self, packed => packed.lend(read))
     }
 
@@ -371,7 +371,7 @@ impl Half {
     pub(crate) fn updated_by<E: From<Error>>(
         &self,
         op: &'static str,
-        write: impl FnOnce(comm_core::BufMut<'_>) -> std::result::Result<(), E>,
+        write: impl FnOnce(ferrotron_comm_core::BufMut<'_>) -> std::result::Result<(), E>,
     ) -> std::result::Result<Half, E> {
         // SAFETY: `duplicate` makes memory no other array shares.
         Ok(match self {

@@ -65,7 +65,7 @@ impl WsdAnneal {
 /// as in Megatron.
 ///
 /// ```
-/// use tape::{LrDecay, LrSchedule};
+/// use ferrotron_tape::{LrDecay, LrSchedule};
 ///
 /// // 10 warm-up positions to 1e-3, cosine decay to 1e-4 at position 100.
 /// let schedule = LrSchedule::new(1e-3, 1e-4, 10, 100, LrDecay::Cosine)?;
@@ -79,7 +79,7 @@ impl WsdAnneal {
 /// // Megatron's --lr-warmup-init: the warm-up starts from 1e-4 instead.
 /// let from = schedule.with_init_lr(1e-4)?;
 /// assert_eq!(from.lr(0), 1e-4);
-/// # Ok::<(), tape::Error>(())
+/// # Ok::<(), ferrotron_tape::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LrSchedule {

@@ -87,12 +87,12 @@ impl<T: Element> Tensor<T> {
     /// tensor in `T` first.
     ///
     /// ```
-    /// use tape::{DType, Device, Tensor};
+    /// use ferrotron_tape::{DType, Device, Tensor};
     ///
     /// let x = Tensor::<f32>::full_as(&[2, 3], 0.1, DType::BF16, Device::Cpu)?;
     /// assert_eq!((x.dtype(), x.nbytes()), (DType::BF16, 12));
     /// assert_eq!(x.to_vec()?[0], half::bf16::from_f32(0.1).to_f32());
-    /// # Ok::<(), tape::Error>(())
+    /// # Ok::<(), ferrotron_tape::Error>(())
     /// ```
     pub fn full_as(shape: &[usize], value: T, dtype: DType, device: Device) -> Result<Self> {
         const OP: &str = "full_as";
@@ -215,7 +215,7 @@ impl<T: Element> Tensor<T> {
     /// the result compute in `T` and round their results to `dtype` again.
     ///
     /// ```
-    /// use tape::{DType, Tensor};
+    /// use ferrotron_tape::{DType, Tensor};
     ///
     /// let x = Tensor::from_vec(vec![1.0f32, 1.0 + 1.0 / 256.0, 3.0e5], &[3])?;
     /// let y = x.to_dtype(DType::BF16)?;
@@ -225,7 +225,7 @@ impl<T: Element> Tensor<T> {
     /// // Ops compute in f32 and round their result to the inputs' format once.
     /// let z = y.add(&y)?;
     /// assert_eq!((z.dtype(), z.to_vec()?), (DType::BF16, vec![2.0, 2.0, 598_016.0]));
-    /// # Ok::<(), tape::Error>(())
+    /// # Ok::<(), ferrotron_tape::Error>(())
     /// ```
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor<T>> {
         const OP: &str = "to_dtype";

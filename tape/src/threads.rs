@@ -20,10 +20,10 @@ thread_local! {
 /// on; other threads keep their own setting. Zero is an [`Error::InvalidArgument`].
 ///
 /// ```
-/// tape::set_num_threads(1)?;
-/// assert_eq!(tape::num_threads(), 1);
-/// assert!(tape::set_num_threads(0).is_err());
-/// # Ok::<(), tape::Error>(())
+/// ferrotron_tape::set_num_threads(1)?;
+/// assert_eq!(ferrotron_tape::num_threads(), 1);
+/// assert!(ferrotron_tape::set_num_threads(0).is_err());
+/// # Ok::<(), ferrotron_tape::Error>(())
 /// ```
 pub fn set_num_threads(threads: usize) -> Result<()> {
     let threads = NonZeroUsize::new(threads).ok_or_else(|| Error::InvalidArgument {
@@ -45,7 +45,7 @@ pub fn num_threads() -> usize {
 fn default_threads() -> usize {
     static CORES: OnceLock<usize> = OnceLock::new();
     let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from));
-    (cores / comm_core::local_rank_threads().unwrap_or(1)).max(1)
+    (cores / ferrotron_comm_core::local_rank_threads().unwrap_or(1)).max(1)
 }
 
 /// Below this many elements per thread an elementwise or row-wise kernel stays on the

@@ -5,17 +5,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Result;
-use tape::{gradcheck, CustomOp, Error, Generator, GradCheckOptions, Parameter, Tape, Tensor};
+use ferrotron_tape::{
+    gradcheck, CustomOp, Error, Generator, GradCheckOptions, Parameter, Tape, Tensor,
+};
 
 /// Stand-in for a communicator: a group of `size` ranks whose all-reduce sums equal values.
 trait FakeGroup: Send + Sync {
-    fn all_reduce(&self, t: &Tensor<f64>) -> tape::Result<Tensor<f64>>;
+    fn all_reduce(&self, t: &Tensor<f64>) -> ferrotron_tape::Result<Tensor<f64>>;
 }
 
 struct EqualRanks(usize);
 
 impl FakeGroup for EqualRanks {
-    fn all_reduce(&self, t: &Tensor<f64>) -> tape::Result<Tensor<f64>> {
+    fn all_reduce(&self, t: &Tensor<f64>) -> ferrotron_tape::Result<Tensor<f64>> {
         t.scale(self.0 as f64)
     }
 }
@@ -33,14 +35,14 @@ impl CustomOp<f64> for CopyToRegion {
         &self,
         inputs: &[Tensor<f64>],
         _saved: &mut Vec<Tensor<f64>>,
-    ) -> tape::Result<Tensor<f64>> {
+    ) -> ferrotron_tape::Result<Tensor<f64>> {
         Ok(inputs[0].clone())
     }
     fn backward(
         &self,
         grad: &Tensor<f64>,
         _saved: &[Tensor<f64>],
-    ) -> tape::Result<Vec<Option<Tensor<f64>>>> {
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor<f64>>>> {
         Ok(vec![Some(self.group.all_reduce(grad)?)])
     }
 }
@@ -76,7 +78,7 @@ impl CustomOp<f64> for Product {
         &self,
         inputs: &[Tensor<f64>],
         saved: &mut Vec<Tensor<f64>>,
-    ) -> tape::Result<Tensor<f64>> {
+    ) -> ferrotron_tape::Result<Tensor<f64>> {
         saved.extend(inputs.iter().cloned());
         inputs[0].mul(&inputs[1])
     }
@@ -84,7 +86,7 @@ impl CustomOp<f64> for Product {
         &self,
         grad: &Tensor<f64>,
         saved: &[Tensor<f64>],
-    ) -> tape::Result<Vec<Option<Tensor<f64>>>> {
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor<f64>>>> {
         let grad_x = grad.mul(&saved[1])?;
         let grad_y = if self.wrong {
             grad.mul(&saved[1])?
@@ -129,10 +131,18 @@ impl CustomOp<f32> for Failing {
     fn name(&self) -> &str {
         "failing_all_reduce"
     }
-    fn forward(&self, inputs: &[Tensor], _saved: &mut Vec<Tensor>) -> tape::Result<Tensor> {
+    fn forward(
+        &self,
+        inputs: &[Tensor],
+        _saved: &mut Vec<Tensor>,
+    ) -> ferrotron_tape::Result<Tensor> {
         Ok(inputs[0].clone())
     }
-    fn backward(&self, _grad: &Tensor, _saved: &[Tensor]) -> tape::Result<Vec<Option<Tensor>>> {
+    fn backward(
+        &self,
+        _grad: &Tensor,
+        _saved: &[Tensor],
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor>>> {
         let cause = std::io::Error::new(std::io::ErrorKind::TimedOut, "rank 1 timed out");
         Err(Error::custom(self.name(), cause))
     }
@@ -144,10 +154,18 @@ impl CustomOp<f32> for WrongShape {
     fn name(&self) -> &str {
         "wrong_shape"
     }
-    fn forward(&self, inputs: &[Tensor], _saved: &mut Vec<Tensor>) -> tape::Result<Tensor> {
+    fn forward(
+        &self,
+        inputs: &[Tensor],
+        _saved: &mut Vec<Tensor>,
+    ) -> ferrotron_tape::Result<Tensor> {
         Ok(inputs[0].clone())
     }
-    fn backward(&self, _grad: &Tensor, _saved: &[Tensor]) -> tape::Result<Vec<Option<Tensor>>> {
+    fn backward(
+        &self,
+        _grad: &Tensor,
+        _saved: &[Tensor],
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor>>> {
         Ok(vec![Some(Tensor::zeros(&[5]))])
     }
 }
@@ -193,10 +211,18 @@ impl CustomOp<f32> for DropProbe {
     fn name(&self) -> &str {
         "drop_probe"
     }
-    fn forward(&self, inputs: &[Tensor], _saved: &mut Vec<Tensor>) -> tape::Result<Tensor> {
+    fn forward(
+        &self,
+        inputs: &[Tensor],
+        _saved: &mut Vec<Tensor>,
+    ) -> ferrotron_tape::Result<Tensor> {
         Ok(inputs[0].clone())
     }
-    fn backward(&self, grad: &Tensor, _saved: &[Tensor]) -> tape::Result<Vec<Option<Tensor>>> {
+    fn backward(
+        &self,
+        grad: &Tensor,
+        _saved: &[Tensor],
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor>>> {
         if let Some(flag) = &self.must_be_dropped_first {
             if !flag.load(Ordering::SeqCst) {
                 return Err(Error::custom("drop_probe", "later node still alive"));

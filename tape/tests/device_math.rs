@@ -6,7 +6,7 @@
 mod device;
 
 use device::{check, Inputs};
-use tape::{Gelu, Tensor};
+use ferrotron_tape::{Gelu, Tensor};
 
 const F64: f64 = 1e-12;
 const F32: f64 = 1e-5;
@@ -145,8 +145,11 @@ fn reshape_is_free_and_differentiable() {
 #[test]
 fn mixing_devices_is_a_typed_error() {
     let cpu = Tensor::<f32>::ones(&[2]);
-    let device = cpu.to_device(tape::Device::Emulated).unwrap();
+    let device = cpu.to_device(ferrotron_tape::Device::Emulated).unwrap();
     let err = cpu.add(&device).unwrap_err();
-    assert!(matches!(err, tape::Error::DeviceMismatch { .. }), "{err}");
+    assert!(
+        matches!(err, ferrotron_tape::Error::DeviceMismatch { .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("to_device"), "{err}");
 }

@@ -6,7 +6,7 @@
 mod device;
 
 use device::{check, Inputs};
-use tape::{CrossEntropyOptions, Device, Error, Reduction, Tensor};
+use ferrotron_tape::{CrossEntropyOptions, Device, Error, Reduction, Tensor};
 
 const F64: f64 = 1e-12;
 const F32: f64 = 1e-5;

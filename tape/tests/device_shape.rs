@@ -5,8 +5,8 @@
 mod device;
 
 use device::{check, Inputs};
-use tape::ndarray::{ArrayD, IxDyn};
-use tape::{causal_mask, Device, Error, Generator, Tensor};
+use ferrotron_tape::ndarray::{ArrayD, IxDyn};
+use ferrotron_tape::{causal_mask, Device, Error, Generator, Tensor};
 
 const F64: f64 = 1e-12;
 const F32: f64 = 1e-6;

@@ -6,7 +6,7 @@ mod device;
 
 use std::sync::Arc;
 
-use tape::{
+use ferrotron_tape::{
     AdamW, AdamWConfig, CustomOp, Device, Generator, Optimizer, Parameter, Result, Sgd, SgdConfig,
     Tape, Tensor,
 };

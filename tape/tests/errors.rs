@@ -1,9 +1,9 @@
 //! Bad shapes and arguments give typed errors that name the op and the shapes.
 
 use anyhow::Result;
-use tape::{CrossEntropyOptions, Device, Error, Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{CrossEntropyOptions, Device, Error, Generator, Parameter, Tape, Tensor};
 
-fn assert_shape_error(result: tape::Result<Tensor>, op: &str, mention: &str) {
+fn assert_shape_error(result: ferrotron_tape::Result<Tensor>, op: &str, mention: &str) {
     match result {
         Err(error @ Error::Shape { .. }) => {
             let text = error.to_string();
@@ -69,7 +69,8 @@ fn shape_errors_name_op_and_shapes() -> Result<()> {
 #[test]
 fn invalid_arguments() -> Result<()> {
     let a = Tensor::<f32>::zeros(&[2, 3]);
-    let invalid = |r: tape::Result<Tensor>| matches!(r, Err(Error::InvalidArgument { .. }));
+    let invalid =
+        |r: ferrotron_tape::Result<Tensor>| matches!(r, Err(Error::InvalidArgument { .. }));
     assert!(invalid(a.dropout(1.5, &mut Generator::new(0))));
     assert!(invalid(a.embedding(&[7], &[1])));
     assert!(invalid(

@@ -4,7 +4,7 @@
 //! asked for, without disturbing tensors that still hold the old value, and refusing
 //! ranges outside the parameter.
 
-use tape::{transfers, Device, Parameter, Tensor};
+use ferrotron_tape::{transfers, Device, Parameter, Tensor};
 
 fn counting(shape: &[usize]) -> Tensor {
     let numel = shape.iter().product();

@@ -5,10 +5,10 @@
 #[path = "support/counting.rs"]
 mod counting;
 
-use tape::{Device, FlatStorage, FlatView};
+use ferrotron_tape::{Device, FlatStorage, FlatView};
 
 #[test]
-fn host_storage_is_freed_with_its_last_handle() -> tape::Result<()> {
+fn host_storage_is_freed_with_its_last_handle() -> ferrotron_tape::Result<()> {
     const LEN: usize = 1 << 20;
     let before = counting::live();
     let storage = FlatStorage::<f32>::zeros(Device::Cpu, LEN)?;

@@ -6,7 +6,7 @@
 #[path = "support/device.rs"]
 mod device;
 
-use tape::{
+use ferrotron_tape::{
     transfers, AdamWConfig, AdamWUpdate, DType, Device, Error, FlatStorage, FlatView, ParamOptions,
     Parameter, SgdConfig, SgdUpdate, Tensor, Transfers,
 };

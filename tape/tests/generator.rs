@@ -1,9 +1,9 @@
 //! A generator's state round-trips exactly, and malformed states are typed errors.
 
-use tape::{Error, Generator};
+use ferrotron_tape::{Error, Generator};
 
 #[test]
-fn generator_rebuilt_from_its_state_draws_the_same() -> tape::Result<()> {
+fn generator_rebuilt_from_its_state_draws_the_same() -> ferrotron_tape::Result<()> {
     let mut original = Generator::new(42);
     // An odd number of normals: nothing may be left over between calls.
     for _ in 0..3 {

@@ -1,14 +1,14 @@
 //! Backward passes accumulate: two micro-batches equal one pass over the whole batch.
 
 use anyhow::Result;
-use tape::{Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{Generator, Parameter, Tape, Tensor};
 
 fn loss_sum(
     tape: &Tape<f64>,
     w: &Parameter<f64>,
     b: &Parameter<f64>,
     x: &Tensor<f64>,
-) -> tape::Result<Tensor<f64>> {
+) -> ferrotron_tape::Result<Tensor<f64>> {
     x.matmul(&tape.watch(w))?.add(&tape.watch(b))?.tanh()?.sum()
 }
 

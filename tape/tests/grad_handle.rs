@@ -1,14 +1,14 @@
 //! Backward from a grad handle (a recorded tensor without its values) is backward from
 //! the tensor itself.
 
-use tape::{Error, Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{Error, Generator, Parameter, Tape, Tensor};
 
 #[test]
-fn a_handle_backpropagates_as_its_tensor_would() -> tape::Result<()> {
+fn a_handle_backpropagates_as_its_tensor_would() -> ferrotron_tape::Result<()> {
     let mut rng = Generator::new(3);
     let x = Tensor::randn(&[2, 3], 1.0, &mut rng);
     let seed = Tensor::randn(&[2, 4], 1.0, &mut rng);
-    let run = |use_handle: bool| -> tape::Result<Vec<f32>> {
+    let run = |use_handle: bool| -> ferrotron_tape::Result<Vec<f32>> {
         let w = Parameter::new("w", Tensor::full(&[3, 4], 0.5));
         let tape = Tape::new();
         let y = x.matmul(&tape.watch(&w))?.tanh()?;
@@ -27,7 +27,7 @@ fn a_handle_backpropagates_as_its_tensor_would() -> tape::Result<()> {
 }
 
 #[test]
-fn a_handle_checks_its_seed_and_needs_a_recorded_tensor() -> tape::Result<()> {
+fn a_handle_checks_its_seed_and_needs_a_recorded_tensor() -> ferrotron_tape::Result<()> {
     assert!(
         Tensor::<f32>::ones(&[2]).grad_handle().is_none(),
         "not on a tape"

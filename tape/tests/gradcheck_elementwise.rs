@@ -1,7 +1,7 @@
 //! Finite-difference checks of the elementwise ops, including broadcasting and size-1 dims.
 
 use anyhow::Result;
-use tape::{gradcheck, Gelu, Generator, GradCheckOptions, Parameter, Tape, Tensor};
+use ferrotron_tape::{gradcheck, Gelu, Generator, GradCheckOptions, Parameter, Tape, Tensor};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor<f64> {
     Tensor::randn(shape, 1.0, &mut Generator::new(seed))
@@ -103,8 +103,8 @@ fn f32_tanh_and_gelu_follow_f64() -> Result<()> {
     let shape = [values.len()];
     let wide = Tensor::<f64>::from_vec(values.clone(), &shape)?;
     let narrow = Tensor::<f32>::from_vec(values.iter().map(|&v| v as f32).collect(), &shape)?;
-    type Op32 = fn(&Tensor<f32>) -> tape::Result<Tensor<f32>>;
-    type Op64 = fn(&Tensor<f64>) -> tape::Result<Tensor<f64>>;
+    type Op32 = fn(&Tensor<f32>) -> ferrotron_tape::Result<Tensor<f32>>;
+    type Op64 = fn(&Tensor<f64>) -> ferrotron_tape::Result<Tensor<f64>>;
     let cases: [(&str, Op32, Op64); 2] = [
         ("tanh", |x| x.tanh(), |x| x.tanh()),
         ("gelu", |x| x.gelu(Gelu::Tanh), |x| x.gelu(Gelu::Tanh)),

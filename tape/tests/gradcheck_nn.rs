@@ -2,7 +2,9 @@
 //! embedding and cross-entropy.
 
 use anyhow::Result;
-use tape::{gradcheck, CrossEntropyOptions, Generator, GradCheckOptions, Reduction, Tensor};
+use ferrotron_tape::{
+    gradcheck, CrossEntropyOptions, Generator, GradCheckOptions, Reduction, Tensor,
+};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor<f64> {
     Tensor::randn(shape, 1.0, &mut Generator::new(seed))
@@ -39,17 +41,17 @@ fn causal_softmax_equals_scale_mask_softmax() -> Result<()> {
         let x = [randn(shape, 20 + i as u64)];
         gradcheck(|x| x[0].causal_softmax(0.7), &x, &options)?;
         let n = shape[shape.len() - 1];
-        let tape = tape::Tape::new();
-        let watched = |p: &tape::Parameter<f64>| tape.watch(p);
+        let tape = ferrotron_tape::Tape::new();
+        let watched = |p: &ferrotron_tape::Parameter<f64>| tape.watch(p);
         let (fused_x, composite_x) = (
-            tape::Parameter::new("fused", x[0].clone()),
-            tape::Parameter::new("composite", x[0].clone()),
+            ferrotron_tape::Parameter::new("fused", x[0].clone()),
+            ferrotron_tape::Parameter::new("composite", x[0].clone()),
         );
         let weights = randn(shape, 30 + i as u64);
         let fused = watched(&fused_x).causal_softmax(0.7)?;
         let composite = watched(&composite_x)
             .scale(0.7)?
-            .masked_fill(&tape::causal_mask(n), f64::NEG_INFINITY)?
+            .masked_fill(&ferrotron_tape::causal_mask(n), f64::NEG_INFINITY)?
             .softmax()?;
         fused
             .mul(&weights)?
@@ -65,7 +67,7 @@ fn causal_softmax_equals_scale_mask_softmax() -> Result<()> {
             close(fused.to_vec()?, composite.to_vec()?),
             "forward {shape:?}"
         );
-        let grad = |p: &tape::Parameter<f64>| p.grad().expect("a gradient").to_vec();
+        let grad = |p: &ferrotron_tape::Parameter<f64>| p.grad().expect("a gradient").to_vec();
         assert!(
             close(grad(&fused_x)?, grad(&composite_x)?),
             "backward {shape:?}"

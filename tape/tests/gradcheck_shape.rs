@@ -1,7 +1,7 @@
 //! Finite-difference checks of the shape ops and masked fill.
 
 use anyhow::Result;
-use tape::{causal_mask, gradcheck, Generator, GradCheckOptions, Tensor};
+use ferrotron_tape::{causal_mask, gradcheck, Generator, GradCheckOptions, Tensor};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor<f64> {
     Tensor::randn(shape, 1.0, &mut Generator::new(seed))

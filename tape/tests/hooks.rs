@@ -4,7 +4,7 @@
 use std::sync::{mpsc, Arc, Mutex};
 
 use anyhow::Result;
-use tape::{CustomOp, Error, Parameter, Tape, Tensor};
+use ferrotron_tape::{CustomOp, Error, Parameter, Tape, Tensor};
 
 type Log = Arc<Mutex<Vec<String>>>;
 
@@ -18,10 +18,18 @@ impl CustomOp<f32> for Marker {
     fn name(&self) -> &str {
         self.label
     }
-    fn forward(&self, inputs: &[Tensor], _saved: &mut Vec<Tensor>) -> tape::Result<Tensor> {
+    fn forward(
+        &self,
+        inputs: &[Tensor],
+        _saved: &mut Vec<Tensor>,
+    ) -> ferrotron_tape::Result<Tensor> {
         Ok(inputs[0].clone())
     }
-    fn backward(&self, grad: &Tensor, _saved: &[Tensor]) -> tape::Result<Vec<Option<Tensor>>> {
+    fn backward(
+        &self,
+        grad: &Tensor,
+        _saved: &[Tensor],
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor>>> {
         self.log
             .lock()
             .expect("log")

@@ -2,12 +2,14 @@
 //! GPU code path, counted the same way): uploads, ops, backward and optimizer steps queue
 //! without waiting; reading values back waits once per read.
 
-use tape::{host_waits, AdamW, AdamWConfig, Device, Generator, Optimizer, Parameter, Tape, Tensor};
+use ferrotron_tape::{
+    host_waits, AdamW, AdamWConfig, Device, Generator, Optimizer, Parameter, Tape, Tensor,
+};
 
 const DEVICE: Device = Device::Emulated;
 
 #[test]
-fn only_reading_values_back_waits() -> tape::Result<()> {
+fn only_reading_values_back_waits() -> ferrotron_tape::Result<()> {
     let mut generator = Generator::new(5);
     let start = host_waits(DEVICE);
     // Uploads are staged: the host does not wait for them.

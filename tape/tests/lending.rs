@@ -4,8 +4,8 @@
 //! by a collective; tensors become owned buffers for non-blocking collectives and come
 //! back from them; and the transfer counters count exactly the copies asked for.
 
-use comm_core::{run_local, AsyncOp, Buffer, Communicator, Error as CommError, ReduceOp};
-use tape::{transfers, DType, Device, FlatStorage, FlatView, Tensor, Transfers};
+use ferrotron_comm_core::{run_local, AsyncOp, Buffer, Communicator, Error as CommError, ReduceOp};
+use ferrotron_tape::{transfers, DType, Device, FlatStorage, FlatView, Tensor, Transfers};
 
 /// Devices whose memory the host can read directly.
 fn devices() -> [Device; 2] {
@@ -62,10 +62,11 @@ fn collectives_write_new_tensors_in_place_on_every_device() -> anyhow::Result<()
             let r = comm.rank() as f32;
             let x = Tensor::<f32>::from_vec(vec![r, r + 1.0, r + 2.0], &[3])?.to_device(device)?;
             let before = transfers(device);
-            let gathered = Tensor::<f32>::filled_by(device, tape::DType::F32, &[2, 3], |out| {
-                x.lend(|input| comm.all_gather(input, out))?
-                    .map_err(anyhow::Error::from)
-            })?;
+            let gathered =
+                Tensor::<f32>::filled_by(device, ferrotron_tape::DType::F32, &[2, 3], |out| {
+                    x.lend(|input| comm.all_gather(input, out))?
+                        .map_err(anyhow::Error::from)
+                })?;
             let summed = x.updated_by(|buf| {
                 comm.all_reduce(buf, ReduceOp::Sum)
                     .map_err(anyhow::Error::from)
@@ -168,10 +169,12 @@ fn flat_storage_takes_back_its_lease_and_copies_in_other_results() -> anyhow::Re
 #[test]
 fn a_failed_write_returns_its_error_and_no_tensor() {
     for device in every_device() {
-        let outcome =
-            Tensor::<f32>::filled_by(device, tape::DType::F32, &[2], |_| -> anyhow::Result<()> {
-                Err(anyhow::anyhow!("the collective failed"))
-            });
+        let outcome = Tensor::<f32>::filled_by(
+            device,
+            ferrotron_tape::DType::F32,
+            &[2],
+            |_| -> anyhow::Result<()> { Err(anyhow::anyhow!("the collective failed")) },
+        );
         assert_eq!(outcome.unwrap_err().to_string(), "the collective failed");
         // A communicator's typed error comes back as itself.
         let x = Tensor::<f64>::zeros(&[1]).to_device(device).unwrap();
@@ -189,8 +192,8 @@ enum Lent {
     Tape,
 }
 
-impl From<tape::Error> for Lent {
-    fn from(_: tape::Error) -> Self {
+impl From<ferrotron_tape::Error> for Lent {
+    fn from(_: ferrotron_tape::Error) -> Self {
         Lent::Tape
     }
 }

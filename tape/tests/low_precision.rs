@@ -14,8 +14,10 @@
 #[path = "support/device.rs"]
 mod device;
 
+use ferrotron_tape::{
+    CrossEntropyOptions, DType, Device, Gelu, Generator, Parameter, Result, Tape, Tensor,
+};
 use half::{bf16, f16};
-use tape::{CrossEntropyOptions, DType, Device, Gelu, Generator, Parameter, Result, Tape, Tensor};
 
 /// What one run computed: output, its storage format, and each input's gradient.
 struct Run {
@@ -285,9 +287,10 @@ fn shapes_and_indexing() {
     check("embedding", &[&[7, 4]], |x| {
         x[0].embedding(&[3, 0, 6, 3], &[2, 2])
     });
-    let mask = tape::ndarray::ArrayD::from_shape_fn(tape::ndarray::IxDyn(shape), |i| {
-        (i[0] + i[1] + i[2]) % 3 == 0
-    });
+    let mask = ferrotron_tape::ndarray::ArrayD::from_shape_fn(
+        ferrotron_tape::ndarray::IxDyn(shape),
+        |i| (i[0] + i[1] + i[2]) % 3 == 0,
+    );
     check("masked_fill", &[shape], move |x| {
         x[0].masked_fill(&mask, -1.5)
     });
@@ -424,8 +427,10 @@ fn storage_format_travels_with_the_tensor() -> Result<()> {
     let param = Parameter::new("w", x.clone());
     let tape = Tape::new();
     tape.watch(&param).sum()?.backward()?;
-    let mut sgd = tape::Sgd::new(vec![param], tape::SgdConfig::new(0.1));
-    let err = tape::Optimizer::step(&mut sgd).unwrap_err().to_string();
+    let mut sgd = ferrotron_tape::Sgd::new(vec![param], ferrotron_tape::SgdConfig::new(0.1));
+    let err = ferrotron_tape::Optimizer::step(&mut sgd)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("master"), "{err}");
     Ok(())
 }

@@ -4,7 +4,7 @@
 
 use std::f64::consts::PI;
 
-use tape::{
+use ferrotron_tape::{
     AdamW, AdamWConfig, LrDecay, LrSchedule, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor,
     WsdAnneal,
 };

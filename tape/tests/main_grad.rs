@@ -4,7 +4,7 @@
 //! even when it is leaked. On the CPU, the emulated device and `cuda:0` where present
 //! (otherwise `skipped: …` is printed), with no host transfer on a device.
 
-use tape::{
+use ferrotron_tape::{
     transfers, Device, Error, FlatStorage, FlatView, Optimizer, Parameter, Sgd, SgdConfig, Tape,
     Tensor,
 };
@@ -41,7 +41,7 @@ fn backward_accumulates_into_the_view_in_place() -> anyhow::Result<()> {
 
         let before = transfers(device);
         let tape = Tape::new();
-        let loss = |scale: f64| -> tape::Result<Tensor> {
+        let loss = |scale: f64| -> ferrotron_tape::Result<Tensor> {
             x.matmul(&tape.watch(&w))?
                 .add(&tape.watch(&b))?
                 .scale(scale)?

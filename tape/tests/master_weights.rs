@@ -2,7 +2,7 @@
 //! f32 training, share main gradients without copies, and checkpoint the masters.
 
 use anyhow::Result;
-use tape::{
+use ferrotron_tape::{
     AdamW, AdamWConfig, DType, Device, FlatStorage, FlatView, Generator, MixedPrecision, Optimizer,
     Parameter, Tape, Tensor, MASTER_BUFFER,
 };
@@ -18,7 +18,7 @@ fn model(seed: u64) -> Vec<Parameter> {
 }
 
 /// Cross-entropy of the network on a fixed batch, computed in f32 from its logits.
-fn loss(tape: &Tape, params: &[Parameter], device: Device) -> tape::Result<Tensor> {
+fn loss(tape: &Tape, params: &[Parameter], device: Device) -> ferrotron_tape::Result<Tensor> {
     let mut rng = Generator::new(5);
     let x = Tensor::randn(&[32, 4], 1.0, &mut rng).to_device(device)?;
     let labels: Vec<i64> = (0..32).map(|i| (i * 7 % 3) as i64).collect();

@@ -2,8 +2,10 @@
 //! hand-derived update.
 
 use anyhow::Result;
-use tape::ndarray::{Array1, Array2, Axis, Ix1, Ix2};
-use tape::{AdamW, AdamWConfig, Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
+use ferrotron_tape::ndarray::{Array1, Array2, Axis, Ix1, Ix2};
+use ferrotron_tape::{
+    AdamW, AdamWConfig, Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor,
+};
 
 struct Mlp {
     w1: Parameter<f64>,
@@ -38,7 +40,7 @@ impl Mlp {
         tape: &Tape<f64>,
         x: &Tensor<f64>,
         target: &Tensor<f64>,
-    ) -> tape::Result<Tensor<f64>> {
+    ) -> ferrotron_tape::Result<Tensor<f64>> {
         let h = x
             .matmul(&tape.watch(&self.w1))?
             .add(&tape.watch(&self.b1))?
@@ -112,7 +114,7 @@ fn array1(t: &Tensor<f64>) -> Result<Array1<f64>> {
 }
 
 /// Gradients of the MLP loss derived by hand: w1, b1, w2, b2.
-fn hand_gradients(mlp: &Mlp) -> Result<[tape::ndarray::ArrayD<f64>; 4]> {
+fn hand_gradients(mlp: &Mlp) -> Result<[ferrotron_tape::ndarray::ArrayD<f64>; 4]> {
     let (x, target) = data();
     let (x, target) = (array2(&x)?, array2(&target)?);
     let (w1, b1) = (array2(&mlp.w1.value())?, array1(&mlp.b1.value())?);
@@ -134,7 +136,7 @@ fn hand_gradients(mlp: &Mlp) -> Result<[tape::ndarray::ArrayD<f64>; 4]> {
     ])
 }
 
-fn assert_close(got: &Tensor<f64>, want: &tape::ndarray::ArrayD<f64>) -> Result<()> {
+fn assert_close(got: &Tensor<f64>, want: &ferrotron_tape::ndarray::ArrayD<f64>) -> Result<()> {
     assert_eq!(got.shape(), want.shape());
     for (g, w) in got.to_vec()?.iter().zip(want.iter()) {
         assert!((g - w).abs() < 1e-12, "{g} vs {w}");

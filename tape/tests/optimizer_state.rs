@@ -2,7 +2,7 @@
 //! into a fresh optimizer continues bit-identically, on the CPU and on a device, and the
 //! schedule's position travels with it.
 
-use tape::{
+use ferrotron_tape::{
     AdamW, AdamWConfig, Device, LrDecay, LrSchedule, Optimizer, Parameter, Sgd, SgdConfig, Tensor,
 };
 
@@ -126,18 +126,18 @@ fn a_state_for_other_parameters_is_an_error() -> AnyResult {
     let mut fewer = AdamW::new(params[..1].to_vec(), AdamWConfig::default());
     assert!(matches!(
         fewer.load_state(&state),
-        Err(tape::Error::InvalidArgument { .. })
+        Err(ferrotron_tape::Error::InvalidArgument { .. })
     ));
     let mut sgd = Sgd::new(params.clone(), SgdConfig::new(0.1));
     assert!(matches!(
         sgd.load_state(&state),
-        Err(tape::Error::InvalidArgument { .. })
+        Err(ferrotron_tape::Error::InvalidArgument { .. })
     ));
     let reshaped = vec![params[1].clone(), params[0].clone()];
     let mut swapped = AdamW::new(reshaped, AdamWConfig::default());
     assert!(matches!(
         swapped.load_state(&state),
-        Err(tape::Error::Shape { .. })
+        Err(ferrotron_tape::Error::Shape { .. })
     ));
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! follows exactly the trajectory of an optimizer whose config has those values folded
 //! in, on the CPU and on the emulated device; vectors get no decay by the usual default.
 
-use tape::{
+use ferrotron_tape::{
     AdamW, AdamWConfig, Device, Optimizer, ParamOptions, Parameter, Sgd, SgdConfig, Tensor,
 };
 
@@ -113,13 +113,13 @@ fn megatron_groups_skip_decay_for_biases_and_vectors() {
 
 #[test]
 fn slices_of_different_lengths_are_refused() {
-    let update = tape::AdamWUpdate::new(&ADAMW, ParamOptions::default(), 1);
+    let update = ferrotron_tape::AdamWUpdate::new(&ADAMW, ParamOptions::default(), 1);
     let (mut values, mut m, mut v) = (vec![1.0f32; 3], vec![0.0; 3], vec![0.0; 2]);
     let err = update
         .apply(&mut values, &[0.5; 3], &mut m, &mut v)
         .unwrap_err();
     assert!(err.to_string().contains("one length"), "{err}");
-    let sgd = tape::SgdUpdate::new(&SGD, ParamOptions::default());
+    let sgd = ferrotron_tape::SgdUpdate::new(&SGD, ParamOptions::default());
     let err = sgd
         .apply(&mut values, &[0.5; 2], &mut [0.0; 3], false)
         .unwrap_err();

@@ -13,19 +13,19 @@ mod counting;
 #[path = "support/device.rs"]
 mod device;
 
-use tape::{DType, Gelu, Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{DType, Gelu, Generator, Parameter, Tape, Tensor};
 
 const ROWS: usize = 64;
 const COLS: usize = 256;
 
 /// Makes a tensor from the ones under test.
-type Make<'a> = &'a dyn Fn() -> tape::Result<Tensor>;
+type Make<'a> = &'a dyn Fn() -> ferrotron_tape::Result<Tensor>;
 
 /// An op on the tensors under test.
-type Inputs<'a> = &'a dyn Fn(&[Tensor]) -> tape::Result<Tensor>;
+type Inputs<'a> = &'a dyn Fn(&[Tensor]) -> ferrotron_tape::Result<Tensor>;
 
 #[test]
-fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
+fn sixteen_bit_pointwise_ops_take_only_their_result() -> ferrotron_tape::Result<()> {
     let mut rng = Generator::new(17);
     let values = Tensor::randn(&[ROWS, COLS], 1.0, &mut rng);
     let bias = Tensor::randn(&[COLS], 1.0, &mut rng);
@@ -39,10 +39,10 @@ fn sixteen_bit_pointwise_ops_take_only_their_result() -> tape::Result<()> {
             let half = n * dtype.size_in_bytes() as isize;
             // A reduction's partial sums: far below the 4n bytes of a widened copy.
             let partial_sums = n / 4;
-            let every_other_column =
-                tape::ndarray::ArrayD::from_shape_fn(tape::ndarray::IxDyn(&[COLS]), |i| {
-                    i[0] % 2 == 0
-                });
+            let every_other_column = ferrotron_tape::ndarray::ArrayD::from_shape_fn(
+                ferrotron_tape::ndarray::IxDyn(&[COLS]),
+                |i| i[0] % 2 == 0,
+            );
             let ops: [(&str, isize, Make<'_>); 15] = [
                 ("full_as", half, &|| {
                     Tensor::full_as(&[ROWS, COLS], 0.5, dtype, device)

@@ -9,12 +9,12 @@
 #[path = "support/counting.rs"]
 mod counting;
 
-use tape::{DType, Device, Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{DType, Device, Generator, Parameter, Tape, Tensor};
 
 const N: usize = 128;
 
 #[test]
-fn sixteen_bit_device_products_allocate_only_their_result() -> tape::Result<()> {
+fn sixteen_bit_device_products_allocate_only_their_result() -> ferrotron_tape::Result<()> {
     let mut rng = Generator::new(3);
     let cases = [DType::BF16, DType::F16]
         .into_iter()

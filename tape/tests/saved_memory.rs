@@ -7,21 +7,22 @@
 #[path = "support/counting.rs"]
 mod counting;
 
-use tape::{DType, Device, Gelu, Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{DType, Device, Gelu, Generator, Parameter, Tape, Tensor};
 
 const ROWS: usize = 128;
 const WIDTH: usize = 256;
 
 /// Bytes the graph of `softmax(gelu(ln(x)·W1)·W2) * x` holds between forward and backward, with the
 /// parameters and input stored as `dtype` on `device` (their own bytes not counted).
-fn held_for_backward(dtype: DType, device: Device) -> tape::Result<isize> {
+fn held_for_backward(dtype: DType, device: Device) -> ferrotron_tape::Result<isize> {
     let mut rng = Generator::new(1);
-    let make = |name: &str, shape: &[usize], rng: &mut Generator| -> tape::Result<Parameter> {
-        let value = Tensor::randn(shape, 0.1, rng)
-            .to_device(device)?
-            .to_dtype(dtype)?;
-        Ok(Parameter::new(name, value))
-    };
+    let make =
+        |name: &str, shape: &[usize], rng: &mut Generator| -> ferrotron_tape::Result<Parameter> {
+            let value = Tensor::randn(shape, 0.1, rng)
+                .to_device(device)?
+                .to_dtype(dtype)?;
+            Ok(Parameter::new(name, value))
+        };
     let x = make("x", &[ROWS, WIDTH], &mut rng)?;
     let w1 = make("w1", &[WIDTH, WIDTH], &mut rng)?;
     let w2 = make("w2", &[WIDTH, WIDTH], &mut rng)?;
@@ -46,7 +47,7 @@ fn held_for_backward(dtype: DType, device: Device) -> tape::Result<isize> {
 }
 
 #[test]
-fn sixteen_bit_graphs_hold_about_half_of_what_f32_graphs_hold() -> tape::Result<()> {
+fn sixteen_bit_graphs_hold_about_half_of_what_f32_graphs_hold() -> ferrotron_tape::Result<()> {
     for device in [Device::Cpu, Device::Emulated] {
         let f32_bytes = held_for_backward(DType::F32, device)?;
         // The normalized input, the hidden activation before and after GELU and the

@@ -17,16 +17,16 @@ mod counting;
 #[path = "support/device.rs"]
 mod device;
 
-use tape::{DType, Device, Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{DType, Device, Generator, Parameter, Tape, Tensor};
 
 /// Makes a tensor from the one under test.
-type Make<'a> = &'a dyn Fn() -> tape::Result<Tensor>;
+type Make<'a> = &'a dyn Fn() -> ferrotron_tape::Result<Tensor>;
 
 const ROWS: usize = 64;
 const COLS: usize = 256;
 
 #[test]
-fn shape_ops_take_no_memory_beyond_their_result_in_its_format() -> tape::Result<()> {
+fn shape_ops_take_no_memory_beyond_their_result_in_its_format() -> ferrotron_tape::Result<()> {
     let mut rng = Generator::new(11);
     let values = Tensor::randn(&[ROWS, COLS], 1.0, &mut rng);
     let mut devices = vec![Device::Cpu];

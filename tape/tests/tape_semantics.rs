@@ -1,7 +1,7 @@
 //! Tape behaviour: no_grad, one tape per model/thread, consumed graphs, detach.
 
 use anyhow::Result;
-use tape::{Error, Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
+use ferrotron_tape::{Error, Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
 
 #[test]
 fn no_grad_records_nothing_and_restores_recording() -> Result<()> {
@@ -54,7 +54,7 @@ fn tensors_from_two_tapes_do_not_mix() -> Result<()> {
 }
 
 /// Trains a small model for a few SGD steps and returns its final weights.
-fn train(seed: u64) -> tape::Result<Vec<f32>> {
+fn train(seed: u64) -> ferrotron_tape::Result<Vec<f32>> {
     let mut rng = Generator::new(seed);
     let w = Parameter::new("w", Tensor::<f32>::randn(&[8, 4], 0.3, &mut rng));
     let x = Tensor::<f32>::randn(&[16, 8], 1.0, &mut rng);
@@ -71,7 +71,7 @@ fn train(seed: u64) -> tape::Result<Vec<f32>> {
 
 #[test]
 fn eight_threads_train_independently() -> Result<()> {
-    let serial: Vec<Vec<f32>> = (0..8).map(train).collect::<tape::Result<_>>()?;
+    let serial: Vec<Vec<f32>> = (0..8).map(train).collect::<ferrotron_tape::Result<_>>()?;
     let threads: Vec<_> = (0..8)
         .map(|seed| std::thread::spawn(move || train(seed)))
         .collect();

@@ -2,7 +2,7 @@
 //! over threads equal the one-thread results.
 
 use anyhow::Result;
-use tape::{num_threads, set_num_threads, Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{num_threads, set_num_threads, Generator, Parameter, Tape, Tensor};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor<f32> {
     Tensor::randn(shape, 1.0, &mut Generator::new(seed))
@@ -71,8 +71,8 @@ fn row_ops_and_grads(x: &Tensor<f32>) -> Result<Vec<Vec<f32>>> {
         input.layer_norm(Some(&tape.watch(&weight)), Some(&tape.watch(&bias)), 1e-5)?,
         input.softmax()?,
         input.causal_softmax(0.125)?,
-        input.gelu(tape::Gelu::Tanh)?,
-        input.gelu(tape::Gelu::Erf)?,
+        input.gelu(ferrotron_tape::Gelu::Tanh)?,
+        input.gelu(ferrotron_tape::Gelu::Erf)?,
         input.tanh()?,
     ];
     let mut total = outputs[0].sum()?;
@@ -134,7 +134,9 @@ fn the_setting_is_per_thread_and_rejects_zero() -> Result<()> {
 fn local_rank_threads_share_the_cores() -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     for ranks in [1, 2, 3] {
-        let seen = comm_core::run_local(ranks, |_| Ok::<_, comm_core::Error>(num_threads()))?;
+        let seen = ferrotron_comm_core::run_local(ranks, |_| {
+            Ok::<_, ferrotron_comm_core::Error>(num_threads())
+        })?;
         assert_eq!(seen, vec![(cores / ranks).max(1); ranks], "{ranks} ranks");
     }
     Ok(())

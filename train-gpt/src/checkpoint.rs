@@ -12,12 +12,12 @@
 
 use crate::model::GptConfig;
 use anyhow::{bail, ensure, Context, Result};
-use layers::Sharding;
-use layers::{GradScalerState, RngState, RngStreamState, RngTracker};
+use ferrotron_layers::Sharding;
+use ferrotron_layers::{GradScalerState, RngState, RngStreamState, RngTracker};
+use ferrotron_tape::Tensor;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use tape::Tensor;
 
 const TRAINER_STATE: &str = "trainer_state.json";
 /// Changes whenever the files' layout does. Format 1 (before tied embeddings and random
@@ -237,7 +237,7 @@ impl TrainerState {
 pub fn read_stages(dirs: &[PathBuf], tp: usize) -> Result<BTreeMap<String, (Sharding, Tensor)>> {
     let mut full = BTreeMap::new();
     for dir in dirs {
-        full.extend(layers::checkpoint::read_full_checkpoint(dir, tp)?);
+        full.extend(ferrotron_layers::checkpoint::read_full_checkpoint(dir, tp)?);
     }
     Ok(full)
 }

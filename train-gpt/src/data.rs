@@ -3,10 +3,10 @@
 //! datasets (`--data-path`), sampled as Megatron's GPT dataset samples them.
 
 use anyhow::{bail, ensure, Context, Result};
-use datasets::{Blend, GptConfig, GptDataset, IndexedDataset};
+use ferrotron_datasets::{Blend, GptConfig, GptDataset, IndexedDataset};
+use ferrotron_tape::Generator;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use tape::Generator;
 
 /// Byte-level vocabulary: every byte value is a token.
 pub const VOCAB: usize = 256;
@@ -15,14 +15,17 @@ pub const VOCAB: usize = 256;
 /// (`--make-vocab-size-divisible-by`).
 const VOCAB_MULTIPLE: usize = 128;
 
-/// The documentation that ships with the repository: always there, about 20 KB of
-/// English and Rust, enough for a small model's loss to fall visibly in a minute.
+/// The built-in corpus: a snapshot of the project's documentation (2026-11-26), about
+/// 80 KB of English and Rust, enough for a small model's loss to fall visibly in a
+/// minute. A copy inside the package, not the live files: the crate builds from its own
+/// directory (as `cargo package` and `cargo install` need), and editing the docs does not
+/// move the book's demo figures.
 const BUILTIN: &[&str] = &[
-    include_str!("../../README.md"),
-    include_str!("../../ARCHITECTURE.md"),
-    include_str!("../../docs/src/getting-started.md"),
-    include_str!("../../docs/src/comm-core.md"),
-    include_str!("../../docs/src/troubleshooting.md"),
+    include_str!("../corpus/README.md"),
+    include_str!("../corpus/ARCHITECTURE.md"),
+    include_str!("../corpus/getting-started.md"),
+    include_str!("../corpus/comm-core.md"),
+    include_str!("../corpus/troubleshooting.md"),
 ];
 
 /// How token ids map to text: bytes, or a Hugging Face tokenizer.
@@ -374,7 +377,7 @@ impl Samples {
         }
     }
 
-    fn sample(&self, i: usize) -> datasets::Result<Vec<u32>> {
+    fn sample(&self, i: usize) -> ferrotron_datasets::Result<Vec<u32>> {
         match self {
             Samples::One(d) => d.sample(i),
             Samples::Blend(b) => Ok(b.sample(i)?.1),
@@ -431,7 +434,7 @@ impl Tokens {
         };
         let name = ["training", "validation"][split];
         let dataset = |data: &Arc<IndexedDataset>, count: usize| -> Result<GptDataset> {
-            let range = datasets::split_ranges(self.split, data.len())[split].clone();
+            let range = ferrotron_datasets::split_ranges(self.split, data.len())[split].clone();
             ensure!(
                 !range.is_empty(),
                 "{}: --split gives the {name} split none of its {} sequences; raise its \
@@ -445,7 +448,7 @@ impl Tokens {
             return Ok(Samples::One(dataset(data, samples)?));
         }
         let weights: Vec<f64> = self.datasets.iter().map(|(w, _)| *w).collect();
-        let counts = datasets::component_samples(&weights, samples);
+        let counts = ferrotron_datasets::component_samples(&weights, samples);
         let parts = (self.datasets.iter().zip(&counts))
             .map(|((_, data), &(_, asked))| dataset(data, asked))
             .collect::<Result<Vec<_>>>()?;
@@ -540,14 +543,16 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("train-gpt-order-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let prefix = dir.join("numbers");
-        let mut writer = datasets::IndexedWriter::create(&prefix, datasets::DType::U16).unwrap();
+        let mut writer =
+            ferrotron_datasets::IndexedWriter::create(&prefix, ferrotron_datasets::DType::U16)
+                .unwrap();
         for d in 0..40u32 {
             let tokens: Vec<u32> = (0..(5 + d % 9)).map(|j| (d * 13 + j) % 256).collect();
             writer.add_document(&tokens).unwrap();
         }
         writer.finish().unwrap();
         let (seq, steps, global) = (8, 5, 6);
-        let split = datasets::parse_split("90,10").unwrap();
+        let split = ferrotron_datasets::parse_split("90,10").unwrap();
         let corpus = Corpus::megatron(
             vec![(1.0, prefix.clone())],
             split,
@@ -558,7 +563,7 @@ mod tests {
         corpus.prepare(seq, global, steps, 0).unwrap();
         // Megatron's samples 0, 1, 2, … of the training split, in order.
         let data = Arc::new(IndexedDataset::open(&prefix).unwrap());
-        let train = datasets::split_ranges(split, data.len())[0].clone();
+        let train = ferrotron_datasets::split_ranges(split, data.len())[0].clone();
         let config = GptConfig { seq, seed: 1234 };
         let reference = GptDataset::new(data, train, Some(steps * global), config).unwrap();
         for dp in [1, 2, 3] {

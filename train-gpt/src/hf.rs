@@ -11,12 +11,12 @@
 use crate::checkpoint::{self, TrainerState};
 use crate::model::GptConfig;
 use anyhow::{bail, ensure, Context, Result};
+use ferrotron_tape::Tensor;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use tape::Tensor;
 
 /// A full tensor: its shape and its values, row-major.
 pub type Full = (Vec<usize>, Vec<f32>);
@@ -66,13 +66,14 @@ pub fn logits(from: &Path, ids: &[usize]) -> Result<Vec<f32>> {
         model.seq,
         model.valid_vocab
     );
-    let results = comm_core::run_local(1, |comm| -> Result<Vec<f32>> {
-        let layout = parallel_state::RankLayout::builder(1).build()?;
-        let state = parallel_state::ParallelState::new(std::sync::Arc::new(comm), layout)?;
-        let tp = layers::TensorParallel::from_state(&state);
+    let results = ferrotron_comm_core::run_local(1, |comm| -> Result<Vec<f32>> {
+        let layout = ferrotron_parallel_state::RankLayout::builder(1).build()?;
+        let state =
+            ferrotron_parallel_state::ParallelState::new(std::sync::Arc::new(comm), layout)?;
+        let tp = ferrotron_layers::TensorParallel::from_state(&state);
         let gpt = crate::model::Gpt::chunk(&tp, model, 0, 0..model.layers)?;
         gpt.load(&full, &dir)?;
-        let tape = tape::Tape::new();
+        let tape = ferrotron_tape::Tape::new();
         let logits = gpt.forward_chunk(&tape, ids, None, ids.len(), 1, None)?;
         let all = logits.to_vec()?;
         let last = (ids.len() - 1) * model.vocab;
@@ -153,7 +154,7 @@ pub fn read_shape(dir: &Path) -> Result<Shape> {
         positions: number("n_positions")?,
     };
     ensure!(
-        shape.heads > 0 && shape.hidden % shape.heads == 0,
+        shape.heads > 0 && shape.hidden.is_multiple_of(shape.heads),
         "{}: n_head {} does not divide n_embd {}",
         path.display(),
         shape.heads,

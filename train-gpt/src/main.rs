@@ -2,14 +2,14 @@
 //! parallelism (`ddp`), by default TP = 2 × DP = 2 as four rank threads on the CPU:
 //!
 //! ```text
-//! cargo run --release -p train-gpt
-//! cargo run --release -p train-gpt -- --check     # also TP = DP = 1, compare
-//! cargo run --release -p train-gpt -- --data my.txt --steps 300
-//! cargo run --release -p train-gpt -- --steps 100 --save ckpt
-//! cargo run --release -p train-gpt -- --steps 200 --resume ckpt
-//! cargo build --release -p train-gpt --features mpi
+//! cargo run --release -p ferrotron-train-gpt
+//! cargo run --release -p ferrotron-train-gpt -- --check     # also TP = DP = 1, compare
+//! cargo run --release -p ferrotron-train-gpt -- --data my.txt --steps 300
+//! cargo run --release -p ferrotron-train-gpt -- --steps 100 --save ckpt
+//! cargo run --release -p ferrotron-train-gpt -- --steps 200 --resume ckpt
+//! cargo build --release -p ferrotron-train-gpt --features mpi
 //! mpirun -n 4 target/release/train-gpt --backend mpi
-//! cargo run --release -p train-gpt -- --backend nccl --device cuda:0
+//! cargo run --release -p ferrotron-train-gpt -- --backend nccl --device cuda:0
 //! ```
 //!
 //! Model: vocabulary-parallel token embedding + learned position embedding → `--layers`
@@ -56,14 +56,14 @@ fn keep_freed_memory() {
 
 use anyhow::{bail, ensure, Result};
 use clap::{Parser, ValueEnum};
-use comm_core::{run_local, Communicator};
 use data::Corpus;
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_tape::{LrDecay, WsdAnneal};
 use model::GptConfig;
 use report::Progress;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use tape::{LrDecay, WsdAnneal};
 use train::{train_rank, RankResult, Schedule, TrainConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -104,11 +104,11 @@ enum Precision {
 }
 
 impl Precision {
-    fn dtype(self) -> tape::DType {
+    fn dtype(self) -> ferrotron_tape::DType {
         match self {
-            Precision::Fp32 => tape::DType::F32,
-            Precision::Bf16 => tape::DType::BF16,
-            Precision::Fp16 => tape::DType::F16,
+            Precision::Fp32 => ferrotron_tape::DType::F32,
+            Precision::Bf16 => ferrotron_tape::DType::BF16,
+            Precision::Fp16 => ferrotron_tape::DType::F16,
         }
     }
 }
@@ -254,7 +254,7 @@ struct Args {
     /// Where tensors live and compute: cpu, cuda:N (the first device for `--backend nccl`),
     /// or emulated (the CUDA code path run on the host; slow, for checking).
     #[arg(long, default_value = "cpu")]
-    device: tape::Device,
+    device: ferrotron_tape::Device,
     /// Save checkpoints under this directory, each in its own `step_NNNNNNN` (at the end,
     /// every --save-interval steps, and when a SIGTERM or SIGINT stops the run): the
     /// weights and the AdamW state (safetensors, one file per tensor-parallel rank), the
@@ -326,7 +326,7 @@ struct Args {
     /// With --plan: list the layouts of --world ranks that fit this much memory per rank
     /// (e.g. 80GiB), with the bytes each sends per step, instead of planning this one.
     #[arg(long, value_name = "BYTES", requires = "plan", requires = "world")]
-    fit: Option<planner::Bytes>,
+    fit: Option<ferrotron_planner::Bytes>,
     /// With --fit: ranks in all (TP × PP × DP).
     #[arg(long, requires = "fit")]
     world: Option<usize>,
@@ -473,8 +473,8 @@ fn resolve_resume(args: &mut Args) -> Result<()> {
 fn run(args: &Args) -> Result<()> {
     let corpus = match (&args.data, &args.data_path, &args.tokenizer) {
         (_, Some(words), Some(tokenizer)) => Corpus::megatron(
-            datasets::parse_blend(words)?,
-            datasets::parse_split(&args.split)?,
+            ferrotron_datasets::parse_blend(words)?,
+            ferrotron_datasets::parse_split(&args.split)?,
             args.seed,
             data::Vocabulary::from_file(tokenizer)?,
         )?,
@@ -493,11 +493,13 @@ fn run(args: &Args) -> Result<()> {
     // Opening one makes a context on it, so a process opens only its own: under a
     // launcher, the one its local rank takes (not every process on --device's).
     let own = match (&devices, under_mpirun(), placement::from_environment()) {
-        (Some(devices), true, Some(placement)) => tape::Device::Cuda(placement.device_of(devices)),
+        (Some(devices), true, Some(placement)) => {
+            ferrotron_tape::Device::Cuda(placement.device_of(devices))
+        }
         _ => args.device,
     };
-    if own != tape::Device::Cpu {
-        tape::Tensor::<f32>::zeros(&[1]).to_device(own)?;
+    if own != ferrotron_tape::Device::Cpu {
+        ferrotron_tape::Tensor::<f32>::zeros(&[1]).to_device(own)?;
     }
     match (args.backend, devices) {
         (Backend::Mpi, _) => run_mpi_backend(args, &corpus, None),
@@ -509,7 +511,7 @@ fn run(args: &Args) -> Result<()> {
 /// `--plan`: the flags as the planner's model and layout (or search, with `--fit`).
 fn plan(args: &Args, corpus: &Corpus) -> Result<()> {
     ensure!(
-        !matches!(args.device, tape::Device::Cuda(_)),
+        !matches!(args.device, ferrotron_tape::Device::Cuda(_)),
         "--plan predicts host memory (and the emulated device's, which is host memory); \
          CUDA memory is not modelled yet: plan with --device cpu or --device emulated"
     );
@@ -521,7 +523,7 @@ fn plan(args: &Args, corpus: &Corpus) -> Result<()> {
             &planned_layout(args, dp, corpus),
         )?);
     };
-    let search = planner::Search {
+    let search = ferrotron_planner::Search {
         world: args.world.unwrap_or(0),
         budget: budget.0,
         global_batch: match args.global_batch_size {
@@ -546,8 +548,8 @@ fn planned_dp(args: &Args) -> Result<usize> {
     })
 }
 
-fn planned_model(args: &Args, corpus: &Corpus) -> planner::Model {
-    planner::Model {
+fn planned_model(args: &Args, corpus: &Corpus) -> ferrotron_planner::Model {
+    ferrotron_planner::Model {
         layers: args.layers,
         hidden: args.hidden,
         heads: args.heads,
@@ -560,24 +562,24 @@ fn planned_model(args: &Args, corpus: &Corpus) -> planner::Model {
     }
 }
 
-fn planned_target(args: &Args) -> planner::Target {
+fn planned_target(args: &Args) -> ferrotron_planner::Target {
     match args.device {
-        tape::Device::Cpu => planner::Target::Cpu,
-        _ => planner::Target::Device,
+        ferrotron_tape::Device::Cpu => ferrotron_planner::Target::Cpu,
+        _ => ferrotron_planner::Target::Device,
     }
 }
 
-fn planned_layout(args: &Args, dp: usize, corpus: &Corpus) -> planner::Layout {
+fn planned_layout(args: &Args, dp: usize, corpus: &Corpus) -> ferrotron_planner::Layout {
     let layers = args.recompute_num_layers as usize;
     let recompute = match (args.recompute_granularity, args.recompute_method) {
-        (Some(RecomputeGranularity::Selective), _) => planner::Recompute::Selective,
+        (Some(RecomputeGranularity::Selective), _) => ferrotron_planner::Recompute::Selective,
         (Some(RecomputeGranularity::Full), Some(RecomputeMethod::Block)) => {
-            planner::Recompute::Block { layers }
+            ferrotron_planner::Recompute::Block { layers }
         }
-        (Some(RecomputeGranularity::Full), _) => planner::Recompute::Uniform { layers },
-        (None, _) => planner::Recompute::None,
+        (Some(RecomputeGranularity::Full), _) => ferrotron_planner::Recompute::Uniform { layers },
+        (None, _) => ferrotron_planner::Recompute::None,
     };
-    planner::Layout {
+    ferrotron_planner::Layout {
         tp: args.tp,
         pp: args.pp,
         dp,
@@ -597,8 +599,8 @@ fn planned_layout(args: &Args, dp: usize, corpus: &Corpus) -> planner::Layout {
 /// ones after it. Fails before any rank starts when NCCL or the devices are missing.
 #[cfg(feature = "cuda")]
 fn nccl_devices(args: &Args) -> Result<std::ops::Range<usize>> {
-    use comm_core::cuda::{self, Library};
-    let tape::Device::Cuda(first) = args.device else {
+    use ferrotron_comm_core::cuda::{self, Library};
+    let ferrotron_tape::Device::Cuda(first) = args.device else {
         bail!(
             "--backend nccl moves CUDA memory, but --device is {}; pass --device cuda:N",
             args.device
@@ -617,7 +619,7 @@ fn nccl_devices(args: &Args) -> Result<std::ops::Range<usize>> {
 fn nccl_devices(_: &Args) -> Result<std::ops::Range<usize>> {
     bail!(
         "--backend nccl: this binary was built without CUDA (libcuda, libnccl); build it \
-         with `cargo build --release -p train-gpt --features cuda`"
+         with `cargo build --release -p ferrotron-train-gpt --features cuda`"
     )
 }
 
@@ -626,21 +628,24 @@ fn nccl_devices(_: &Args) -> Result<std::ops::Range<usize>> {
 /// host memory; and the device the rank computes on.
 fn connect(
     comm: Arc<dyn Communicator>,
-    device: tape::Device,
+    device: ferrotron_tape::Device,
     devices: Option<std::ops::Range<usize>>,
     placement: placement::Placement,
-) -> Result<(Arc<dyn Communicator>, tape::Device)> {
+) -> Result<(Arc<dyn Communicator>, ferrotron_tape::Device)> {
     let Some(devices) = devices else {
         return Ok((comm, device));
     };
     let ordinal = placement.device_of(&devices);
-    Ok((nccl_world(comm, ordinal)?, tape::Device::Cuda(ordinal)))
+    Ok((
+        nccl_world(comm, ordinal)?,
+        ferrotron_tape::Device::Cuda(ordinal),
+    ))
 }
 
 #[cfg(feature = "cuda")]
 fn nccl_world(comm: Arc<dyn Communicator>, ordinal: usize) -> Result<Arc<dyn Communicator>> {
-    let nccl = comm_core::NcclCommunicator::new(comm.clone(), ordinal)?;
-    Ok(Arc::new(comm_core::DualCommunicator::new(
+    let nccl = ferrotron_comm_core::NcclCommunicator::new(comm.clone(), ordinal)?;
+    Ok(Arc::new(ferrotron_comm_core::DualCommunicator::new(
         comm,
         Arc::new(nccl),
     )?))
@@ -676,7 +681,7 @@ fn run_local_backend(
     let mut results = run_local(world, |comm| {
         // Unset, tape already divides the cores among this world's rank threads.
         if let Some(threads) = args.threads {
-            tape::set_num_threads(threads)?;
+            ferrotron_tape::set_num_threads(threads)?;
         }
         let rank = comm.rank();
         // Every rank thread is on this node.
@@ -701,7 +706,7 @@ fn run_local_backend(
             .collect();
         stages.sort_by_key(|s| s.0);
         let timelines: Vec<_> = stages.into_iter().map(|s| s.1).collect();
-        std::fs::write(path, pipeline::chrome_trace(&timelines))?;
+        std::fs::write(path, ferrotron_pipeline::chrome_trace(&timelines))?;
         println!("pipeline timeline of the last step: {}", path.display());
     }
     let busiest = busiest_rank(results.iter().map(step_costs));
@@ -788,7 +793,7 @@ fn set_step_costs(
     [to_device, to_device_copies, to_host, to_host_copies, waits, peak]: [f64; 6],
 ) {
     result.peak_bytes = peak as usize;
-    result.transfers_per_step = tape::Transfers {
+    result.transfers_per_step = ferrotron_tape::Transfers {
         to_device_bytes: to_device as u64,
         to_device_copies: to_device_copies as u64,
         to_host_bytes: to_host as u64,
@@ -803,7 +808,7 @@ fn run_mpi_backend(
     corpus: &Corpus,
     devices: Option<std::ops::Range<usize>>,
 ) -> Result<()> {
-    let mpi = comm_core::mpi::MpiWorld::init()?;
+    let mpi = ferrotron_comm_core::mpi::MpiWorld::init()?;
     let world: Arc<dyn Communicator> = Arc::new(mpi.world()?);
     let size = world.size();
     // Ranks of one model replica: tensor- times pipeline-parallel.
@@ -827,7 +832,7 @@ fn run_mpi_backend(
     }
     let dp = match args.dp {
         Some(dp) => dp,
-        None if size % mp == 0 => size / mp,
+        None if size.is_multiple_of(mp) => size / mp,
         None => bail!(
             "mpirun started {size} processes, which --tp {} × --pp {} does not divide; valid \
              --tp at --pp 1: {}",
@@ -837,7 +842,7 @@ fn run_mpi_backend(
         ),
     };
     if mp * dp != size {
-        let fix = if size % mp == 0 {
+        let fix = if size.is_multiple_of(mp) {
             format!("pass --dp {}", size / mp)
         } else {
             format!("pass a --tp among {}", list(&valid_tp(size, args.heads)))
@@ -858,9 +863,9 @@ fn run_mpi_backend(
         local_rank: world.rank(),
         local_size: size,
     });
-    tape::set_num_threads(
+    ferrotron_tape::set_num_threads(
         args.threads
-            .unwrap_or_else(|| (tape::num_threads() / placement.local_size).max(1)),
+            .unwrap_or_else(|| (ferrotron_tape::num_threads() / placement.local_size).max(1)),
     )?;
     let rank0 = world.rank() == 0;
     if rank0 {
@@ -875,11 +880,23 @@ fn run_mpi_backend(
     let mut result = train_rank(world.clone(), &config, corpus, progress.as_ref())?;
     // The busiest rank's transfers and host waits, as the threads backend reports them.
     let mut costs = step_costs(&result);
-    comm_core::CommunicatorExt::all_reduce_slice(&*world, &mut costs, comm_core::ReduceOp::Max)?;
+    ferrotron_comm_core::CommunicatorExt::all_reduce_slice(
+        &*world,
+        &mut costs,
+        ferrotron_comm_core::ReduceOp::Max,
+    )?;
     let mut state = busiest_model_state(&result, costs[5] as usize);
-    comm_core::CommunicatorExt::all_reduce_slice(&*world, &mut state, comm_core::ReduceOp::Max)?;
+    ferrotron_comm_core::CommunicatorExt::all_reduce_slice(
+        &*world,
+        &mut state,
+        ferrotron_comm_core::ReduceOp::Max,
+    )?;
     let mut stages = stage_memory(&result, args.pp);
-    comm_core::CommunicatorExt::all_reduce_slice(&*world, &mut stages, comm_core::ReduceOp::Max)?;
+    ferrotron_comm_core::CommunicatorExt::all_reduce_slice(
+        &*world,
+        &mut stages,
+        ferrotron_comm_core::ReduceOp::Max,
+    )?;
     set_step_costs(&mut result, costs);
     set_model_state(&mut result, &state);
     set_stage_memory(&mut result, &stages);
@@ -900,7 +917,7 @@ fn under_mpirun() -> bool {
 fn run_mpi_backend(_: &Args, _: &Corpus, _: Option<std::ops::Range<usize>>) -> Result<()> {
     bail!(
         "--backend mpi: this binary was built without MPI; build it with `cargo build \
-         --release -p train-gpt --features mpi` and run it under `mpirun -n 4 \
+         --release -p ferrotron-train-gpt --features mpi` and run it under `mpirun -n 4 \
          target/release/train-gpt --backend mpi`"
     )
 }
@@ -980,14 +997,14 @@ fn validate_model(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Resu
     ensure!(dp >= 1, "--dp must be at least 1");
     ensure!(args.heads >= 1, "--heads must be at least 1");
     ensure!(
-        args.hidden % args.heads == 0,
+        args.hidden.is_multiple_of(args.heads),
         "--hidden {} is not divisible by --heads {}; valid --heads for this width: {}",
         args.hidden,
         args.heads,
         list(&divisors(args.hidden))
     );
     ensure!(
-        args.heads % args.tp == 0,
+        args.heads.is_multiple_of(args.tp),
         "--heads {} cannot be divided among --tp {} ranks; valid --tp for {} heads: {}",
         args.heads,
         args.tp,
@@ -1051,7 +1068,7 @@ fn validate_optimizer(args: &Args) -> Result<()> {
          drop them or pass --precision fp16"
     );
     if let Some(scaler) = loss_scaler(args) {
-        layers::GradScaler::new(scaler)?;
+        ferrotron_layers::GradScaler::new(scaler)?;
     }
     // A later step than --steps is allowed: a run cut short and resumed keeps its flags.
     ensure!(
@@ -1071,7 +1088,7 @@ fn validate_pipeline(args: &Args) -> Result<()> {
     );
     let parts = args.pp * pipeline_schedule(args).chunks();
     ensure!(
-        parts >= 1 && args.layers % parts == 0,
+        parts >= 1 && args.layers.is_multiple_of(parts),
         "--layers {} cannot be split evenly over --pp {} × --virtual-stages {} = {parts} \
          parts; valid --pp × --virtual-stages: {}",
         args.layers,
@@ -1080,7 +1097,7 @@ fn validate_pipeline(args: &Args) -> Result<()> {
         list(&divisors(args.layers))
     );
     ensure!(
-        args.microbatches >= 1 && args.batch % args.microbatches == 0,
+        args.microbatches >= 1 && args.batch.is_multiple_of(args.microbatches),
         "--microbatches {} must divide --batch {}; valid: {}",
         args.microbatches,
         args.batch,
@@ -1165,20 +1182,20 @@ fn recompute(args: &Args) -> Option<model::Recompute> {
 
 /// Dynamic loss scaling for fp16 (on by default there, as in PyTorch's AMP recipe and
 /// Megatron's --fp16); `None` otherwise, where the flags are refused before training.
-fn loss_scaler(args: &Args) -> Option<layers::GradScalerConfig> {
-    let defaults = layers::GradScalerConfig::default();
-    matches!(args.precision, Precision::Fp16).then(|| layers::GradScalerConfig {
+fn loss_scaler(args: &Args) -> Option<ferrotron_layers::GradScalerConfig> {
+    let defaults = ferrotron_layers::GradScalerConfig::default();
+    matches!(args.precision, Precision::Fp16).then(|| ferrotron_layers::GradScalerConfig {
         init_scale: args.initial_loss_scale.unwrap_or(defaults.init_scale),
         growth_interval: args.loss_scale_window.unwrap_or(defaults.growth_interval),
         ..defaults
     })
 }
 
-fn pipeline_schedule(args: &Args) -> pipeline::Schedule {
+fn pipeline_schedule(args: &Args) -> ferrotron_pipeline::Schedule {
     match args.schedule {
-        PipelineSchedule::Gpipe => pipeline::Schedule::GPipe,
-        PipelineSchedule::OneFOneB => pipeline::Schedule::OneFOneB,
-        PipelineSchedule::Interleaved => pipeline::Schedule::Interleaved {
+        PipelineSchedule::Gpipe => ferrotron_pipeline::Schedule::GPipe,
+        PipelineSchedule::OneFOneB => ferrotron_pipeline::Schedule::OneFOneB,
+        PipelineSchedule::Interleaved => ferrotron_pipeline::Schedule::Interleaved {
             virtual_stages: args.virtual_stages,
         },
     }
@@ -1323,7 +1340,7 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
     for sample in &result.samples {
         println!("  {sample:?}");
     }
-    if args.device != tape::Device::Cpu {
+    if args.device != ferrotron_tape::Device::Cpu {
         let moved = result.transfers_per_step;
         println!(
             "device transfers per step and rank: to device {} bytes, to host {} bytes",
@@ -1438,7 +1455,7 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
     let config = TrainConfig {
         tp: 1,
         pp: 1,
-        pipeline: pipeline::Schedule::OneFOneB,
+        pipeline: ferrotron_pipeline::Schedule::OneFOneB,
         microbatches: 1,
         trace: false,
         sequence_parallel: false,
@@ -1472,12 +1489,12 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
 fn valid_tp(world: usize, heads: usize) -> Vec<usize> {
     divisors(world)
         .into_iter()
-        .filter(|d| heads % d == 0)
+        .filter(|d| heads.is_multiple_of(*d))
         .collect()
 }
 
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 fn list(values: &[usize]) -> String {

@@ -9,16 +9,16 @@
 //! over the `"embedding"` group; the optimizer then updates both alike, so they stay equal.
 
 use anyhow::{Context, Result};
-use comm_core::Communicator;
-use layers::{
+use ferrotron_comm_core::Communicator;
+use ferrotron_layers::{
     vocab_parallel_cross_entropy_per_token, BlockConfig, ColumnParallelLinear, LayerNorm,
     LinearOptions, MasterInit, Module, RngTracker, ShardedParameter, Sharding, TensorParallel,
     TokenLoss, TransformerBlock, VocabParallelEmbedding, EMBEDDING_GROUP, TP_GROUP,
 };
+use ferrotron_tape::{CrossEntropyOptions, Parameter, Tape, Tensor};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
-use tape::{CrossEntropyOptions, Parameter, Tape, Tensor};
 
 /// Standard deviation of the master weights (GPT-2's).
 const INIT_STD: f64 = 0.02;
@@ -173,7 +173,7 @@ impl Gpt {
         };
         let blocks = blocks
             .map(|i| TransformerBlock::new(tp, &format!("block{i}"), &block, &init))
-            .collect::<layers::Result<Vec<_>>>()?;
+            .collect::<ferrotron_layers::Result<Vec<_>>>()?;
         Ok(Gpt {
             tp: tp.clone(),
             config,
@@ -279,7 +279,8 @@ impl Gpt {
         let mask = match self.padding_mask.get() {
             Some(mask) if mask.device() == logits.device() => mask.clone(),
             _ => {
-                let range = layers::VocabRange::new(vocab, self.tp.rank(), self.tp.size())?;
+                let range =
+                    ferrotron_layers::VocabRange::new(vocab, self.tp.rank(), self.tp.size())?;
                 let mask: Vec<f32> = (range.start..range.end)
                     .map(|id| if id < valid { 0.0 } else { PADDING_LOGIT })
                     .collect();
@@ -289,7 +290,7 @@ impl Gpt {
                 mask
             }
         };
-        Ok(logits.to_dtype(tape::DType::F32)?.add(&mask)?)
+        Ok(logits.to_dtype(ferrotron_tape::DType::F32)?.add(&mask)?)
     }
 
     /// Recomputes blocks in backward as `recompute` says (training only: evaluation
@@ -320,7 +321,7 @@ impl Gpt {
         for (range, recomputed) in runs {
             let blocks = &self.blocks[range];
             if recomputed {
-                hidden = layers::recompute_blocks(blocks, tape, &hidden, rng)?;
+                hidden = ferrotron_layers::recompute_blocks(blocks, tape, &hidden, rng)?;
                 continue;
             }
             for block in blocks {

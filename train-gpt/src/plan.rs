@@ -1,11 +1,11 @@
 //! `--plan`'s output: each pipeline stage's predicted peak per rank, or with `--fit` the
 //! layouts of a world that fit a budget, the least traffic first.
 
-use planner::{Breakdown, Bytes, Candidate, Layout, Model, Recompute, Search};
+use ferrotron_planner::{Breakdown, Bytes, Candidate, Layout, Model, Recompute, Search};
 
 /// Each stage's predicted peak per rank, the largest first.
-pub fn print_layout(model: &Model, layout: &Layout) -> planner::Result<()> {
-    let stages = planner::predict(model, layout)?;
+pub fn print_layout(model: &Model, layout: &Layout) -> ferrotron_planner::Result<()> {
+    let stages = ferrotron_planner::predict(model, layout)?;
     let largest = stages.iter().map(Breakdown::total).max().unwrap_or(0);
     println!("predicted peak per rank: {largest} bytes");
     for (stage, b) in stages.iter().enumerate() {
@@ -34,8 +34,8 @@ fn categories(b: &Breakdown) -> String {
 const LISTED: usize = 20;
 
 /// The layouts of `search.world` ranks that fit its budget, the least traffic first.
-pub fn print_fit(model: &Model, search: &Search) -> planner::Result<()> {
-    let found = planner::fit(model, search)?;
+pub fn print_fit(model: &Model, search: &Search) -> ferrotron_planner::Result<()> {
+    let found = ferrotron_planner::fit(model, search)?;
     println!(
         "layouts that fit {} per rank on {} ranks: {} of {} (global batch {}, micro-batch \
          {}, sequence parallel with TP > 1)",
@@ -69,7 +69,7 @@ pub fn print_fit(model: &Model, search: &Search) -> planner::Result<()> {
 
 fn schedule_name(layout: &Layout) -> String {
     match layout.schedule {
-        pipeline::Schedule::Interleaved { virtual_stages } => {
+        ferrotron_pipeline::Schedule::Interleaved { virtual_stages } => {
             format!("interleaved×{virtual_stages}")
         }
         _ if layout.pp == 1 => "-".into(),

@@ -8,20 +8,20 @@ use crate::memory::{self, Phase};
 use crate::model::{Gpt, GptConfig, RankModel};
 use crate::report::Progress;
 use anyhow::{bail, Result};
-use comm_core::{Communicator, CommunicatorExt};
-use ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
-use layers::{
+use ferrotron_comm_core::{Communicator, CommunicatorExt};
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
+use ferrotron_layers::{
     GradNorm, GradScaler, GradScalerConfig, Module, RngTracker, ShardedParameter, Sharding,
     TensorParallel,
 };
-use parallel_state::{ParallelState, RankLayout};
-use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::Arc;
-use tape::{
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_tape::{
     AdamW, AdamWConfig, DType, Generator, LrDecay, LrSchedule, MixedPrecision, Optimizer,
     ParamOptions, Parameter, Tape, Tensor, Transfers,
 };
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Text the trained model continues, one sample each.
 const PROMPTS: &[&str] = &["The tensor", "Each rank ", "pub fn new"];
@@ -37,14 +37,14 @@ pub struct TrainConfig {
     /// Pipeline stages; the layers are split evenly over `pp × chunks` parts.
     pub pp: usize,
     /// How each step drives its microbatches through the stages.
-    pub pipeline: pipeline::Schedule,
+    pub pipeline: ferrotron_pipeline::Schedule,
     /// Microbatches per step: each data-parallel rank's rows, split evenly.
     pub microbatches: usize,
     /// Record the last step's timeline (returned in [`RankResult::timeline`]).
     pub trace: bool,
     pub sequence_parallel: bool,
     /// Where parameters and activations live.
-    pub device: tape::Device,
+    pub device: ferrotron_tape::Device,
     /// Rows of the batch each data-parallel rank trains on.
     pub batch: usize,
     /// The step to end at (counted from the start of the run, resumed steps included).
@@ -58,7 +58,7 @@ pub struct TrainConfig {
     pub distributed_optimizer: bool,
     /// The parameters' storage format: f32, or bf16 / f16 with f32 master weights and
     /// f32 main gradients.
-    pub precision: tape::DType,
+    pub precision: ferrotron_tape::DType,
     /// AdamW's decoupled weight decay, applied as Megatron groups parameters (none for
     /// biases and 1-D parameters).
     pub weight_decay: f64,
@@ -107,7 +107,7 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    pub fn build(&self) -> tape::Result<LrSchedule> {
+    pub fn build(&self) -> ferrotron_tape::Result<LrSchedule> {
         LrSchedule::new(
             self.lr,
             self.min_lr,
@@ -134,7 +134,7 @@ pub struct RankResult {
     /// Pipeline rank, tensor-parallel rank and data-parallel rank of this rank, and its
     /// timeline of the last step if tracing.
     pub coordinates: (usize, usize, usize),
-    pub timeline: Vec<pipeline::Span>,
+    pub timeline: Vec<ferrotron_pipeline::Span>,
     /// Host↔device copies of a training step on this rank, averaged over the steps after
     /// the first (which also uploads the model's first use of each constant).
     pub transfers_per_step: Transfers,
@@ -262,7 +262,7 @@ fn build_ddps(
     Ok(models
         .iter()
         .map(|model| DistributedDataParallel::for_model(model, state, ddp_config.clone()))
-        .collect::<ddp::Result<Vec<_>>>()?)
+        .collect::<ferrotron_ddp::Result<Vec<_>>>()?)
 }
 
 /// Text the trained model writes after each of [`PROMPTS`].
@@ -356,8 +356,8 @@ fn stop_agreed(chunks: &Chunks<'_>) -> Result<bool> {
     let mut seen = [u8::from(flag.load(std::sync::atomic::Ordering::Relaxed))];
     let world = chunks.state.world();
     world.all_reduce(
-        comm_core::BufMut::from(&mut seen[..]),
-        comm_core::ReduceOp::Max,
+        ferrotron_comm_core::BufMut::from(&mut seen[..]),
+        ferrotron_comm_core::ReduceOp::Max,
     )?;
     Ok(seen[0] == 1)
 }
@@ -393,13 +393,13 @@ fn save(
             RankModel(chunks.models),
         );
         let (rank, size) = (tp.rank(), tp.size());
-        files.push(layers::checkpoint::snapshot_shard(
+        files.push(ferrotron_layers::checkpoint::snapshot_shard(
             &rank_model,
             &dir,
             rank,
             size,
         )?);
-        files.push(layers::checkpoint::snapshot_optimizer_state(
+        files.push(ferrotron_layers::checkpoint::snapshot_optimizer_state(
             &rank_model,
             optimizer.model_params(),
             &optimizer_state,
@@ -487,7 +487,7 @@ struct History {
     grad_norms: Vec<(usize, f64)>,
     tied_copies: Option<TiedCopies>,
     /// The last step's pipeline timeline, when tracing.
-    timeline: Vec<pipeline::Span>,
+    timeline: Vec<ferrotron_pipeline::Span>,
     /// The checkpoints this run wrote.
     saved: Vec<PathBuf>,
     /// The step a stop signal ended the run after.
@@ -555,7 +555,7 @@ impl<'a> Trainer<'a> {
         let rank_model = RankModel(chunks.models);
         let dirs = saved.stage_dirs(dir);
         let dirs: Vec<&std::path::Path> = dirs.iter().map(PathBuf::as_path).collect();
-        let optimizer_state = layers::checkpoint::load_optimizer_state_across(
+        let optimizer_state = ferrotron_layers::checkpoint::load_optimizer_state_across(
             &rank_model,
             &dirs,
             saved.tp,
@@ -589,12 +589,12 @@ impl<'a> Trainer<'a> {
         let first_step = history.losses.len();
         let (mut steady_transfers, mut waits) = (Vec::new(), Vec::new());
         for step in first_step..config.steps {
-            let before = tape::transfers(config.device);
-            let waits_before = tape::host_waits(config.device);
+            let before = ferrotron_tape::transfers(config.device);
+            let waits_before = ferrotron_tape::host_waits(config.device);
             self.step(chunks, corpus, step, history)?;
             if step > first_step || config.steps == first_step + 1 {
-                steady_transfers.push(tape::transfers(config.device) - before);
-                waits.push(tape::host_waits(config.device) - waits_before);
+                steady_transfers.push(ferrotron_tape::transfers(config.device) - before);
+                waits.push(ferrotron_tape::host_waits(config.device) - waits_before);
             }
             // `--check`'s own reads of the tied copies, outside the step's counts.
             if config.check_tied {
@@ -956,7 +956,7 @@ impl TrainOptimizer {
     ) -> Result<GradNorm> {
         Ok(match self {
             TrainOptimizer::Replicated(_) | TrainOptimizer::Mixed(_) => {
-                layers::clip_grad_norm(params, tp, other_groups, max_norm)?
+                ferrotron_layers::clip_grad_norm(params, tp, other_groups, max_norm)?
             }
             TrainOptimizer::Distributed(adamw) => {
                 adamw.clip_grad_norm(params, tp, other_groups, max_norm)?
@@ -998,7 +998,7 @@ impl Chunks<'_> {
         microbatches: &[(Vec<usize>, Vec<i64>)],
         pass: Pass,
         trace: bool,
-    ) -> Result<(f32, Vec<pipeline::Span>)> {
+    ) -> Result<(f32, Vec<ferrotron_pipeline::Span>)> {
         let seq = self.config.model.seq;
         let rows = microbatches[0].0.len() / seq;
         let (results, timeline) = self.run(microbatches, (seq, rows), pass, trace)?;
@@ -1037,7 +1037,7 @@ impl Chunks<'_> {
         (len, rows): (usize, usize),
         pass: Pass,
         trace: bool,
-    ) -> Result<(Vec<Vec<f32>>, Vec<pipeline::Span>)> {
+    ) -> Result<(Vec<Vec<f32>>, Vec<ferrotron_pipeline::Span>)> {
         let tp = self.models[0].tp();
         // Under sequence parallelism each rank passes on its part of the sequence.
         let local = if tp.sequence_parallel() {
@@ -1046,8 +1046,11 @@ impl Chunks<'_> {
             len
         };
         let shape = [local, rows, self.config.model.hidden];
-        let mut config =
-            pipeline::PipelineConfig::new(self.config.pipeline, microbatches.len(), &shape);
+        let mut config = ferrotron_pipeline::PipelineConfig::new(
+            self.config.pipeline,
+            microbatches.len(),
+            &shape,
+        );
         config.forward_only = pass != Pass::Train;
         // The stages report the loss's global mean themselves.
         config.read_losses = false;
@@ -1057,7 +1060,7 @@ impl Chunks<'_> {
             self.state.pp().barrier()?;
             config.trace_epoch = Some(std::time::Instant::now());
         }
-        let pipe = pipeline::Pipeline::new(self.state.pp().clone(), config)?;
+        let pipe = ferrotron_pipeline::Pipeline::new(self.state.pp().clone(), config)?;
         let mut stages: Vec<GptStage> = self
             .models
             .iter()
@@ -1076,9 +1079,9 @@ impl Chunks<'_> {
                 means: Vec::new(),
             })
             .collect();
-        let mut refs: Vec<&mut dyn pipeline::Stage> = stages
+        let mut refs: Vec<&mut dyn ferrotron_pipeline::Stage> = stages
             .iter_mut()
-            .map(|s| s as &mut dyn pipeline::Stage)
+            .map(|s| s as &mut dyn ferrotron_pipeline::Stage)
             .collect();
         let report = pipe.run(&mut refs)?;
         if pass == Pass::Train {
@@ -1092,7 +1095,7 @@ impl Chunks<'_> {
             // The step's losses in one read (one host wait), however many microbatches.
             let scalars = (means.iter())
                 .map(|m| m.reshape(&[1]))
-                .collect::<tape::Result<Vec<_>>>()?;
+                .collect::<ferrotron_tape::Result<Vec<_>>>()?;
             let values = Tensor::concat(&scalars.iter().collect::<Vec<_>>(), 0)?.to_vec()?;
             results.extend(values.into_iter().map(|v| vec![v]));
         }
@@ -1119,13 +1122,13 @@ struct GptStage<'a> {
     means: Vec<Tensor>,
 }
 
-impl pipeline::Stage for GptStage<'_> {
+impl ferrotron_pipeline::Stage for GptStage<'_> {
     fn forward(
         &mut self,
         tape: &Tape,
         microbatch: usize,
-        input: Option<&tape::Tensor>,
-    ) -> std::result::Result<tape::Tensor, Box<dyn std::error::Error + Send + Sync>> {
+        input: Option<&ferrotron_tape::Tensor>,
+    ) -> std::result::Result<ferrotron_tape::Tensor, Box<dyn std::error::Error + Send + Sync>> {
         let (ids, labels) = &self.microbatches[microbatch];
         let rows = ids.len() / self.len;
         // Only training draws dropout masks.
@@ -1138,9 +1141,9 @@ impl pipeline::Stage for GptStage<'_> {
         }
         if let Pass::Logits { at } = self.pass {
             let group = self.model.tp().group();
-            let sizes = mappings::split_sizes(self.model.config().vocab, group.size())?;
+            let sizes = ferrotron_mappings::split_sizes(self.model.config().vocab, group.size())?;
             let last = output.narrow(0, at, 1)?;
-            let full = mappings::gather_from_region(&last, group, 2, Some(&sizes))?;
+            let full = ferrotron_mappings::gather_from_region(&last, group, 2, Some(&sizes))?;
             self.results.push(full.to_vec()?);
             return Ok(output);
         }

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{fresh, succeeded, words};
-use datasets::IndexedDataset;
+use ferrotron_datasets::IndexedDataset;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -201,7 +201,7 @@ fn damaged_data_and_a_mismatched_tokenizer_are_refused_naming_the_file() {
     let (tokenizer, _) = tokenizer(&dir);
     let prefix = preprocess(&dir, &tokenizer, "docs", 30, 3);
     let tok = tokenizer.to_str().unwrap();
-    let bin = datasets::paths(&prefix).1;
+    let bin = ferrotron_datasets::paths(&prefix).1;
     let bytes = std::fs::read(&bin).unwrap();
     std::fs::write(&bin, &bytes[..bytes.len() - 10]).unwrap();
     let truncated = train(

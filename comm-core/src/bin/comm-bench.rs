@@ -1,7 +1,7 @@
 //! Collective benchmark in the style of nccl-tests, over the local or MPI backend.
 //!
 //! ```text
-//! cargo run --release -p comm-core --bin comm-bench -- \
+//! cargo run --release -p ferrotron-comm-core --bin comm-bench -- \
 //!     --backend local --ranks 2 --op all_reduce --sizes 1K,64K,1M,16M,64M --baseline memcpy
 //! mpirun -n 2 target/release/comm-bench --backend mpi --op all_reduce --baseline raw
 //! # with `--features cuda`: device buffers, local ranks on one GPU, and NCCL
@@ -17,7 +17,9 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::{Parser, ValueEnum};
-use comm_core::{run_local, BufMut, Communicator, CommunicatorExt, DType, Element, ReduceOp};
+use ferrotron_comm_core::{
+    run_local, BufMut, Communicator, CommunicatorExt, DType, Element, ReduceOp,
+};
 use std::time::Instant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -167,7 +169,7 @@ fn run_op(
     op: Op,
     mut input: BufMut<'_>,
     output: BufMut<'_>,
-) -> comm_core::Result<()> {
+) -> ferrotron_comm_core::Result<()> {
     let n = comm.size();
     match op {
         Op::AllReduce => comm.all_reduce(input, ReduceOp::Sum),
@@ -185,15 +187,15 @@ fn run_op(
 #[cfg(feature = "cuda")]
 trait BenchElement:
     Element
-    + comm_core::cuda::cudarc::driver::DeviceRepr
-    + comm_core::cuda::cudarc::driver::ValidAsZeroBits
+    + ferrotron_comm_core::cuda::cudarc::driver::DeviceRepr
+    + ferrotron_comm_core::cuda::cudarc::driver::ValidAsZeroBits
 {
 }
 #[cfg(feature = "cuda")]
 impl<T> BenchElement for T where
     T: Element
-        + comm_core::cuda::cudarc::driver::DeviceRepr
-        + comm_core::cuda::cudarc::driver::ValidAsZeroBits
+        + ferrotron_comm_core::cuda::cudarc::driver::DeviceRepr
+        + ferrotron_comm_core::cuda::cudarc::driver::ValidAsZeroBits
 {
 }
 #[cfg(not(feature = "cuda"))]
@@ -209,9 +211,9 @@ enum Buffers<T: BenchElement> {
     },
     #[cfg(feature = "cuda")]
     Device {
-        input: comm_core::cuda::cudarc::driver::CudaSlice<T>,
-        output: comm_core::cuda::cudarc::driver::CudaSlice<T>,
-        stream: std::sync::Arc<comm_core::cuda::cudarc::driver::CudaStream>,
+        input: ferrotron_comm_core::cuda::cudarc::driver::CudaSlice<T>,
+        output: ferrotron_comm_core::cuda::cudarc::driver::CudaSlice<T>,
+        stream: std::sync::Arc<ferrotron_comm_core::cuda::cudarc::driver::CudaStream>,
     },
 }
 
@@ -224,8 +226,8 @@ impl<T: BenchElement> Buffers<T> {
             }),
             #[cfg(feature = "cuda")]
             Memory::Cuda => {
-                let device = rank % comm_core::cuda::device_count()?.max(1);
-                let stream = comm_core::cuda::context(device)?.new_stream()?;
+                let device = rank % ferrotron_comm_core::cuda::device_count()?.max(1);
+                let stream = ferrotron_comm_core::cuda::context(device)?.new_stream()?;
                 Ok(Buffers::Device {
                     input: stream.clone_htod(&input)?,
                     output: stream.alloc_zeros(output_len)?,
@@ -515,7 +517,7 @@ fn main() -> Result<()> {
         Backend::Local => {
             let results = run_local(
                 args.ranks,
-                |comm| comm_core::with_dtype!(dtype, T => bench_rank::<T>(&comm, &comm, &args, &sizes)),
+                |comm| ferrotron_comm_core::with_dtype!(dtype, T => bench_rank::<T>(&comm, &comm, &args, &sizes)),
             )?;
             print_rows(&args, args.ranks, &results[0]);
         }
@@ -527,12 +529,12 @@ fn main() -> Result<()> {
 
 #[cfg(feature = "cuda")]
 fn run_nccl(args: &Args, dtype: DType, sizes: &[usize]) -> Result<()> {
-    let devices = comm_core::cuda::device_count()?.max(1);
+    let devices = ferrotron_comm_core::cuda::device_count()?.max(1);
     let results = run_local(args.ranks, |bootstrap| -> Result<Vec<Row>> {
         let device = bootstrap.rank() % devices;
         let bootstrap = std::sync::Arc::new(bootstrap);
-        let nccl = comm_core::NcclCommunicator::new(bootstrap.clone(), device)?;
-        comm_core::with_dtype!(dtype, T => bench_rank::<T>(&nccl, &*bootstrap, args, sizes))
+        let nccl = ferrotron_comm_core::NcclCommunicator::new(bootstrap.clone(), device)?;
+        ferrotron_comm_core::with_dtype!(dtype, T => bench_rank::<T>(&nccl, &*bootstrap, args, sizes))
     })?;
     print_rows(args, args.ranks, &results[0]);
     Ok(())
@@ -550,7 +552,7 @@ mod device_copy {
     use std::time::Instant;
 
     pub fn time(bytes: usize, iters: usize) -> Result<f64> {
-        let stream = comm_core::cuda::context(0)?.new_stream()?;
+        let stream = ferrotron_comm_core::cuda::context(0)?.new_stream()?;
         let src = stream.alloc_zeros::<u8>(bytes)?;
         let mut dst = stream.alloc_zeros::<u8>(bytes)?;
         stream.memcpy_dtod(&src, &mut dst)?;
@@ -566,9 +568,10 @@ mod device_copy {
 
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &Args, dtype: DType, sizes: &[usize]) -> Result<()> {
-    let mpi = comm_core::mpi::MpiWorld::init()?;
+    let mpi = ferrotron_comm_core::mpi::MpiWorld::init()?;
     let world = mpi.world()?;
-    let rows = comm_core::with_dtype!(dtype, T => bench_rank::<T>(&world, &world, args, sizes))?;
+    let rows =
+        ferrotron_comm_core::with_dtype!(dtype, T => bench_rank::<T>(&world, &world, args, sizes))?;
     if world.rank() == 0 {
         print_rows(args, world.size(), &rows);
     }
@@ -585,7 +588,7 @@ fn run_mpi(_: &Args, _: DType, _: &[usize]) -> Result<()> {
 mod raw_mpi {
     use super::{shape, Op, Row};
     use anyhow::{bail, Result};
-    use comm_core::{DType, Element};
+    use ferrotron_comm_core::{DType, Element};
     use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
     use mpi::datatype::{Partition, PartitionMut};
     use mpi::topology::{Communicator, SimpleCommunicator};

@@ -28,7 +28,7 @@ pub(crate) unsafe fn reduce_rows(
         return Ok(());
     }
     let ordinal = stream.context().ordinal();
-    let module = device::Module::cuda(ordinal, MODULE, || SOURCE.into(), None)?;
+    let module = ferrotron_device::Module::cuda(ordinal, MODULE, || SOURCE.into(), None)?;
     let function = module.function(&format!("reduce_{}", dtype.name()))?;
     // The codes reduce.cu switches on.
     let op_code: i32 = match op {

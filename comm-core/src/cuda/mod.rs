@@ -9,13 +9,13 @@
 //! [`Error::LibraryMissing`], naming it and how to make it findable.
 //!
 //! ```no_run
-//! use comm_core::cuda;
-//! # fn main() -> comm_core::Result<()> {
+//! use ferrotron_comm_core::cuda;
+//! # fn main() -> ferrotron_comm_core::Result<()> {
 //! let ctx = cuda::context(0)?; // typed error without a driver or device
 //! let stream = ctx.default_stream();
 //! let x = stream.clone_htod(&[1.0f32, 2.0, 3.0]).map_err(cuda::driver_error("clone_htod"))?;
-//! let view = comm_core::BufRef::cuda(&x, &stream)?;
-//! assert_eq!(view.memory(), comm_core::Device::Cuda(0));
+//! let view = ferrotron_comm_core::BufRef::cuda(&x, &stream)?;
+//! assert_eq!(view.memory(), ferrotron_comm_core::Device::Cuda(0));
 //! # Ok(())
 //! # }
 //! ```
@@ -31,54 +31,54 @@ use cudarc::driver::{result::DriverError, CudaStream};
 
 /// The device layer's CUDA plumbing, which this module builds on: the version of cudarc
 /// spoken, the libraries, and why GPU work cannot run here.
-pub use device::cuda::{cudarc, unavailable_reason, Library};
+pub use ferrotron_device::cuda::{cudarc, unavailable_reason, Library};
 
 /// Checks that `library` can be loaded; `purpose` says what needs it in the error
 /// (the device layer's check, as this crate's error).
 pub fn require(library: Library, purpose: &'static str) -> Result<()> {
-    Ok(device::cuda::require(library, purpose)?)
+    Ok(ferrotron_device::cuda::require(library, purpose)?)
 }
 
 /// Number of CUDA devices the driver reports; an error when the driver cannot be loaded.
 pub fn device_count() -> Result<usize> {
-    Ok(device::cuda::device_count()?)
+    Ok(ferrotron_device::cuda::device_count()?)
 }
 
 /// The (primary) context of device `ordinal`, one per device per process (see
-/// [`device::cuda::context`]).
+/// [`ferrotron_device::cuda::context`]).
 pub fn context(ordinal: usize) -> Result<std::sync::Arc<cudarc::driver::CudaContext>> {
-    Ok(device::cuda::context(ordinal)?)
+    Ok(ferrotron_device::cuda::context(ordinal)?)
 }
 
-/// PTX of `source`, compiled once per process (see [`device::cuda::compile`]).
+/// PTX of `source`, compiled once per process (see [`ferrotron_device::cuda::compile`]).
 pub fn compile(
     name: &'static str,
     source: impl FnOnce() -> String,
     arch: Option<&'static str>,
 ) -> Result<cudarc::nvrtc::Ptx> {
-    Ok(device::cuda::compile(name, source, arch)?)
+    Ok(ferrotron_device::cuda::compile(name, source, arch)?)
 }
 
 /// Turns a failed driver call into [`Error::Cuda`] naming the call.
 pub fn driver_error(call: &'static str) -> impl Fn(DriverError) -> Error {
-    move |e| Error::from(device::cuda::driver_error(call)(e))
+    move |e| Error::from(ferrotron_device::cuda::driver_error(call)(e))
 }
 
 /// Makes the stream's context current on this thread (raw driver calls need it).
 pub(crate) fn bind(stream: &CudaStream) -> Result<()> {
-    Ok(device::cuda::bind(stream)?)
+    Ok(ferrotron_device::cuda::bind(stream)?)
 }
 
 /// Waits for everything queued on `stream` (a host wait, counted by the device layer).
 pub(crate) fn synchronize(stream: &CudaStream) -> Result<()> {
-    Ok(device::cuda::synchronize(stream)?)
+    Ok(ferrotron_device::cuda::synchronize(stream)?)
 }
 
 /// Queues a copy of `bytes` bytes between any two device addresses (same device, another
 /// device, or pinned host memory: unified addressing infers the direction).
 pub(crate) fn copy_async(dst: u64, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
     // SAFETY: callers pass addresses valid for `bytes` bytes until the stream is synchronized.
-    Ok(unsafe { device::cuda::copy(stream, dst, src, bytes) }?)
+    Ok(unsafe { ferrotron_device::cuda::copy(stream, dst, src, bytes) }?)
 }
 
 /// Runs a host implementation of an in-place operation on a device view: copy to host,
@@ -132,7 +132,7 @@ impl<'a> Scratch<'a> {
     /// `bytes` bytes on the stream's device (at least one, so the address is valid).
     pub(crate) fn new(stream: &'a CudaStream, bytes: usize) -> Result<Scratch<'a>> {
         // SAFETY: the stream is live for 'a; the memory is freed on it in `drop`.
-        let ptr = unsafe { device::cuda::alloc(stream, bytes) }?;
+        let ptr = unsafe { ferrotron_device::cuda::alloc(stream, bytes) }?;
         Ok(Scratch { ptr, stream })
     }
 
@@ -145,6 +145,6 @@ impl Drop for Scratch<'_> {
     fn drop(&mut self) {
         // SAFETY: allocated on this stream; work using it was queued on it before.
         // A failure here means the context is already broken, which the next call reports.
-        let _ = unsafe { device::cuda::free(self.stream, self.ptr) };
+        let _ = unsafe { ferrotron_device::cuda::free(self.stream, self.ptr) };
     }
 }

@@ -18,7 +18,7 @@
 use crate::buffer::Buffer;
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{FlightRecord, RankHistory, Recorder};
-use device::Device;
+use ferrotron_device::Device;
 use parking_lot::{Condvar, Mutex};
 use std::cell::UnsafeCell;
 use std::collections::VecDeque;

@@ -40,14 +40,14 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// rank order. See [`LocalLauncher`] for the timeout and per-rank results.
 ///
 /// ```
-/// use comm_core::{run_local, Communicator, CommunicatorExt, ReduceOp};
+/// use ferrotron_comm_core::{run_local, Communicator, CommunicatorExt, ReduceOp};
 /// let sums = run_local(4, |comm| {
 ///     let mut x = [comm.rank() as f32];
 ///     comm.all_reduce_slice(&mut x, ReduceOp::Sum)?;
-///     Ok::<_, comm_core::Error>(x[0])
+///     Ok::<_, ferrotron_comm_core::Error>(x[0])
 /// })?;
 /// assert_eq!(sums, vec![6.0; 4]);
-/// # Ok::<(), comm_core::Error>(())
+/// # Ok::<(), ferrotron_comm_core::Error>(())
 /// ```
 pub fn run_local<T, E, F>(size: usize, f: F) -> Result<Vec<T>>
 where

@@ -1,7 +1,7 @@
 //! Deterministic test data and the sequential reference every backend is checked against.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use comm_core::{reduce_slices, DType, Element, ReduceOp};
+use ferrotron_comm_core::{reduce_slices, DType, Element, ReduceOp};
 
 /// Small integers, exact in every dtype (bf16 included) under every reduction we test.
 pub fn value<T: Element>(rank: usize, index: usize, salt: usize) -> T {

@@ -1,6 +1,6 @@
 #![allow(dead_code)]
 
-use datasets::{DType, IndexedWriter};
+use ferrotron_datasets::{DType, IndexedWriter};
 use std::path::PathBuf;
 
 /// A fresh directory for `name`, unique to this test process.

@@ -1,7 +1,7 @@
 //! The model, data and number formatting the DDP benchmarks share.
 #![allow(dead_code)] // each benchmark uses its own subset
 
-use tape::{Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{Generator, Parameter, Tape, Tensor};
 
 /// Width of every linear layer.
 pub const WIDTH: usize = 1024;
@@ -30,7 +30,7 @@ pub fn model(seed: u64) -> Vec<Parameter> {
 }
 
 /// The mean of the model's output.
-pub fn loss(tape: &Tape, params: &[Parameter], x: &Tensor) -> tape::Result<Tensor> {
+pub fn loss(tape: &Tape, params: &[Parameter], x: &Tensor) -> ferrotron_tape::Result<Tensor> {
     let mut h = x.clone();
     for layer in params.chunks(2) {
         h = h

@@ -4,9 +4,11 @@
 
 use std::sync::Arc;
 
-use comm_core::Communicator;
-use ddp::{DdpConfig, DistributedDataParallel};
-use tape::{AdamW, AdamWConfig, Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
+use ferrotron_comm_core::Communicator;
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel};
+use ferrotron_tape::{
+    AdamW, AdamWConfig, Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor,
+};
 
 pub const INPUTS: usize = 6;
 pub const HIDDEN: usize = 8;
@@ -29,7 +31,7 @@ pub fn loss(
     params: &[Parameter],
     x: &Tensor,
     target: &Tensor,
-) -> tape::Result<Tensor> {
+) -> ferrotron_tape::Result<Tensor> {
     let h = x
         .matmul(&tape.watch(&params[0]))?
         .add(&tape.watch(&params[1]))?
@@ -51,7 +53,11 @@ pub fn global_batch(step: usize, rows: usize) -> (Tensor, Tensor) {
 }
 
 /// Rows `[part·rows, (part+1)·rows)` of a batch.
-pub fn slice(batch: &(Tensor, Tensor), part: usize, rows: usize) -> tape::Result<(Tensor, Tensor)> {
+pub fn slice(
+    batch: &(Tensor, Tensor),
+    part: usize,
+    rows: usize,
+) -> ferrotron_tape::Result<(Tensor, Tensor)> {
     Ok((
         batch.0.narrow(0, part * rows, rows)?,
         batch.1.narrow(0, part * rows, rows)?,
@@ -83,11 +89,11 @@ pub fn optimizer(kind: Opt, params: Vec<Parameter>) -> Box<dyn Optimizer> {
     }
 }
 
-pub fn values(params: &[Parameter]) -> tape::Result<Vec<Vec<f32>>> {
+pub fn values(params: &[Parameter]) -> ferrotron_tape::Result<Vec<Vec<f32>>> {
     params.iter().map(|p| p.value().to_vec()).collect()
 }
 
-pub fn grads(params: &[Parameter]) -> tape::Result<Vec<Option<Vec<f32>>>> {
+pub fn grads(params: &[Parameter]) -> ferrotron_tape::Result<Vec<Option<Vec<f32>>>> {
     params
         .iter()
         .map(|p| p.grad().map(|g| g.to_vec()).transpose())
@@ -101,7 +107,7 @@ pub fn train_single(
     ranks: usize,
     rows: usize,
     steps: usize,
-) -> tape::Result<Vec<Vec<f32>>> {
+) -> ferrotron_tape::Result<Vec<Vec<f32>>> {
     let params = mlp(100);
     let mut opt = optimizer(kind, params.clone());
     let tape = Tape::new();
@@ -169,15 +175,19 @@ pub const BLOCK_HIDDEN: usize = 16;
 /// splits unevenly at TP 4) over `state`'s tensor-parallel group, seeded the same on
 /// every layout, with its tensor-parallel context.
 pub fn tp_block(
-    state: &parallel_state::ParallelState,
+    state: &ferrotron_parallel_state::ParallelState,
     sequence_parallel: bool,
-) -> layers::Result<(layers::TensorParallel, layers::TransformerBlock)> {
-    let tp = layers::TensorParallel::from_state(state).with_sequence_parallel(sequence_parallel);
-    let config = layers::BlockConfig {
+) -> ferrotron_layers::Result<(
+    ferrotron_layers::TensorParallel,
+    ferrotron_layers::TransformerBlock,
+)> {
+    let tp = ferrotron_layers::TensorParallel::from_state(state)
+        .with_sequence_parallel(sequence_parallel);
+    let config = ferrotron_layers::BlockConfig {
         ffn_hidden: 42,
-        ..layers::BlockConfig::new(BLOCK_HIDDEN, 4)
+        ..ferrotron_layers::BlockConfig::new(BLOCK_HIDDEN, 4)
     };
-    let init = layers::MasterInit::new(7, 0.3).with_bias_std(0.1);
-    let block = layers::TransformerBlock::new(&tp, "block", &config, &init)?;
+    let init = ferrotron_layers::MasterInit::new(7, 0.3).with_bias_std(0.1);
+    let block = ferrotron_layers::TransformerBlock::new(&tp, "block", &config, &init)?;
     Ok((tp, block))
 }

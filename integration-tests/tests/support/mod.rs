@@ -6,14 +6,16 @@
 use std::error::Error as StdError;
 use std::sync::Arc;
 
-use comm_core::{Communicator, LocalCommunicator};
-use ddp::{DdpConfig, DistributedDataParallel};
-use layers::{
+use ferrotron_comm_core::{Communicator, LocalCommunicator};
+use ferrotron_ddp::{DdpConfig, DistributedDataParallel};
+use ferrotron_layers::{
     part_of, BlockConfig, MasterInit, Module, ParallelMlp, RngTracker, ShardedParameter, Sharding,
     TensorParallel, TransformerBlock, TP_GROUP,
 };
-use parallel_state::{ParallelState, RankLayout};
-use tape::{AdamW, AdamWConfig, Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor};
+use ferrotron_parallel_state::{ParallelState, RankLayout};
+use ferrotron_tape::{
+    AdamW, AdamWConfig, Generator, Optimizer, Parameter, Sgd, SgdConfig, Tape, Tensor,
+};
 
 /// What a rank closure returns on failure: boxing keeps the crates' own error types, so
 /// tests can downcast them and walk their `source` chains.
@@ -66,20 +68,25 @@ impl Net {
         arch: Arch,
         config: &BlockConfig,
         init: &MasterInit,
-    ) -> layers::Result<Net> {
+    ) -> ferrotron_layers::Result<Net> {
         Ok(match arch {
             Arch::Mlp => Net::Mlp(Box::new(ParallelMlp::new(tp, "mlp", config, init)?)),
             Arch::Blocks(n) => Net::Blocks(
                 (0..n)
                     .map(|i| TransformerBlock::new(tp, &format!("block{i}"), config, init))
-                    .collect::<layers::Result<_>>()?,
+                    .collect::<ferrotron_layers::Result<_>>()?,
             ),
         })
     }
 
     /// `[sequence, batch, hidden] → [sequence, batch, hidden]` (this rank's sequence part
     /// under sequence parallelism).
-    pub fn forward(&self, tape: &Tape, x: &Tensor, rng: &mut RngTracker) -> layers::Result<Tensor> {
+    pub fn forward(
+        &self,
+        tape: &Tape,
+        x: &Tensor,
+        rng: &mut RngTracker,
+    ) -> ferrotron_layers::Result<Tensor> {
         match self {
             Net::Mlp(mlp) => mlp.forward(tape, x),
             Net::Blocks(blocks) => {
@@ -129,7 +136,7 @@ pub struct Setup {
     pub adam_eps: f64,
     /// Where the parallel run keeps parameters and activations (the serial reference
     /// always runs on the CPU).
-    pub device: tape::Device,
+    pub device: ferrotron_tape::Device,
 }
 
 impl Setup {
@@ -152,7 +159,7 @@ impl Setup {
                 Arch::Mlp => 1e-8,
                 Arch::Blocks(_) => 1e-3,
             },
-            device: tape::Device::Cpu,
+            device: ferrotron_tape::Device::Cpu,
         }
     }
 
@@ -201,7 +208,11 @@ pub fn optimizer(setup: &Setup, params: Vec<Parameter>) -> Box<dyn Optimizer> {
 }
 
 /// `Σ (output − target)² / divisor`.
-pub fn squared_error(output: &Tensor, target: &Tensor, divisor: usize) -> tape::Result<Tensor> {
+pub fn squared_error(
+    output: &Tensor,
+    target: &Tensor,
+    divisor: usize,
+) -> ferrotron_tape::Result<Tensor> {
     let diff = output.sub(target)?;
     diff.mul(&diff)?.sum()?.scale(1.0 / divisor as f64)
 }
@@ -274,7 +285,7 @@ pub fn train_rank(
     let mut losses = Vec::with_capacity(setup.steps);
     for step in 0..setup.steps {
         let (x, target) = setup.global_batch(step);
-        let rows = |t: &Tensor| -> tape::Result<Tensor> {
+        let rows = |t: &Tensor| -> ferrotron_tape::Result<Tensor> {
             t.narrow(1, dp_rank * setup.batch, setup.batch)?
                 .narrow(0, seq_start, seq_len)
         };
@@ -309,9 +320,10 @@ pub fn no_failure(_rank: usize, _step: usize) -> Result<(), BoxError> {
 
 /// A whole TP × DP run on `tp · dp` rank threads, results in world-rank order.
 pub fn train_parallel(setup: &Setup) -> anyhow::Result<Vec<RankResult>> {
-    Ok(comm_core::run_local(setup.tp * setup.dp, |comm| {
-        train_rank(comm, setup, &no_failure)
-    })?)
+    Ok(ferrotron_comm_core::run_local(
+        setup.tp * setup.dp,
+        |comm| train_rank(comm, setup, &no_failure),
+    )?)
 }
 
 /// The serial reference: one rank, TP = DP = 1, no DDP, trained on the whole global batch
@@ -322,7 +334,7 @@ pub struct SerialRun {
 }
 
 pub fn train_serial(setup: &Setup) -> anyhow::Result<SerialRun> {
-    let mut runs = comm_core::run_local(1, |comm| -> Result<SerialRun, BoxError> {
+    let mut runs = ferrotron_comm_core::run_local(1, |comm| -> Result<SerialRun, BoxError> {
         let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
         let net = Net::new(&tp, setup.arch, &setup.config(), &setup.init())?;
         let params: Vec<Parameter> = net.parameters().into_iter().map(|p| p.param).collect();
@@ -422,54 +434,57 @@ pub fn assert_matches_serial(what: &str, setup: &Setup, ranks: &[RankResult], se
     }
 }
 
-/// The `comm_core::Error` behind a failure, found by walking the crates' error types
+/// The `ferrotron_comm_core::Error` behind a failure, found by walking the crates' error types
 /// (whose `#[error(transparent)]` variants hide the wrapped error from `source()`) and
 /// `std::error::Error::source` chains (tape's `Custom`, `run_local`'s `RankFailed`).
-pub fn comm_error<'a>(error: &'a (dyn StdError + 'static)) -> Option<&'a comm_core::Error> {
+pub fn comm_error<'a>(
+    error: &'a (dyn StdError + 'static),
+) -> Option<&'a ferrotron_comm_core::Error> {
     let mut current = Some(error);
     while let Some(e) = current {
-        if let Some(c) = e.downcast_ref::<comm_core::Error>() {
+        if let Some(c) = e.downcast_ref::<ferrotron_comm_core::Error>() {
             match c {
-                comm_core::Error::RankFailed { source, .. } => {
+                ferrotron_comm_core::Error::RankFailed { source, .. } => {
                     current = Some(&**source);
                     continue;
                 }
                 other => return Some(other),
             }
         }
-        let next: Option<&(dyn StdError + 'static)> = if let Some(l) =
-            e.downcast_ref::<layers::Error>()
-        {
-            match l {
-                layers::Error::Comm(c) => return Some(c),
-                layers::Error::Tape(t) => Some(t),
-                layers::Error::Mappings(m) => Some(m),
-                layers::Error::ParallelState(p) => Some(p),
-                other => other.source(),
-            }
-        } else if let Some(d) = e.downcast_ref::<ddp::Error>() {
-            match d {
-                ddp::Error::Comm(c) => return Some(c),
-                ddp::Error::Tape(t) => Some(t),
-                ddp::Error::ParallelState(p) => Some(p),
-                other => other.source(),
-            }
-        } else if let Some(m) = e.downcast_ref::<mappings::Error>() {
-            match m {
-                mappings::Error::Comm(c) => return Some(c),
-                mappings::Error::Tape(t) => Some(t),
-                other => other.source(),
-            }
-        } else if let Some(p) = e.downcast_ref::<parallel_state::Error>() {
-            match p {
-                parallel_state::Error::Comm(c) => return Some(c),
-                other => other.source(),
-            }
-        } else if let Some(tape::Error::Custom { source, .. }) = e.downcast_ref::<tape::Error>() {
-            Some(&**source)
-        } else {
-            e.source()
-        };
+        let next: Option<&(dyn StdError + 'static)> =
+            if let Some(l) = e.downcast_ref::<ferrotron_layers::Error>() {
+                match l {
+                    ferrotron_layers::Error::Comm(c) => return Some(c),
+                    ferrotron_layers::Error::Tape(t) => Some(t),
+                    ferrotron_layers::Error::Mappings(m) => Some(m),
+                    ferrotron_layers::Error::ParallelState(p) => Some(p),
+                    other => other.source(),
+                }
+            } else if let Some(d) = e.downcast_ref::<ferrotron_ddp::Error>() {
+                match d {
+                    ferrotron_ddp::Error::Comm(c) => return Some(c),
+                    ferrotron_ddp::Error::Tape(t) => Some(t),
+                    ferrotron_ddp::Error::ParallelState(p) => Some(p),
+                    other => other.source(),
+                }
+            } else if let Some(m) = e.downcast_ref::<ferrotron_mappings::Error>() {
+                match m {
+                    ferrotron_mappings::Error::Comm(c) => return Some(c),
+                    ferrotron_mappings::Error::Tape(t) => Some(t),
+                    other => other.source(),
+                }
+            } else if let Some(p) = e.downcast_ref::<ferrotron_parallel_state::Error>() {
+                match p {
+                    ferrotron_parallel_state::Error::Comm(c) => return Some(c),
+                    other => other.source(),
+                }
+            } else if let Some(ferrotron_tape::Error::Custom { source, .. }) =
+                e.downcast_ref::<ferrotron_tape::Error>()
+            {
+                Some(&**source)
+            } else {
+                e.source()
+            };
         current = next;
     }
     None

@@ -5,9 +5,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use comm_core::{run_local, Communicator};
-use layers::{all_reduce_sequence_parallel_grads, Module, RngTracker, Sharding, TensorParallel};
-use tape::{Parameter, Tape, Tensor};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_layers::{
+    all_reduce_sequence_parallel_grads, Module, RngTracker, Sharding, TensorParallel,
+};
+use ferrotron_tape::{Parameter, Tape, Tensor};
 
 pub type AnyResult<T> = anyhow::Result<T>;
 
@@ -29,7 +31,10 @@ pub fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
     }
 }
 
-pub fn tp_context(comm: comm_core::LocalCommunicator, sequence_parallel: bool) -> TensorParallel {
+pub fn tp_context(
+    comm: ferrotron_comm_core::LocalCommunicator,
+    sequence_parallel: bool,
+) -> TensorParallel {
     TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>)
         .with_sequence_parallel(sequence_parallel)
 }
@@ -103,8 +108,8 @@ pub fn run_sequence_model<M: Module>(
     sequence_parallel: bool,
     input: &Tensor,
     loss_weights: &Tensor,
-    build: impl Fn(&TensorParallel) -> layers::Result<M> + Sync,
-    forward: impl Fn(&M, &Tape, &Tensor, &mut RngTracker) -> layers::Result<Tensor> + Sync,
+    build: impl Fn(&TensorParallel) -> ferrotron_layers::Result<M> + Sync,
+    forward: impl Fn(&M, &Tape, &Tensor, &mut RngTracker) -> ferrotron_layers::Result<Tensor> + Sync,
 ) -> AnyResult<FullRun> {
     let runs = run_local(tp_size, |comm| -> AnyResult<RankRun> {
         let tp = tp_context(comm, sequence_parallel);

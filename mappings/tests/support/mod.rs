@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use anyhow::{ensure, Result};
-use comm_core::{run_local, Communicator};
-use tape::{transfers, Device, Generator, Parameter, Tape, Tensor, Transfers};
+use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_tape::{transfers, Device, Generator, Parameter, Tape, Tensor, Transfers};
 
 /// A group handle as the mappings take it.
 pub type Group = Arc<dyn Communicator>;
@@ -47,7 +47,7 @@ pub fn loss_weight(shape: &[usize], output: Layout, rank: usize) -> Tensor<f64> 
 /// and backpropagates `<w_r, y_r>`.
 pub fn distributed<F>(inputs: &[Tensor<f64>], output: Layout, mapping: F) -> Result<Vec<RankResult>>
 where
-    F: Fn(&Tensor<f64>, &Group) -> mappings::Result<Tensor<f64>> + Sync,
+    F: Fn(&Tensor<f64>, &Group) -> ferrotron_mappings::Result<Tensor<f64>> + Sync,
 {
     let on_cpu = distributed_on(Device::Cpu, inputs, output, mapping)?;
     Ok(on_cpu.into_iter().map(|(result, _)| result).collect())
@@ -62,7 +62,7 @@ pub fn distributed_on<F>(
     mapping: F,
 ) -> Result<Vec<(RankResult, Transfers)>>
 where
-    F: Fn(&Tensor<f64>, &Group) -> mappings::Result<Tensor<f64>> + Sync,
+    F: Fn(&Tensor<f64>, &Group) -> ferrotron_mappings::Result<Tensor<f64>> + Sync,
 {
     let results = run_local(inputs.len(), |comm| -> Result<(RankResult, Transfers)> {
         let rank = comm.rank();
@@ -99,7 +99,7 @@ pub fn serial<F>(
     world: F,
 ) -> Result<Vec<RankResult>>
 where
-    F: Fn(&[Tensor<f64>]) -> tape::Result<Vec<Tensor<f64>>>,
+    F: Fn(&[Tensor<f64>]) -> ferrotron_tape::Result<Vec<Tensor<f64>>>,
 {
     let n = inputs.len();
     let params: Vec<Parameter<f64>> = match input {
@@ -148,7 +148,7 @@ where
 }
 
 /// Checks two runs element by element with grad-check tolerances
-/// (`|a − b| ≤ 1e-9 + 1e-9·|b|`, far inside `tape::gradcheck`'s `1e-5 + 1e-3·|b|`).
+/// (`|a − b| ≤ 1e-9 + 1e-9·|b|`, far inside `ferrotron_tape::gradcheck`'s `1e-5 + 1e-3·|b|`).
 pub fn assert_close(what: &str, got: &[RankResult], want: &[RankResult]) -> Result<()> {
     ensure!(got.len() == want.len(), "{what}: rank counts differ");
     for (r, (g, w)) in got.iter().zip(want).enumerate() {
@@ -182,7 +182,7 @@ fn close(a: &[f64], b: &[f64]) -> bool {
 }
 
 /// Sum of tensors on the tape.
-pub fn sum_all(xs: &[Tensor<f64>]) -> tape::Result<Tensor<f64>> {
+pub fn sum_all(xs: &[Tensor<f64>]) -> ferrotron_tape::Result<Tensor<f64>> {
     let mut total = xs[0].clone();
     for x in &xs[1..] {
         total = total.add(x)?;
@@ -191,7 +191,12 @@ pub fn sum_all(xs: &[Tensor<f64>]) -> tape::Result<Tensor<f64>> {
 }
 
 /// Rank `r`'s part of `x` along `dim` when ranks hold `sizes`.
-pub fn part(x: &Tensor<f64>, dim: usize, sizes: &[usize], r: usize) -> tape::Result<Tensor<f64>> {
+pub fn part(
+    x: &Tensor<f64>,
+    dim: usize,
+    sizes: &[usize],
+    r: usize,
+) -> ferrotron_tape::Result<Tensor<f64>> {
     x.narrow(dim, sizes[..r].iter().sum(), sizes[r])
 }
 

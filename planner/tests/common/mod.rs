@@ -1,5 +1,5 @@
-use pipeline::Schedule;
-use planner::{Layout, Recompute, Target};
+use ferrotron_pipeline::Schedule;
+use ferrotron_planner::{Layout, Recompute, Target};
 
 /// One rank of everything, f32, on the device, one microbatch of `batch` sequences.
 pub fn serial(batch: usize) -> Layout {

@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use device::DeviceMemory;
+use ferrotron_device::DeviceMemory;
 
 use super::{backend, Backend, Kernel, KernelArgs, Precision, Stored};
 use crate::{Device, Element, Error, Result};
@@ -173,21 +173,21 @@ impl<T: Copy + Default> GpuArray<T> {
     }
 
     /// The stream the array's work is queued on (its backend's).
-    pub(crate) fn stream(&self) -> &device::Stream {
+    pub(crate) fn stream(&self) -> &ferrotron_device::Stream {
         self.buffer.backend.stream()
     }
 
     /// This array's memory as a communicator reads it, with no copy: a view of its
     /// allocation, ordered on the stream that made it.
-    pub(crate) fn lend(&self) -> comm_core::BufRef<'_>
+    pub(crate) fn lend(&self) -> ferrotron_comm_core::BufRef<'_>
     where
-        T: comm_core::Element,
+        T: ferrotron_comm_core::Element,
     {
-        let dtype = <T as comm_core::Element>::DTYPE;
+        let dtype = <T as ferrotron_comm_core::Element>::DTYPE;
         let offset = self.offset_bytes as usize;
         // Invariant, not input: an array is a whole allocation of its elements (`uninit`)
         // or a `window` of one, which asserts it lies inside; offsets are whole elements.
-        comm_core::BufRef::device(&self.buffer.memory, offset, self.len(), dtype)
+        ferrotron_comm_core::BufRef::device(&self.buffer.memory, offset, self.len(), dtype)
             .expect("an array lies inside its allocation, aligned for its elements")
     }
 
@@ -197,16 +197,23 @@ impl<T: Copy + Default> GpuArray<T> {
     /// # Safety
     /// Nothing else may access this memory while the view lives (a fresh array, or flat
     /// storage under its lease).
-    pub(crate) unsafe fn lend_mut(&self) -> comm_core::BufMut<'_>
+    pub(crate) unsafe fn lend_mut(&self) -> ferrotron_comm_core::BufMut<'_>
     where
-        T: comm_core::Element,
+        T: ferrotron_comm_core::Element,
     {
-        let dtype = <T as comm_core::Element>::DTYPE;
+        let dtype = <T as ferrotron_comm_core::Element>::DTYPE;
         let offset = self.offset_bytes as usize;
         // SAFETY: the caller guarantees the view is the only access. The range is inside
         // the allocation, as in `lend`.
-        unsafe { comm_core::BufMut::device_shared(&self.buffer.memory, offset, self.len(), dtype) }
-            .expect("an array lies inside its allocation, aligned for its elements")
+        unsafe {
+            ferrotron_comm_core::BufMut::device_shared(
+                &self.buffer.memory,
+                offset,
+                self.len(),
+                dtype,
+            )
+        }
+        .expect("an array lies inside its allocation, aligned for its elements")
     }
 }
 
@@ -271,16 +278,20 @@ impl<T: Copy + Default> GpuArray<T> {
     /// written, the others read; this array's own range exactly (it may be the output
     /// or an input), every other address to the end of its allocation (the kernel's
     /// arguments say no more).
-    fn accesses(&self, kernel: &Kernel, args: &KernelArgs) -> ([device::Access; 8], usize) {
-        let mut accesses = [device::Access::read(0, 0); 8];
+    fn accesses(
+        &self,
+        kernel: &Kernel,
+        args: &KernelArgs,
+    ) -> ([ferrotron_device::Access; 8], usize) {
+        let mut accesses = [ferrotron_device::Access::read(0, 0); 8];
         let mut count = 0;
         let bytes = self.len() * std::mem::size_of::<T>();
         for (slot, &ptr) in args.p.iter().enumerate().filter(|(_, &p)| p != 0) {
             let write = kernel.writes(slot);
             accesses[count] = match (ptr == self.ptr(), write) {
-                (true, true) => device::Access::write(ptr, bytes),
-                (true, false) => device::Access::read(ptr, bytes),
-                (false, write) => device::Access::rest(ptr, write),
+                (true, true) => ferrotron_device::Access::write(ptr, bytes),
+                (true, false) => ferrotron_device::Access::read(ptr, bytes),
+                (false, write) => ferrotron_device::Access::rest(ptr, write),
             };
             count += 1;
         }

@@ -72,9 +72,9 @@ unsafe impl Send for Blas {}
 
 pub(crate) struct CudaBackend {
     device: Device,
-    stream: device::Stream,
-    module: Arc<device::Module>,
-    functions: Mutex<HashMap<(&'static str, Precision), device::Function>>,
+    stream: ferrotron_device::Stream,
+    module: Arc<ferrotron_device::Module>,
+    functions: Mutex<HashMap<(&'static str, Precision), ferrotron_device::Function>>,
     blas: Mutex<Blas>,
 }
 
@@ -83,16 +83,16 @@ impl CudaBackend {
         let device = Device::Cuda(ordinal);
         let fail = |op| failure(device, op);
         let open = Error::on_device("open device", device);
-        let context = device::cuda::context(ordinal).map_err(&open)?;
-        let stream = device::Stream::new(device).map_err(&open)?;
+        let context = ferrotron_device::cuda::context(ordinal).map_err(&open)?;
+        let stream = ferrotron_device::Stream::new(device).map_err(&open)?;
         let (major, minor) = context
             .compute_capability()
             .map_err(|e| fail("query compute capability")(format!("{e}")))?;
         let arch = architecture(major, minor);
-        let module = device::Module::cuda(ordinal, MODULE, source, Some(arch))
+        let module = ferrotron_device::Module::cuda(ordinal, MODULE, source, Some(arch))
             .map_err(Error::on_device("load kernels", device))?;
-        device::cuda::require(
-            device::cuda::Library::Cublas,
+        ferrotron_device::cuda::require(
+            ferrotron_device::cuda::Library::Cublas,
             "matrix products on CUDA tensors",
         )
         .map_err(&open)?;
@@ -129,11 +129,15 @@ impl Drop for CudaBackend {
 }
 
 impl Backend for CudaBackend {
-    fn stream(&self) -> &device::Stream {
+    fn stream(&self) -> &ferrotron_device::Stream {
         &self.stream
     }
 
-    fn function(&self, kernel: &Kernel, precision: Precision) -> Result<device::Function> {
+    fn function(
+        &self,
+        kernel: &Kernel,
+        precision: Precision,
+    ) -> Result<ferrotron_device::Function> {
         let mut functions = self.functions.lock();
         if let Some(function) = functions.get(&(kernel.name, precision)) {
             return Ok(function.clone());
@@ -273,15 +277,18 @@ mod tests {
     /// the toolkit (or `pip download nvidia-cuda-nvrtc-cu12`) checks every kernel.
     #[test]
     fn every_kernel_compiles_with_nvrtc() {
-        if let Err(reason) = device::cuda::require(device::cuda::Library::Nvrtc, "this test") {
+        if let Err(reason) =
+            ferrotron_device::cuda::require(ferrotron_device::cuda::Library::Nvrtc, "this test")
+        {
             println!("skipped: {reason}");
             return;
         }
         // The fallback architecture and Hopper's (the GPU machines').
         for (major, minor) in [(7, 5), (9, 0)] {
-            let ptx = device::cuda::compile(MODULE, source, Some(architecture(major, minor)))
-                .expect("the kernels compile")
-                .to_src();
+            let ptx =
+                ferrotron_device::cuda::compile(MODULE, source, Some(architecture(major, minor)))
+                    .expect("the kernels compile")
+                    .to_src();
             for kernel in super::super::KERNEL_LISTS
                 .iter()
                 .flat_map(|list| list.iter())

@@ -12,24 +12,28 @@ use crate::{Device, Error, Result};
 /// The emulated device: its one stream (whose worker runs the calls in order while the
 /// host goes on) and the host builds of the kernels.
 pub(crate) struct Emulator {
-    stream: device::Stream,
+    stream: ferrotron_device::Stream,
 }
 
 impl Emulator {
     pub(crate) fn new() -> Result<Emulator> {
-        let stream = device::Stream::new(Device::Emulated)
+        let stream = ferrotron_device::Stream::new(Device::Emulated)
             .map_err(Error::on_device("open device", Device::Emulated))?;
         Ok(Emulator { stream })
     }
 }
 
 impl Backend for Emulator {
-    fn stream(&self) -> &device::Stream {
+    fn stream(&self) -> &ferrotron_device::Stream {
         &self.stream
     }
 
-    fn function(&self, kernel: &Kernel, precision: Precision) -> Result<device::Function> {
-        Ok(device::Function::host(
+    fn function(
+        &self,
+        kernel: &Kernel,
+        precision: Precision,
+    ) -> Result<ferrotron_device::Function> {
+        Ok(ferrotron_device::Function::host(
             kernel.name,
             kernel.host[precision.index()],
         ))
@@ -38,8 +42,8 @@ impl Backend for Emulator {
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()> {
         // Queued in the stream's order like a kernel: A and B read, C written.
         let (read, write) = (
-            |p| device::Access::rest(p, false),
-            |p| device::Access::rest(p, true),
+            |p| ferrotron_device::Access::rest(p, false),
+            |p| ferrotron_device::Access::rest(p, true),
         );
         let accesses = [read(gemm.a), read(gemm.b), write(gemm.c)];
         let gemm = *gemm;

@@ -36,10 +36,10 @@ pub(crate) const MAX_DIMS: usize = 8;
 
 // SAFETY: a #[repr(C)] struct of integers and floats, which is exactly what every kernel
 // takes by value (`kernels/common.h`).
-unsafe impl device::KernelArg for KernelArgs {}
+unsafe impl ferrotron_device::KernelArg for KernelArgs {}
 
 /// A host build of one kernel: it reads a [`KernelArgs`] through the pointer.
-pub(crate) type HostKernel = device::HostKernel;
+pub(crate) type HostKernel = ferrotron_device::HostKernel;
 
 /// A kernel by name, with its host builds for f32 and f64.
 pub(crate) struct Kernel {
@@ -172,7 +172,7 @@ impl Stored for half::f16 {
 
 /// A 16-bit float format as kernels and GEMMs see it: its code in `convert_half` and
 /// its conversions to and from f32.
-pub(crate) trait HalfFormat: comm_core::Element + Stored {
+pub(crate) trait HalfFormat: ferrotron_comm_core::Element + Stored {
     /// `convert_half`'s kind for narrowing into this format (widening is this + 2).
     const KIND: i64;
     fn narrow(value: f32) -> Self;
@@ -251,17 +251,18 @@ pub(crate) struct Gemm {
 /// What runs a device's work: its stream (memory, copies and launches, from the device
 /// layer), each kernel's build for it, and GEMMs.
 ///
-/// Addresses are plain `u64`s of [`device::DeviceMemory`] that arrays hold; the `unsafe`
+/// Addresses are plain `u64`s of [`ferrotron_device::DeviceMemory`] that arrays hold; the `unsafe`
 /// method requires them to be live allocations of this backend's device, large enough for
 /// the access.
 pub(crate) trait Backend: Send + Sync {
     /// The stream all of the device's tensor work is queued on, in submission order.
-    fn stream(&self) -> &device::Stream;
+    fn stream(&self) -> &ferrotron_device::Stream;
     fn device(&self) -> Device {
         self.stream().device()
     }
     /// `kernel`'s `precision` build for this device.
-    fn function(&self, kernel: &Kernel, precision: Precision) -> Result<device::Function>;
+    fn function(&self, kernel: &Kernel, precision: Precision)
+        -> Result<ferrotron_device::Function>;
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()>;
 }
 

@@ -431,7 +431,7 @@ pub(crate) fn matmul_16_bit_widening<H: HalfFormat, T: Element>(
     b: Operand,
     dims: [usize; 4],
 ) -> Result<GpuArray<T>> {
-    if T::DTYPE != comm_core::DType::F32 {
+    if T::DTYPE != ferrotron_comm_core::DType::F32 {
         return Err(Error::invalid(
             "matmul",
             format!(

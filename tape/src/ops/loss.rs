@@ -221,7 +221,7 @@ impl<T: Element> Tensor<T> {
     /// on the tape (for a [`CustomOp`](crate::CustomOp)'s backward).
     ///
     /// ```
-    /// use tape::{RowTarget, Tensor};
+    /// use ferrotron_tape::{RowTarget, Tensor};
     ///
     /// // Two classes of four; the row's log-sum-exp over all four is ln 4 (all logits 0).
     /// let logits = Tensor::<f64>::zeros(&[1, 2]);
@@ -229,7 +229,7 @@ impl<T: Element> Tensor<T> {
     /// let grad = logits.cross_entropy_grad(&lse, &[RowTarget::Here(1)], &Tensor::scalar(1.0), 1.0, 0.0, 4)?;
     /// let g = grad.to_vec()?;
     /// assert!((g[0] - 0.25).abs() < 1e-12 && (g[1] + 0.75).abs() < 1e-12);
-    /// # Ok::<(), tape::Error>(())
+    /// # Ok::<(), ferrotron_tape::Error>(())
     /// ```
     pub fn cross_entropy_grad(
         &self,

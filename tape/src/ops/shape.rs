@@ -239,7 +239,7 @@ impl<T: Element> Tensor<T> {
     pub fn chunk(&self, parts: usize, dim: usize) -> Result<Vec<Tensor<T>>> {
         check_dim("chunk", dim, self.shape())?;
         let size = self.shape()[dim];
-        if parts == 0 || size % parts != 0 {
+        if parts == 0 || !size.is_multiple_of(parts) {
             return Err(Error::shape(
                 "chunk",
                 &[self.shape()],

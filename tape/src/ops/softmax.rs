@@ -30,12 +30,12 @@ impl<T: Element> Tensor<T> {
     /// scaled copy or a mask in memory (on a device, nothing uploaded).
     ///
     /// ```
-    /// use tape::Tensor;
+    /// use ferrotron_tape::Tensor;
     ///
     /// let scores = Tensor::<f64>::from_vec(vec![1.0, 9.0, 2.0, 2.0], &[2, 2])?;
     /// let probs = scores.causal_softmax(0.5)?.to_vec()?;
     /// assert_eq!(probs, vec![1.0, 0.0, 0.5, 0.5]);
-    /// # Ok::<(), tape::Error>(())
+    /// # Ok::<(), ferrotron_tape::Error>(())
     /// ```
     pub fn causal_softmax(&self, scale: f64) -> Result<Tensor<T>> {
         const OP: &str = "causal_softmax";

@@ -3,7 +3,7 @@
 //! compares the output and every input gradient.
 #![allow(dead_code)] // each test file uses part of it
 
-use tape::{Device, Element, Generator, Parameter, Result, Tape, Tensor};
+use ferrotron_tape::{Device, Element, Generator, Parameter, Result, Tape, Tensor};
 
 /// Devices to check: the emulator always; `cuda:0` when it can be opened (otherwise the
 /// reason is printed as `skipped: …`).

@@ -1,6 +1,6 @@
 //! The two parameters the optimizer tests train: a matrix and a vector.
 
-use tape::{Device, Parameter, Tensor};
+use ferrotron_tape::{Device, Parameter, Tensor};
 
 /// `w` (2 × 3) and `b` (2) on `device`.
 pub fn parameters(device: Device) -> Result<Vec<Parameter>, Box<dyn std::error::Error>> {

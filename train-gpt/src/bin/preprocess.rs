@@ -3,9 +3,9 @@
 //! here and in Megatron alike.
 //!
 //! ```text
-//! cargo run --release -p train-gpt --bin preprocess -- --input corpus.jsonl \
+//! cargo run --release -p ferrotron-train-gpt --bin preprocess -- --input corpus.jsonl \
 //!     --tokenizer tokenizer.json --output-prefix data/corpus --append-eod
-//! cargo run --release -p train-gpt -- --data-path data/corpus_text_document \
+//! cargo run --release -p ferrotron-train-gpt -- --data-path data/corpus_text_document \
 //!     --tokenizer tokenizer.json
 //! ```
 //!
@@ -15,7 +15,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
-use datasets::{DType, IndexedWriter};
+use ferrotron_datasets::{DType, IndexedWriter};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 

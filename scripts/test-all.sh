@@ -5,7 +5,9 @@
 # doctests include every Rust example of the mdBook), the emulated device's tests again
 # under FERROTRON_EMULATED_JITTER with two seeds, the MPI test binaries under mpirun
 # with 2 and 4 ranks, the check that mismatched MPI calls fail every rank with no setting,
-# and builds the mdBook.
+# a rank killed and resumed under mpirun, the API docs as docs.rs builds them, every
+# publishable package built from its .crate and used by a crate outside the workspace,
+# and the mdBook.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -96,7 +98,7 @@ done
 echo "mpi: $passed passed, 0 failed"
 
 echo "==> mismatched MPI calls fail every rank, with no environment variable set"
-cargo build -q -p comm-core --all-features --example mismatch
+cargo build -q -p ferrotron-comm-core --all-features --example mismatch
 for ranks in 2 4; do
     # Each rank writes its own file: mpirun interleaves the ranks' stderr, and alone it
     # ends the job at the first failing rank and reports only that one.
@@ -118,7 +120,7 @@ for ranks in 2 4; do
 done
 
 echo "==> a rank killed mid-run under mpirun -n 4: the job fails, --resume auto continues exactly"
-cargo build -q -p train-gpt --features mpi
+cargo build -q -p ferrotron-train-gpt --features mpi
 run_dir=$(mktemp -d)
 trap 'rm -rf "$run_dir"' EXIT
 small="--backend mpi --tp 2 --layers 1 --hidden 16 --heads 2 --seq 16 --eval-interval 0 --steps 12"
@@ -148,6 +150,17 @@ trap - EXIT
 
 echo "==> cargo doc, as docs.rs builds it: a broken intra-doc link fails"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features
+
+echo "==> cargo package: every library packages, and builds from its package alone"
+# Verification builds each package from its .crate with the registry's versions of the
+# others (the freshly packaged ones); debug info would only cost disk here.
+rm -rf target/package
+export CARGO_PROFILE_DEV_DEBUG=false
+cargo package --workspace --exclude integration-tests --allow-dirty --locked
+echo "==> a crate outside the workspace builds the book's first example from the packages"
+cargo test --doc --locked --manifest-path integration-tests/packaged/Cargo.toml \
+    --target-dir target/package/tmp-crate
+unset CARGO_PROFILE_DEV_DEBUG
 
 echo "==> mdbook build docs"
 mdbook build docs

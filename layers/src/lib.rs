@@ -104,6 +104,7 @@ struct ReadmeDoctests;
 mod attention_core;
 pub mod checkpoint;
 mod clip;
+mod context_parallel;
 mod cross_entropy;
 mod embedding;
 mod error;
@@ -116,6 +117,7 @@ mod scaler;
 mod transformer;
 
 pub use clip::{clip_grad_norm, reduce_grad_norm, GradNorm, LocalSquares};
+pub use context_parallel::{context_parallel_chunks, ring_attention, ring_blocks, RingBlock};
 pub use cross_entropy::{
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_per_token, TokenLoss,
 };

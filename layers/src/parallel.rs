@@ -20,12 +20,15 @@ pub const TP_GROUP: &str = "tp";
 /// Megatron's `_allreduce_word_embedding_grads` does.
 pub const EMBEDDING_GROUP: &str = "embedding";
 
-/// The tensor-parallel group a layer runs on, and whether activations outside the
-/// tensor-parallel regions are split along the sequence (Megatron's sequence parallelism).
+/// The tensor-parallel group a layer runs on, whether activations outside the
+/// tensor-parallel regions are split along the sequence (Megatron's sequence parallelism),
+/// and the context-parallel group attention runs over, if any (each of its ranks holds
+/// two chunks of the sequence: [`context_parallel_chunks`](crate::context_parallel_chunks)).
 #[derive(Clone)]
 pub struct TensorParallel {
     group: Arc<dyn Communicator>,
     sequence_parallel: bool,
+    context: Option<Arc<dyn Communicator>>,
 }
 
 impl std::fmt::Debug for TensorParallel {
@@ -35,6 +38,7 @@ impl std::fmt::Debug for TensorParallel {
             .field("rank", &self.rank())
             .field("size", &self.size())
             .field("sequence_parallel", &self.sequence_parallel)
+            .field("context_parallel", &self.context_size())
             .finish()
     }
 }
@@ -46,12 +50,37 @@ impl TensorParallel {
         TensorParallel {
             group,
             sequence_parallel: false,
+            context: None,
         }
     }
 
-    /// Tensor parallelism over the tensor-parallel group of `state`.
+    /// Tensor parallelism over the tensor-parallel group of `state`, with attention over
+    /// its context-parallel group when that has more than one rank.
     pub fn from_state(state: &ParallelState) -> Self {
-        Self::new(state.tp().clone())
+        Self::new(state.tp().clone()).with_context_parallel(state.cp().clone())
+    }
+
+    /// The same context with attention run over `group` as a ring (a group of one rank:
+    /// ordinary attention). Each rank's activations then hold its two chunks of the
+    /// sequence.
+    pub fn with_context_parallel(mut self, group: Arc<dyn Communicator>) -> Self {
+        self.context = (group.size() > 1).then_some(group);
+        self
+    }
+
+    /// The context-parallel group attention runs over, when it has more than one rank.
+    pub fn context_parallel(&self) -> Option<&Arc<dyn Communicator>> {
+        self.context.as_ref()
+    }
+
+    /// This rank's index in the context-parallel group (0 without one).
+    pub fn context_rank(&self) -> usize {
+        self.context.as_ref().map_or(0, |g| g.rank())
+    }
+
+    /// The context-parallel group's size (1 without one).
+    pub fn context_size(&self) -> usize {
+        self.context.as_ref().map_or(1, |g| g.size())
     }
 
     /// The same group with sequence parallelism switched on or off.

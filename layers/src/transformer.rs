@@ -3,6 +3,9 @@
 //! in Megatron-Core; under sequence parallelism the sequence dimension is this rank's
 //! part outside the tensor-parallel regions.
 
+use std::sync::Arc;
+
+use ferrotron_comm_core::Communicator;
 use ferrotron_tape::{Gelu, Tape, Tensor};
 
 use crate::error::{Error, Result};
@@ -176,6 +179,8 @@ pub struct ParallelSelfAttention {
     head_dim: usize,
     dropout: f64,
     recompute_core: bool,
+    /// The ring attention runs over, under context parallelism.
+    context: Option<Arc<dyn Communicator>>,
 }
 
 impl ParallelSelfAttention {
@@ -205,6 +210,16 @@ impl ParallelSelfAttention {
                 parts: tp.size(),
             });
         }
+        if tp.context_parallel().is_some() && config.attention_dropout > 0.0 {
+            return Err(Error::config(
+                OP,
+                format!(
+                    "attention dropout ({}) under context parallelism is not supported: the \
+                     ring keeps no probabilities to draw a mask over; set it to 0",
+                    config.attention_dropout
+                ),
+            ));
+        }
         Ok(ParallelSelfAttention {
             qkv: ColumnParallelLinear::new(
                 tp,
@@ -228,6 +243,7 @@ impl ParallelSelfAttention {
             head_dim: hidden / heads,
             dropout: config.attention_dropout,
             recompute_core: config.recompute_attention_core,
+            context: tp.context_parallel().cloned(),
         })
     }
 
@@ -270,9 +286,16 @@ impl ParallelSelfAttention {
             scale: 1.0 / (head_dim as f64).sqrt(),
             dropout: self.dropout,
         };
-        let context = match rng {
-            Some(rng) if self.recompute_core => core.recomputed(&query, &key, &value, rng)?,
-            rng => core.forward(&query, &key, &value, rng)?,
+        // The ring keeps no probabilities, so there is nothing for selective
+        // recomputation to drop.
+        let context = match (&self.context, rng) {
+            (Some(group), _) => {
+                crate::ring_attention(&query, &key, &value, group, core.scale, true)?
+            }
+            (None, Some(rng)) if self.recompute_core => {
+                core.recomputed(&query, &key, &value, rng)?
+            }
+            (None, rng) => core.forward(&query, &key, &value, rng)?,
         };
         let context = context
             .reshape(&[batch, heads, seq, head_dim])?

@@ -1,0 +1,364 @@
+//! Context parallelism: attention over a sequence divided among the ranks of a
+//! context-parallel group, as Megatron-Core's ring attention computes it.
+//!
+//! Each rank holds `seq / cp` positions as two chunks of `seq / (2·cp)`: chunk `r` and
+//! chunk `2·cp − 1 − r` ([`context_parallel_chunks`]), so under a causal mask every rank
+//! has the same amount of work (an early chunk sees little, its partner late in the
+//! sequence sees much). Queries stay where they are; keys and values travel around the
+//! ring, one hop per step, in batched point-to-point exchanges. Each rank merges the
+//! partial results of the blocks it can see by their log-sum-exp (online softmax), and
+//! skips the blocks the causal mask hides entirely. Backward runs the ring again: the
+//! key and value gradients travel with their keys and values and arrive back at their
+//! owners after the last hop.
+//!
+//! The probabilities are never kept: the op saves its inputs, its output and one
+//! log-sum-exp per query, and recomputes each block's probabilities in backward (as flash
+//! attention does). It computes in f32 whatever its inputs' storage.
+
+use std::sync::Arc;
+
+use ferrotron_comm_core::{Communicator, P2p};
+use ferrotron_tape::{causal_mask, CustomOp, DType, Tensor};
+
+use crate::error::{Error, Result};
+
+/// The two `(start, len)` ranges of a `seq`-long sequence that context-parallel rank
+/// `rank` of `size` holds, in the order it holds them: chunk `rank` and chunk
+/// `2·size − 1 − rank` of `2·size` equal chunks (Megatron's load-balanced split).
+/// Errors unless `2·size` divides `seq`.
+pub fn context_parallel_chunks(
+    seq: usize,
+    rank: usize,
+    size: usize,
+) -> Result<[(usize, usize); 2]> {
+    const OP: &str = "context_parallel_chunks";
+    if size == 0 || rank >= size {
+        return Err(Error::config(
+            OP,
+            format!("rank {rank} is not in a context-parallel group of {size}"),
+        ));
+    }
+    if seq == 0 || !seq.is_multiple_of(2 * size) {
+        return Err(Error::config(
+            OP,
+            format!(
+                "a sequence of {seq} positions does not split into 2 × {size} equal chunks \
+                 (context parallelism gives each rank two): use a multiple of {}",
+                2 * size
+            ),
+        ));
+    }
+    let chunk = seq / (2 * size);
+    Ok([
+        (rank * chunk, chunk),
+        ((2 * size - 1 - rank) * chunk, chunk),
+    ])
+}
+
+/// One block of a rank's ring: at `step` its queries of chunk `query_chunk` attend to the
+/// keys of chunk `key_chunk` (global chunk indices, of `2·cp`), under the causal mask
+/// when `diagonal`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingBlock {
+    /// The ring step: the keys and values came from rank `(rank − step) mod cp`.
+    pub step: usize,
+    /// Which of this rank's two query chunks (0 or 1).
+    pub query: usize,
+    /// Which of the visiting two key chunks (0 or 1).
+    pub key: usize,
+    /// Whether the two chunks are the same positions (the causal mask cuts the block).
+    pub diagonal: bool,
+}
+
+/// The blocks rank `rank` of a context-parallel group of `size` computes, in order. With
+/// `causal`, a block whose keys all come after its queries is skipped; every rank then
+/// computes `2·size + 1` blocks (`2·size − 1` whole and 2 diagonal ones), the same number.
+pub fn ring_blocks(rank: usize, size: usize, causal: bool) -> Vec<RingBlock> {
+    let global = |owner: usize, local: usize| match local {
+        0 => owner,
+        _ => 2 * size - 1 - owner,
+    };
+    let mut blocks = Vec::new();
+    for step in 0..size {
+        let source = (rank + size - step) % size;
+        for query in 0..2 {
+            for key in 0..2 {
+                let (q, k) = (global(rank, query), global(source, key));
+                if causal && k > q {
+                    continue;
+                }
+                blocks.push(RingBlock {
+                    step,
+                    query,
+                    key,
+                    diagonal: causal && k == q,
+                });
+            }
+        }
+    }
+    blocks
+}
+
+/// Attention of this rank's queries over the whole sequence's keys and values, which the
+/// ranks of `group` hold in [`context_parallel_chunks`]' layout:
+/// `softmax(q·kᵀ · scale) · v`, causal or not, on `[batch · heads, seq / cp, head_dim]`
+/// queries, keys and values. The output has the queries' shape and storage; backward
+/// gives each rank the gradients of its own queries, keys and values.
+///
+/// Every rank of `group` must call it (and run its backward) with the same shapes. A group
+/// of one rank attends over its two chunks as one sequence.
+pub fn ring_attention(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    group: &Arc<dyn Communicator>,
+    scale: f64,
+    causal: bool,
+) -> Result<Tensor> {
+    const OP: &str = "ring_attention";
+    let shape = query.shape();
+    if shape.len() != 3 || key.shape() != shape || value.shape() != shape {
+        return Err(Error::shape(
+            OP,
+            query.shape(),
+            "queries, keys and values of one shape [batch · heads, seq / cp, head_dim]",
+        ));
+    }
+    if shape[1] == 0 || !shape[1].is_multiple_of(2) {
+        return Err(Error::config(
+            OP,
+            format!(
+                "each rank holds two equal chunks of the sequence, so its {} positions must \
+                 be even and nonzero",
+                shape[1]
+            ),
+        ));
+    }
+    let op = Arc::new(RingAttention {
+        group: group.clone(),
+        scale,
+        causal,
+    });
+    Ok(Tensor::apply(op, &[query, key, value])?)
+}
+
+/// The recorded op of [`ring_attention`].
+struct RingAttention {
+    group: Arc<dyn Communicator>,
+    scale: f64,
+    causal: bool,
+}
+
+type TapeResult<T> = ferrotron_tape::Result<T>;
+
+/// `t` computed on in f32, whatever its storage.
+fn wide(t: &Tensor) -> TapeResult<Tensor> {
+    match t.dtype() {
+        DType::F32 => Ok(t.clone()),
+        _ => t.to_dtype(DType::F32),
+    }
+}
+
+/// Chunk `which` (0 or 1) of a rank's `[b, 2c, d]` tensor.
+fn chunk(t: &Tensor, which: usize) -> TapeResult<Tensor> {
+    let c = t.shape()[1] / 2;
+    t.narrow(1, which * c, c)
+}
+
+/// The elementwise maximum of two `[b, c, 1]` tensors.
+fn maximum(a: &Tensor, b: &Tensor) -> TapeResult<Tensor> {
+    Tensor::concat(&[a, b], 2)?.max_dim(2, true)
+}
+
+impl RingAttention {
+    fn fail(&self, error: impl std::fmt::Display) -> ferrotron_tape::Error {
+        ferrotron_tape::Error::custom("ring attention", error.to_string())
+    }
+
+    /// Sends `t` to the next rank of the ring and returns what the previous one sent.
+    fn pass_on(&self, t: Tensor) -> TapeResult<Tensor> {
+        let (rank, size) = (self.group.rank(), self.group.size());
+        let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
+        let received = Tensor::<f32>::full_as(t.shape(), 0.0, t.dtype(), t.device())?;
+        let outgoing = t.into_buffer()?;
+        let mut incoming = received.into_buffer()?;
+        let exchanged = self.group.exchange(&mut [
+            P2p::Send {
+                buf: outgoing.as_buf_ref(),
+                peer: next,
+            },
+            P2p::Recv {
+                buf: incoming.as_buf_mut(),
+                peer: prev,
+            },
+        ]);
+        exchanged.map_err(|e| self.fail(e))?;
+        Tensor::from_buffer(incoming)
+    }
+
+    /// The scaled scores of query chunk `q` against key chunk `k`, the causal mask
+    /// applied when `diagonal`.
+    fn scores(&self, q: &Tensor, k: &Tensor, diagonal: bool) -> TapeResult<Tensor> {
+        let scores = q.matmul_transposed(k)?.scale(self.scale)?;
+        match diagonal {
+            true => scores.masked_fill(&causal_mask(q.shape()[1]), f32::NEG_INFINITY),
+            false => Ok(scores),
+        }
+    }
+}
+
+/// A query chunk's running result: the largest score so far, the sum of the exponentials
+/// below it, and the unnormalised output.
+struct Running {
+    max: Tensor,
+    sum: Tensor,
+    out: Tensor,
+}
+
+impl Running {
+    /// Adds a block's scores and values.
+    fn add(this: Option<Running>, scores: &Tensor, value: &Tensor) -> TapeResult<Running> {
+        let max = scores.max_dim(2, true)?;
+        let probs = scores.sub(&max)?.exp()?;
+        let block = Running {
+            sum: probs.sum_dim(2, true)?,
+            out: probs.matmul(value)?,
+            max,
+        };
+        let Some(this) = this else {
+            return Ok(block);
+        };
+        let max = maximum(&this.max, &block.max)?;
+        let (old, new) = (this.max.sub(&max)?.exp()?, block.max.sub(&max)?.exp()?);
+        Ok(Running {
+            sum: this.sum.mul(&old)?.add(&block.sum.mul(&new)?)?,
+            out: this.out.mul(&old)?.add(&block.out.mul(&new)?)?,
+            max,
+        })
+    }
+}
+
+impl CustomOp for RingAttention {
+    fn name(&self) -> &str {
+        "ring attention"
+    }
+
+    fn forward(&self, inputs: &[Tensor], saved: &mut Vec<Tensor>) -> TapeResult<Tensor> {
+        let (rank, size) = (self.group.rank(), self.group.size());
+        let query = wide(&inputs[0])?;
+        let mut visiting = Tensor::concat(&[&wide(&inputs[1])?, &wide(&inputs[2])?], 0)?;
+        let heads = query.shape()[0];
+        let mut running: [Option<Running>; 2] = [None, None];
+        let blocks = ring_blocks(rank, size, self.causal);
+        for step in 0..size {
+            let (key, value) = (
+                visiting.narrow(0, 0, heads)?,
+                visiting.narrow(0, heads, heads)?,
+            );
+            for block in blocks.iter().filter(|b| b.step == step) {
+                let scores = self.scores(
+                    &chunk(&query, block.query)?,
+                    &chunk(&key, block.key)?,
+                    block.diagonal,
+                )?;
+                let slot = &mut running[block.query];
+                *slot = Some(Running::add(
+                    slot.take(),
+                    &scores,
+                    &chunk(&value, block.key)?,
+                )?);
+            }
+            if step + 1 < size {
+                visiting = self.pass_on(visiting)?;
+            }
+        }
+        // Every query sees at least its own position, so both chunks have a result.
+        let [Some(first), Some(second)] = running else {
+            return Err(self.fail("internal: a query chunk attended to nothing"));
+        };
+        let out = Tensor::concat(
+            &[&first.out.div(&first.sum)?, &second.out.div(&second.sum)?],
+            1,
+        )?;
+        let lse = Tensor::concat(
+            &[
+                &first.max.add(&first.sum.log()?)?,
+                &second.max.add(&second.sum.log()?)?,
+            ],
+            1,
+        )?;
+        saved.extend(inputs.iter().cloned());
+        saved.push(out.clone());
+        saved.push(lse);
+        out.to_dtype(inputs[0].dtype())
+    }
+
+    fn backward(&self, grad: &Tensor, saved: &[Tensor]) -> TapeResult<Vec<Option<Tensor>>> {
+        let (rank, size) = (self.group.rank(), self.group.size());
+        let [query, key, value, out, lse] = saved else {
+            return Err(self.fail("internal: backward without its saved tensors"));
+        };
+        let dtype = query.dtype();
+        let (query, grad) = (wide(query)?, wide(grad)?);
+        let heads = query.shape()[0];
+        // D = rowsum(dO ∘ O), the softmax backward's correction per query.
+        let correction = grad.mul(out)?.sum_dim(2, true)?;
+        let zeros = Tensor::<f32>::full_as(query.shape(), 0.0, DType::F32, query.device())?;
+        let mut grad_query = [chunk(&zeros, 0)?, chunk(&zeros, 1)?];
+        // Keys, values and their gradients travel together: [k; v; dk; dv].
+        let mut visiting = Tensor::concat(&[&wide(key)?, &wide(value)?, &zeros, &zeros], 0)?;
+        let blocks = ring_blocks(rank, size, self.causal);
+        for step in 0..size {
+            let part = |i: usize| visiting.narrow(0, i * heads, heads);
+            let (key, value) = (part(0)?, part(1)?);
+            let mut grad_kv = [
+                [chunk(&part(2)?, 0)?, chunk(&part(2)?, 1)?],
+                [chunk(&part(3)?, 0)?, chunk(&part(3)?, 1)?],
+            ];
+            for block in blocks.iter().filter(|b| b.step == step) {
+                let (q, k, v) = (
+                    chunk(&query, block.query)?,
+                    chunk(&key, block.key)?,
+                    chunk(&value, block.key)?,
+                );
+                let d_out = chunk(&grad, block.query)?;
+                let probs = self
+                    .scores(&q, &k, block.diagonal)?
+                    .sub(&chunk(lse, block.query)?)?
+                    .exp()?;
+                let d_probs = d_out.matmul_transposed(&v)?;
+                let d_scores = probs
+                    .mul(&d_probs.sub(&chunk(&correction, block.query)?)?)?
+                    .scale(self.scale)?;
+                let slot = &mut grad_query[block.query];
+                *slot = slot.add(&d_scores.matmul(&k)?)?;
+                let d_key = d_scores.transpose(1, 2)?.matmul(&q)?;
+                let d_value = probs.transpose(1, 2)?.matmul(&d_out)?;
+                grad_kv[0][block.key] = grad_kv[0][block.key].add(&d_key)?;
+                grad_kv[1][block.key] = grad_kv[1][block.key].add(&d_value)?;
+            }
+            let [[dk0, dk1], [dv0, dv1]] = &grad_kv;
+            let (dk, dv) = (
+                Tensor::concat(&[dk0, dk1], 1)?,
+                Tensor::concat(&[dv0, dv1], 1)?,
+            );
+            visiting = match step + 1 < size {
+                true => self.pass_on(Tensor::concat(&[&key, &value, &dk, &dv], 0)?)?,
+                // The last hop carries only the gradients home.
+                false => match size {
+                    1 => Tensor::concat(&[&dk, &dv], 0)?,
+                    _ => self.pass_on(Tensor::concat(&[&dk, &dv], 0)?)?,
+                },
+            };
+        }
+        let grad_query = Tensor::concat(&[&grad_query[0], &grad_query[1]], 1)?;
+        let (grad_key, grad_value) = (
+            visiting.narrow(0, 0, heads)?,
+            visiting.narrow(0, heads, heads)?,
+        );
+        Ok([grad_query, grad_key, grad_value]
+            .iter()
+            .map(|g| g.to_dtype(dtype).map(Some))
+            .collect::<TapeResult<Vec<_>>>()?)
+    }
+}

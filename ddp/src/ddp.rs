@@ -107,7 +107,9 @@ impl DistributedDataParallel {
     }
 
     /// Wraps every parameter of `model` (in [`Module::parameters`] order) for
-    /// data-parallel training over `state`'s data-parallel group, with the extra
+    /// data-parallel training over `state`'s data-parallel group (times its
+    /// context-parallel group when that has more than one rank, as Megatron reduces
+    /// dense gradients: [`ParallelState::dp_with_cp`]), with the extra
     /// model-parallel reductions the parameters ask for themselves: each parameter whose
     /// [`grad_reduce_group`](ferrotron_layers::ShardedParameter::grad_reduce_group) names a group
     /// (sequence-parallel layer norms and row-parallel biases: `"tp"`) is marked for it.
@@ -129,7 +131,7 @@ impl DistributedDataParallel {
             }
             params.push(sharded.param);
         }
-        DistributedDataParallel::new(params, state.dp().clone(), config)
+        DistributedDataParallel::new(params, state.dp_with_cp().clone(), config)
     }
 
     /// The parameters, in registration order.

@@ -189,6 +189,18 @@ impl ParallelState {
         &self.dp_cp
     }
 
+    /// The group dense gradients and the loss's token count are reduced over, Megatron's
+    /// data-parallel group "with context parallelism": [`dp_cp`](Self::dp_cp) when the
+    /// context-parallel group has more than one rank (each of its ranks' gradients
+    /// covers only its own positions), else [`dp`](Self::dp) itself (the same ranks, so
+    /// no second communicator is used).
+    pub fn dp_with_cp(&self) -> &Arc<dyn Communicator> {
+        match self.cp.size() {
+            1 => &self.dp,
+            _ => &self.dp_cp,
+        }
+    }
+
     /// Model-parallel group (tensor and pipeline parallel).
     pub fn model(&self) -> &Arc<dyn Communicator> {
         &self.model

@@ -126,6 +126,10 @@ struct Args {
     /// Pipeline stages; must divide --layers (times --virtual-stages).
     #[arg(long, default_value_t = 1)]
     pp: usize,
+    /// Context-parallel size: attention runs as a ring over --cp ranks, each holding two
+    /// chunks of every sequence (Megatron's balanced split); --seq must divide by 2 × cp.
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
     /// Pipeline schedule.
     #[arg(long, value_enum, default_value_t = PipelineSchedule::OneFOneB)]
     schedule: PipelineSchedule,
@@ -511,6 +515,10 @@ fn run(args: &Args) -> Result<()> {
 /// `--plan`: the flags as the planner's model and layout (or search, with `--fit`).
 fn plan(args: &Args, corpus: &Corpus) -> Result<()> {
     ensure!(
+        args.cp == 1,
+        "--plan does not model context parallelism yet; plan with --cp 1"
+    );
+    ensure!(
         !matches!(args.device, ferrotron_tape::Device::Cuda(_)),
         "--plan predicts host memory (and the emulated device's, which is host memory); \
          CUDA memory is not modelled yet: plan with --device cpu or --device emulated"
@@ -665,7 +673,7 @@ fn run_local_backend(
     let dp = args.dp.unwrap_or(2);
     validate(args, dp, &corpus.vocabulary)?;
     let config = training_config(args, &corpus.vocabulary);
-    let world = args.tp * args.pp * dp;
+    let world = args.tp * args.pp * args.cp * dp;
     if let Some(devices) = &devices {
         let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
         ensure!(
@@ -701,7 +709,7 @@ fn run_local_backend(
         // The first tensor- and data-parallel replica's stages, in pipeline order.
         let mut stages: Vec<_> = results
             .iter()
-            .filter(|r| r.coordinates.1 == 0 && r.coordinates.2 == 0)
+            .filter(|r| r.coordinates.1 == 0 && r.coordinates.2 == 0 && r.coordinates.3 == 0)
             .map(|r| (r.coordinates.0, r.timeline.clone()))
             .collect();
         stages.sort_by_key(|s| s.0);
@@ -811,8 +819,8 @@ fn run_mpi_backend(
     let mpi = ferrotron_comm_core::mpi::MpiWorld::init()?;
     let world: Arc<dyn Communicator> = Arc::new(mpi.world()?);
     let size = world.size();
-    // Ranks of one model replica: tensor- times pipeline-parallel.
-    let mp = args.tp * args.pp;
+    // Ranks of one model replica: tensor- times pipeline- times context-parallel.
+    let mp = args.tp * args.pp * args.cp;
     if size == 1 && mp * args.dp.unwrap_or(1) > 1 {
         let ranks = mp * args.dp.unwrap_or(2);
         bail!(
@@ -834,10 +842,11 @@ fn run_mpi_backend(
         Some(dp) => dp,
         None if size.is_multiple_of(mp) => size / mp,
         None => bail!(
-            "mpirun started {size} processes, which --tp {} × --pp {} does not divide; valid \
-             --tp at --pp 1: {}",
+            "mpirun started {size} processes, which --tp {} × --pp {} × --cp {} does not \
+             divide; valid --tp at --pp 1 and --cp 1: {}",
             args.tp,
             args.pp,
+            args.cp,
             list(&valid_tp(size, args.heads))
         ),
     };
@@ -848,10 +857,11 @@ fn run_mpi_backend(
             format!("pass a --tp among {}", list(&valid_tp(size, args.heads)))
         };
         bail!(
-            "--tp {} × --pp {} × --dp {dp} = {} ranks, but mpirun started {size}; {fix}, or \
-             run mpirun -n {}",
+            "--tp {} × --pp {} × --cp {} × --dp {dp} = {} ranks, but mpirun started {size}; \
+             {fix}, or run mpirun -n {}",
             args.tp,
             args.pp,
+            args.cp,
             mp * dp,
             mp * dp
         );
@@ -995,6 +1005,7 @@ fn validate_recompute(args: &Args) -> Result<()> {
 fn validate_model(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Result<()> {
     ensure!(args.tp >= 1, "--tp must be at least 1");
     ensure!(dp >= 1, "--dp must be at least 1");
+    validate_context_parallel(args)?;
     ensure!(args.heads >= 1, "--heads must be at least 1");
     ensure!(
         args.hidden.is_multiple_of(args.heads),
@@ -1039,6 +1050,40 @@ fn validate_model(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Resu
         );
     }
     ensure!(args.eval_batches >= 1, "--eval-batches must be at least 1");
+    Ok(())
+}
+
+/// Context parallelism: two equal chunks of every sequence per rank, and no attention
+/// dropout (the ring keeps no probabilities to draw a mask over).
+fn validate_context_parallel(args: &Args) -> Result<()> {
+    ensure!(args.cp >= 1, "--cp must be at least 1");
+    if args.cp == 1 {
+        return Ok(());
+    }
+    ensure!(
+        args.seq.is_multiple_of(2 * args.cp),
+        "--cp {} gives each rank two equal chunks of every sequence, so --seq {} must be a \
+         multiple of {}; pass --seq {}",
+        args.cp,
+        args.seq,
+        2 * args.cp,
+        (args.seq / (2 * args.cp)).max(1) * 2 * args.cp
+    );
+    ensure!(
+        args.attention_dropout == 0.0,
+        "--attention-dropout {} with --cp {}: the ring attention keeps no probabilities to draw \
+         a dropout mask over; pass --attention-dropout 0",
+        args.attention_dropout,
+        args.cp
+    );
+    ensure!(
+        !args.sequence_parallel || args.seq / args.cp >= args.tp,
+        "--sequence-parallel splits each context-parallel rank's {} positions among --tp {} \
+         ranks; pass --seq >= {}",
+        args.seq / args.cp,
+        args.tp,
+        args.tp * args.cp
+    );
     Ok(())
 }
 
@@ -1128,6 +1173,7 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
         },
         tp: args.tp,
         pp: args.pp,
+        cp: args.cp,
         pipeline: pipeline_schedule(args),
         microbatches: args.microbatches,
         trace: args.trace.is_some(),
@@ -1229,7 +1275,7 @@ fn schedule(args: &Args) -> Schedule {
 
 fn announce(args: &Args, corpus: &Corpus, dp: usize) {
     println!(
-        "GPT: {} layers, hidden {}, {} heads, context {} | TP {} × PP {} × DP {} = {} \
+        "GPT: {} layers, hidden {}, {} heads, context {} | TP {} × PP {}{} × DP {} = {} \
          ranks{}{}{} on the {} backend, {}{} | {} steps of {} sequences | data: {}",
         args.layers,
         args.hidden,
@@ -1237,8 +1283,12 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
         args.seq,
         args.tp,
         args.pp,
+        match args.cp {
+            1 => String::new(),
+            cp => format!(" × CP {cp}"),
+        },
         dp,
-        args.tp * args.pp * dp,
+        args.tp * args.pp * args.cp * dp,
         if args.pp > 1 || args.microbatches > 1 {
             format!(
                 ", {} schedule, {} microbatches{}",
@@ -1455,6 +1505,7 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
     let config = TrainConfig {
         tp: 1,
         pp: 1,
+        cp: 1,
         pipeline: ferrotron_pipeline::Schedule::OneFOneB,
         microbatches: 1,
         trace: false,

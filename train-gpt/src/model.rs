@@ -201,17 +201,29 @@ impl Gpt {
         let mut hidden = match (&self.first, input) {
             (Some(first), _) => {
                 let tokens = first.tokens.forward(tape, ids, &[seq, batch])?;
-                // Under sequence parallelism the embedding holds this rank's part of the
-                // sequence.
+                let table = tape.watch(&first.position.param);
+                // Under context parallelism this rank holds two chunks of the sequence,
+                let table = match self.tp.context_size() {
+                    1 => table,
+                    cp => {
+                        let [(a, c), (b, _)] = ferrotron_layers::context_parallel_chunks(
+                            self.config.seq,
+                            self.tp.context_rank(),
+                            cp,
+                        )?;
+                        Tensor::concat(&[&table.narrow(0, a, c)?, &table.narrow(0, b, c)?], 0)?
+                    }
+                };
+                // and under sequence parallelism its part of those.
                 let (start, len) = if self.tp.sequence_parallel() {
                     self.tp.part(seq)?
                 } else {
                     (0, seq)
                 };
-                let positions = tape
-                    .watch(&first.position.param)
-                    .narrow(0, start, len)?
-                    .reshape(&[len, 1, self.config.hidden])?;
+                let positions =
+                    table
+                        .narrow(0, start, len)?
+                        .reshape(&[len, 1, self.config.hidden])?;
                 tokens.add(&positions)?
             }
             (None, Some(input)) => input.clone(),

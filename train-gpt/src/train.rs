@@ -36,6 +36,8 @@ pub struct TrainConfig {
     pub tp: usize,
     /// Pipeline stages; the layers are split evenly over `pp × chunks` parts.
     pub pp: usize,
+    /// Context-parallel size: each rank holds two chunks of every sequence.
+    pub cp: usize,
     /// How each step drives its microbatches through the stages.
     pub pipeline: ferrotron_pipeline::Schedule,
     /// Microbatches per step: each data-parallel rank's rows, split evenly.
@@ -131,9 +133,9 @@ pub struct RankResult {
     /// [`TrainConfig::check_tied`]).
     pub tied_copies: Option<TiedCopies>,
     pub samples: Vec<String>,
-    /// Pipeline rank, tensor-parallel rank and data-parallel rank of this rank, and its
-    /// timeline of the last step if tracing.
-    pub coordinates: (usize, usize, usize),
+    /// Pipeline, tensor-parallel, data-parallel and context-parallel rank of this rank,
+    /// and its timeline of the last step if tracing.
+    pub coordinates: (usize, usize, usize, usize),
     pub timeline: Vec<ferrotron_pipeline::Span>,
     /// Host↔device copies of a training step on this rank, averaged over the steps after
     /// the first (which also uploads the model's first use of each constant).
@@ -172,6 +174,7 @@ pub fn train_rank(
     let layout = RankLayout::builder(world.size())
         .tp(config.tp)
         .pp(config.pp)
+        .cp(config.cp)
         .build()?;
     let state = ParallelState::new(world.clone(), layout)?;
     let tp = TensorParallel::from_state(&state).with_sequence_parallel(config.sequence_parallel);
@@ -232,7 +235,7 @@ pub fn train_rank(
         grad_norms: history.grad_norms,
         tied_copies: history.tied_copies,
         samples,
-        coordinates: (state.pp_rank(), tp.rank(), state.dp_rank()),
+        coordinates: (state.pp_rank(), tp.rank(), state.dp_rank(), state.cp_rank()),
         timeline: history.timeline,
         transfers_per_step: steady.transfers,
         host_waits_per_step: steady.host_waits,
@@ -387,7 +390,8 @@ fn save(
     let optimizer_state = optimizer.as_dyn().state()?;
     let mut files = Vec::new();
     let mut rng = None;
-    if state.dp_rank() == 0 {
+    // Context-parallel ranks hold the same weights too.
+    if state.dp_rank() == 0 && state.cp_rank() == 0 {
         let (dir, rank_model) = (
             checkpoint::stage_dir(dir, state.pp_rank(), config.pp),
             RankModel(chunks.models),
@@ -1016,9 +1020,13 @@ impl Chunks<'_> {
         // a shorter context is padded at the end, which causal attention keeps from
         // changing the logits before it.
         let tp = self.models[0].tp();
-        let len = match tp.sequence_parallel() {
-            true => ids.len().max(tp.size()),
-            false => ids.len(),
+        let len = if tp.context_size() > 1 {
+            // Context parallelism cuts the whole context into each rank's two chunks.
+            self.config.model.seq
+        } else if tp.sequence_parallel() {
+            ids.len().max(tp.size())
+        } else {
+            ids.len()
         };
         let mut padded = ids.to_vec();
         padded.resize(len, 0);
@@ -1039,6 +1047,22 @@ impl Chunks<'_> {
         trace: bool,
     ) -> Result<(Vec<Vec<f32>>, Vec<ferrotron_pipeline::Span>)> {
         let tp = self.models[0].tp();
+        // Under context parallelism each rank holds two chunks of every sequence.
+        let sliced: Vec<(Vec<usize>, Vec<i64>)>;
+        let (microbatches, len) = match tp.context_size() {
+            1 => (microbatches, len),
+            cp => {
+                sliced = (microbatches.iter())
+                    .map(|(ids, labels)| {
+                        Ok((
+                            context_part(ids, len, rows, tp)?,
+                            context_part(labels, len, rows, tp)?,
+                        ))
+                    })
+                    .collect::<Result<_>>()?;
+                (&sliced[..], len / cp)
+            }
+        };
         // Under sequence parallelism each rank passes on its part of the sequence.
         let local = if tp.sequence_parallel() {
             tp.part(len)?.1
@@ -1070,7 +1094,7 @@ impl Chunks<'_> {
                 model,
                 ddp: (pass == Pass::Train).then_some(ddp),
                 rng,
-                dp: self.state.dp(),
+                dp: self.state.dp_with_cp(),
                 microbatches,
                 len,
                 pass,
@@ -1140,11 +1164,7 @@ impl ferrotron_pipeline::Stage for GptStage<'_> {
             return Ok(output);
         }
         if let Pass::Logits { at } = self.pass {
-            let group = self.model.tp().group();
-            let sizes = ferrotron_mappings::split_sizes(self.model.config().vocab, group.size())?;
-            let last = output.narrow(0, at, 1)?;
-            let full = ferrotron_mappings::gather_from_region(&last, group, 2, Some(&sizes))?;
-            self.results.push(full.to_vec()?);
+            self.results.push(self.logits_at(&output, at)?);
             return Ok(output);
         }
         let loss = self.model.loss(&output, labels, self.dp)?;
@@ -1162,6 +1182,62 @@ impl ferrotron_pipeline::Stage for GptStage<'_> {
             ddp.set_sync_enabled(last);
         }
     }
+}
+
+impl GptStage<'_> {
+    /// The whole vocabulary's logits at position `at` of the sequence, on every rank of
+    /// the last stage: the context-parallel rank holding it gathers them over its
+    /// tensor-parallel group and hands them to the others.
+    fn logits_at(&self, output: &Tensor, at: usize) -> Result<Vec<f32>> {
+        let tp = self.model.tp();
+        let vocab = self.model.config().vocab;
+        let sizes = ferrotron_mappings::split_sizes(vocab, tp.size())?;
+        let (owner, local) = context_position(at, self.len * tp.context_size(), tp)?;
+        let mut logits = vec![0.0; vocab];
+        if owner == tp.context_rank() {
+            let last = output.narrow(0, local, 1)?;
+            let full = ferrotron_mappings::gather_from_region(&last, tp.group(), 2, Some(&sizes))?;
+            logits = full.to_vec()?;
+        }
+        if let Some(group) = tp.context_parallel() {
+            group.broadcast_slice(&mut logits, owner)?;
+        }
+        Ok(logits)
+    }
+}
+
+/// This context-parallel rank's positions of sequence-first `values` (`len` positions of
+/// `rows` each): its two chunks, in the order it holds them. Empty stays empty.
+fn context_part<T: Copy>(
+    values: &[T],
+    len: usize,
+    rows: usize,
+    tp: &TensorParallel,
+) -> Result<Vec<T>> {
+    if values.is_empty() {
+        return Ok(Vec::new());
+    }
+    let chunks =
+        ferrotron_layers::context_parallel_chunks(len, tp.context_rank(), tp.context_size())?;
+    Ok(chunks
+        .iter()
+        .flat_map(|&(start, c)| values[start * rows..(start + c) * rows].iter().copied())
+        .collect())
+}
+
+/// Which context-parallel rank holds position `at` of a `len`-long sequence, and where
+/// among its own positions.
+fn context_position(at: usize, len: usize, tp: &TensorParallel) -> Result<(usize, usize)> {
+    let cp = tp.context_size();
+    if cp == 1 {
+        return Ok((0, at));
+    }
+    let chunk = len / (2 * cp);
+    let index = at / chunk;
+    Ok(match index < cp {
+        true => (index, at % chunk),
+        false => (2 * cp - 1 - index, chunk + at % chunk),
+    })
 }
 
 /// This data-parallel rank's sampler: its rows of every global batch.

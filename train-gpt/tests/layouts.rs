@@ -1,7 +1,7 @@
 //! Every layout the demo accepts trains, checks, samples, plots, saves and resumes; one it
 //! cannot run is refused before the first step, naming the flag to change. The sweep
-//! crosses tensor, pipeline (1F1B, GPipe, interleaved with one or two chunks) and data
-//! parallelism with sequence parallelism, the distributed optimizer, clipping, 16-bit
+//! crosses tensor, pipeline (1F1B, GPipe, interleaved with one or two chunks), context and
+//! data parallelism with sequence parallelism, the distributed optimizer, clipping, 16-bit
 //! formats, dropout, tied and untied embeddings and the emulated device.
 
 mod common;
@@ -45,6 +45,11 @@ const ACCEPTED: &[&str] = &[
     "--tp 4 --dp 2 --sequence-parallel --use-distributed-optimizer \
      --untie-embeddings-and-output-weights --lr-decay linear",
     "--tp 2 --dp 1 --sequence-parallel --device emulated --precision fp16",
+    // Context parallelism: 16 positions in 2 × cp chunks.
+    "--cp 2 --tp 2 --dp 2",
+    "--cp 2 --pp 2 --tp 1 --dp 1 --microbatches 2 --hidden-dropout 0.1",
+    "--cp 2 --tp 2 --dp 1 --sequence-parallel --use-distributed-optimizer --precision bf16",
+    "--cp 4 --tp 1 --dp 1 --device emulated",
 ];
 
 /// Layouts refused before training, with a word the message must contain.
@@ -58,6 +63,11 @@ const REFUSED: &[(&str, &str)] = &[
     ("--pp 2 --dp 1 --virtual-stages 2", "--schedule interleaved"),
     ("--tp 4 --dp 1 --sequence-parallel --seq 2", "--seq"),
     ("--microbatches 3", "--microbatches 3 must divide --batch 4"),
+    ("--cp 3 --dp 1", "--seq 16 must be a multiple of 6"),
+    (
+        "--cp 2 --dp 1 --attention-dropout 0.1",
+        "--attention-dropout 0",
+    ),
     ("--lr-decay wsd", "--lr-wsd-decay-steps"),
     ("--lr-wsd-decay-steps 10", "--lr-decay wsd"),
     ("--lr-decay wsd --lr-wsd-decay-steps 600", "WSD anneal"),

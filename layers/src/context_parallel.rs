@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use ferrotron_comm_core::{Communicator, P2p};
-use ferrotron_tape::{causal_mask, CustomOp, DType, Tensor};
+use ferrotron_tape::{causal_mask, CustomOp, DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -196,6 +196,28 @@ impl RingAttention {
         Tensor::from_buffer(incoming)
     }
 
+    /// [`pass_on`](Self::pass_on) of `t` while `work` runs: on the CPU the transfer
+    /// runs on a helper thread, so the next block travels while this one is computed.
+    /// Device tensors travel after the work, on the rank's own thread, in stream order.
+    fn pass_on_during<R>(
+        &self,
+        t: &Tensor,
+        work: impl FnOnce() -> TapeResult<R>,
+    ) -> TapeResult<(Tensor, R)> {
+        if t.device() != Device::Cpu {
+            let done = work()?;
+            return Ok((self.pass_on(t.clone())?, done));
+        }
+        std::thread::scope(|scope| {
+            let transfer = scope.spawn(|| self.pass_on(t.clone()));
+            let done = work();
+            let received = transfer
+                .join()
+                .map_err(|_| self.fail("the ring's transfer thread panicked"))?;
+            Ok((received?, done?))
+        })
+    }
+
     /// The scaled scores of query chunk `q` against key chunk `k`, the causal mask
     /// applied when `diagonal`.
     fn scores(&self, q: &Tensor, k: &Tensor, diagonal: bool) -> TapeResult<Tensor> {
@@ -246,8 +268,9 @@ impl CustomOp for RingAttention {
     fn forward(&self, inputs: &[Tensor], saved: &mut Vec<Tensor>) -> TapeResult<Tensor> {
         let (rank, size) = (self.group.rank(), self.group.size());
         let query = wide(&inputs[0])?;
-        let mut visiting = Tensor::concat(&[&wide(&inputs[1])?, &wide(&inputs[2])?], 0)?;
         let heads = query.shape()[0];
+        // Keys and values travel together: [k; v].
+        let mut visiting = Tensor::concat(&[&wide(&inputs[1])?, &wide(&inputs[2])?], 0)?;
         let mut running: [Option<Running>; 2] = [None, None];
         let blocks = ring_blocks(rank, size, self.causal);
         for step in 0..size {
@@ -255,21 +278,20 @@ impl CustomOp for RingAttention {
                 visiting.narrow(0, 0, heads)?,
                 visiting.narrow(0, heads, heads)?,
             );
-            for block in blocks.iter().filter(|b| b.step == step) {
-                let scores = self.scores(
-                    &chunk(&query, block.query)?,
-                    &chunk(&key, block.key)?,
-                    block.diagonal,
-                )?;
-                let slot = &mut running[block.query];
-                *slot = Some(Running::add(
-                    slot.take(),
-                    &scores,
-                    &chunk(&value, block.key)?,
-                )?);
-            }
-            if step + 1 < size {
-                visiting = self.pass_on(visiting)?;
+            let mut compute = || -> TapeResult<()> {
+                for block in blocks.iter().filter(|b| b.step == step) {
+                    let (q, k) = (chunk(&query, block.query)?, chunk(&key, block.key)?);
+                    let scores = self.scores(&q, &k, block.diagonal)?;
+                    let slot = &mut running[block.query];
+                    let v = chunk(&value, block.key)?;
+                    *slot = Some(Running::add(slot.take(), &scores, &v)?);
+                }
+                Ok(())
+            };
+            // The next block travels while this one is computed.
+            match step + 1 < size {
+                true => visiting = self.pass_on_during(&visiting, compute)?.0,
+                false => compute()?,
             }
         }
         // Every query sees at least its own position, so both chunks have a result.
@@ -305,56 +327,66 @@ impl CustomOp for RingAttention {
         let correction = grad.mul(out)?.sum_dim(2, true)?;
         let zeros = Tensor::<f32>::full_as(query.shape(), 0.0, DType::F32, query.device())?;
         let mut grad_query = [chunk(&zeros, 0)?, chunk(&zeros, 1)?];
-        // Keys, values and their gradients travel together: [k; v; dk; dv].
-        let mut visiting = Tensor::concat(&[&wide(key)?, &wide(value)?, &zeros, &zeros], 0)?;
+        // Keys and values travel ahead, [k; v]; their gradients follow, [dk; dv], each
+        // rank adding its part, and arrive home after the last hop.
+        let mut visiting = Tensor::concat(&[&wide(key)?, &wide(value)?], 0)?;
+        let mut gradients = Tensor::concat(&[&zeros, &zeros], 0)?;
         let blocks = ring_blocks(rank, size, self.causal);
         for step in 0..size {
-            let part = |i: usize| visiting.narrow(0, i * heads, heads);
-            let (key, value) = (part(0)?, part(1)?);
-            let mut grad_kv = [
-                [chunk(&part(2)?, 0)?, chunk(&part(2)?, 1)?],
-                [chunk(&part(3)?, 0)?, chunk(&part(3)?, 1)?],
-            ];
-            for block in blocks.iter().filter(|b| b.step == step) {
-                let (q, k, v) = (
-                    chunk(&query, block.query)?,
-                    chunk(&key, block.key)?,
-                    chunk(&value, block.key)?,
-                );
-                let d_out = chunk(&grad, block.query)?;
-                let probs = self
-                    .scores(&q, &k, block.diagonal)?
-                    .sub(&chunk(lse, block.query)?)?
-                    .exp()?;
-                let d_probs = d_out.matmul_transposed(&v)?;
-                let d_scores = probs
-                    .mul(&d_probs.sub(&chunk(&correction, block.query)?)?)?
-                    .scale(self.scale)?;
-                let slot = &mut grad_query[block.query];
-                *slot = slot.add(&d_scores.matmul(&k)?)?;
-                let d_key = d_scores.transpose(1, 2)?.matmul(&q)?;
-                let d_value = probs.transpose(1, 2)?.matmul(&d_out)?;
-                grad_kv[0][block.key] = grad_kv[0][block.key].add(&d_key)?;
-                grad_kv[1][block.key] = grad_kv[1][block.key].add(&d_value)?;
-            }
-            let [[dk0, dk1], [dv0, dv1]] = &grad_kv;
-            let (dk, dv) = (
-                Tensor::concat(&[dk0, dk1], 1)?,
-                Tensor::concat(&[dv0, dv1], 1)?,
+            let (key, value) = (
+                visiting.narrow(0, 0, heads)?,
+                visiting.narrow(0, heads, heads)?,
             );
-            visiting = match step + 1 < size {
-                true => self.pass_on(Tensor::concat(&[&key, &value, &dk, &dv], 0)?)?,
-                // The last hop carries only the gradients home.
-                false => match size {
-                    1 => Tensor::concat(&[&dk, &dv], 0)?,
-                    _ => self.pass_on(Tensor::concat(&[&dk, &dv], 0)?)?,
-                },
+            let mut compute = || -> TapeResult<Tensor> {
+                let part =
+                    |i: usize, which: usize| chunk(&gradients.narrow(0, i * heads, heads)?, which);
+                let mut grad_kv = [[part(0, 0)?, part(0, 1)?], [part(1, 0)?, part(1, 1)?]];
+                for block in blocks.iter().filter(|b| b.step == step) {
+                    let (q, k, v) = (
+                        chunk(&query, block.query)?,
+                        chunk(&key, block.key)?,
+                        chunk(&value, block.key)?,
+                    );
+                    let d_out = chunk(&grad, block.query)?;
+                    let probs = self
+                        .scores(&q, &k, block.diagonal)?
+                        .sub(&chunk(lse, block.query)?)?
+                        .exp()?;
+                    let d_probs = d_out.matmul_transposed(&v)?;
+                    let d_scores = probs
+                        .mul(&d_probs.sub(&chunk(&correction, block.query)?)?)?
+                        .scale(self.scale)?;
+                    let slot = &mut grad_query[block.query];
+                    *slot = slot.add(&d_scores.matmul(&k)?)?;
+                    let d_key = d_scores.transpose(1, 2)?.matmul(&q)?;
+                    let d_value = probs.transpose(1, 2)?.matmul(&d_out)?;
+                    grad_kv[0][block.key] = grad_kv[0][block.key].add(&d_key)?;
+                    grad_kv[1][block.key] = grad_kv[1][block.key].add(&d_value)?;
+                }
+                let [[dk0, dk1], [dv0, dv1]] = &grad_kv;
+                let (dk, dv) = (
+                    Tensor::concat(&[dk0, dk1], 1)?,
+                    Tensor::concat(&[dv0, dv1], 1)?,
+                );
+                Tensor::concat(&[&dk, &dv], 0)
+            };
+            let added = match step + 1 < size {
+                true => {
+                    let (next, added) = self.pass_on_during(&visiting, compute)?;
+                    visiting = next;
+                    added
+                }
+                false => compute()?,
+            };
+            gradients = match size {
+                1 => added,
+                _ => self.pass_on(added)?,
             };
         }
         let grad_query = Tensor::concat(&[&grad_query[0], &grad_query[1]], 1)?;
         let (grad_key, grad_value) = (
-            visiting.narrow(0, 0, heads)?,
-            visiting.narrow(0, heads, heads)?,
+            gradients.narrow(0, 0, heads)?,
+            gradients.narrow(0, heads, heads)?,
         );
         Ok([grad_query, grad_key, grad_value]
             .iter()

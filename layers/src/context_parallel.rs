@@ -388,9 +388,9 @@ impl CustomOp for RingAttention {
             gradients.narrow(0, 0, heads)?,
             gradients.narrow(0, heads, heads)?,
         );
-        Ok([grad_query, grad_key, grad_value]
+        [grad_query, grad_key, grad_value]
             .iter()
             .map(|g| g.to_dtype(dtype).map(Some))
-            .collect::<TapeResult<Vec<_>>>()?)
+            .collect()
     }
 }

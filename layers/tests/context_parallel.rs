@@ -216,17 +216,13 @@ const SEQ: usize = 8;
 const BATCH: usize = 2;
 const HIDDEN: usize = 12;
 
+/// One rank's output, input gradient and named parameter gradients.
+type Run = (Vec<f32>, Vec<f32>, Vec<(String, Vec<f32>)>);
+
 /// Tensor-parallel attention over `world` ranks with tensor parallel `tp` and context
 /// parallel `cp`: each rank's output and input gradient (its positions: its CP chunks,
 /// then its SP part) and every parameter gradient summed over the CP group.
-#[allow(clippy::type_complexity)]
-fn attention(
-    tp: usize,
-    cp: usize,
-    sp: bool,
-    x: &Tensor,
-    w: &Tensor,
-) -> AnyResult<Vec<(Vec<f32>, Vec<f32>, Vec<(String, Vec<f32>)>)>> {
+fn attention(tp: usize, cp: usize, sp: bool, x: &Tensor, w: &Tensor) -> AnyResult<Vec<Run>> {
     let layout = RankLayout::builder(tp * cp).tp(tp).cp(cp).build()?;
     Ok(run_local(tp * cp, |comm| -> AnyResult<_> {
         let state = ParallelState::new(Arc::new(comm), layout.clone())?;
@@ -290,8 +286,8 @@ fn tensor_parallel_attention_over_cp_equals_the_serial_layer() -> AnyResult<()> 
             close(&format!("{what}: {name}"), &got, pick(&serial[0], index));
         }
         // Parameter gradients: each TP rank's shard of the serial gradient.
-        for rank in 0..tp {
-            for ((name, got), (_, want)) in runs[rank].2.iter().zip(&serial[0].2) {
+        for (rank, run) in runs.iter().enumerate().take(tp) {
+            for ((name, got), (_, want)) in run.2.iter().zip(&serial[0].2) {
                 let shard = shard_of(name, want, rank, tp);
                 close(&format!("{what}: {name} on tp rank {rank}"), got, &shard);
             }
@@ -300,7 +296,7 @@ fn tensor_parallel_attention_over_cp_equals_the_serial_layer() -> AnyResult<()> 
     Ok(())
 }
 
-fn pick(run: &(Vec<f32>, Vec<f32>, Vec<(String, Vec<f32>)>), index: usize) -> &Vec<f32> {
+fn pick(run: &Run, index: usize) -> &Vec<f32> {
     match index {
         0 => &run.0,
         _ => &run.1,

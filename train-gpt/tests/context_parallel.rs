@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{fresh, rows, succeeded, words};
+use common::{figure, fresh, rows, succeeded, words};
 use std::process::Command;
 
 fn train(flags: &str) -> String {
@@ -15,14 +15,8 @@ fn train(flags: &str) -> String {
     succeeded(&output)
 }
 
-fn check(flags: &str) -> f32 {
-    let stdout = train(&format!("{flags} --check"));
-    stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("max loss difference: "))
-        .unwrap_or_else(|| panic!("no check line in\n{stdout}"))
-        .parse()
-        .unwrap()
+fn check(flags: &str) -> f64 {
+    figure(&train(&format!("{flags} --check")), "max loss difference: ")
 }
 
 #[test]

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{scratch, words};
+use common::{figure, scratch, words};
 use std::path::Path;
 use std::process::Command;
 
@@ -31,16 +31,6 @@ fn succeed(args: &[&str], out: &Path) -> String {
     let (ok, stdout, stderr) = run(args, out);
     assert!(ok, "train-gpt {args:?} failed:\n{stdout}{stderr}");
     stdout
-}
-
-/// The number after `prefix` on stdout's line that starts with it.
-fn figure(stdout: &str, prefix: &str) -> f64 {
-    stdout
-        .lines()
-        .find_map(|line| line.strip_prefix(prefix))
-        .unwrap_or_else(|| panic!("no '{prefix}' line in\n{stdout}"))
-        .parse()
-        .unwrap()
 }
 
 /// The check line outside checks use: TP 2 × PP 2 × DP 2 with ZeRO and clipping, tied

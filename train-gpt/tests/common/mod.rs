@@ -28,6 +28,16 @@ pub fn succeeded(output: &std::process::Output) -> String {
     text
 }
 
+/// The number after `prefix` on stdout's line that starts with it.
+pub fn figure(stdout: &str, prefix: &str) -> f64 {
+    stdout
+        .lines()
+        .find_map(|line| line.strip_prefix(prefix))
+        .unwrap_or_else(|| panic!("no '{prefix}' line in\n{stdout}"))
+        .parse()
+        .unwrap()
+}
+
 /// Command-line flags written as one string, split into arguments.
 pub fn words(flags: &str) -> Vec<&str> {
     flags.split_whitespace().collect()

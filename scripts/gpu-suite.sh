@@ -26,26 +26,26 @@ build() {
     set -e
     rm -rf "$BIN"
     mkdir -p "$BIN"
-    local features="comm-core/cuda,comm-core/cli,tape/cuda"
+    local features="ferrotron-comm-core/cuda,ferrotron-comm-core/cli,ferrotron-tape/cuda"
     # The test binaries with device code (the carry limit is 64 MiB): the GPU tests, the
     # device-vs-CPU tests, and the library unit tests (NVRTC compiles every kernel).
     cargo test --release -p ferrotron-device -p ferrotron-comm-core -p ferrotron-tape -p ferrotron-layers -p integration-tests \
-        --features "$features,device/cuda" --no-run --message-format=json 2>/dev/null |
+        --features "$features,ferrotron-device/cuda" --no-run --message-format=json 2>/dev/null |
         python3 -c '
 import json, sys
 wanted = {"gpu", "gpu_local", "gpu_nccl", "device", "device_math", "device_nn", "device_shape",
           "device_training", "main_grad", "lending", "flat_updates", "low_precision", "shape_memory",
           "pointwise_memory",
-          "comm_core", "tape"}
+          "ferrotron_device", "ferrotron_comm_core", "ferrotron_tape"}
 for line in sys.stdin:
     m = json.loads(line)
     if (m.get("reason") == "compiler-artifact" and m.get("executable")
             and m["profile"]["test"] and m["target"]["name"].replace("-", "_") in wanted):
         print(m["executable"])
 ' | while read -r exe; do cp "$exe" "$BIN/test-$(basename "$exe")"; done
-    cargo build --release -p ferrotron-comm-core --features comm-core/cuda,comm-core/cli --bin comm-bench
-    cargo build --release -p ferrotron-tape --features tape/cuda --example bench_device
-    cargo build --release -p ferrotron-layers --features tape/cuda --example bench_block
+    cargo build --release -p ferrotron-comm-core --features cuda,cli --bin comm-bench
+    cargo build --release -p ferrotron-tape --features cuda --example bench_device
+    cargo build --release -p ferrotron-layers --features ferrotron-tape/cuda --example bench_block
     cargo build --release -p ferrotron-train-gpt --features cuda
     cargo build --release -p ferrotron-ddp --features cuda --example bench_ddp
     cp target/release/comm-bench target/release/examples/bench_device \

@@ -153,13 +153,19 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features
 
 echo "==> cargo package: every library packages, and builds from its package alone"
 # Verification builds each package from its .crate with the registry's versions of the
-# others (the freshly packaged ones); debug info would only cost disk here.
-rm -rf target/package
+# others (the freshly packaged ones). Cargo takes a registry crate of a known name and
+# version for unchanged, its unpacked source and its build alike, so a run starts from
+# an empty build directory and drops the sources an earlier run unpacked into cargo's
+# cache; debug info would only cost disk here.
+cargo_home=${CARGO_HOME:-$HOME/.cargo}
+rm -rf target/package target/package-check \
+    "$cargo_home"/registry/src/*/ferrotron-* "$cargo_home"/registry/cache/*/ferrotron-*
 export CARGO_PROFILE_DEV_DEBUG=false
-cargo package --workspace --exclude integration-tests --allow-dirty --locked
+cargo package --workspace --exclude integration-tests --allow-dirty --locked \
+    --target-dir target/package-check
 echo "==> a crate outside the workspace builds the book's first example from the packages"
 cargo test --doc --locked --manifest-path integration-tests/packaged/Cargo.toml \
-    --target-dir target/package/tmp-crate
+    --target-dir target/package-check
 unset CARGO_PROFILE_DEV_DEBUG
 
 echo "==> mdbook build docs"

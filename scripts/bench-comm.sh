@@ -9,7 +9,7 @@ ranks="${1:-2}"
 sizes="${2:-1K,64K,1M,16M,64M}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
-cargo build -q --release -p ferrotron-comm-core --features mpi --bin comm-bench
+cargo build -q --release -p ferrotron-comm-core --features mpi,cli --bin comm-bench
 bench=target/release/comm-bench
 out=$(mktemp)
 echo "# $(date -u +%Y-%m-%dT%H:%MZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"

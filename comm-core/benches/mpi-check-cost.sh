@@ -9,7 +9,7 @@ repeats=${1:-5}
 shift || true
 ranks_list=("${@:-2 4}")
 read -r -a ranks_list <<<"${ranks_list[*]}"
-cargo build --release -q -p ferrotron-comm-core --features mpi --bin comm-bench
+cargo build --release -q -p ferrotron-comm-core --features mpi,cli --bin comm-bench
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_btl="self,vader" OMPI_MCA_btl_vader_single_copy_mechanism=none
 results=$(mktemp)

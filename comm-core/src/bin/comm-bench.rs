@@ -1,7 +1,7 @@
 //! Collective benchmark in the style of nccl-tests, over the local or MPI backend.
 //!
 //! ```text
-//! cargo run --release -p ferrotron-comm-core --bin comm-bench -- \
+//! cargo run --release -p ferrotron-comm-core --features cli --bin comm-bench -- \
 //!     --backend local --ranks 2 --op all_reduce --sizes 1K,64K,1M,16M,64M --baseline memcpy
 //! mpirun -n 2 target/release/comm-bench --backend mpi --op all_reduce --baseline raw
 //! # with `--features cuda`: device buffers, local ranks on one GPU, and NCCL

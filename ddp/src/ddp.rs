@@ -39,6 +39,9 @@ pub struct DistributedDataParallel {
     buckets: Arc<Vec<BucketInfo>>,
     dp: Arc<dyn Communicator>,
     wire_dtype: DType,
+    /// What [`finish`](Self::finish) multiplies the reduced gradients by (1 but for
+    /// experts' gradients: [`for_experts`](Self::for_experts)).
+    grad_scale: f64,
 }
 
 impl DistributedDataParallel {
@@ -103,6 +106,7 @@ impl DistributedDataParallel {
             buckets,
             dp,
             wire_dtype,
+            grad_scale: 1.0,
         })
     }
 
@@ -123,7 +127,8 @@ impl DistributedDataParallel {
     ) -> Result<DistributedDataParallel> {
         let mut config = config;
         let mut params = Vec::new();
-        for sharded in model.parameters() {
+        // Experts' parameters differ by expert-parallel rank: `for_experts` takes them.
+        for sharded in model.parameters().into_iter().filter(|p| !p.expert) {
             if let Some(group) = sharded.grad_reduce_group {
                 config
                     .extra_reductions
@@ -132,6 +137,47 @@ impl DistributedDataParallel {
             params.push(sharded.param);
         }
         DistributedDataParallel::new(params, state.dp_with_cp().clone(), config)
+    }
+
+    /// Wraps the experts' parameters of `model` (those marked
+    /// [`expert`](ferrotron_layers::ShardedParameter::expert)) for data-parallel training
+    /// over `state`'s expert-data-parallel group, the ranks holding the same experts;
+    /// `None` when the model has no experts. [`for_model`](Self::for_model) leaves them
+    /// out. After [`finish`](Self::finish) an expert's gradient is the sum over that
+    /// group divided by the data-parallel size (times context parallelism), as Megatron
+    /// scales it: each rank's expert gradient already gathers the tokens of its whole
+    /// expert-parallel group. An expert that got no token in a step has a zero gradient
+    /// (the DDP finds unused parameters). Collective over the expert-data-parallel
+    /// group. The distributed optimizer does not take experts yet ([`Error::Config`]).
+    pub fn for_experts(
+        model: &dyn Module,
+        state: &ParallelState,
+        config: DdpConfig,
+    ) -> Result<Option<DistributedDataParallel>> {
+        let params: Vec<Parameter> = (model.parameters().into_iter())
+            .filter(|p| p.expert)
+            .map(|p| p.param)
+            .collect();
+        if params.is_empty() {
+            return Ok(None);
+        }
+        if config.use_distributed_optimizer {
+            return Err(Error::Config(
+                "the distributed optimizer does not shard experts' parameters yet; train a \
+                 mixture of experts without it"
+                    .into(),
+            ));
+        }
+        let group = state.expert_dp().clone();
+        let scale = group.size() as f64 / state.dp_with_cp().size() as f64;
+        // An expert the router sent no token this step has no gradient: it counts as zero.
+        let config = DdpConfig {
+            find_unused_parameters: true,
+            ..config
+        };
+        let mut ddp = DistributedDataParallel::new(params, group, config)?;
+        ddp.grad_scale = scale;
+        Ok(Some(ddp))
     }
 
     /// The parameters, in registration order.
@@ -184,7 +230,15 @@ impl DistributedDataParallel {
     /// Without that flag they make this an [`Error::UnusedParameters`] naming them. Any
     /// error resets the step, so the next one starts clean.
     pub fn finish(&self) -> Result<()> {
-        self.reducer.lock().finish()
+        self.reducer.lock().finish()?;
+        if self.grad_scale != 1.0 {
+            for param in &self.params {
+                if let Some(grad) = param.grad() {
+                    param.set_grad(Some(grad.scale(self.grad_scale)?))?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `loss.backward()` followed by [`finish`](Self::finish); a hook's error comes back

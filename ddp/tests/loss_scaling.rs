@@ -82,6 +82,7 @@ fn train(zero: bool, scaled: bool) -> Result<Vec<RankRun>> {
             sharding: Sharding::Replicated,
             grad_reduce_group: None,
             shared_copy: false,
+            expert: false,
         });
         let mut masters = if zero {
             let sharded = DistributedOptimizer::adamw([&ddp, &probe_ddp], ADAMW)?;

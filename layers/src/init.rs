@@ -81,5 +81,6 @@ pub(crate) fn sharded(
         sharding,
         grad_reduce_group: (sequence_parallel_grad && tp.size() > 1).then_some(TP_GROUP),
         shared_copy: false,
+        expert: false,
     })
 }

@@ -126,7 +126,7 @@ pub use embedding::{VocabParallelEmbedding, VocabRange};
 pub use error::{Error, Result};
 pub use init::MasterInit;
 pub use linear::{ColumnParallelLinear, LinearOptions, LinearOutput, RowParallelLinear};
-pub use moe::{ExpertParallel, MoeConfig, MoeMlp, MoeOutput, RouterSoftmax};
+pub use moe::{ExpertParallel, MoeConfig, MoeMlp, MoeOutput, MoeStats, RouterSoftmax};
 pub use parallel::{
     all_reduce_sequence_parallel_grads, part_of, Module, ShardedParameter, Sharding,
     TensorParallel, EMBEDDING_GROUP, TP_GROUP,

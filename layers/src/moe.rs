@@ -12,11 +12,12 @@
 //! weights (Megatron's `probs` drop policy), and the rest of those tokens' slots add
 //! nothing to their output.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use ferrotron_comm_core::{Communicator, CommunicatorExt};
 use ferrotron_mappings::all_to_all;
-use ferrotron_tape::{Parameter, Tape, Tensor};
+use ferrotron_tape::{CustomOp, Parameter, Tape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::init::MasterInit;
@@ -57,15 +58,14 @@ pub struct MoeConfig {
 
 impl MoeConfig {
     /// `num_experts` experts of width `ffn_hidden`, top-`top_k`, Megatron's defaults
-    /// otherwise: softmax after the top-k, load-balancing coefficient 0.01, no z-loss,
-    /// dropless.
+    /// otherwise: softmax after the top-k, no load-balancing loss or z-loss, dropless.
     pub fn new(num_experts: usize, top_k: usize, ffn_hidden: usize) -> Self {
         MoeConfig {
             num_experts,
             top_k,
             ffn_hidden,
             softmax: RouterSoftmax::AfterTopK,
-            aux_loss_coeff: 0.01,
+            aux_loss_coeff: 0.0,
             z_loss_coeff: 0.0,
             capacity_factor: None,
         }
@@ -77,7 +77,7 @@ impl MoeConfig {
 #[derive(Clone)]
 pub struct ExpertParallel {
     ep: Arc<dyn Communicator>,
-    expert_tp: TensorParallel,
+    expert_tp: Arc<dyn Communicator>,
 }
 
 impl ExpertParallel {
@@ -85,10 +85,7 @@ impl ExpertParallel {
     /// group of one rank: whole experts). Ranks of one `expert_tp` group must route the
     /// same tokens.
     pub fn new(ep: Arc<dyn Communicator>, expert_tp: Arc<dyn Communicator>) -> Self {
-        ExpertParallel {
-            ep,
-            expert_tp: TensorParallel::new(expert_tp),
-        }
+        ExpertParallel { ep, expert_tp }
     }
 
     /// The expert-parallel and expert-tensor-parallel groups of `state`.
@@ -125,6 +122,20 @@ pub struct MoeMlp {
     config: MoeConfig,
     ep: Arc<dyn Communicator>,
     hidden: usize,
+    /// What backward seeds the auxiliary loss with inside a block (f64 bits; shared by
+    /// clones): [`set_aux_loss_scale`](Self::set_aux_loss_scale).
+    aux_scale: Arc<AtomicU64>,
+    /// Routing counts since the last [`take_stats`](Self::take_stats).
+    stats: Arc<Mutex<MoeStats>>,
+}
+
+/// Routing counts a mixture of experts gathered over some forward passes.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MoeStats {
+    /// Token slots the router sent to each expert, by global id (before drops).
+    pub tokens_per_expert: Vec<usize>,
+    /// Of those, how many a capacity factor dropped.
+    pub dropped: usize,
 }
 
 /// A token slot the router filled: token `token`'s `slot`-th choice, expert `expert` with
@@ -185,6 +196,7 @@ impl MoeMlp {
             sharding: Sharding::Replicated,
             grad_reduce_group: None,
             shared_copy: false,
+            expert: false,
         };
         let expert_block = BlockConfig {
             ffn_hidden: config.ffn_hidden,
@@ -192,10 +204,11 @@ impl MoeMlp {
         };
         let local = experts / ep;
         let first = ctx.ep.rank() * local;
+        let expert_tp = TensorParallel::new(ctx.expert_tp.clone());
         let experts = (first..first + local)
             .map(|e| {
                 let mlp = ParallelMlp::new(
-                    &ctx.expert_tp,
+                    &expert_tp,
                     &format!("{name}.experts.{e}"),
                     &expert_block,
                     init,
@@ -209,6 +222,11 @@ impl MoeMlp {
             config: *config,
             ep: ctx.ep.clone(),
             hidden: block.hidden,
+            aux_scale: Arc::new(AtomicU64::new(1f64.to_bits())),
+            stats: Arc::new(Mutex::new(MoeStats {
+                tokens_per_expert: vec![0; config.num_experts],
+                dropped: 0,
+            })),
         })
     }
 
@@ -220,10 +238,50 @@ impl MoeMlp {
     /// This rank's experts' parameters: different on each expert-parallel rank, their
     /// gradients reduced over the expert-data-parallel group.
     pub fn expert_parameters(&self) -> Vec<ShardedParameter> {
-        self.experts
-            .iter()
+        (self.experts.iter())
             .flat_map(|(_, mlp)| mlp.parameters())
+            .map(|p| ShardedParameter { expert: true, ..p })
             .collect()
+    }
+
+    /// The gradient a block's backward gives the auxiliary loss (Megatron's
+    /// `MoEAuxLossAutoScaler`): the main loss's scale over the microbatches it is
+    /// averaged over, so that the auxiliary loss counts as a mean over microbatches too.
+    pub fn set_aux_loss_scale(&self, scale: f64) {
+        self.aux_scale.store(scale.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The routing counts since the last call, reset.
+    pub fn take_stats(&self) -> MoeStats {
+        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let empty = MoeStats {
+            tokens_per_expert: vec![0; self.config.num_experts],
+            dropped: 0,
+        };
+        std::mem::replace(&mut *stats, empty)
+    }
+
+    /// [`forward`](Self::forward) inside a block: the output, carrying the auxiliary loss
+    /// into backward (seeded with the [`set_aux_loss_scale`](Self::set_aux_loss_scale)),
+    /// and the routing counts added to [`take_stats`](Self::take_stats)'.
+    pub fn forward_in_block(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
+        let out = self.forward(tape, x)?;
+        {
+            let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+            for (total, n) in stats
+                .tokens_per_expert
+                .iter_mut()
+                .zip(&out.tokens_per_expert)
+            {
+                *total += n;
+            }
+            stats.dropped += out.dropped;
+        }
+        let scale = f64::from_bits(self.aux_scale.load(Ordering::Relaxed));
+        Ok(Tensor::apply(
+            Arc::new(AttachAuxLoss { scale }),
+            &[&out.output, &out.aux_loss],
+        )?)
     }
 
     /// The global ids of this rank's experts.
@@ -471,6 +529,38 @@ impl MoeMlp {
             .add(&max)?;
         let z = lse.mul(&lse)?.mean()?.scale(self.config.z_loss_coeff)?;
         Ok(balance.add(&z)?)
+    }
+}
+
+/// The identity on a block's output whose backward also seeds the auxiliary loss with
+/// `scale`, so that the loss reaches the router wherever the block sits in a pipeline.
+struct AttachAuxLoss {
+    scale: f64,
+}
+
+impl CustomOp for AttachAuxLoss {
+    fn name(&self) -> &str {
+        "attach auxiliary loss"
+    }
+
+    fn forward(
+        &self,
+        inputs: &[Tensor],
+        saved: &mut Vec<Tensor>,
+    ) -> ferrotron_tape::Result<Tensor> {
+        saved.push(inputs[1].clone());
+        Ok(inputs[0].clone())
+    }
+
+    fn backward(
+        &self,
+        grad: &Tensor,
+        saved: &[Tensor],
+    ) -> ferrotron_tape::Result<Vec<Option<Tensor>>> {
+        let aux = &saved[0];
+        let seed =
+            Tensor::<f32>::full_as(aux.shape(), self.scale as f32, aux.dtype(), aux.device())?;
+        Ok(vec![Some(grad.clone()), Some(seed)])
     }
 }
 

@@ -29,6 +29,7 @@ pub struct TensorParallel {
     group: Arc<dyn Communicator>,
     sequence_parallel: bool,
     context: Option<Arc<dyn Communicator>>,
+    experts: Option<crate::ExpertParallel>,
 }
 
 impl std::fmt::Debug for TensorParallel {
@@ -51,13 +52,28 @@ impl TensorParallel {
             group,
             sequence_parallel: false,
             context: None,
+            experts: None,
         }
     }
 
     /// Tensor parallelism over the tensor-parallel group of `state`, with attention over
     /// its context-parallel group when that has more than one rank.
     pub fn from_state(state: &ParallelState) -> Self {
-        Self::new(state.tp().clone()).with_context_parallel(state.cp().clone())
+        Self::new(state.tp().clone())
+            .with_context_parallel(state.cp().clone())
+            .with_expert_parallel(crate::ExpertParallel::from_state(state))
+    }
+
+    /// The same context with the groups a mixture of experts runs on (blocks built with
+    /// [`TransformerBlock::with_experts`](crate::TransformerBlock::with_experts) need them).
+    pub fn with_expert_parallel(mut self, experts: crate::ExpertParallel) -> Self {
+        self.experts = Some(experts);
+        self
+    }
+
+    /// The groups a mixture of experts runs on, when given.
+    pub fn expert_parallel(&self) -> Option<&crate::ExpertParallel> {
+        self.experts.as_ref()
     }
 
     /// The same context with attention run over `group` as a ring (a group of one rank:
@@ -228,6 +244,12 @@ pub struct ShardedParameter {
     /// leave it out so that the weight counts once; clipping still scales it, so that
     /// the copies stay equal.
     pub shared_copy: bool,
+    /// Whether this belongs to one of a mixture of experts' experts: each
+    /// expert-parallel rank holds different experts, so its gradient is reduced over the
+    /// expert-data-parallel group (the ranks holding the same experts) rather than the
+    /// data-parallel group, and sums over the model add it over the expert-parallel
+    /// group too.
+    pub expert: bool,
 }
 
 impl ShardedParameter {

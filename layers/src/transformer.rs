@@ -320,7 +320,7 @@ pub struct TransformerBlock {
     ln1: LayerNorm,
     attention: ParallelSelfAttention,
     ln2: LayerNorm,
-    mlp: ParallelMlp,
+    mlp: BlockMlp,
     hidden_dropout: f64,
     sequence_parallel: bool,
 }
@@ -332,6 +332,18 @@ impl TransformerBlock {
         name: &str,
         config: &BlockConfig,
         init: &MasterInit,
+    ) -> Result<Self> {
+        let mlp = ParallelMlp::new(tp, &format!("{name}.mlp"), config, init)?;
+        Self::around(tp, name, config, init, BlockMlp::Dense(Box::new(mlp)))
+    }
+
+    /// The block's norms and attention around `mlp`.
+    fn around(
+        tp: &TensorParallel,
+        name: &str,
+        config: &BlockConfig,
+        init: &MasterInit,
+        mlp: BlockMlp,
     ) -> Result<Self> {
         Ok(TransformerBlock {
             ln1: LayerNorm::new(
@@ -349,10 +361,49 @@ impl TransformerBlock {
                 config.layer_norm_eps,
                 init,
             )?,
-            mlp: ParallelMlp::new(tp, &format!("{name}.mlp"), config, init)?,
+            mlp,
             hidden_dropout: config.hidden_dropout,
             sequence_parallel: tp.sequence_parallel(),
         })
+    }
+
+    /// A block whose MLP is a mixture of experts (`name.mlp.router`,
+    /// `name.mlp.experts.{e}`) over `tp`'s [expert groups](TensorParallel::expert_parallel).
+    /// Its auxiliary loss reaches backward through the block's output
+    /// ([`MoeMlp::forward_in_block`]). Sequence parallelism is not supported with experts
+    /// yet (the tensor-parallel ranks would route different tokens).
+    pub fn with_experts(
+        tp: &TensorParallel,
+        name: &str,
+        config: &BlockConfig,
+        moe: &crate::MoeConfig,
+        init: &MasterInit,
+    ) -> Result<Self> {
+        const OP: &str = "TransformerBlock::with_experts";
+        let Some(experts) = tp.expert_parallel() else {
+            return Err(Error::config(
+                OP,
+                "a mixture of experts needs its groups: build the context with \
+                 TensorParallel::from_state or with_expert_parallel",
+            ));
+        };
+        if tp.sequence_parallel() && tp.size() > 1 {
+            return Err(Error::config(
+                OP,
+                "sequence parallelism with a mixture of experts is not supported yet: the \
+                 tensor-parallel ranks would route different tokens",
+            ));
+        }
+        let moe = crate::MoeMlp::new(experts, &format!("{name}.mlp"), config, moe, init)?;
+        Self::around(tp, name, config, init, BlockMlp::Experts(moe))
+    }
+
+    /// The block's mixture of experts, if its MLP is one.
+    pub fn experts(&self) -> Option<&crate::MoeMlp> {
+        match &self.mlp {
+            BlockMlp::Experts(moe) => Some(moe),
+            BlockMlp::Dense(_) => None,
+        }
     }
 
     /// Applies the block to `x: [sequence, batch, hidden]` (this rank's sequence part
@@ -372,7 +423,11 @@ impl TransformerBlock {
         let normed = self.ln1.forward(tape, x)?;
         let attended = self.attention.attend(tape, &normed, rng.as_deref_mut())?;
         let hidden = x.add(&self.residual_dropout(attended, rng.as_deref_mut())?)?;
-        let transformed = self.mlp.forward(tape, &self.ln2.forward(tape, &hidden)?)?;
+        let normed = self.ln2.forward(tape, &hidden)?;
+        let transformed = match &self.mlp {
+            BlockMlp::Dense(mlp) => mlp.forward(tape, &normed)?,
+            BlockMlp::Experts(moe) => moe.forward_in_block(tape, &normed)?,
+        };
         Ok(hidden.add(&self.residual_dropout(transformed, rng)?)?)
     }
 
@@ -395,7 +450,17 @@ impl Module for TransformerBlock {
         let mut params = self.ln1.parameters();
         params.extend(self.attention.parameters());
         params.extend(self.ln2.parameters());
-        params.extend(self.mlp.parameters());
+        params.extend(match &self.mlp {
+            BlockMlp::Dense(mlp) => mlp.parameters(),
+            BlockMlp::Experts(moe) => moe.parameters(),
+        });
         params
     }
+}
+
+/// A block's MLP: dense, or a mixture of experts.
+#[derive(Clone)]
+enum BlockMlp {
+    Dense(Box<ParallelMlp>),
+    Experts(crate::MoeMlp),
 }

@@ -161,6 +161,7 @@ fn a_norm_at_the_limit_is_scaled_by_megatrons_epsilon_and_one_just_under_it_is_n
                 sharding: Sharding::Replicated,
                 grad_reduce_group: None,
                 shared_copy: false,
+                expert: false,
             }];
             let norm = clip_grad_norm(&params, &tp, &[], max_norm)?;
             outcomes.push((norm, a.grad().expect("grad").to_vec()?));
@@ -219,6 +220,7 @@ fn half_of_four(param: &Parameter) -> ferrotron_layers::ShardedParameter {
         },
         grad_reduce_group: None,
         shared_copy: false,
+        expert: false,
     }
 }
 
@@ -246,6 +248,7 @@ fn a_shared_copy_is_scaled_but_counted_once() -> AnyResult<()> {
                 },
                 grad_reduce_group: Some(ferrotron_layers::EMBEDDING_GROUP),
                 shared_copy: marked && stage == 1,
+                expert: false,
             };
             let norm = clip_grad_norm(&[sharded], &tp, &[&pipeline], 1.0)?;
             Ok((norm.norm, copy.grad().unwrap().to_vec()?))

@@ -119,6 +119,7 @@ fn a_shared_weight_must_be_split_by_rows() -> AnyResult<()> {
             sharding,
             grad_reduce_group: None,
             shared_copy: false,
+            expert: false,
         };
         let split = |dim| Sharding::Split {
             dim,

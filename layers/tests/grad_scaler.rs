@@ -101,6 +101,7 @@ fn unscale(bad: Option<f32>) -> AnyResult<Vec<(bool, Vec<f32>)>> {
             sharding: Sharding::Replicated,
             grad_reduce_group: None,
             shared_copy: false,
+            expert: false,
         });
         let finite = scaler(2000).unscale_grads(&params, &tp, &[])?;
         Ok((finite, w.grad().unwrap().to_vec()?))
@@ -135,6 +136,7 @@ fn unscaling_twice_in_a_step_is_an_error_and_the_check_sees_the_divided_values()
             sharding: Sharding::Replicated,
             grad_reduce_group: None,
             shared_copy: false,
+            expert: false,
         }];
         // Below 1, dividing multiplies: f32::MAX / 0.5 overflows after the division.
         let mut s = GradScaler::new(GradScalerConfig {

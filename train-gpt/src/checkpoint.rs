@@ -144,6 +144,8 @@ impl TrainerState {
                 attention_dropout: 0.0,
                 hidden_dropout: 0.0,
                 recompute_attention_core: false,
+                // Checkpoints of experts are refused at save; none holds any.
+                moe: None,
             },
             global_batch: number(&state["global_batch"])?,
             losses,

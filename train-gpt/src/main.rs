@@ -130,6 +130,37 @@ struct Args {
     /// chunks of every sequence (Megatron's balanced split); --seq must divide by 2 × cp.
     #[arg(long, default_value_t = 1)]
     cp: usize,
+    /// Experts in each mixture-of-experts MLP (0: dense MLPs).
+    #[arg(long, default_value_t = 0)]
+    num_experts: usize,
+    /// Expert-parallel size: the experts are divided among this many of the data- (times
+    /// context-) parallel ranks, which send each other their tokens.
+    #[arg(long, default_value_t = 1)]
+    expert_parallel: usize,
+    /// Experts each token goes to.
+    #[arg(long, default_value_t = 2)]
+    moe_top_k: usize,
+    /// Keep at most ceil(tokens × top-k / experts × F) of a rank's tokens per expert, those
+    /// with the highest router weights [default: keep every token].
+    #[arg(long)]
+    moe_capacity_factor: Option<f64>,
+    /// Softmax over every expert before the top-k choice (the weights then need not add up
+    /// to 1).
+    #[arg(long)]
+    moe_router_pre_softmax: bool,
+    /// The load-balancing loss's coefficient (Switch/GShard form).
+    #[arg(long, default_value_t = 0.0)]
+    moe_aux_loss_coeff: f64,
+    /// The router z-loss's coefficient.
+    #[arg(long, default_value_t = 0.0)]
+    moe_z_loss_coeff: f64,
+    /// A mixture of experts in every N-th block from the first (1: every block, 2: every
+    /// other).
+    #[arg(long, default_value_t = 1)]
+    moe_layer_freq: usize,
+    /// Each expert's inner width [default: 4 × --hidden].
+    #[arg(long)]
+    moe_ffn_hidden_size: Option<usize>,
     /// Pipeline schedule.
     #[arg(long, value_enum, default_value_t = PipelineSchedule::OneFOneB)]
     schedule: PipelineSchedule,
@@ -1006,6 +1037,7 @@ fn validate_model(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Resu
     ensure!(args.tp >= 1, "--tp must be at least 1");
     ensure!(dp >= 1, "--dp must be at least 1");
     validate_context_parallel(args)?;
+    validate_experts(args, dp)?;
     ensure!(args.heads >= 1, "--heads must be at least 1");
     ensure!(
         args.hidden.is_multiple_of(args.heads),
@@ -1084,6 +1116,70 @@ fn validate_context_parallel(args: &Args) -> Result<()> {
         args.tp,
         args.tp * args.cp
     );
+    Ok(())
+}
+
+/// The mixture of experts: experts the expert-parallel size divides, expert-parallel
+/// ranks within the data-parallel ones, and what is not supported with experts yet.
+fn validate_experts(args: &Args, dp: usize) -> Result<()> {
+    if args.num_experts == 0 {
+        ensure!(
+            args.expert_parallel == 1,
+            "--expert-parallel {} needs experts: pass --num-experts",
+            args.expert_parallel
+        );
+        return Ok(());
+    }
+    let (experts, ep) = (args.num_experts, args.expert_parallel);
+    ensure!(ep >= 1, "--expert-parallel must be at least 1");
+    ensure!(
+        experts.is_multiple_of(ep),
+        "--num-experts {experts} cannot be divided among --expert-parallel {ep} ranks; valid \
+         --expert-parallel: {}",
+        list(&divisors(experts))
+    );
+    ensure!(
+        (dp * args.cp).is_multiple_of(ep),
+        "--expert-parallel {ep} groups ranks of the --dp {dp} × --cp {} data-parallel ones; \
+         pass an --expert-parallel that divides {}",
+        args.cp,
+        dp * args.cp
+    );
+    ensure!(
+        (1..=experts).contains(&args.moe_top_k),
+        "--moe-top-k {} must be between 1 and --num-experts {experts}",
+        args.moe_top_k
+    );
+    ensure!(
+        args.moe_capacity_factor
+            .is_none_or(|f| f.is_finite() && f > 0.0),
+        "--moe-capacity-factor must be positive"
+    );
+    ensure!(
+        args.moe_layer_freq >= 1,
+        "--moe-layer-freq must be at least 1"
+    );
+    let unsupported = [
+        (args.sequence_parallel && args.tp > 1, "--sequence-parallel"),
+        (
+            args.use_distributed_optimizer,
+            "--use-distributed-optimizer",
+        ),
+        (args.clip_grad.is_some(), "--clip-grad"),
+        (args.precision == Precision::Fp16, "--precision fp16"),
+        (
+            args.save.is_some() || args.resume.is_some(),
+            "--save and --resume",
+        ),
+        (args.init_from.is_some(), "--init-from"),
+    ];
+    for (used, flag) in unsupported {
+        ensure!(
+            !used,
+            "{flag} with --num-experts is not supported yet; train the mixture of experts \
+             without it"
+        );
+    }
     Ok(())
 }
 
@@ -1170,10 +1266,12 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
             hidden_dropout: args.hidden_dropout,
             recompute_attention_core: args.recompute_granularity
                 == Some(RecomputeGranularity::Selective),
+            moe: moe_config(args),
         },
         tp: args.tp,
         pp: args.pp,
         cp: args.cp,
+        ep: args.expert_parallel,
         pipeline: pipeline_schedule(args),
         microbatches: args.microbatches,
         trace: args.trace.is_some(),
@@ -1203,6 +1301,27 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
         sample: true,
         check_tied: args.check,
     }
+}
+
+/// The mixture of experts and how often a block has one, with --num-experts.
+fn moe_config(args: &Args) -> Option<(ferrotron_layers::MoeConfig, usize)> {
+    (args.num_experts > 0).then(|| {
+        let config = ferrotron_layers::MoeConfig {
+            softmax: match args.moe_router_pre_softmax {
+                true => ferrotron_layers::RouterSoftmax::BeforeTopK,
+                false => ferrotron_layers::RouterSoftmax::AfterTopK,
+            },
+            aux_loss_coeff: args.moe_aux_loss_coeff,
+            z_loss_coeff: args.moe_z_loss_coeff,
+            capacity_factor: args.moe_capacity_factor,
+            ..ferrotron_layers::MoeConfig::new(
+                args.num_experts,
+                args.moe_top_k,
+                args.moe_ffn_hidden_size.unwrap_or(4 * args.hidden),
+            )
+        };
+        (config, args.moe_layer_freq)
+    })
 }
 
 /// The run's configuration, with SIGTERM and SIGINT now asking it to stop after a step
@@ -1328,6 +1447,23 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
         args.batch * dp,
         corpus.describe()
     );
+    if args.num_experts > 0 {
+        println!(
+            "mixture of experts: {} experts, top-{}, in {}, divided among {} expert-parallel \
+             ranks, {}",
+            args.num_experts,
+            args.moe_top_k,
+            match args.moe_layer_freq {
+                1 => "every block".to_string(),
+                n => format!("blocks 0, {n}, {}, …", 2 * n),
+            },
+            args.expert_parallel,
+            match args.moe_capacity_factor {
+                Some(f) => format!("capacity factor {f}"),
+                None => "dropless".to_string(),
+            }
+        );
+    }
     if let Some(dir) = &args.resume {
         println!("resuming the run saved in {}", dir.display());
         let old = checkpoint::TrainerState::read(dir).is_ok_and(|s| s.format < 2);
@@ -1506,8 +1642,15 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
         tp: 1,
         pp: 1,
         cp: 1,
+        ep: 1,
         pipeline: ferrotron_pipeline::Schedule::OneFOneB,
-        microbatches: 1,
+        // Experts route each data-parallel rank's microbatches by themselves (capacity
+        // and load-balancing loss count its tokens): one rank runs them as microbatches
+        // of their own, the same rows.
+        microbatches: match args.num_experts {
+            0 => 1,
+            _ => dp * args.microbatches,
+        },
         trace: false,
         sequence_parallel: false,
         batch: args.batch * dp,

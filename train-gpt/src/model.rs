@@ -46,6 +46,8 @@ pub struct GptConfig {
     /// Recompute each block's attention core in backward (selective recomputation), a
     /// setting of the run like dropout.
     pub recompute_attention_core: bool,
+    /// Mixture-of-experts MLPs, and in every how-many-th block (from block 0).
+    pub moe: Option<(ferrotron_layers::MoeConfig, usize)>,
 }
 
 /// The whole model, or (under pipeline parallelism) the blocks of one stage, with the
@@ -128,6 +130,7 @@ impl Gpt {
                 // layer norm's.
                 grad_reduce_group: (tp.sequence_parallel() && tp.size() > 1).then_some(TP_GROUP),
                 shared_copy: false,
+                expert: false,
             };
             Some(Embeddings { tokens, position })
         } else {
@@ -172,7 +175,12 @@ impl Gpt {
             None
         };
         let blocks = blocks
-            .map(|i| TransformerBlock::new(tp, &format!("block{i}"), &block, &init))
+            .map(|i| match config.moe {
+                Some((moe, every)) if i.is_multiple_of(every) => {
+                    TransformerBlock::with_experts(tp, &format!("block{i}"), &block, &moe, &init)
+                }
+                _ => TransformerBlock::new(tp, &format!("block{i}"), &block, &init),
+            })
             .collect::<ferrotron_layers::Result<Vec<_>>>()?;
         Ok(Gpt {
             tp: tp.clone(),
@@ -237,6 +245,11 @@ impl Gpt {
             }
             None => Ok(hidden),
         }
+    }
+
+    /// This part's mixtures of experts.
+    pub fn experts(&self) -> impl Iterator<Item = &ferrotron_layers::MoeMlp> {
+        self.blocks.iter().filter_map(TransformerBlock::experts)
     }
 
     /// Whether this part ends the model (its output is the logits).

@@ -38,6 +38,8 @@ pub struct TrainConfig {
     pub pp: usize,
     /// Context-parallel size: each rank holds two chunks of every sequence.
     pub cp: usize,
+    /// Expert-parallel size: the experts are divided among this many data-parallel ranks.
+    pub ep: usize,
     /// How each step drives its microbatches through the stages.
     pub pipeline: ferrotron_pipeline::Schedule,
     /// Microbatches per step: each data-parallel rank's rows, split evenly.
@@ -175,6 +177,7 @@ pub fn train_rank(
         .tp(config.tp)
         .pp(config.pp)
         .cp(config.cp)
+        .ep(config.ep)
         .build()?;
     let state = ParallelState::new(world.clone(), layout)?;
     let tp = TensorParallel::from_state(&state).with_sequence_parallel(config.sequence_parallel);
@@ -197,7 +200,7 @@ pub fn train_rank(
         let value = sharded.param.value().to_device(config.device)?;
         sharded.param.set_value(value)?;
     }
-    let ddps = build_ddps(&models, &state, config)?;
+    let (ddps, expert_ddps) = build_ddps(&models, &state, config)?;
     let optimizer = TrainOptimizer::new(&ddps, config)?;
     let model_state = ModelState::of(&models, &ddps, &optimizer);
     if let Some(progress) = progress {
@@ -211,6 +214,7 @@ pub fn train_rank(
     let mut chunks = Chunks {
         models: &models,
         ddps: &ddps,
+        expert_ddps: &expert_ddps,
         rngs: &mut rngs,
         state: &state,
         config,
@@ -249,23 +253,36 @@ pub fn train_rank(
     })
 }
 
-/// One DDP per chunk (a chunk's gradients are complete after its last backward). Every
-/// gradient is averaged over "dp"; DDP reads from the model which parameters also need a
-/// sum over a model-parallel group (sequence-parallel norms over "tp", the copies of a
-/// tied embedding over "embedding").
+/// One DDP per chunk (a chunk's gradients are complete after its last backward), then one
+/// for each chunk's experts, if it has any. Every gradient but the experts' is averaged
+/// over "dp"; DDP reads from the model which parameters also need a sum over a
+/// model-parallel group (sequence-parallel norms over "tp", the copies of a tied
+/// embedding over "embedding"). Returns them with where each chunk's experts' DDP is.
 fn build_ddps(
     models: &[Gpt],
     state: &ParallelState,
     config: &TrainConfig,
-) -> Result<Vec<DistributedDataParallel>> {
+) -> Result<(Vec<DistributedDataParallel>, Vec<Option<usize>>)> {
     let ddp_config = DdpConfig {
         use_distributed_optimizer: config.distributed_optimizer,
         ..DdpConfig::default()
     };
-    Ok(models
-        .iter()
+    let mut ddps = (models.iter())
         .map(|model| DistributedDataParallel::for_model(model, state, ddp_config.clone()))
-        .collect::<ferrotron_ddp::Result<Vec<_>>>()?)
+        .collect::<ferrotron_ddp::Result<Vec<_>>>()?;
+    let mut experts = Vec::with_capacity(models.len());
+    for model in models {
+        experts.push(
+            match DistributedDataParallel::for_experts(model, state, ddp_config.clone())? {
+                Some(ddp) => {
+                    ddps.push(ddp);
+                    Some(ddps.len() - 1)
+                }
+                None => None,
+            },
+        );
+    }
+    Ok((ddps, experts))
 }
 
 /// Text the trained model writes after each of [`PROMPTS`].
@@ -681,8 +698,15 @@ impl<'a> Trainer<'a> {
             chunks.loss_scale = f64::INFINITY;
         }
         let passes = memory::enter(Phase::Passes);
+        // Routing counts of this step's training pass only.
+        chunks
+            .models
+            .iter()
+            .flat_map(Gpt::experts)
+            .for_each(|moe| drop(moe.take_stats()));
         let (step_loss, spans) = chunks.loss(&microbatches, Pass::Train, trace)?;
         drop(passes);
+        let routing = expert_routing(chunks)?;
         let _optimizer = memory::enter(Phase::Optimizer);
         history.timeline = spans;
         // Every rank holds the same global mean, so all of them stop here together.
@@ -716,6 +740,9 @@ impl<'a> Trainer<'a> {
         history.losses.push(step_loss);
         if let Some(progress) = self.progress {
             progress.step(step + 1, step_loss);
+            if let Some(line) = routing {
+                progress.note(&line);
+            }
         }
         Ok(())
     }
@@ -973,7 +1000,10 @@ impl TrainOptimizer {
 /// stages over `state`'s pipeline group (one stage holding everything at `--pp 1`).
 struct Chunks<'a> {
     models: &'a [Gpt],
+    /// Every chunk's DDP, in chunk order, then the experts' DDPs.
     ddps: &'a [DistributedDataParallel],
+    /// Where in `ddps` each chunk's experts' DDP is, if it has experts.
+    expert_ddps: &'a [Option<usize>],
     rngs: &'a mut [RngTracker],
     state: &'a ParallelState,
     config: &'a TrainConfig,
@@ -1085,14 +1115,22 @@ impl Chunks<'_> {
             config.trace_epoch = Some(std::time::Instant::now());
         }
         let pipe = ferrotron_pipeline::Pipeline::new(self.state.pp().clone(), config)?;
+        // Each microbatch's auxiliary losses count as its share of the step, as its loss.
+        let aux_scale = self.loss_scale / microbatches.len() as f64;
+        for moe in self.models.iter().flat_map(Gpt::experts) {
+            moe.set_aux_loss_scale(aux_scale);
+        }
+        let train = pass == Pass::Train;
         let mut stages: Vec<GptStage> = self
             .models
             .iter()
             .zip(self.ddps)
+            .zip(self.expert_ddps)
             .zip(self.rngs.iter_mut())
-            .map(|((model, ddp), rng)| GptStage {
+            .map(|(((model, ddp), experts), rng)| GptStage {
                 model,
-                ddp: (pass == Pass::Train).then_some(ddp),
+                ddp: train.then_some(ddp),
+                expert_ddp: experts.filter(|_| train).map(|i| &self.ddps[i]),
                 rng,
                 dp: self.state.dp_with_cp(),
                 microbatches,
@@ -1132,6 +1170,7 @@ impl Chunks<'_> {
 struct GptStage<'a> {
     model: &'a Gpt,
     ddp: Option<&'a DistributedDataParallel>,
+    expert_ddp: Option<&'a DistributedDataParallel>,
     rng: &'a mut RngTracker,
     dp: &'a Arc<dyn Communicator>,
     microbatches: &'a [(Vec<usize>, Vec<i64>)],
@@ -1178,7 +1217,7 @@ impl ferrotron_pipeline::Stage for GptStage<'_> {
     }
 
     fn before_backward(&mut self, last: bool) {
-        if let Some(ddp) = self.ddp {
+        for ddp in self.ddp.iter().chain(&self.expert_ddp) {
             ddp.set_sync_enabled(last);
         }
     }
@@ -1238,6 +1277,36 @@ fn context_position(at: usize, len: usize, tp: &TensorParallel) -> Result<(usize
         true => (index, at % chunk),
         false => (2 * cp - 1 - index, chunk + at % chunk),
     })
+}
+
+/// The step's routing over every mixture of experts of the model and every rank's
+/// tokens, as a line: token slots per expert (summed over the layers) and the fraction
+/// dropped. `None` for a dense model. Collective over the data- (and context-) parallel
+/// and pipeline groups.
+fn expert_routing(chunks: &Chunks<'_>) -> Result<Option<String>> {
+    let Some((config, _)) = chunks.config.model.moe else {
+        return Ok(None);
+    };
+    let mut counts = vec![0.0f64; config.num_experts + 1];
+    for moe in chunks.models.iter().flat_map(Gpt::experts) {
+        let stats = moe.take_stats();
+        for (total, n) in counts.iter_mut().zip(&stats.tokens_per_expert) {
+            *total += *n as f64;
+        }
+        counts[config.num_experts] += stats.dropped as f64;
+    }
+    let state = chunks.state;
+    for group in [state.dp_with_cp(), state.pp()] {
+        group.all_reduce_slice(&mut counts, ferrotron_comm_core::ReduceOp::Sum)?;
+    }
+    let (per_expert, dropped) = counts.split_at(config.num_experts);
+    let slots: f64 = per_expert.iter().sum();
+    let list: Vec<String> = per_expert.iter().map(|n| format!("{n:.0}")).collect();
+    Ok(Some(format!(
+        "  experts: token slots {} | dropped {:.1}%",
+        list.join(" "),
+        100.0 * dropped[0] / slots.max(1.0)
+    )))
 }
 
 /// This data-parallel rank's sampler: its rows of every global batch.

@@ -39,8 +39,11 @@ impl GradNorm {
 /// once, and then over each of `other_groups` (the pipeline group, whose stages hold
 /// different parameters; a stage's copy of a weight that another stage also holds, such
 /// as a tied output embedding, is marked [`shared_copy`](ShardedParameter::shared_copy)
-/// and counted by the other stage only). Data-parallel replicas hold the same gradients after DDP's reduction, so
-/// the data-parallel group is not one of them. Gradients that are absent count as zero,
+/// and counted by the other stage only). Experts' parameters
+/// ([`expert`](ShardedParameter::expert)) differ by expert-parallel rank: their squares
+/// are summed over the context's expert-parallel group first. Data-parallel replicas hold
+/// the same gradients after DDP's reduction, so the data-parallel group is not one of
+/// them. Gradients that are absent count as zero,
 /// but when no rank holds any gradient the call is an error: backward has not run, or
 /// the gradients live elsewhere (ddp's distributed optimizer keeps them in its shards
 /// and clips them itself). Every rank of those groups must call it with its parameters
@@ -52,14 +55,33 @@ pub fn clip_grad_norm(
     max_norm: f64,
 ) -> Result<GradNorm> {
     check_max_norm(max_norm)?;
-    let mut local = LocalSquares::default();
+    let (mut local, mut experts) = (LocalSquares::default(), LocalSquares::default());
     for sharded in params {
         if !sharded.counts_in_model_sums(tp.rank()) {
             continue;
         }
         if let Some(grad) = sharded.param.try_grad()? {
-            local.add(f64::from(grad.mul(&grad)?.sum()?.item()?));
+            let squares = f64::from(grad.mul(&grad)?.sum()?.item()?);
+            match sharded.expert {
+                true => experts.add(squares),
+                false => local.add(squares),
+            }
         }
+    }
+    // Each expert-parallel rank holds other experts: their squares add up over the group
+    // first, and then count like this rank's own.
+    if params.iter().any(|p| p.expert) {
+        let group = tp.expert_parallel().map(|e| e.group()).ok_or_else(|| {
+            Error::config(
+                OP,
+                "experts' gradients need the expert-parallel group: build the context with \
+                 TensorParallel::from_state or with_expert_parallel",
+            )
+        })?;
+        let mut totals = [experts.sum, experts.gradients as f64];
+        group.all_reduce_slice(&mut totals, ReduceOp::Sum)?;
+        local.sum += totals[0];
+        local.gradients += totals[1] as usize;
     }
     let groups: Vec<&Arc<dyn Communicator>> = std::iter::once(tp.group())
         .chain(other_groups.iter().copied())

@@ -56,7 +56,10 @@ impl TrainerState {
             "pp": self.pp,
             "chunks": self.chunks,
             "model": {"vocab": m.vocab, "valid_vocab": m.valid_vocab, "layers": m.layers, "hidden": m.hidden,
-                      "heads": m.heads, "seq": m.seq, "tied": m.tied},
+                      "heads": m.heads, "seq": m.seq, "tied": m.tied,
+                      "experts": m.moe.map(|(moe, every)| json!({
+                          "num_experts": moe.num_experts, "ffn_hidden": moe.ffn_hidden,
+                          "every": every}))},
             // f32 → f64 is exact and JSON keeps f64 exactly, so the curve resumes
             // bit-identically.
             "losses": self.losses,
@@ -144,8 +147,18 @@ impl TrainerState {
                 attention_dropout: 0.0,
                 hidden_dropout: 0.0,
                 recompute_attention_core: false,
-                // Checkpoints of experts are refused at save; none holds any.
-                moe: None,
+                // The experts' shapes; routing is a setting of each run, like dropout.
+                moe: match &model["experts"] {
+                    Value::Null => None,
+                    e => Some((
+                        ferrotron_layers::MoeConfig::new(
+                            number(&e["num_experts"])?,
+                            1,
+                            number(&e["ffn_hidden"])?,
+                        ),
+                        number(&e["every"])?,
+                    )),
+                },
             },
             global_batch: number(&state["global_batch"])?,
             losses,
@@ -171,11 +184,29 @@ impl TrainerState {
         Ok(read)
     }
 
-    /// The directories of every pipeline stage of the checkpoint in `dir`.
+    /// The directories of every pipeline stage of the checkpoint in `dir`, each followed
+    /// by its experts' directories (one per expert-parallel rank that saved).
     pub fn stage_dirs(&self, dir: &Path) -> Vec<PathBuf> {
-        (0..self.pp)
-            .map(|rank| stage_dir(dir, rank, self.pp))
-            .collect()
+        let mut dirs = Vec::new();
+        for rank in 0..self.pp {
+            let stage = stage_dir(dir, rank, self.pp);
+            let mut experts: Vec<PathBuf> = std::fs::read_dir(&stage)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|entry| entry.path())
+                .filter(|p| {
+                    p.is_dir()
+                        && p.file_name()
+                            .and_then(|n| n.to_str())
+                            .is_some_and(|n| n.starts_with("experts_"))
+                })
+                .collect();
+            experts.sort();
+            dirs.push(stage);
+            dirs.extend(experts);
+        }
+        dirs
     }
 
     /// Checks that a run with these settings can continue this one (any tensor-parallel,
@@ -216,6 +247,14 @@ impl TrainerState {
             s.heads,
             s.seq
         );
+        let experts = |m: &GptConfig| m.moe.map(|(c, every)| (c.num_experts, c.ffn_hidden, every));
+        ensure!(
+            experts(s) == experts(m),
+            "the checkpoint's model has {}; this run's {}: pass the same --num-experts, \
+             --moe-ffn-hidden-size and --moe-layer-freq",
+            describe_experts(experts(s)),
+            describe_experts(experts(m))
+        );
         ensure!(
             self.global_batch == global_batch,
             "the checkpoint trained on global batches of {} sequences; pass --batch and \
@@ -242,6 +281,22 @@ pub fn read_stages(dirs: &[PathBuf], tp: usize) -> Result<BTreeMap<String, (Shar
         full.extend(ferrotron_layers::checkpoint::read_full_checkpoint(dir, tp)?);
     }
     Ok(full)
+}
+
+/// A model's experts as a check's message names them.
+fn describe_experts(experts: Option<(usize, usize, usize)>) -> String {
+    match experts {
+        None => "no experts".into(),
+        Some((n, ffn, every)) => {
+            format!("{n} experts {ffn} wide (--moe-layer-freq {every})")
+        }
+    }
+}
+
+/// Where expert-parallel rank `ep_rank` of `ep` keeps its experts' files within a
+/// stage's directory: `experts_{rank}_of_{ep}`.
+pub fn experts_dir(stage: &Path, ep_rank: usize, ep: usize) -> PathBuf {
+    stage.join(format!("experts_{ep_rank}_of_{ep}"))
 }
 
 /// Where pipeline stage `pp_rank` of `pp` keeps its files: `dir` itself without

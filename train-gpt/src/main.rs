@@ -1165,12 +1165,7 @@ fn validate_experts(args: &Args, dp: usize) -> Result<()> {
             args.use_distributed_optimizer,
             "--use-distributed-optimizer",
         ),
-        (args.clip_grad.is_some(), "--clip-grad"),
         (args.precision == Precision::Fp16, "--precision fp16"),
-        (
-            args.save.is_some() || args.resume.is_some(),
-            "--save and --resume",
-        ),
         (args.init_from.is_some(), "--init-from"),
     ];
     for (used, flag) in unsupported {

@@ -201,7 +201,7 @@ pub fn train_rank(
         sharded.param.set_value(value)?;
     }
     let (ddps, expert_ddps) = build_ddps(&models, &state, config)?;
-    let optimizer = TrainOptimizer::new(&ddps, config)?;
+    let optimizer = TrainOptimizer::new(&ddps, &models, config)?;
     let model_state = ModelState::of(&models, &ddps, &optimizer);
     if let Some(progress) = progress {
         progress.note(&model_state_line(&model_state, state.dp_size()));
@@ -320,6 +320,45 @@ fn build_chunks(
         .collect()
 }
 
+/// The experts' parameters of a rank's chunks, or all the others: what one writer of a
+/// checkpoint saves.
+struct ModelShare<'a> {
+    models: &'a [Gpt],
+    experts: bool,
+}
+
+impl Module for ModelShare<'_> {
+    fn parameters(&self) -> Vec<ShardedParameter> {
+        (self.models.iter())
+            .flat_map(Module::parameters)
+            .filter(|p| p.expert == self.experts)
+            .collect()
+    }
+}
+
+impl ModelShare<'_> {
+    /// This share's parameters among the optimizer's `all`, and their entries of `state`.
+    fn optimizer_state(
+        &self,
+        all: &[Parameter],
+        state: &ferrotron_tape::OptimizerState,
+    ) -> (Vec<Parameter>, ferrotron_tape::OptimizerState) {
+        let mine: std::collections::HashSet<_> =
+            self.parameters().iter().map(|p| p.param.id()).collect();
+        let (params, entries) = (all.iter().zip(&state.params))
+            .filter(|(p, _)| mine.contains(&p.id()))
+            .map(|(p, e)| (p.clone(), e.clone()))
+            .unzip();
+        (
+            params,
+            ferrotron_tape::OptimizerState {
+                steps: state.steps,
+                params: entries,
+            },
+        )
+    }
+}
+
 /// Reads a checkpoint's trainer state, checks that this run can continue it, and loads
 /// this rank's weights from it (re-cut from the saved tensor-parallel size).
 fn load_weights(
@@ -407,28 +446,45 @@ fn save(
     let optimizer_state = optimizer.as_dyn().state()?;
     let mut files = Vec::new();
     let mut rng = None;
-    // Context-parallel ranks hold the same weights too.
-    if state.dp_rank() == 0 && state.cp_rank() == 0 {
-        let (dir, rank_model) = (
-            checkpoint::stage_dir(dir, state.pp_rank(), config.pp),
-            RankModel(chunks.models),
-        );
-        let (rank, size) = (tp.rank(), tp.size());
+    let stage = checkpoint::stage_dir(dir, state.pp_rank(), config.pp);
+    let (rank, size) = (tp.rank(), tp.size());
+    // Context-parallel ranks hold the same weights too; experts are the same on the ranks
+    // of an expert-data-parallel group, and differ by expert-parallel rank.
+    let has_experts = config.model.moe.is_some();
+    let writers = [
+        (
+            state.dp_rank() == 0 && state.cp_rank() == 0,
+            false,
+            stage.clone(),
+        ),
+        (
+            has_experts && state.expert_coordinates().dp == 0,
+            true,
+            checkpoint::experts_dir(&stage, state.ep_rank(), state.ep_size()),
+        ),
+    ];
+    for (writes, experts, dir) in writers.into_iter().filter(|w| w.0) {
+        let part = ModelShare {
+            models: chunks.models,
+            experts,
+        };
+        let (params, optimizer_part) =
+            part.optimizer_state(optimizer.model_params(), &optimizer_state);
+        debug_assert!(writes);
         files.push(ferrotron_layers::checkpoint::snapshot_shard(
-            &rank_model,
-            &dir,
-            rank,
-            size,
+            &part, &dir, rank, size,
         )?);
         files.push(ferrotron_layers::checkpoint::snapshot_optimizer_state(
-            &rank_model,
-            optimizer.model_params(),
-            &optimizer_state,
+            &part,
+            &params,
+            &optimizer_part,
             &dir,
             rank,
             size,
         )?);
-        rng = Some(checkpoint::rng_file(&dir, chunks.rngs, rank, size)?);
+        if !experts {
+            rng = Some(checkpoint::rng_file(&dir, chunks.rngs, rank, size)?);
+        }
     }
     let write = move || -> Result<()> {
         if rng.is_some() {
@@ -890,7 +946,7 @@ enum TrainOptimizer {
 impl TrainOptimizer {
     /// AdamW on the schedule over the parameters of `ddps`, weight decay grouped as
     /// Megatron groups it, in the form `config` asks for.
-    fn new(ddps: &[DistributedDataParallel], config: &TrainConfig) -> Result<Self> {
+    fn new(ddps: &[DistributedDataParallel], models: &[Gpt], config: &TrainConfig) -> Result<Self> {
         let schedule = config.schedule.build()?;
         let adamw = AdamWConfig {
             lr: config.schedule.lr,
@@ -898,8 +954,11 @@ impl TrainOptimizer {
             ..AdamWConfig::default()
         };
         let groups = ParamOptions::megatron_groups;
-        let parameters: Vec<Parameter> =
-            ddps.iter().flat_map(|d| d.parameters().to_vec()).collect();
+        // In the model's order, as checkpoints list them (experts' among the rest).
+        let parameters: Vec<Parameter> = (models.iter())
+            .flat_map(Module::parameters)
+            .map(|p| p.param)
+            .collect();
         Ok(match (config.distributed_optimizer, config.precision) {
             (true, precision) => {
                 let sharded = DistributedOptimizer::adamw(ddps, adamw)?

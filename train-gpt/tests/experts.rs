@@ -2,7 +2,8 @@
 //! rank (`--check`, which runs each data-parallel rank's rows as a microbatch of their own,
 //! as the experts route them) composed with tensor, data, pipeline and context
 //! parallelism, top-1 and top-2, the load-balancing and z-losses, a capacity factor and
-//! bf16; each step reports the routing; what is not supported yet is refused.
+//! bf16, clipped; each step reports the routing; a run saved at one expert-parallel size
+//! continues at others; what is not supported yet is refused.
 
 mod common;
 
@@ -36,6 +37,9 @@ fn expert_parallel_runs_match_one_rank() {
         ("--num-experts 2 --expert-parallel 2 --tp 1 --dp 1 --cp 2 --seq 32 --layers 2 --steps 6 \
           --moe-layer-freq 2 --moe-router-pre-softmax", 1e-4),
         ("--num-experts 4 --expert-parallel 2 --tp 1 --dp 2 --layers 2 --steps 6 --precision bf16", 1e-3),
+        // Clipping counts every expert once (its squares summed over expert parallelism).
+        ("--num-experts 4 --expert-parallel 2 --tp 2 --dp 4 --pp 2 --microbatches 2 --layers 2 \
+          --steps 6 --clip-grad 0.05", 1e-4),
     ] {
         let stdout = succeed(&format!("{layout} --check --eval-interval 0 --out {out}"));
         let difference = figure(&stdout, "max loss difference: ");
@@ -85,18 +89,52 @@ fn what_experts_do_not_support_yet_is_refused() {
         ("--expert-parallel 2 --dp 2", "pass --num-experts"),
         ("--num-experts 4 --moe-top-k 5", "--moe-top-k 5"),
         (
-            "--num-experts 4 --expert-parallel 2 --dp 2 --clip-grad 1",
-            "--clip-grad",
+            "--num-experts 4 --expert-parallel 2 --dp 2 --precision fp16",
+            "fp16",
         ),
         (
             "--num-experts 4 --expert-parallel 2 --dp 2 --use-distributed-optimizer",
             "distributed",
         ),
-        ("--num-experts 4 --dp 2 --save /tmp/never", "--save"),
     ] {
         let output = run(&format!("{flags} --steps 1"));
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!output.status.success(), "{flags} ran");
         assert!(stderr.contains(needle), "{flags}: {stderr}");
     }
+}
+
+#[test]
+fn a_run_saved_at_one_expert_parallel_size_continues_at_another() {
+    let dir = fresh("experts-resume");
+    let d = dir.display();
+    let sizes = "--num-experts 4 --layers 2 --seq 32 --eval-interval 0 --moe-aux-loss-coeff 0.01";
+    succeed(&format!(
+        "{sizes} --tp 1 --dp 2 --expert-parallel 2 --steps 8 --out {d}/whole"
+    ));
+    succeed(&format!(
+        "{sizes} --tp 1 --dp 2 --expert-parallel 2 --steps 4 --save {d}/saved --out {d}/first"
+    ));
+    let whole = common::rows(&dir.join("whole/loss.csv"));
+    for (i, layout) in [
+        "--tp 1 --dp 2 --expert-parallel 2",
+        "--tp 1 --dp 2 --expert-parallel 1",
+        "--tp 2 --dp 2 --expert-parallel 2",
+        "--tp 1 --dp 4 --batch 4 --expert-parallel 4",
+    ]
+    .iter()
+    .enumerate()
+    {
+        succeed(&format!(
+            "{sizes} {layout} --steps 8 --resume {d}/saved --out {d}/r{i}"
+        ));
+        let resumed = common::rows(&dir.join(format!("r{i}/loss.csv")));
+        assert_eq!(whole.len(), resumed.len(), "{layout}");
+        for (a, b) in whole.iter().zip(&resumed).skip(1) {
+            let value = |row: &String| -> f32 { row.split(',').nth(1).unwrap().parse().unwrap() };
+            assert!((value(a) - value(b)).abs() <= 1e-4, "{layout}: {a} vs {b}");
+        }
+    }
+    // The same layout resumes bit for bit.
+    assert_eq!(whole, common::rows(&dir.join("r0/loss.csv")));
 }

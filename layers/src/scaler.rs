@@ -180,7 +180,14 @@ impl GradScaler {
         if let Some(sum) = flags {
             finite &= sum.item()?.is_finite();
         }
-        let groups: Vec<&Arc<dyn Communicator>> = std::iter::once(tp.group())
+        // Experts differ by expert-parallel rank: an overflow in one is news to the group.
+        let experts = params
+            .iter()
+            .any(|p| p.expert)
+            .then(|| tp.expert_parallel().map(|e| e.group()))
+            .flatten();
+        let groups: Vec<&Arc<dyn Communicator>> = (experts.into_iter())
+            .chain(std::iter::once(tp.group()))
             .chain(other_groups.iter().copied())
             .collect();
         if !all_finite(finite, &groups)? {

@@ -1165,7 +1165,6 @@ fn validate_experts(args: &Args, dp: usize) -> Result<()> {
             args.use_distributed_optimizer,
             "--use-distributed-optimizer",
         ),
-        (args.precision == Precision::Fp16, "--precision fp16"),
         (args.init_from.is_some(), "--init-from"),
     ];
     for (used, flag) in unsupported {

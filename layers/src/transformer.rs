@@ -370,7 +370,7 @@ impl TransformerBlock {
     /// A block whose MLP is a mixture of experts (`name.mlp.router`,
     /// `name.mlp.experts.{e}`) over `tp`'s [expert groups](TensorParallel::expert_parallel).
     /// Its auxiliary loss reaches backward through the block's output
-    /// ([`MoeMlp::forward_in_block`]). Sequence parallelism is not supported with experts
+    /// ([`MoeMlp::forward_in_block`](crate::MoeMlp::forward_in_block)). Sequence parallelism is not supported with experts
     /// yet (the tensor-parallel ranks would route different tokens).
     pub fn with_experts(
         tp: &TensorParallel,

@@ -76,6 +76,12 @@
 //! .unwrap_err();
 //! assert!(matches!(err.root_cause(), Error::Mismatch { seq: 0, .. }));
 //! ```
+//!
+//! # Cargo features
+//! None is on by default.
+//! * `mpi`: the MPI backend (rsmpi); needs an MPI and `libclang-dev` to build.
+//! * `cuda`: device buffers and the NCCL backend; libraries loaded at run time.
+//! * `cli`: the `comm-bench` binary (clap, serde_json); off by default.
 #![warn(missing_docs)]
 
 // The README's example runs as a doctest, so the package's front page cannot rot.

@@ -43,6 +43,9 @@
 //! # std::fs::remove_dir_all(&dir).ok();
 //! # Ok::<(), ferrotron_datasets::Error>(())
 //! ```
+//!
+//! # Cargo features
+//! None: the crate builds and runs as it is.
 #![warn(missing_docs)]
 
 // The README's example runs as a doctest, so the package's front page cannot rot.

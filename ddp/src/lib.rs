@@ -138,6 +138,12 @@
 //! storage into a shard on the same device, which the optimizer steps there. A 16-bit
 //! comm hook sends a rounded copy of each bucket, made on its device, and the average is
 //! widened back into the bucket (or, sharded, into the shard).
+//!
+//! # Cargo features
+//! None is on by default.
+//! * `mpi`: the MPI test binary (enables `ferrotron-comm-core/mpi`).
+//! * `cuda`: CUDA tensors and NCCL in the benchmarks (enables `ferrotron-tape/cuda` and
+//!   `ferrotron-comm-core/cuda`).
 #![warn(missing_docs)]
 
 // The README's example runs as a doctest, so the package's front page cannot rot.

@@ -31,6 +31,11 @@
 //! assert_eq!(host_waits(Device::Emulated), waits + 1);
 //! # Ok::<(), ferrotron_device::Error>(())
 //! ```
+//!
+//! # Cargo features
+//! None is on by default.
+//! * `cuda`: CUDA devices through cudarc (contexts, NVRTC kernels, cuBLAS); the libraries
+//!   are loaded at run time, so it builds without a CUDA toolkit.
 #![warn(missing_docs)]
 
 // The README's example runs as a doctest, so the package's front page cannot rot.

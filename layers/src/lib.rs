@@ -94,6 +94,9 @@
 //! Sizes the group does not divide (vocabulary, MLP width, sequence) are split by
 //! [`ferrotron_mappings::split_sizes`]: the first `len % size` ranks get one more. Attention heads
 //! must divide evenly ([`Error::NotDivisible`]).
+//!
+//! # Cargo features
+//! None: the crate builds and runs as it is.
 #![warn(missing_docs)]
 
 // The README's example runs as a doctest, so the package's front page cannot rot.
@@ -104,12 +107,14 @@ struct ReadmeDoctests;
 mod attention_core;
 pub mod checkpoint;
 mod clip;
+mod config;
 mod context_parallel;
 mod cross_entropy;
 mod embedding;
 mod error;
 mod init;
 mod linear;
+mod mlp;
 mod moe;
 mod parallel;
 mod random;
@@ -118,6 +123,7 @@ mod scaler;
 mod transformer;
 
 pub use clip::{clip_grad_norm, reduce_grad_norm, GradNorm, LocalSquares};
+pub use config::BlockConfig;
 pub use context_parallel::{context_parallel_chunks, ring_attention, ring_blocks, RingBlock};
 pub use cross_entropy::{
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_per_token, TokenLoss,
@@ -126,10 +132,11 @@ pub use embedding::{VocabParallelEmbedding, VocabRange};
 pub use error::{Error, Result};
 pub use init::MasterInit;
 pub use linear::{ColumnParallelLinear, LinearOptions, LinearOutput, RowParallelLinear};
-pub use moe::{ExpertParallel, MoeConfig, MoeMlp, MoeOutput, MoeStats, RouterSoftmax};
+pub use mlp::ParallelMlp;
+pub use moe::{MoeConfig, MoeMlp, MoeOutput, MoeStats, RouterSoftmax};
 pub use parallel::{
-    all_reduce_sequence_parallel_grads, part_of, Module, ShardedParameter, Sharding,
-    TensorParallel, EMBEDDING_GROUP, TP_GROUP,
+    all_reduce_sequence_parallel_grads, part_of, ExpertParallel, Module, ShardedParameter,
+    Sharding, TensorParallel, EMBEDDING_GROUP, TP_GROUP,
 };
 pub use random::{
     RngState, RngStreamState, RngTracker, DEFAULT_STREAM, MODEL_PARALLEL_SEED_OFFSET,
@@ -137,6 +144,4 @@ pub use random::{
 };
 pub use recompute::recompute_blocks;
 pub use scaler::{all_finite, GradScaler, GradScalerConfig, GradScalerState};
-pub use transformer::{
-    BlockConfig, LayerNorm, ParallelMlp, ParallelSelfAttention, TransformerBlock,
-};
+pub use transformer::{LayerNorm, ParallelSelfAttention, TransformerBlock};

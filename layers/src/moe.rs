@@ -19,10 +19,11 @@ use ferrotron_comm_core::{Communicator, CommunicatorExt};
 use ferrotron_mappings::all_to_all;
 use ferrotron_tape::{CustomOp, Parameter, Tape, Tensor};
 
+use crate::config::BlockConfig;
 use crate::error::{Error, Result};
 use crate::init::MasterInit;
-use crate::parallel::{Module, ShardedParameter, Sharding, TensorParallel};
-use crate::transformer::{BlockConfig, ParallelMlp};
+use crate::mlp::ParallelMlp;
+use crate::parallel::{ExpertParallel, Module, ShardedParameter, Sharding, TensorParallel};
 
 /// Where the router's softmax goes relative to the top-k choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -69,33 +70,6 @@ impl MoeConfig {
             z_loss_coeff: 0.0,
             capacity_factor: None,
         }
-    }
-}
-
-/// The groups a mixture of experts runs on: the expert-parallel group its experts are
-/// divided among, and the tensor-parallel group inside each expert.
-#[derive(Clone)]
-pub struct ExpertParallel {
-    ep: Arc<dyn Communicator>,
-    expert_tp: Arc<dyn Communicator>,
-}
-
-impl ExpertParallel {
-    /// Experts divided among `ep`, each split by tensor parallelism over `expert_tp` (a
-    /// group of one rank: whole experts). Ranks of one `expert_tp` group must route the
-    /// same tokens.
-    pub fn new(ep: Arc<dyn Communicator>, expert_tp: Arc<dyn Communicator>) -> Self {
-        ExpertParallel { ep, expert_tp }
-    }
-
-    /// The expert-parallel and expert-tensor-parallel groups of `state`.
-    pub fn from_state(state: &ferrotron_parallel_state::ParallelState) -> Self {
-        Self::new(state.ep().clone(), state.expert_tp().clone())
-    }
-
-    /// The expert-parallel group.
-    pub fn group(&self) -> &Arc<dyn Communicator> {
-        &self.ep
     }
 }
 

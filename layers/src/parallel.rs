@@ -29,7 +29,7 @@ pub struct TensorParallel {
     group: Arc<dyn Communicator>,
     sequence_parallel: bool,
     context: Option<Arc<dyn Communicator>>,
-    experts: Option<crate::ExpertParallel>,
+    experts: Option<ExpertParallel>,
 }
 
 impl std::fmt::Debug for TensorParallel {
@@ -61,18 +61,18 @@ impl TensorParallel {
     pub fn from_state(state: &ParallelState) -> Self {
         Self::new(state.tp().clone())
             .with_context_parallel(state.cp().clone())
-            .with_expert_parallel(crate::ExpertParallel::from_state(state))
+            .with_expert_parallel(ExpertParallel::from_state(state))
     }
 
     /// The same context with the groups a mixture of experts runs on (blocks built with
     /// [`TransformerBlock::with_experts`](crate::TransformerBlock::with_experts) need them).
-    pub fn with_expert_parallel(mut self, experts: crate::ExpertParallel) -> Self {
+    pub fn with_expert_parallel(mut self, experts: ExpertParallel) -> Self {
         self.experts = Some(experts);
         self
     }
 
     /// The groups a mixture of experts runs on, when given.
-    pub fn expert_parallel(&self) -> Option<&crate::ExpertParallel> {
+    pub fn expert_parallel(&self) -> Option<&ExpertParallel> {
         self.experts.as_ref()
     }
 
@@ -129,6 +129,33 @@ impl TensorParallel {
     /// [`ferrotron_mappings::split_sizes`] (balanced: parts differ by at most one).
     pub fn part(&self, full_len: usize) -> Result<(usize, usize)> {
         part_of(full_len, self.rank(), self.size())
+    }
+}
+
+/// The groups a mixture of experts runs on: the expert-parallel group its experts are
+/// divided among, and the tensor-parallel group inside each expert.
+#[derive(Clone)]
+pub struct ExpertParallel {
+    pub(crate) ep: Arc<dyn Communicator>,
+    pub(crate) expert_tp: Arc<dyn Communicator>,
+}
+
+impl ExpertParallel {
+    /// Experts divided among `ep`, each split by tensor parallelism over `expert_tp` (a
+    /// group of one rank: whole experts). Ranks of one `expert_tp` group must route the
+    /// same tokens.
+    pub fn new(ep: Arc<dyn Communicator>, expert_tp: Arc<dyn Communicator>) -> Self {
+        ExpertParallel { ep, expert_tp }
+    }
+
+    /// The expert-parallel and expert-tensor-parallel groups of `state`.
+    pub fn from_state(state: &ParallelState) -> Self {
+        Self::new(state.ep().clone(), state.expert_tp().clone())
+    }
+
+    /// The expert-parallel group.
+    pub fn group(&self) -> &Arc<dyn Communicator> {
+        &self.ep
     }
 }
 

@@ -6,11 +6,13 @@
 use std::sync::Arc;
 
 use ferrotron_comm_core::Communicator;
-use ferrotron_tape::{Gelu, Tape, Tensor};
+use ferrotron_tape::{Tape, Tensor};
 
+use crate::config::BlockConfig;
 use crate::error::{Error, Result};
 use crate::init::{sharded, MasterInit};
 use crate::linear::{ColumnParallelLinear, LinearOptions, RowParallelLinear};
+use crate::mlp::ParallelMlp;
 use crate::parallel::{Module, ShardedParameter, Sharding, TensorParallel};
 use crate::random::RngTracker;
 
@@ -64,103 +66,6 @@ impl LayerNorm {
 impl Module for LayerNorm {
     fn parameters(&self) -> Vec<ShardedParameter> {
         vec![self.weight.clone(), self.bias.clone()]
-    }
-}
-
-/// Sizes and probabilities of a transformer block.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BlockConfig {
-    /// Model width.
-    pub hidden: usize,
-    /// Attention heads; the tensor-parallel size must divide it.
-    pub heads: usize,
-    /// Width of the MLP's inner layer (usually `4 · hidden`); any size, split unevenly
-    /// when the tensor-parallel size does not divide it.
-    pub ffn_hidden: usize,
-    /// Layer-norm epsilon.
-    pub layer_norm_eps: f64,
-    /// Dropout on attention probabilities (model-parallel RNG stream).
-    pub attention_dropout: f64,
-    /// Dropout on each residual branch (default stream, or model-parallel stream under
-    /// sequence parallelism, where the activations differ by rank).
-    pub hidden_dropout: f64,
-    /// GELU formula of the MLP.
-    pub gelu: Gelu,
-    /// Recompute the attention core (scores, softmax, dropout, the product with the
-    /// values) in backward instead of keeping its `sequence²` activations: Megatron's
-    /// `selective` recomputation.
-    pub recompute_attention_core: bool,
-}
-
-impl BlockConfig {
-    /// `hidden` wide with `heads` heads, a `4 · hidden` MLP, no dropout, tanh GELU.
-    pub fn new(hidden: usize, heads: usize) -> Self {
-        BlockConfig {
-            hidden,
-            heads,
-            ffn_hidden: 4 * hidden,
-            layer_norm_eps: 1e-5,
-            attention_dropout: 0.0,
-            hidden_dropout: 0.0,
-            gelu: Gelu::Tanh,
-            recompute_attention_core: false,
-        }
-    }
-}
-
-/// `row(gelu(column(x)))`: `hidden → ffn_hidden → hidden` with the inner activations
-/// divided among the tensor-parallel ranks, one reduction per forward pass.
-#[derive(Clone)]
-pub struct ParallelMlp {
-    fc1: ColumnParallelLinear,
-    fc2: RowParallelLinear,
-    gelu: Gelu,
-}
-
-impl ParallelMlp {
-    /// An MLP called `name` (`name.fc1`, `name.fc2`).
-    pub fn new(
-        tp: &TensorParallel,
-        name: &str,
-        config: &BlockConfig,
-        init: &MasterInit,
-    ) -> Result<Self> {
-        Ok(ParallelMlp {
-            fc1: ColumnParallelLinear::new(
-                tp,
-                &format!("{name}.fc1"),
-                config.hidden,
-                config.ffn_hidden,
-                false,
-                LinearOptions::default(),
-                init,
-            )?,
-            fc2: RowParallelLinear::new(
-                tp,
-                &format!("{name}.fc2"),
-                config.ffn_hidden,
-                config.hidden,
-                true,
-                LinearOptions::default(),
-                init,
-            )?,
-            gelu: config.gelu,
-        })
-    }
-
-    /// Applies the MLP to `x: [..., hidden]` (sequence part first under sequence
-    /// parallelism).
-    pub fn forward(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
-        let inner = self.fc1.forward(tape, x)?.output.gelu(self.gelu)?;
-        Ok(self.fc2.forward(tape, &inner)?.output)
-    }
-}
-
-impl Module for ParallelMlp {
-    fn parameters(&self) -> Vec<ShardedParameter> {
-        let mut params = self.fc1.parameters();
-        params.extend(self.fc2.parameters());
-        params
     }
 }
 

@@ -90,6 +90,10 @@
 //! assert_eq!(results[2], (vec![1, 2, 3], Some(vec![3, 2])));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Cargo features
+//! None is on by default.
+//! * `mpi`: the MPI test binary (enables `ferrotron-comm-core/mpi`).
 #![warn(missing_docs)]
 
 // The README's example runs as a doctest, so the package's front page cannot rot.

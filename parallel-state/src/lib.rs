@@ -84,6 +84,10 @@
 //! assert_eq!(sizes, vec![(2, Some(2)), (2, None), (2, Some(2)), (2, None)]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Cargo features
+//! None is on by default.
+//! * `mpi`: the MPI test binary (enables `ferrotron-comm-core/mpi`).
 #![warn(missing_docs)]
 
 // The README's example runs as a doctest, so the package's front page cannot rot.

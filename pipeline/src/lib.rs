@@ -75,6 +75,10 @@
 //! }
 //! # Ok::<(), BoxError>(())
 //! ```
+//!
+//! # Cargo features
+//! None is on by default.
+//! * `mpi`: the MPI test binary (enables `ferrotron-comm-core/mpi`).
 
 #![warn(missing_docs)]
 

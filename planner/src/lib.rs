@@ -65,6 +65,9 @@
 //! assert!(found.fitting.windows(2).all(|w| w[0].traffic <= w[1].traffic));
 //! # Ok::<(), ferrotron_planner::Error>(())
 //! ```
+//!
+//! # Cargo features
+//! None: the crate builds and runs as it is.
 #![warn(missing_docs)]
 
 // The README's example runs as a doctest, so the package's front page cannot rot.

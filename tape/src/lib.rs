@@ -72,6 +72,11 @@
 //! # No gradient
 //! [`Tape::no_grad`] runs a closure without recording (evaluation, optimizer-like updates);
 //! [`Tensor::detach`] cuts one tensor off.
+//!
+//! # Cargo features
+//! None is on by default.
+//! * `cuda`: CUDA tensors (NVRTC kernels, cuBLAS GEMMs); libraries loaded at run time.
+//!   Without it, `Device::Emulated` runs the same device code path on the host.
 #![warn(missing_docs)]
 
 // The README's example runs as a doctest, so the package's front page cannot rot.

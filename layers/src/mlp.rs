@@ -1,0 +1,65 @@
+//! The tensor-parallel MLP: a block's, and each expert's of a mixture of experts.
+
+use ferrotron_tape::{Gelu, Tape, Tensor};
+
+use crate::config::BlockConfig;
+use crate::error::Result;
+use crate::init::MasterInit;
+use crate::linear::{ColumnParallelLinear, LinearOptions, RowParallelLinear};
+use crate::parallel::{Module, ShardedParameter, TensorParallel};
+
+/// `row(gelu(column(x)))`: `hidden → ffn_hidden → hidden` with the inner activations
+/// divided among the tensor-parallel ranks, one reduction per forward pass.
+#[derive(Clone)]
+pub struct ParallelMlp {
+    fc1: ColumnParallelLinear,
+    fc2: RowParallelLinear,
+    gelu: Gelu,
+}
+
+impl ParallelMlp {
+    /// An MLP called `name` (`name.fc1`, `name.fc2`).
+    pub fn new(
+        tp: &TensorParallel,
+        name: &str,
+        config: &BlockConfig,
+        init: &MasterInit,
+    ) -> Result<Self> {
+        Ok(ParallelMlp {
+            fc1: ColumnParallelLinear::new(
+                tp,
+                &format!("{name}.fc1"),
+                config.hidden,
+                config.ffn_hidden,
+                false,
+                LinearOptions::default(),
+                init,
+            )?,
+            fc2: RowParallelLinear::new(
+                tp,
+                &format!("{name}.fc2"),
+                config.ffn_hidden,
+                config.hidden,
+                true,
+                LinearOptions::default(),
+                init,
+            )?,
+            gelu: config.gelu,
+        })
+    }
+
+    /// Applies the MLP to `x: [..., hidden]` (sequence part first under sequence
+    /// parallelism).
+    pub fn forward(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
+        let inner = self.fc1.forward(tape, x)?.output.gelu(self.gelu)?;
+        Ok(self.fc2.forward(tape, &inner)?.output)
+    }
+}
+
+impl Module for ParallelMlp {
+    fn parameters(&self) -> Vec<ShardedParameter> {
+        let mut params = self.fc1.parameters();
+        params.extend(self.fc2.parameters());
+        params
+    }
+}

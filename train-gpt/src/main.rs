@@ -114,7 +114,9 @@ impl Precision {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "Train a small byte-level GPT with tensor + data parallelism")]
+#[command(
+    about = "Train a GPT with tensor, pipeline, context, data and expert parallelism, checked against one rank"
+)]
 struct Args {
     /// Tensor-parallel size; must divide --heads.
     #[arg(long, default_value_t = 2)]

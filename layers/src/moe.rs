@@ -480,6 +480,10 @@ impl MoeMlp {
     /// expert) plus the z-loss (`coeff · meanₜ logsumexp(logitsₜ)²`), over this rank's
     /// tokens.
     fn aux_loss(&self, logits: &Tensor, counts: &[usize], tokens: usize) -> Result<Tensor> {
+        if tokens == 0 {
+            // No token, no load to balance: zero, on the tape like the rest.
+            return Ok(logits.sum()?.scale(0.0)?);
+        }
         let (experts, k) = (self.config.num_experts, self.config.top_k);
         let device = logits.device();
         let counts = Tensor::from_vec(counts.iter().map(|&c| c as f32).collect(), &[experts])?

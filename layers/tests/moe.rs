@@ -380,3 +380,24 @@ fn a_capacity_factor_keeps_at_most_capacity_slots_per_expert() -> AnyResult<()> 
     }
     Ok(())
 }
+
+#[test]
+fn a_rank_without_tokens_gets_an_empty_output_and_no_auxiliary_loss() -> AnyResult<()> {
+    let config = config(2, RouterSoftmax::AfterTopK, None);
+    run_local(1, |comm| -> AnyResult<()> {
+        let group: Arc<dyn Communicator> = Arc::new(comm);
+        let moe = MoeMlp::new(
+            &ExpertParallel::new(group.clone(), group),
+            "moe",
+            &block(),
+            &config,
+            &init(),
+        )?;
+        let out = moe.forward(&Tape::new(), &Tensor::zeros(&[0, 3, HIDDEN]))?;
+        assert_eq!(out.output.shape(), &[0, 3, HIDDEN]);
+        assert_eq!(out.aux_loss.item()?, 0.0);
+        assert_eq!(out.tokens_per_expert, vec![0; EXPERTS]);
+        Ok(())
+    })?;
+    Ok(())
+}

@@ -152,6 +152,12 @@ impl MoeMlp {
                 ),
             ));
         }
+        if config.ffn_hidden == 0 {
+            return Err(Error::config(
+                OP,
+                "each expert needs an inner width of at least 1",
+            ));
+        }
         if config
             .capacity_factor
             .is_some_and(|f| !(f.is_finite() && f > 0.0))
@@ -406,10 +412,9 @@ impl MoeMlp {
         let send: Vec<usize> = per_expert.chunks(local).map(|c| c.iter().sum()).collect();
         // Every rank learns how many rows of each of its experts each peer sends.
         let counts: Vec<i64> = per_expert.iter().map(|&n| n as i64).collect();
-        let received_counts = self
-            .ep
-            .all_to_all_v_vec(&counts, &vec![local; ep], &vec![local; ep])
-            .map_err(|e| Error::config("MoeMlp", e.to_string()))?;
+        let received_counts =
+            self.ep
+                .all_to_all_v_vec(&counts, &vec![local; ep], &vec![local; ep])?;
         let received_counts: Vec<usize> = received_counts.iter().map(|&n| n as usize).collect();
         let receive: Vec<usize> = received_counts
             .chunks(local)

@@ -55,6 +55,13 @@ fn set_router(moe: &MoeMlp) -> AnyResult<()> {
     Ok(())
 }
 
+/// The layer on one rank holding every expert.
+fn one_rank(comm: ferrotron_comm_core::LocalCommunicator, config: &MoeConfig) -> AnyResult<MoeMlp> {
+    let group: Arc<dyn Communicator> = Arc::new(comm);
+    let ctx = ExpertParallel::new(group.clone(), group);
+    Ok(MoeMlp::new(&ctx, "moe", &block(), config, &init())?)
+}
+
 /// `moe` on data rank `r`'s tokens, loss Σ output ∘ w + aux, backward.
 fn step(moe: &MoeMlp, r: usize) -> AnyResult<Shard> {
     let (x, w) = shard(r);
@@ -89,9 +96,7 @@ fn grads(moe: &MoeMlp) -> AnyResult<Grads> {
 /// accumulate: their sum is what data parallelism reduces).
 fn reference(config: &MoeConfig, data_ranks: usize) -> AnyResult<(Vec<Shard>, Grads)> {
     let mut results = run_local(1, |comm| -> AnyResult<_> {
-        let group: Arc<dyn Communicator> = Arc::new(comm);
-        let ctx = ExpertParallel::new(group.clone(), group);
-        let moe = MoeMlp::new(&ctx, "moe", &block(), config, &init())?;
+        let moe = one_rank(comm, config)?;
         set_router(&moe)?;
         let shards = (0..data_ranks)
             .map(|r| step(&moe, r))
@@ -329,14 +334,7 @@ fn one_rank_moe_is_the_plain_per_token_computation() -> AnyResult<()> {
     ] {
         let config = config(k, softmax, None);
         let mut results = run_local(1, |comm| -> AnyResult<_> {
-            let group: Arc<dyn Communicator> = Arc::new(comm);
-            let moe = MoeMlp::new(
-                &ExpertParallel::new(group.clone(), group),
-                "moe",
-                &block(),
-                &config,
-                &init(),
-            )?;
+            let moe = one_rank(comm, &config)?;
             set_router(&moe)?;
             let weights: BTreeMap<String, Vec<f32>> = moe
                 .parameters()
@@ -385,14 +383,7 @@ fn a_capacity_factor_keeps_at_most_capacity_slots_per_expert() -> AnyResult<()> 
 fn a_rank_without_tokens_gets_an_empty_output_and_no_auxiliary_loss() -> AnyResult<()> {
     let config = config(2, RouterSoftmax::AfterTopK, None);
     run_local(1, |comm| -> AnyResult<()> {
-        let group: Arc<dyn Communicator> = Arc::new(comm);
-        let moe = MoeMlp::new(
-            &ExpertParallel::new(group.clone(), group),
-            "moe",
-            &block(),
-            &config,
-            &init(),
-        )?;
+        let moe = one_rank(comm, &config)?;
         let out = moe.forward(&Tape::new(), &Tensor::zeros(&[0, 3, HIDDEN]))?;
         assert_eq!(out.output.shape(), &[0, 3, HIDDEN]);
         assert_eq!(out.aux_loss.item()?, 0.0);

@@ -1161,6 +1161,10 @@ fn validate_experts(args: &Args, dp: usize) -> Result<()> {
         args.moe_layer_freq >= 1,
         "--moe-layer-freq must be at least 1"
     );
+    ensure!(
+        args.moe_ffn_hidden_size != Some(0),
+        "--moe-ffn-hidden-size must be at least 1"
+    );
     let unsupported = [
         (args.sequence_parallel && args.tp > 1, "--sequence-parallel"),
         (

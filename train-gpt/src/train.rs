@@ -463,14 +463,13 @@ fn save(
             checkpoint::experts_dir(&stage, state.ep_rank(), state.ep_size()),
         ),
     ];
-    for (writes, experts, dir) in writers.into_iter().filter(|w| w.0) {
+    for (_, experts, dir) in writers.into_iter().filter(|w| w.0) {
         let part = ModelShare {
             models: chunks.models,
             experts,
         };
         let (params, optimizer_part) =
             part.optimizer_state(optimizer.model_params(), &optimizer_state);
-        debug_assert!(writes);
         files.push(ferrotron_layers::checkpoint::snapshot_shard(
             &part, &dir, rank, size,
         )?);

@@ -438,10 +438,6 @@ impl MoeMlp {
     fn run_experts(&self, tape: &Tape, arrived: &Tensor, counts: &[usize]) -> Result<Tensor> {
         let local = self.experts.len();
         let sources = counts.len() / local.max(1);
-        if arrived.shape()[0] == 0 {
-            // Nothing came; the empty rows keep the return trip on the tape.
-            return Ok(arrived.clone());
-        }
         // The arrived row index of every (source, expert, i).
         let mut start = vec![0; counts.len()];
         let mut offset = 0;
@@ -459,9 +455,9 @@ impl MoeMlp {
                     start[i]..start[i] + counts[i]
                 })
                 .collect();
-            if rows.is_empty() {
-                continue;
-            }
+            // An expert runs even on no rows: the return trip then stays on the tape on
+            // every rank alike (its backward is a collective), and an expert without
+            // tokens gets a zero gradient, as Megatron's do, not none.
             let input = arrived.embedding(&rows, &[rows.len(), 1])?;
             let out = mlp
                 .forward(tape, &input)?

@@ -39,9 +39,16 @@ pub struct DistributedDataParallel {
     buckets: Arc<Vec<BucketInfo>>,
     dp: Arc<dyn Communicator>,
     wire_dtype: DType,
-    /// What [`finish`](Self::finish) multiplies the reduced gradients by (1 but for
-    /// experts' gradients: [`for_experts`](Self::for_experts)).
-    grad_scale: f64,
+    /// For experts' parameters ([`for_experts`](Self::for_experts)), the group whose
+    /// ranks hold other experts.
+    expert_parallel: Option<Arc<dyn Communicator>>,
+}
+
+/// What sets experts' DDP apart: the expert-parallel group, and the factor that turns
+/// the average over the expert-data-parallel group into Megatron's expert gradient.
+struct Experts {
+    ep: Arc<dyn Communicator>,
+    grad_scale: f32,
 }
 
 impl DistributedDataParallel {
@@ -54,6 +61,15 @@ impl DistributedDataParallel {
         params: Vec<Parameter>,
         dp: Arc<dyn Communicator>,
         config: DdpConfig,
+    ) -> Result<DistributedDataParallel> {
+        DistributedDataParallel::build(params, dp, config, None)
+    }
+
+    fn build(
+        params: Vec<Parameter>,
+        dp: Arc<dyn Communicator>,
+        config: DdpConfig,
+        experts: Option<Experts>,
     ) -> Result<DistributedDataParallel> {
         validate(&params, &config)?;
         let extra_reductions = config.extra_reductions.resolve(&params)?;
@@ -85,6 +101,8 @@ impl DistributedDataParallel {
                 find_unused: config.find_unused_parameters,
                 extra_reductions,
                 deferred: sharding.map(|s| s.marked),
+                grad_scale: experts.as_ref().map_or(1.0, |e| e.grad_scale),
+                unused_as_zero: experts.is_some(),
             },
         )?;
         let buckets_started = reducer.started_counter().clone();
@@ -106,7 +124,7 @@ impl DistributedDataParallel {
             buckets,
             dp,
             wire_dtype,
-            grad_scale: 1.0,
+            expert_parallel: experts.map(|e| e.ep),
         })
     }
 
@@ -146,9 +164,13 @@ impl DistributedDataParallel {
     /// out. After [`finish`](Self::finish) an expert's gradient is the sum over that
     /// group divided by the data-parallel size (times context parallelism), as Megatron
     /// scales it: each rank's expert gradient already gathers the tokens of its whole
-    /// expert-parallel group. An expert that got no token in a step has a zero gradient
-    /// (the DDP finds unused parameters). Collective over the expert-data-parallel
-    /// group. The distributed optimizer does not take experts yet ([`Error::Config`]).
+    /// expert-parallel group. An expert that got no token in a step on any rank of the
+    /// group gets a zero gradient, so that the optimizer steps it as Megatron's does
+    /// (its moments decay). Collective over the expert-data-parallel group.
+    ///
+    /// With [`DdpConfig::use_distributed_optimizer`] the experts' optimizer state is
+    /// sharded over the expert-data-parallel group: pass this DDP to the same
+    /// [`DistributedOptimizer`](crate::DistributedOptimizer) as the dense ones.
     pub fn for_experts(
         model: &dyn Module,
         state: &ParallelState,
@@ -161,23 +183,17 @@ impl DistributedDataParallel {
         if params.is_empty() {
             return Ok(None);
         }
-        if config.use_distributed_optimizer {
-            return Err(Error::Config(
-                "the distributed optimizer does not shard experts' parameters yet; train a \
-                 mixture of experts without it"
-                    .into(),
-            ));
-        }
         let group = state.expert_dp().clone();
-        let scale = group.size() as f64 / state.dp_with_cp().size() as f64;
-        // An expert the router sent no token this step has no gradient: it counts as zero.
+        let experts = Experts {
+            ep: state.ep().clone(),
+            grad_scale: (group.size() as f64 / state.dp_with_cp().size() as f64) as f32,
+        };
+        // An expert the router sent no token this step has no gradient of its own.
         let config = DdpConfig {
             find_unused_parameters: true,
             ..config
         };
-        let mut ddp = DistributedDataParallel::new(params, group, config)?;
-        ddp.grad_scale = scale;
-        Ok(Some(ddp))
+        DistributedDataParallel::build(params, group, config, Some(experts)).map(Some)
     }
 
     /// The parameters, in registration order.
@@ -188,6 +204,13 @@ impl DistributedDataParallel {
     /// The data-parallel communicator.
     pub fn communicator(&self) -> &Arc<dyn Communicator> {
         &self.dp
+    }
+
+    /// The expert-parallel group, for a DDP over experts
+    /// ([`for_experts`](Self::for_experts)): its ranks hold other parameters, so sums
+    /// over the model (a gradient norm, an overflow check) also run over it.
+    pub fn expert_parallel(&self) -> Option<&Arc<dyn Communicator>> {
+        self.expert_parallel.as_ref()
     }
 
     /// The buckets, in launch order.
@@ -230,15 +253,7 @@ impl DistributedDataParallel {
     /// Without that flag they make this an [`Error::UnusedParameters`] naming them. Any
     /// error resets the step, so the next one starts clean.
     pub fn finish(&self) -> Result<()> {
-        self.reducer.lock().finish()?;
-        if self.grad_scale != 1.0 {
-            for param in &self.params {
-                if let Some(grad) = param.grad() {
-                    param.set_grad(Some(grad.scale(self.grad_scale)?))?;
-                }
-            }
-        }
-        Ok(())
+        self.reducer.lock().finish()
     }
 
     /// `loss.backward()` followed by [`finish`](Self::finish); a hook's error comes back

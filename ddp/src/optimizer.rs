@@ -2,7 +2,8 @@
 //! (ZeRO-1/2; Megatron-Core's distributed optimizer) on top of DDP's buckets.
 //!
 //! Each bucket's buffer is split into `dp` equal shards; rank `r` owns shard `r` of every
-//! bucket. A parameter may straddle two shards: each owner updates its own piece. DDP
+//! bucket (`dp` being the size of the bucket's DDP's group: the data-parallel group, or
+//! for experts the expert-data-parallel one). A parameter may straddle two shards: each owner updates its own piece. DDP
 //! reduce-scatters the buckets (so each rank receives only its shard of the averaged
 //! gradient) and keeps no gradient in the parameters; the optimizer keeps moments only
 //! for its shard, updates its pieces of the parameters with the same per-element update
@@ -88,6 +89,10 @@ fn is_16_bit(param: &Parameter) -> bool {
 struct Bucket {
     /// Which DDP (position in the constructor's list).
     ddp: usize,
+    /// Which of the optimizer's groups its DDP reduces over (its shards are cut by it).
+    group: usize,
+    /// That group's size.
+    dp: usize,
     /// The optimizer's index of that DDP's first parameter: its slot indices are offset
     /// by it.
     first_param: usize,
@@ -97,14 +102,35 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn shard_len(&self, dp: usize) -> usize {
-        self.info.padded_numel / dp.max(1)
+    fn shard_len(&self) -> usize {
+        self.info.padded_numel / self.dp.max(1)
     }
 
     /// Flat storage of one shard's length on the bucket's device.
-    fn shard_storage(&self, dp: usize) -> Result<FlatStorage> {
-        Ok(FlatStorage::zeros(self.device, self.shard_len(dp))?)
+    fn shard_storage(&self) -> Result<FlatStorage> {
+        Ok(FlatStorage::zeros(self.device, self.shard_len())?)
     }
+}
+
+/// A group the wrapped DDPs reduce over: the data-parallel one, or the experts'
+/// expert-data-parallel one. Sums over the model (the gradient norm, the overflow check)
+/// add up each group's shards over it, and experts' then over the expert-parallel group,
+/// whose ranks hold other experts.
+struct Group {
+    comm: Arc<dyn Communicator>,
+    expert_parallel: Option<Arc<dyn Communicator>>,
+}
+
+impl Group {
+    /// The group itself, then the expert-parallel one if any.
+    fn sum_over(&self) -> impl Iterator<Item = &Arc<dyn Communicator>> {
+        std::iter::once(&self.comm).chain(&self.expert_parallel)
+    }
+}
+
+/// Whether two handles name the same communicator object.
+fn same_comm(a: &Arc<dyn Communicator>, b: &Arc<dyn Communicator>) -> bool {
+    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
 }
 
 /// An optimizer whose state is split over the data-parallel group: each rank keeps the
@@ -113,7 +139,9 @@ impl Bucket {
 ///
 /// Build each [`DistributedDataParallel`] with
 /// [`use_distributed_optimizer`](crate::DdpConfig::use_distributed_optimizer) (one per
-/// model chunk, as interleaved pipeline schedules have, or one for the whole model);
+/// model chunk, as interleaved pipeline schedules have, or one for the whole model, and
+/// one over each chunk's experts, [`for_experts`](DistributedDataParallel::for_experts),
+/// whose state is split over the expert-data-parallel group instead);
 /// after their [`backward`](DistributedDataParallel::backward),
 /// [`clip_grad_norm`](Self::clip_grad_norm) optionally clips the reduced shards and
 /// [`step`](Self::step) updates this rank's shards and all-gathers the parameters, so
@@ -148,7 +176,10 @@ pub struct DistributedOptimizer {
     /// The wrapped DDPs' reducers, which hold the reduced shards between backward and
     /// step.
     reducers: Vec<Arc<Mutex<Reducer>>>,
-    dp: Arc<dyn Communicator>,
+    /// The distinct groups the DDPs reduce over, in order of first use.
+    groups: Vec<Group>,
+    /// Per parameter, which of `groups` its DDP reduces over.
+    param_group: Vec<usize>,
     params: Vec<Parameter>,
     /// Every bucket of every DDP, in order.
     buckets: Vec<Bucket>,
@@ -200,48 +231,73 @@ impl DistributedOptimizer {
         rule: Rule,
     ) -> Result<Self> {
         let ddps: Vec<&DistributedDataParallel> = ddps.into_iter().collect();
-        let Some(first) = ddps.first() else {
+        if ddps.is_empty() {
             return Err(Error::Config(
                 "the distributed optimizer needs at least one DistributedDataParallel".into(),
             ));
         };
-        let dp = first.communicator().clone();
-        let (rank, size) = (dp.rank(), dp.size());
+        if ddps.iter().any(|ddp| !ddp.is_sharded()) {
+            return Err(Error::Config(
+                "the distributed optimizer needs DistributedDataParallel built with \
+                 use_distributed_optimizer = true (its buckets must be reduce-scattered)"
+                    .into(),
+            ));
+        }
         let (mut reducers, mut params, mut buckets) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut groups, mut param_group) = (Vec::<Group>::new(), Vec::new());
         for (index, ddp) in ddps.iter().enumerate() {
-            if !ddp.is_sharded() {
-                return Err(Error::Config(
-                    "the distributed optimizer needs DistributedDataParallel built with \
-                     use_distributed_optimizer = true (its buckets must be reduce-scattered)"
-                        .into(),
-                ));
-            }
-            let group = ddp.communicator();
-            if (group.rank(), group.size()) != (rank, size) {
-                return Err(Error::Config(format!(
-                    "DDP #{index} reduces over a group of {} (rank {}), DDP #0 over {size} \
-                     (rank {rank}): every DDP of one distributed optimizer must use the same \
-                     data-parallel group",
-                    group.size(),
-                    group.rank()
-                )));
-            }
+            let comm = ddp.communicator();
+            let group = match groups.iter().position(|g| same_comm(&g.comm, comm)) {
+                Some(group) => group,
+                None => {
+                    let experts = ddp.expert_parallel().is_some();
+                    if let Some(other) = groups
+                        .iter()
+                        .find(|g| g.expert_parallel.is_some() == experts)
+                    {
+                        return Err(Error::Config(format!(
+                            "DDP #{index} reduces over a group of {} (rank {}), an earlier \
+                             one {} over {} (rank {}): the DDPs of one distributed optimizer \
+                             must use the same data-parallel group (experts' DDPs, from \
+                             for_experts, the same expert-data-parallel group)",
+                            comm.size(),
+                            comm.rank(),
+                            if experts {
+                                "over experts"
+                            } else {
+                                "of the model"
+                            },
+                            other.comm.size(),
+                            other.comm.rank()
+                        )));
+                    }
+                    groups.push(Group {
+                        comm: comm.clone(),
+                        expert_parallel: ddp.expert_parallel().cloned(),
+                    });
+                    groups.len() - 1
+                }
+            };
             let first_param = params.len();
             for info in ddp.buckets() {
                 buckets.push(Bucket {
                     ddp: index,
+                    group,
+                    dp: comm.size(),
                     first_param,
                     info: info.clone(),
                     device: bucket_device(ddp.parameters(), info)?,
                 });
             }
             params.extend_from_slice(ddp.parameters());
+            param_group.resize(params.len(), group);
             reducers.push(ddp.reducer().clone());
         }
         let pieces: Vec<Vec<Piece>> = buckets
             .iter()
             .map(|bucket| {
-                let shard = bucket.info.shard_range(rank, size);
+                let comm = &groups[bucket.group].comm;
+                let shard = bucket.info.shard_range(comm.rank(), comm.size());
                 bucket
                     .info
                     .params
@@ -264,7 +320,7 @@ impl DistributedOptimizer {
             .iter()
             .map(|bucket| {
                 (rule.buffer_names().iter())
-                    .map(|_| bucket.shard_storage(size))
+                    .map(|_| bucket.shard_storage())
                     .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
@@ -272,7 +328,8 @@ impl DistributedOptimizer {
         let masters = vec![None; buckets.len()];
         let mut optimizer = DistributedOptimizer {
             reducers,
-            dp,
+            groups,
+            param_group,
             options: vec![ParamOptions::default(); params.len()],
             updates: vec![0; params.len()],
             params,
@@ -320,7 +377,6 @@ impl DistributedOptimizer {
     /// Trains the `selected` parameters through master weights: gives their pieces that
     /// have none yet the parameters' current values as f32.
     fn read_masters(&mut self, selected: &[bool]) -> Result<()> {
-        let size = self.dp.size();
         for (index, pieces) in self.pieces.iter().enumerate() {
             for piece in pieces {
                 if !selected[piece.param] || self.mastered[piece.param] {
@@ -328,7 +384,7 @@ impl DistributedOptimizer {
                 }
                 let masters = match &mut self.masters[index] {
                     Some(masters) => masters,
-                    empty => empty.insert(self.buckets[index].shard_storage(size)?),
+                    empty => empty.insert(self.buckets[index].shard_storage()?),
                 };
                 self.params[piece.param]
                     .read_flat_into(piece.within_param.start, &piece.view(masters)?)?;
@@ -383,9 +439,10 @@ impl DistributedOptimizer {
     /// [count](ferrotron_layers::ShardedParameter::counts_in_model_sums) are summed (a stage's
     /// [`shared_copy`](ferrotron_layers::ShardedParameter::shared_copy) of a weight another stage
     /// holds is left out, a replicated parameter counted on tensor-parallel rank 0 only):
-    /// every rank's shard squares over the data-parallel group, then the tensor-parallel
-    /// group, then each of `other_groups` (the pipeline group): collective over all of
-    /// them. Every gradient of the optimizer is scaled.
+    /// every rank's shard squares over its DDP's group (the data-parallel group; for
+    /// experts the expert-data-parallel one, then the expert-parallel one), then the
+    /// tensor-parallel group, then each of `other_groups` (the pipeline group):
+    /// collective over all of them. Every gradient of the optimizer is scaled.
     ///
     /// When the norm is not finite the gradients are dropped: skip the step on every
     /// rank (they all see the same norm); a [`step`](Self::step) before the next
@@ -398,7 +455,7 @@ impl DistributedOptimizer {
         max_norm: f64,
     ) -> Result<GradNorm> {
         let counted = self.counted(model, tp.rank())?;
-        let mut local = LocalSquares::default();
+        let mut per_group = vec![LocalSquares::default(); self.groups.len()];
         for (ddp, reducer) in self.reducers.iter().enumerate() {
             let mut reducer = reducer.lock();
             let reduced = reducer
@@ -410,7 +467,9 @@ impl DistributedOptimizer {
                 .enumerate()
                 .filter(|(_, b)| b.ddp == ddp);
             let mut views = Vec::new();
+            let mut group = 0;
             for ((index, bucket), shard) in buckets.zip(&reduced.shards) {
+                group = bucket.group;
                 for piece in &self.pieces[index] {
                     if counted[piece.param] && reduced.used[piece.param - bucket.first_param] {
                         views.push(piece.view(shard)?);
@@ -419,11 +478,23 @@ impl DistributedOptimizer {
             }
             // The gradients as the step will take them (unscaled, say).
             let scale = f64::from(reduced.scale);
+            let local = &mut per_group[group];
             local.sum += FlatView::sum_of_squares(&views)? * scale * scale;
             local.gradients += views.len();
         }
-        let groups: Vec<&Arc<dyn Communicator>> = [&self.dp, tp.group()]
-            .into_iter()
+        // Each group's ranks hold shards of its buckets, and experts' expert-parallel
+        // ranks other experts: their squares add up over those first (collective over
+        // each, in the same order on every rank), then count like the rest.
+        let mut local = LocalSquares::default();
+        for (group, squares) in self.groups.iter().zip(per_group) {
+            let mut totals = [squares.sum, squares.gradients as f64];
+            for comm in group.sum_over() {
+                comm.all_reduce_slice(&mut totals, ReduceOp::Sum)?;
+            }
+            local.sum += totals[0];
+            local.gradients += totals[1] as usize;
+        }
+        let groups: Vec<&Arc<dyn Communicator>> = std::iter::once(tp.group())
             .chain(other_groups.iter().copied())
             .collect();
         let norm = ferrotron_layers::reduce_grad_norm(local, &groups, max_norm)?;
@@ -450,8 +521,8 @@ impl DistributedOptimizer {
     /// (applied when [`step`](Self::step) updates with them), unless some rank then holds
     /// a non-finite one: then every rank drops them and gets `false` (skip the step, then
     /// [`GradScaler::update`](ferrotron_layers::GradScaler::update) with it). Collective over the
-    /// data-parallel group (whose ranks hold different shards), the tensor-parallel
-    /// group and each of `other_groups` (the pipeline group). Once per step, as
+    /// DDPs' groups (whose ranks hold different shards; for experts also the
+    /// expert-parallel group), the tensor-parallel group and each of `other_groups` (the pipeline group). Once per step, as
     /// [`GradScaler::unscale_grads`](ferrotron_layers::GradScaler::unscale_grads).
     pub fn unscale_grads(
         &mut self,
@@ -473,8 +544,9 @@ impl DistributedOptimizer {
             // Each element as the step will take it (with any factor pending).
             finite &= FlatView::all_finite_scaled(&shards, reduced.scale * inverse)?;
         }
-        let groups: Vec<&Arc<dyn Communicator>> = [&self.dp, tp.group()]
-            .into_iter()
+        let groups: Vec<&Arc<dyn Communicator>> = (self.groups.iter())
+            .flat_map(Group::sum_over)
+            .chain([tp.group()])
             .chain(other_groups.iter().copied())
             .collect();
         let finite = ferrotron_layers::all_finite(finite, &groups)?;
@@ -578,7 +650,6 @@ impl DistributedOptimizer {
         let (shards, used, scales) = self.take_reduced()?;
         let lr = self.next_lr();
         self.steps += 1;
-        let size = self.dp.size();
         let mut in_flight: Option<(usize, Work)> = None;
         for (index, (bucket, shard)) in self.buckets.iter().zip(&shards).enumerate() {
             let scale = scales[bucket.ddp];
@@ -589,7 +660,7 @@ impl DistributedOptimizer {
             // the parameters' own for their other pieces.
             let values = match &self.masters[index] {
                 Some(masters) => masters.clone(),
-                None => bucket.shard_storage(size)?,
+                None => bucket.shard_storage()?,
             };
             for piece in &self.pieces[index] {
                 let piece_values = piece.view(&values)?;
@@ -655,7 +726,8 @@ impl DistributedOptimizer {
         let output =
             Tensor::<f32>::full_as(&[bucket.info.padded_numel], 0.0, dtype, bucket.device)?
                 .into_buffer()?;
-        Ok(self.dp.start(AsyncOp::AllGatherInto { input, output })?)
+        let group = &self.groups[bucket.group].comm;
+        Ok(group.start(AsyncOp::AllGatherInto { input, output })?)
     }
 
     /// Waits for a bucket's all-gather and sets its parameters: each becomes a view of the
@@ -684,13 +756,24 @@ impl DistributedOptimizer {
     /// all-gathers the shards (collective over the data-parallel group), so a checkpoint
     /// written from it loads at any data-parallel size, or into a replicated optimizer.
     pub fn state(&self) -> Result<OptimizerState> {
+        // Counted on the ranks that own a piece: the most over each parameter's group.
         let mut updates: Vec<f64> = self.updates.iter().map(|&u| f64::from(u)).collect();
-        self.dp.all_reduce_slice(&mut updates, ReduceOp::Max)?;
+        for (index, group) in self.groups.iter().enumerate() {
+            let members: Vec<usize> = (0..updates.len())
+                .filter(|&p| self.param_group[p] == index)
+                .collect();
+            let mut counts: Vec<f64> = members.iter().map(|&p| updates[p]).collect();
+            group.comm.all_reduce_slice(&mut counts, ReduceOp::Max)?;
+            for (&p, count) in members.iter().zip(counts) {
+                updates[p] = count;
+            }
+        }
         let names = self.rule.buffer_names();
         let mut params = vec![ParamState::default(); self.params.len()];
         for (index, bucket) in self.buckets.iter().enumerate() {
+            let group = &self.groups[bucket.group].comm;
             for (name, shard) in names.iter().zip(&self.buffers[index]) {
-                let full: Vec<f32> = self.dp.all_gather_vec(&host_values(shard)?)?;
+                let full: Vec<f32> = group.all_gather_vec(&host_values(shard)?)?;
                 for slot in &bucket.info.params {
                     let param = bucket.first_param + slot.index;
                     if updates[param] > 0.0 {
@@ -707,9 +790,9 @@ impl DistributedOptimizer {
             {
                 let shard = match &self.masters[index] {
                     Some(masters) => host_values(masters)?,
-                    None => vec![0.0f32; bucket.shard_len(self.dp.size())],
+                    None => vec![0.0f32; bucket.shard_len()],
                 };
-                let full: Vec<f32> = self.dp.all_gather_vec(&shard)?;
+                let full: Vec<f32> = group.all_gather_vec(&shard)?;
                 for slot in &bucket.info.params {
                     let param = bucket.first_param + slot.index;
                     if self.mastered[param] {
@@ -895,7 +978,14 @@ impl std::fmt::Debug for DistributedOptimizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DistributedOptimizer")
             .field("rule", &self.rule)
-            .field("group_size", &self.dp.size())
+            .field(
+                "group_sizes",
+                &self
+                    .groups
+                    .iter()
+                    .map(|g| g.comm.size())
+                    .collect::<Vec<_>>(),
+            )
             .field("buckets", &self.buckets.len())
             .field("state_bytes", &self.state_bytes())
             .finish()

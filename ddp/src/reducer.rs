@@ -73,6 +73,10 @@ pub(crate) struct Reducer {
     deferred: Option<Vec<bool>>,
     /// Sharded: what the last `finish` produced, until the optimizer takes it.
     reduced: Option<ReducedShards>,
+    /// What the averaged gradients are multiplied by (1 but for experts').
+    grad_scale: f32,
+    /// Whether a parameter no rank had a gradient for gets a zero one (experts').
+    unused_as_zero: bool,
     /// Per bucket, the f32 flat storage its parameters' gradients are views of.
     grad_buffers: Vec<FlatStorage>,
     /// Per bucket, the device its parameters live on (sharded: where its shard goes).
@@ -104,6 +108,13 @@ pub(crate) struct ReducerOptions {
     pub(crate) extra_reductions: Vec<GroupReduction>,
     /// `Some` to shard: the parameters whose reduction waits for `finish`.
     pub(crate) deferred: Option<Vec<bool>>,
+    /// What the averaged gradients are multiplied by: experts' average over their
+    /// expert-data-parallel group rescaled to a data-parallel one (1 otherwise).
+    pub(crate) grad_scale: f32,
+    /// Whether a parameter no rank had a gradient for ends the step with a zero gradient
+    /// (as Megatron's experts do, so that the optimizer steps them) rather than none
+    /// (PyTorch's `find_unused_parameters`, so that optimizers skip them).
+    pub(crate) unused_as_zero: bool,
 }
 
 impl Reducer {
@@ -150,6 +161,8 @@ impl Reducer {
             extra_reductions: options.extra_reductions,
             deferred: options.deferred,
             reduced: None,
+            grad_scale: options.grad_scale,
+            unused_as_zero: options.unused_as_zero,
             grad_buffers,
             devices,
         })
@@ -292,11 +305,16 @@ impl Reducer {
             }
         }
         self.launch_ready_buckets()?;
-        if self.find_unused {
-            // Issued after every bucket on every rank, so the order stays the same.
-            self.dp.all_reduce_slice(&mut locally_used, ReduceOp::Max)?;
-        }
-        let globally_used = locally_used;
+        let globally_used = match self.unused_as_zero {
+            true => vec![1; locally_used.len()],
+            false => {
+                if self.find_unused {
+                    // Issued after every bucket on every rank, so the order stays the same.
+                    self.dp.all_reduce_slice(&mut locally_used, ReduceOp::Max)?;
+                }
+                locally_used
+            }
+        };
         if self.deferred.is_some() {
             let mut shards = Vec::with_capacity(self.state.len());
             for (index, state) in self.state.iter_mut().enumerate() {
@@ -308,7 +326,8 @@ impl Reducer {
             self.reduced = Some(ReducedShards {
                 shards,
                 used: globally_used.iter().map(|&used| used > 0).collect(),
-                scale: 1.0,
+                // Applied by the optimizer's update with any clip factor: no extra pass.
+                scale: self.grad_scale,
             });
             // The shards hold the result; the views still hold this rank's own sums.
             for param in &self.params {
@@ -331,6 +350,10 @@ impl Reducer {
             // The averages are now in the parameters' views (unused on every rank: no
             // gradient, so optimizers skip it).
             self.grad_buffers[index].receive(buffer)?;
+            if self.grad_scale != 1.0 {
+                let storage = &self.grad_buffers[index];
+                FlatView::new(storage, 0, &[storage.len()])?.scale(self.grad_scale)?;
+            }
             for slot in &info.params {
                 let used = globally_used[slot.index] > 0;
                 self.params[slot.index].set_main_grad_written(used)?;

@@ -603,7 +603,7 @@ fn misuse_is_a_typed_error() -> Result<()> {
         assert!(err.to_string().contains("no reduced gradients"), "{err}");
         let debug = format!("{opt:?}");
         assert!(
-            debug.contains("Sgd") && debug.contains("group_size: 2"),
+            debug.contains("Sgd") && debug.contains("group_sizes: [2]"),
             "{debug}"
         );
 

@@ -6,6 +6,9 @@
 use std::sync::Arc;
 
 use ferrotron_comm_core::Communicator;
+use ferrotron_mappings::{
+    gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
+};
 use ferrotron_tape::{Tape, Tensor};
 
 use crate::config::BlockConfig;
@@ -275,8 +278,13 @@ impl TransformerBlock {
     /// A block whose MLP is a mixture of experts (`name.mlp.router`,
     /// `name.mlp.experts.{e}`) over `tp`'s [expert groups](TensorParallel::expert_parallel).
     /// Its auxiliary loss reaches backward through the block's output
-    /// ([`MoeMlp::forward_in_block`](crate::MoeMlp::forward_in_block)). Sequence parallelism is not supported with experts
-    /// yet (the tensor-parallel ranks would route different tokens).
+    /// ([`MoeMlp::forward_in_block`](crate::MoeMlp::forward_in_block)).
+    ///
+    /// Under sequence parallelism the tensor-parallel ranks gather the sequence's parts
+    /// before the router and keep their own part of the output, so that every
+    /// tensor-parallel rank routes the same tokens and the results equal those without
+    /// sequence parallelism (the router's gradient is then whole on each rank: no sum
+    /// over the group).
     pub fn with_experts(
         tp: &TensorParallel,
         name: &str,
@@ -292,21 +300,22 @@ impl TransformerBlock {
                  TensorParallel::from_state or with_expert_parallel",
             ));
         };
-        if tp.sequence_parallel() && tp.size() > 1 {
-            return Err(Error::config(
-                OP,
-                "sequence parallelism with a mixture of experts is not supported yet: the \
-                 tensor-parallel ranks would route different tokens",
-            ));
-        }
         let moe = crate::MoeMlp::new(experts, &format!("{name}.mlp"), config, moe, init)?;
-        Self::around(tp, name, config, init, BlockMlp::Experts(moe))
+        let sequence_parallel =
+            (tp.sequence_parallel() && tp.size() > 1).then(|| tp.group().clone());
+        Self::around(
+            tp,
+            name,
+            config,
+            init,
+            BlockMlp::Experts(moe, sequence_parallel),
+        )
     }
 
     /// The block's mixture of experts, if its MLP is one.
     pub fn experts(&self) -> Option<&crate::MoeMlp> {
         match &self.mlp {
-            BlockMlp::Experts(moe) => Some(moe),
+            BlockMlp::Experts(moe, _) => Some(moe),
             BlockMlp::Dense(_) => None,
         }
     }
@@ -331,7 +340,15 @@ impl TransformerBlock {
         let normed = self.ln2.forward(tape, &hidden)?;
         let transformed = match &self.mlp {
             BlockMlp::Dense(mlp) => mlp.forward(tape, &normed)?,
-            BlockMlp::Experts(moe) => moe.forward_in_block(tape, &normed)?,
+            BlockMlp::Experts(moe, None) => moe.forward_in_block(tape, &normed)?,
+            BlockMlp::Experts(moe, Some(tp)) => {
+                // The experts' output and input gradient are whole and the same on every
+                // tensor-parallel rank: backward keeps this rank's part of the gradient,
+                // and all-gathers the output's.
+                let whole = gather_from_sequence_parallel_region(&normed, tp, false, None)?;
+                let out = moe.forward_in_block(tape, &whole)?;
+                scatter_to_sequence_parallel_region(&out, tp, None)?
+            }
         };
         Ok(hidden.add(&self.residual_dropout(transformed, rng)?)?)
     }
@@ -357,7 +374,7 @@ impl Module for TransformerBlock {
         params.extend(self.ln2.parameters());
         params.extend(match &self.mlp {
             BlockMlp::Dense(mlp) => mlp.parameters(),
-            BlockMlp::Experts(moe) => moe.parameters(),
+            BlockMlp::Experts(moe, _) => moe.parameters(),
         });
         params
     }
@@ -367,5 +384,7 @@ impl Module for TransformerBlock {
 #[derive(Clone)]
 enum BlockMlp {
     Dense(Box<ParallelMlp>),
-    Experts(crate::MoeMlp),
+    /// With the tensor-parallel group under sequence parallelism: the experts route the
+    /// whole sequence, gathered from its parts.
+    Experts(crate::MoeMlp, Option<Arc<dyn Communicator>>),
 }

@@ -1122,7 +1122,7 @@ fn validate_context_parallel(args: &Args) -> Result<()> {
 }
 
 /// The mixture of experts: experts the expert-parallel size divides, expert-parallel
-/// ranks within the data-parallel ones, and what is not supported with experts yet.
+/// ranks within the data-parallel ones, and routing settings in range.
 fn validate_experts(args: &Args, dp: usize) -> Result<()> {
     if args.num_experts == 0 {
         ensure!(
@@ -1165,21 +1165,6 @@ fn validate_experts(args: &Args, dp: usize) -> Result<()> {
         args.moe_ffn_hidden_size != Some(0),
         "--moe-ffn-hidden-size must be at least 1"
     );
-    let unsupported = [
-        (args.sequence_parallel && args.tp > 1, "--sequence-parallel"),
-        (
-            args.use_distributed_optimizer,
-            "--use-distributed-optimizer",
-        ),
-        (args.init_from.is_some(), "--init-from"),
-    ];
-    for (used, flag) in unsupported {
-        ensure!(
-            !used,
-            "{flag} with --num-experts is not supported yet; train the mixture of experts \
-             without it"
-        );
-    }
     Ok(())
 }
 

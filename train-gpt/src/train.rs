@@ -7,7 +7,7 @@ use crate::data::{Corpus, DistributedSampler, Split};
 use crate::memory::{self, Phase};
 use crate::model::{Gpt, GptConfig, RankModel};
 use crate::report::Progress;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use ferrotron_comm_core::{Communicator, CommunicatorExt};
 use ferrotron_ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
 use ferrotron_layers::{
@@ -388,21 +388,86 @@ fn load_weights(
     Ok(saved)
 }
 
-/// Starts from a GPT-2 directory's weights: this rank keeps its part of each.
+/// `state`, whose entries follow `module`'s parameters, with its entries in the order of
+/// `params` (the same parameters, as an optimizer lists them).
+fn in_order_of(
+    module: &dyn Module,
+    params: &[Parameter],
+    state: ferrotron_tape::OptimizerState,
+) -> Result<ferrotron_tape::OptimizerState> {
+    let mut entries: std::collections::HashMap<_, _> = (module.parameters().into_iter())
+        .map(|p| p.param.id())
+        .zip(state.params)
+        .collect();
+    let params = params
+        .iter()
+        .map(|p| {
+            entries
+                .remove(&p.id())
+                .with_context(|| format!("the checkpoint's optimizer state lacks '{}'", p.name()))
+        })
+        .collect::<Result<_>>()?;
+    Ok(ferrotron_tape::OptimizerState {
+        steps: state.steps,
+        params,
+    })
+}
+
+/// Starts from a GPT-2 directory's weights: this rank keeps its part of each. A mixture
+/// of experts is upcycled from the dense MLP in its place, as Megatron's
+/// `--moe-use-upcycling` does: every expert starts as a copy of it and the router keeps
+/// its fresh draw, so that with the softmax after the top-k (weights adding up to 1) and
+/// no token dropped the model computes what the dense one did.
 fn load_pretrained(models: &[Gpt], dir: &std::path::Path, config: &TrainConfig) -> Result<()> {
     let (_, weights) = crate::hf::import(dir)?;
     let mut tensors = crate::hf::tensors(weights, config.model.vocab)?;
-    let full: BTreeMap<String, (Sharding, Tensor)> = (models.iter())
-        .flat_map(Module::parameters)
-        .filter_map(|p| {
-            let tensor = tensors.remove(p.param.name())?;
-            Some((p.param.name().to_string(), (p.sharding, tensor)))
-        })
-        .collect();
+    if let (Some((moe, _)), Some(bias)) = (config.model.moe, tensors.get("block0.mlp.fc1.bias")) {
+        anyhow::ensure!(
+            bias.shape() == [moe.ffn_hidden],
+            "upcycling copies each block's MLP into its experts: pass --moe-ffn-hidden-size {} \
+             (the checkpoint's MLP width) or leave it out",
+            bias.shape()[0]
+        );
+    }
+    let mut full: BTreeMap<String, (Sharding, Tensor)> = BTreeMap::new();
+    for p in models.iter().flat_map(Module::parameters) {
+        let name = p.param.name().to_string();
+        let tensor = match upcycled_from(&name) {
+            Some(Upcycled::Router) => p.param.value(),
+            Some(Upcycled::Expert(dense)) => match tensors.get(&dense) {
+                Some(tensor) => tensor.clone(),
+                None => continue, // the load reports it missing
+            },
+            None => match tensors.remove(&name) {
+                Some(tensor) => tensor,
+                None => continue,
+            },
+        };
+        full.insert(name, (p.sharding, tensor));
+    }
     for model in models {
         model.load(&full, dir)?;
     }
     Ok(())
+}
+
+/// Where a mixture of experts' parameter starts when a dense checkpoint is upcycled.
+enum Upcycled {
+    /// The router keeps its initial values (the checkpoint has none).
+    Router,
+    /// An expert's tensor copies the dense MLP's of that name.
+    Expert(String),
+}
+
+/// `blockN.mlp.experts.E.rest` starts from `blockN.mlp.rest`; `blockN.mlp.router.weight`
+/// from nothing; any other name from itself (`None`).
+fn upcycled_from(name: &str) -> Option<Upcycled> {
+    if name.ends_with(".mlp.router.weight") {
+        return Some(Upcycled::Router);
+    }
+    let (block, rest) = name.split_once(".mlp.experts.")?;
+    let (_, tensor) = rest.split_once('.')?;
+    Some(Upcycled::Expert(format!("{block}.mlp.{tensor}")))
 }
 
 /// Whether a stop signal reached any rank: every rank asks after every step, so all of
@@ -638,6 +703,9 @@ impl<'a> Trainer<'a> {
             tp.rank(),
             tp.size(),
         )?;
+        // Listed in the model's order; the distributed optimizer lists experts last.
+        let optimizer_state =
+            in_order_of(&rank_model, self.optimizer.model_params(), optimizer_state)?;
         self.optimizer.as_dyn().load_state(&optimizer_state)?;
         // Random streams belong to a chunk of one layout: restored only at the saved one.
         if (saved.pp, saved.chunks) == (config.pp, config.pipeline.chunks()) {

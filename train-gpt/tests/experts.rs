@@ -1,9 +1,10 @@
 //! Mixtures of experts in the demo: `--num-experts` runs with expert parallelism match one
 //! rank (`--check`, which runs each data-parallel rank's rows as a microbatch of their own,
-//! as the experts route them) composed with tensor, data, pipeline and context
-//! parallelism, top-1 and top-2, the load-balancing and z-losses, a capacity factor and
-//! bf16, clipped; each step reports the routing; a run saved at one expert-parallel size
-//! continues at others; what is not supported yet is refused.
+//! as the experts route them) composed with tensor (and sequence), data, pipeline and
+//! context parallelism, top-1 and top-2, the load-balancing and z-losses, a capacity factor and
+//! bf16, clipped, with the distributed optimizer; each step reports the routing; a run
+//! saved at one expert-parallel size continues at others (and sharded); a dense GPT-2
+//! checkpoint upcycles into experts computing the same loss; bad sizes are refused.
 
 mod common;
 
@@ -43,6 +44,12 @@ fn expert_parallel_runs_match_one_rank() {
         // Clipping counts every expert once (its squares summed over expert parallelism).
         ("--num-experts 4 --expert-parallel 2 --tp 2 --dp 4 --pp 2 --microbatches 2 --layers 2 \
           --steps 6 --clip-grad 0.05", 1e-4),
+        // The distributed optimizer: experts' state split over expert-data parallelism;
+        // sequence parallelism gathers the tokens before routing.
+        ("--num-experts 4 --expert-parallel 2 --tp 2 --dp 2 --sequence-parallel --layers 2 \
+          --steps 6 --clip-grad 0.05 --moe-capacity-factor 1 --use-distributed-optimizer", 1e-4),
+        ("--num-experts 4 --expert-parallel 2 --tp 1 --dp 4 --layers 2 --steps 6 --precision bf16 \
+          --moe-aux-loss-coeff 0.01 --use-distributed-optimizer", 1e-3),
     ] {
         let stdout = succeed(&format!("{layout} --check --eval-interval 0 --out {out}"));
         let difference = figure(&stdout, "max loss difference: ");
@@ -82,7 +89,7 @@ fn every_step_reports_the_routing() {
 }
 
 #[test]
-fn what_experts_do_not_support_yet_is_refused() {
+fn bad_expert_settings_are_refused() {
     for (flags, needle) in [
         (
             "--num-experts 3 --expert-parallel 2 --dp 2",
@@ -91,10 +98,6 @@ fn what_experts_do_not_support_yet_is_refused() {
         ("--num-experts 4 --expert-parallel 4 --dp 2", "divides 2"),
         ("--expert-parallel 2 --dp 2", "pass --num-experts"),
         ("--num-experts 4 --moe-top-k 5", "--moe-top-k 5"),
-        (
-            "--num-experts 4 --expert-parallel 2 --dp 2 --use-distributed-optimizer",
-            "distributed",
-        ),
     ] {
         let output = run(&format!("{flags} --steps 1"));
         let stderr = String::from_utf8_lossy(&output.stderr);
@@ -120,6 +123,8 @@ fn a_run_saved_at_one_expert_parallel_size_continues_at_another() {
         "--tp 1 --dp 2 --expert-parallel 1",
         "--tp 2 --dp 2 --expert-parallel 2",
         "--tp 1 --dp 4 --batch 4 --expert-parallel 4",
+        // Into the distributed optimizer, whose experts' state is split over 2 ranks.
+        "--tp 1 --dp 4 --batch 4 --expert-parallel 2 --use-distributed-optimizer",
     ]
     .iter()
     .enumerate()
@@ -127,13 +132,64 @@ fn a_run_saved_at_one_expert_parallel_size_continues_at_another() {
         succeed(&format!(
             "{sizes} {layout} --steps 8 --resume {d}/saved --out {d}/r{i}"
         ));
-        let resumed = common::rows(&dir.join(format!("r{i}/loss.csv")));
-        assert_eq!(whole.len(), resumed.len(), "{layout}");
-        for (a, b) in whole.iter().zip(&resumed).skip(1) {
-            let value = |row: &String| -> f32 { row.split(',').nth(1).unwrap().parse().unwrap() };
-            assert!((value(a) - value(b)).abs() <= 1e-4, "{layout}: {a} vs {b}");
-        }
+        assert_continues(&whole, &dir.join(format!("r{i}/loss.csv")), layout);
     }
     // The same layout resumes bit for bit.
     assert_eq!(whole, common::rows(&dir.join("r0/loss.csv")));
+    // Saved from the distributed optimizer (its experts' state gathered over
+    // expert-data parallelism), continued replicated at another layout.
+    succeed(&format!(
+        "{sizes} --tp 1 --dp 4 --batch 4 --expert-parallel 2 --use-distributed-optimizer \
+         --steps 4 --save {d}/sharded --out {d}/sharded-first"
+    ));
+    succeed(&format!(
+        "{sizes} --tp 2 --dp 2 --expert-parallel 1 --steps 8 --resume {d}/sharded --out {d}/s"
+    ));
+    assert_continues(
+        &whole,
+        &dir.join("s/loss.csv"),
+        "from the distributed optimizer",
+    );
+}
+
+/// The resumed run's loss curve (`csv`) is `whole`'s within 1e-4.
+fn assert_continues(whole: &[String], csv: &std::path::Path, what: &str) {
+    let resumed = common::rows(csv);
+    assert_eq!(whole.len(), resumed.len(), "{what}");
+    let value = |row: &String| -> f32 { row.split(',').nth(1).unwrap().parse().unwrap() };
+    for (a, b) in whole.iter().zip(&resumed).skip(1) {
+        assert!((value(a) - value(b)).abs() <= 1e-4, "{what}: {a} vs {b}");
+    }
+}
+
+#[test]
+fn a_dense_checkpoint_upcycles_into_experts_that_compute_the_same_loss() {
+    let dir = fresh("experts-upcycle");
+    let d = dir.display();
+    let model = "--layers 2 --hidden 32 --heads 4 --seq 16 --eval-interval 0";
+    succeed(&format!(
+        "{model} --batch 4 --steps 3 --save {d}/dense --out {d}/o"
+    ));
+    succeed(&format!("export-hf --from {d}/dense --out {d}/hf"));
+    let first_loss = |out: &str| -> f32 {
+        let rows = common::rows(&dir.join(out).join("loss.csv"));
+        rows[1].split(',').nth(1).unwrap().parse().unwrap()
+    };
+    succeed(&format!(
+        "{model} --batch 2 --dp 2 --tp 2 --steps 1 --init-from {d}/hf --out {d}/again"
+    ));
+    // Every expert a copy of the block's MLP, the router's weights adding up to 1 per
+    // token: the same function, whichever experts the fresh router picks.
+    succeed(&format!(
+        "{model} --batch 2 --dp 2 --tp 2 --steps 1 --num-experts 4 --expert-parallel 2 \
+         --init-from {d}/hf --out {d}/experts"
+    ));
+    let (dense, experts) = (first_loss("again"), first_loss("experts"));
+    assert!((dense - experts).abs() <= 1e-5, "{dense} vs {experts}");
+    let output = run(&format!(
+        "{model} --num-experts 4 --moe-ffn-hidden-size 64 --steps 1 --init-from {d}/hf"
+    ));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("--moe-ffn-hidden-size 128"), "{stderr}");
 }

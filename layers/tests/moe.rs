@@ -392,3 +392,55 @@ fn a_rank_without_tokens_gets_an_empty_output_and_no_auxiliary_loss() -> AnyResu
     })?;
     Ok(())
 }
+
+/// A rank whose experts get no token from anyone still runs its part of backward: with
+/// the input off the tape, only the experts' weights put the return trip on it, so an
+/// expert skipped for want of rows would leave that rank's collective out and hang its
+/// peers. Its experts end with zero gradients (Megatron's), not none.
+#[test]
+fn a_rank_whose_experts_get_no_token_runs_backward_with_its_peers() -> AnyResult<()> {
+    let config = config(2, RouterSoftmax::AfterTopK, None);
+    let layout = RankLayout::builder(2).ep(2).build()?;
+    let grads = run_local(2, |comm| -> AnyResult<Vec<Vec<f32>>> {
+        let state = ParallelState::new(Arc::new(comm), layout.clone())?;
+        let moe = MoeMlp::new(
+            &ExpertParallel::from_state(&state),
+            "moe",
+            &block(),
+            &config,
+            &init(),
+        )?;
+        // Experts 2 and 3 (rank 1's) never win: their router rows are strongly negative
+        // and every input positive.
+        let router = &moe.router_parameters()[0].param;
+        let mut w = router.value().to_vec()?;
+        w[2 * HIDDEN..].fill(-3.0);
+        router.set_value(Tensor::from_vec(w, &[EXPERTS, HIDDEN])?)?;
+        let (x, weights) = shard(state.dp_rank());
+        let tape = Tape::new();
+        let out = moe.forward(&tape, &x)?;
+        assert_eq!(out.tokens_per_expert[2..], [0, 0]);
+        out.output
+            .mul(&weights)?
+            .sum()?
+            .add(&out.aux_loss)?
+            .backward()?;
+        (moe.expert_parameters().iter())
+            .map(|p| {
+                Ok(p.param
+                    .grad()
+                    .expect("every expert gets a gradient")
+                    .to_vec()?)
+            })
+            .collect()
+    })?;
+    assert!(
+        grads[1].iter().flatten().all(|&g| g == 0.0),
+        "rank 1's experts idle"
+    );
+    assert!(
+        grads[0].iter().flatten().any(|&g| g != 0.0),
+        "rank 0's experts work"
+    );
+    Ok(())
+}

@@ -50,6 +50,9 @@ const ACCEPTED: &[&str] = &[
     "--cp 2 --pp 2 --tp 1 --dp 1 --microbatches 2 --hidden-dropout 0.1",
     "--cp 2 --tp 2 --dp 1 --sequence-parallel --use-distributed-optimizer --precision bf16",
     "--cp 4 --tp 1 --dp 1 --device emulated",
+    // Experts: sequence parallelism, the distributed optimizer, bf16 on the device.
+    "--num-experts 4 --expert-parallel 2 --tp 2 --dp 2 --sequence-parallel \
+     --use-distributed-optimizer --precision bf16 --device emulated",
 ];
 
 /// Layouts refused before training, with a word the message must contain.

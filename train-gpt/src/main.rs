@@ -551,6 +551,13 @@ fn plan(args: &Args, corpus: &Corpus) -> Result<()> {
         args.cp == 1,
         "--plan does not model context parallelism yet; plan with --cp 1"
     );
+    // What experts hold depends on how the router spreads the tokens (dropless), so a
+    // dense plan would be wrong, not merely rough.
+    ensure!(
+        args.num_experts == 0,
+        "--plan does not model a mixture of experts yet; plan the dense model (without \
+         --num-experts) and measure the mixture by training it"
+    );
     ensure!(
         !matches!(args.device, ferrotron_tape::Device::Cuda(_)),
         "--plan predicts host memory (and the emulated device's, which is host memory); \

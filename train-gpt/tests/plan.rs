@@ -226,3 +226,19 @@ fn the_measured_peak_splits_by_phase_and_the_passes_hold_what_the_plan_says() {
     }
     println!("{}", report.join("\n"));
 }
+
+#[test]
+fn what_the_plan_does_not_model_is_refused() {
+    for (flags, needle) in [
+        ("--cp 2 --seq 16 --plan", "context parallelism"),
+        ("--num-experts 4 --plan", "mixture of experts"),
+    ] {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_train-gpt"))
+            .args(common::words(flags))
+            .output()
+            .expect("the train-gpt binary runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{flags} planned");
+        assert!(stderr.contains(needle), "{flags}: {stderr}");
+    }
+}

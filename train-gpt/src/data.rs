@@ -58,6 +58,12 @@ impl Vocabulary {
         })
     }
 
+    /// The id of the token whose text is `text` (a tokenizer's special or ordinary token;
+    /// none with bytes).
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.tokenizer.as_ref()?.token_to_id(text)
+    }
+
     /// Tokens that exist.
     pub fn size(&self) -> usize {
         self.size
@@ -534,6 +540,20 @@ impl DistributedSampler {
     }
 }
 
+/// The label ignored by the loss (the cross-entropy's default ignore index).
+const IGNORED: i64 = -100;
+
+/// Leaves out of the loss each position whose input is `eod`, as Megatron's
+/// `--eod-mask-loss` masks by the input token: the model is not trained to predict a
+/// document's first token from the previous one's end.
+pub fn mask_after_eod(inputs: &[usize], targets: &mut [i64], eod: u32) {
+    for (input, target) in inputs.iter().zip(targets) {
+        if *input == eod as usize {
+            *target = IGNORED;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -610,5 +630,17 @@ mod tests {
             seen[windows..2 * windows],
             "epochs differ in order"
         );
+    }
+
+    #[test]
+    fn eod_masking_goes_by_the_input_token_as_megatron_does() {
+        let eod = 1;
+        // Two documents: "5 6 <eod>" then "7 8"; the window's targets are the next ids.
+        let inputs = [5, 6, 1, 7];
+        let mut targets = [6, 1, 7, 8];
+        mask_after_eod(&inputs, &mut targets, eod);
+        // Predicting the end is trained; predicting the next document's first token
+        // from the end is not.
+        assert_eq!(targets, [6, 1, IGNORED, 8]);
     }
 }

@@ -356,6 +356,14 @@ struct Args {
     /// (padded to a multiple of 128 × TP) and writes the samples.
     #[arg(long, value_name = "FILE", requires = "data_path")]
     tokenizer: Option<PathBuf>,
+    /// Leave out of the loss every position whose input is the end-of-document token
+    /// (Megatron's --eod-mask-loss: no prediction from one document into the next);
+    /// needs --tokenizer.
+    #[arg(long, requires = "tokenizer")]
+    eod_mask_loss: bool,
+    /// The end-of-document token's text, for --eod-mask-loss.
+    #[arg(long, default_value = "<|endoftext|>")]
+    eod_token: String,
     /// Predict the peak memory per rank of each pipeline stage for these flags, by
     /// category, and exit without training.
     #[arg(long)]
@@ -975,6 +983,12 @@ fn run_mpi_backend(_: &Args, _: &Corpus, _: Option<std::ops::Range<usize>>) -> R
 /// Checks every flag before any rank starts, saying what would be valid.
 fn validate(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Result<()> {
     validate_model(args, dp, vocabulary)?;
+    ensure!(
+        !args.eod_mask_loss || vocabulary.token_id(&args.eod_token).is_some(),
+        "--eod-mask-loss: the tokenizer has no token {:?} to end documents with; pass the \
+         one the data was made with as --eod-token",
+        args.eod_token
+    );
     validate_recompute(args)?;
     validate_optimizer(args)?;
     validate_pipeline(args)?;
@@ -1292,7 +1306,16 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
         stop: None,
         sample: true,
         check_tied: args.check,
+        eod_mask: eod_mask(args, vocabulary),
     }
+}
+
+/// With --eod-mask-loss, the end-of-document token's id (`validate` has checked that the
+/// tokenizer has it).
+fn eod_mask(args: &Args, vocabulary: &data::Vocabulary) -> Option<u32> {
+    args.eod_mask_loss
+        .then(|| vocabulary.token_id(&args.eod_token))
+        .flatten()
 }
 
 /// The mixture of experts and how often a block has one, with --num-experts.

@@ -96,6 +96,9 @@ pub struct TrainConfig {
     /// Compare the two stages' copies of a tied embedding bit for bit after every step
     /// (reported in [`RankResult::tied_copies`]).
     pub check_tied: bool,
+    /// Positions whose input is this token (the end of a document) take no loss:
+    /// Megatron's `--eod-mask-loss`.
+    pub eod_mask: Option<u32>,
 }
 
 /// The learning-rate schedule's settings (see [`LrSchedule::new`]).
@@ -1459,7 +1462,10 @@ fn microbatches(
     config: &TrainConfig,
 ) -> Result<Vec<(Vec<usize>, Vec<i64>)>> {
     let seq = config.model.seq;
-    let (inputs, targets) = corpus.rows(split, starts, seq)?;
+    let (inputs, mut targets) = corpus.rows(split, starts, seq)?;
+    if let Some(eod) = config.eod_mask {
+        crate::data::mask_after_eod(&inputs, &mut targets, eod);
+    }
     let rows = starts.len() / config.microbatches;
     Ok(inputs
         .chunks(rows * seq)

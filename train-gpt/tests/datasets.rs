@@ -1,7 +1,8 @@
 //! Data from Megatron-LM: `preprocess` tokenizes text into an indexed dataset, the demo
 //! trains on it (alone and blended) with the tokenizer's vocabulary padded as Megatron
-//! pads it and the padding left out of the loss, and damaged files or a mismatched
-//! tokenizer are refused naming the file.
+//! pads it and the padding left out of the loss, `--eod-mask-loss` leaves the positions
+//! after each document's end out of the loss at any layout, and damaged files or a
+//! mismatched tokenizer are refused naming the file.
 
 mod common;
 
@@ -237,4 +238,41 @@ fn damaged_data_and_a_mismatched_tokenizer_are_refused_naming_the_file() {
     assert!(err.contains("outside the tokenizer"), "{err}");
     let unpaired = train(&dir, &["--data-path", prefix.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&unpaired.stderr).contains("--tokenizer"));
+}
+
+#[test]
+fn eod_mask_loss_leaves_document_boundaries_out_at_any_layout() {
+    let dir = fresh("datasets-eod-mask");
+    let (tokenizer, _) = tokenizer(&dir);
+    let prefix = preprocess(&dir, &tokenizer, "docs", 40, 4);
+    let data = ["--data-path", prefix.to_str().unwrap(), "--tokenizer"];
+    let tok = tokenizer.to_str().unwrap();
+    let layout = ["--tp", "2", "--dp", "2"];
+    let mut flags: Vec<&str> = data.iter().copied().chain([tok]).chain(layout).collect();
+    let plain = succeeded(&train(&dir, &flags));
+    flags.extend(["--eod-mask-loss", "--check"]);
+    let masked = succeeded(&train(&dir, &flags));
+    assert!(
+        number_after(&masked, "max loss difference: ") <= 1e-4,
+        "{masked}"
+    );
+    // Documents of 22 tokens in windows of 16: most windows cross an end, whose next
+    // position no longer counts. Near initialisation every position's loss is close to
+    // ln V, so the mean moves little (3e-4 here), but far more than rounding would.
+    let (a, b) = (
+        number_after(&plain, "loss: "),
+        number_after(&masked, "loss: "),
+    );
+    assert!((a - b).abs() > 1e-4, "masking changed nothing: {a} vs {b}");
+    // A token the tokenizer does not have, and no tokenizer at all.
+    flags.extend(["--eod-token", "</s>"]);
+    let unknown = train(&dir, &flags);
+    let err = String::from_utf8_lossy(&unknown.stderr);
+    assert!(
+        !unknown.status.success() && err.contains("\"</s>\""),
+        "{err}"
+    );
+    let bytes = train(&dir, &["--eod-mask-loss"]);
+    assert!(!bytes.status.success());
+    assert!(String::from_utf8_lossy(&bytes.stderr).contains("--tokenizer"));
 }

@@ -110,6 +110,22 @@ impl Bucket {
     fn shard_storage(&self) -> Result<FlatStorage> {
         Ok(FlatStorage::zeros(self.device, self.shard_len())?)
     }
+
+    /// The parts of its parameters in this rank's shard of `group`.
+    fn pieces(&self, group: &Arc<dyn Communicator>) -> Vec<Piece> {
+        let shard = self.info.shard_range(group.rank(), group.size());
+        (self.info.params.iter())
+            .filter_map(|slot| {
+                let start = slot.offset.max(shard.start);
+                let end = (slot.offset + slot.numel).min(shard.end);
+                (start < end).then(|| Piece {
+                    param: self.first_param + slot.index,
+                    within_param: start - slot.offset..end - slot.offset,
+                    shard_offset: start - shard.start,
+                })
+            })
+            .collect()
+    }
 }
 
 /// A group the wrapped DDPs reduce over: the data-parallel one, or the experts'
@@ -131,6 +147,79 @@ impl Group {
 /// Whether two handles name the same communicator object.
 fn same_comm(a: &Arc<dyn Communicator>, b: &Arc<dyn Communicator>) -> bool {
     std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
+}
+
+/// The wrapped DDPs, flattened: their reducers, parameters and buckets in order, and the
+/// distinct groups they reduce over.
+struct Wrapped {
+    reducers: Vec<Arc<Mutex<Reducer>>>,
+    params: Vec<Parameter>,
+    buckets: Vec<Bucket>,
+    groups: Vec<Group>,
+    /// Per parameter, its index in `groups`.
+    param_group: Vec<usize>,
+}
+
+impl Wrapped {
+    fn of(ddps: &[&DistributedDataParallel]) -> Result<Wrapped> {
+        let mut wrapped = Wrapped {
+            reducers: Vec::new(),
+            params: Vec::new(),
+            buckets: Vec::new(),
+            groups: Vec::new(),
+            param_group: Vec::new(),
+        };
+        for (index, ddp) in ddps.iter().enumerate() {
+            let group = wrapped.group_of(index, ddp)?;
+            let first_param = wrapped.params.len();
+            for info in ddp.buckets() {
+                wrapped.buckets.push(Bucket {
+                    ddp: index,
+                    group,
+                    dp: ddp.communicator().size(),
+                    first_param,
+                    info: info.clone(),
+                    device: bucket_device(ddp.parameters(), info)?,
+                });
+            }
+            wrapped.params.extend_from_slice(ddp.parameters());
+            wrapped.param_group.resize(wrapped.params.len(), group);
+            wrapped.reducers.push(ddp.reducer().clone());
+        }
+        Ok(wrapped)
+    }
+
+    /// The index of DDP #`index`'s group, added if new: at most one for the model's
+    /// parameters and one for experts'.
+    fn group_of(&mut self, index: usize, ddp: &DistributedDataParallel) -> Result<usize> {
+        let comm = ddp.communicator();
+        if let Some(group) = self.groups.iter().position(|g| same_comm(&g.comm, comm)) {
+            return Ok(group);
+        }
+        let experts = ddp.expert_parallel().is_some();
+        if let Some(other) = (self.groups.iter()).find(|g| g.expert_parallel.is_some() == experts) {
+            return Err(Error::Config(format!(
+                "DDP #{index} reduces over a group of {} (rank {}), an earlier one {} over {} \
+                 (rank {}): the DDPs of one distributed optimizer must use the same \
+                 data-parallel group (experts' DDPs, from for_experts, the same \
+                 expert-data-parallel group)",
+                comm.size(),
+                comm.rank(),
+                if experts {
+                    "over experts"
+                } else {
+                    "of the model"
+                },
+                other.comm.size(),
+                other.comm.rank()
+            )));
+        }
+        self.groups.push(Group {
+            comm: comm.clone(),
+            expert_parallel: ddp.expert_parallel().cloned(),
+        });
+        Ok(self.groups.len() - 1)
+    }
 }
 
 /// An optimizer whose state is split over the data-parallel group: each rank keeps the
@@ -243,76 +332,16 @@ impl DistributedOptimizer {
                     .into(),
             ));
         }
-        let (mut reducers, mut params, mut buckets) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut groups, mut param_group) = (Vec::<Group>::new(), Vec::new());
-        for (index, ddp) in ddps.iter().enumerate() {
-            let comm = ddp.communicator();
-            let group = match groups.iter().position(|g| same_comm(&g.comm, comm)) {
-                Some(group) => group,
-                None => {
-                    let experts = ddp.expert_parallel().is_some();
-                    if let Some(other) = groups
-                        .iter()
-                        .find(|g| g.expert_parallel.is_some() == experts)
-                    {
-                        return Err(Error::Config(format!(
-                            "DDP #{index} reduces over a group of {} (rank {}), an earlier \
-                             one {} over {} (rank {}): the DDPs of one distributed optimizer \
-                             must use the same data-parallel group (experts' DDPs, from \
-                             for_experts, the same expert-data-parallel group)",
-                            comm.size(),
-                            comm.rank(),
-                            if experts {
-                                "over experts"
-                            } else {
-                                "of the model"
-                            },
-                            other.comm.size(),
-                            other.comm.rank()
-                        )));
-                    }
-                    groups.push(Group {
-                        comm: comm.clone(),
-                        expert_parallel: ddp.expert_parallel().cloned(),
-                    });
-                    groups.len() - 1
-                }
-            };
-            let first_param = params.len();
-            for info in ddp.buckets() {
-                buckets.push(Bucket {
-                    ddp: index,
-                    group,
-                    dp: comm.size(),
-                    first_param,
-                    info: info.clone(),
-                    device: bucket_device(ddp.parameters(), info)?,
-                });
-            }
-            params.extend_from_slice(ddp.parameters());
-            param_group.resize(params.len(), group);
-            reducers.push(ddp.reducer().clone());
-        }
-        let pieces: Vec<Vec<Piece>> = buckets
+        let Wrapped {
+            reducers,
+            params,
+            buckets,
+            groups,
+            param_group,
+        } = Wrapped::of(&ddps)?;
+        let pieces = buckets
             .iter()
-            .map(|bucket| {
-                let comm = &groups[bucket.group].comm;
-                let shard = bucket.info.shard_range(comm.rank(), comm.size());
-                bucket
-                    .info
-                    .params
-                    .iter()
-                    .filter_map(|slot| {
-                        let start = slot.offset.max(shard.start);
-                        let end = (slot.offset + slot.numel).min(shard.end);
-                        (start < end).then(|| Piece {
-                            param: bucket.first_param + slot.index,
-                            within_param: start - slot.offset..end - slot.offset,
-                            shard_offset: start - shard.start,
-                        })
-                    })
-                    .collect()
-            })
+            .map(|bucket| bucket.pieces(&groups[bucket.group].comm))
             .collect();
         // The state is allocated here, not at the first step, so that what a rank holds
         // is fixed from the start.

@@ -27,7 +27,8 @@ pub struct DdpConfig {
     /// gradients (at `finish`), instead of failing with
     /// [`Error::UnusedParameters`](crate::Error::UnusedParameters). Costs one small extra
     /// all-reduce per step, which tells parameters unused on *every* rank (they keep no
-    /// gradient) from those unused on some ranks only (they get the average).
+    /// gradient) from those unused on some ranks only (they get the average); experts'
+    /// DDPs skip it, since every expert gets a gradient.
     pub find_unused_parameters: bool,
     /// Start each bucket's all-reduce from inside backward as soon as it is complete
     /// (Megatron's `overlap_grad_reduce`). With `false`, every bucket starts in

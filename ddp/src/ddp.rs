@@ -249,7 +249,8 @@ impl DistributedDataParallel {
     /// [`no_sync`](Self::no_sync).
     ///
     /// Parameters that got no gradient are zeros in their buckets with
-    /// `find_unused_parameters`; parameters unused on *every* rank end with no gradient.
+    /// `find_unused_parameters`; parameters unused on *every* rank end with no gradient
+    /// (but experts' from [`for_experts`](Self::for_experts), which end with a zero one).
     /// Without that flag they make this an [`Error::UnusedParameters`] naming them. Any
     /// error resets the step, so the next one starts clean.
     pub fn finish(&self) -> Result<()> {

@@ -193,10 +193,18 @@ impl Wrapped {
     /// parameters and one for experts'.
     fn group_of(&mut self, index: usize, ddp: &DistributedDataParallel) -> Result<usize> {
         let comm = ddp.communicator();
+        let experts = ddp.expert_parallel().is_some();
         if let Some(group) = self.groups.iter().position(|g| same_comm(&g.comm, comm)) {
+            // Experts' sums also run over the expert-parallel group; the model's do not.
+            if self.groups[group].expert_parallel.is_some() != experts {
+                return Err(Error::Config(format!(
+                    "DDP #{index} reduces over the same communicator as an earlier DDP of the \
+                     other kind (experts' and the model's parameters): build experts' DDP \
+                     with for_experts over the expert-data-parallel group"
+                )));
+            }
             return Ok(group);
         }
-        let experts = ddp.expert_parallel().is_some();
         if let Some(other) = (self.groups.iter()).find(|g| g.expert_parallel.is_some() == experts) {
             return Err(Error::Config(format!(
                 "DDP #{index} reduces over a group of {} (rank {}), an earlier one {} over {} \
@@ -669,8 +677,9 @@ impl DistributedOptimizer {
     /// Updates this rank's shard of every parameter from the reduced gradients of the
     /// last [`backward`](DistributedDataParallel::backward) (clipped, if
     /// [`clip_grad_norm`](Self::clip_grad_norm) said so), then all-gathers the
-    /// parameters. Collective over the data-parallel group. Parameters that no rank had
-    /// a gradient for are not updated.
+    /// parameters. Collective over each DDP's group. Parameters that no rank had a
+    /// gradient for are not updated (experts' DDPs give every expert one: a zero
+    /// gradient when it got no token).
     ///
     /// Each bucket's all-gather starts as soon as its shard is updated and runs while the
     /// next bucket's shard is updated; its parameters are set once that next gather has
@@ -782,7 +791,7 @@ impl DistributedOptimizer {
     /// The whole optimizer state, as [`ferrotron_tape::AdamW`] or [`ferrotron_tape::Sgd`] over the same
     /// parameters would report it, with each 16-bit parameter's master weights as the
     /// buffer [`MASTER_BUFFER`] (as [`ferrotron_tape::MixedPrecision`] reports them): every rank
-    /// all-gathers the shards (collective over the data-parallel group), so a checkpoint
+    /// all-gathers the shards (collective over each DDP's group), so a checkpoint
     /// written from it loads at any data-parallel size, or into a replicated optimizer.
     pub fn state(&self) -> Result<OptimizerState> {
         // Counted on the ranks that own a piece: the most over each parameter's group.

@@ -55,6 +55,12 @@ pub struct MoeConfig {
     /// Keep at most `ceil(tokens · top_k / experts · factor)` tokens per expert (of each
     /// rank's tokens); `None` keeps every token (dropless).
     pub capacity_factor: Option<f64>,
+    /// The inner width of a shared expert every token also goes through (Megatron's
+    /// `moe_shared_expert_intermediate_size`; DeepSeek's shared experts, their widths
+    /// added up), or none. A dense MLP beside the routed experts, built by
+    /// [`TransformerBlock::with_experts`](crate::TransformerBlock::with_experts);
+    /// [`MoeMlp`] itself holds the routed experts only.
+    pub shared_expert_ffn: Option<usize>,
 }
 
 impl MoeConfig {
@@ -69,6 +75,7 @@ impl MoeConfig {
             aux_loss_coeff: 0.0,
             z_loss_coeff: 0.0,
             capacity_factor: None,
+            shared_expert_ffn: None,
         }
     }
 }
@@ -150,6 +157,14 @@ impl MoeMlp {
                     "top-{} routing needs between 1 and {experts} experts per token",
                     config.top_k
                 ),
+            ));
+        }
+        if config.shared_expert_ffn.is_some() {
+            return Err(Error::config(
+                OP,
+                "MoeMlp holds the routed experts only: build the block with \
+                 TransformerBlock::with_experts for a shared expert, or add a ParallelMlp \
+                 beside the layer",
             ));
         }
         if config.ffn_hidden == 0 {

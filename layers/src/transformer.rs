@@ -278,7 +278,11 @@ impl TransformerBlock {
     /// A block whose MLP is a mixture of experts (`name.mlp.router`,
     /// `name.mlp.experts.{e}`) over `tp`'s [expert groups](TensorParallel::expert_parallel).
     /// Its auxiliary loss reaches backward through the block's output
-    /// ([`MoeMlp::forward_in_block`](crate::MoeMlp::forward_in_block)).
+    /// ([`MoeMlp::forward_in_block`](crate::MoeMlp::forward_in_block)). With
+    /// [`shared_expert_ffn`](crate::MoeConfig::shared_expert_ffn) a dense MLP
+    /// (`name.mlp.shared_expert`) runs beside the routed experts and its output is added.
+    /// The experts must be split over as many tensor-parallel ranks as the block
+    /// (an [`Error`] otherwise).
     ///
     /// Under sequence parallelism the tensor-parallel ranks gather the sequence's parts
     /// before the router and keep their own part of the output, so that every
@@ -300,22 +304,54 @@ impl TransformerBlock {
                  TensorParallel::from_state or with_expert_parallel",
             ));
         };
-        let moe = crate::MoeMlp::new(experts, &format!("{name}.mlp"), config, moe, init)?;
-        let sequence_parallel =
-            (tp.sequence_parallel() && tp.size() > 1).then(|| tp.group().clone());
-        Self::around(
-            tp,
-            name,
-            config,
-            init,
-            BlockMlp::Experts(moe, sequence_parallel),
-        )
+        if tp.size() > 1 && experts.expert_tp.size() != tp.size() {
+            // The tensor-parallel ranks hold the same tokens; unless they split each expert
+            // between them, each would send its copy of every token to the experts.
+            return Err(Error::config(
+                OP,
+                format!(
+                    "experts split over {} tensor-parallel ranks in a block of {}: the \
+                     expert-tensor-parallel size must equal the tensor-parallel size",
+                    experts.expert_tp.size(),
+                    tp.size()
+                ),
+            ));
+        }
+        let shared = match moe.shared_expert_ffn {
+            Some(0) => {
+                return Err(Error::config(
+                    OP,
+                    "a shared expert needs an inner width of at least 1",
+                ))
+            }
+            Some(ffn_hidden) => {
+                let width = BlockConfig {
+                    ffn_hidden,
+                    ..*config
+                };
+                let name = format!("{name}.mlp.shared_expert");
+                Some(Box::new(ParallelMlp::new(tp, &name, &width, init)?))
+            }
+            None => None,
+        };
+        let routed = crate::MoeConfig {
+            shared_expert_ffn: None,
+            ..*moe
+        };
+        let moe = crate::MoeMlp::new(experts, &format!("{name}.mlp"), config, &routed, init)?;
+        let gather = (tp.sequence_parallel() && tp.size() > 1).then(|| tp.group().clone());
+        let mlp = BlockMlp::Experts {
+            moe: Box::new(moe),
+            gather,
+            shared,
+        };
+        Self::around(tp, name, config, init, mlp)
     }
 
     /// The block's mixture of experts, if its MLP is one.
     pub fn experts(&self) -> Option<&crate::MoeMlp> {
         match &self.mlp {
-            BlockMlp::Experts(moe, _) => Some(moe),
+            BlockMlp::Experts { moe, .. } => Some(moe.as_ref()),
             BlockMlp::Dense(_) => None,
         }
     }
@@ -340,14 +376,27 @@ impl TransformerBlock {
         let normed = self.ln2.forward(tape, &hidden)?;
         let transformed = match &self.mlp {
             BlockMlp::Dense(mlp) => mlp.forward(tape, &normed)?,
-            BlockMlp::Experts(moe, None) => moe.forward_in_block(tape, &normed)?,
-            BlockMlp::Experts(moe, Some(tp)) => {
-                // The experts' output and input gradient are whole and the same on every
-                // tensor-parallel rank: backward keeps this rank's part of the gradient,
-                // and all-gathers the output's.
-                let whole = gather_from_sequence_parallel_region(&normed, tp, false, None)?;
-                let out = moe.forward_in_block(tape, &whole)?;
-                scatter_to_sequence_parallel_region(&out, tp, None)?
+            BlockMlp::Experts {
+                moe,
+                gather,
+                shared,
+            } => {
+                let routed = match gather {
+                    None => moe.forward_in_block(tape, &normed)?,
+                    Some(tp) => {
+                        // The experts' output and input gradient are whole and the same on
+                        // every tensor-parallel rank: backward keeps this rank's part of the
+                        // gradient, and all-gathers the output's.
+                        let whole = gather_from_sequence_parallel_region(&normed, tp, false, None)?;
+                        let out = moe.forward_in_block(tape, &whole)?;
+                        scatter_to_sequence_parallel_region(&out, tp, None)?
+                    }
+                };
+                match shared {
+                    // A dense MLP, sequence-parallel like the block's own would be.
+                    Some(shared) => routed.add(&shared.forward(tape, &normed)?)?,
+                    None => routed,
+                }
             }
         };
         Ok(hidden.add(&self.residual_dropout(transformed, rng)?)?)
@@ -374,7 +423,11 @@ impl Module for TransformerBlock {
         params.extend(self.ln2.parameters());
         params.extend(match &self.mlp {
             BlockMlp::Dense(mlp) => mlp.parameters(),
-            BlockMlp::Experts(moe, _) => moe.parameters(),
+            BlockMlp::Experts { moe, shared, .. } => {
+                let mut params = moe.parameters();
+                params.extend(shared.iter().flat_map(|mlp| mlp.parameters()));
+                params
+            }
         });
         params
     }
@@ -384,7 +437,12 @@ impl Module for TransformerBlock {
 #[derive(Clone)]
 enum BlockMlp {
     Dense(Box<ParallelMlp>),
-    /// With the tensor-parallel group under sequence parallelism: the experts route the
-    /// whole sequence, gathered from its parts.
-    Experts(crate::MoeMlp, Option<Arc<dyn Communicator>>),
+    Experts {
+        moe: Box<crate::MoeMlp>,
+        /// The tensor-parallel group under sequence parallelism: the experts route the
+        /// whole sequence, gathered from its parts.
+        gather: Option<Arc<dyn Communicator>>,
+        /// A dense MLP every token goes through beside the routed experts.
+        shared: Option<Box<ParallelMlp>>,
+    },
 }

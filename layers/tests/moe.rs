@@ -3,7 +3,9 @@
 //! gradient within 1e-5, with uneven tokens per rank and per expert, an expert that gets
 //! no token, both softmax placements, and a capacity factor that drops the same tokens.
 //! The one-rank layer itself is checked against a plain per-token computation from its
-//! weights (routing, weights, experts, combination and the auxiliary losses).
+//! weights (routing, weights, experts, combination and the auxiliary losses). A rank
+//! whose experts get no token still runs backward with its peers; a shared expert adds
+//! a dense MLP's output; experts split unlike their block are refused.
 
 mod common;
 
@@ -14,6 +16,7 @@ use common::{AnyResult, RTOL};
 use ferrotron_comm_core::{run_local, Communicator};
 use ferrotron_layers::{
     BlockConfig, ExpertParallel, MasterInit, Module, MoeConfig, MoeMlp, RouterSoftmax,
+    TensorParallel, TransformerBlock,
 };
 use ferrotron_parallel_state::{ParallelState, RankLayout};
 use ferrotron_tape::{Generator, Parameter, Tape, Tensor};
@@ -442,5 +445,95 @@ fn a_rank_whose_experts_get_no_token_runs_backward_with_its_peers() -> AnyResult
         grads[0].iter().flatten().any(|&g| g != 0.0),
         "rank 0's experts work"
     );
+    Ok(())
+}
+
+/// A shared expert is a dense MLP every token goes through beside the routed experts:
+/// the block's output gains exactly that MLP's output on the normed hidden state. Checked
+/// as `with shared = without shared + (dense block with the shared expert's weights) −
+/// (dense block with a zero MLP)`, every block drawn from the same master weights.
+#[test]
+fn a_shared_expert_adds_a_dense_mlp_beside_the_routed_ones() -> AnyResult<()> {
+    const SHARED: usize = 12;
+    run_local(1, |comm| -> AnyResult<()> {
+        let group: Arc<dyn Communicator> = Arc::new(comm);
+        let tp = TensorParallel::new(group.clone())
+            .with_expert_parallel(ExpertParallel::new(group.clone(), group));
+        let moe = |shared| MoeConfig {
+            shared_expert_ffn: shared,
+            ..config(2, RouterSoftmax::AfterTopK, None)
+        };
+        let with = TransformerBlock::with_experts(&tp, "b", &block(), &moe(Some(SHARED)), &init())?;
+        let without = TransformerBlock::with_experts(&tp, "b", &block(), &moe(None), &init())?;
+        let dense_config = BlockConfig {
+            ffn_hidden: SHARED,
+            ..block()
+        };
+        let (dense, zero) = (
+            TransformerBlock::new(&tp, "b", &dense_config, &init())?,
+            TransformerBlock::new(&tp, "b", &dense_config, &init())?,
+        );
+        let shared: BTreeMap<String, Tensor> = (with.parameters().into_iter())
+            .filter_map(|p| {
+                let suffix = p
+                    .param
+                    .name()
+                    .strip_prefix("b.mlp.shared_expert.")?
+                    .to_string();
+                assert!(!p.expert, "the shared expert is dense");
+                Some((suffix, p.param.value()))
+            })
+            .collect();
+        assert_eq!(shared.len(), 4, "{:?}", shared.keys());
+        for (d, z) in dense.parameters().iter().zip(zero.parameters()) {
+            if let Some(suffix) = d.param.name().strip_prefix("b.mlp.") {
+                d.param.set_value(shared[suffix].clone())?;
+                if suffix.starts_with("fc2") {
+                    z.param.set_value(Tensor::zeros(&z.param.shape()))?;
+                }
+            }
+        }
+        let (x, _) = shard(1);
+        let out = |b: &TransformerBlock| -> AnyResult<Vec<f32>> {
+            Ok(b.forward_inference(&Tape::new(), &x)?.to_vec()?)
+        };
+        let (a, b, c, d) = (out(&with)?, out(&without)?, out(&dense)?, out(&zero)?);
+        let expected: Vec<f32> = (0..a.len()).map(|i| b[i] + c[i] - d[i]).collect();
+        close("with a shared expert", &a, &expected);
+        assert!(
+            c.iter().zip(&d).any(|(c, d)| (c - d).abs() > 1e-3),
+            "the MLP does something"
+        );
+        // The routed layer alone does not take one.
+        let alone = MoeMlp::new(
+            tp.expert_parallel().unwrap(),
+            "m",
+            &block(),
+            &moe(Some(4)),
+            &init(),
+        );
+        assert!(alone.err().unwrap().to_string().contains("with_experts"));
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// Tensor-parallel ranks hold the same tokens, so experts in a block must be split over
+/// as many ranks as the block: whole experts on each would see every token twice.
+#[test]
+fn experts_not_split_like_the_block_are_refused() -> AnyResult<()> {
+    run_local(2, |comm| -> AnyResult<()> {
+        let alone = comm
+            .split(Some(comm.rank() as u32), 0, "alone")?
+            .expect("every rank has a color");
+        let group: Arc<dyn Communicator> = Arc::new(comm);
+        let tp = TensorParallel::new(group.clone())
+            .with_expert_parallel(ExpertParallel::new(group, alone));
+        let config = config(2, RouterSoftmax::AfterTopK, None);
+        let err = TransformerBlock::with_experts(&tp, "b", &block(), &config, &init());
+        let message = err.err().expect("refused").to_string();
+        assert!(message.contains("expert-tensor-parallel size"), "{message}");
+        Ok(())
+    })?;
     Ok(())
 }

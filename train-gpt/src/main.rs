@@ -163,6 +163,10 @@ struct Args {
     /// Each expert's inner width [default: 4 × --hidden].
     #[arg(long)]
     moe_ffn_hidden_size: Option<usize>,
+    /// The inner width of a shared expert beside the routed ones in each mixture of
+    /// experts, which every token goes through (DeepSeek's shared experts).
+    #[arg(long)]
+    moe_shared_expert_intermediate_size: Option<usize>,
     /// Pipeline schedule.
     #[arg(long, value_enum, default_value_t = PipelineSchedule::OneFOneB)]
     schedule: PipelineSchedule,
@@ -1186,6 +1190,16 @@ fn validate_experts(args: &Args, dp: usize) -> Result<()> {
         args.moe_ffn_hidden_size != Some(0),
         "--moe-ffn-hidden-size must be at least 1"
     );
+    ensure!(
+        args.moe_shared_expert_intermediate_size != Some(0),
+        "--moe-shared-expert-intermediate-size must be at least 1"
+    );
+    ensure!(
+        args.init_from.is_none() || args.moe_shared_expert_intermediate_size.is_none(),
+        "--init-from upcycles the dense MLP into routed experts only: a shared expert would \
+         start from nothing and change the model's function; drop \
+         --moe-shared-expert-intermediate-size or --init-from"
+    );
     Ok(())
 }
 
@@ -1329,6 +1343,7 @@ fn moe_config(args: &Args) -> Option<(ferrotron_layers::MoeConfig, usize)> {
             aux_loss_coeff: args.moe_aux_loss_coeff,
             z_loss_coeff: args.moe_z_loss_coeff,
             capacity_factor: args.moe_capacity_factor,
+            shared_expert_ffn: args.moe_shared_expert_intermediate_size,
             ..ferrotron_layers::MoeConfig::new(
                 args.num_experts,
                 args.moe_top_k,
@@ -1476,6 +1491,9 @@ fn announce(args: &Args, corpus: &Corpus, dp: usize) {
             match args.moe_capacity_factor {
                 Some(f) => format!("capacity factor {f}"),
                 None => "dropless".to_string(),
+            } + &match args.moe_shared_expert_intermediate_size {
+                Some(width) => format!(", a shared expert of width {width}"),
+                None => String::new(),
             }
         );
     }

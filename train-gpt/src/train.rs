@@ -429,7 +429,7 @@ fn load_pretrained(models: &[Gpt], dir: &std::path::Path, config: &TrainConfig) 
             bias.shape() == [moe.ffn_hidden],
             "upcycling copies each block's MLP into its experts: pass --moe-ffn-hidden-size {} \
              (the checkpoint's MLP width) or leave it out",
-            bias.shape()[0]
+            bias.numel()
         );
     }
     let mut full: BTreeMap<String, (Sharding, Tensor)> = BTreeMap::new();

@@ -2,7 +2,7 @@
 //! rank (`--check`, which runs each data-parallel rank's rows as a microbatch of their own,
 //! as the experts route them) composed with tensor (and sequence), data, pipeline and
 //! context parallelism, top-1 and top-2, the load-balancing and z-losses, a capacity factor and
-//! bf16, clipped, with the distributed optimizer; each step reports the routing; a run
+//! bf16, clipped, with the distributed optimizer and a shared expert; each step reports the routing; a run
 //! saved at one expert-parallel size continues at others (and sharded); a dense GPT-2
 //! checkpoint upcycles into experts computing the same loss; bad sizes are refused.
 
@@ -45,9 +45,10 @@ fn expert_parallel_runs_match_one_rank() {
         ("--num-experts 4 --expert-parallel 2 --tp 2 --dp 4 --pp 2 --microbatches 2 --layers 2 \
           --steps 6 --clip-grad 0.05", 1e-4),
         // The distributed optimizer: experts' state split over expert-data parallelism;
-        // sequence parallelism gathers the tokens before routing.
+        // sequence parallelism gathers the tokens before routing; a shared expert.
         ("--num-experts 4 --expert-parallel 2 --tp 2 --dp 2 --sequence-parallel --layers 2 \
-          --steps 6 --clip-grad 0.05 --moe-capacity-factor 1 --use-distributed-optimizer", 1e-4),
+          --steps 6 --clip-grad 0.05 --moe-capacity-factor 1 --use-distributed-optimizer \
+          --moe-shared-expert-intermediate-size 96", 1e-4),
         ("--num-experts 4 --expert-parallel 2 --tp 1 --dp 4 --layers 2 --steps 6 --precision bf16 \
           --moe-aux-loss-coeff 0.01 --use-distributed-optimizer", 1e-3),
     ] {
@@ -98,6 +99,14 @@ fn bad_expert_settings_are_refused() {
         ("--num-experts 4 --expert-parallel 4 --dp 2", "divides 2"),
         ("--expert-parallel 2 --dp 2", "pass --num-experts"),
         ("--num-experts 4 --moe-top-k 5", "--moe-top-k 5"),
+        (
+            "--num-experts 4 --moe-shared-expert-intermediate-size 0",
+            "at least 1",
+        ),
+        (
+            "--num-experts 4 --moe-shared-expert-intermediate-size 8 --init-from x",
+            "shared expert",
+        ),
     ] {
         let output = run(&format!("{flags} --steps 1"));
         let stderr = String::from_utf8_lossy(&output.stderr);

@@ -554,6 +554,23 @@ pub fn mask_after_eod(inputs: &[usize], targets: &mut [i64], eod: u32) {
     }
 }
 
+/// Each row's positions (`inputs` row-major, `seq` per row) counted from 0 again after
+/// every `eod`, as Megatron's `--reset-position-ids`: the end-of-document token keeps its
+/// document's position, the next token starts at 0.
+pub fn reset_positions(inputs: &[usize], seq: usize, eod: u32) -> Vec<usize> {
+    let mut positions = Vec::with_capacity(inputs.len());
+    for row in inputs.chunks(seq) {
+        let mut start = 0;
+        for (j, &token) in row.iter().enumerate() {
+            positions.push(j - start);
+            if token == eod as usize {
+                start = j + 1;
+            }
+        }
+    }
+    positions
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -642,5 +659,18 @@ mod tests {
         // Predicting the end is trained; predicting the next document's first token
         // from the end is not.
         assert_eq!(targets, [6, 1, IGNORED, 8]);
+    }
+
+    #[test]
+    fn positions_restart_after_each_end_of_document_as_megatron_resets_them() {
+        let eod = 1;
+        // Two rows of 5: a document ending mid-row, then two ends in a row and one last.
+        let inputs = [5, 6, 1, 7, 8, 1, 1, 9, 3, 1];
+        assert_eq!(
+            reset_positions(&inputs, 5, eod),
+            [0, 1, 2, 0, 1, 0, 0, 0, 1, 2]
+        );
+        // No end: the plain positions of each row.
+        assert_eq!(reset_positions(&[4, 4, 4, 4], 2, eod), [0, 1, 0, 1]);
     }
 }

@@ -74,7 +74,17 @@ pub fn logits(from: &Path, ids: &[usize]) -> Result<Vec<f32>> {
         let gpt = crate::model::Gpt::chunk(&tp, model, 0, 0..model.layers)?;
         gpt.load(&full, &dir)?;
         let tape = ferrotron_tape::Tape::new();
-        let logits = gpt.forward_chunk(&tape, ids, None, ids.len(), 1, None)?;
+        let logits = gpt.forward_chunk(
+            &tape,
+            crate::model::Tokens {
+                ids,
+                positions: None,
+            },
+            None,
+            ids.len(),
+            1,
+            None,
+        )?;
         let all = logits.to_vec()?;
         let last = (ids.len() - 1) * model.vocab;
         Ok(all[last..last + model.valid_vocab].to_vec())

@@ -365,7 +365,11 @@ struct Args {
     /// needs --tokenizer.
     #[arg(long, requires = "tokenizer")]
     eod_mask_loss: bool,
-    /// The end-of-document token's text, for --eod-mask-loss.
+    /// Count positions from 0 again after every end-of-document token (Megatron's
+    /// --reset-position-ids; attention still spans the whole window); needs --tokenizer.
+    #[arg(long, requires = "tokenizer")]
+    reset_position_ids: bool,
+    /// The end-of-document token's text, for --eod-mask-loss and --reset-position-ids.
     #[arg(long, default_value = "<|endoftext|>")]
     eod_token: String,
     /// Predict the peak memory per rank of each pipeline stage for these flags, by
@@ -988,9 +992,17 @@ fn run_mpi_backend(_: &Args, _: &Corpus, _: Option<std::ops::Range<usize>>) -> R
 fn validate(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Result<()> {
     validate_model(args, dp, vocabulary)?;
     ensure!(
-        !args.eod_mask_loss || vocabulary.token_id(&args.eod_token).is_some(),
-        "--eod-mask-loss: the tokenizer has no token {:?} to end documents with; pass the \
-         one the data was made with as --eod-token",
+        !(args.check && args.eod_mask_loss && args.num_experts > 0 && dp > 1),
+        "--check cannot reproduce --eod-mask-loss with --num-experts at --dp {dp} on one \
+         rank: the experts route each data-parallel rank's rows apart while the loss \
+         weighs each microbatch over all ranks' tokens; check at --dp 1 or without one of \
+         them"
+    );
+    ensure!(
+        !(args.eod_mask_loss || args.reset_position_ids)
+            || vocabulary.token_id(&args.eod_token).is_some(),
+        "--eod-mask-loss and --reset-position-ids: the tokenizer has no token {:?} to end \
+         documents with; pass the one the data was made with as --eod-token",
         args.eod_token
     );
     validate_recompute(args)?;
@@ -1320,14 +1332,16 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
         stop: None,
         sample: true,
         check_tied: args.check,
-        eod_mask: eod_mask(args, vocabulary),
+        rows_from_ranks: 1,
+        eod_mask: eod_id(args.eod_mask_loss, args, vocabulary),
+        reset_positions: eod_id(args.reset_position_ids, args, vocabulary),
     }
 }
 
-/// With --eod-mask-loss, the end-of-document token's id (`validate` has checked that the
+/// The end-of-document token's id when `wanted` (`validate` has checked that the
 /// tokenizer has it).
-fn eod_mask(args: &Args, vocabulary: &data::Vocabulary) -> Option<u32> {
-    args.eod_mask_loss
+fn eod_id(wanted: bool, args: &Args, vocabulary: &data::Vocabulary) -> Option<u32> {
+    wanted
         .then(|| vocabulary.token_id(&args.eod_token))
         .flatten()
 }
@@ -1680,9 +1694,18 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
         // Experts route each data-parallel rank's microbatches by themselves (capacity
         // and load-balancing loss count its tokens): one rank runs them as microbatches
         // of their own, the same rows.
-        microbatches: match args.num_experts {
-            0 => 1,
+        //
+        // Masked positions make microbatches' token counts differ, and the loss weighs
+        // each microbatch alike (its mean over the data-parallel ranks' tokens): the
+        // reference then runs microbatch m as all ranks' m-th rows together.
+        microbatches: match (args.num_experts, args.eod_mask_loss) {
+            (0, false) => 1,
+            (0, true) => args.microbatches,
             _ => dp * args.microbatches,
+        },
+        rows_from_ranks: match (args.num_experts, args.eod_mask_loss) {
+            (0, true) => dp,
+            _ => 1,
         },
         trace: false,
         sequence_parallel: false,

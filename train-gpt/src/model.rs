@@ -193,47 +193,21 @@ impl Gpt {
         })
     }
 
-    /// This part's output for `ids` laid out `[seq, batch]` (a first part) or the previous
-    /// part's `input`: the next part's input, or this rank's logits `[seq, batch, local
-    /// vocab]` (a last part). With `rng` it trains (dropout drawn from it); without, it
-    /// evaluates (no dropout, no draws).
+    /// This part's output for `tokens` laid out `[seq, batch]` (a first part) or the
+    /// previous part's `input`: the next part's input, or this rank's logits `[seq, batch,
+    /// local vocab]` (a last part). With `rng` it trains (dropout drawn from it); without,
+    /// it evaluates (no dropout, no draws).
     pub fn forward_chunk(
         &self,
         tape: &Tape,
-        ids: &[usize],
+        tokens: Tokens<'_>,
         input: Option<&Tensor>,
         seq: usize,
         batch: usize,
         rng: Option<&mut RngTracker>,
     ) -> Result<Tensor> {
         let mut hidden = match (&self.first, input) {
-            (Some(first), _) => {
-                let tokens = first.tokens.forward(tape, ids, &[seq, batch])?;
-                let table = tape.watch(&first.position.param);
-                // Under context parallelism this rank holds two chunks of the sequence,
-                let table = match self.tp.context_size() {
-                    1 => table,
-                    cp => {
-                        let [(a, c), (b, _)] = ferrotron_layers::context_parallel_chunks(
-                            self.config.seq,
-                            self.tp.context_rank(),
-                            cp,
-                        )?;
-                        Tensor::concat(&[&table.narrow(0, a, c)?, &table.narrow(0, b, c)?], 0)?
-                    }
-                };
-                // and under sequence parallelism its part of those.
-                let (start, len) = if self.tp.sequence_parallel() {
-                    self.tp.part(seq)?
-                } else {
-                    (0, seq)
-                };
-                let positions =
-                    table
-                        .narrow(0, start, len)?
-                        .reshape(&[len, 1, self.config.hidden])?;
-                tokens.add(&positions)?
-            }
+            (Some(first), _) => self.embed(first, tape, tokens, seq, batch)?,
             (None, Some(input)) => input.clone(),
             (None, None) => anyhow::bail!("a later pipeline stage needs its input"),
         };
@@ -245,6 +219,45 @@ impl Gpt {
             }
             None => Ok(hidden),
         }
+    }
+
+    /// The token embeddings of `tokens` plus their positions' (this rank's sequence part
+    /// under sequence parallelism): positions are indices `0..seq` (this rank's two
+    /// chunks of them under context parallelism), or `tokens.positions` when given.
+    fn embed(
+        &self,
+        first: &Embeddings,
+        tape: &Tape,
+        tokens: Tokens<'_>,
+        seq: usize,
+        batch: usize,
+    ) -> Result<Tensor> {
+        let embedded = first.tokens.forward(tape, tokens.ids, &[seq, batch])?;
+        let table = tape.watch(&first.position.param);
+        let (start, len) = match self.tp.sequence_parallel() {
+            true => self.tp.part(seq)?,
+            false => (0, seq),
+        };
+        if let Some(positions) = tokens.positions {
+            // Already this rank's, in the ids' layout: look up its sequence part's rows.
+            let part = &positions[start * batch..(start + len) * batch];
+            return Ok(embedded.add(&table.embedding(part, &[len, batch])?)?);
+        }
+        // Under context parallelism this rank holds two chunks of the sequence,
+        let table = match self.tp.context_size() {
+            1 => table,
+            cp => {
+                let [(a, c), (b, _)] = ferrotron_layers::context_parallel_chunks(
+                    self.config.seq,
+                    self.tp.context_rank(),
+                    cp,
+                )?;
+                Tensor::concat(&[&table.narrow(0, a, c)?, &table.narrow(0, b, c)?], 0)?
+            }
+        };
+        // and under sequence parallelism its part of those.
+        let positions = (table.narrow(0, start, len)?).reshape(&[len, 1, self.config.hidden])?;
+        Ok(embedded.add(&positions)?)
     }
 
     /// This part's mixtures of experts.
@@ -392,6 +405,14 @@ impl Gpt {
         }
         Ok(())
     }
+}
+
+/// A first part's input: token ids `[seq, batch]` (sequence-first, flattened) and, when
+/// positions are not simply each token's index, theirs in the same layout.
+#[derive(Clone, Copy)]
+pub struct Tokens<'a> {
+    pub ids: &'a [usize],
+    pub positions: Option<&'a [usize]>,
 }
 
 /// A rank's chunks of the model as one module: their parameters in chunk order, as the

@@ -5,7 +5,7 @@
 use crate::checkpoint::{self, TrainerState};
 use crate::data::{Corpus, DistributedSampler, Split};
 use crate::memory::{self, Phase};
-use crate::model::{Gpt, GptConfig, RankModel};
+use crate::model::{Gpt, GptConfig, RankModel, Tokens};
 use crate::report::Progress;
 use anyhow::{bail, Context, Result};
 use ferrotron_comm_core::{Communicator, CommunicatorExt};
@@ -99,6 +99,13 @@ pub struct TrainConfig {
     /// Positions whose input is this token (the end of a document) take no loss:
     /// Megatron's `--eod-mask-loss`.
     pub eod_mask: Option<u32>,
+    /// Positions count from 0 again after this token (the end of a document):
+    /// Megatron's `--reset-position-ids`.
+    pub reset_positions: Option<u32>,
+    /// For `--check`'s one-rank reference: the batch is this many data-parallel ranks'
+    /// rows, and microbatch m takes each one's m-th share (as the run under check splits
+    /// them), not a contiguous slice. 1 otherwise.
+    pub rows_from_ranks: usize,
 }
 
 /// The learning-rate schedule's settings (see [`LrSchedule::new`]).
@@ -1158,12 +1165,12 @@ impl Chunks<'_> {
     /// returns the pass's timeline.
     fn loss(
         &mut self,
-        microbatches: &[(Vec<usize>, Vec<i64>)],
+        microbatches: &[Microbatch],
         pass: Pass,
         trace: bool,
     ) -> Result<(f32, Vec<ferrotron_pipeline::Span>)> {
         let seq = self.config.model.seq;
-        let rows = microbatches[0].0.len() / seq;
+        let rows = microbatches[0].ids.len() / seq;
         let (results, timeline) = self.run(microbatches, (seq, rows), pass, trace)?;
         let mut loss = [results.iter().flatten().sum::<f32>() / results.len().max(1) as f32];
         self.state
@@ -1190,7 +1197,14 @@ impl Chunks<'_> {
         let mut padded = ids.to_vec();
         padded.resize(len, 0);
         let copies = self.config.pipeline.microbatch_multiple(self.config.pp);
-        let microbatches = vec![(padded, Vec::new()); copies];
+        let microbatches = vec![
+            Microbatch {
+                ids: padded,
+                labels: Vec::new(),
+                positions: None,
+            };
+            copies
+        ];
         let pass = Pass::Logits { at: ids.len() - 1 };
         let (mut results, _) = self.run(&microbatches, (len, 1), pass, false)?;
         Ok((!results.is_empty()).then(|| results.swap_remove(0)))
@@ -1200,23 +1214,26 @@ impl Chunks<'_> {
     /// produced for each (its loss, or its logits), and the timeline if `trace`.
     fn run(
         &mut self,
-        microbatches: &[(Vec<usize>, Vec<i64>)],
+        microbatches: &[Microbatch],
         (len, rows): (usize, usize),
         pass: Pass,
         trace: bool,
     ) -> Result<(Vec<Vec<f32>>, Vec<ferrotron_pipeline::Span>)> {
         let tp = self.models[0].tp();
         // Under context parallelism each rank holds two chunks of every sequence.
-        let sliced: Vec<(Vec<usize>, Vec<i64>)>;
+        let sliced: Vec<Microbatch>;
         let (microbatches, len) = match tp.context_size() {
             1 => (microbatches, len),
             cp => {
                 sliced = (microbatches.iter())
-                    .map(|(ids, labels)| {
-                        Ok((
-                            context_part(ids, len, rows, tp)?,
-                            context_part(labels, len, rows, tp)?,
-                        ))
+                    .map(|m| {
+                        Ok(Microbatch {
+                            ids: context_part(&m.ids, len, rows, tp)?,
+                            labels: context_part(&m.labels, len, rows, tp)?,
+                            positions: (m.positions.as_ref())
+                                .map(|p| context_part(p, len, rows, tp))
+                                .transpose()?,
+                        })
                     })
                     .collect::<Result<_>>()?;
                 (&sliced[..], len / cp)
@@ -1302,7 +1319,7 @@ struct GptStage<'a> {
     expert_ddp: Option<&'a DistributedDataParallel>,
     rng: &'a mut RngTracker,
     dp: &'a Arc<dyn Communicator>,
-    microbatches: &'a [(Vec<usize>, Vec<i64>)],
+    microbatches: &'a [Microbatch],
     len: usize,
     pass: Pass,
     /// What training multiplies the loss by before backward.
@@ -1321,13 +1338,21 @@ impl ferrotron_pipeline::Stage for GptStage<'_> {
         microbatch: usize,
         input: Option<&ferrotron_tape::Tensor>,
     ) -> std::result::Result<ferrotron_tape::Tensor, Box<dyn std::error::Error + Send + Sync>> {
-        let (ids, labels) = &self.microbatches[microbatch];
+        let Microbatch {
+            ids,
+            labels,
+            positions,
+        } = &self.microbatches[microbatch];
         let rows = ids.len() / self.len;
         // Only training draws dropout masks.
         let rng = (self.pass == Pass::Train).then_some(&mut *self.rng);
+        let tokens = Tokens {
+            ids,
+            positions: positions.as_deref(),
+        };
         let output = self
             .model
-            .forward_chunk(tape, ids, input, self.len, rows, rng)?;
+            .forward_chunk(tape, tokens, input, self.len, rows, rng)?;
         if !self.model.is_last() {
             return Ok(output);
         }
@@ -1453,24 +1478,41 @@ fn sampler(corpus: &Corpus, config: &TrainConfig, state: &ParallelState) -> Dist
     }
 }
 
+/// One microbatch, sequence-first (`[seq, rows]` flattened): the input ids, their
+/// next-token labels, and each token's position when not simply its index.
+#[derive(Clone)]
+struct Microbatch {
+    ids: Vec<usize>,
+    labels: Vec<i64>,
+    positions: Option<Vec<usize>>,
+}
+
 /// This data-parallel rank's rows `starts` of a global batch of `split`, split into the
-/// configured microbatches, each as sequence-first ids and labels.
+/// configured microbatches.
 fn microbatches(
     corpus: &Corpus,
     split: Split,
     starts: &[usize],
     config: &TrainConfig,
-) -> Result<Vec<(Vec<usize>, Vec<i64>)>> {
+) -> Result<Vec<Microbatch>> {
     let seq = config.model.seq;
-    let (inputs, mut targets) = corpus.rows(split, starts, seq)?;
+    let starts = by_microbatch(starts, config.rows_from_ranks, config.microbatches);
+    let (inputs, mut targets) = corpus.rows(split, &starts, seq)?;
     if let Some(eod) = config.eod_mask {
         crate::data::mask_after_eod(&inputs, &mut targets, eod);
     }
-    let rows = starts.len() / config.microbatches;
-    Ok(inputs
-        .chunks(rows * seq)
-        .zip(targets.chunks(rows * seq))
-        .map(|(i, t)| (sequence_first(i, seq), sequence_first(t, seq)))
+    let positions =
+        (config.reset_positions).map(|eod| crate::data::reset_positions(&inputs, seq, eod));
+    let per = starts.len() / config.microbatches * seq;
+    Ok((0..config.microbatches)
+        .map(|m| {
+            let part = m * per..(m + 1) * per;
+            Microbatch {
+                ids: sequence_first(&inputs[part.clone()], seq),
+                labels: sequence_first(&targets[part.clone()], seq),
+                positions: (positions.as_ref()).map(|p| sequence_first(&p[part], seq)),
+            }
+        })
         .collect())
 }
 
@@ -1488,6 +1530,21 @@ fn validation_loss(chunks: &mut Chunks<'_>, corpus: &Corpus) -> Result<f32> {
         total += chunks.loss(&microbatches, Pass::Evaluate, false)?.0;
     }
     Ok(total / config.eval_batches as f32)
+}
+
+/// `starts`, `ranks` ranks' rows one after the other, reordered so that each of
+/// `microbatches` contiguous slices holds every rank's share of that microbatch.
+fn by_microbatch(starts: &[usize], ranks: usize, microbatches: usize) -> Vec<usize> {
+    let per_rank = starts.len() / ranks.max(1);
+    let share = per_rank / microbatches.max(1);
+    (0..microbatches)
+        .flat_map(|m| {
+            (0..ranks).flat_map(move |r| {
+                let first = r * per_rank + m * share;
+                starts[first..first + share].iter().copied()
+            })
+        })
+        .collect()
 }
 
 /// Row-major `[rows, seq]` to sequence-first `[seq, rows]`.

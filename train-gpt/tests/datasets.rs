@@ -1,8 +1,9 @@
 //! Data from Megatron-LM: `preprocess` tokenizes text into an indexed dataset, the demo
 //! trains on it (alone and blended) with the tokenizer's vocabulary padded as Megatron
 //! pads it and the padding left out of the loss, `--eod-mask-loss` leaves the positions
-//! after each document's end out of the loss at any layout, and damaged files or a
-//! mismatched tokenizer are refused naming the file.
+//! after each document's end out of the loss and `--reset-position-ids` counts positions
+//! from each document's start, at any layout, and damaged files or a mismatched tokenizer
+//! are refused naming the file.
 
 mod common;
 
@@ -272,7 +273,70 @@ fn eod_mask_loss_leaves_document_boundaries_out_at_any_layout() {
         !unknown.status.success() && err.contains("\"</s>\""),
         "{err}"
     );
+    // Experts route each rank's rows apart, the masked loss weighs all ranks' together:
+    // one rank cannot check both at DP 2.
+    flags.truncate(flags.len() - 2);
+    flags.extend(["--num-experts", "4", "--expert-parallel", "2"]);
+    let experts = train(&dir, &flags);
+    let err = String::from_utf8_lossy(&experts.stderr);
+    assert!(
+        !experts.status.success() && err.contains("--check cannot"),
+        "{err}"
+    );
     let bytes = train(&dir, &["--eod-mask-loss"]);
     assert!(!bytes.status.success());
     assert!(String::from_utf8_lossy(&bytes.stderr).contains("--tokenizer"));
+}
+
+#[test]
+fn reset_position_ids_count_from_each_document_start_at_any_layout() {
+    let dir = fresh("datasets-reset-positions");
+    let (tokenizer, _) = tokenizer(&dir);
+    let prefix = preprocess(&dir, &tokenizer, "docs", 40, 5);
+    let data = [
+        "--data-path",
+        prefix.to_str().unwrap(),
+        "--tokenizer",
+        tokenizer.to_str().unwrap(),
+    ];
+    let first_loss = |extra: &[&str]| -> f64 {
+        let flags: Vec<&str> = data.iter().chain(extra).copied().collect();
+        let out = succeeded(&train(&dir, &flags));
+        if extra.contains(&"--check") {
+            assert!(number_after(&out, "max loss difference: ") <= 1e-4, "{out}");
+        }
+        number_after(&out, "loss: ")
+    };
+    let plain = first_loss(&["--tp", "2", "--dp", "1"]);
+    // Sequence and context parallelism cut the positions as they cut the ids.
+    let reset = first_loss(&[
+        "--tp",
+        "2",
+        "--dp",
+        "1",
+        "--sequence-parallel",
+        "--cp",
+        "2",
+        "--reset-position-ids",
+        "--check",
+    ]);
+    assert!(
+        (plain - reset).abs() > 1e-4,
+        "resetting changed nothing: {plain}"
+    );
+    first_loss(&[
+        "--tp",
+        "1",
+        "--dp",
+        "1",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        "--reset-position-ids",
+        "--eod-mask-loss",
+        "--device",
+        "emulated",
+        "--check",
+    ]);
 }

@@ -304,9 +304,10 @@ impl TransformerBlock {
                  TensorParallel::from_state or with_expert_parallel",
             ));
         };
-        if tp.size() > 1 && experts.expert_tp.size() != tp.size() {
-            // The tensor-parallel ranks hold the same tokens; unless they split each expert
-            // between them, each would send its copy of every token to the experts.
+        if experts.expert_tp.size() != tp.size() {
+            // The tensor-parallel ranks hold the same tokens, and only they: unless the
+            // expert-tensor-parallel ranks are they, each would send its copy of every
+            // token to the experts, or they would split experts over different tokens.
             return Err(Error::config(
                 OP,
                 format!(

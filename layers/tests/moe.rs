@@ -519,20 +519,26 @@ fn a_shared_expert_adds_a_dense_mlp_beside_the_routed_ones() -> AnyResult<()> {
 }
 
 /// Tensor-parallel ranks hold the same tokens, so experts in a block must be split over
-/// as many ranks as the block: whole experts on each would see every token twice.
+/// as many ranks as the block: whole experts on each would see every token twice, and
+/// experts split over ranks of different tokens would mix them.
 #[test]
 fn experts_not_split_like_the_block_are_refused() -> AnyResult<()> {
     run_local(2, |comm| -> AnyResult<()> {
         let alone = comm
             .split(Some(comm.rank() as u32), 0, "alone")?
             .expect("every rank has a color");
-        let group: Arc<dyn Communicator> = Arc::new(comm);
-        let tp = TensorParallel::new(group.clone())
-            .with_expert_parallel(ExpertParallel::new(group, alone));
+        let (group, alone): (Arc<dyn Communicator>, Arc<dyn Communicator>) =
+            (Arc::new(comm), alone);
         let config = config(2, RouterSoftmax::AfterTopK, None);
-        let err = TransformerBlock::with_experts(&tp, "b", &block(), &config, &init());
-        let message = err.err().expect("refused").to_string();
-        assert!(message.contains("expert-tensor-parallel size"), "{message}");
+        // Whole experts in a TP 2 block, and experts split over 2 ranks of TP 1 blocks
+        // (which hold different tokens).
+        for (block_tp, expert_tp) in [(&group, &alone), (&alone, &group)] {
+            let tp = TensorParallel::new(block_tp.clone())
+                .with_expert_parallel(ExpertParallel::new(group.clone(), expert_tp.clone()));
+            let err = TransformerBlock::with_experts(&tp, "b", &block(), &config, &init());
+            let message = err.err().expect("refused").to_string();
+            assert!(message.contains("expert-tensor-parallel size"), "{message}");
+        }
         Ok(())
     })?;
     Ok(())

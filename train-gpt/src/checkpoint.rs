@@ -59,7 +59,7 @@ impl TrainerState {
                       "heads": m.heads, "seq": m.seq, "tied": m.tied,
                       "experts": m.moe.map(|(moe, every)| json!({
                           "num_experts": moe.num_experts, "ffn_hidden": moe.ffn_hidden,
-                          "every": every}))},
+                          "shared_expert_ffn": moe.shared_expert_ffn, "every": every}))},
             // f32 → f64 is exact and JSON keeps f64 exactly, so the curve resumes
             // bit-identically.
             "losses": self.losses,
@@ -151,11 +151,18 @@ impl TrainerState {
                 moe: match &model["experts"] {
                     Value::Null => None,
                     e => Some((
-                        ferrotron_layers::MoeConfig::new(
-                            number(&e["num_experts"])?,
-                            1,
-                            number(&e["ffn_hidden"])?,
-                        ),
+                        ferrotron_layers::MoeConfig {
+                            // Checkpoints from before shared experts have none.
+                            shared_expert_ffn: match &e["shared_expert_ffn"] {
+                                Value::Null => None,
+                                width => Some(number(width)?),
+                            },
+                            ..ferrotron_layers::MoeConfig::new(
+                                number(&e["num_experts"])?,
+                                1,
+                                number(&e["ffn_hidden"])?,
+                            )
+                        },
                         number(&e["every"])?,
                     )),
                 },
@@ -247,11 +254,14 @@ impl TrainerState {
             s.heads,
             s.seq
         );
-        let experts = |m: &GptConfig| m.moe.map(|(c, every)| (c.num_experts, c.ffn_hidden, every));
+        let experts = |m: &GptConfig| {
+            (m.moe).map(|(c, every)| (c.num_experts, c.ffn_hidden, every, c.shared_expert_ffn))
+        };
         ensure!(
             experts(s) == experts(m),
             "the checkpoint's model has {}; this run's {}: pass the same --num-experts, \
-             --moe-ffn-hidden-size and --moe-layer-freq",
+             --moe-ffn-hidden-size, --moe-shared-expert-intermediate-size and \
+             --moe-layer-freq",
             describe_experts(experts(s)),
             describe_experts(experts(m))
         );
@@ -284,11 +294,15 @@ pub fn read_stages(dirs: &[PathBuf], tp: usize) -> Result<BTreeMap<String, (Shar
 }
 
 /// A model's experts as a check's message names them.
-fn describe_experts(experts: Option<(usize, usize, usize)>) -> String {
+fn describe_experts(experts: Option<(usize, usize, usize, Option<usize>)>) -> String {
     match experts {
         None => "no experts".into(),
-        Some((n, ffn, every)) => {
-            format!("{n} experts {ffn} wide (--moe-layer-freq {every})")
+        Some((n, ffn, every, shared)) => {
+            let shared = match shared {
+                Some(width) => format!(" and a shared expert {width} wide"),
+                None => String::new(),
+            };
+            format!("{n} experts {ffn} wide{shared} (--moe-layer-freq {every})")
         }
     }
 }

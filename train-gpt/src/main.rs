@@ -1167,6 +1167,10 @@ fn validate_experts(args: &Args, dp: usize) -> Result<()> {
             "--expert-parallel {} needs experts: pass --num-experts",
             args.expert_parallel
         );
+        ensure!(
+            args.moe_shared_expert_intermediate_size.is_none(),
+            "--moe-shared-expert-intermediate-size needs experts: pass --num-experts"
+        );
         return Ok(());
     }
     let (experts, ep) = (args.num_experts, args.expert_parallel);

@@ -98,6 +98,7 @@ fn bad_expert_settings_are_refused() {
         ),
         ("--num-experts 4 --expert-parallel 4 --dp 2", "divides 2"),
         ("--expert-parallel 2 --dp 2", "pass --num-experts"),
+        ("--moe-shared-expert-intermediate-size 8", "needs experts"),
         ("--num-experts 4 --moe-top-k 5", "--moe-top-k 5"),
         (
             "--num-experts 4 --moe-shared-expert-intermediate-size 0",
@@ -159,6 +160,26 @@ fn a_run_saved_at_one_expert_parallel_size_continues_at_another() {
         &dir.join("s/loss.csv"),
         "from the distributed optimizer",
     );
+    // The shared expert is part of the model a checkpoint holds: resuming without it
+    // is refused, naming it.
+    let shared = "--moe-shared-expert-intermediate-size 32";
+    succeed(&format!(
+        "{sizes} {shared} --tp 1 --dp 2 --expert-parallel 2 --steps 2 --save {d}/shared \
+         --out {d}/shared-first"
+    ));
+    let dropped = run(&format!(
+        "{sizes} --tp 1 --dp 2 --expert-parallel 2 --steps 3 --resume {d}/shared"
+    ));
+    let err = String::from_utf8_lossy(&dropped.stderr);
+    assert!(
+        !dropped.status.success(),
+        "resumed without the shared expert"
+    );
+    assert!(err.contains("a shared expert 32 wide"), "{err}");
+    succeed(&format!(
+        "{sizes} {shared} --tp 2 --dp 2 --expert-parallel 1 --steps 3 --resume {d}/shared \
+         --out {d}/shared-again"
+    ));
 }
 
 /// The resumed run's loss curve (`csv`) is `whole`'s within 1e-4.

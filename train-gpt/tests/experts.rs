@@ -23,6 +23,14 @@ fn succeed(flags: &str) -> String {
     common::succeeded(&output)
 }
 
+/// Runs `flags`, which must fail with a message containing `needle`.
+fn refused(flags: &str, needle: &str) {
+    let output = run(flags);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{flags} ran");
+    assert!(stderr.contains(needle), "{flags}: {stderr}");
+}
+
 #[test]
 fn expert_parallel_runs_match_one_rank() {
     let out = fresh("experts-check");
@@ -109,10 +117,7 @@ fn bad_expert_settings_are_refused() {
             "shared expert",
         ),
     ] {
-        let output = run(&format!("{flags} --steps 1"));
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "{flags} ran");
-        assert!(stderr.contains(needle), "{flags}: {stderr}");
+        refused(&format!("{flags} --steps 1"), needle);
     }
 }
 
@@ -167,15 +172,10 @@ fn a_run_saved_at_one_expert_parallel_size_continues_at_another() {
         "{sizes} {shared} --tp 1 --dp 2 --expert-parallel 2 --steps 2 --save {d}/shared \
          --out {d}/shared-first"
     ));
-    let dropped = run(&format!(
-        "{sizes} --tp 1 --dp 2 --expert-parallel 2 --steps 3 --resume {d}/shared"
-    ));
-    let err = String::from_utf8_lossy(&dropped.stderr);
-    assert!(
-        !dropped.status.success(),
-        "resumed without the shared expert"
+    refused(
+        &format!("{sizes} --tp 1 --dp 2 --expert-parallel 2 --steps 3 --resume {d}/shared"),
+        "a shared expert 32 wide",
     );
-    assert!(err.contains("a shared expert 32 wide"), "{err}");
     succeed(&format!(
         "{sizes} {shared} --tp 2 --dp 2 --expert-parallel 1 --steps 3 --resume {d}/shared \
          --out {d}/shared-again"
@@ -216,10 +216,8 @@ fn a_dense_checkpoint_upcycles_into_experts_that_compute_the_same_loss() {
     ));
     let (dense, experts) = (first_loss("again"), first_loss("experts"));
     assert!((dense - experts).abs() <= 1e-5, "{dense} vs {experts}");
-    let output = run(&format!(
-        "{model} --num-experts 4 --moe-ffn-hidden-size 64 --steps 1 --init-from {d}/hf"
-    ));
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert!(stderr.contains("--moe-ffn-hidden-size 128"), "{stderr}");
+    refused(
+        &format!("{model} --num-experts 4 --moe-ffn-hidden-size 64 --steps 1 --init-from {d}/hf"),
+        "--moe-ffn-hidden-size 128",
+    );
 }

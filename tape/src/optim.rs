@@ -558,7 +558,11 @@ impl SgdUpdate {
 /// slice of a parameter.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWUpdate {
-    betas: (f64, f64),
+    /// `1 - β1`: the first moment's step towards the gradient.
+    beta1_complement: f64,
+    /// `β2` and `1 - β2`: the second moment's decay and the squared gradient's weight.
+    beta2: f64,
+    beta2_complement: f64,
     eps: f64,
     /// `1 - lr·weight_decay`: the decoupled decay factor.
     decay: f64,
@@ -575,9 +579,13 @@ impl AdamWUpdate {
         let lr = config.lr * options.lr_mult;
         let (beta1, beta2) = config.betas;
         // Step sizes follow torch: lr/(1-β1^t) on m, √(1-β2^t) folded into the denominator.
+        // Every scalar is formed in f64 and rounded once to the compute type, as PyTorch
+        // forms them from Python floats: 1 - f32(0.999) would be 1.3e-5 too small.
         let step = step as i32;
         AdamWUpdate {
-            betas: config.betas,
+            beta1_complement: 1.0 - beta1,
+            beta2,
+            beta2_complement: 1.0 - beta2,
             eps: config.eps,
             decay: 1.0 - lr * config.weight_decay * options.wd_mult,
             step_size: lr / (1.0 - beta1.powi(step)),
@@ -585,11 +593,12 @@ impl AdamWUpdate {
         }
     }
 
-    /// The six scalars of the device kernel, in its order.
-    fn coefficients(&self) -> [f64; 6] {
+    /// The seven scalars of the device kernel, in its order.
+    fn coefficients(&self) -> [f64; 7] {
         [
-            self.betas.0,
-            self.betas.1,
+            self.beta1_complement,
+            self.beta2,
+            self.beta2_complement,
             self.decay,
             self.step_size,
             self.eps,
@@ -618,7 +627,8 @@ impl AdamWUpdate {
             grads.len(),
             Some(v.len()),
         )?;
-        let (b1, b2) = (T::from_f64(self.betas.0), T::from_f64(self.betas.1));
+        let w1 = T::from_f64(self.beta1_complement);
+        let (b2, w2) = (T::from_f64(self.beta2), T::from_f64(self.beta2_complement));
         let (decay, step_size) = (T::from_f64(self.decay), T::from_f64(self.step_size));
         let (eps, bias2_sqrt) = (T::from_f64(self.eps), T::from_f64(self.bias2_sqrt));
         for (((p, &g), m), v) in values
@@ -627,8 +637,8 @@ impl AdamWUpdate {
             .zip(m.iter_mut())
             .zip(v.iter_mut())
         {
-            *m = b1 * *m + (T::one() - b1) * g;
-            *v = b2 * *v + (T::one() - b2) * g * g;
+            *m = lerp(*m, g, w1);
+            *v = b2 * *v + w2 * g * g;
             *p = *p * decay - step_size * *m / ((*v).sqrt() / bias2_sqrt + eps);
         }
         Ok(())
@@ -659,6 +669,16 @@ impl AdamWUpdate {
                 self.coefficients(),
             ),
         })
+    }
+}
+
+/// `start + weight·(end − start)` as `torch.lerp` computes it: from the nearer end, so
+/// that a weight of 1 gives `end` exactly (PyTorch's AdamW moves the first moment so).
+fn lerp<T: Element>(start: T, end: T, weight: T) -> T {
+    if weight.abs() < T::from_f64(0.5) {
+        start + weight * (end - start)
+    } else {
+        end - (end - start) * (T::one() - weight)
     }
 }
 

@@ -45,17 +45,17 @@ pub(crate) fn sgd_step<T: Element>(
 }
 
 /// One AdamW step of `param` with moments `m` and `v` (all written in place);
-/// `coefficients` are the six scalars of `adamw_step` in optim.cu, in order.
+/// `coefficients` are the seven scalars of `adamw_step` in optim.cu, in order.
 pub(crate) fn adamw_step<T: Element>(
     param: &GpuArray<T>,
     grad: &GpuArray<T>,
     m: &GpuArray<T>,
     v: &GpuArray<T>,
-    coefficients: [f64; 6],
+    coefficients: [f64; 7],
 ) -> Result<()> {
     let mut args = KernelArgs::default();
     args.p[..4].copy_from_slice(&[param.ptr(), grad.ptr(), m.ptr(), v.ptr()]);
     args.i[0] = param.len() as i64;
-    args.f[..6].copy_from_slice(&coefficients);
+    args.f[..7].copy_from_slice(&coefficients);
     param.launch(&ADAMW_STEP, param.len(), &args)
 }

@@ -25,21 +25,24 @@ KERNEL(SFX(sgd_step)) {
     }
 }
 
-/* AdamW (decoupled weight decay, torch's bias correction).
- * p0 param, p1 grad, p2 first moment, p3 second moment; i0 n; f0 beta1, f1 beta2,
- * f2 1 - lr·weight_decay, f3 lr / (1 - beta1^t), f4 eps, f5 sqrt(1 - beta2^t). */
+/* AdamW (decoupled weight decay, torch's bias correction and moment updates).
+ * p0 param, p1 grad, p2 first moment, p3 second moment; i0 n; f0 1 - beta1, f1 beta2,
+ * f2 1 - beta2, f3 1 - lr·weight_decay, f4 lr / (1 - beta1^t), f5 eps,
+ * f6 sqrt(1 - beta2^t); each formed in double by the host and rounded once here. */
 KERNEL(SFX(adamw_step)) {
     const KernelArgs* A = ARGS;
     real* param = (real*)A->p[0];
     const real* grad = (const real*)A->p[1];
     real* m = (real*)A->p[2];
     real* v = (real*)A->p[3];
-    real b1 = (real)A->f[0], b2 = (real)A->f[1], decay = (real)A->f[2];
-    real step_size = (real)A->f[3], eps = (real)A->f[4], bias2_sqrt = (real)A->f[5];
+    real w1 = (real)A->f[0], b2 = (real)A->f[1], w2 = (real)A->f[2], decay = (real)A->f[3];
+    real step_size = (real)A->f[4], eps = (real)A->f[5], bias2_sqrt = (real)A->f[6];
     FOR_EACH(i, A->i[0]) {
         real g = grad[i];
-        real mi = b1 * m[i] + ((real)1 - b1) * g;
-        real vi = b2 * v[i] + ((real)1 - b2) * g * g;
+        real mi = m[i];
+        /* torch.lerp(m, g, w1): from the nearer end. */
+        mi = w1 < (real)0.5 ? mi + w1 * (g - mi) : g - (g - mi) * ((real)1 - w1);
+        real vi = b2 * v[i] + w2 * g * g;
         m[i] = mi;
         v[i] = vi;
         param[i] = param[i] * decay - step_size * mi / (SQRT(vi) / bias2_sqrt + eps);

@@ -29,6 +29,13 @@ pub(crate) enum Work {
         kernel: unsafe extern "C" fn(*const std::ffi::c_void),
         arg: [u64; ARG_WORDS],
     },
+    /// A host build of a cooperative kernel, its argument and grid.
+    Blocks {
+        kernel: crate::blocks::BlockKernel,
+        arg: [u64; ARG_WORDS],
+        grid: crate::blocks::Grid,
+        name: &'static str,
+    },
     /// Another stream's calls up to `ticket`, which this stream waits for; if that
     /// stream is broken, this one breaks too (its later calls may read what the other
     /// never wrote).
@@ -41,12 +48,24 @@ pub(crate) enum Work {
 }
 
 impl Work {
-    /// Runs the call; `Err` breaks the stream.
-    fn run(self) -> std::result::Result<(), String> {
+    /// Runs the call (a cooperative kernel's blocks and threads in an order drawn from
+    /// `jitter`, if set); `Err` breaks the stream.
+    fn run(self, jitter: &mut Option<u64>) -> std::result::Result<(), String> {
         match self {
             // SAFETY: whoever queued the launch guaranteed the argument and the memory
             // it names until the kernel has run (`Stream::launch`).
             Work::Kernel { kernel, arg } => unsafe { kernel(arg.as_ptr().cast()) },
+            // SAFETY: as above (`Stream::launch_blocks`).
+            Work::Blocks {
+                kernel,
+                arg,
+                grid,
+                name,
+            } => {
+                return unsafe {
+                    crate::blocks::run(kernel, arg.as_ptr().cast(), grid, name, jitter)
+                }
+            }
             Work::WaitFor { progress, ticket } => {
                 return progress
                     .wait(ticket)
@@ -223,7 +242,8 @@ fn run(progress: &Progress, mut jitter: Option<u64>) {
             delay(state);
         }
         // A panic must not leave the host waiting forever: it breaks the stream instead.
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.run()));
+        let outcome =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.run(&mut jitter)));
         let failed = match outcome {
             Ok(result) => result.err(),
             Err(payload) => Some(

@@ -10,7 +10,9 @@
 //! - [`PinnedMemory`]: page-locked host memory whose copies to and from a device are
 //!   queued without the host waiting, and waited for before the host touches it;
 //! - [`Module`] and [`Function`]: kernels compiled by NVRTC (CUDA) or built for the host
-//!   (emulated), launched on a stream;
+//!   (emulated), launched on a stream over independent indices, or as a [`Grid`] of
+//!   cooperating blocks ([`blocks`]: barriers, warp shuffles and shared memory, run by the
+//!   emulated device with a GPU's semantics and checked for races);
 //! - counters of host↔device [`transfers`] and of [`host_waits`], per thread and device;
 //! - with the `cuda` feature, [`cuda`]: finding the CUDA libraries at run time (the
 //!   workspace builds and runs without them), one context per device per process, and
@@ -43,6 +45,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+pub mod blocks;
 mod checker;
 mod counters;
 #[cfg(feature = "cuda")]
@@ -55,6 +58,7 @@ mod pinned;
 mod place;
 mod stream;
 
+pub use blocks::{BlockKernel, Grid, Thread};
 pub use checker::{host_access, Access};
 pub use counters::{host_waits, transfers, Transfers};
 pub use error::{Error, Result};

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::blocks::{BlockKernel, Grid};
 use crate::checker::Access;
 use crate::emulated::{Work, ARG_WORDS};
 use crate::error::{Error, Result};
@@ -107,6 +108,7 @@ pub struct Function {
 #[derive(Clone)]
 enum FunctionKind {
     Host(HostKernel),
+    HostBlocks(BlockKernel),
     #[cfg(feature = "cuda")]
     Cuda(cudarc::driver::CudaFunction),
 }
@@ -125,6 +127,15 @@ impl Function {
         Function {
             name: Cow::Borrowed(name),
             kind: FunctionKind::Host(kernel),
+        }
+    }
+
+    /// A cooperative kernel's host build, for streams of the emulated device (launched
+    /// with [`Stream::launch_blocks`]).
+    pub fn host_blocks(name: &'static str, kernel: BlockKernel) -> Function {
+        Function {
+            name: Cow::Borrowed(name),
+            kind: FunctionKind::HostBlocks(kernel),
         }
     }
 
@@ -147,6 +158,29 @@ impl Function {
         args: &[&dyn Arg],
     ) -> Result<()> {
         const THREADS: u32 = 256;
+        if items == 0 {
+            return Ok(());
+        }
+        let blocks = items.div_ceil(THREADS as usize).clamp(1, 65_535) as u32;
+        let grid = Grid {
+            blocks,
+            threads: THREADS,
+        };
+        // SAFETY: as the caller's.
+        unsafe { self.launch_grid_on(stream, grid, args) }
+    }
+
+    /// Launches the CUDA function over `grid` on `stream`.
+    ///
+    /// # Safety
+    /// As [`launch_on`](Self::launch_on).
+    #[cfg(feature = "cuda")]
+    unsafe fn launch_grid_on(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        grid: Grid,
+        args: &[&dyn Arg],
+    ) -> Result<()> {
         let FunctionKind::Cuda(function) = &self.kind else {
             return Err(Error::Invalid {
                 op: "Function::launch_on",
@@ -156,14 +190,10 @@ impl Function {
                 ),
             });
         };
-        if items == 0 {
-            return Ok(());
-        }
         crate::cuda::bind(stream)?;
-        let blocks = items.div_ceil(THREADS as usize).clamp(1, 65_535) as u32;
         let config = cudarc::driver::LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (THREADS, 1, 1),
+            grid_dim: (grid.blocks, 1, 1),
+            block_dim: (grid.threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut launch = stream.launch_builder(function);
@@ -292,43 +322,22 @@ impl Stream {
         }
         match &function.kind {
             FunctionKind::Host(kernel) => {
-                if self.device() != Device::Emulated {
-                    return Err(self.wrong_device(function));
-                }
-                let [arg] = args else {
-                    return Err(Error::Invalid {
-                        op: "Stream::launch",
-                        reason: format!(
-                            "the host build of {} takes one argument (a struct), not {}",
-                            function.name,
-                            args.len()
-                        ),
-                    });
-                };
-                let name = match &function.name {
-                    Cow::Borrowed(name) => name,
-                    Cow::Owned(_) => "kernel",
-                };
-                let mut words = [0u64; ARG_WORDS];
-                if !arg.host_copy(&mut words) {
-                    return Err(Error::Invalid {
-                        op: "Stream::launch",
-                        reason: format!(
-                            "the argument of {} is larger than the emulated device's \
-                             {} bytes; pass a smaller struct",
-                            function.name,
-                            ARG_WORDS * 8
-                        ),
-                    });
-                }
+                let arg = self.host_argument(function, args)?;
                 // The caller guarantees the argument and the addresses in it until the
                 // kernel has run.
                 let work = Work::Kernel {
                     kernel: *kernel,
-                    arg: words,
+                    arg,
                 };
-                self.queue_emulated(name, accesses, work)
+                self.queue_emulated(static_name(function), accesses, work)
             }
+            FunctionKind::HostBlocks(_) => Err(Error::Invalid {
+                op: "Stream::launch",
+                reason: format!(
+                    "{} is a cooperative kernel: launch it with Stream::launch_blocks",
+                    function.name
+                ),
+            }),
             #[cfg(feature = "cuda")]
             FunctionKind::Cuda(_) => {
                 let stream = self.cuda().ok_or_else(|| self.wrong_device(function))?;
@@ -336,6 +345,87 @@ impl Stream {
                 unsafe { function.launch_on(stream, items, args) }
             }
         }
+    }
+
+    /// Queues the cooperative kernel `function` over `grid` with `args`: on CUDA as that
+    /// grid of blocks, on the emulated device its host build run thread by thread, block
+    /// by block, with a GPU's barriers, warp operations and shared memory, and checked
+    /// (see [`blocks`](crate::blocks): a fault breaks the stream with its description).
+    /// `accesses` are as for [`launch`](Self::launch). A grid the device would refuse
+    /// (no blocks, blocks of more than 1024 threads or not of whole warps) is an error.
+    ///
+    /// # Safety
+    /// As [`launch`](Self::launch).
+    pub unsafe fn launch_blocks(
+        &self,
+        function: &Function,
+        grid: Grid,
+        args: &[&dyn Arg],
+        accesses: &[Access],
+    ) -> Result<()> {
+        if let Some(reason) = grid.check() {
+            return Err(Error::Invalid {
+                op: "Stream::launch_blocks",
+                reason: format!("{}: {reason}", function.name),
+            });
+        }
+        match &function.kind {
+            FunctionKind::HostBlocks(kernel) => {
+                let arg = self.host_argument(function, args)?;
+                let name = static_name(function);
+                let work = Work::Blocks {
+                    kernel: *kernel,
+                    arg,
+                    grid,
+                    name,
+                };
+                self.queue_emulated(name, accesses, work)
+            }
+            FunctionKind::Host(_) => Err(Error::Invalid {
+                op: "Stream::launch_blocks",
+                reason: format!(
+                    "{} is a kernel over independent indices: launch it with Stream::launch",
+                    function.name
+                ),
+            }),
+            #[cfg(feature = "cuda")]
+            FunctionKind::Cuda(_) => {
+                let stream = self.cuda().ok_or_else(|| self.wrong_device(function))?;
+                // SAFETY: as the caller's.
+                unsafe { function.launch_grid_on(stream, grid, args) }
+            }
+        }
+    }
+
+    /// A host build's one argument copied into the words the queue keeps, on an
+    /// emulated stream.
+    fn host_argument(&self, function: &Function, args: &[&dyn Arg]) -> Result<[u64; ARG_WORDS]> {
+        if self.device() != Device::Emulated {
+            return Err(self.wrong_device(function));
+        }
+        let [arg] = args else {
+            return Err(Error::Invalid {
+                op: "Stream::launch",
+                reason: format!(
+                    "the host build of {} takes one argument (a struct), not {}",
+                    function.name,
+                    args.len()
+                ),
+            });
+        };
+        let mut words = [0u64; ARG_WORDS];
+        if !arg.host_copy(&mut words) {
+            return Err(Error::Invalid {
+                op: "Stream::launch",
+                reason: format!(
+                    "the argument of {} is larger than the emulated device's {} bytes; pass \
+                     a smaller struct",
+                    function.name,
+                    ARG_WORDS * 8
+                ),
+            });
+        }
+        Ok(words)
     }
 
     fn wrong_device(&self, function: &Function) -> Error {
@@ -347,5 +437,13 @@ impl Stream {
                 self.device()
             ),
         }
+    }
+}
+
+/// A host build's name as the ordering checker and fault reports keep it.
+fn static_name(function: &Function) -> &'static str {
+    match &function.name {
+        Cow::Borrowed(name) => name,
+        Cow::Owned(_) => "kernel",
     }
 }

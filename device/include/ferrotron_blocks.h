@@ -1,0 +1,37 @@
+/* One thread of a cooperative kernel as the emulated device runs it: what the host build
+ * of such a kernel takes beside its argument, and the calls through which its threads
+ * meet (block barriers, warp shuffles and syncs) and use the block's shared memory.
+ * Laid out as ferrotron_device::Thread (device/src/blocks.rs); kernels reach it through
+ * the macros of their own prelude, never directly. */
+#ifndef FERROTRON_BLOCKS_H
+#define FERROTRON_BLOCKS_H
+
+typedef struct FerrotronThread FerrotronThread;
+
+typedef struct {
+    /* __syncthreads(): returns once every thread of the block has reached it. */
+    void (*barrier)(FerrotronThread* thread, int line);
+    /* __syncwarp(): returns once every lane of the thread's warp has reached it. */
+    void (*sync_warp)(FerrotronThread* thread, int line);
+    /* __shfl_sync over the whole warp: every lane offers `bits` and gets lane `lane`'s. */
+    unsigned long long (*shuffle)(FerrotronThread* thread, unsigned long long bits, int lane,
+                                  int line);
+    /* The next `bytes` of the block's shared memory (the same address in every thread
+     * that declares its arrays in the same order). */
+    void* (*shared)(FerrotronThread* thread, unsigned long long bytes, int line);
+    /* Declares a read (write = 0) or write of shared memory, which the emulator checks
+     * against the other threads' accesses since they last met. */
+    void (*access)(FerrotronThread* thread, const void* address, unsigned long long bytes,
+                   int write, int line);
+} FerrotronThreadOps;
+
+struct FerrotronThread {
+    const FerrotronThreadOps* ops;
+    unsigned int thread;  /* threadIdx.x */
+    unsigned int block;   /* blockIdx.x */
+    unsigned int threads; /* blockDim.x */
+    unsigned int blocks;  /* gridDim.x */
+    void* runner;         /* the emulator's, opaque */
+};
+
+#endif

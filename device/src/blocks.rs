@@ -1,0 +1,674 @@
+//! Cooperative kernels on the emulated device: a grid of blocks of threads that meet at
+//! block barriers and warp operations and share memory within a block, run on the host
+//! with a GPU's semantics.
+//!
+//! Each thread of a block runs the kernel's host build on a stack of its own (a
+//! coroutine) until it meets the others: a barrier suspends it until every thread of
+//! the block has arrived, a warp shuffle or sync until every lane of its warp has. The
+//! threads between two meeting points run one after another, in thread order (in a
+//! random order under `FERROTRON_EMULATED_JITTER`), so a run is deterministic, and a
+//! kernel whose result depends on that order is one the checker reports anyway:
+//! - a shared-memory read of a word another thread wrote, or a write of a word another
+//!   thread read or wrote, with no barrier (or, within a warp, no warp operation) between;
+//! - a read of shared memory no thread of the block wrote;
+//! - a barrier that not every thread of the block reaches (some exited, or wait at
+//!   another barrier), and warp lanes that do not all meet at the same warp operation;
+//! - shared memory beyond a block's 48 KiB.
+//!
+//! A fault fails the launch: the stream breaks with the first fault's description (the
+//! threads are let past the meeting point so that the kernel runs to its end).
+
+use std::cell::{RefCell, UnsafeCell};
+use std::ffi::c_void;
+
+use corosensei::stack::DefaultStack;
+use corosensei::{Coroutine, CoroutineResult, Yielder};
+
+/// Threads of a warp.
+pub const WARP_SIZE: u32 = 32;
+/// Most threads in a block (CUDA's limit).
+pub const MAX_BLOCK_THREADS: u32 = 1024;
+/// Shared memory a block may declare (CUDA's static limit).
+pub const SHARED_MEMORY_BYTES: usize = 48 * 1024;
+
+/// The host build of a cooperative kernel: it reads its argument through the first
+/// pointer and is run once per thread of every block with that thread's [`Thread`].
+pub type BlockKernel = unsafe extern "C" fn(*const c_void, *mut Thread);
+
+/// How a cooperative kernel is launched: `blocks` blocks of `threads` threads (a multiple
+/// of the warp size, at most 1024), as CUDA's one-dimensional grid and block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grid {
+    /// Blocks in the grid (`gridDim.x`).
+    pub blocks: u32,
+    /// Threads in a block (`blockDim.x`).
+    pub threads: u32,
+}
+
+impl Grid {
+    /// Why the emulated device (and a GPU) would refuse this grid, if it would.
+    pub(crate) fn check(&self) -> Option<String> {
+        let Grid { blocks, threads } = *self;
+        if blocks == 0 || threads == 0 || threads > MAX_BLOCK_THREADS {
+            return Some(format!(
+                "a grid of {blocks} blocks of {threads} threads: give at least one block \
+                 and 1 to {MAX_BLOCK_THREADS} threads"
+            ));
+        }
+        if threads % WARP_SIZE != 0 {
+            return Some(format!(
+                "blocks of {threads} threads: give whole warps (a multiple of {WARP_SIZE})"
+            ));
+        }
+        None
+    }
+}
+
+/// The calls of a thread, as `ferrotron_blocks.h` declares them.
+#[repr(C)]
+struct Ops {
+    barrier: extern "C" fn(*mut Thread, i32),
+    sync_warp: extern "C" fn(*mut Thread, i32),
+    shuffle: extern "C" fn(*mut Thread, u64, i32, i32) -> u64,
+    shared: extern "C" fn(*mut Thread, u64, i32) -> *mut c_void,
+    access: extern "C" fn(*mut Thread, *const c_void, u64, i32, i32),
+}
+
+static OPS: Ops = Ops {
+    barrier,
+    sync_warp,
+    shuffle,
+    shared,
+    access,
+};
+
+/// One thread of an emulated block, as a cooperative kernel's host build receives it
+/// (`FerrotronThread` in `include/ferrotron_blocks.h`, whose directory build scripts read
+/// from `DEP_FERROTRON_DEVICE_INCLUDE`). Kernels written in Rust for the emulated device
+/// use its methods.
+#[repr(C)]
+pub struct Thread {
+    ops: &'static Ops,
+    thread: u32,
+    block: u32,
+    threads: u32,
+    blocks: u32,
+    runner: *mut c_void,
+}
+
+impl Thread {
+    /// `threadIdx.x`.
+    pub fn index(&self) -> u32 {
+        self.thread
+    }
+
+    /// `blockIdx.x`.
+    pub fn block(&self) -> u32 {
+        self.block
+    }
+
+    /// `blockDim.x`.
+    pub fn threads(&self) -> u32 {
+        self.threads
+    }
+
+    /// `gridDim.x`.
+    pub fn blocks(&self) -> u32 {
+        self.blocks
+    }
+
+    /// `__syncthreads()`; `line` names the call in fault reports.
+    pub fn barrier(&mut self, line: u32) {
+        (self.ops.barrier)(self, line as i32)
+    }
+
+    /// `__syncwarp()`.
+    pub fn sync_warp(&mut self, line: u32) {
+        (self.ops.sync_warp)(self, line as i32)
+    }
+
+    /// `__shfl_sync(0xffffffff, bits, lane)`: every lane of the warp offers its `bits`
+    /// and gets those of `lane` (modulo the warp size).
+    pub fn shuffle(&mut self, bits: u64, lane: u32, line: u32) -> u64 {
+        (self.ops.shuffle)(self, bits, lane as i32, line as i32)
+    }
+
+    /// The next `bytes` of the block's shared memory (16-byte aligned).
+    pub fn shared(&mut self, bytes: usize, line: u32) -> *mut u8 {
+        (self.ops.shared)(self, bytes as u64, line as i32).cast()
+    }
+
+    /// Reads `*address`, a value in the block's shared memory, checked.
+    ///
+    /// # Safety
+    /// `address` must be valid for reads (memory from [`shared`](Self::shared)).
+    pub unsafe fn load<T: Copy>(&mut self, address: *const T, line: u32) -> T {
+        (self.ops.access)(self, address.cast(), size_of::<T>() as u64, 0, line as i32);
+        // SAFETY: as the caller guarantees.
+        unsafe { address.read() }
+    }
+
+    /// Writes `value` to `*address` in the block's shared memory, checked.
+    ///
+    /// # Safety
+    /// `address` must be valid for writes (memory from [`shared`](Self::shared)).
+    pub unsafe fn store<T: Copy>(&mut self, address: *mut T, value: T, line: u32) {
+        (self.ops.access)(self, address.cast(), size_of::<T>() as u64, 1, line as i32);
+        // SAFETY: as the caller guarantees.
+        unsafe { address.write(value) }
+    }
+}
+
+/// Runs `kernel` over `grid` with `arg`; `Err` describes the first fault. `order` seeds
+/// a random order of blocks and of threads between meeting points (`None`: in order).
+///
+/// # Safety
+/// `arg` must be what the kernel reads, and every address in it valid for the kernel's
+/// accesses.
+pub(crate) unsafe fn run(
+    kernel: BlockKernel,
+    arg: *const c_void,
+    grid: Grid,
+    name: &str,
+    order: &mut Option<u64>,
+) -> Result<(), String> {
+    if let Some(reason) = grid.check() {
+        return Err(format!("{name}: {reason}"));
+    }
+    let mut blocks: Vec<u32> = (0..grid.blocks).collect();
+    if let Some(state) = order {
+        shuffle_in_place(&mut blocks, state);
+    }
+    for index in blocks {
+        let block = Block::new(grid, index);
+        // SAFETY: as the caller guarantees.
+        unsafe { block.run(kernel, arg, order) }.map_err(|e| format!("{name}: {e}"))?;
+        if let Some(fault) = block.state().fault.take() {
+            return Err(format!("{name}, block {index}: {fault}"));
+        }
+    }
+    Ok(())
+}
+
+/// Where a thread stands between two resumptions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stand {
+    /// Runs on when resumed.
+    Ready,
+    /// Waits at the block barrier of `line`.
+    Barrier(i32),
+    /// Waits for its warp at the shuffle (or, `shuffle: false`, the sync) of `line`.
+    Warp { line: i32, shuffle: bool },
+    /// Has returned.
+    Exited,
+}
+
+/// The shadow of one 4-byte word of shared memory: who last wrote it and who read it
+/// since, with the meeting counts that order them.
+#[derive(Clone, Copy, Default)]
+struct Word {
+    /// Thread + 1 of the last write (0: never written in this block).
+    writer: u32,
+    write_line: i32,
+    write_epoch: u32,
+    write_warp_epoch: u32,
+    /// Thread + 1 of the reader since the write or barrier, `u32::MAX` for several.
+    reader: u32,
+    read_line: i32,
+    read_epoch: u32,
+    /// Warps whose lanes read it (bit per warp) and the latest read's warp count.
+    read_warps: u32,
+    read_warp_epoch: u32,
+}
+
+/// The state of the block being run, reached by the scheduler and by its threads' calls.
+struct State {
+    stands: Vec<Stand>,
+    offered: Vec<(u64, i32)>,
+    received: Vec<u64>,
+    /// Block barriers passed, and each warp's warp operations (and barriers) passed.
+    epoch: u32,
+    warp_epochs: Vec<u32>,
+    arena: Vec<u128>,
+    /// Each thread's next shared offset, and the most any declared.
+    cursors: Vec<usize>,
+    used: usize,
+    shadow: Vec<Word>,
+    /// Memory handed out past the arena, so a faulty kernel writes somewhere valid.
+    overflow: Vec<Box<[u128]>>,
+    yielders: Vec<*const Yielder<(), ()>>,
+    fault: Option<String>,
+}
+
+/// One block's threads and their shared state.
+struct Block {
+    threads: Vec<Thread>,
+    state: UnsafeCell<State>,
+}
+
+thread_local! {
+    /// Stacks of finished coroutines, reused by the next block run on this thread.
+    static STACKS: RefCell<Vec<DefaultStack>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A coroutine's stack: the kernels' frames are small, the calls' formatting too.
+const STACK_BYTES: usize = 128 * 1024;
+
+impl Block {
+    fn new(grid: Grid, index: u32) -> Box<Block> {
+        let n = grid.threads as usize;
+        let mut block = Box::new(Block {
+            threads: Vec::with_capacity(n),
+            state: UnsafeCell::new(State {
+                stands: vec![Stand::Ready; n],
+                offered: vec![(0, 0); n],
+                received: vec![0; n],
+                epoch: 0,
+                warp_epochs: vec![0; n / WARP_SIZE as usize],
+                arena: vec![0; SHARED_MEMORY_BYTES / 16],
+                cursors: vec![0; n],
+                used: 0,
+                shadow: Vec::new(),
+                overflow: Vec::new(),
+                yielders: vec![std::ptr::null(); n],
+                fault: None,
+            }),
+        });
+        let runner = (&*block as *const Block).cast_mut().cast();
+        for thread in 0..grid.threads {
+            block.threads.push(Thread {
+                ops: &OPS,
+                thread,
+                block: index,
+                threads: grid.threads,
+                blocks: grid.blocks,
+                runner,
+            });
+        }
+        block
+    }
+
+    /// The shared state. Only one reference is alive at a time: the scheduler takes it
+    /// between resumptions, a thread's call while the scheduler is suspended in `resume`.
+    #[allow(clippy::mut_from_ref)]
+    fn state(&self) -> &mut State {
+        // SAFETY: one thread runs the block, and no reference outlives a resumption.
+        unsafe { &mut *self.state.get() }
+    }
+
+    /// Runs every thread to its end, meeting after meeting.
+    ///
+    /// # Safety
+    /// As [`run`].
+    unsafe fn run(
+        &self,
+        kernel: BlockKernel,
+        arg: *const c_void,
+        order: &mut Option<u64>,
+    ) -> Result<(), String> {
+        let n = self.threads.len();
+        let mut stacks = STACKS.with(|s| {
+            let mut pool = s.borrow_mut();
+            let keep = pool.len().saturating_sub(n);
+            pool.split_off(keep)
+        });
+        let mut coroutines = Vec::with_capacity(n);
+        for t in 0..n {
+            let stack = match stacks.pop() {
+                Some(stack) => stack,
+                None => DefaultStack::new(STACK_BYTES)
+                    .map_err(|e| format!("mapping a stack for an emulated thread: {e}"))?,
+            };
+            let thread = (&self.threads[t] as *const Thread).cast_mut();
+            let yielders = self.state().yielders.as_mut_ptr();
+            coroutines.push(Coroutine::with_stack(
+                stack,
+                move |yielder: &Yielder<(), ()>, ()| {
+                    // SAFETY: `yielders` has n slots and lives as long as the block; the
+                    // kernel's contract is the caller's.
+                    unsafe {
+                        *yielders.add(t) = yielder;
+                        kernel(arg, thread);
+                    }
+                },
+            ));
+        }
+        let mut sequence: Vec<usize> = (0..n).collect();
+        loop {
+            if let Some(state) = order {
+                shuffle_in_place(&mut sequence, state);
+            }
+            for &t in &sequence {
+                if self.state().stands[t] != Stand::Ready {
+                    continue;
+                }
+                if let CoroutineResult::Return(()) = coroutines[t].resume(()) {
+                    self.state().stands[t] = Stand::Exited;
+                }
+            }
+            if !self.state().meet() {
+                break;
+            }
+        }
+        STACKS.with(|s| {
+            let mut pool = s.borrow_mut();
+            pool.extend(coroutines.into_iter().map(|c| c.into_stack()));
+        });
+        Ok(())
+    }
+}
+
+impl State {
+    /// Lets threads past the meeting points they all reached; false once all exited. A
+    /// meeting that cannot happen is a fault, and its threads are let past anyway.
+    fn meet(&mut self) -> bool {
+        if self.stands.iter().all(|s| *s == Stand::Exited) {
+            return false;
+        }
+        let mut moved = false;
+        for warp in 0..self.warp_epochs.len() {
+            moved |= self.meet_warp(warp);
+        }
+        if moved {
+            return true;
+        }
+        let lines: Vec<i32> = (self.stands.iter())
+            .filter_map(|s| match s {
+                Stand::Barrier(line) => Some(*line),
+                _ => None,
+            })
+            .collect();
+        let waiting = lines.len();
+        let exited = self.stands.iter().filter(|s| **s == Stand::Exited).count();
+        let first = lines.first().copied().unwrap_or(0);
+        if waiting + exited == self.stands.len() && exited == 0 {
+            if lines.iter().any(|l| *l != first) {
+                self.report(format!(
+                    "threads wait at barriers on different lines ({}): every thread of a \
+                     block must reach the same __syncthreads",
+                    distinct(&lines)
+                ));
+            }
+            self.release_all();
+            return true;
+        }
+        self.report(self.describe_stall(waiting, exited, first));
+        self.release_all();
+        true
+    }
+
+    /// Completes warp `warp`'s operation if all its lanes wait at one; whether it did.
+    fn meet_warp(&mut self, warp: usize) -> bool {
+        let lanes = warp * WARP_SIZE as usize..(warp + 1) * WARP_SIZE as usize;
+        let stands = &self.stands[lanes.clone()];
+        if !stands.iter().all(|s| matches!(s, Stand::Warp { .. })) {
+            return false;
+        }
+        let first = stands[0];
+        if stands.iter().any(|s| *s != first) {
+            let lines: Vec<i32> = (stands.iter())
+                .filter_map(|s| match s {
+                    Stand::Warp { line, .. } => Some(*line),
+                    _ => None,
+                })
+                .collect();
+            self.report(format!(
+                "the lanes of warp {warp} meet at different warp operations (lines {}): \
+                 every lane must reach the same shuffle or __syncwarp",
+                distinct(&lines)
+            ));
+        }
+        for lane in lanes.clone() {
+            let (_, source) = self.offered[lane];
+            let from = lanes.start + source.rem_euclid(WARP_SIZE as i32) as usize;
+            self.received[lane] = self.offered[from].0;
+            self.stands[lane] = Stand::Ready;
+        }
+        self.warp_epochs[warp] += 1;
+        true
+    }
+
+    fn release_all(&mut self) {
+        self.epoch += 1;
+        for stand in &mut self.stands {
+            if *stand != Stand::Exited {
+                *stand = Stand::Ready;
+            }
+        }
+    }
+
+    /// Why the threads cannot go on: a barrier some did not reach, or a warp operation
+    /// some lanes did not.
+    fn describe_stall(&self, waiting: usize, exited: usize, line: i32) -> String {
+        let n = self.stands.len();
+        if waiting > 0 {
+            let elsewhere = n - waiting - exited;
+            return format!(
+                "the barrier at line {line} is reached by {waiting} of {n} threads \
+                 ({exited} exited, {elsewhere} wait at a warp operation): a __syncthreads \
+                 must be reached by every thread of the block"
+            );
+        }
+        let warp = (self
+            .stands
+            .iter()
+            .position(|s| matches!(s, Stand::Warp { .. })))
+        .map_or(0, |t| t / WARP_SIZE as usize);
+        format!(
+            "warp {warp} waits at a warp operation that not all its lanes reach (some \
+             exited or wait at a barrier): every lane must reach the same shuffle or \
+             __syncwarp"
+        )
+    }
+
+    fn report(&mut self, fault: String) {
+        self.fault.get_or_insert(fault);
+    }
+
+    /// The shared offset of `address`, if it lies in the arena.
+    fn offset_of(&self, address: *const c_void, bytes: usize) -> Option<usize> {
+        let base = self.arena.as_ptr() as usize;
+        let offset = (address as usize).checked_sub(base)?;
+        (offset + bytes <= self.used).then_some(offset)
+    }
+
+    /// Checks thread `t`'s access to shared memory against the other threads'.
+    fn check(&mut self, t: usize, address: *const c_void, bytes: usize, write: bool, line: i32) {
+        let Some(offset) = self.offset_of(address, bytes) else {
+            if self.overflow.is_empty() {
+                self.report(format!(
+                    "thread {t} accesses {bytes} bytes at {address:?} at line {line} as \
+                     shared memory, outside what the block declared"
+                ));
+            }
+            return;
+        };
+        let warp = t / WARP_SIZE as usize;
+        let (epoch, warp_epoch) = (self.epoch, self.warp_epochs[warp]);
+        let ordered = |other: u32, at_epoch: u32, at_warp_epoch: u32| {
+            let other = other as usize - 1;
+            other == t
+                || at_epoch < epoch
+                || (other / WARP_SIZE as usize == warp && at_warp_epoch < warp_epoch)
+        };
+        for index in offset / 4..(offset + bytes).div_ceil(4) {
+            let word = self.shadow[index];
+            let at = index * 4;
+            if word.writer == 0 && !write {
+                self.report(format!(
+                    "thread {t} reads shared offset {at} at line {line}, which no thread of \
+                     the block wrote"
+                ));
+            } else if word.writer != 0
+                && !ordered(word.writer, word.write_epoch, word.write_warp_epoch)
+            {
+                self.report(format!(
+                    "thread {t} {} shared offset {at} at line {line}, which thread {} wrote \
+                     at line {} with no barrier between",
+                    if write { "writes" } else { "reads" },
+                    word.writer - 1,
+                    word.write_line
+                ));
+            }
+            let reads_now = word.reader != 0 && word.read_epoch == epoch;
+            if write && reads_now && word.reader != t as u32 + 1 {
+                let same_warp_synced =
+                    word.read_warps == 1 << warp && word.read_warp_epoch < warp_epoch;
+                if !same_warp_synced {
+                    let who = match word.reader {
+                        u32::MAX => "several threads".to_string(),
+                        r => format!("thread {}", r - 1),
+                    };
+                    self.report(format!(
+                        "thread {t} writes shared offset {at} at line {line}, which {who} \
+                         read (line {}) with no barrier between",
+                        word.read_line
+                    ));
+                }
+            }
+            let shadow = &mut self.shadow[index];
+            if write {
+                *shadow = Word {
+                    writer: t as u32 + 1,
+                    write_line: line,
+                    write_epoch: epoch,
+                    write_warp_epoch: warp_epoch,
+                    ..Word::default()
+                };
+            } else {
+                if !reads_now {
+                    shadow.reader = 0;
+                    shadow.read_warps = 0;
+                }
+                shadow.reader = match shadow.reader {
+                    0 => t as u32 + 1,
+                    r if r == t as u32 + 1 => r,
+                    _ => u32::MAX,
+                };
+                shadow.read_line = line;
+                shadow.read_epoch = epoch;
+                shadow.read_warps |= 1 << warp;
+                shadow.read_warp_epoch = warp_epoch;
+            }
+        }
+    }
+
+    /// Declares `bytes` more shared memory for thread `t`.
+    fn declare(&mut self, t: usize, bytes: usize, line: i32) -> *mut c_void {
+        let offset = self.cursors[t];
+        let end = offset.saturating_add(bytes.next_multiple_of(16));
+        if end > SHARED_MEMORY_BYTES {
+            self.report(format!(
+                "thread {t} declares {bytes} bytes of shared memory at line {line}, past \
+                 the block's {SHARED_MEMORY_BYTES}"
+            ));
+            let spare = vec![0u128; bytes.div_ceil(16)].into_boxed_slice();
+            self.overflow.push(spare);
+            return self
+                .overflow
+                .last_mut()
+                .map_or(std::ptr::null_mut(), |s| s.as_mut_ptr().cast());
+        }
+        self.cursors[t] = end;
+        if end > self.used {
+            self.used = end;
+            self.shadow.resize(end / 4, Word::default());
+        }
+        // SAFETY: `offset` is within the arena (checked above).
+        unsafe { self.arena.as_mut_ptr().cast::<u8>().add(offset).cast() }
+    }
+}
+
+/// Suspends thread `t` of `block` (on its own stack) at `stand` until the scheduler
+/// resumes it; no reference to the state is held meanwhile.
+fn suspend(block: &Block, t: usize, stand: Stand) {
+    let yielder = {
+        let state = block.state();
+        state.stands[t] = stand;
+        state.yielders[t]
+    };
+    // SAFETY: set when the thread's coroutine started, which is running this call.
+    unsafe { (*yielder).suspend(()) };
+}
+
+/// The block and index of the calling thread.
+///
+/// # Safety
+/// `thread` must be a [`Thread`] of a block being run.
+unsafe fn caller(thread: *mut Thread) -> (&'static Block, usize) {
+    // SAFETY: as the caller guarantees; the block outlives every call of its threads.
+    unsafe {
+        let thread = &*thread;
+        (&*thread.runner.cast::<Block>(), thread.thread as usize)
+    }
+}
+
+extern "C" fn barrier(thread: *mut Thread, line: i32) {
+    // SAFETY: only the block's threads get these calls.
+    let (block, t) = unsafe { caller(thread) };
+    suspend(block, t, Stand::Barrier(line));
+}
+
+extern "C" fn sync_warp(thread: *mut Thread, line: i32) {
+    // SAFETY: as above.
+    let (block, t) = unsafe { caller(thread) };
+    let stand = Stand::Warp {
+        line,
+        shuffle: false,
+    };
+    suspend(block, t, stand);
+}
+
+extern "C" fn shuffle(thread: *mut Thread, bits: u64, lane: i32, line: i32) -> u64 {
+    // SAFETY: as above.
+    let (block, t) = unsafe { caller(thread) };
+    block.state().offered[t] = (bits, lane);
+    let stand = Stand::Warp {
+        line,
+        shuffle: true,
+    };
+    suspend(block, t, stand);
+    block.state().received[t]
+}
+
+extern "C" fn shared(thread: *mut Thread, bytes: u64, line: i32) -> *mut c_void {
+    // SAFETY: as above.
+    let (block, t) = unsafe { caller(thread) };
+    block.state().declare(t, bytes as usize, line)
+}
+
+extern "C" fn access(
+    thread: *mut Thread,
+    address: *const c_void,
+    bytes: u64,
+    write: i32,
+    line: i32,
+) {
+    // SAFETY: as above.
+    let (block, t) = unsafe { caller(thread) };
+    block
+        .state()
+        .check(t, address, bytes as usize, write != 0, line);
+}
+
+/// The distinct values of `lines`, in order, as text.
+fn distinct(lines: &[i32]) -> String {
+    let mut seen: Vec<i32> = Vec::new();
+    for line in lines {
+        if !seen.contains(line) {
+            seen.push(*line);
+        }
+    }
+    let text: Vec<String> = seen.iter().map(|l| l.to_string()).collect();
+    text.join(", ")
+}
+
+/// Fisher–Yates with xorshift on `state` (never zero).
+fn shuffle_in_place<T>(items: &mut [T], state: &mut u64) {
+    for i in (1..items.len()).rev() {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        items.swap(i, (*state % (i as u64 + 1)) as usize);
+    }
+}

@@ -13,7 +13,8 @@
 //!   (emulated), launched on a stream over independent indices, or as a [`Grid`] of
 //!   cooperating blocks ([`blocks`]: barriers, warp shuffles and shared memory, run by the
 //!   emulated device with a GPU's semantics and checked for races);
-//! - counters of host↔device [`transfers`] and of [`host_waits`], per thread and device;
+//! - counters of host↔device [`transfers`] and of [`host_waits`], per thread and device,
+//!   and per-kernel [`profile`]s (launches, bytes, flops; time on CUDA);
 //! - with the `cuda` feature, [`cuda`]: finding the CUDA libraries at run time (the
 //!   workspace builds and runs without them), one context per device per process, and
 //!   NVRTC's cache.
@@ -56,6 +57,7 @@ mod memory;
 mod module;
 mod pinned;
 mod place;
+pub mod profile;
 mod stream;
 
 pub use blocks::{BlockKernel, Grid, Thread};

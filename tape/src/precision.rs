@@ -60,7 +60,8 @@ pub(crate) fn narrowed<H: HalfFloat, T: Element>(
     args.p[1] = array.ptr();
     args.i[0] = array.len() as i64;
     args.i[1] = H::KIND;
-    array.launch(&CONVERT_HALF, array.len(), &args)?;
+    let cost = crate::gpu::moves(array.bytes(), out.bytes());
+    array.launch(&CONVERT_HALF, array.len(), &args, cost)?;
     Ok(out)
 }
 
@@ -108,7 +109,8 @@ impl<H: HalfFloat> Packed<H> {
         args.p[1] = array.ptr();
         args.i[0] = array.len() as i64;
         args.i[1] = H::KIND + 2;
-        out.launch(&CONVERT_HALF, array.len(), &args)?;
+        let cost = crate::gpu::moves(array.bytes(), out.bytes());
+        out.launch(&CONVERT_HALF, array.len(), &args, cost)?;
         Ok(Some(out))
     }
 

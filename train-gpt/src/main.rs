@@ -179,6 +179,10 @@ struct Args {
     /// Write the last step's pipeline timeline as Chrome trace JSON (local backend).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// Print world rank 0's kernels per step (launches, bytes, achieved GB/s and
+    /// TFLOP/s; time on CUDA), over the steps after the first (needs --device).
+    #[arg(long)]
+    profile: bool,
     /// Transformer blocks.
     #[arg(long, default_value_t = 4)]
     layers: usize,
@@ -992,6 +996,11 @@ fn run_mpi_backend(_: &Args, _: &Corpus, _: Option<std::ops::Range<usize>>) -> R
 fn validate(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Result<()> {
     validate_model(args, dp, vocabulary)?;
     ensure!(
+        !args.profile || args.device != ferrotron_tape::Device::Cpu,
+        "--profile counts device kernels, and the CPU runs none: add --device emulated (launches \
+         and bytes) or --device cuda:0 (and their time)"
+    );
+    ensure!(
         !(args.check && args.eod_mask_loss && args.num_experts > 0 && dp > 1),
         "--check cannot reproduce --eod-mask-loss with --num-experts at --dp {dp} on one \
          rank: the experts route each data-parallel rank's rows apart while the loss \
@@ -1336,6 +1345,7 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
         stop: None,
         sample: true,
         check_tied: args.check,
+        profile: args.profile,
         rows_from_ranks: 1,
         eod_mask: eod_id(args.eod_mask_loss, args, vocabulary),
         reset_positions: eod_id(args.reset_position_ids, args, vocabulary),
@@ -1577,6 +1587,9 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
     for sample in &result.samples {
         println!("  {sample:?}");
     }
+    if let Some(profile) = &result.profile {
+        print!("{}", report::profile_table(profile));
+    }
     if args.device != ferrotron_tape::Device::Cpu {
         let moved = result.transfers_per_step;
         println!(
@@ -1729,6 +1742,7 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
         eval_interval: 0,
         distributed_optimizer: false,
         check_tied: false,
+        profile: false,
         ..reference
     };
     let progress = Progress::new("check", args.steps, args.batch * dp * args.seq);

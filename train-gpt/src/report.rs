@@ -8,6 +8,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
+use crate::train::StepsProfile;
+
 /// Shared by the rank threads; only world rank 0 reports to it.
 pub struct Progress {
     bar: Option<ProgressBar>,
@@ -80,6 +82,56 @@ impl Progress {
             bar.finish_and_clear();
         }
     }
+}
+
+/// The per-kernel table of `--profile`: each kernel's launches, time (CUDA), bytes and
+/// achieved bandwidth and TFLOP/s per step, the most expensive first, a total line, and
+/// the kernels' time against the steps' wall time.
+pub fn profile_table(profile: &StepsProfile) -> String {
+    let steps = profile.steps.max(1) as f64;
+    let mut text = format!(
+        "kernels per step (world rank 0, mean of {} steps after the first):\n",
+        profile.steps
+    );
+    text.push_str(&format!(
+        "  {:<36} {:>8} {:>10} {:>9} {:>10} {:>10} {:>8} {:>8}\n",
+        "kernel", "launches", "total ms", "mean us", "read MB", "written MB", "GB/s", "TFLOP/s"
+    ));
+    let total = profile.kernels.total();
+    for kernel in profile.kernels.kernels.iter().chain([&total]) {
+        let ms = kernel.time.map(|t| t.as_secs_f64() * 1e3 / steps);
+        let launches = kernel.launches as f64 / steps;
+        let per_second = |amount: f64| match kernel.time {
+            Some(t) if !t.is_zero() => format!("{:.1}", amount / t.as_secs_f64()),
+            _ => "-".into(),
+        };
+        text.push_str(&format!(
+            "  {:<36} {:>8} {:>10} {:>9} {:>10.3} {:>10.3} {:>8} {:>8}\n",
+            kernel.name,
+            format!("{launches:.0}"),
+            ms.map_or("-".into(), |ms| format!("{ms:.3}")),
+            ms.map_or("-".into(), |ms| format!(
+                "{:.1}",
+                ms * 1e3 / launches.max(1.0)
+            )),
+            kernel.read as f64 / steps / 1e6,
+            kernel.written as f64 / steps / 1e6,
+            per_second(kernel.bytes() as f64 / 1e9),
+            match kernel.flops {
+                0 => "-".into(),
+                flops => per_second(flops as f64 / 1e12),
+            },
+        ));
+    }
+    let wall = profile.wall.as_secs_f64() * 1e3 / steps;
+    text.push_str(&match total.time {
+        Some(time) => format!(
+            "kernel time {:.3} ms per step of {wall:.3} ms wall\n",
+            time.as_secs_f64() * 1e3 / steps
+        ),
+        None => format!("kernel time: not measured on this device; {wall:.3} ms wall per step\n"),
+    });
+    text
 }
 
 /// `step,loss` rows.

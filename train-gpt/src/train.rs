@@ -96,6 +96,9 @@ pub struct TrainConfig {
     /// Compare the two stages' copies of a tied embedding bit for bit after every step
     /// (reported in [`RankResult::tied_copies`]).
     pub check_tied: bool,
+    /// Record a per-kernel profile of the steps after the first (reported in
+    /// [`RankResult::profile`]).
+    pub profile: bool,
     /// Positions whose input is this token (the end of a document) take no loss:
     /// Megatron's `--eod-mask-loss`.
     pub eod_mask: Option<u32>,
@@ -155,6 +158,8 @@ pub struct RankResult {
     /// Times this rank's thread waited for its device in a step, over the same steps
     /// (NCCL's waits for its collectives included).
     pub host_waits_per_step: f64,
+    /// This rank's kernels over the same steps, with `TrainConfig::profile` on a device.
+    pub profile: Option<StepsProfile>,
     /// The checkpoints this run wrote, oldest first.
     pub saved: Vec<PathBuf>,
     /// How long this rank's training stood still for them, in all.
@@ -253,6 +258,7 @@ pub fn train_rank(
         timeline: history.timeline,
         transfers_per_step: steady.transfers,
         host_waits_per_step: steady.host_waits,
+        profile: steady.profile,
         saved: history.saved,
         save_wait: history.save_wait,
         peak_bytes,
@@ -742,11 +748,23 @@ impl<'a> Trainer<'a> {
         let config = chunks.config;
         let first_step = history.losses.len();
         let (mut steady_transfers, mut waits) = (Vec::new(), Vec::new());
+        let mut profile = (config.profile && config.device != ferrotron_tape::Device::Cpu)
+            .then(StepsProfile::default);
         for step in first_step..config.steps {
+            let steady = step > first_step || config.steps == first_step + 1;
             let before = ferrotron_tape::transfers(config.device);
             let waits_before = ferrotron_tape::host_waits(config.device);
+            let recording = profile.as_mut().filter(|_| steady);
+            if recording.is_some() {
+                ferrotron_tape::profile::start(config.device);
+            }
+            let started = std::time::Instant::now();
             self.step(chunks, corpus, step, history)?;
-            if step > first_step || config.steps == first_step + 1 {
+            if let Some(recording) = recording {
+                let wall = started.elapsed();
+                recording.add(&ferrotron_tape::profile::finish()?, wall);
+            }
+            if steady {
                 steady_transfers.push(ferrotron_tape::transfers(config.device) - before);
                 waits.push(ferrotron_tape::host_waits(config.device) - waits_before);
             }
@@ -795,6 +813,7 @@ impl<'a> Trainer<'a> {
         Ok(Steady {
             transfers: mean(&steady_transfers),
             host_waits: waits.iter().sum::<u64>() as f64 / waits.len().max(1) as f64,
+            profile,
         })
     }
 
@@ -1601,6 +1620,24 @@ fn sample(logits: &[f32], generator: &mut Generator) -> u32 {
 struct Steady {
     transfers: Transfers,
     host_waits: f64,
+    profile: Option<StepsProfile>,
+}
+
+/// The kernels of several steps together, with how many steps and their wall time.
+#[derive(Debug, Clone, Default)]
+pub struct StepsProfile {
+    pub kernels: ferrotron_tape::profile::Profile,
+    pub steps: usize,
+    pub wall: std::time::Duration,
+}
+
+impl StepsProfile {
+    /// Adds one step's kernels and wall time.
+    fn add(&mut self, kernels: &ferrotron_tape::profile::Profile, wall: std::time::Duration) {
+        self.kernels.add(kernels);
+        self.steps += 1;
+        self.wall += wall;
+    }
 }
 
 /// The mean of per-step transfer counts (none: zero).

@@ -166,3 +166,44 @@ fn a_device_run_ends_with_its_transfers_per_step() {
     train("cpu", &zero);
     assert_same_curve(&losses("emulated", &zero), &losses("cpu", &zero));
 }
+
+#[test]
+fn a_profile_counts_every_kernel_of_the_steps_after_the_first() {
+    let stdout = train("emulated", &["--profile"]);
+    assert!(
+        stdout.contains("kernels per step (world rank 0, mean of 2 steps after the first)"),
+        "{stdout}"
+    );
+    // Each line: name, launches, total ms, mean µs, read MB, written MB, GB/s, TFLOP/s.
+    let line = |name: &str| -> Vec<String> {
+        let row = (stdout.lines())
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no {name} line in {stdout}"));
+        row.split_whitespace().map(String::from).collect()
+    };
+    for kernel in [
+        "gemm_f32",
+        "softmax_rows_f32",
+        "layer_norm_rows_f32",
+        "adamw_step_f32",
+    ] {
+        let row = line(kernel);
+        assert!(row[1].parse::<f64>().unwrap() >= 1.0, "{row:?}");
+        // No time on the emulated device, so no rates either.
+        assert_eq!(&row[2..4], ["-", "-"], "{row:?}");
+        assert!(row[4].parse::<f64>().unwrap() > 0.0, "{row:?}");
+    }
+    let total = line("total");
+    let kernels: Vec<Vec<String>> = (stdout.lines())
+        .skip_while(|l| !l.contains("kernels per step"))
+        .skip(2)
+        .take_while(|l| !l.trim_start().starts_with("total"))
+        .map(|l| l.split_whitespace().map(String::from).collect())
+        .collect();
+    let launches: f64 = kernels.iter().map(|k| k[1].parse::<f64>().unwrap()).sum();
+    assert!((launches - total[1].parse::<f64>().unwrap()).abs() <= kernels.len() as f64);
+    assert!(
+        stdout.contains("kernel time: not measured on this device"),
+        "{stdout}"
+    );
+}

@@ -46,6 +46,16 @@ fn the_mpi_backend_without_mpirun_says_how_to_launch() {
 }
 
 #[test]
+fn a_profile_on_the_cpu_is_refused() {
+    let (ok, stderr) = train(&["--profile", "--steps", "2"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("--profile counts device kernels") && stderr.contains("--device"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn zero_threads_per_rank_is_refused() {
     let (ok, stderr) = train(&["--threads", "0", "--steps", "1"]);
     assert!(!ok);

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use ferrotron_device::DeviceMemory;
 
-use super::{backend, Backend, Kernel, KernelArgs, Precision, Stored};
+use super::{backend, moves, Backend, Cost, Kernel, KernelArgs, Precision, Stored};
 use crate::{Device, Element, Error, Result};
 
 /// One device allocation and the backend that runs work on it, freed (in its stream's
@@ -156,6 +156,11 @@ impl<T: Copy + Default> GpuArray<T> {
         self.shape.len()
     }
 
+    /// Bytes of its elements.
+    pub(crate) fn bytes(&self) -> usize {
+        self.len() * std::mem::size_of::<T>()
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.shape.iter().product()
     }
@@ -235,9 +240,15 @@ impl<T: Element> GpuArray<T> {
         self.fill_rounded(value.into_f64())
     }
 
-    /// Runs `kernel`'s build for `T` over `items` indices.
-    pub(crate) fn launch(&self, kernel: &Kernel, items: usize, args: &KernelArgs) -> Result<()> {
-        self.launch_build(kernel, Precision::of::<T>(), items, args)
+    /// Runs `kernel`'s build for `T` over `items` indices, moving `cost` (for profiles).
+    pub(crate) fn launch(
+        &self,
+        kernel: &Kernel,
+        items: usize,
+        args: &KernelArgs,
+        cost: Cost,
+    ) -> Result<()> {
+        self.launch_build(kernel, Precision::of::<T>(), items, args, cost)
     }
 }
 
@@ -249,27 +260,32 @@ impl<E: Stored> GpuArray<E> {
         args.p[0] = self.ptr();
         args.i[..2].copy_from_slice(&[self.len() as i64, E::FORMAT]);
         args.f[0] = value;
-        self.launch_build(&super::FILL, E::build(), self.len(), &args)
+        let cost = moves(0, self.bytes());
+        self.launch_build(&super::FILL, E::build(), self.len(), &args, cost)
     }
 }
 
 impl<T: Copy + Default> GpuArray<T> {
-    /// Runs `kernel`'s `precision` build over `items` indices.
+    /// Runs `kernel`'s `precision` build over `items` indices, moving `cost` (what a
+    /// profile counts: the bytes of the arrays it reads and writes, each once).
     pub(crate) fn launch_build(
         &self,
         kernel: &Kernel,
         precision: Precision,
         items: usize,
         args: &KernelArgs,
+        cost: Cost,
     ) -> Result<()> {
         if items == 0 {
             return Ok(());
         }
         let function = self.backend().function(kernel, precision)?;
         let (accesses, count) = self.accesses(kernel, args);
+        let stream = self.stream();
         // SAFETY: callers fill `args` with addresses of live arrays of this backend and
         // sizes matching the kernel's documented slots.
-        unsafe { (self.stream()).launch(&function, items, &[args], &accesses[..count]) }
+        let launch = || unsafe { stream.launch(&function, items, &[args], &accesses[..count]) };
+        ferrotron_device::profile::measure(stream, kernel.name, precision.suffix(), cost, launch)
             .map_err(Error::on_device(kernel.name, self.device()))
     }
 

@@ -38,6 +38,27 @@ pub(crate) const MAX_DIMS: usize = 8;
 // takes by value (`kernels/common.h`).
 unsafe impl ferrotron_device::KernelArg for KernelArgs {}
 
+pub(crate) use ferrotron_device::profile::Cost;
+
+/// The cost of a launch that reads `read` bytes and writes `written` (what a device
+/// profile counts).
+pub(crate) fn moves(read: usize, written: usize) -> Cost {
+    Cost {
+        read: read as u64,
+        written: written as u64,
+        flops: 0,
+    }
+}
+
+/// Bytes of `n` elements stored in `format` by a kernel computing in `T` (0: `T` itself,
+/// 1 and 2: 16-bit).
+pub(crate) fn stored_bytes<T>(n: usize, format: i64) -> usize {
+    n * match format {
+        0 => std::mem::size_of::<T>(),
+        _ => 2,
+    }
+}
+
 /// A host build of one kernel: it reads a [`KernelArgs`] through the pointer.
 pub(crate) type HostKernel = ferrotron_device::HostKernel;
 
@@ -130,7 +151,7 @@ impl Precision {
         }
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // part of NVRTC's kernel names
+    /// The build's name suffix (NVRTC's kernel names, profiles' lines).
     pub(crate) fn suffix(self) -> &'static str {
         match self {
             Precision::F32 => "f32",
@@ -216,6 +237,28 @@ pub(crate) enum GemmFormat {
 }
 
 impl GemmFormat {
+    /// Bytes of an element of A and B, and of C.
+    pub(crate) fn bytes(self) -> (usize, usize) {
+        match self {
+            GemmFormat::F32 => (4, 4),
+            GemmFormat::F64 => (8, 8),
+            GemmFormat::Bf16 | GemmFormat::F16 => (2, 2),
+            GemmFormat::Bf16IntoF32 | GemmFormat::F16IntoF32 => (2, 4),
+        }
+    }
+
+    /// Its name in profiles.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            GemmFormat::F32 => "f32",
+            GemmFormat::F64 => "f64",
+            GemmFormat::Bf16 => "bf16",
+            GemmFormat::F16 => "f16",
+            GemmFormat::Bf16IntoF32 => "bf16_into_f32",
+            GemmFormat::F16IntoF32 => "f16_into_f32",
+        }
+    }
+
     pub(crate) fn of<T: Element>() -> GemmFormat {
         match Precision::of::<T>() {
             Precision::F32 => GemmFormat::F32,

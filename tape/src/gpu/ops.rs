@@ -2,7 +2,8 @@
 //! here for device tensors and records the backward on the tape.
 
 use super::HalfFormat;
-use super::{Gemm, GemmFormat, GpuArray, KernelArgs, Precision, Stored, MAX_DIMS};
+use super::{moves, stored_bytes, Cost, Gemm, GemmFormat, GpuArray, KernelArgs, Precision};
+use super::{Stored, MAX_DIMS};
 use crate::{Element, Error, Result};
 
 /// Row-major (contiguous) strides of `shape`.
@@ -66,6 +67,13 @@ pub(crate) struct PointwiseInput<'a> {
     pub format: i64,
 }
 
+impl PointwiseInput<'_> {
+    /// Bytes of its elements as stored, read by a kernel computing in `T`.
+    pub(crate) fn bytes<T>(&self) -> usize {
+        stored_bytes::<T>(self.shape.iter().product(), self.format)
+    }
+}
+
 impl<'a, E: Stored> From<&'a GpuArray<E>> for PointwiseInput<'a> {
     fn from(array: &'a GpuArray<E>) -> Self {
         PointwiseInput {
@@ -115,7 +123,8 @@ pub(crate) fn binary_stored<T: Element, O: Stored>(
         }
     }
     args.i[27..30].copy_from_slice(&[a.format, b.format, O::FORMAT]);
-    out.launch_build(&super::BINARY, Precision::of::<T>(), out.len(), &args)
+    let cost = moves(a.bytes::<T>() + b.bytes::<T>(), out.bytes());
+    out.launch_build(&super::BINARY, Precision::of::<T>(), out.len(), &args, cost)
 }
 
 /// Sums a broadcast gradient down to an operand's `shape`, one broadcast dimension at a
@@ -204,7 +213,8 @@ pub(crate) fn unary_stored<T: Element, O: Stored>(
     args.p[..2].copy_from_slice(&[out.ptr(), x.ptr]);
     args.i[..4].copy_from_slice(&[out.len() as i64, kind as i64, x.format, O::FORMAT]);
     args.f[0] = factor;
-    out.launch_build(&super::UNARY, Precision::of::<T>(), out.len(), &args)
+    let cost = moves(x.bytes::<T>(), out.bytes());
+    out.launch_build(&super::UNARY, Precision::of::<T>(), out.len(), &args, cost)
 }
 
 /// The gradient of `y = f(x)` given `grad` = d(loss)/dy.
@@ -222,7 +232,13 @@ pub(crate) fn unary_backward<T: Element>(
     args.p[..3].copy_from_slice(&[out.ptr(), grad.ptr(), kept.ptr]);
     args.i[..3].copy_from_slice(&[out.len() as i64, kind as i64, kept.format]);
     args.f[0] = factor;
-    out.launch(&super::UNARY_BACKWARD, out.len(), &args)?;
+    let read_kept = if kind == UnaryKind::Scale {
+        0
+    } else {
+        kept.bytes::<T>()
+    };
+    let cost = moves(grad.bytes() + read_kept, out.bytes());
+    out.launch(&super::UNARY_BACKWARD, out.len(), &args, cost)?;
     Ok(out)
 }
 
@@ -272,7 +288,9 @@ fn launch_reduce<T: Element>(
         x.format,
     ]);
     args.f[0] = scale;
-    out.launch(&super::REDUCE_DIM, outer * parts * inner, &args)?;
+    let written = out.bytes() + argmax.map_or(0, GpuArray::bytes);
+    let cost = moves(x.bytes::<T>(), written);
+    out.launch(&super::REDUCE_DIM, outer * parts * inner, &args, cost)?;
     Ok(out)
 }
 
@@ -352,7 +370,11 @@ pub(crate) fn reduce_dim_backward<T: Element>(
     } else {
         &super::EXPAND_DIM
     };
-    out.launch(kernel, out.len(), &args)?;
+    let cost = moves(
+        grad.bytes() + argmax.map_or(0, GpuArray::bytes),
+        out.bytes(),
+    );
+    out.launch(kernel, out.len(), &args, cost)?;
     Ok(out)
 }
 
@@ -457,8 +479,21 @@ fn product_into<E: Copy + Default>(
 ) -> Result<GpuArray<E>> {
     if out.len() > 0 {
         let gemm = row_major_gemm(format, out.ptr(), a, b, dims);
+        let [m, n, k, batch] = dims;
+        let (operand, result) = format.bytes();
+        let cost = Cost {
+            read: (operand * (m * k + k * n) * batch) as u64,
+            written: (result * m * n * batch) as u64,
+            flops: (2 * m * n * k * batch) as u64,
+        };
+        let backend = out.backend();
+        let on_device = Error::on_device("matmul", out.device());
+        let span = ferrotron_device::profile::begin(backend.stream()).map_err(&on_device)?;
         // SAFETY: the extents follow from the operands' checked shapes.
-        unsafe { out.backend().gemm(&gemm)? };
+        unsafe { backend.gemm(&gemm)? };
+        if let Some(span) = span {
+            (span.end(backend.stream(), "gemm", format.name(), cost)).map_err(&on_device)?;
+        }
     }
     Ok(out)
 }

@@ -1,6 +1,6 @@
 //! Device math of the optimizer steps (SGD, AdamW), in place on the parameter.
 
-use super::{GpuArray, Kernel, KernelArgs};
+use super::{moves, GpuArray, Kernel, KernelArgs};
 use crate::{Element, Result};
 
 kernels! {
@@ -41,7 +41,12 @@ pub(crate) fn sgd_step<T: Element>(
         step.momentum,
         1.0 - step.dampening,
     ]);
-    param.launch(&SGD_STEP, param.len(), &args)
+    // The parameter and gradient are read, the parameter and buffer written; the buffer
+    // is read too unless this step starts it.
+    let buffer_bytes = buffer.map_or(0, GpuArray::bytes) * usize::from(has_momentum);
+    let read = param.bytes() + grad.bytes() + if first { 0 } else { buffer_bytes };
+    let cost = moves(read, param.bytes() + buffer_bytes);
+    param.launch(&SGD_STEP, param.len(), &args, cost)
 }
 
 /// One AdamW step of `param` with moments `m` and `v` (all written in place);
@@ -57,5 +62,7 @@ pub(crate) fn adamw_step<T: Element>(
     args.p[..4].copy_from_slice(&[param.ptr(), grad.ptr(), m.ptr(), v.ptr()]);
     args.i[0] = param.len() as i64;
     args.f[..7].copy_from_slice(&coefficients);
-    param.launch(&ADAMW_STEP, param.len(), &args)
+    let state = param.bytes() + m.bytes() + v.bytes();
+    let cost = moves(state + grad.bytes(), state);
+    param.launch(&ADAMW_STEP, param.len(), &args, cost)
 }

@@ -3,7 +3,7 @@
 //! of `kernels/rows.cu` (whose argument slots are restated at each caller).
 
 use super::ops::{sum_dim, sum_parts, unary, PointwiseInput, UnaryKind};
-use super::{GpuArray, Kernel, KernelArgs, Precision, Stored};
+use super::{moves, GpuArray, Kernel, KernelArgs, Precision, Stored};
 use crate::{Element, Result};
 
 kernels! {
@@ -80,7 +80,8 @@ pub(crate) fn softmax_stored<T: Element, O: Stored>(
     let mut args = how.args(rows, width);
     args.p[..2].copy_from_slice(&[out.ptr(), x.ptr]);
     args.i[4..6].copy_from_slice(&[x.format, O::FORMAT]);
-    out.launch_build(&SOFTMAX_ROWS, Precision::of::<T>(), rows, &args)
+    let cost = moves(x.bytes::<T>(), out.bytes());
+    out.launch_build(&SOFTMAX_ROWS, Precision::of::<T>(), rows, &args, cost)
 }
 
 /// The gradient of `y = softmax(x)` (or log-softmax) from `y` and `grad` = d(loss)/dy.
@@ -95,7 +96,8 @@ pub(crate) fn softmax_backward<T: Element>(
     let mut args = how.args(rows, width);
     args.p[..3].copy_from_slice(&[dx.ptr(), grad.ptr(), y.ptr]);
     args.i[4] = y.format;
-    dx.launch(&SOFTMAX_ROWS_BACKWARD, rows, &args)?;
+    let cost = moves(grad.bytes() + y.bytes::<T>(), dx.bytes());
+    dx.launch(&SOFTMAX_ROWS_BACKWARD, rows, &args, cost)?;
     Ok(dx)
 }
 
@@ -138,7 +140,16 @@ pub(crate) fn layer_norm_stored<T: Element, O: Stored>(
         O::FORMAT,
     ]);
     args.f[0] = eps;
-    out.launch_build(&LAYER_NORM_ROWS, Precision::of::<T>(), rows, &args)
+    let affine = [weight, bias]
+        .iter()
+        .flatten()
+        .map(|p| p.bytes::<T>())
+        .sum::<usize>();
+    let cost = moves(
+        x.bytes::<T>() + affine,
+        out.bytes() + mean.bytes() + rstd.bytes(),
+    );
+    out.launch_build(&LAYER_NORM_ROWS, Precision::of::<T>(), rows, &args, cost)
 }
 
 /// Layer norm's input, weight and bias as its kernel reads them.
@@ -174,7 +185,14 @@ pub(crate) fn layer_norm_input_grad<T: Element>(
         saved.x.format,
         weight.map_or(0, |w| w.format),
     ]);
-    dx.launch(&LAYER_NORM_ROWS_BACKWARD, rows, &args)?;
+    let stats = saved.mean.bytes() + saved.rstd.bytes();
+    let read = grad.bytes() + saved.x.bytes::<T>() + weight.map_or(0, |w| w.bytes::<T>()) + stats;
+    dx.launch(
+        &LAYER_NORM_ROWS_BACKWARD,
+        rows,
+        &args,
+        moves(read, dx.bytes()),
+    )?;
     Ok(dx)
 }
 
@@ -213,7 +231,11 @@ pub(crate) fn layer_norm_affine_grads<T: Element>(
         saved.rstd.ptr(),
     ]);
     args.i[..4].copy_from_slice(&[width as i64, rows as i64, parts as i64, saved.x.format]);
-    grad.launch(&LAYER_NORM_AFFINE_BACKWARD, parts * width, &args)?;
+    let stats = saved.mean.bytes() + saved.rstd.bytes();
+    let written =
+        dweight.as_ref().map_or(0, GpuArray::bytes) + dbias.as_ref().map_or(0, GpuArray::bytes);
+    let cost = moves(grad.bytes() + saved.x.bytes::<T>() + stats, written);
+    grad.launch(&LAYER_NORM_AFFINE_BACKWARD, parts * width, &args, cost)?;
     let total = |partial: Option<GpuArray<T>>| partial.map(|p| sum_dim(&p, 0, 1.0)).transpose();
     Ok((total(dweight)?, total(dbias)?))
 }
@@ -266,7 +288,11 @@ pub(crate) fn cross_entropy<T: Element>(
     args.p[..4].copy_from_slice(&[loss.ptr(), lse.ptr(), logits.ptr(), targets.labels.ptr()]);
     args.i[..2].copy_from_slice(&[rows as i64, classes as i64]);
     targets.fill(&mut args);
-    loss.launch(&CROSS_ENTROPY_ROWS, rows, &args)?;
+    let cost = moves(
+        logits.bytes() + targets.labels.bytes(),
+        loss.bytes() + lse.bytes(),
+    );
+    loss.launch(&CROSS_ENTROPY_ROWS, rows, &args, cost)?;
     Ok((loss, lse))
 }
 
@@ -310,6 +336,13 @@ pub(crate) fn cross_entropy_backward<T: Element>(
     targets.fill(&mut args);
     args.i[4] = i64::from(per_row);
     args.f[1] = divisor;
-    dx.launch(&CROSS_ENTROPY_ROWS_BACKWARD, rows, &args)?;
+    let upstream_bytes = if per_row { upstream.bytes() } else { 0 };
+    let read = logits.bytes() + lse.bytes() + targets.labels.bytes() + upstream_bytes;
+    dx.launch(
+        &CROSS_ENTROPY_ROWS_BACKWARD,
+        rows,
+        &args,
+        moves(read, dx.bytes()),
+    )?;
     Ok(dx)
 }

@@ -4,7 +4,7 @@
 //! view of one (concat, narrow's gradient).
 
 use super::ops::{check_rank, contiguous_strides, PointwiseInput};
-use super::{GpuArray, Kernel, KernelArgs, Precision, Stored};
+use super::{moves, GpuArray, Kernel, KernelArgs, Precision, Stored};
 use crate::{Element, Error, Result};
 
 kernels! {
@@ -52,7 +52,8 @@ fn gather<E: Stored>(
     check_rank(op, shape)?;
     let out = GpuArray::<E>::uninit(op, x.device(), shape)?;
     let args = strided_args::<E>(out.ptr(), x.ptr(), shape, offset, strides);
-    out.launch_build(&GATHER_STRIDED, E::build(), out.len(), &args)?;
+    let cost = moves(out.bytes(), out.bytes());
+    out.launch_build(&GATHER_STRIDED, E::build(), out.len(), &args, cost)?;
     Ok(out)
 }
 
@@ -66,7 +67,8 @@ fn scatter_into<E: Stored>(
 ) -> Result<()> {
     check_rank(op, x.shape())?;
     let args = strided_args::<E>(out.ptr(), x.ptr(), x.shape(), offset, strides);
-    out.launch_build(&SCATTER_STRIDED, E::build(), x.len(), &args)
+    let cost = moves(x.bytes(), x.bytes());
+    out.launch_build(&SCATTER_STRIDED, E::build(), x.len(), &args, cost)
 }
 
 /// `x` with its dimensions reordered (`order`, already checked to be a permutation):
@@ -148,7 +150,8 @@ pub(crate) fn embedding<E: Stored>(
     let mut args = KernelArgs::default();
     args.p[..3].copy_from_slice(&[out.ptr(), table.ptr(), ids.ptr()]);
     args.i[..3].copy_from_slice(&[ids.len() as i64, table.shape()[1] as i64, E::FORMAT]);
-    out.launch_build(&EMBEDDING, E::build(), out.len(), &args)?;
+    let cost = moves(out.bytes() + ids.bytes(), out.bytes());
+    out.launch_build(&EMBEDDING, E::build(), out.len(), &args, cost)?;
     Ok(out)
 }
 
@@ -166,7 +169,9 @@ pub(crate) fn embedding_backward<T: Element>(
     args.p[..3].copy_from_slice(&[table_grad.ptr(), grad.ptr(), ids.ptr()]);
     args.i[0] = ids.len() as i64;
     args.i[1] = table_shape[1] as i64;
-    table_grad.launch(&EMBEDDING_BACKWARD, grad.len(), &args)?;
+    // Each row of `grad` is added into its id's row: read and written once.
+    let cost = moves(2 * grad.bytes() + ids.bytes(), grad.bytes());
+    table_grad.launch(&EMBEDDING_BACKWARD, grad.len(), &args, cost)?;
     Ok(table_grad)
 }
 
@@ -207,7 +212,8 @@ pub(crate) fn masked_fill_stored<T: Element, O: Stored>(
     }
     args.i[18..20].copy_from_slice(&[x.format, O::FORMAT]);
     args.f[0] = value;
-    out.launch_build(&MASKED_FILL, Precision::of::<T>(), out.len(), &args)
+    let cost = moves(x.bytes::<T>() + mask.bytes(), out.bytes());
+    out.launch_build(&MASKED_FILL, Precision::of::<T>(), out.len(), &args, cost)
 }
 
 /// `x` times `scale` where `keep` (of `x`'s shape) is set and times 0 elsewhere: the
@@ -235,5 +241,6 @@ pub(crate) fn dropout_stored<T: Element, O: Stored>(
     args.p[..3].copy_from_slice(&[out.ptr(), x.ptr, keep.ptr()]);
     args.i[..3].copy_from_slice(&[out.len() as i64, x.format, O::FORMAT]);
     args.f[0] = scale;
-    out.launch_build(&DROPOUT, Precision::of::<T>(), out.len(), &args)
+    let cost = moves(x.bytes::<T>() + keep.bytes(), out.bytes());
+    out.launch_build(&DROPOUT, Precision::of::<T>(), out.len(), &args, cost)
 }

@@ -724,6 +724,20 @@ fn nccl_world(_: Arc<dyn Communicator>, _: usize) -> Result<Arc<dyn Communicator
     unreachable!("nccl_devices refuses --backend nccl without the cuda feature")
 }
 
+/// The progress report of a run of `ranks` ranks training `model` on `dp` data-parallel
+/// ranks' batches.
+fn progress(
+    label: &'static str,
+    args: &Args,
+    model: &GptConfig,
+    dp: usize,
+    ranks: usize,
+) -> Progress {
+    let tokens = args.batch * dp * args.seq;
+    let flops_per_rank = model.flops_per_token() * tokens as f64 / ranks as f64;
+    Progress::new(label, args.steps, tokens, flops_per_rank)
+}
+
 /// TP × DP rank threads in this process, over NCCL on `devices` when given.
 fn run_local_backend(
     args: &Args,
@@ -745,7 +759,7 @@ fn run_local_backend(
         );
     }
     announce(args, corpus, dp);
-    let progress = Progress::new("train", args.steps, args.batch * dp * args.seq);
+    let progress = progress("train", args, &config.model, dp, world);
     let mut results = run_local(world, |comm| {
         // Unset, tape already divides the cores among this world's rank threads.
         if let Some(threads) = args.threads {
@@ -946,7 +960,7 @@ fn run_mpi_backend(
         device,
         ..training_config(args, &corpus.vocabulary)
     };
-    let progress = rank0.then(|| Progress::new("train", args.steps, args.batch * dp * args.seq));
+    let progress = rank0.then(|| progress("train", args, &config.model, dp, size));
     let mut result = train_rank(world.clone(), &config, corpus, progress.as_ref())?;
     // The busiest rank's transfers and host waits, as the threads backend reports them.
     let mut costs = step_costs(&result);
@@ -1745,7 +1759,7 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
         profile: false,
         ..reference
     };
-    let progress = Progress::new("check", args.steps, args.batch * dp * args.seq);
+    let progress = progress("check", args, &config.model, dp, 1);
     let mut results = run_local(1, |comm| {
         train_rank(Arc::new(comm), &config, corpus, Some(&progress))
     })?;

@@ -50,6 +50,30 @@ pub struct GptConfig {
     pub moe: Option<(ferrotron_layers::MoeConfig, usize)>,
 }
 
+impl GptConfig {
+    /// Floating-point operations of one training step per token, as Megatron counts a
+    /// model's: 6 per weight a token multiplies (2 forward, 4 backward: every block's
+    /// projections and MLP, a mixture of experts' `top_k` experts, router and shared
+    /// expert, and the output layer), plus attention's two products over the whole
+    /// context, 12·seq·hidden per block (the causal mask's skipped half counted, as
+    /// Megatron does). Recomputation is not counted: these are model flops.
+    pub fn flops_per_token(&self) -> f64 {
+        let h = self.hidden as f64;
+        let dense_mlp = 2.0 * h * 4.0 * h;
+        let mlp = |block: usize| match &self.moe {
+            Some((moe, every)) if block % every == 0 => {
+                let expert = 2.0 * h * moe.ffn_hidden as f64;
+                let shared = moe.shared_expert_ffn.map_or(0.0, |f| 2.0 * h * f as f64);
+                moe.top_k as f64 * expert + shared + h * moe.num_experts as f64
+            }
+            _ => dense_mlp,
+        };
+        let weights: f64 =
+            (0..self.layers).map(|b| 4.0 * h * h + mlp(b)).sum::<f64>() + h * self.vocab as f64;
+        6.0 * weights + 12.0 * (self.seq as f64) * h * self.layers as f64
+    }
+}
+
 /// The whole model, or (under pipeline parallelism) the blocks of one stage, with the
 /// embeddings if it starts the model and the final norm and head if it ends it.
 pub struct Gpt {
@@ -453,5 +477,39 @@ impl Module for Gpt {
             }
         }
         params
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GptConfig;
+
+    fn gpt(layers: usize, hidden: usize, seq: usize, vocab: usize) -> GptConfig {
+        GptConfig {
+            vocab,
+            valid_vocab: vocab,
+            layers,
+            hidden,
+            heads: 12,
+            seq,
+            tied: true,
+            attention_dropout: 0.0,
+            hidden_dropout: 0.0,
+            recompute_attention_core: false,
+            moe: None,
+        }
+    }
+
+    #[test]
+    fn model_flops_are_six_per_weight_and_token_plus_attention() {
+        // GPT-2 small's shape: 12 blocks of 12h² weights and a 50257-row head (Megatron's
+        // 72·l·h²·(1 + s/6h + V/12lh) per token).
+        let (l, h, s, v) = (12.0, 768.0, 1024.0, 50257.0);
+        let megatron = 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h));
+        let ours = gpt(12, 768, 1024, 50257).flops_per_token();
+        assert!(
+            (ours - megatron).abs() <= 1e-9 * megatron,
+            "{ours} vs {megatron}"
+        );
     }
 }

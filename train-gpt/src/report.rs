@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use crate::train::StepsProfile;
@@ -15,16 +15,23 @@ pub struct Progress {
     bar: Option<ProgressBar>,
     label: &'static str,
     steps: usize,
+    /// When the last step reported ended and which it was (a resumed run starts past
+    /// 0; `None` until the first step), for figures over the steps since.
+    last: Mutex<Option<(Instant, usize)>>,
     started: Instant,
-    /// The step before the first one reported (a resumed run starts past 0), for the
-    /// throughput; `usize::MAX` until then.
-    first: AtomicUsize,
     tokens_per_step: usize,
+    flops_per_step_per_rank: f64,
 }
 
 impl Progress {
-    /// `tokens_per_step`: tokens of the global batch, for the throughput.
-    pub fn new(label: &'static str, steps: usize, tokens_per_step: usize) -> Progress {
+    /// `tokens_per_step`: tokens of the global batch; `flops_per_step_per_rank`: the
+    /// model's flops of a step divided by the ranks (see `GptConfig::flops_per_token`).
+    pub fn new(
+        label: &'static str,
+        steps: usize,
+        tokens_per_step: usize,
+        flops_per_step_per_rank: f64,
+    ) -> Progress {
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(steps as u64);
             bar.set_style(
@@ -40,30 +47,38 @@ impl Progress {
             bar,
             label,
             steps,
+            last: Mutex::new(None),
             started: Instant::now(),
-            first: AtomicUsize::new(usize::MAX),
             tokens_per_step,
+            flops_per_step_per_rank,
         }
     }
 
+    /// Reports step `step`'s loss, with the time per step, tokens/s and model TFLOP/s
+    /// per rank over the steps since the last report (the first since training
+    /// started, which includes its warm-up), as Megatron's log does per interval.
     pub fn step(&self, step: usize, loss: f32) {
-        let _ =
-            self.first
-                .compare_exchange(usize::MAX, step - 1, Ordering::Relaxed, Ordering::Relaxed);
-        let done = step - self.first.load(Ordering::Relaxed);
-        let tokens_per_s =
-            (done * self.tokens_per_step) as f64 / self.started.elapsed().as_secs_f64();
+        let now = Instant::now();
+        // A poisoned lock only means another rank thread panicked; its value still holds.
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let (since, from) = last
+            .replace((now, step))
+            .unwrap_or((self.started, step - 1));
+        drop(last);
+        let steps = step.saturating_sub(from).max(1) as f64;
+        let seconds = now.duration_since(since).as_secs_f64().max(1e-9);
+        let figures = format!(
+            "loss {loss:.4} | elapsed time per step (ms) {:.1} | tokens/s {:.0} | TFLOP/s per GPU {:.3}",
+            seconds * 1e3 / steps,
+            self.tokens_per_step as f64 * steps / seconds,
+            self.flops_per_step_per_rank * steps / seconds / 1e12,
+        );
         match &self.bar {
             Some(bar) => {
                 bar.set_position(step as u64);
-                bar.set_message(format!("loss {loss:.4} | {tokens_per_s:.0} tokens/s"));
+                bar.set_message(figures);
             }
-            None => {
-                println!(
-                    "{} step {step:>4}/{} loss {loss:.4} | {tokens_per_s:.0} tokens/s",
-                    self.label, self.steps
-                )
-            }
+            None => println!("{} step {step:>4}/{} {figures}", self.label, self.steps),
         }
     }
 

@@ -1,7 +1,8 @@
 //! The demo trains as Megatron trains: embeddings tied to the output layer by default,
 //! across pipeline stages as two copies that stay bit-identical and count once in the
 //! gradient norm; the first update at the warm-up's initial rate; dropout drawn from
-//! streams that resume exactly.
+//! streams that resume exactly; each step's log line says, as Megatron's does, the time
+//! per step, tokens/s and model TFLOP/s over the steps since the last line.
 
 mod common;
 
@@ -224,4 +225,37 @@ fn tied_copies_stay_identical_after_resuming_at_another_tp() {
         stdout.contains("bit-identical on the first and last stage after each of 2 steps"),
         "{stdout}"
     );
+}
+
+/// `--batch 2 --seq 16` on one rank: 32 tokens a step; the figure after `label` in each
+/// step's line.
+#[test]
+fn each_step_line_has_megatrons_interval_figures() {
+    let out = scratch("conventions-step-line");
+    let stdout = succeed(
+        &[&words(SMALL)[..], &["--batch", "2", "--steps", "3"]].concat(),
+        &out,
+    );
+    let lines: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("train step"))
+        .collect();
+    assert_eq!(lines.len(), 3, "{stdout}");
+    let value = |line: &str, label: &str| -> f64 {
+        let field = (line.split(" | ")).find(|f| f.starts_with(label));
+        let field = field.unwrap_or_else(|| panic!("no {label:?} in {line}"));
+        field[label.len()..].trim().parse().unwrap()
+    };
+    for line in lines {
+        let ms = value(line, "elapsed time per step (ms)");
+        let tokens = value(line, "tokens/s");
+        let tflops = value(line, "TFLOP/s per GPU");
+        assert!(ms > 0.0 && tflops >= 0.0, "{line}");
+        // Printed to 0.1 ms and whole tokens: the two agree to that rounding.
+        let expected = 32.0 / (ms / 1e3);
+        assert!(
+            (tokens - expected).abs() <= expected * 0.05 / ms + 1.0,
+            "{line}"
+        );
+    }
 }

@@ -61,7 +61,7 @@ impl GptConfig {
         let h = self.hidden as f64;
         let dense_mlp = 2.0 * h * 4.0 * h;
         let mlp = |block: usize| match &self.moe {
-            Some((moe, every)) if block % every == 0 => {
+            Some((moe, every)) if block.is_multiple_of(*every) => {
                 let expert = 2.0 * h * moe.ffn_hidden as f64;
                 let shared = moe.shared_expert_ffn.map_or(0.0, |f| 2.0 * h * f as f64);
                 moe.top_k as f64 * expert + shared + h * moe.num_experts as f64

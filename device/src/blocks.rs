@@ -175,19 +175,27 @@ pub(crate) unsafe fn run(
     if let Some(reason) = grid.check() {
         return Err(format!("{name}: {reason}"));
     }
-    let mut blocks: Vec<u32> = (0..grid.blocks).collect();
-    if let Some(state) = order {
-        shuffle_in_place(&mut blocks, state);
-    }
-    for index in blocks {
-        let block = Block::new(grid, index);
-        // SAFETY: as the caller guarantees.
-        unsafe { block.run(kernel, arg, order) }.map_err(|e| format!("{name}: {e}"))?;
-        if let Some(fault) = block.state().fault.take() {
-            return Err(format!("{name}, block {index}: {fault}"));
+    // The runner this thread keeps, so a launch in the steady state allocates nothing.
+    let mut runner = RUNNER.with(|r| r.borrow_mut().take()).unwrap_or_default();
+    let outcome = (|| {
+        runner.order.clear();
+        runner.order.extend(0..grid.blocks);
+        if let Some(state) = order {
+            shuffle_in_place(&mut runner.order, state);
         }
-    }
-    Ok(())
+        for b in 0..grid.blocks as usize {
+            let index = runner.order[b];
+            runner.block.reset(grid, index);
+            // SAFETY: as the caller guarantees.
+            unsafe { runner.run_block(kernel, arg, order) }.map_err(|e| format!("{name}: {e}"))?;
+            if let Some(fault) = runner.block.state().fault.take() {
+                return Err(format!("{name}, block {index}: {fault}"));
+            }
+        }
+        Ok(())
+    })();
+    RUNNER.with(|r| *r.borrow_mut() = Some(runner));
+    outcome
 }
 
 /// Where a thread stands between two resumptions.
@@ -222,6 +230,7 @@ struct Word {
 }
 
 /// The state of the block being run, reached by the scheduler and by its threads' calls.
+#[derive(Default)]
 struct State {
     stands: Vec<Stand>,
     offered: Vec<(u64, i32)>,
@@ -241,51 +250,65 @@ struct State {
 }
 
 /// One block's threads and their shared state.
+#[derive(Default)]
 struct Block {
     threads: Vec<Thread>,
     state: UnsafeCell<State>,
 }
 
+/// What a thread keeps between launches: the block (reset for each), the stacks of
+/// finished coroutines, and the vectors a run fills, so that nothing is allocated in the
+/// steady state (memory counts would see it).
+#[derive(Default)]
+struct Runner {
+    block: Block,
+    stacks: Vec<DefaultStack>,
+    coroutines: Vec<Coroutine<(), (), (), DefaultStack>>,
+    /// The order of the blocks, and of the threads between meetings.
+    order: Vec<u32>,
+    sequence: Vec<usize>,
+}
+
 thread_local! {
-    /// Stacks of finished coroutines, reused by the next block run on this thread.
-    static STACKS: RefCell<Vec<DefaultStack>> = const { RefCell::new(Vec::new()) };
+    static RUNNER: RefCell<Option<Box<Runner>>> = const { RefCell::new(None) };
 }
 
 /// A coroutine's stack: the kernels' frames are small, the calls' formatting too.
 const STACK_BYTES: usize = 128 * 1024;
 
 impl Block {
-    fn new(grid: Grid, index: u32) -> Box<Block> {
+    /// Makes this block `index` of `grid`, its threads at their start. It must not move
+    /// until it has run: its threads point at it.
+    fn reset(&mut self, grid: Grid, index: u32) {
         let n = grid.threads as usize;
-        let mut block = Box::new(Block {
-            threads: Vec::with_capacity(n),
-            state: UnsafeCell::new(State {
-                stands: vec![Stand::Ready; n],
-                offered: vec![(0, 0); n],
-                received: vec![0; n],
-                epoch: 0,
-                warp_epochs: vec![0; n / WARP_SIZE as usize],
-                arena: vec![0; SHARED_MEMORY_BYTES / 16],
-                cursors: vec![0; n],
-                used: 0,
-                shadow: Vec::new(),
-                overflow: Vec::new(),
-                yielders: vec![std::ptr::null(); n],
-                fault: None,
-            }),
-        });
-        let runner = (&*block as *const Block).cast_mut().cast();
-        for thread in 0..grid.threads {
-            block.threads.push(Thread {
-                ops: &OPS,
-                thread,
-                block: index,
-                threads: grid.threads,
-                blocks: grid.blocks,
-                runner,
-            });
-        }
-        block
+        let runner = (self as *const Block).cast_mut().cast();
+        self.threads.clear();
+        self.threads.extend((0..grid.threads).map(|thread| Thread {
+            ops: &OPS,
+            thread,
+            block: index,
+            threads: grid.threads,
+            blocks: grid.blocks,
+            runner,
+        }));
+        let state = self.state.get_mut();
+        state.stands.clear();
+        state.stands.resize(n, Stand::Ready);
+        state.offered.clear();
+        state.offered.resize(n, (0, 0));
+        state.received.clear();
+        state.received.resize(n, 0);
+        state.epoch = 0;
+        state.warp_epochs.clear();
+        state.warp_epochs.resize(n / WARP_SIZE as usize, 0);
+        state.cursors.clear();
+        state.cursors.resize(n, 0);
+        state.used = 0;
+        state.shadow.clear();
+        state.overflow.clear();
+        state.yielders.clear();
+        state.yielders.resize(n, std::ptr::null());
+        state.fault = None;
     }
 
     /// The shared state. Only one reference is alive at a time: the scheduler takes it
@@ -295,33 +318,31 @@ impl Block {
         // SAFETY: one thread runs the block, and no reference outlives a resumption.
         unsafe { &mut *self.state.get() }
     }
+}
 
-    /// Runs every thread to its end, meeting after meeting.
+impl Runner {
+    /// Runs every thread of the block to its end, meeting after meeting.
     ///
     /// # Safety
     /// As [`run`].
-    unsafe fn run(
-        &self,
+    unsafe fn run_block(
+        &mut self,
         kernel: BlockKernel,
         arg: *const c_void,
         order: &mut Option<u64>,
     ) -> Result<(), String> {
-        let n = self.threads.len();
-        let mut stacks = STACKS.with(|s| {
-            let mut pool = s.borrow_mut();
-            let keep = pool.len().saturating_sub(n);
-            pool.split_off(keep)
-        });
-        let mut coroutines = Vec::with_capacity(n);
+        let block = &self.block;
+        let n = block.threads.len();
+        self.coroutines.clear();
         for t in 0..n {
-            let stack = match stacks.pop() {
+            let stack = match self.stacks.pop() {
                 Some(stack) => stack,
                 None => DefaultStack::new(STACK_BYTES)
                     .map_err(|e| format!("mapping a stack for an emulated thread: {e}"))?,
             };
-            let thread = (&self.threads[t] as *const Thread).cast_mut();
-            let yielders = self.state().yielders.as_mut_ptr();
-            coroutines.push(Coroutine::with_stack(
+            let thread = (&block.threads[t] as *const Thread).cast_mut();
+            let yielders = block.state().yielders.as_mut_ptr();
+            self.coroutines.push(Coroutine::with_stack(
                 stack,
                 move |yielder: &Yielder<(), ()>, ()| {
                     // SAFETY: `yielders` has n slots and lives as long as the block; the
@@ -333,27 +354,25 @@ impl Block {
                 },
             ));
         }
-        let mut sequence: Vec<usize> = (0..n).collect();
+        self.sequence.clear();
+        self.sequence.extend(0..n);
         loop {
             if let Some(state) = order {
-                shuffle_in_place(&mut sequence, state);
+                shuffle_in_place(&mut self.sequence, state);
             }
-            for &t in &sequence {
-                if self.state().stands[t] != Stand::Ready {
+            for &t in &self.sequence {
+                if block.state().stands[t] != Stand::Ready {
                     continue;
                 }
-                if let CoroutineResult::Return(()) = coroutines[t].resume(()) {
-                    self.state().stands[t] = Stand::Exited;
+                if let CoroutineResult::Return(()) = self.coroutines[t].resume(()) {
+                    block.state().stands[t] = Stand::Exited;
                 }
             }
-            if !self.state().meet() {
+            if !block.state().meet() {
                 break;
             }
         }
-        STACKS.with(|s| {
-            let mut pool = s.borrow_mut();
-            pool.extend(coroutines.into_iter().map(|c| c.into_stack()));
-        });
+        (self.stacks).extend(self.coroutines.drain(..).map(|c| c.into_stack()));
         Ok(())
     }
 }
@@ -570,6 +589,10 @@ impl State {
                 .map_or(std::ptr::null_mut(), |s| s.as_mut_ptr().cast());
         }
         self.cursors[t] = end;
+        if self.arena.is_empty() {
+            // Once per runner: it keeps the arena for every later block.
+            self.arena = vec![0; SHARED_MEMORY_BYTES / 16];
+        }
         if end > self.used {
             self.used = end;
             self.shadow.resize(end / 4, Word::default());

@@ -289,6 +289,26 @@ impl<T: Copy + Default> GpuArray<T> {
             .map_err(Error::on_device(kernel.name, self.device()))
     }
 
+    /// Runs the cooperative `kernel`'s `precision` build over `grid`, moving `cost` (as
+    /// [`launch_build`](Self::launch_build)).
+    pub(crate) fn launch_grid(
+        &self,
+        kernel: &Kernel,
+        precision: Precision,
+        grid: ferrotron_device::Grid,
+        args: &KernelArgs,
+        cost: Cost,
+    ) -> Result<()> {
+        let function = self.backend().function(kernel, precision)?;
+        let (accesses, count) = self.accesses(kernel, args);
+        let stream = self.stream();
+        // SAFETY: as in `launch_build`.
+        let launch =
+            || unsafe { stream.launch_blocks(&function, grid, &[args], &accesses[..count]) };
+        ferrotron_device::profile::measure(stream, kernel.name, precision.suffix(), cost, launch)
+            .map_err(Error::on_device(kernel.name, self.device()))
+    }
+
     /// What a launch of `kernel` with `args` on this array reads and writes, for the
     /// emulated device's ordering checker: each address the kernel writes through
     /// written, the others read; this array's own range exactly (it may be the output

@@ -6,7 +6,7 @@
 use half::{bf16, f16};
 
 use super::HalfFormat;
-use super::{Backend, Gemm, GemmFormat, Kernel, Precision};
+use super::{Backend, Gemm, GemmFormat, HostBuilds, Kernel, Precision};
 use crate::{Device, Error, Result};
 
 /// The emulated device: its one stream (whose worker runs the calls in order while the
@@ -33,10 +33,14 @@ impl Backend for Emulator {
         kernel: &Kernel,
         precision: Precision,
     ) -> Result<ferrotron_device::Function> {
-        Ok(ferrotron_device::Function::host(
-            kernel.name,
-            kernel.host[precision.index()],
-        ))
+        Ok(match &kernel.host {
+            HostBuilds::Indices(builds) => {
+                ferrotron_device::Function::host(kernel.name, builds[precision.index()])
+            }
+            HostBuilds::Blocks(builds) => {
+                ferrotron_device::Function::host_blocks(kernel.name, builds[precision.index()])
+            }
+        })
     }
 
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()> {

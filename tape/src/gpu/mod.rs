@@ -65,7 +65,14 @@ pub(crate) type HostKernel = ferrotron_device::HostKernel;
 /// A kernel by name, with its host builds for f32 and f64.
 pub(crate) struct Kernel {
     pub name: &'static str,
-    pub host: [HostKernel; 2],
+    pub host: HostBuilds,
+}
+
+/// A kernel's host builds: a loop over independent indices, or a cooperative kernel run
+/// thread by thread over a grid of blocks (`ferrotron_device::blocks`).
+pub(crate) enum HostBuilds {
+    Indices([HostKernel; 2]),
+    Blocks([ferrotron_device::BlockKernel; 2]),
 }
 
 impl Kernel {
@@ -93,7 +100,27 @@ macro_rules! kernels {
         extern "C" {
             $(fn $f32(args: *const std::ffi::c_void); fn $f64(args: *const std::ffi::c_void);)*
         }
-        $(pub(crate) const $constant: Kernel = Kernel { name: $name, host: [$f32, $f64] };)*
+        $(pub(crate) const $constant: Kernel = Kernel {
+            name: $name,
+            host: $crate::gpu::HostBuilds::Indices([$f32, $f64]),
+        };)*
+        pub(crate) const $list: &[&Kernel] = &[$(&$constant),*];
+    };
+}
+
+/// [`kernels!`] for cooperative kernels, whose C builds also take the emulated thread.
+macro_rules! block_kernels {
+    ($list:ident: $($constant:ident = $name:literal : $f32:ident, $f64:ident;)*) => {
+        extern "C" {
+            $(
+                fn $f32(args: *const std::ffi::c_void, thread: *mut ferrotron_device::Thread);
+                fn $f64(args: *const std::ffi::c_void, thread: *mut ferrotron_device::Thread);
+            )*
+        }
+        $(pub(crate) const $constant: Kernel = Kernel {
+            name: $name,
+            host: $crate::gpu::HostBuilds::Blocks([$f32, $f64]),
+        };)*
         pub(crate) const $list: &[&Kernel] = &[$(&$constant),*];
     };
 }
@@ -121,10 +148,11 @@ pub(crate) mod shape_ops;
 
 /// Every kernel, by family (the NVRTC test checks that each one compiled).
 #[allow(dead_code)] // read by the NVRTC test
-pub(crate) const KERNEL_LISTS: [&[&Kernel]; 4] = [
+pub(crate) const KERNEL_LISTS: [&[&Kernel]; 5] = [
     MATH_KERNELS,
     shape_ops::SHAPE_KERNELS,
     row_ops::ROW_KERNELS,
+    row_ops::COLUMN_KERNELS,
     optim_ops::OPTIM_KERNELS,
 ];
 

@@ -5,8 +5,9 @@
 use super::ops::{sum_dim, sum_parts, unary, PointwiseInput, UnaryKind};
 use super::{moves, GpuArray, Kernel, KernelArgs, Precision, Stored};
 use crate::{Element, Result};
+use ferrotron_device::Grid;
 
-kernels! {
+block_kernels! {
     ROW_KERNELS:
     SOFTMAX_ROWS = "softmax_rows": softmax_rows_f32, softmax_rows_f64;
     SOFTMAX_ROWS_BACKWARD = "softmax_rows_backward":
@@ -14,11 +15,42 @@ kernels! {
     LAYER_NORM_ROWS = "layer_norm_rows": layer_norm_rows_f32, layer_norm_rows_f64;
     LAYER_NORM_ROWS_BACKWARD = "layer_norm_rows_backward":
         layer_norm_rows_backward_f32, layer_norm_rows_backward_f64;
-    LAYER_NORM_AFFINE_BACKWARD = "layer_norm_affine_backward":
-        layer_norm_affine_backward_f32, layer_norm_affine_backward_f64;
     CROSS_ENTROPY_ROWS = "cross_entropy_rows": cross_entropy_rows_f32, cross_entropy_rows_f64;
     CROSS_ENTROPY_ROWS_BACKWARD = "cross_entropy_rows_backward":
         cross_entropy_rows_backward_f32, cross_entropy_rows_backward_f64;
+}
+
+kernels! {
+    COLUMN_KERNELS:
+    LAYER_NORM_AFFINE_BACKWARD = "layer_norm_affine_backward":
+        layer_norm_affine_backward_f32, layer_norm_affine_backward_f64;
+}
+
+/// Warps per block of the row kernels, each warp a row at a time.
+const ROW_WARPS: usize = 4;
+
+/// The row kernels' grid for `rows` rows: a warp per row, in blocks of [`ROW_WARPS`]
+/// (at most 65,535 blocks, whose warps then take several rows each).
+fn row_grid(rows: usize) -> Grid {
+    Grid {
+        blocks: rows.div_ceil(ROW_WARPS).clamp(1, 65_535) as u32,
+        threads: (32 * ROW_WARPS) as u32,
+    }
+}
+
+/// Launches the row kernel `kernel`'s build for `T` (written through `out`) over `rows`
+/// rows, unless there are none.
+fn launch_rows<T: Element, E: Copy + Default>(
+    out: &GpuArray<E>,
+    kernel: &Kernel,
+    rows: usize,
+    args: &KernelArgs,
+    cost: super::Cost,
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    out.launch_grid(kernel, Precision::of::<T>(), row_grid(rows), args, cost)
 }
 
 /// `(rows, width)` of `shape` viewed over its last dimension; no rows when the width is 0
@@ -81,7 +113,7 @@ pub(crate) fn softmax_stored<T: Element, O: Stored>(
     args.p[..2].copy_from_slice(&[out.ptr(), x.ptr]);
     args.i[4..6].copy_from_slice(&[x.format, O::FORMAT]);
     let cost = moves(x.bytes::<T>(), out.bytes());
-    out.launch_build(&SOFTMAX_ROWS, Precision::of::<T>(), rows, &args, cost)
+    launch_rows::<T, O>(out, &SOFTMAX_ROWS, rows, &args, cost)
 }
 
 /// The gradient of `y = softmax(x)` (or log-softmax) from `y` and `grad` = d(loss)/dy.
@@ -97,7 +129,7 @@ pub(crate) fn softmax_backward<T: Element>(
     args.p[..3].copy_from_slice(&[dx.ptr(), grad.ptr(), y.ptr]);
     args.i[4] = y.format;
     let cost = moves(grad.bytes() + y.bytes::<T>(), dx.bytes());
-    dx.launch(&SOFTMAX_ROWS_BACKWARD, rows, &args, cost)?;
+    launch_rows::<T, T>(&dx, &SOFTMAX_ROWS_BACKWARD, rows, &args, cost)?;
     Ok(dx)
 }
 
@@ -149,7 +181,7 @@ pub(crate) fn layer_norm_stored<T: Element, O: Stored>(
         x.bytes::<T>() + affine,
         out.bytes() + mean.bytes() + rstd.bytes(),
     );
-    out.launch_build(&LAYER_NORM_ROWS, Precision::of::<T>(), rows, &args, cost)
+    launch_rows::<T, O>(out, &LAYER_NORM_ROWS, rows, &args, cost)
 }
 
 /// Layer norm's input, weight and bias as its kernel reads them.
@@ -187,12 +219,8 @@ pub(crate) fn layer_norm_input_grad<T: Element>(
     ]);
     let stats = saved.mean.bytes() + saved.rstd.bytes();
     let read = grad.bytes() + saved.x.bytes::<T>() + weight.map_or(0, |w| w.bytes::<T>()) + stats;
-    dx.launch(
-        &LAYER_NORM_ROWS_BACKWARD,
-        rows,
-        &args,
-        moves(read, dx.bytes()),
-    )?;
+    let cost = moves(read, dx.bytes());
+    launch_rows::<T, T>(&dx, &LAYER_NORM_ROWS_BACKWARD, rows, &args, cost)?;
     Ok(dx)
 }
 
@@ -292,7 +320,7 @@ pub(crate) fn cross_entropy<T: Element>(
         logits.bytes() + targets.labels.bytes(),
         loss.bytes() + lse.bytes(),
     );
-    loss.launch(&CROSS_ENTROPY_ROWS, rows, &args, cost)?;
+    launch_rows::<T, T>(&loss, &CROSS_ENTROPY_ROWS, rows, &args, cost)?;
     Ok((loss, lse))
 }
 
@@ -338,11 +366,7 @@ pub(crate) fn cross_entropy_backward<T: Element>(
     args.f[1] = divisor;
     let upstream_bytes = if per_row { upstream.bytes() } else { 0 };
     let read = logits.bytes() + lse.bytes() + targets.labels.bytes() + upstream_bytes;
-    dx.launch(
-        &CROSS_ENTROPY_ROWS_BACKWARD,
-        rows,
-        &args,
-        moves(read, dx.bytes()),
-    )?;
+    let cost = moves(read, dx.bytes());
+    launch_rows::<T, T>(&dx, &CROSS_ENTROPY_ROWS_BACKWARD, rows, &args, cost)?;
     Ok(dx)
 }

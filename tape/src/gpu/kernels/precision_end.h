@@ -6,3 +6,4 @@
 #undef ERF
 #undef SQRT
 #undef MUL_RN
+#undef SHFL_XOR

@@ -6,3 +6,4 @@
 #define ERF erff
 #define SQRT sqrtf
 #define MUL_RN MUL_RN_F32
+#define SHFL_XOR SHFL_XOR_F32

@@ -6,3 +6,4 @@
 #define ERF erf
 #define SQRT sqrt
 #define MUL_RN MUL_RN_F64
+#define SHFL_XOR SHFL_XOR_F64

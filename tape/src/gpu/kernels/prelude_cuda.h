@@ -15,3 +15,18 @@
 /* The bits of a float and back (16-bit conversions in half.h). */
 #define float_bits(x) __float_as_uint(x)
 #define bits_float(u) __uint_as_float(u)
+/* Cooperative kernels: CUDA's own threads, barriers, shuffles and shared memory. */
+#define BLOCK_KERNEL(name) extern "C" __global__ void name(const __grid_constant__ KernelArgs args_)
+#define THREAD_PARAM int thread_
+#define THREAD 0
+#define THREAD_IDX ((i64)threadIdx.x)
+#define BLOCK_IDX ((i64)blockIdx.x)
+#define BLOCK_DIM ((i64)blockDim.x)
+#define GRID_DIM ((i64)gridDim.x)
+#define SYNC_THREADS() __syncthreads()
+#define SYNC_WARP() __syncwarp()
+#define SHARED(type, name, count) __shared__ type name[count]
+#define SHARED_LOAD(array, index) ((array)[index])
+#define SHARED_STORE(array, index, value) ((array)[index] = (value))
+#define SHFL_XOR_F32(v, mask) __shfl_xor_sync(0xffffffffu, (v), (mask))
+#define SHFL_XOR_F64(v, mask) __shfl_xor_sync(0xffffffffu, (v), (mask))

@@ -6,6 +6,28 @@
 #define DEVFN static inline
 #define FOR_EACH(i, n) for (i64 i = 0; i < (i64)(n); ++i)
 #define ATOMIC_ADD(address, value) (*(address) += (value))
+/* Cooperative kernels: each thread a call with its FerrotronThread, run by the emulated
+ * device (ferrotron_device::blocks), whose calls are its meetings and shared memory. */
+#include "ferrotron_blocks.h"
+#define BLOCK_KERNEL(name) void name(const KernelArgs* args_, FerrotronThread* thread_)
+#define THREAD_PARAM FerrotronThread* thread_
+#define THREAD thread_
+#define THREAD_IDX ((i64)thread_->thread)
+#define BLOCK_IDX ((i64)thread_->block)
+#define BLOCK_DIM ((i64)thread_->threads)
+#define GRID_DIM ((i64)thread_->blocks)
+#define SYNC_THREADS() thread_->ops->barrier(thread_, __LINE__)
+#define SYNC_WARP() thread_->ops->sync_warp(thread_, __LINE__)
+#define SHARED(type, name, count) \
+    type* name = (type*)thread_->ops->shared(thread_, sizeof(type) * (count), __LINE__)
+#define SHARED_LOAD(array, index)                                                    \
+    (thread_->ops->access(thread_, &(array)[index], sizeof((array)[index]), 0, __LINE__), \
+     (array)[index])
+#define SHARED_STORE(array, index, value)                                              \
+    do {                                                                               \
+        thread_->ops->access(thread_, &(array)[index], sizeof((array)[index]), 1, __LINE__); \
+        (array)[index] = (value);                                                      \
+    } while (0)
 /* Products are never contracted on the host (built with -ffp-contract=off). */
 #define MUL_RN_F32(a, b) ((a) * (b))
 #define MUL_RN_F64(a, b) ((a) * (b))
@@ -20,3 +42,16 @@ DEVFN float bits_float(unsigned int u) {
     pun.u = u;
     return pun.f;
 }
+/* A whole-warp xor shuffle: every lane gets the value of lane (its lane ^ mask). */
+DEVFN float shfl_xor_f32(FerrotronThread* t, float v, int mask, int line) {
+    int lane = (int)(t->thread % 32u) ^ mask;
+    return bits_float((unsigned int)t->ops->shuffle(t, float_bits(v), lane, line));
+}
+DEVFN double shfl_xor_f64(FerrotronThread* t, double v, int mask, int line) {
+    union { double d; u64 u; } pun;
+    pun.d = v;
+    pun.u = t->ops->shuffle(t, pun.u, (int)(t->thread % 32u) ^ mask, line);
+    return pun.d;
+}
+#define SHFL_XOR_F32(v, mask) shfl_xor_f32(thread_, (v), (mask), __LINE__)
+#define SHFL_XOR_F64(v, mask) shfl_xor_f64(thread_, (v), (mask), __LINE__)

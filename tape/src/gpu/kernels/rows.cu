@@ -2,36 +2,44 @@
  * of a tensor viewed as [rows, width]. Slot meanings are mirrored by
  * tape/src/gpu/row_ops.rs.
  *
- * One index per row (per column for the affine gradients) keeps to the kernel rules and
- * is exact; a block per row with a shared-memory reduction would be faster for long rows,
- * but needs block synchronisation that the emulator cannot model. Rows read in full are
- * never empty: softmax and layer norm have no rows when the width is 0, and a
+ * Cooperative: a warp per row (ROWS_OF_WARPS: warp w of the grid takes rows w, w + the
+ * grid's warps, ...), its lanes reading the row's columns lane, lane + 32, ... (adjacent
+ * lanes, adjacent addresses) and meeting in butterfly reductions of xor shuffles, so no
+ * shared memory and no block barrier: the warps of a block work on their own rows. Every
+ * pass over a row reads it as stored (16-bit widened in registers). Rows read in full
+ * are never empty: softmax and layer norm have no rows when the width is 0, and a
  * cross-entropy row with 0 classes can only be ignored (any label is out of range). */
 
-/* The largest element of a row. A NaN anywhere makes the row's result NaN whichever
- * value is taken, as on the CPU. */
-DEVFN real SFX(row_max)(const real* row, i64 width) {
-    real max = row[0];
-    for (i64 j = 1; j < width; ++j)
-        if (row[j] > max) max = row[j];
-    return max;
+#define LANE (THREAD_IDX % 32)
+#define ROWS_OF_WARPS(r, rows)                                                         \
+    for (i64 r = BLOCK_IDX * (BLOCK_DIM / 32) + THREAD_IDX / 32; r < (i64)(rows);       \
+         r += GRID_DIM * (BLOCK_DIM / 32))
+/* The columns of a row this lane takes. */
+#define LANE_COLUMNS(j, width) for (i64 j = LANE; j < (i64)(width); j += 32)
+
+/* The sum of every lane's v, in every lane (a butterfly: the same tree in each). */
+DEVFN real SFX(warp_sum)(THREAD_PARAM, real v) {
+    for (int mask = 16; mask > 0; mask /= 2) v += SHFL_XOR(v, mask);
+    return v;
 }
 
-/* log Σ exp(row), with the maximum subtracted so that no exponential overflows. */
-DEVFN real SFX(row_log_sum_exp)(const real* row, i64 width) {
-    real max = SFX(row_max)(row, width);
-    real total = (real)0;
-    for (i64 j = 0; j < width; ++j) total += EXP(row[j] - max);
-    return LOG(total) + max;
+/* The largest of every lane's v, in every lane. A NaN stays NaN where it is compared
+ * first, and the row's sums then make it NaN, as on the CPU. */
+DEVFN real SFX(warp_max)(THREAD_PARAM, real v) {
+    for (int mask = 16; mask > 0; mask /= 2) {
+        real other = SHFL_XOR(v, mask);
+        if (other > v) v = other;
+    }
+    return v;
 }
 
 /* Softmax (i2 = 0) or log-softmax (i2 = 1) of each row of f0 · x. With i3 = 1 (softmax
  * of square matrices) row r sees only columns j ≤ r mod width and the others are 0:
  * Megatron's upper-triangular masked softmax, with no mask in memory.  p0 out, p1 x;
  * i0 rows, i1 width; i4 x's format, i5 out's (as for `binary`); f0 scale. The input is
- * read in two passes and each result written once, so a 16-bit output is rounded once
+ * read in three passes and each result written once, so a 16-bit output is rounded once
  * and never serves as scratch. */
-KERNEL(SFX(softmax_rows)) {
+BLOCK_KERNEL(SFX(softmax_rows)) {
     const KernelArgs* A = ARGS;
     const void* x = (const void*)A->p[1];
     void* out = (void*)A->p[0];
@@ -40,24 +48,29 @@ KERNEL(SFX(softmax_rows)) {
     int causal = A->i[3] != 0;
     int fx = (int)A->i[4], fout = (int)A->i[5];
     real scale = (real)A->f[0];
-    FOR_EACH(r, A->i[0]) {
+    ROWS_OF_WARPS(r, A->i[0]) {
         i64 base = r * width;
         i64 seen = causal ? r % width + 1 : width;
-        /* The largest element; a NaN anywhere makes the row NaN, as on the CPU. */
-        /* MUL_RN: the scaled value is rounded before it is used, as on the CPU. */
+        /* MUL_RN: the scaled value is rounded before it is used, as on the CPU. Every
+         * lane starts from the row's first element, which every row has. */
         real max = MUL_RN(SFX(load)(x, base, fx), scale);
-        for (i64 j = 1; j < seen; ++j) {
+        LANE_COLUMNS(j, seen) {
             real v = MUL_RN(SFX(load)(x, base + j, fx), scale);
             if (v > max) max = v;
         }
+        max = SFX(warp_max)(THREAD, max);
         real total = (real)0;
-        for (i64 j = 0; j < seen; ++j) total += EXP(MUL_RN(SFX(load)(x, base + j, fx), scale) - max);
+        LANE_COLUMNS(j, seen) total += EXP(MUL_RN(SFX(load)(x, base + j, fx), scale) - max);
+        total = SFX(warp_sum)(THREAD, total);
         real log_total = LOG(total) + max;
-        for (i64 j = 0; j < seen; ++j) {
-            real v = MUL_RN(SFX(load)(x, base + j, fx), scale);
-            SFX(store)(out, base + j, fout, log_form ? v - log_total : EXP(v - max) / total);
+        LANE_COLUMNS(j, width) {
+            real v = (real)0;
+            if (j < seen) {
+                real scaled = MUL_RN(SFX(load)(x, base + j, fx), scale);
+                v = log_form ? scaled - log_total : EXP(scaled - max) / total;
+            }
+            SFX(store)(out, base + j, fout, v);
         }
-        for (i64 j = seen; j < width; ++j) SFX(store)(out, base + j, fout, (real)0);
     }
 }
 
@@ -66,7 +79,7 @@ KERNEL(SFX(softmax_rows)) {
  * 0 and take no part in the sums.  p0 dx, p1 g, p2 y; i0 rows, i1 width, i2 and i3 as in
  * `softmax_rows`, i4 y's format (as for `binary`: the rounded 16-bit output is read as
  * stored); f0 scale. */
-KERNEL(SFX(softmax_rows_backward)) {
+BLOCK_KERNEL(SFX(softmax_rows_backward)) {
     const KernelArgs* A = ARGS;
     real* dx = (real*)A->p[0];
     const real* g = (const real*)A->p[1];
@@ -76,27 +89,31 @@ KERNEL(SFX(softmax_rows_backward)) {
     int causal = A->i[3] != 0;
     int fy = (int)A->i[4];
     real scale = (real)A->f[0];
-    FOR_EACH(r, A->i[0]) {
+    ROWS_OF_WARPS(r, A->i[0]) {
         i64 base = r * width;
         i64 seen = causal ? r % width + 1 : width;
         real acc = (real)0;
-        for (i64 j = 0; j < seen; ++j)
+        LANE_COLUMNS(j, seen)
             acc += log_form ? g[base + j] : g[base + j] * SFX(load)(y, base + j, fy);
-        for (i64 j = 0; j < seen; ++j) {
+        acc = SFX(warp_sum)(THREAD, acc);
+        LANE_COLUMNS(j, width) {
             i64 k = base + j;
-            real yk = SFX(load)(y, k, fy);
-            dx[k] = (log_form ? g[k] - EXP(yk) * acc : yk * (g[k] - acc)) * scale;
+            real d = (real)0;
+            if (j < seen) {
+                real yk = SFX(load)(y, k, fy);
+                d = (log_form ? g[k] - EXP(yk) * acc : yk * (g[k] - acc)) * scale;
+            }
+            dx[k] = d;
         }
-        for (i64 j = seen; j < width; ++j) dx[base + j] = (real)0;
     }
 }
 
 /* Layer norm of each row: out = (x − mean) · rstd · weight + bias, rstd = 1/√(var + f0)
- * with the biased variance; mean and rstd are kept for the backward.  p0 out, p1 x,
- * p2 weight [width] (0: none), p3 bias [width] (0: none), p4 mean [rows], p5 rstd [rows];
- * i0 rows, i1 width, i2 x's format, i3 weight's, i4 bias's, i5 out's (as for `binary`);
- * f0 eps. */
-KERNEL(SFX(layer_norm_rows)) {
+ * with the biased variance (the mean first, then the squares about it); mean and rstd
+ * are kept for the backward.  p0 out, p1 x, p2 weight [width] (0: none), p3 bias [width]
+ * (0: none), p4 mean [rows], p5 rstd [rows]; i0 rows, i1 width, i2 x's format, i3
+ * weight's, i4 bias's, i5 out's (as for `binary`); f0 eps. */
+BLOCK_KERNEL(SFX(layer_norm_rows)) {
     const KernelArgs* A = ARGS;
     const void* x = (const void*)A->p[1];
     const void* weight = (const void*)A->p[2];
@@ -107,25 +124,27 @@ KERNEL(SFX(layer_norm_rows)) {
     int fx = (int)A->i[2], fw = (int)A->i[3], fb = (int)A->i[4], fout = (int)A->i[5];
     real count = (real)width;
     real eps = (real)A->f[0];
-    FOR_EACH(r, A->i[0]) {
+    ROWS_OF_WARPS(r, A->i[0]) {
         i64 base = r * width;
         real total = (real)0;
-        for (i64 j = 0; j < width; ++j) total += SFX(load)(x, base + j, fx);
-        real mean = total / count;
+        LANE_COLUMNS(j, width) total += SFX(load)(x, base + j, fx);
+        real mean = SFX(warp_sum)(THREAD, total) / count;
         real squares = (real)0;
-        for (i64 j = 0; j < width; ++j) {
+        LANE_COLUMNS(j, width) {
             real d = SFX(load)(x, base + j, fx) - mean;
             squares += d * d;
         }
-        real rstd = (real)1 / SQRT(squares / count + eps);
-        for (i64 j = 0; j < width; ++j) {
+        real rstd = (real)1 / SQRT(SFX(warp_sum)(THREAD, squares) / count + eps);
+        LANE_COLUMNS(j, width) {
             real v = (SFX(load)(x, base + j, fx) - mean) * rstd;
             if (weight) v *= SFX(load)(weight, j, fw);
             if (bias) v += SFX(load)(bias, j, fb);
             SFX(store)((void*)A->p[0], base + j, fout, v);
         }
-        means[r] = mean;
-        rstds[r] = rstd;
+        if (LANE == 0) {
+            means[r] = mean;
+            rstds[r] = rstd;
+        }
     }
 }
 
@@ -133,7 +152,7 @@ KERNEL(SFX(layer_norm_rows)) {
  * ĝ = g ⊙ weight and x̂ = (x − mean) · rstd.  p0 dx, p1 g, p2 x, p3 weight (0: none),
  * p4 mean, p5 rstd; i0 rows, i1 width, i2 x's storage format, i3 weight's (as for
  * `binary`). */
-KERNEL(SFX(layer_norm_rows_backward)) {
+BLOCK_KERNEL(SFX(layer_norm_rows_backward)) {
     const KernelArgs* A = ARGS;
     real* dx = (real*)A->p[0];
     const real* g = (const real*)A->p[1];
@@ -144,17 +163,18 @@ KERNEL(SFX(layer_norm_rows_backward)) {
     i64 width = A->i[1];
     int fx = (int)A->i[2], fw = (int)A->i[3];
     real count = (real)width;
-    FOR_EACH(r, A->i[0]) {
+    ROWS_OF_WARPS(r, A->i[0]) {
         i64 base = r * width;
         real mean = means[r], rstd = rstds[r];
         real sum_g = (real)0, sum_gx = (real)0;
-        for (i64 j = 0; j < width; ++j) {
+        LANE_COLUMNS(j, width) {
             real g_hat = weight ? g[base + j] * SFX(load)(weight, j, fw) : g[base + j];
             sum_g += g_hat;
             sum_gx += g_hat * ((SFX(load)(x, base + j, fx) - mean) * rstd);
         }
-        real mean_g = sum_g / count, mean_gx = sum_gx / count;
-        for (i64 j = 0; j < width; ++j) {
+        real mean_g = SFX(warp_sum)(THREAD, sum_g) / count;
+        real mean_gx = SFX(warp_sum)(THREAD, sum_gx) / count;
+        LANE_COLUMNS(j, width) {
             real g_hat = weight ? g[base + j] * SFX(load)(weight, j, fw) : g[base + j];
             real x_hat = (SFX(load)(x, base + j, fx) - mean) * rstd;
             dx[base + j] = rstd * (g_hat - mean_g - x_hat * mean_gx);
@@ -194,10 +214,10 @@ KERNEL(SFX(layer_norm_affine_backward)) {
 
 /* Cross-entropy of each row of logits against its label, with label smoothing f0:
  * loss = (1 − ε)(lse − x[label]) + ε(lse − mean(x)), 0 for an ignored row; lse (log Σ exp
- * of the row, left unset for ignored rows) is kept for the backward.  p0 loss [rows], p1 lse [rows], p2 logits,
- * p3 labels (i64, checked in range on the host); i0 rows, i1 classes, i2 whether i3 is an
- * ignored label, i3 the ignored label; f0 ε. */
-KERNEL(SFX(cross_entropy_rows)) {
+ * of the row, left unset for ignored rows) is kept for the backward.  p0 loss [rows], p1
+ * lse [rows], p2 logits, p3 labels (i64, checked in range on the host); i0 rows, i1
+ * classes, i2 whether i3 is an ignored label, i3 the ignored label; f0 ε. */
+BLOCK_KERNEL(SFX(cross_entropy_rows)) {
     const KernelArgs* A = ARGS;
     real* loss = (real*)A->p[0];
     real* lses = (real*)A->p[1];
@@ -207,21 +227,30 @@ KERNEL(SFX(cross_entropy_rows)) {
     int has_ignore = A->i[2] != 0;
     i64 ignore = A->i[3];
     real eps = (real)A->f[0];
-    FOR_EACH(r, A->i[0]) {
+    ROWS_OF_WARPS(r, A->i[0]) {
         const real* row = x + r * classes;
         i64 label = labels[r];
         /* Checked first: an ignored row may be empty (0 classes), and needs no lse. */
         if (has_ignore && label == ignore) {
-            loss[r] = (real)0;
+            if (LANE == 0) loss[r] = (real)0;
             continue;
         }
-        real lse = SFX(row_log_sum_exp)(row, classes);
-        lses[r] = lse;
-        real total = (real)0;
-        for (i64 j = 0; j < classes; ++j) total += row[j];
-        real nll = lse - row[label];
-        real smooth = lse - total / (real)classes;
-        loss[r] = ((real)1 - eps) * nll + eps * smooth;
+        real max = row[0];
+        LANE_COLUMNS(j, classes) if (row[j] > max) max = row[j];
+        max = SFX(warp_max)(THREAD, max);
+        real exps = (real)0, total = (real)0;
+        LANE_COLUMNS(j, classes) {
+            exps += EXP(row[j] - max);
+            total += row[j];
+        }
+        real lse = LOG(SFX(warp_sum)(THREAD, exps)) + max;
+        total = SFX(warp_sum)(THREAD, total);
+        if (LANE == 0) {
+            real nll = lse - row[label];
+            real smooth = lse - total / (real)classes;
+            lses[r] = lse;
+            loss[r] = ((real)1 - eps) * nll + eps * smooth;
+        }
     }
 }
 
@@ -232,7 +261,7 @@ KERNEL(SFX(cross_entropy_rows)) {
  * f0 ε, f1 divisor of upstream (the counted rows for a mean, else 1), f2 the C of ε/C
  * when the logits are one shard of more classes (0: i1). A negative label is a counted
  * row whose target is in another shard. */
-KERNEL(SFX(cross_entropy_rows_backward)) {
+BLOCK_KERNEL(SFX(cross_entropy_rows_backward)) {
     const KernelArgs* A = ARGS;
     real* dx = (real*)A->p[0];
     const real* x = (const real*)A->p[1];
@@ -245,17 +274,21 @@ KERNEL(SFX(cross_entropy_rows_backward)) {
     int per_row = A->i[4] != 0;
     real eps = (real)A->f[0];
     real divisor = (real)A->f[1];
-    FOR_EACH(r, A->i[0]) {
+    real uniform_over = A->f[2] > 0 ? (real)A->f[2] : (real)classes;
+    ROWS_OF_WARPS(r, A->i[0]) {
         i64 base = r * classes;
         i64 label = labels[r];
         if (has_ignore && label == ignore) {
-            for (i64 j = 0; j < classes; ++j) dx[base + j] = (real)0;
+            LANE_COLUMNS(j, classes) dx[base + j] = (real)0;
             continue;
         }
         real u = (per_row ? upstream[r] : upstream[0]) / divisor;
-        real uniform = eps / (A->f[2] > 0 ? (real)A->f[2] : (real)classes);
+        real uniform = eps / uniform_over;
         real lse = lses[r];
-        for (i64 j = 0; j < classes; ++j) dx[base + j] = u * (EXP(x[base + j] - lse) - uniform);
-        if (label >= 0) dx[base + label] -= u * ((real)1 - eps);
+        LANE_COLUMNS(j, classes) {
+            real d = u * (EXP(x[base + j] - lse) - uniform);
+            if (j == label) d -= u * ((real)1 - eps);
+            dx[base + j] = d;
+        }
     }
 }

@@ -8,8 +8,6 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use crate::train::StepsProfile;
-
 /// Shared by the rank threads; only world rank 0 reports to it.
 pub struct Progress {
     bar: Option<ProgressBar>,
@@ -96,6 +94,23 @@ impl Progress {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
+    }
+}
+
+/// The kernels of several steps together, with how many steps and their wall time.
+#[derive(Debug, Clone, Default)]
+pub struct StepsProfile {
+    pub kernels: ferrotron_tape::profile::Profile,
+    pub steps: usize,
+    pub wall: std::time::Duration,
+}
+
+impl StepsProfile {
+    /// Adds one step's kernels and wall time.
+    pub fn add(&mut self, kernels: &ferrotron_tape::profile::Profile, wall: std::time::Duration) {
+        self.kernels.add(kernels);
+        self.steps += 1;
+        self.wall += wall;
     }
 }
 

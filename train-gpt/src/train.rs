@@ -6,7 +6,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::data::{Corpus, DistributedSampler, Split};
 use crate::memory::{self, Phase};
 use crate::model::{Gpt, GptConfig, RankModel, Tokens};
-use crate::report::Progress;
+use crate::report::{Progress, StepsProfile};
 use anyhow::{bail, Context, Result};
 use ferrotron_comm_core::{Communicator, CommunicatorExt};
 use ferrotron_ddp::{DdpConfig, DistributedDataParallel, DistributedOptimizer};
@@ -760,13 +760,14 @@ impl<'a> Trainer<'a> {
             }
             let started = std::time::Instant::now();
             self.step(chunks, corpus, step, history)?;
-            if let Some(recording) = recording {
-                let wall = started.elapsed();
-                recording.add(&ferrotron_tape::profile::finish()?, wall);
-            }
+            let wall = started.elapsed();
+            // Read before the profile's own wait for its last timing event.
             if steady {
                 steady_transfers.push(ferrotron_tape::transfers(config.device) - before);
                 waits.push(ferrotron_tape::host_waits(config.device) - waits_before);
+            }
+            if let Some(recording) = recording {
+                recording.add(&ferrotron_tape::profile::finish()?, wall);
             }
             // `--check`'s own reads of the tied copies, outside the step's counts.
             if config.check_tied {
@@ -1621,23 +1622,6 @@ struct Steady {
     transfers: Transfers,
     host_waits: f64,
     profile: Option<StepsProfile>,
-}
-
-/// The kernels of several steps together, with how many steps and their wall time.
-#[derive(Debug, Clone, Default)]
-pub struct StepsProfile {
-    pub kernels: ferrotron_tape::profile::Profile,
-    pub steps: usize,
-    pub wall: std::time::Duration,
-}
-
-impl StepsProfile {
-    /// Adds one step's kernels and wall time.
-    fn add(&mut self, kernels: &ferrotron_tape::profile::Profile, wall: std::time::Duration) {
-        self.kernels.add(kernels);
-        self.steps += 1;
-        self.wall += wall;
-    }
 }
 
 /// The mean of per-step transfer counts (none: zero).

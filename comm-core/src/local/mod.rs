@@ -570,6 +570,12 @@ impl RankCore {
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let kind = OpKind::AllReduce;
         let sig = self.check().all_reduce(&buf, op)?;
+        // One rank: the result is the buffer as it is, in its stream's order, so nothing
+        // is read, written or waited for (a device buffer's stream would otherwise be
+        // synchronized twice, for nothing, as NCCL does not either).
+        if self.group.size() == 1 {
+            return Ok(());
+        }
         #[cfg(feature = "cuda")]
         if let Some(stream) = buf.cuda_stream() {
             return self.device_all_reduce(sig, buf, op, stream);
@@ -609,6 +615,10 @@ impl RankCore {
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
         let kind = OpKind::Broadcast;
         let sig = self.check().broadcast(&buf, root)?;
+        // One rank is its own root: nothing to move (see `all_reduce`).
+        if self.group.size() == 1 {
+            return Ok(());
+        }
         #[cfg(feature = "cuda")]
         if let Some(stream) = buf.cuda_stream() {
             return self.device_broadcast(sig, buf, root, stream);

@@ -10,6 +10,9 @@
 #   scripts/gpu-suite.sh tests   # `run`'s parts on their own, for short device leases
 #   scripts/gpu-suite.sh nccl    # (every run with two or more NCCL ranks)
 #   scripts/gpu-suite.sh bench
+#   scripts/gpu-suite.sh gpt     # the GPT step at GPT-2 small's shape beside its PyTorch
+#                                # twin, and the row kernels' bandwidth beside PyTorch's
+#                                # (JSON lines; in `run` too)
 #   eval "$(scripts/gpu-suite.sh env)"   # the same LD_LIBRARY_PATH, to run a binary by hand
 #
 # `run` points LD_LIBRARY_PATH at the CUDA, cuBLAS, NVRTC and NCCL libraries of the
@@ -45,10 +48,12 @@ for line in sys.stdin:
 ' | while read -r exe; do cp "$exe" "$BIN/test-$(basename "$exe")"; done
     cargo build --release -p ferrotron-comm-core --features cuda,cli --bin comm-bench
     cargo build --release -p ferrotron-tape --features cuda --example bench_device
+    cargo build --release -p ferrotron-tape --features cuda --example bench_rows
     cargo build --release -p ferrotron-layers --features ferrotron-tape/cuda --example bench_block
     cargo build --release -p ferrotron-train-gpt --features cuda
     cargo build --release -p ferrotron-ddp --features cuda --example bench_ddp
     cp target/release/comm-bench target/release/examples/bench_device \
+        target/release/examples/bench_rows \
         target/release/examples/bench_block target/release/examples/bench_ddp \
         target/release/train-gpt "$BIN/"
     # Debug info is most of the size.
@@ -230,6 +235,43 @@ bench() {
     return $failed
 }
 
+# The demo's step at GPT-2 small's shape (bf16 and f32) beside train-gpt/benches/gpt_step.py
+# on the same GPU, as JSON lines (train-gpt's: the median of its per-step times after the
+# first two steps), then the row kernels' bandwidth beside PyTorch's.
+gpt() {
+    local logs failed=0 precision
+    logs=$(logs_dir)
+    mkdir -p "$logs"
+    local shape="--hidden 768 --layers 12 --heads 12 --seq 1024 --batch 8"
+    for precision in bf16 fp32; do
+        # shellcheck disable=SC2086
+        limit 180 "$BIN/train-gpt" --tp 1 --dp 1 $shape --precision $precision \
+            --device cuda:0 --steps 8 --eval-interval 0 --out "$logs/gpt-$precision" \
+            >"$logs/gpt-$precision.log" 2>&1 || failed=1
+        python3 - "$logs/gpt-$precision.log" "$precision" <<'PY'
+import json, re, statistics, sys
+times = [float(m.group(1)) for m in re.finditer(r"elapsed time per step \(ms\) ([0-9.]+)", open(sys.argv[1]).read())]
+ms = statistics.median(times[2:]) if len(times) > 2 else None
+print(json.dumps({"bench": "gpt_step", "impl": "ferrotron", "attention": "explicit",
+                  "precision": sys.argv[2], "ms_per_step": ms,
+                  "tokens_per_s": 8 * 1024 / (ms * 1e-3) if ms else None}))
+PY
+        for attention in explicit sdpa; do
+            # shellcheck disable=SC2086
+            limit 120 python3 train-gpt/benches/gpt_step.py $shape --precision $precision \
+                --attention $attention || failed=1
+        done
+    done
+    # The kernels of one bf16 step, for where the time goes.
+    # shellcheck disable=SC2086
+    limit 180 "$BIN/train-gpt" --tp 1 --dp 1 $shape --precision bf16 --device cuda:0 \
+        --steps 3 --eval-interval 0 --profile --out "$logs/gpt-profile" |
+        sed -n '/^kernels per step/,/^kernel time/p' || failed=1
+    limit 120 "$BIN/bench_rows" --device cuda:0 || failed=1
+    limit 120 python3 tape/benches/torch_rows_reference.py || failed=1
+    return $failed
+}
+
 case "${1:-}" in
 build) build ;;
 run)
@@ -239,14 +281,16 @@ run)
     echo "== the demo over NCCL on one GPU against the CPU curve"
     nccl_demo || status=1
     bench || status=1
+    gpt || status=1
     exit $status
     ;;
 tests) setup && tests ;;
 nccl) setup && nccl_all ;;
 bench) setup && bench ;;
+gpt) setup && gpt ;;
 env) echo "export LD_LIBRARY_PATH=$(library_path):${LD_LIBRARY_PATH:-}" ;;
 *)
-    echo "usage: $0 build|run|tests|nccl|bench|env" >&2
+    echo "usage: $0 build|run|tests|nccl|bench|gpt|env" >&2
     exit 2
     ;;
 esac

@@ -8,6 +8,8 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::Device;
 
@@ -107,6 +109,64 @@ pub(crate) fn count_transfer(device: Device, bytes: usize, to_device: bool) {
             transfers.to_host_copies += 1;
         }
     });
+}
+
+/// Device memory a thread holds: the bytes of its live [`DeviceMemory`](crate::DeviceMemory)
+/// allocations and the most it held at once, whichever thread frees them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceHeld {
+    /// Bytes allocated by this thread and not yet freed.
+    pub live: u64,
+    /// The most live at once since the thread's first allocation or [`reset_device_peak`].
+    pub peak: u64,
+}
+
+/// One thread's live and peak bytes on one device, shared with its allocations, which
+/// give their bytes back when dropped on any thread.
+#[derive(Debug, Default)]
+pub(crate) struct Holder {
+    live: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl Holder {
+    pub(crate) fn add(&self, bytes: usize) {
+        let live = self.live.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        self.peak.fetch_max(live, Ordering::Relaxed);
+    }
+
+    pub(crate) fn sub(&self, bytes: usize) {
+        self.live.fetch_sub(bytes as u64, Ordering::Relaxed);
+    }
+}
+
+thread_local! {
+    static HOLDERS: RefCell<HashMap<Device, Arc<Holder>>> = RefCell::new(HashMap::new());
+}
+
+/// This thread's holder of `device`'s memory, for an allocation to count itself against.
+pub(crate) fn holder(device: Device) -> Arc<Holder> {
+    HOLDERS.with(|h| h.borrow_mut().entry(device).or_default().clone())
+}
+
+/// The device memory this thread has allocated on `device` and holds now, and the most
+/// it held at once: tensors, gradient buckets and optimizer state (everything made
+/// through [`Stream::alloc`](crate::Stream::alloc); not the driver's, cuBLAS's or NCCL's
+/// own). On a GPU this is what a rank's thread holds of the device's memory.
+pub fn device_memory(device: Device) -> DeviceHeld {
+    let holder = holder(device);
+    DeviceHeld {
+        live: holder.live.load(Ordering::Relaxed),
+        peak: holder.peak.load(Ordering::Relaxed),
+    }
+}
+
+/// Starts a new peak of [`device_memory`] from what this thread holds now.
+pub fn reset_device_peak(device: Device) {
+    let holder = holder(device);
+    holder
+        .peak
+        .store(holder.live.load(Ordering::Relaxed), Ordering::Relaxed);
 }
 
 /// Counts one time the host blocked on `device`.

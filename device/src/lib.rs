@@ -62,7 +62,9 @@ mod stream;
 
 pub use blocks::{BlockKernel, Grid, Thread};
 pub use checker::{host_access, Access};
-pub use counters::{host_waits, transfers, Transfers};
+pub use counters::{
+    device_memory, host_waits, reset_device_peak, transfers, DeviceHeld, Transfers,
+};
 pub use error::{Error, Result};
 pub use memory::DeviceMemory;
 pub use module::{Arg, Function, HostKernel, KernelArg, Module};

@@ -25,6 +25,8 @@ pub struct DeviceMemory {
     ptr: u64,
     bytes: usize,
     stream: Stream,
+    /// The allocating thread's count of device memory, given back on drop.
+    holder: std::sync::Arc<crate::counters::Holder>,
 }
 
 impl std::fmt::Debug for DeviceMemory {
@@ -66,6 +68,7 @@ impl DeviceMemory {
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
+        self.holder.sub(self.bytes);
         match self.stream.device() {
             Device::Emulated => {
                 // Checked as a write in the stream's order; an unordered free is the
@@ -136,10 +139,13 @@ impl Stream {
                 })
             }
         };
+        let holder = crate::counters::holder(self.device());
+        holder.add(bytes);
         Ok(DeviceMemory {
             ptr,
             bytes,
             stream: self.clone(),
+            holder,
         })
     }
 

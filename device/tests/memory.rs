@@ -188,3 +188,32 @@ fn staged_uploads_do_not_wait() -> ferrotron_device::Result<()> {
     assert!(back.iter().all(|&b| b == 39));
     Ok(())
 }
+
+#[test]
+fn device_memory_is_counted_against_the_thread_that_allocated_it() {
+    use ferrotron_device::{device_memory, reset_device_peak, Device, Stream};
+    let stream = Stream::new(Device::Emulated).unwrap();
+    let before = device_memory(Device::Emulated);
+    reset_device_peak(Device::Emulated);
+    let a = stream.alloc(1000).unwrap();
+    let b = stream.alloc(24).unwrap();
+    let held = device_memory(Device::Emulated);
+    assert_eq!(held.live - before.live, 1024);
+    assert_eq!(held.peak - before.live, 1024);
+    drop(b);
+    // Freed on another thread, still given back to this one's count.
+    std::thread::spawn(move || drop(a)).join().unwrap();
+    let after = device_memory(Device::Emulated);
+    assert_eq!(after.live, before.live);
+    assert_eq!(after.peak - before.live, 1024, "the peak stays until reset");
+    // Another thread's allocations are its own.
+    std::thread::spawn(move || {
+        let _c = stream.alloc(64).unwrap();
+        assert_eq!(device_memory(Device::Emulated).live, 64);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(device_memory(Device::Emulated).live, before.live);
+    reset_device_peak(Device::Emulated);
+    assert_eq!(device_memory(Device::Emulated).peak, before.live);
+}

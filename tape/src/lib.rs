@@ -108,7 +108,9 @@ pub use ferrotron_comm_core::{DType, Device};
 /// tensors' (`Tensor::to_device`, `to_vec`, `item`, uploads an op stages) and those
 /// comm-core makes to stage device memory through the host (MPI, the local backend's
 /// point-to-point mailbox).
-pub use ferrotron_device::{host_waits, profile, transfers, Transfers};
+pub use ferrotron_device::{
+    device_memory, host_waits, profile, reset_device_peak, transfers, DeviceHeld, Transfers,
+};
 pub use flat::{FlatStorage, FlatView};
 pub use gpu::{allow_tf32, set_allow_tf32, synchronize};
 pub use gradcheck::{gradcheck, GradCheckOptions};

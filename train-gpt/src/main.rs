@@ -1614,7 +1614,12 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         let waits = (result.host_waits_per_step * 10.0).round() / 10.0;
         println!("host waits per step and rank: {waits}");
     }
-    println!("measured peak per rank: {} bytes", result.peak_bytes);
+    let on_gpu = matches!(args.device, ferrotron_tape::Device::Cuda(_));
+    println!(
+        "measured peak per rank: {} bytes{}",
+        result.peak_bytes,
+        if on_gpu { " of device memory" } else { "" }
+    );
     let s = result.model_state;
     println!(
         "  of which model state {} (parameters {}, gradients {}, master weights {}, AdamW \
@@ -1626,10 +1631,13 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         s.moments,
         result.peak_bytes.saturating_sub(s.total())
     );
-    let phases: Vec<String> = (memory::PHASES.iter().zip(&result.peak_phases))
-        .map(|(phase, bytes)| format!("{} {bytes}", phase.name()))
-        .collect();
-    println!("  held by what allocated it: {}", phases.join(", "));
+    // By phase only where the allocator sees it (host memory, the emulated device's).
+    if !on_gpu {
+        let phases: Vec<String> = (memory::PHASES.iter().zip(&result.peak_phases))
+            .map(|(phase, bytes)| format!("{} {bytes}", phase.name()))
+            .collect();
+        println!("  held by what allocated it: {}", phases.join(", "));
+    }
     if result.stage_peaks.len() > 1 {
         let stages: Vec<String> = (result.stage_peaks.iter().enumerate())
             .map(|(i, [peak, state])| format!("stage {i} {peak} bytes (model state {state})"))

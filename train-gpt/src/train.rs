@@ -188,6 +188,7 @@ pub fn train_rank(
     progress: Option<&Progress>,
 ) -> Result<RankResult> {
     crate::memory::attribute_to_rank(world.rank());
+    ferrotron_tape::reset_device_peak(config.device);
     let layout = RankLayout::builder(world.size())
         .tp(config.tp)
         .pp(config.pp)
@@ -242,8 +243,18 @@ pub fn train_rank(
     }
     drop(building);
     let steady = trainer.train(&mut chunks, corpus, &mut history)?;
-    let peak_bytes = memory::peak(world.rank());
-    let peak_phases = memory::peak_by_phase(world.rank());
+    // On a GPU the rank's tensors, buckets and optimizer state are device memory, which
+    // the host allocator does not see: the peak is the device memory its thread held.
+    let (peak_bytes, peak_phases) = match config.device {
+        ferrotron_tape::Device::Cuda(_) => {
+            let held = ferrotron_tape::device_memory(config.device).peak as usize;
+            (held, [0; crate::memory::PHASES.len()])
+        }
+        _ => (
+            memory::peak(world.rank()),
+            memory::peak_by_phase(world.rank()),
+        ),
+    };
     let samples = match config.sample && history.stopped.is_none() {
         true => samples(&mut chunks, corpus)?,
         false => Vec::new(),

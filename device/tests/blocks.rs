@@ -206,6 +206,17 @@ fn fault(result: ferrotron_device::Result<()>) -> String {
         .to_string()
 }
 
+/// The fault `kernel` reports in one block of `threads` threads, with `n` as its argument.
+fn fault_in(
+    name: &'static str,
+    kernel: ferrotron_device::BlockKernel,
+    threads: u32,
+    n: u64,
+) -> String {
+    let grid = Grid { blocks: 1, threads };
+    fault(buffers(&[], 1).run(name, kernel, grid, n))
+}
+
 #[test]
 fn blocks_reduce_through_shuffles_and_shared_memory() {
     for threads in [32, 64, 256, 1024] {
@@ -271,12 +282,7 @@ fn a_read_of_another_threads_write_with_no_barrier_between_is_reported() {
 
 #[test]
 fn a_write_over_other_threads_reads_with_no_barrier_between_is_reported() {
-    let run = buffers(&[], 1);
-    let grid = Grid {
-        blocks: 1,
-        threads: 64,
-    };
-    let message = fault(run.run("overwrite", overwrite_after_reads, grid, 0));
+    let message = fault_in("overwrite", overwrite_after_reads, 64, 0);
     // In thread order the write comes after every read; in a jittered order a read may
     // come after it instead, and is then the access reported.
     let after_reads = message.contains("thread 63 writes shared offset 0")
@@ -290,12 +296,7 @@ fn a_write_over_other_threads_reads_with_no_barrier_between_is_reported() {
 
 #[test]
 fn shared_memory_no_thread_wrote_is_reported() {
-    let run = buffers(&[], 1);
-    let grid = Grid {
-        blocks: 1,
-        threads: 32,
-    };
-    let message = fault(run.run("uninitialized", uninitialized, grid, 0));
+    let message = fault_in("uninitialized", uninitialized, 32, 0);
     assert!(
         message.contains("which no thread of the block wrote"),
         "{message}"
@@ -304,12 +305,7 @@ fn shared_memory_no_thread_wrote_is_reported() {
 
 #[test]
 fn a_barrier_not_every_thread_reaches_is_reported() {
-    let run = buffers(&[], 1);
-    let grid = Grid {
-        blocks: 1,
-        threads: 96,
-    };
-    let message = fault(run.run("divergent", divergent_barrier, grid, 0));
+    let message = fault_in("divergent", divergent_barrier, 96, 0);
     assert!(
         message.contains("is reached by 32 of 96 threads (64 exited")
             && message.contains("must be reached by every thread of the block"),
@@ -319,12 +315,7 @@ fn a_barrier_not_every_thread_reaches_is_reported() {
 
 #[test]
 fn a_shuffle_not_every_lane_reaches_is_reported() {
-    let run = buffers(&[], 1);
-    let grid = Grid {
-        blocks: 1,
-        threads: 32,
-    };
-    let message = fault(run.run("half_warp", half_warp_shuffle, grid, 0));
+    let message = fault_in("half_warp", half_warp_shuffle, 32, 0);
     assert!(
         message.contains("warp 0 waits at a warp operation that not all its lanes reach"),
         "{message}"

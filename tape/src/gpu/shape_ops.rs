@@ -11,6 +11,7 @@ kernels! {
     SHAPE_KERNELS:
     GATHER_STRIDED = "gather_strided": gather_strided_f32, gather_strided_f64;
     SCATTER_STRIDED = "scatter_strided": scatter_strided_f32, scatter_strided_f64;
+    NARROW_BACKWARD = "narrow_backward": narrow_backward_f32, narrow_backward_f64;
     EMBEDDING = "embedding": embedding_f32, embedding_f64;
     EMBEDDING_BACKWARD = "embedding_backward": embedding_backward_f32, embedding_backward_f64;
     MASKED_FILL = "masked_fill": masked_fill_f32, masked_fill_f64;
@@ -99,7 +100,7 @@ pub(crate) fn narrow<E: Stored>(
 }
 
 /// Gradient of `narrow` for an input of `shape`: `grad` placed at `start` along `dim`,
-/// zeros elsewhere.
+/// zeros elsewhere, in one kernel that writes each element once.
 pub(crate) fn narrow_backward<T: Element>(
     op: &'static str,
     grad: &GpuArray<T>,
@@ -107,10 +108,14 @@ pub(crate) fn narrow_backward<T: Element>(
     dim: usize,
     start: usize,
 ) -> Result<GpuArray<T>> {
-    check_rank(op, shape)?;
-    let out = GpuArray::full(op, grad.device(), shape, T::zero())?;
-    let strides = contiguous_strides(shape);
-    scatter_into(op, &out, grad, start * strides[dim], &strides)?;
+    let out = GpuArray::<T>::uninit(op, grad.device(), shape)?;
+    let (_, extent, inner) = super::ops::around(shape, dim);
+    let len = grad.shape()[dim];
+    let mut args = KernelArgs::default();
+    args.p[..2].copy_from_slice(&[out.ptr(), grad.ptr()]);
+    args.i[..5].copy_from_slice(&[out.len(), inner, extent, start, len].map(|v| v as i64));
+    let cost = moves(grad.bytes(), out.bytes());
+    out.launch(&NARROW_BACKWARD, out.len(), &args, cost)?;
     Ok(out)
 }
 

@@ -19,6 +19,23 @@ KERNEL(SFX(gather_strided)) {
     }
 }
 
+/* The gradient of a narrow: out (the input's shape, viewed as [outer, extent, inner]
+ * around the narrowed dimension) is g where the coordinate c along it is in
+ * [start, start + len) and 0 elsewhere, each element written once (no fill first).
+ * p0 out, p1 g ([outer, len, inner]); i0 out's elements, i1 inner, i2 extent, i3 start,
+ * i4 len. */
+KERNEL(SFX(narrow_backward)) {
+    const KernelArgs* A = ARGS;
+    real* out = (real*)A->p[0];
+    const real* g = (const real*)A->p[1];
+    i64 inner = A->i[1], extent = A->i[2], start = A->i[3], len = A->i[4];
+    FOR_EACH(i, A->i[0]) {
+        i64 within = i % inner, c = i / inner % extent, outer = i / (inner * extent);
+        i64 k = c - start;
+        out[i] = k >= 0 && k < len ? g[(outer * len + k) * inner + within] : (real)0;
+    }
+}
+
 /* Scatter: out[offset + sum_d coord_d(i) * stride_d] = x[i], iterating over x's shape.
  * The views written are one-to-one, so iterations never touch the same element. */
 KERNEL(SFX(scatter_strided)) {

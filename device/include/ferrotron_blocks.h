@@ -23,6 +23,11 @@ typedef struct {
      * against the other threads' accesses since they last met. */
     void (*access)(FerrotronThread* thread, const void* address, unsigned long long bytes,
                    int write, int line);
+    /* A whole-warp butterfly reduction of every lane's `bits`, as five xor shuffles (masks
+     * 16 to 1) compute it, in one meeting: kind 0 f32 sum, 1 f32 max (v = partner > v ?
+     * partner : v), 2 f64 sum, 3 f64 max. Every lane gets the result. */
+    unsigned long long (*reduce)(FerrotronThread* thread, unsigned long long bits, int kind,
+                                 int line);
 } FerrotronThreadOps;
 
 struct FerrotronThread {

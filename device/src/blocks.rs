@@ -72,6 +72,7 @@ struct Ops {
     shuffle: extern "C" fn(*mut Thread, u64, i32, i32) -> u64,
     shared: extern "C" fn(*mut Thread, u64, i32) -> *mut c_void,
     access: extern "C" fn(*mut Thread, *const c_void, u64, i32, i32),
+    reduce: extern "C" fn(*mut Thread, u64, i32, i32) -> u64,
 }
 
 static OPS: Ops = Ops {
@@ -80,6 +81,7 @@ static OPS: Ops = Ops {
     shuffle,
     shared,
     access,
+    reduce,
 };
 
 /// One thread of an emulated block, as a cooperative kernel's host build receives it
@@ -133,6 +135,12 @@ impl Thread {
         (self.ops.shuffle)(self, bits, lane as i32, line as i32)
     }
 
+    /// The warp's butterfly reduction of every lane's `bits` (see [`Reduction`]), in
+    /// every lane.
+    pub fn reduce(&mut self, bits: u64, reduction: Reduction, line: u32) -> u64 {
+        (self.ops.reduce)(self, bits, reduction as i32, line as i32)
+    }
+
     /// The next `bytes` of the block's shared memory (16-byte aligned).
     pub fn shared(&mut self, bytes: usize, line: u32) -> *mut u8 {
         (self.ops.shared)(self, bytes as u64, line as i32).cast()
@@ -177,23 +185,17 @@ pub(crate) unsafe fn run(
     }
     // The runner this thread keeps, so a launch in the steady state allocates nothing.
     let mut runner = RUNNER.with(|r| r.borrow_mut().take()).unwrap_or_default();
-    let outcome = (|| {
-        runner.order.clear();
-        runner.order.extend(0..grid.blocks);
-        if let Some(state) = order {
-            shuffle_in_place(&mut runner.order, state);
-        }
-        for b in 0..grid.blocks as usize {
-            let index = runner.order[b];
-            runner.block.reset(grid, index);
-            // SAFETY: as the caller guarantees.
-            unsafe { runner.run_block(kernel, arg, order) }.map_err(|e| format!("{name}: {e}"))?;
-            if let Some(fault) = runner.block.state().fault.take() {
-                return Err(format!("{name}, block {index}: {fault}"));
-            }
-        }
-        Ok(())
-    })();
+    runner.order.clear();
+    runner.order.extend(0..grid.blocks);
+    if let Some(state) = order {
+        shuffle_in_place(&mut runner.order, state);
+    }
+    runner.block.reset(grid, runner.order[0]);
+    // SAFETY: as the caller guarantees.
+    let outcome = unsafe { runner.start(kernel, arg) }
+        .map_err(|e| format!("{name}: {e}"))
+        .and_then(|()| runner.run_blocks(name, order));
+    runner.stop();
     RUNNER.with(|r| *r.borrow_mut() = Some(runner));
     outcome
 }
@@ -205,10 +207,56 @@ enum Stand {
     Ready,
     /// Waits at the block barrier of `line`.
     Barrier(i32),
-    /// Waits for its warp at the shuffle (or, `shuffle: false`, the sync) of `line`.
-    Warp { line: i32, shuffle: bool },
+    /// Waits for its warp at the warp operation `op` of `line`.
+    Warp { line: i32, op: WarpOp },
     /// Has returned.
     Exited,
+}
+
+/// What a warp's lanes meet for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WarpOp {
+    /// `__syncwarp`.
+    Sync,
+    /// A shuffle: each lane gets the value the lane it named offered.
+    Shuffle,
+    /// A butterfly reduction ([`Reduction`]) of every lane's value, in one meeting.
+    Reduce(Reduction),
+}
+
+/// A warp reduction as five xor shuffles compute it on a GPU (masks 16, 8, 4, 2, 1, each
+/// lane combining its value with its partner's), which the emulator does in one meeting
+/// with the same operations in the same order, so the results are the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduction {
+    /// `v += partner` in f32.
+    SumF32 = 0,
+    /// `v = partner > v ? partner : v` in f32.
+    MaxF32 = 1,
+    /// `v += partner` in f64.
+    SumF64 = 2,
+    /// `v = partner > v ? partner : v` in f64.
+    MaxF64 = 3,
+}
+
+impl Reduction {
+    fn of(kind: i32) -> Option<Reduction> {
+        [Self::SumF32, Self::MaxF32, Self::SumF64, Self::MaxF64]
+            .into_iter()
+            .find(|r| *r as i32 == kind)
+    }
+
+    /// One butterfly step: this lane's value combined with its partner's.
+    fn combine(self, mine: u64, partner: u64) -> u64 {
+        let (a, b) = (f32::from_bits(mine as u32), f32::from_bits(partner as u32));
+        let (x, y) = (f64::from_bits(mine), f64::from_bits(partner));
+        match self {
+            Reduction::SumF32 => u64::from((a + b).to_bits()),
+            Reduction::MaxF32 => u64::from(if b > a { b } else { a }.to_bits()),
+            Reduction::SumF64 => (x + y).to_bits(),
+            Reduction::MaxF64 => if y > x { y } else { x }.to_bits(),
+        }
+    }
 }
 
 /// The shadow of one 4-byte word of shared memory: who last wrote it and who read it
@@ -247,6 +295,8 @@ struct State {
     overflow: Vec<Box<[u128]>>,
     yielders: Vec<*const Yielder<(), ()>>,
     fault: Option<String>,
+    /// Set while the launch's coroutines are let return.
+    stopping: bool,
 }
 
 /// One block's threads and their shared state.
@@ -311,6 +361,23 @@ impl Block {
         state.fault = None;
     }
 
+    /// Makes this block `index` of the same grid: its threads (whose contexts keep their
+    /// addresses) at their start again, its meetings and shared memory fresh.
+    fn next(&mut self, index: u32) {
+        for thread in &mut self.threads {
+            thread.block = index;
+        }
+        let state = self.state.get_mut();
+        state.stands.fill(Stand::Ready);
+        state.epoch = 0;
+        state.warp_epochs.fill(0);
+        state.cursors.fill(0);
+        state.used = 0;
+        state.shadow.clear();
+        state.overflow.clear();
+        state.fault = None;
+    }
+
     /// The shared state. Only one reference is alive at a time: the scheduler takes it
     /// between resumptions, a thread's call while the scheduler is suspended in `resume`.
     #[allow(clippy::mut_from_ref)]
@@ -321,41 +388,61 @@ impl Block {
 }
 
 impl Runner {
-    /// Runs every thread of the block to its end, meeting after meeting.
+    /// Makes a coroutine for each thread of the block, which runs the kernel for every
+    /// block it is resumed into (so a launch makes its threads once, not per block) and
+    /// returns once told to stop.
     ///
     /// # Safety
     /// As [`run`].
-    unsafe fn run_block(
-        &mut self,
-        kernel: BlockKernel,
-        arg: *const c_void,
-        order: &mut Option<u64>,
-    ) -> Result<(), String> {
+    unsafe fn start(&mut self, kernel: BlockKernel, arg: *const c_void) -> Result<(), String> {
         let block = &self.block;
-        let n = block.threads.len();
         self.coroutines.clear();
-        for t in 0..n {
+        for t in 0..block.threads.len() {
             let stack = match self.stacks.pop() {
                 Some(stack) => stack,
                 None => DefaultStack::new(STACK_BYTES)
                     .map_err(|e| format!("mapping a stack for an emulated thread: {e}"))?,
             };
             let thread = (&block.threads[t] as *const Thread).cast_mut();
-            let yielders = block.state().yielders.as_mut_ptr();
+            let state = block.state.get();
             self.coroutines.push(Coroutine::with_stack(
                 stack,
                 move |yielder: &Yielder<(), ()>, ()| {
-                    // SAFETY: `yielders` has n slots and lives as long as the block; the
+                    // SAFETY: the block (threads and state) outlives its coroutines, and no
+                    // other reference to the state is alive while a thread runs; the
                     // kernel's contract is the caller's.
                     unsafe {
-                        *yielders.add(t) = yielder;
-                        kernel(arg, thread);
+                        (&mut *state).yielders[t] = yielder;
+                        while !(*state).stopping {
+                            kernel(arg, thread);
+                            (&mut *state).stands[t] = Stand::Exited;
+                            yielder.suspend(());
+                        }
                     }
                 },
             ));
         }
+        Ok(())
+    }
+
+    /// Runs the blocks in `self.order`, each to its end; the first fault ends the launch.
+    fn run_blocks(&mut self, name: &str, order: &mut Option<u64>) -> Result<(), String> {
+        for b in 0..self.order.len() {
+            let index = self.order[b];
+            self.block.next(index);
+            self.run_block(order);
+            if let Some(fault) = self.block.state().fault.take() {
+                return Err(format!("{name}, block {index}: {fault}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs every thread of the block to its end, meeting after meeting.
+    fn run_block(&mut self, order: &mut Option<u64>) {
+        let block = &self.block;
         self.sequence.clear();
-        self.sequence.extend(0..n);
+        self.sequence.extend(0..block.threads.len());
         loop {
             if let Some(state) = order {
                 shuffle_in_place(&mut self.sequence, state);
@@ -372,8 +459,19 @@ impl Runner {
                 break;
             }
         }
+    }
+
+    /// Lets every coroutine return (each waits after its last block, or has not started,
+    /// and then returns at once) and keeps their stacks.
+    fn stop(&mut self) {
+        self.block.state().stopping = true;
+        for coroutine in &mut self.coroutines {
+            if !coroutine.done() {
+                coroutine.resume(());
+            }
+        }
+        self.block.state().stopping = false;
         (self.stacks).extend(self.coroutines.drain(..).map(|c| c.into_stack()));
-        Ok(())
     }
 }
 
@@ -437,14 +535,37 @@ impl State {
                 distinct(&lines)
             ));
         }
-        for lane in lanes.clone() {
-            let (_, source) = self.offered[lane];
-            let from = lanes.start + source.rem_euclid(WARP_SIZE as i32) as usize;
-            self.received[lane] = self.offered[from].0;
-            self.stands[lane] = Stand::Ready;
+        match first {
+            Stand::Warp {
+                op: WarpOp::Reduce(reduction),
+                ..
+            } => self.reduce_warp(lanes.start, reduction),
+            _ => {
+                for lane in lanes.clone() {
+                    let (_, source) = self.offered[lane];
+                    let from = lanes.start + source.rem_euclid(WARP_SIZE as i32) as usize;
+                    self.received[lane] = self.offered[from].0;
+                }
+            }
         }
+        self.stands[lanes].fill(Stand::Ready);
         self.warp_epochs[warp] += 1;
         true
+    }
+
+    /// The butterfly of the 32 lanes' offered values from lane `first`, into `received`.
+    fn reduce_warp(&mut self, first: usize, reduction: Reduction) {
+        let mut values = [0u64; WARP_SIZE as usize];
+        for (lane, value) in values.iter_mut().enumerate() {
+            *value = self.offered[first + lane].0;
+        }
+        for mask in [16, 8, 4, 2, 1] {
+            let before = values;
+            for (lane, value) in values.iter_mut().enumerate() {
+                *value = reduction.combine(before[lane], before[lane ^ mask]);
+            }
+        }
+        self.received[first..first + WARP_SIZE as usize].copy_from_slice(&values);
     }
 
     fn release_all(&mut self) {
@@ -637,7 +758,7 @@ extern "C" fn sync_warp(thread: *mut Thread, line: i32) {
     let (block, t) = unsafe { caller(thread) };
     let stand = Stand::Warp {
         line,
-        shuffle: false,
+        op: WarpOp::Sync,
     };
     suspend(block, t, stand);
 }
@@ -648,7 +769,26 @@ extern "C" fn shuffle(thread: *mut Thread, bits: u64, lane: i32, line: i32) -> u
     block.state().offered[t] = (bits, lane);
     let stand = Stand::Warp {
         line,
-        shuffle: true,
+        op: WarpOp::Shuffle,
+    };
+    suspend(block, t, stand);
+    block.state().received[t]
+}
+
+extern "C" fn reduce(thread: *mut Thread, bits: u64, kind: i32, line: i32) -> u64 {
+    // SAFETY: as above.
+    let (block, t) = unsafe { caller(thread) };
+    let Some(reduction) = Reduction::of(kind) else {
+        block.state().report(format!(
+            "thread {t} asks at line {line} for a warp reduction of kind {kind}, which \
+             there is not (0 to 3)"
+        ));
+        return bits;
+    };
+    block.state().offered[t] = (bits, 0);
+    let stand = Stand::Warp {
+        line,
+        op: WarpOp::Reduce(reduction),
     };
     suspend(block, t, stand);
     block.state().received[t]

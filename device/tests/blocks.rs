@@ -6,6 +6,7 @@
 
 use std::ffi::c_void;
 
+use ferrotron_device::blocks::Reduction;
 use ferrotron_device::{Access, Device, Function, Grid, KernelArg, Stream, Thread};
 
 #[repr(C)]
@@ -134,6 +135,21 @@ unsafe extern "C" fn half_warp_shuffle(_: *const c_void, thread: *mut Thread) {
     }
 }
 
+/// out[i] = the warp's sum of x by the one-meeting reduction, out[n + i] = the same by
+/// five shuffles.
+unsafe extern "C" fn sum_both_ways(args: *const c_void, thread: *mut Thread) {
+    // SAFETY: launched with `Args` over `blocks × threads` f32s of x and twice that of out.
+    unsafe {
+        let (args, t) = launch(args, thread);
+        let i = (t.block() * t.threads() + t.index()) as usize;
+        let x = *(args.x as *const f32).add(i);
+        let reduced = t.reduce(u64::from(x.to_bits()), Reduction::SumF32, line!());
+        let out = args.out as *mut f32;
+        *out.add(i) = f32::from_bits(reduced as u32);
+        *out.add(args.n as usize + i) = warp_sum(t, x);
+    }
+}
+
 /// out[i] = x[the next lane's i] within each warp: a rotation by shuffles.
 unsafe extern "C" fn rotate(args: *const c_void, thread: *mut Thread) {
     // SAFETY: launched with `Args` over `blocks × threads` f32s of x and of out.
@@ -230,6 +246,28 @@ fn blocks_reduce_through_shuffles_and_shared_memory() {
             .collect();
         assert_eq!(run.out(blocks as usize), expected, "{threads} threads");
     }
+}
+
+#[test]
+fn a_reduction_in_one_meeting_equals_five_shuffles_bit_for_bit() {
+    let n = 128;
+    // Values of very different sizes, so another order of additions would round apart.
+    let x: Vec<f32> = (0..n)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) * 10f32.powi(i as i32 % 7 - 3))
+        .collect();
+    let run = buffers(&x, 2 * n);
+    let grid = Grid {
+        blocks: 2,
+        threads: 64,
+    };
+    run.run("sum_both_ways", sum_both_ways, grid, n as u64)
+        .unwrap();
+    let out = run.out(2 * n);
+    let (reduced, shuffled) = out.split_at(n);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(reduced), bits(shuffled));
+    let warp: f64 = x[..32].iter().map(|&v| f64::from(v)).sum();
+    assert!((f64::from(reduced[0]) - warp).abs() <= 1e-3 * warp.abs().max(1.0));
 }
 
 #[test]

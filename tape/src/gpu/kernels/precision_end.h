@@ -7,3 +7,5 @@
 #undef SQRT
 #undef MUL_RN
 #undef SHFL_XOR
+#undef WARP_SUM
+#undef WARP_MAX

@@ -7,3 +7,5 @@
 #define SQRT sqrtf
 #define MUL_RN MUL_RN_F32
 #define SHFL_XOR SHFL_XOR_F32
+#define WARP_SUM WARP_SUM_F32
+#define WARP_MAX WARP_MAX_F32

@@ -7,3 +7,5 @@
 #define SQRT sqrt
 #define MUL_RN MUL_RN_F64
 #define SHFL_XOR SHFL_XOR_F64
+#define WARP_SUM WARP_SUM_F64
+#define WARP_MAX WARP_MAX_F64

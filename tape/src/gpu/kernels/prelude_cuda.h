@@ -30,3 +30,22 @@
 #define SHARED_STORE(array, index, value) ((array)[index] = (value))
 #define SHFL_XOR_F32(v, mask) __shfl_xor_sync(0xffffffffu, (v), (mask))
 #define SHFL_XOR_F64(v, mask) __shfl_xor_sync(0xffffffffu, (v), (mask))
+/* Whole-warp butterfly reductions: five xor shuffles, each lane combining its value with
+ * its partner's (the emulator computes the same operations in one meeting). A max keeps
+ * its own value unless the partner's is larger, so a NaN stays where it is compared. */
+#define WARP_BUTTERFLY(type, name, combine)                                  \
+    static __device__ __forceinline__ type name(type v) {                    \
+        for (int mask = 16; mask > 0; mask /= 2) {                            \
+            type partner = __shfl_xor_sync(0xffffffffu, v, mask);            \
+            v = combine;                                                      \
+        }                                                                     \
+        return v;                                                             \
+    }
+WARP_BUTTERFLY(float, warp_sum_f32, v + partner)
+WARP_BUTTERFLY(float, warp_max_f32, partner > v ? partner : v)
+WARP_BUTTERFLY(double, warp_sum_f64, v + partner)
+WARP_BUTTERFLY(double, warp_max_f64, partner > v ? partner : v)
+#define WARP_SUM_F32(v) warp_sum_f32(v)
+#define WARP_MAX_F32(v) warp_max_f32(v)
+#define WARP_SUM_F64(v) warp_sum_f64(v)
+#define WARP_MAX_F64(v) warp_max_f64(v)

@@ -55,3 +55,18 @@ DEVFN double shfl_xor_f64(FerrotronThread* t, double v, int mask, int line) {
 }
 #define SHFL_XOR_F32(v, mask) shfl_xor_f32(thread_, (v), (mask), __LINE__)
 #define SHFL_XOR_F64(v, mask) shfl_xor_f64(thread_, (v), (mask), __LINE__)
+/* A whole-warp butterfly reduction (the five xor shuffles of prelude_cuda.h's, with the
+ * same operations in the same order) in one meeting of the warp's lanes. */
+DEVFN float warp_reduce_f32(FerrotronThread* t, float v, int kind, int line) {
+    return bits_float((unsigned int)t->ops->reduce(t, float_bits(v), kind, line));
+}
+DEVFN double warp_reduce_f64(FerrotronThread* t, double v, int kind, int line) {
+    union { double d; u64 u; } pun;
+    pun.d = v;
+    pun.u = t->ops->reduce(t, pun.u, kind, line);
+    return pun.d;
+}
+#define WARP_SUM_F32(v) warp_reduce_f32(thread_, (v), 0, __LINE__)
+#define WARP_MAX_F32(v) warp_reduce_f32(thread_, (v), 1, __LINE__)
+#define WARP_SUM_F64(v) warp_reduce_f64(thread_, (v), 2, __LINE__)
+#define WARP_MAX_F64(v) warp_reduce_f64(thread_, (v), 3, __LINE__)

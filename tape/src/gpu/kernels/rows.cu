@@ -5,7 +5,9 @@
  * Cooperative: a warp per row (ROWS_OF_WARPS: warp w of the grid takes rows w, w + the
  * grid's warps, ...), its lanes reading the row's columns lane, lane + 32, ... (adjacent
  * lanes, adjacent addresses) and meeting in butterfly reductions of xor shuffles, so no
- * shared memory and no block barrier: the warps of a block work on their own rows. Every
+ * shared memory and no block barrier: the warps of a block work on their own rows
+ * (WARP_SUM, WARP_MAX: a butterfly, the same tree in every lane; a NaN in a max stays
+ * where it is compared, and the row's sums then make the row NaN, as on the CPU). Every
  * pass over a row reads it as stored (16-bit widened in registers). Rows read in full
  * are never empty: softmax and layer norm have no rows when the width is 0, and a
  * cross-entropy row with 0 classes can only be ignored (any label is out of range). */
@@ -16,22 +18,6 @@
          r += GRID_DIM * (BLOCK_DIM / 32))
 /* The columns of a row this lane takes. */
 #define LANE_COLUMNS(j, width) for (i64 j = LANE; j < (i64)(width); j += 32)
-
-/* The sum of every lane's v, in every lane (a butterfly: the same tree in each). */
-DEVFN real SFX(warp_sum)(THREAD_PARAM, real v) {
-    for (int mask = 16; mask > 0; mask /= 2) v += SHFL_XOR(v, mask);
-    return v;
-}
-
-/* The largest of every lane's v, in every lane. A NaN stays NaN where it is compared
- * first, and the row's sums then make it NaN, as on the CPU. */
-DEVFN real SFX(warp_max)(THREAD_PARAM, real v) {
-    for (int mask = 16; mask > 0; mask /= 2) {
-        real other = SHFL_XOR(v, mask);
-        if (other > v) v = other;
-    }
-    return v;
-}
 
 /* Softmax (i2 = 0) or log-softmax (i2 = 1) of each row of f0 · x. With i3 = 1 (softmax
  * of square matrices) row r sees only columns j ≤ r mod width and the others are 0:
@@ -58,10 +44,10 @@ BLOCK_KERNEL(SFX(softmax_rows)) {
             real v = MUL_RN(SFX(load)(x, base + j, fx), scale);
             if (v > max) max = v;
         }
-        max = SFX(warp_max)(THREAD, max);
+        max = WARP_MAX(max);
         real total = (real)0;
         LANE_COLUMNS(j, seen) total += EXP(MUL_RN(SFX(load)(x, base + j, fx), scale) - max);
-        total = SFX(warp_sum)(THREAD, total);
+        total = WARP_SUM(total);
         real log_total = LOG(total) + max;
         LANE_COLUMNS(j, width) {
             real v = (real)0;
@@ -95,7 +81,7 @@ BLOCK_KERNEL(SFX(softmax_rows_backward)) {
         real acc = (real)0;
         LANE_COLUMNS(j, seen)
             acc += log_form ? g[base + j] : g[base + j] * SFX(load)(y, base + j, fy);
-        acc = SFX(warp_sum)(THREAD, acc);
+        acc = WARP_SUM(acc);
         LANE_COLUMNS(j, width) {
             i64 k = base + j;
             real d = (real)0;
@@ -128,13 +114,13 @@ BLOCK_KERNEL(SFX(layer_norm_rows)) {
         i64 base = r * width;
         real total = (real)0;
         LANE_COLUMNS(j, width) total += SFX(load)(x, base + j, fx);
-        real mean = SFX(warp_sum)(THREAD, total) / count;
+        real mean = WARP_SUM(total) / count;
         real squares = (real)0;
         LANE_COLUMNS(j, width) {
             real d = SFX(load)(x, base + j, fx) - mean;
             squares += d * d;
         }
-        real rstd = (real)1 / SQRT(SFX(warp_sum)(THREAD, squares) / count + eps);
+        real rstd = (real)1 / SQRT(WARP_SUM(squares) / count + eps);
         LANE_COLUMNS(j, width) {
             real v = (SFX(load)(x, base + j, fx) - mean) * rstd;
             if (weight) v *= SFX(load)(weight, j, fw);
@@ -172,8 +158,8 @@ BLOCK_KERNEL(SFX(layer_norm_rows_backward)) {
             sum_g += g_hat;
             sum_gx += g_hat * ((SFX(load)(x, base + j, fx) - mean) * rstd);
         }
-        real mean_g = SFX(warp_sum)(THREAD, sum_g) / count;
-        real mean_gx = SFX(warp_sum)(THREAD, sum_gx) / count;
+        real mean_g = WARP_SUM(sum_g) / count;
+        real mean_gx = WARP_SUM(sum_gx) / count;
         LANE_COLUMNS(j, width) {
             real g_hat = weight ? g[base + j] * SFX(load)(weight, j, fw) : g[base + j];
             real x_hat = (SFX(load)(x, base + j, fx) - mean) * rstd;
@@ -237,14 +223,14 @@ BLOCK_KERNEL(SFX(cross_entropy_rows)) {
         }
         real max = row[0];
         LANE_COLUMNS(j, classes) if (row[j] > max) max = row[j];
-        max = SFX(warp_max)(THREAD, max);
+        max = WARP_MAX(max);
         real exps = (real)0, total = (real)0;
         LANE_COLUMNS(j, classes) {
             exps += EXP(row[j] - max);
             total += row[j];
         }
-        real lse = LOG(SFX(warp_sum)(THREAD, exps)) + max;
-        total = SFX(warp_sum)(THREAD, total);
+        real lse = LOG(WARP_SUM(exps)) + max;
+        total = WARP_SUM(total);
         if (LANE == 0) {
             real nll = lse - row[label];
             real smooth = lse - total / (real)classes;

@@ -5,10 +5,11 @@
  * FOR_EACH over independent indices, whose iterations communicate only through
  * ATOMIC_ADD. A BLOCK_KERNEL is cooperative: its threads (THREAD_IDX of BLOCK_DIM, in
  * block BLOCK_IDX of GRID_DIM, whole warps) meet at SYNC_THREADS (every thread of the
- * block, on the same line) and at whole-warp operations (SHFL_XOR, SYNC_WARP: every lane
- * of the warp); shared memory is declared with SHARED and read and written only through
- * SHARED_LOAD and SHARED_STORE, which the emulator checks for races. Device functions a
- * cooperative kernel calls take THREAD_PARAM first and are passed THREAD. */
+ * block, on the same line) and at whole-warp operations (SHFL_XOR, SYNC_WARP, and the
+ * reductions WARP_SUM and WARP_MAX: every lane of the warp); shared memory is declared
+ * with SHARED and read and written only through SHARED_LOAD and SHARED_STORE, which the
+ * emulator checks for races. Device functions a cooperative kernel calls take
+ * THREAD_PARAM first and are passed THREAD. */
 
 typedef unsigned long long u64;
 typedef long long i64;

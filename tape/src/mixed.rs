@@ -116,18 +116,16 @@ impl<O: Optimizer> MixedPrecision<O> {
 
     /// Writes every master, rounded, into its model parameter.
     fn write_back(&self) -> Result<()> {
-        for (model, master) in self.model.iter().zip(&self.masters) {
-            model.set_value(master.value().to_dtype(self.dtype)?)?;
-        }
-        Ok(())
+        crate::optim::round_into(&self.masters, &self.model, self.dtype)
     }
 }
 
 impl<O: Optimizer> Optimizer for MixedPrecision<O> {
     fn step(&mut self) -> Result<()> {
         self.share_grads()?;
-        self.inner.step()?;
-        self.write_back()
+        // The inner rule writes the rounded model weights, in its update kernel where
+        // it can.
+        self.inner.step_and_round_into(&self.model, self.dtype)
     }
 
     fn params(&self) -> &[Parameter] {

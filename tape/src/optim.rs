@@ -7,7 +7,8 @@ use crate::flat::{with_regions, Regions};
 use crate::gpu::optim_ops::{adamw_step, sgd_step, SgdScalars};
 use crate::gpu::GpuArray;
 use crate::schedule::LrSchedule;
-use crate::{Device, Element, Error, FlatView, Parameter, Result, Tensor};
+use crate::precision::Half;
+use crate::{DType, Device, Element, Error, FlatView, Parameter, Result, Tensor};
 
 /// Something that updates parameters from their gradients.
 pub trait Optimizer<T: Element = f32> {
@@ -37,6 +38,46 @@ pub trait Optimizer<T: Element = f32> {
             param.zero_grad();
         }
     }
+
+    /// [`step`](Self::step), then each parameter's new value rounded to `dtype` into the
+    /// matching one of `copies` (one per parameter, in order): the write-back of
+    /// [`MixedPrecision`](crate::MixedPrecision)'s master weights into its 16-bit model.
+    /// An optimizer whose update kernel can also write the rounded value ([`AdamW`] on a
+    /// device) does both in one pass over the parameter.
+    fn step_and_round_into(&mut self, copies: &[Parameter<T>], dtype: DType) -> Result<()> {
+        check_copies(self.params(), copies)?;
+        self.step()?;
+        round_into(self.params(), copies, dtype)
+    }
+}
+
+/// An error unless `copies` has one parameter of the same shape per one of `params`.
+fn check_copies<T: Element>(params: &[Parameter<T>], copies: &[Parameter<T>]) -> Result<()> {
+    let matching = params.len() == copies.len()
+        && params.iter().zip(copies).all(|(p, c)| p.shape() == c.shape());
+    if matching {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        "Optimizer::step_and_round_into",
+        format!(
+            "{} copies for {} parameters: pass one copy of each parameter's shape, in order",
+            copies.len(),
+            params.len()
+        ),
+    ))
+}
+
+/// Writes each of `params`' values, rounded to `dtype`, into the matching one of `copies`.
+pub(crate) fn round_into<T: Element>(
+    params: &[Parameter<T>],
+    copies: &[Parameter<T>],
+    dtype: DType,
+) -> Result<()> {
+    for (param, copy) in params.iter().zip(copies) {
+        copy.set_value(param.value().to_dtype(dtype)?)?;
+    }
+    Ok(())
 }
 
 /// A boxed optimizer is one, so that a rule chosen at run time can still be wrapped (in
@@ -64,6 +105,10 @@ impl<T: Element, O: Optimizer<T> + ?Sized> Optimizer<T> for Box<O> {
 
     fn zero_grad(&self) {
         (**self).zero_grad()
+    }
+
+    fn step_and_round_into(&mut self, copies: &[Parameter<T>], dtype: DType) -> Result<()> {
+        (**self).step_and_round_into(copies, dtype)
     }
 }
 
@@ -297,38 +342,52 @@ impl<T: Element> AdamW<T> {
     }
 }
 
-impl<T: Element> Optimizer<T> for AdamW<T> {
-    fn step(&mut self) -> Result<()> {
+impl<T: Element> AdamW<T> {
+    /// One step over every parameter; with `round`, each new value is also written,
+    /// rounded, into its copy: by the update kernel itself on a device.
+    fn update(&mut self, round: Option<(&[Parameter<T>], DType)>) -> Result<()> {
+        const OP: &str = "AdamW::step";
         self.config.lr = self.clock.advance(self.config.lr);
         let c = self.config;
         for (i, param) in self.params.iter().enumerate() {
             let options = self.options[i];
+            let copy = round.map(|(copies, dtype)| (&copies[i], dtype));
             if param.on_device() {
+                let target = match copy {
+                    Some((_, dtype)) => Some(Half::uninit_gpu(
+                        OP,
+                        dtype,
+                        &param.shape(),
+                        param.value().device(),
+                    )?),
+                    None => None,
+                };
                 let state = &mut self.device_moments[i];
-                param.update_on_device("AdamW::step", |value, grad| {
+                let updated = param.update_on_device(OP, |value, grad| {
                     let (m, v, step) = match state {
                         Some(state) => state,
                         None => {
-                            let zeros = || {
-                                GpuArray::full(
-                                    "AdamW::step",
-                                    value.device(),
-                                    value.shape(),
-                                    T::zero(),
-                                )
-                            };
+                            let zeros =
+                                || GpuArray::full(OP, value.device(), value.shape(), T::zero());
                             state.insert((zeros()?, zeros()?, 0))
                         }
                     };
                     *step += 1;
                     let update = AdamWUpdate::new(&c, options, *step);
-                    adamw_step(value, grad, m, v, update.coefficients())
+                    adamw_step(value, grad, m, v, update.coefficients(), target.as_ref())
                 })?;
+                match (copy, target) {
+                    (Some((copy, _)), Some(half)) if updated => {
+                        copy.set_value(Tensor::from_half(half))?
+                    }
+                    (Some((copy, dtype)), _) => round_into(&[param.clone()], &[copy.clone()], dtype)?,
+                    (None, _) => {}
+                }
                 continue;
             }
             let moments = &mut self.moments[i];
             let shape = param.shape();
-            param.update_in_place("AdamW::step", |values, grads| {
+            param.update_in_place(OP, |values, grads| {
                 let (m, v, step) = moments.get_or_insert_with(|| {
                     (
                         ArrayD::zeros(IxDyn(&shape)),
@@ -340,8 +399,22 @@ impl<T: Element> Optimizer<T> for AdamW<T> {
                 let update = AdamWUpdate::new(&c, options, *step);
                 update.apply(values, grads, host_slice(m)?, host_slice(v)?)
             })?;
+            if let Some((copy, dtype)) = copy {
+                round_into(&[param.clone()], &[copy.clone()], dtype)?;
+            }
         }
         Ok(())
+    }
+}
+
+impl<T: Element> Optimizer<T> for AdamW<T> {
+    fn step(&mut self) -> Result<()> {
+        self.update(None)
+    }
+
+    fn step_and_round_into(&mut self, copies: &[Parameter<T>], dtype: DType) -> Result<()> {
+        check_copies(&self.params, copies)?;
+        self.update(Some((copies, dtype)))
     }
 
     fn params(&self) -> &[Parameter<T>] {
@@ -667,6 +740,7 @@ impl AdamWUpdate {
                 &arrays[2],
                 &arrays[3],
                 self.coefficients(),
+                None,
             ),
         })
     }

@@ -283,6 +283,31 @@ impl Half {
         })
     }
 
+    /// Device storage of `shape` in `dtype` (bf16 or f16) for a kernel to fill before
+    /// anything reads it (work on a device runs in queue order).
+    pub(crate) fn uninit_gpu(
+        op: &'static str,
+        dtype: DType,
+        shape: &[usize],
+        device: Device,
+    ) -> Result<Self> {
+        Ok(match dtype {
+            DType::F16 => Half::F16(Packed::Gpu(GpuArray::uninit(op, device, shape)?)),
+            DType::BF16 => Half::Bf16(Packed::Gpu(GpuArray::uninit(op, device, shape)?)),
+            other => return Err(not_16_bit(op, other)),
+        })
+    }
+
+    /// The device address and format (0 bf16, 1 f16, as the kernels number them) of
+    /// device storage; `None` on the CPU.
+    pub(crate) fn device_slot(&self) -> Option<(u64, i64)> {
+        match self {
+            Half::Bf16(Packed::Gpu(array)) => Some((array.ptr(), 0)),
+            Half::F16(Packed::Gpu(array)) => Some((array.ptr(), 1)),
+            _ => None,
+        }
+    }
+
     /// `array` rounded to `dtype` (bf16 or f16), on its device.
     pub(crate) fn narrow_gpu<T: Element>(
         op: &'static str,

@@ -13,12 +13,15 @@ const F32: f64 = 1e-5;
 
 #[test]
 fn broadcasting_arithmetic() {
-    let shapes: [(&[usize], &[usize]); 5] = [
+    // Runs of summed dimensions, apart and joined through size-1 ones, reduce as one.
+    let shapes: [(&[usize], &[usize]); 7] = [
         (&[3, 4], &[3, 4]),
         (&[2, 3, 4], &[4]),
         (&[2, 3, 4], &[3, 1]),
         (&[1, 3, 1], &[2, 1, 5]),
         (&[], &[2, 2]),
+        (&[2, 3, 4, 5], &[3, 1, 1]),
+        (&[2, 1, 4, 5], &[5]),
     ];
     for (a, b) in shapes {
         let inputs = || Inputs::new(&[a, b]);

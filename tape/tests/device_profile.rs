@@ -92,3 +92,60 @@ fn nothing_is_recorded_without_a_recording_or_on_another_device(
     assert!(profile::finish()?.kernels.is_empty());
     Ok(())
 }
+
+/// Mixed precision's optimizer step is one AdamW pass per parameter, which also writes
+/// the rounded 16-bit model weight (no separate conversion), and a bias's gradient over
+/// `[sequence, batch, features]` is one two-level sum.
+#[test]
+fn a_mixed_precision_step_is_one_pass_per_parameter() -> Result<(), Box<dyn std::error::Error>>
+{
+    use ferrotron_tape::{AdamW, AdamWConfig, DType, MixedPrecision, Optimizer};
+    let device = Device::Emulated;
+    let mut rng = Generator::new(5);
+    let params: Vec<Parameter> = [("w", &[F, H][..]), ("b", &[F][..])]
+        .into_iter()
+        .map(|(name, shape)| {
+            let value: Tensor = Tensor::randn(shape, 0.5, &mut rng).to_device(device)?;
+            Ok(Parameter::new(name, value))
+        })
+        .collect::<ferrotron_tape::Result<_>>()?;
+    // 128 rows: long enough to be summed in two levels (one kernel per dimension
+    // would take three launches).
+    let x: Tensor = Tensor::randn(&[64, 2, H], 1.0, &mut rng).to_device(device)?;
+    let mut adamw = MixedPrecision::new(&params, DType::BF16, |masters| {
+        AdamW::new(masters, AdamWConfig::default())
+    })?;
+    for step in 0..2 {
+        let tape = Tape::new();
+        let (w, b) = (tape.watch(&params[0]), tape.watch(&params[1]));
+        let y = x.to_dtype(DType::BF16)?.matmul_transposed(&w)?.add(&b)?;
+        let loss = y.to_dtype(DType::F32)?.sum()?;
+        profile::start(device);
+        loss.backward()?;
+        let backward = profile::finish()?;
+        if step == 1 {
+            assert_eq!(line(&backward, "reduce_dim_f32").launches, 2, "{backward:#?}");
+        }
+        profile::start(device);
+        adamw.step()?;
+        let update = profile::finish()?;
+        adamw.zero_grad();
+        if step == 0 {
+            continue; // The first step also makes the moments.
+        }
+        let n = (F * H + F) as u64;
+        assert_eq!(update.kernels.len(), 1, "{update:#?}");
+        assert_eq!(
+            counts(&update, "adamw_step_f32"),
+            (2, 4 * n * B, 3 * n * B + 2 * n)
+        );
+    }
+    for (model, master) in params.iter().zip(adamw.params()) {
+        assert_eq!(model.value().dtype(), DType::BF16);
+        assert_eq!(
+            model.value().to_vec()?,
+            master.value().to_dtype(DType::BF16)?.to_vec()?
+        );
+    }
+    Ok(())
+}

@@ -82,7 +82,7 @@ impl Kernel {
     pub(crate) fn writes(&self, slot: usize) -> bool {
         let more: &[usize] = match self.name {
             "reduce_dim" | "sgd_step" => &[2],
-            "adamw_step" => &[2, 3],
+            "adamw_step" => &[2, 3, 4],
             "cross_entropy_rows" => &[1],
             "layer_norm_rows" => &[4, 5],
             "layer_norm_affine_backward" => &[1],

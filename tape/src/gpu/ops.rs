@@ -127,13 +127,29 @@ pub(crate) fn binary_stored<T: Element, O: Stored>(
     out.launch_build(&super::BINARY, Precision::of::<T>(), out.len(), &args, cost)
 }
 
-/// Sums a broadcast gradient down to an operand's `shape`, one broadcast dimension at a
-/// time (from the last, so the indices of the others stay put).
+/// Sums a broadcast gradient down to an operand's `shape`. Adjacent summed dimensions
+/// are one reduction (a bias's gradient over `[sequence, batch, hidden]` sums
+/// `[sequence·batch, hidden]` once), taken from the last so the others' indices stay put.
 pub(crate) fn sum_to<T: Element>(grad: GpuArray<T>, shape: &[usize]) -> Result<GpuArray<T>> {
     let target = padded(shape, grad.ndim());
-    let mut out = grad;
-    for (d, &size) in target.iter().enumerate().rev() {
-        if size == 1 && out.shape()[d] != 1 {
+    // (extent, summed) of each run of dimensions; a size-1 dimension joins any run.
+    let mut runs: Vec<(usize, bool)> = Vec::new();
+    for (&size, &kept) in grad.shape().iter().zip(&target) {
+        let summed = kept == 1 && size != 1;
+        match runs.last_mut() {
+            Some((extent, was)) if *was == summed || size == 1 || *extent == 1 => {
+                if size != 1 {
+                    *was = summed;
+                }
+                *extent *= size;
+            }
+            _ => runs.push((size, summed)),
+        }
+    }
+    let extents: Vec<usize> = runs.iter().map(|&(extent, _)| extent).collect();
+    let mut out = grad.reshaped(&extents);
+    for (d, &(_, summed)) in runs.iter().enumerate().rev() {
+        if summed {
             let mut kept = out.shape().to_vec();
             kept[d] = 1;
             out = sum_dim(&out, d, 1.0)?.reshaped(&kept);

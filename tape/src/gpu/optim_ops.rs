@@ -1,7 +1,8 @@
 //! Device math of the optimizer steps (SGD, AdamW), in place on the parameter.
 
 use super::{moves, GpuArray, Kernel, KernelArgs};
-use crate::{Element, Result};
+use crate::precision::Half;
+use crate::{Element, Error, Result};
 
 kernels! {
     OPTIM_KERNELS:
@@ -50,19 +51,34 @@ pub(crate) fn sgd_step<T: Element>(
 }
 
 /// One AdamW step of `param` with moments `m` and `v` (all written in place);
-/// `coefficients` are the seven scalars of `adamw_step` in optim.cu, in order.
+/// `coefficients` are the seven scalars of `adamw_step` in optim.cu, in order. With
+/// `rounded`, the new values are also written there rounded to 16 bits, in the same pass.
 pub(crate) fn adamw_step<T: Element>(
     param: &GpuArray<T>,
     grad: &GpuArray<T>,
     m: &GpuArray<T>,
     v: &GpuArray<T>,
     coefficients: [f64; 7],
+    rounded: Option<&Half>,
 ) -> Result<()> {
     let mut args = KernelArgs::default();
     args.p[..4].copy_from_slice(&[param.ptr(), grad.ptr(), m.ptr(), v.ptr()]);
     args.i[0] = param.len() as i64;
     args.f[..7].copy_from_slice(&coefficients);
     let state = param.bytes() + m.bytes() + v.bytes();
-    let cost = moves(state + grad.bytes(), state);
+    let mut written = state;
+    if let Some(rounded) = rounded {
+        let slot = rounded.device_slot().filter(|_| rounded.shape() == param.shape());
+        let Some((ptr, kind)) = slot else {
+            return Err(Error::invalid(
+                "AdamW::step",
+                "the 16-bit copy must be device storage of the parameter's shape",
+            ));
+        };
+        args.p[4] = ptr;
+        args.i[1] = kind;
+        written += 2 * param.len();
+    }
+    let cost = moves(state + grad.bytes(), written);
     param.launch(&ADAMW_STEP, param.len(), &args, cost)
 }

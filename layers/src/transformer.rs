@@ -179,9 +179,38 @@ impl ParallelSelfAttention {
         }
         let qkv = self.qkv.forward(tape, x)?.output;
         let (seq, batch) = (qkv.shape()[0], qkv.shape()[1]);
-        let (heads, head_dim) = (self.local_heads, self.head_dim);
-        let qkv = qkv.reshape(&[seq, batch, heads, 3, head_dim])?;
-        // [s, b, n, 1, d] → [b·n, s, d] for batched matrix products.
+        let qkv = qkv.reshape(&[seq, batch, self.local_heads, 3, self.head_dim])?;
+        let core = crate::attention_core::AttentionCore {
+            scale: 1.0 / (self.head_dim as f64).sqrt(),
+            dropout: self.dropout,
+        };
+        let context = match (&self.context, rng) {
+            (None, Some(rng)) if self.recompute_core => {
+                let (query, key, value) = self.split_heads(&qkv)?;
+                self.merge_heads(&core.recomputed(&query, &key, &value, rng)?, seq, batch)?
+            }
+            // The products read q, k and v in place and write the context in place.
+            (None, rng) => {
+                let dropout = rng.map(|rng| (self.dropout, rng.model_parallel_stream()));
+                qkv.packed_causal_attention(core.scale, dropout)?
+            }
+            // The ring keeps no probabilities, so there is nothing for selective
+            // recomputation to drop.
+            (Some(group), _) => {
+                let (query, key, value) = self.split_heads(&qkv)?;
+                let context = crate::ring_attention(&query, &key, &value, group, core.scale, true)?;
+                self.merge_heads(&context, seq, batch)?
+            }
+        };
+        Ok(self.proj.forward(tape, &context)?.output)
+    }
+
+    /// Queries, keys and values `[batch·heads, sequence, head_dim]` out of the packed
+    /// `[sequence, batch, heads, 3, head_dim]`, for the cores that take them apart.
+    fn split_heads(&self, qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let [seq, batch, heads, _, head_dim] = *qkv.shape() else {
+            unreachable!("reshaped to five dimensions above")
+        };
         let part = |index: usize| -> Result<Tensor> {
             Ok(qkv
                 .narrow(3, index, 1)?
@@ -189,27 +218,16 @@ impl ParallelSelfAttention {
                 .permute(&[1, 2, 0, 3])?
                 .reshape(&[batch * heads, seq, head_dim])?)
         };
-        let (query, key, value) = (part(0)?, part(1)?, part(2)?);
-        let core = crate::attention_core::AttentionCore {
-            scale: 1.0 / (head_dim as f64).sqrt(),
-            dropout: self.dropout,
-        };
-        // The ring keeps no probabilities, so there is nothing for selective
-        // recomputation to drop.
-        let context = match (&self.context, rng) {
-            (Some(group), _) => {
-                crate::ring_attention(&query, &key, &value, group, core.scale, true)?
-            }
-            (None, Some(rng)) if self.recompute_core => {
-                core.recomputed(&query, &key, &value, rng)?
-            }
-            (None, rng) => core.forward(&query, &key, &value, rng)?,
-        };
-        let context = context
+        Ok((part(0)?, part(1)?, part(2)?))
+    }
+
+    /// A `[batch·heads, sequence, head_dim]` context as `[sequence, batch, hidden]`.
+    fn merge_heads(&self, context: &Tensor, seq: usize, batch: usize) -> Result<Tensor> {
+        let (heads, head_dim) = (self.local_heads, self.head_dim);
+        Ok(context
             .reshape(&[batch, heads, seq, head_dim])?
             .permute(&[2, 0, 1, 3])?
-            .reshape(&[seq, batch, heads * head_dim])?;
-        Ok(self.proj.forward(tape, &context)?.output)
+            .reshape(&[seq, batch, heads * head_dim])?)
     }
 }
 

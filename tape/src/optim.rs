@@ -6,8 +6,8 @@ use ndarray::{ArrayD, IxDyn};
 use crate::flat::{with_regions, Regions};
 use crate::gpu::optim_ops::{adamw_step, sgd_step, SgdScalars};
 use crate::gpu::GpuArray;
-use crate::schedule::LrSchedule;
 use crate::precision::Half;
+use crate::schedule::LrSchedule;
 use crate::{DType, Device, Element, Error, FlatView, Parameter, Result, Tensor};
 
 /// Something that updates parameters from their gradients.
@@ -54,7 +54,10 @@ pub trait Optimizer<T: Element = f32> {
 /// An error unless `copies` has one parameter of the same shape per one of `params`.
 fn check_copies<T: Element>(params: &[Parameter<T>], copies: &[Parameter<T>]) -> Result<()> {
     let matching = params.len() == copies.len()
-        && params.iter().zip(copies).all(|(p, c)| p.shape() == c.shape());
+        && params
+            .iter()
+            .zip(copies)
+            .all(|(p, c)| p.shape() == c.shape());
     if matching {
         return Ok(());
     }
@@ -380,7 +383,9 @@ impl<T: Element> AdamW<T> {
                     (Some((copy, _)), Some(half)) if updated => {
                         copy.set_value(Tensor::from_half(half))?
                     }
-                    (Some((copy, dtype)), _) => round_into(&[param.clone()], &[copy.clone()], dtype)?,
+                    (Some((copy, dtype)), _) => {
+                        round_into(&[param.clone()], &[copy.clone()], dtype)?
+                    }
                     (None, _) => {}
                 }
                 continue;

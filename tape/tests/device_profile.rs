@@ -97,8 +97,7 @@ fn nothing_is_recorded_without_a_recording_or_on_another_device(
 /// the rounded 16-bit model weight (no separate conversion), and a bias's gradient over
 /// `[sequence, batch, features]` is one two-level sum.
 #[test]
-fn a_mixed_precision_step_is_one_pass_per_parameter() -> Result<(), Box<dyn std::error::Error>>
-{
+fn a_mixed_precision_step_is_one_pass_per_parameter() -> Result<(), Box<dyn std::error::Error>> {
     use ferrotron_tape::{AdamW, AdamWConfig, DType, MixedPrecision, Optimizer};
     let device = Device::Emulated;
     let mut rng = Generator::new(5);
@@ -124,7 +123,11 @@ fn a_mixed_precision_step_is_one_pass_per_parameter() -> Result<(), Box<dyn std:
         loss.backward()?;
         let backward = profile::finish()?;
         if step == 1 {
-            assert_eq!(line(&backward, "reduce_dim_f32").launches, 2, "{backward:#?}");
+            assert_eq!(
+                line(&backward, "reduce_dim_f32").launches,
+                2,
+                "{backward:#?}"
+            );
         }
         profile::start(device);
         adamw.step()?;

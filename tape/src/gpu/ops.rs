@@ -402,6 +402,18 @@ pub(crate) struct Operand {
     pub transposed: bool,
     /// Elements between consecutive matrices of a batch (0: shared by the batch).
     pub batch_stride: usize,
+    /// Elements between consecutive stored rows, where not the stored row's length (a
+    /// matrix inside a wider array, read in place).
+    pub ld: Option<usize>,
+}
+
+/// Where a product's row-major result goes inside `out`: `offset` elements in, rows
+/// `ld` elements apart, consecutive matrices `batch_stride` apart.
+#[derive(Clone, Copy)]
+pub(crate) struct Destination {
+    pub offset: usize,
+    pub ld: usize,
+    pub batch_stride: usize,
 }
 
 /// `op(a)[m,k] · op(b)[k,n]` for each of `batch` row-major matrices (`dims` is
@@ -493,25 +505,47 @@ fn product_into<E: Copy + Default>(
     b: Operand,
     dims: [usize; 4],
 ) -> Result<GpuArray<E>> {
+    let [m, n, ..] = dims;
+    let whole = Destination {
+        offset: 0,
+        ld: n,
+        batch_stride: m * n,
+    };
     if out.len() > 0 {
-        let gemm = row_major_gemm(format, out.ptr(), a, b, dims);
-        let [m, n, k, batch] = dims;
-        let (operand, result) = format.bytes();
-        let cost = Cost {
-            read: (operand * (m * k + k * n) * batch) as u64,
-            written: (result * m * n * batch) as u64,
-            flops: (2 * m * n * k * batch) as u64,
-        };
-        let backend = out.backend();
-        let on_device = Error::on_device("matmul", out.device());
-        let span = ferrotron_device::profile::begin(backend.stream()).map_err(&on_device)?;
-        // SAFETY: the extents follow from the operands' checked shapes.
-        unsafe { backend.gemm(&gemm)? };
-        if let Some(span) = span {
-            (span.end(backend.stream(), "gemm", format.name(), cost)).map_err(&on_device)?;
-        }
+        gemm_into((out.device(), out.ptr()), whole, format, a, b, dims)?;
     }
     Ok(out)
+}
+
+/// Runs the GEMM writing `op(a)·op(b)` (`dims` `[m, n, k, batch]`, k ≥ 1) into `to` of
+/// the array at `out` (device, address), whose elements are in `format`'s result type.
+pub(crate) fn gemm_into(
+    (device, out): (crate::Device, u64),
+    to: Destination,
+    format: GemmFormat,
+    a: Operand,
+    b: Operand,
+    dims: [usize; 4],
+) -> Result<()> {
+    let (operand, result) = format.bytes();
+    let address = out + (to.offset * result) as u64;
+    let mut gemm = row_major_gemm(format, address, a, b, dims);
+    (gemm.ldc, gemm.stride_c) = (to.ld, to.batch_stride);
+    let [m, n, k, batch] = dims;
+    let cost = Cost {
+        read: (operand * (m * k + k * n) * batch) as u64,
+        written: (result * m * n * batch) as u64,
+        flops: (2 * m * n * k * batch) as u64,
+    };
+    let backend = super::backend("matmul", device)?;
+    let on_device = Error::on_device("matmul", device);
+    let span = ferrotron_device::profile::begin(backend.stream()).map_err(&on_device)?;
+    // SAFETY: the extents follow from the operands' checked shapes.
+    unsafe { backend.gemm(&gemm)? };
+    if let Some(span) = span {
+        (span.end(backend.stream(), "gemm", format.name(), cost)).map_err(&on_device)?;
+    }
+    Ok(())
 }
 
 /// The column-major GEMM writing the row-major product `op(a)·op(b)` into `out`.
@@ -531,10 +565,10 @@ fn row_major_gemm(
         k,
         alpha: 1.0,
         a: b.ptr,
-        lda: if b.transposed { k } else { n },
+        lda: b.ld.unwrap_or(if b.transposed { k } else { n }),
         stride_a: b.batch_stride,
         b: a.ptr,
-        ldb: if a.transposed { m } else { k },
+        ldb: a.ld.unwrap_or(if a.transposed { m } else { k }),
         stride_b: a.batch_stride,
         beta: 0.0,
         c: out,

@@ -68,7 +68,9 @@ pub(crate) fn adamw_step<T: Element>(
     let state = param.bytes() + m.bytes() + v.bytes();
     let mut written = state;
     if let Some(rounded) = rounded {
-        let slot = rounded.device_slot().filter(|_| rounded.shape() == param.shape());
+        let slot = rounded
+            .device_slot()
+            .filter(|_| rounded.shape() == param.shape());
         let Some((ptr, kind)) = slot else {
             return Err(Error::invalid(
                 "AdamW::step",

@@ -143,29 +143,13 @@ impl<T: Element> Tensor<T> {
     /// the mask from `generator`. Call it only in training; `p = 0` returns the input.
     pub fn dropout(&self, p: f64, generator: &mut Generator) -> Result<Tensor<T>> {
         const OP: &str = "dropout";
-        if !(0.0..=1.0).contains(&p) {
-            return Err(Error::invalid(
-                OP,
-                format!("probability {p} is not in [0, 1]"),
-            ));
-        }
-        if p == 0.0 {
+        let Some(scale) = dropout_scale::<T>(OP, p)? else {
             return Ok(self.clone());
-        }
-        let keep_scale = if p < 1.0 {
-            T::from_f64(1.0 / (1.0 - p))
-        } else {
-            T::zero()
         };
+        let keep_scale = T::from_f64(scale);
         if let Some([x]) = pointwise_inputs(OP, [self])? {
-            // The CPU path's draws in the same (row-major) order: a seed gives one mask on
-            // every device.
-            let keep: Vec<u8> = (0..self.numel())
-                .map(|_| u8::from(generator.uniform() >= p))
-                .collect();
             let device = self.device();
-            let keep = GpuArray::from_host(OP, device, &keep, self.shape())?;
-            let scale = keep_scale.into_f64();
+            let keep = keep_mask(OP, device, self.shape(), p, generator)?;
             let kernel = Dropout {
                 x,
                 keep: &keep,
@@ -196,6 +180,39 @@ impl<T: Element> Tensor<T> {
     }
 }
 
+/// The factor dropout with probability `p` scales kept elements by (`1/(1−p)` in `T`,
+/// 0 for `p = 1`); `None` for `p = 0`, which drops nothing; an error outside [0, 1].
+pub(crate) fn dropout_scale<T: Element>(op: &'static str, p: f64) -> Result<Option<f64>> {
+    if !(0.0..=1.0).contains(&p) {
+        return Err(Error::invalid(
+            op,
+            format!("probability {p} is not in [0, 1]"),
+        ));
+    }
+    Ok(match p {
+        0.0 => None,
+        1.0 => Some(0.0),
+        _ => Some(T::from_f64(1.0 / (1.0 - p)).into_f64()),
+    })
+}
+
+/// Dropout's mask of `shape` on `device`: 1 where an element is kept, drawn from
+/// `generator` in the CPU path's (row-major) order, so a seed gives one mask on every
+/// device.
+pub(crate) fn keep_mask(
+    op: &'static str,
+    device: crate::Device,
+    shape: &[usize],
+    p: f64,
+    generator: &mut Generator,
+) -> Result<GpuArray<u8>> {
+    let numel = shape.iter().product::<usize>();
+    let keep: Vec<u8> = (0..numel)
+        .map(|_| u8::from(generator.uniform() >= p))
+        .collect();
+    GpuArray::from_host(op, device, &keep, shape)
+}
+
 /// `embedding`'s rows of a device table.
 struct Lookup<'a> {
     ids: &'a GpuArray<i64>,
@@ -222,10 +239,10 @@ impl PointwiseWrite for MaskedFill<'_> {
 }
 
 /// `dropout` as a pointwise kernel writing any storage format.
-struct Dropout<'a> {
-    x: PointwiseInput<'a>,
-    keep: &'a GpuArray<u8>,
-    scale: f64,
+pub(crate) struct Dropout<'a> {
+    pub x: PointwiseInput<'a>,
+    pub keep: &'a GpuArray<u8>,
+    pub scale: f64,
 }
 
 impl PointwiseWrite for Dropout<'_> {

@@ -398,6 +398,7 @@ fn operand(ptr: u64, transposed: bool, batch_stride: usize) -> Operand {
         ptr,
         transposed,
         batch_stride,
+        ld: None,
     }
 }
 

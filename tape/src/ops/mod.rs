@@ -1,6 +1,7 @@
 //! Differentiable operations, grouped by kind. Each op computes its output, and records on
 //! the inputs' tape a backward closure holding only what the gradient needs.
 
+mod attention;
 pub mod custom;
 mod elementwise;
 mod index;

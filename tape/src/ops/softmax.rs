@@ -190,9 +190,9 @@ fn softmax_row_backward<T: Element>(g: &mut [T], y: &[T], how: SoftmaxRows) {
 }
 
 /// `softmax_rows` as a kernel writing any storage format.
-struct SoftmaxKernel<'a> {
-    x: PointwiseInput<'a>,
-    how: SoftmaxRows,
+pub(crate) struct SoftmaxKernel<'a> {
+    pub x: PointwiseInput<'a>,
+    pub how: SoftmaxRows,
 }
 
 impl PointwiseWrite for SoftmaxKernel<'_> {

@@ -1,0 +1,349 @@
+//! Causal self-attention on packed queries, keys and values: a transformer block's
+//! attention core, whose products on a device read q, k and v where the fused QKV
+//! projection wrote them and write the context where the output projection reads it.
+
+use super::index::{dropout_scale, keep_mask, Dropout};
+use super::softmax::SoftmaxKernel;
+use crate::gpu::ops::{gemm_into, Destination, Operand};
+use crate::gpu::row_ops::{softmax_backward, SoftmaxKind, SoftmaxRows};
+use crate::gpu::shape_ops::dropout as dropout_backward;
+use crate::gpu::{GemmFormat, GpuArray};
+use crate::precision::{written, Half};
+use crate::tape::record_tensor;
+use crate::{DType, Device, Element, Error, Generator, Result, Tensor};
+
+const OP: &str = "packed_causal_attention";
+
+impl<T: Element> Tensor<T> {
+    /// Causal self-attention on `self`, a fused QKV projection's output viewed as
+    /// `[sequence, batch, heads, 3, head_dim]` (Megatron's layout: each head's query, key
+    /// and value side by side): for every sequence and head
+    /// `dropout(causal_softmax(q·kᵀ · scale))·v`, returned as
+    /// `[sequence, batch, heads·head_dim]`; `dropout` is the probability and the
+    /// generator the mask is drawn from.
+    ///
+    /// It equals splitting q, k and v out with [`narrow`](Tensor::narrow) and
+    /// [`permute`](Tensor::permute) into `[batch·heads, sequence, head_dim]`, then
+    /// [`matmul_transposed`](Tensor::matmul_transposed),
+    /// [`causal_softmax`](Tensor::causal_softmax), [`dropout`](Tensor::dropout) (the same
+    /// mask from the same generator) and [`matmul`](Tensor::matmul), and permuting the
+    /// context back, which is what it does on the CPU, where those are views. On a device,
+    /// where they would be copies, the products are strided-batched GEMMs over the packed
+    /// layout and the backward writes the three gradients into one array: no copies,
+    /// the same numbers.
+    ///
+    /// ```
+    /// use ferrotron_tape::Tensor;
+    ///
+    /// // One sequence of two positions, one head of width 1: q = k = 0, so the second
+    /// // position averages both values.
+    /// let qkv = Tensor::<f64>::from_vec(vec![0.0, 0.0, 1.0, 0.0, 0.0, 3.0], &[2, 1, 1, 3, 1])?;
+    /// let context = qkv.packed_causal_attention(1.0, None)?;
+    /// assert_eq!(context.shape(), [2, 1, 1]);
+    /// assert_eq!(context.to_vec()?, [1.0, 2.0]);
+    /// # Ok::<(), ferrotron_tape::Error>(())
+    /// ```
+    pub fn packed_causal_attention(
+        &self,
+        scale: f64,
+        dropout: Option<(f64, &mut Generator)>,
+    ) -> Result<Tensor<T>> {
+        let heads = Heads::of(self.shape())?;
+        let dropout = match dropout {
+            Some((p, generator)) => dropout_scale::<T>(OP, p)?.map(|s| (p, s, generator)),
+            None => None,
+        };
+        let strided = self.device() != Device::Cpu
+            && heads.numel() > 0
+            && (self.dtype() == T::DTYPE || T::DTYPE == DType::F32);
+        if strided {
+            return self.attend_in_place(heads, scale, dropout);
+        }
+        self.attend_by_views(heads, scale, dropout)
+    }
+
+    /// The composition this op equals (views on the CPU).
+    fn attend_by_views(
+        &self,
+        Heads { s, b, n, d }: Heads,
+        scale: f64,
+        dropout: Option<(f64, f64, &mut Generator)>,
+    ) -> Result<Tensor<T>> {
+        let part = |index: usize| {
+            self.narrow(3, index, 1)?
+                .reshape(&[s, b, n, d])?
+                .permute(&[1, 2, 0, 3])?
+                .reshape(&[b * n, s, d])
+        };
+        let probs = part(0)?
+            .matmul_transposed(&part(1)?)?
+            .causal_softmax(scale)?;
+        let probs = match dropout {
+            Some((p, _, generator)) => probs.dropout(p, generator)?,
+            None => probs,
+        };
+        probs
+            .matmul(&part(2)?)?
+            .reshape(&[b, n, s, d])?
+            .permute(&[2, 0, 1, 3])?
+            .reshape(&[s, b, n * d])
+    }
+
+    /// The device path: strided-batched products over the packed layout.
+    fn attend_in_place(
+        &self,
+        heads: Heads,
+        scale: f64,
+        dropout: Option<(f64, f64, &mut Generator)>,
+    ) -> Result<Tensor<T>> {
+        let Heads { s, b, n, d } = heads;
+        let (device, dtype) = (self.device(), self.dtype());
+        let (forward, _) = formats::<T>(dtype);
+        let qkv = self.device_input(OP, device)?.ptr;
+        let size = forward.bytes().0;
+        let scores = product_output::<T>(device, &[b * n, s, s], dtype)?;
+        gemm_into(
+            address(&scores)?,
+            heads.scores_destination(),
+            forward,
+            heads.part(qkv, size, 0, false),
+            heads.part(qkv, size, 1, true),
+            [s, s, d, b * n],
+        )?;
+        let how = SoftmaxRows {
+            kind: SoftmaxKind::Softmax,
+            scale,
+            causal: true,
+        };
+        let x = scores.device_input(OP, device)?;
+        let probs = written(OP, device, scores.shape(), dtype, &SoftmaxKernel { x, how })?;
+        let keep = match dropout {
+            Some((p, scale, generator)) => {
+                Some((keep_mask(OP, device, &[b * n, s, s], p, generator)?, scale))
+            }
+            None => None,
+        };
+        let dropped = match &keep {
+            Some((keep, scale)) => {
+                let x = probs.device_input(OP, device)?;
+                let scale = *scale;
+                written(
+                    OP,
+                    device,
+                    probs.shape(),
+                    dtype,
+                    &Dropout { x, keep, scale },
+                )?
+            }
+            None => probs.clone(),
+        };
+        let context = product_output::<T>(device, &[s, b, n * d], dtype)?;
+        gemm_into(
+            address(&context)?,
+            heads.context_destination(),
+            forward,
+            heads.scores(address(&dropped)?.1, false),
+            heads.part(qkv, size, 2, false),
+            [s, d, s, b * n],
+        )?;
+        record_tensor(OP, &[self], context, || {
+            let saved = Saved {
+                qkv: self.detach(),
+                probs,
+                dropped,
+                keep,
+                how,
+                heads,
+            };
+            Box::new(move |grad: Tensor<T>, _: &[bool]| Ok(vec![Some(saved.backward(&grad)?)]))
+        })
+    }
+}
+
+/// The extents of packed attention: sequence, batch, heads, head width.
+#[derive(Clone, Copy, Debug)]
+struct Heads {
+    s: usize,
+    b: usize,
+    n: usize,
+    d: usize,
+}
+
+impl Heads {
+    fn of(shape: &[usize]) -> Result<Heads> {
+        match *shape {
+            [s, b, n, 3, d] => Ok(Heads { s, b, n, d }),
+            _ => Err(Error::shape(
+                OP,
+                &[shape],
+                "needs packed queries, keys and values [sequence, batch, heads, 3, head_dim]",
+            )),
+        }
+    }
+
+    fn numel(&self) -> usize {
+        self.s * self.b * self.n * self.d
+    }
+
+    /// Query (0), key (1) or value (2) of every `(batch, head)` in the packed array at
+    /// `qkv` of `size`-byte elements: `[sequence, head_dim]` matrices whose rows are a
+    /// whole packed row apart.
+    fn part(&self, qkv: u64, size: usize, index: usize, transposed: bool) -> Operand {
+        Operand {
+            ptr: qkv + (index * self.d * size) as u64,
+            transposed,
+            batch_stride: 3 * self.d,
+            ld: Some(3 * self.b * self.n * self.d),
+        }
+    }
+
+    /// Where the gradient of part `index` goes in a packed gradient.
+    fn part_destination(&self, index: usize) -> Destination {
+        Destination {
+            offset: index * self.d,
+            ld: 3 * self.b * self.n * self.d,
+            batch_stride: 3 * self.d,
+        }
+    }
+
+    /// The `[sequence, sequence]` matrices of a contiguous `[batch·heads, s, s]` array.
+    fn scores(&self, ptr: u64, transposed: bool) -> Operand {
+        Operand {
+            ptr,
+            transposed,
+            batch_stride: self.s * self.s,
+            ld: None,
+        }
+    }
+
+    fn scores_destination(&self) -> Destination {
+        Destination {
+            offset: 0,
+            ld: self.s,
+            batch_stride: self.s * self.s,
+        }
+    }
+
+    /// Each `(batch, head)`'s `[sequence, head_dim]` block of a `[s, b, heads·head_dim]`
+    /// context (or its gradient) at `ptr`.
+    fn context(&self, ptr: u64) -> Operand {
+        Operand {
+            ptr,
+            transposed: false,
+            batch_stride: self.d,
+            ld: Some(self.b * self.n * self.d),
+        }
+    }
+
+    fn context_destination(&self) -> Destination {
+        Destination {
+            offset: 0,
+            ld: self.b * self.n * self.d,
+            batch_stride: self.d,
+        }
+    }
+}
+
+/// The GEMM formats of the forward and backward products for operands stored as
+/// `dtype`: 16-bit ones multiply in their format and their backward writes f32
+/// gradients from a gradient rounded to it, as [`Tensor::matmul`] does.
+fn formats<T: Element>(dtype: DType) -> (GemmFormat, GemmFormat) {
+    match dtype {
+        DType::BF16 => (GemmFormat::Bf16, GemmFormat::Bf16IntoF32),
+        DType::F16 => (GemmFormat::F16, GemmFormat::F16IntoF32),
+        _ => (GemmFormat::of::<T>(), GemmFormat::of::<T>()),
+    }
+}
+
+/// A device tensor of `shape` stored as `dtype` for a product to fill.
+fn product_output<T: Element>(device: Device, shape: &[usize], dtype: DType) -> Result<Tensor<T>> {
+    if dtype == T::DTYPE {
+        Ok(Tensor::from_gpu(GpuArray::uninit(OP, device, shape)?))
+    } else {
+        Ok(Tensor::from_half(Half::uninit_gpu(
+            OP, dtype, shape, device,
+        )?))
+    }
+}
+
+/// Where a device tensor's elements are, as stored.
+fn address<T: Element>(tensor: &Tensor<T>) -> Result<(Device, u64)> {
+    Ok((
+        tensor.device(),
+        tensor.device_input(OP, tensor.device())?.ptr,
+    ))
+}
+
+/// What the backward reads: the packed input, the probabilities before and after
+/// dropout, and dropout's mask and scale.
+struct Saved<T: Element> {
+    qkv: Tensor<T>,
+    probs: Tensor<T>,
+    dropped: Tensor<T>,
+    keep: Option<(GpuArray<u8>, f64)>,
+    how: SoftmaxRows,
+    heads: Heads,
+}
+
+impl<T: Element> Saved<T> {
+    /// The packed gradient: `dV = P'ᵀ·dC`, `dP' = dC·Vᵀ`, dropout's and softmax's
+    /// backward to `dS`, then `dQ = dS·K` and `dK = dSᵀ·Q`, each product writing its part.
+    fn backward(&self, grad: &Tensor<T>) -> Result<Tensor<T>> {
+        let Heads { s, b, n, d } = self.heads;
+        let (device, dtype) = (self.qkv.device(), self.qkv.dtype());
+        let (_, backward) = formats::<T>(dtype);
+        let qkv = self.qkv.device_input(OP, device)?.ptr;
+        let size = backward.bytes().0;
+        let out = GpuArray::<T>::uninit(OP, device, &[s, b, n, 3, d])?;
+        let packed = (device, out.ptr());
+        let g = self.rounded(grad)?;
+        let heads = self.heads;
+        gemm_into(
+            packed,
+            heads.part_destination(2),
+            backward,
+            heads.scores(address(&self.dropped)?.1, true),
+            heads.context(address(&g)?.1),
+            [s, d, s, b * n],
+        )?;
+        let d_dropped = GpuArray::<T>::uninit(OP, device, &[b * n, s, s])?;
+        gemm_into(
+            (device, d_dropped.ptr()),
+            heads.scores_destination(),
+            backward,
+            heads.context(address(&g)?.1),
+            heads.part(qkv, size, 2, true),
+            [s, s, d, b * n],
+        )?;
+        let d_probs = match &self.keep {
+            Some((keep, scale)) => dropout_backward(&d_dropped, keep, *scale)?,
+            None => d_dropped,
+        };
+        let probs = self.probs.device_input(OP, device)?;
+        let d_scores = softmax_backward(&d_probs, probs, self.how)?;
+        let rounded = self.rounded(&Tensor::from_gpu(d_scores))?;
+        let d_scores = address(&rounded)?.1;
+        for (index, transposed, other) in [(0, false, 1), (1, true, 0)] {
+            gemm_into(
+                packed,
+                heads.part_destination(index),
+                backward,
+                heads.scores(d_scores, transposed),
+                heads.part(qkv, size, other, false),
+                [s, d, s, b * n],
+            )?;
+        }
+        Ok(Tensor::from_gpu(out))
+    }
+
+    /// `grad` as the backward products read it: rounded once to 16-bit operands'
+    /// format.
+    fn rounded(&self, grad: &Tensor<T>) -> Result<Tensor<T>> {
+        let device = self.qkv.device();
+        let grad = Tensor::from_gpu(grad.device_array(OP, device)?);
+        match self.qkv.dtype() {
+            dtype if dtype == T::DTYPE => Ok(grad),
+            dtype => grad.stored_as(OP, dtype),
+        }
+    }
+}

@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use ferrotron_comm_core::{Communicator, CommunicatorExt, ReduceOp};
 
+use ferrotron_tape::Tensor;
+
 use crate::{Error, Result, ShardedParameter, TensorParallel};
 
 const OP: &str = "clip_grad_norm";
@@ -55,19 +57,22 @@ pub fn clip_grad_norm(
     max_norm: f64,
 ) -> Result<GradNorm> {
     check_max_norm(max_norm)?;
-    let (mut local, mut experts) = (LocalSquares::default(), LocalSquares::default());
+    // Each sum of squares stays where its gradient is, added up there: one read of each
+    // total, not a host wait per gradient.
+    let (mut local, mut experts) = (DeviceSquares::default(), DeviceSquares::default());
     for sharded in params {
         if !sharded.counts_in_model_sums(tp.rank()) {
             continue;
         }
         if let Some(grad) = sharded.param.try_grad()? {
-            let squares = f64::from(grad.mul(&grad)?.sum()?.item()?);
+            let squares = grad.mul(&grad)?.sum()?;
             match sharded.expert {
-                true => experts.add(squares),
-                false => local.add(squares),
+                true => experts.add(squares)?,
+                false => local.add(squares)?,
             }
         }
     }
+    let (mut local, experts) = (local.read()?, experts.read()?);
     // Each expert-parallel rank holds other experts: their squares add up over the group
     // first, and then count like this rank's own.
     if params.iter().any(|p| p.expert) {
@@ -112,6 +117,36 @@ impl LocalSquares {
     pub fn add(&mut self, sum: f64) {
         self.sum += sum;
         self.gradients += 1;
+    }
+}
+
+/// [`LocalSquares`] whose sums are still tensors: added up where they are, read once.
+#[derive(Default)]
+struct DeviceSquares {
+    sums: Vec<Tensor>,
+    gradients: usize,
+}
+
+impl DeviceSquares {
+    fn add(&mut self, sum: Tensor) -> Result<()> {
+        self.gradients += 1;
+        // Sums on one device add there; another device's starts its own.
+        match self.sums.iter_mut().find(|s| s.device() == sum.device()) {
+            Some(total) => *total = total.add(&sum)?,
+            None => self.sums.push(sum),
+        }
+        Ok(())
+    }
+
+    fn read(self) -> Result<LocalSquares> {
+        let mut sum = 0.0;
+        for total in self.sums {
+            sum += f64::from(total.item()?);
+        }
+        Ok(LocalSquares {
+            sum,
+            gradients: self.gradients,
+        })
     }
 }
 

@@ -78,6 +78,13 @@ pub fn vocab_parallel_cross_entropy(
             vocab_size,
         });
     }
+    // The whole vocabulary here: tape's fused loss, one row kernel each way, reading
+    // 16-bit logits as stored (the values the f32 cast below gives). Its mean over no
+    // counted row is PyTorch's 0/0, not this function's 0.
+    let counted = labels.iter().any(|&l| !ignored(l));
+    if group.size() == 1 && (counted || options.reduction != Reduction::Mean) {
+        return Ok(logits.cross_entropy(labels, options)?);
+    }
     let targets = labels
         .iter()
         .map(|&l| (!ignored(l) && range.contains(l as usize)).then(|| l as usize - range.start))

@@ -266,3 +266,35 @@ fn a_shared_copy_is_scaled_but_counted_once() -> AnyResult<()> {
     }
     Ok(())
 }
+
+/// On a device the squares of every gradient add up there: clipping reads one number
+/// back (one host wait), however many gradients there are, and the norm is theirs.
+#[test]
+fn on_a_device_the_norm_is_read_once() -> AnyResult<()> {
+    use ferrotron_tape::{host_waits, Device};
+    let device = Device::Emulated;
+    let results = run_local(1, |comm| -> AnyResult<(u64, f64)> {
+        let tp = tp_context(comm, false);
+        let params: Vec<ferrotron_layers::ShardedParameter> = (0..6)
+            .map(|i| -> AnyResult<_> {
+                let param = Parameter::new(format!("p{i}"), Tensor::zeros(&[2]).to_device(device)?);
+                let grad = Tensor::from_vec(vec![1.0, 2.0], &[2])?.to_device(device)?;
+                param.set_grad(Some(grad))?;
+                Ok(ferrotron_layers::ShardedParameter {
+                    param,
+                    sharding: Sharding::Replicated,
+                    grad_reduce_group: None,
+                    shared_copy: false,
+                    expert: false,
+                })
+            })
+            .collect::<AnyResult<_>>()?;
+        let before = host_waits(device);
+        let norm = clip_grad_norm(&params, &tp, &[], 100.0)?;
+        Ok((host_waits(device) - before, norm.norm))
+    })?;
+    let (waits, norm) = results[0];
+    assert_eq!(waits, 1);
+    assert!((norm - 30f64.sqrt()).abs() < 1e-6, "norm {norm}");
+    Ok(())
+}

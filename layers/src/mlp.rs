@@ -32,7 +32,11 @@ impl ParallelMlp {
                 config.hidden,
                 config.ffn_hidden,
                 false,
-                LinearOptions::default(),
+                // The bias goes into the activation's kernel.
+                LinearOptions {
+                    skip_bias_add: true,
+                    ..LinearOptions::default()
+                },
                 init,
             )?,
             fc2: RowParallelLinear::new(
@@ -51,7 +55,11 @@ impl ParallelMlp {
     /// Applies the MLP to `x: [..., hidden]` (sequence part first under sequence
     /// parallelism).
     pub fn forward(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
-        let inner = self.fc1.forward(tape, x)?.output.gelu(self.gelu)?;
+        let inner = self.fc1.forward(tape, x)?;
+        let inner = match inner.bias {
+            Some(bias) => inner.output.bias_gelu(&bias, self.gelu)?,
+            None => inner.output.gelu(self.gelu)?,
+        };
         Ok(self.fc2.forward(tape, &inner)?.output)
     }
 }

@@ -213,34 +213,57 @@ pub(crate) fn unary<T: Element>(
     factor: f64,
 ) -> Result<GpuArray<T>> {
     let out = GpuArray::<T>::uninit("unary", x.device(), x.shape())?;
-    unary_stored::<T, T>(kind, &out, x.into(), factor)?;
+    unary_stored::<T, T>(kind, &out, x.into(), None, factor)?;
     Ok(out)
 }
 
-/// [`unary`] of `x` in any storage format into `out` in any, computed in `T` (see
-/// [`binary_stored`]).
+/// A bias added along the last dimension of a unary function's input, the sum rounded
+/// to `sum_format` as `add` would store it (`unary_input` in elementwise.cu): `f(x + b)`
+/// in one kernel with the numbers of two.
+#[derive(Clone, Copy)]
+pub(crate) struct AddedBias<'a> {
+    pub bias: PointwiseInput<'a>,
+    pub sum_format: i64,
+}
+
+impl AddedBias<'_> {
+    /// Sets the bias's slots; the bytes the kernel reads of it.
+    fn set<T>(bias: Option<&Self>, args: &mut KernelArgs) -> usize {
+        let Some(added) = bias else { return 0 };
+        args.p[3] = added.bias.ptr;
+        let len = added.bias.shape.iter().product::<usize>() as i64;
+        args.i[4..7].copy_from_slice(&[added.bias.format, len, added.sum_format]);
+        added.bias.bytes::<T>()
+    }
+}
+
+/// [`unary`] of `x` (plus `bias`) in any storage format into `out` in any, computed in
+/// `T` (see [`binary_stored`]).
 pub(crate) fn unary_stored<T: Element, O: Stored>(
     kind: UnaryKind,
     out: &GpuArray<O>,
     x: PointwiseInput<'_>,
+    bias: Option<&AddedBias<'_>>,
     factor: f64,
 ) -> Result<()> {
     let mut args = KernelArgs::default();
     args.p[..2].copy_from_slice(&[out.ptr(), x.ptr]);
     args.i[..4].copy_from_slice(&[out.len() as i64, kind as i64, x.format, O::FORMAT]);
     args.f[0] = factor;
-    let cost = moves(x.bytes::<T>(), out.bytes());
+    let read_bias = AddedBias::set::<T>(bias, &mut args);
+    let cost = moves(x.bytes::<T>() + read_bias, out.bytes());
     out.launch_build(&super::UNARY, Precision::of::<T>(), out.len(), &args, cost)
 }
 
 /// The gradient of `y = f(x)` given `grad` = d(loss)/dy.
 ///
 /// `kept` is what the derivative reads, in any storage format: the output for exp and
-/// tanh, the input for the others (unread by a scale).
+/// tanh, the input for the others (unread by a scale), to which `bias` is added.
 pub(crate) fn unary_backward<T: Element>(
     kind: UnaryKind,
     grad: &GpuArray<T>,
     kept: PointwiseInput<'_>,
+    bias: Option<&AddedBias<'_>>,
     factor: f64,
 ) -> Result<GpuArray<T>> {
     let out = GpuArray::<T>::uninit("unary backward", grad.device(), grad.shape())?;
@@ -248,10 +271,11 @@ pub(crate) fn unary_backward<T: Element>(
     args.p[..3].copy_from_slice(&[out.ptr(), grad.ptr(), kept.ptr]);
     args.i[..3].copy_from_slice(&[out.len() as i64, kind as i64, kept.format]);
     args.f[0] = factor;
+    let read_bias = AddedBias::set::<T>(bias, &mut args);
     let read_kept = if kind == UnaryKind::Scale {
         0
     } else {
-        kept.bytes::<T>()
+        kept.bytes::<T>() + read_bias
     };
     let cost = moves(grad.bytes() + read_kept, out.bytes());
     out.launch(&super::UNARY_BACKWARD, out.len(), &args, cost)?;

@@ -3,14 +3,14 @@
 use ndarray::{ArcArray, ArrayD, IxDyn, Zip};
 
 use super::{broadcast_shape, device_grads, pointwise, pointwise_inputs, sum_to_shape};
-use crate::gpu::ops::{self as device, BinaryKind, PointwiseInput, UnaryKind};
+use crate::gpu::ops::{self as device, AddedBias, BinaryKind, PointwiseInput, UnaryKind};
 use crate::gpu::{GpuArray, Stored};
 use crate::precision::{promoted, written, Kept, PointwiseWrite};
 use crate::tape::{
     record, record_reading_output, record_tensor, record_tensor_reading_output, BackwardFn,
     TensorBackwardFn,
 };
-use crate::{Element, Error, Result, Tensor};
+use crate::{DType, Element, Error, Result, Tensor};
 
 /// Which GELU formula to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -153,7 +153,12 @@ impl<T: Element> Tensor<T> {
             return Ok(None);
         };
         let on = self.device();
-        let kernel = UnaryKernel { kind, x, factor };
+        let kernel = UnaryKernel {
+            kind,
+            x,
+            bias: None,
+            factor,
+        };
         let y = written(op, on, self.shape(), self.dtype(), &kernel)?;
         // Only what the derivative reads is kept: the output as stored for exp, the
         // output for tanh (or a 16-bit input, since 1 − y² of a rounded y near ±1 cancels),
@@ -167,13 +172,18 @@ impl<T: Element> Tensor<T> {
                     Some(Kept::Output(y)) => y.device_input(op, on)?,
                     Some(Kept::Input(x)) if matches!(kind, UnaryKind::Tanh) => {
                         let x = x.device_input(op, on)?;
-                        let kernel = UnaryKernel { kind, x, factor };
+                        let kernel = UnaryKernel {
+                            kind,
+                            x,
+                            bias: None,
+                            factor,
+                        };
                         recomputed = written::<T>(op, on, x.shape, T::DTYPE, &kernel)?;
                         recomputed.device_input(op, on)?
                     }
                     Some(Kept::Input(x)) => x.device_input(op, on)?,
                 };
-                let dx = device::unary_backward(kind, &grad, kept, factor)?;
+                let dx = device::unary_backward(kind, &grad, kept, None, factor)?;
                 Ok(vec![Some(Tensor::from_gpu(dx))])
             })
         };
@@ -301,6 +311,79 @@ impl<T: Element> Tensor<T> {
     }
 }
 
+impl<T: Element> Tensor<T> {
+    /// `gelu(self + bias)`, `bias` over the last dimension: a linear layer's bias and its
+    /// activation (Megatron's `bias_gelu` fusion). It equals
+    /// `self.add(bias)?.gelu(approximation)`, the sum rounded to its storage format in
+    /// between; on a device it is one kernel each way, the sum never stored (its
+    /// backward adds the kept input and bias again).
+    ///
+    /// ```
+    /// use ferrotron_tape::{Gelu, Tensor};
+    ///
+    /// let x = Tensor::<f64>::from_vec(vec![-1.0, 0.0, 1.0, 2.0], &[2, 2])?;
+    /// let bias = Tensor::from_vec(vec![1.0, -1.0], &[2])?;
+    /// let fused = x.bias_gelu(&bias, Gelu::Erf)?.to_vec()?;
+    /// assert_eq!(fused, x.add(&bias)?.gelu(Gelu::Erf)?.to_vec()?);
+    /// # Ok::<(), ferrotron_tape::Error>(())
+    /// ```
+    pub fn bias_gelu(&self, bias: &Tensor<T>, approximation: Gelu) -> Result<Tensor<T>> {
+        const OP: &str = "bias_gelu";
+        if bias.ndim() != 1 || self.shape().last() != Some(&bias.numel()) {
+            return Err(Error::shape(
+                OP,
+                &[self.shape(), bias.shape()],
+                "the bias is one value per element of the input's last dimension",
+            ));
+        }
+        let kind = match approximation {
+            Gelu::Erf => UnaryKind::GeluErf,
+            Gelu::Tanh => UnaryKind::GeluTanh,
+        };
+        let Some([x, b]) = pointwise_inputs(OP, [self, bias])? else {
+            return self.add(bias)?.gelu(approximation);
+        };
+        let (on, sum) = (self.device(), promoted(&[self, bias]));
+        let sum_format = format_number(sum);
+        let bias_added = Some(AddedBias {
+            bias: b,
+            sum_format,
+        });
+        let kernel = UnaryKernel {
+            kind,
+            x,
+            bias: bias_added,
+            factor: 1.0,
+        };
+        let y = written(OP, on, self.shape(), sum, &kernel)?;
+        record_tensor(OP, &[self, bias], y, || {
+            let (x, bias) = (self.detach(), bias.detach());
+            Box::new(move |grad: Tensor<T>, needs: &[bool]| {
+                let grad = grad.device_array(OP, on)?;
+                let added = AddedBias {
+                    bias: bias.device_input(OP, on)?,
+                    sum_format,
+                };
+                let x = x.device_input(OP, on)?;
+                let dx = device::unary_backward(kind, &grad, x, Some(&added), 1.0)?;
+                let db = needs[1]
+                    .then(|| device::sum_to(dx.clone(), bias.shape()))
+                    .transpose()?;
+                Ok(device_grads(vec![needs[0].then_some(dx), db]))
+            })
+        })
+    }
+}
+
+/// The kernels' number of a storage format: 0 the element type, 1 bf16, 2 f16.
+fn format_number(dtype: DType) -> i64 {
+    match dtype {
+        DType::BF16 => 1,
+        DType::F16 => 2,
+        _ => 0,
+    }
+}
+
 fn binary_backward<T: Element>(
     kind: Binary,
     grad: ArrayD<T>,
@@ -391,11 +474,12 @@ impl PointwiseWrite for BinaryKernel<'_> {
 struct UnaryKernel<'a> {
     kind: UnaryKind,
     x: PointwiseInput<'a>,
+    bias: Option<AddedBias<'a>>,
     factor: f64,
 }
 
 impl PointwiseWrite for UnaryKernel<'_> {
     fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
-        device::unary_stored::<T, O>(self.kind, out, self.x, self.factor)
+        device::unary_stored::<T, O>(self.kind, out, self.x, self.bias.as_ref(), self.factor)
     }
 }

@@ -14,6 +14,24 @@ DEVFN void SFX(store)(void* p, i64 at, int format, real v) {
     else ((u16*)p)[at] = format == 1 ? f32_to_bf16((float)v) : f32_to_f16((float)v);
 }
 
+/* v rounded to storage format `format` and widened back: what a kernel that stored v
+ * there would hand the next one. */
+DEVFN real SFX(rounded)(real v, int format) {
+    if (format == 0) return v;
+    float f = (float)v;
+    return (real)(format == 1 ? bf16_to_f32(f32_to_bf16(f)) : f16_to_f32(f32_to_f16(f)));
+}
+
+/* The input of a unary kernel at i: x's element, plus (with a bias at `bias`) the bias
+ * of its column, the sum rounded to the format `add` would store it in, so that
+ * f(x + bias) in one kernel gives exactly the two kernels' numbers. */
+DEVFN real SFX(unary_input)(const KernelArgs* A, const void* x, int fx, i64 i) {
+    real v = SFX(load)(x, i, fx);
+    const void* bias = (const void*)A->p[3];
+    if (!bias) return v;
+    return SFX(rounded)(v + SFX(load)(bias, i % A->i[5], (int)A->i[4]), (int)A->i[6]);
+}
+
 /* out[i] = f0, stored in format i1 (as for `binary`: a 16-bit one rounded once).  p0
  * out; i0 n, i1 out's format. */
 KERNEL(SFX(fill)) {
@@ -65,15 +83,17 @@ DEVFN real SFX(gelu_derivative)(real x, int tanh_form) {
     return cdf + x * pdf;
 }
 
-/* out = f(x).  p0 out, p1 x; i0 n, i1 kind (0 scale by f0, 1 exp, 2 log, 3 tanh, 4 relu,
- * 5 gelu erf, 6 gelu tanh), i2 x's format, i3 out's (as for `binary`). */
+/* out = f(x) or f(x + bias).  p0 out, p1 x, p3 bias over x's last dimension (0: none);
+ * i0 n, i1 kind (0 scale by f0, 1 exp, 2 log, 3 tanh, 4 relu, 5 gelu erf, 6 gelu tanh),
+ * i2 x's format, i3 out's (as for `binary`), i4 the bias's format, i5 its length, i6 the
+ * format x + bias is rounded to (see `unary_input`). */
 KERNEL(SFX(unary)) {
     const KernelArgs* A = ARGS;
     int kind = (int)A->i[1];
     int fx = (int)A->i[2], fout = (int)A->i[3];
     real factor = (real)A->f[0];
     FOR_EACH(i, A->i[0]) {
-        real v = SFX(load)((const void*)A->p[1], i, fx);
+        real v = SFX(unary_input)(A, (const void*)A->p[1], fx, i);
         real r;
         switch (kind) {
             case 0: r = v * factor; break;
@@ -89,7 +109,8 @@ KERNEL(SFX(unary)) {
 
 /* Gradient of `unary`.  p0 out, p1 grad, p2 what the derivative reads: the output y for
  * exp and tanh, the input x for the others (unread by a scale); i0 n, i1 kind as in
- * `unary`, i2 p2's format (as for `binary`); f0 the scale factor. */
+ * `unary`, i2 p2's format (as for `binary`); p3 and i4..i6 the bias as in `unary`, added
+ * to the input read; f0 the scale factor. */
 KERNEL(SFX(unary_backward)) {
     const KernelArgs* A = ARGS;
     real* out = (real*)A->p[0];
@@ -100,7 +121,7 @@ KERNEL(SFX(unary_backward)) {
     real factor = (real)A->f[0];
     FOR_EACH(i, A->i[0]) {
         real r;
-        real v = kind == 0 ? (real)0 : SFX(load)(kept, i, fk);
+        real v = kind == 0 ? (real)0 : SFX(unary_input)(A, kept, fk, i);
         switch (kind) {
             case 0: r = g[i] * factor; break;
             case 1: r = g[i] * v; break;

@@ -21,6 +21,17 @@ pub struct LinearOutput {
     pub bias: Option<Tensor>,
 }
 
+impl LinearOutput {
+    /// The output with the returned bias added, as the layer would have without
+    /// `skip_bias_add`.
+    pub fn with_bias(self) -> Result<Tensor> {
+        Ok(match self.bias {
+            Some(bias) => self.output.add(&bias)?,
+            None => self.output,
+        })
+    }
+}
+
 /// Options shared by both linear layers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LinearOptions {

@@ -5,7 +5,7 @@ use ferrotron_tape::{Gelu, Tape, Tensor};
 use crate::config::BlockConfig;
 use crate::error::Result;
 use crate::init::MasterInit;
-use crate::linear::{ColumnParallelLinear, LinearOptions, RowParallelLinear};
+use crate::linear::{ColumnParallelLinear, LinearOptions, LinearOutput, RowParallelLinear};
 use crate::parallel::{Module, ShardedParameter, TensorParallel};
 
 /// `row(gelu(column(x)))`: `hidden → ffn_hidden → hidden` with the inner activations
@@ -45,7 +45,11 @@ impl ParallelMlp {
                 config.ffn_hidden,
                 config.hidden,
                 true,
-                LinearOptions::default(),
+                // A block adds the bias with the residual (`bias_dropout_add`).
+                LinearOptions {
+                    skip_bias_add: true,
+                    ..LinearOptions::default()
+                },
                 init,
             )?,
             gelu: config.gelu,
@@ -55,12 +59,18 @@ impl ParallelMlp {
     /// Applies the MLP to `x: [..., hidden]` (sequence part first under sequence
     /// parallelism).
     pub fn forward(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
+        self.forward_parts(tape, x)?.with_bias()
+    }
+
+    /// [`forward`](Self::forward) with the last layer's bias returned, not added, for
+    /// the caller to add with the residual.
+    pub(crate) fn forward_parts(&self, tape: &Tape, x: &Tensor) -> Result<LinearOutput> {
         let inner = self.fc1.forward(tape, x)?;
         let inner = match inner.bias {
             Some(bias) => inner.output.bias_gelu(&bias, self.gelu)?,
             None => inner.output.gelu(self.gelu)?,
         };
-        Ok(self.fc2.forward(tape, &inner)?.output)
+        self.fc2.forward(tape, &inner)
     }
 }
 

@@ -14,7 +14,7 @@ use ferrotron_tape::{Tape, Tensor};
 use crate::config::BlockConfig;
 use crate::error::{Error, Result};
 use crate::init::{sharded, MasterInit};
-use crate::linear::{ColumnParallelLinear, LinearOptions, RowParallelLinear};
+use crate::linear::{ColumnParallelLinear, LinearOptions, LinearOutput, RowParallelLinear};
 use crate::mlp::ParallelMlp;
 use crate::parallel::{Module, ShardedParameter, Sharding, TensorParallel};
 use crate::random::RngTracker;
@@ -144,7 +144,11 @@ impl ParallelSelfAttention {
                 hidden,
                 hidden,
                 true,
-                LinearOptions::default(),
+                // The block adds the bias with the residual (`bias_dropout_add`).
+                LinearOptions {
+                    skip_bias_add: true,
+                    ..LinearOptions::default()
+                },
                 init,
             )?,
             local_heads: heads / tp.size(),
@@ -159,17 +163,23 @@ impl ParallelSelfAttention {
     /// sequence parallelism) in training, with dropout on the attention probabilities
     /// drawn from `rng`'s model-parallel stream; the output has `x`'s shape.
     pub fn forward(&self, tape: &Tape, x: &Tensor, rng: &mut RngTracker) -> Result<Tensor> {
-        self.attend(tape, x, Some(rng))
+        self.attend(tape, x, Some(rng))?.with_bias()
     }
 
     /// [`forward`](Self::forward) for evaluation and generation: no dropout, and no
     /// random stream is drawn from (PyTorch's and Megatron's `eval()` mode).
     pub fn forward_inference(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
-        self.attend(tape, x, None)
+        self.attend(tape, x, None)?.with_bias()
     }
 
-    /// Attention with dropout drawn from `rng`, or none without it.
-    fn attend(&self, tape: &Tape, x: &Tensor, rng: Option<&mut RngTracker>) -> Result<Tensor> {
+    /// Attention with dropout drawn from `rng`, or none without it; the output
+    /// projection's bias is returned, not added.
+    fn attend(
+        &self,
+        tape: &Tape,
+        x: &Tensor,
+        rng: Option<&mut RngTracker>,
+    ) -> Result<LinearOutput> {
         if x.ndim() != 3 {
             return Err(Error::shape(
                 "ParallelSelfAttention",
@@ -202,7 +212,7 @@ impl ParallelSelfAttention {
                 self.merge_heads(&context, seq, batch)?
             }
         };
-        Ok(self.proj.forward(tape, &context)?.output)
+        self.proj.forward(tape, &context)
     }
 
     /// Queries, keys and values `[batch·heads, sequence, head_dim]` out of the packed
@@ -391,10 +401,10 @@ impl TransformerBlock {
     fn apply(&self, tape: &Tape, x: &Tensor, mut rng: Option<&mut RngTracker>) -> Result<Tensor> {
         let normed = self.ln1.forward(tape, x)?;
         let attended = self.attention.attend(tape, &normed, rng.as_deref_mut())?;
-        let hidden = x.add(&self.residual_dropout(attended, rng.as_deref_mut())?)?;
+        let hidden = self.residual_add(attended, x, rng.as_deref_mut())?;
         let normed = self.ln2.forward(tape, &hidden)?;
         let transformed = match &self.mlp {
-            BlockMlp::Dense(mlp) => mlp.forward(tape, &normed)?,
+            BlockMlp::Dense(mlp) => mlp.forward_parts(tape, &normed)?,
             BlockMlp::Experts {
                 moe,
                 gather,
@@ -411,27 +421,33 @@ impl TransformerBlock {
                         scatter_to_sequence_parallel_region(&out, tp, None)?
                     }
                 };
-                match shared {
+                let output = match shared {
                     // A dense MLP, sequence-parallel like the block's own would be.
                     Some(shared) => routed.add(&shared.forward(tape, &normed)?)?,
                     None => routed,
-                }
+                };
+                LinearOutput { output, bias: None }
             }
         };
-        Ok(hidden.add(&self.residual_dropout(transformed, rng)?)?)
+        self.residual_add(transformed, &hidden, rng)
     }
 
-    /// Hidden dropout on a residual branch: from the default stream (the branch is the
-    /// same on every tensor-parallel rank), or the model-parallel one under sequence
-    /// parallelism (each rank holds another part of the sequence).
-    fn residual_dropout(&self, branch: Tensor, rng: Option<&mut RngTracker>) -> Result<Tensor> {
-        Ok(match rng {
-            Some(rng) => branch.dropout(
-                self.hidden_dropout,
-                rng.for_activations(self.sequence_parallel),
-            )?,
-            None => branch,
-        })
+    /// `residual + dropout(branch + its bias)`, one kernel on a device. Dropout draws from
+    /// the default stream (the branch is the same on every tensor-parallel rank), or the
+    /// model-parallel one under sequence parallelism (each rank holds another part of the
+    /// sequence).
+    fn residual_add(
+        &self,
+        branch: LinearOutput,
+        residual: &Tensor,
+        rng: Option<&mut RngTracker>,
+    ) -> Result<Tensor> {
+        let dropout = rng.map(|rng| {
+            let stream = rng.for_activations(self.sequence_parallel);
+            (self.hidden_dropout, stream)
+        });
+        let bias = branch.bias.as_ref();
+        Ok(branch.output.bias_dropout_add(bias, residual, dropout)?)
     }
 }
 

@@ -16,6 +16,7 @@ kernels! {
     EMBEDDING_BACKWARD = "embedding_backward": embedding_backward_f32, embedding_backward_f64;
     MASKED_FILL = "masked_fill": masked_fill_f32, masked_fill_f64;
     DROPOUT = "dropout": dropout_f32, dropout_f64;
+    BIAS_DROPOUT_ADD = "bias_dropout_add": bias_dropout_add_f32, bias_dropout_add_f64;
 }
 
 /// The slots `gather_strided` and `scatter_strided` share (see `shape.cu`): p0 out, p1 x;
@@ -248,4 +249,48 @@ pub(crate) fn dropout_stored<T: Element, O: Stored>(
     args.f[0] = scale;
     let cost = moves(x.bytes::<T>() + keep.bytes(), out.bytes());
     out.launch_build(&DROPOUT, Precision::of::<T>(), out.len(), &args, cost)
+}
+
+/// `residual + dropout(x + bias)` into `out` (`bias_dropout_add` in index.cu): `bias`
+/// with the format `x + bias` is rounded to, `keep` with dropout's scale and the format
+/// of the dropped branch; every array in any storage format, computed in `T`.
+pub(crate) fn bias_dropout_add_stored<T: Element, O: Stored>(
+    out: &GpuArray<O>,
+    x: PointwiseInput<'_>,
+    bias: Option<(PointwiseInput<'_>, i64)>,
+    keep: Option<(&GpuArray<u8>, f64, i64)>,
+    residual: PointwiseInput<'_>,
+) -> Result<()> {
+    let mut args = KernelArgs::default();
+    args.p[..5].copy_from_slice(&[
+        out.ptr(),
+        x.ptr,
+        bias.map_or(0, |(b, _)| b.ptr),
+        residual.ptr,
+        keep.map_or(0, |(k, _, _)| k.ptr()),
+    ]);
+    let width = bias.map_or(1, |(b, _)| b.shape.iter().product::<usize>());
+    args.i[..8].copy_from_slice(&[
+        out.len() as i64,
+        width as i64,
+        x.format,
+        bias.map_or(0, |(b, _)| b.format),
+        residual.format,
+        O::FORMAT,
+        bias.map_or(0, |(_, f)| f),
+        keep.map_or(0, |(_, _, f)| f),
+    ]);
+    args.f[0] = keep.map_or(1.0, |(_, scale, _)| scale);
+    let read = x.bytes::<T>()
+        + residual.bytes::<T>()
+        + bias.map_or(0, |(b, _)| b.bytes::<T>())
+        + keep.map_or(0, |(k, _, _)| k.bytes());
+    let cost = moves(read, out.bytes());
+    out.launch_build(
+        &BIAS_DROPOUT_ADD,
+        Precision::of::<T>(),
+        out.len(),
+        &args,
+        cost,
+    )
 }

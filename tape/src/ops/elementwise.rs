@@ -10,7 +10,7 @@ use crate::tape::{
     record, record_reading_output, record_tensor, record_tensor_reading_output, BackwardFn,
     TensorBackwardFn,
 };
-use crate::{DType, Element, Error, Result, Tensor};
+use crate::{Element, Error, Result, Tensor};
 
 /// Which GELU formula to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -344,7 +344,7 @@ impl<T: Element> Tensor<T> {
             return self.add(bias)?.gelu(approximation);
         };
         let (on, sum) = (self.device(), promoted(&[self, bias]));
-        let sum_format = format_number(sum);
+        let sum_format = super::residual::format_number(sum);
         let bias_added = Some(AddedBias {
             bias: b,
             sum_format,
@@ -372,15 +372,6 @@ impl<T: Element> Tensor<T> {
                 Ok(device_grads(vec![needs[0].then_some(dx), db]))
             })
         })
-    }
-}
-
-/// The kernels' number of a storage format: 0 the element type, 1 bf16, 2 f16.
-fn format_number(dtype: DType) -> i64 {
-    match dtype {
-        DType::BF16 => 1,
-        DType::F16 => 2,
-        _ => 0,
     }
 }
 

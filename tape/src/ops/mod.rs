@@ -10,6 +10,7 @@ mod matmul;
 mod norm;
 mod pointwise;
 mod reduce;
+mod residual;
 mod shape;
 mod softmax;
 

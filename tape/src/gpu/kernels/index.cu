@@ -59,3 +59,24 @@ KERNEL(SFX(dropout)) {
         SFX(store)((void*)A->p[0], i, fout, x * (keep[i] ? scale : (real)0));
     }
 }
+
+/* A residual branch's bias, dropout and addition in one pass:
+ * out = residual + dropout(x + bias), each intermediate rounded to the format its own
+ * kernel would store it in, so that the numbers are those of add, dropout and add.
+ * p0 out, p1 x, p2 bias over x's last dimension (0: none), p3 residual, p4 keep (u8; 0:
+ * no dropout); i0 n, i1 the bias's length, i2..i5 the formats of x, bias, residual and
+ * out (as for `binary`), i6 the format x + bias is rounded to, i7 the dropped branch's;
+ * f0 the scale of kept elements. */
+KERNEL(SFX(bias_dropout_add)) {
+    const KernelArgs* A = ARGS;
+    const void* bias = (const void*)A->p[2];
+    const u8* keep = (const u8*)A->p[4];
+    real scale = (real)A->f[0];
+    FOR_EACH(i, A->i[0]) {
+        real v = SFX(load)((const void*)A->p[1], i, (int)A->i[2]);
+        if (bias) v = SFX(rounded)(v + SFX(load)(bias, i % A->i[1], (int)A->i[3]), (int)A->i[6]);
+        if (keep) v = SFX(rounded)(v * (keep[i] ? scale : (real)0), (int)A->i[7]);
+        real r = SFX(load)((const void*)A->p[3], i, (int)A->i[4]);
+        SFX(store)((void*)A->p[0], i, (int)A->i[5], r + v);
+    }
+}

@@ -20,6 +20,25 @@ use crate::error::{Error, Result};
 /// argument fits allocates nothing (tape's argument block takes 48).
 pub(crate) const ARG_WORDS: usize = 64;
 
+/// The most words a kernel's argument may take: CUDA's classic 4 KiB of parameters
+/// (a multi-tensor kernel's list of addresses).
+pub(crate) const MAX_ARG_WORDS: usize = 512;
+
+/// A kernel's argument as the queue keeps it: inline when it fits, else on the heap.
+pub(crate) enum ArgCopy {
+    Inline([u64; ARG_WORDS]),
+    Boxed(Box<[u64]>),
+}
+
+impl ArgCopy {
+    fn as_ptr(&self) -> *const std::ffi::c_void {
+        match self {
+            ArgCopy::Inline(words) => words.as_ptr().cast(),
+            ArgCopy::Boxed(words) => words.as_ptr().cast(),
+        }
+    }
+}
+
 /// Work queued on a stream, run by its worker.
 #[allow(clippy::large_enum_variant)] // inline on purpose: a boxed argument would allocate
 pub(crate) enum Work {
@@ -27,12 +46,12 @@ pub(crate) enum Work {
     Kernel {
         /// `module::HostKernel` (spelt out: this module is below `module`).
         kernel: unsafe extern "C" fn(*const std::ffi::c_void),
-        arg: [u64; ARG_WORDS],
+        arg: ArgCopy,
     },
     /// A host build of a cooperative kernel, its argument and grid.
     Blocks {
         kernel: crate::blocks::BlockKernel,
-        arg: [u64; ARG_WORDS],
+        arg: ArgCopy,
         grid: crate::blocks::Grid,
         name: &'static str,
     },
@@ -54,18 +73,14 @@ impl Work {
         match self {
             // SAFETY: whoever queued the launch guaranteed the argument and the memory
             // it names until the kernel has run (`Stream::launch`).
-            Work::Kernel { kernel, arg } => unsafe { kernel(arg.as_ptr().cast()) },
+            Work::Kernel { kernel, arg } => unsafe { kernel(arg.as_ptr()) },
             // SAFETY: as above (`Stream::launch_blocks`).
             Work::Blocks {
                 kernel,
                 arg,
                 grid,
                 name,
-            } => {
-                return unsafe {
-                    crate::blocks::run(kernel, arg.as_ptr().cast(), grid, name, jitter)
-                }
-            }
+            } => return unsafe { crate::blocks::run(kernel, arg.as_ptr(), grid, name, jitter) },
             Work::WaitFor { progress, ticket } => {
                 return progress
                     .wait(ticket)

@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 
 use crate::blocks::{BlockKernel, Grid};
 use crate::checker::Access;
-use crate::emulated::{Work, ARG_WORDS};
+use crate::emulated::{ArgCopy, Work, ARG_WORDS, MAX_ARG_WORDS};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::Device;
@@ -399,7 +399,7 @@ impl Stream {
 
     /// A host build's one argument copied into the words the queue keeps, on an
     /// emulated stream.
-    fn host_argument(&self, function: &Function, args: &[&dyn Arg]) -> Result<[u64; ARG_WORDS]> {
+    fn host_argument(&self, function: &Function, args: &[&dyn Arg]) -> Result<ArgCopy> {
         if self.device() != Device::Emulated {
             return Err(self.wrong_device(function));
         }
@@ -414,18 +414,22 @@ impl Stream {
             });
         };
         let mut words = [0u64; ARG_WORDS];
-        if !arg.host_copy(&mut words) {
-            return Err(Error::Invalid {
-                op: "Stream::launch",
-                reason: format!(
-                    "the argument of {} is larger than the emulated device's {} bytes; pass \
-                     a smaller struct",
-                    function.name,
-                    ARG_WORDS * 8
-                ),
-            });
+        if arg.host_copy(&mut words) {
+            return Ok(ArgCopy::Inline(words));
         }
-        Ok(words)
+        let mut words = vec![0u64; MAX_ARG_WORDS].into_boxed_slice();
+        if arg.host_copy(&mut words) {
+            return Ok(ArgCopy::Boxed(words));
+        }
+        Err(Error::Invalid {
+            op: "Stream::launch",
+            reason: format!(
+                "the argument of {} is larger than a kernel's {} bytes of parameters; pass \
+                 a smaller struct",
+                function.name,
+                MAX_ARG_WORDS * 8
+            ),
+        })
     }
 
     fn wrong_device(&self, function: &Function) -> Error {

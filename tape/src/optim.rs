@@ -4,7 +4,7 @@
 use ndarray::{ArrayD, IxDyn};
 
 use crate::flat::{with_regions, Regions};
-use crate::gpu::optim_ops::{adamw_step, sgd_step, SgdScalars};
+use crate::gpu::optim_ops::{adamw_list, adamw_step, sgd_step, AdamWEntry, SgdScalars};
 use crate::gpu::GpuArray;
 use crate::precision::Half;
 use crate::schedule::LrSchedule;
@@ -347,69 +347,102 @@ impl<T: Element> AdamW<T> {
 
 impl<T: Element> AdamW<T> {
     /// One step over every parameter; with `round`, each new value is also written,
-    /// rounded, into its copy: by the update kernel itself on a device.
+    /// rounded, into its copy: on a device by the update kernel itself, which takes the
+    /// device's parameters in as few launches as its argument block allows.
     fn update(&mut self, round: Option<(&[Parameter<T>], DType)>) -> Result<()> {
         const OP: &str = "AdamW::step";
         self.config.lr = self.clock.advance(self.config.lr);
         let c = self.config;
+        let mut on_devices: Vec<(usize, AdamWEntry<T>)> = Vec::new();
         for (i, param) in self.params.iter().enumerate() {
             let options = self.options[i];
             let copy = round.map(|(copies, dtype)| (&copies[i], dtype));
-            if param.on_device() {
-                let target = match copy {
-                    Some((_, dtype)) => Some(Half::uninit_gpu(
-                        OP,
-                        dtype,
-                        &param.shape(),
-                        param.value().device(),
-                    )?),
-                    None => None,
-                };
-                let state = &mut self.device_moments[i];
-                let updated = param.update_on_device(OP, |value, grad| {
-                    let (m, v, step) = match state {
-                        Some(state) => state,
-                        None => {
-                            let zeros =
-                                || GpuArray::full(OP, value.device(), value.shape(), T::zero());
-                            state.insert((zeros()?, zeros()?, 0))
-                        }
-                    };
+            if !param.on_device() {
+                let moments = &mut self.moments[i];
+                let shape = param.shape();
+                param.update_in_place(OP, |values, grads| {
+                    let (m, v, step) = moments.get_or_insert_with(|| {
+                        let zeros = || ArrayD::zeros(IxDyn(&shape));
+                        (zeros(), zeros(), 0)
+                    });
                     *step += 1;
                     let update = AdamWUpdate::new(&c, options, *step);
-                    adamw_step(value, grad, m, v, update.coefficients(), target.as_ref())
+                    update.apply(values, grads, host_slice(m)?, host_slice(v)?)
                 })?;
-                match (copy, target) {
-                    (Some((copy, _)), Some(half)) if updated => {
-                        copy.set_value(Tensor::from_half(half))?
-                    }
-                    (Some((copy, dtype)), _) => {
-                        round_into(&[param.clone()], &[copy.clone()], dtype)?
-                    }
-                    (None, _) => {}
+                if let Some((copy, dtype)) = copy {
+                    round_into(
+                        std::slice::from_ref(param),
+                        std::slice::from_ref(copy),
+                        dtype,
+                    )?;
                 }
                 continue;
             }
-            let moments = &mut self.moments[i];
-            let shape = param.shape();
-            param.update_in_place(OP, |values, grads| {
-                let (m, v, step) = moments.get_or_insert_with(|| {
-                    (
-                        ArrayD::zeros(IxDyn(&shape)),
-                        ArrayD::zeros(IxDyn(&shape)),
-                        0,
-                    )
-                });
+            let device = param.value().device();
+            let rounded = copy
+                .map(|(_, dtype)| Half::uninit_gpu(OP, dtype, &param.shape(), device))
+                .transpose()?;
+            let state = &mut self.device_moments[i];
+            let mut entry = None;
+            param.update_on_device(OP, |value, grad| {
+                let (m, v, step) = match state {
+                    Some(state) => state,
+                    None => {
+                        let zeros = || GpuArray::full(OP, device, value.shape(), T::zero());
+                        state.insert((zeros()?, zeros()?, 0))
+                    }
+                };
                 *step += 1;
                 let update = AdamWUpdate::new(&c, options, *step);
-                update.apply(values, grads, host_slice(m)?, host_slice(v)?)
+                // Handles to the arrays, updated in place by the launches below.
+                entry = Some(AdamWEntry {
+                    param: value.clone(),
+                    grad: grad.clone(),
+                    m: m.clone(),
+                    v: v.clone(),
+                    rounded: rounded.clone(),
+                    coefficients: update.coefficients(),
+                });
+                Ok(())
             })?;
-            if let Some((copy, dtype)) = copy {
-                round_into(&[param.clone()], &[copy.clone()], dtype)?;
+            match (entry, copy) {
+                (Some(entry), _) => on_devices.push((i, entry)),
+                // Not updated (no gradient): its copy is rounded from it as it is.
+                (None, Some((copy, dtype))) => round_into(
+                    std::slice::from_ref(param),
+                    std::slice::from_ref(copy),
+                    dtype,
+                )?,
+                (None, None) => {}
             }
         }
-        Ok(())
+        launch_by_device(on_devices, round.map(|(copies, _)| copies))
     }
+}
+
+/// The multi-tensor launches of each device's updates, then each rounded copy (written
+/// by them) as its model parameter's value.
+fn launch_by_device<T: Element>(
+    updates: Vec<(usize, AdamWEntry<T>)>,
+    copies: Option<&[Parameter<T>]>,
+) -> Result<()> {
+    let mut devices: Vec<(Device, Vec<&AdamWEntry<T>>)> = Vec::new();
+    for (_, entry) in &updates {
+        let device = entry.param.device();
+        match devices.iter_mut().find(|(d, _)| *d == device) {
+            Some((_, entries)) => entries.push(entry),
+            None => devices.push((device, vec![entry])),
+        }
+    }
+    for (_, entries) in &devices {
+        adamw_list(entries)?;
+    }
+    for (i, entry) in updates {
+        if let (Some(copies), Some(half)) = (copies, entry.rounded) {
+            copies[i].set_value(Tensor::from_half(half))?;
+        }
+    }
+    Ok(())
 }
 
 impl<T: Element> Optimizer<T> for AdamW<T> {
@@ -671,15 +704,16 @@ impl AdamWUpdate {
         }
     }
 
-    /// The seven scalars of the device kernel, in its order.
+    /// The seven scalars of the device kernel (`adamw_element` in optim.cu), in its
+    /// order: those of every parameter first, then this parameter's.
     fn coefficients(&self) -> [f64; 7] {
         [
             self.beta1_complement,
             self.beta2,
             self.beta2_complement,
+            self.eps,
             self.decay,
             self.step_size,
-            self.eps,
             self.bias2_sqrt,
         ]
     }

@@ -23,6 +23,20 @@ typedef struct {
     double f[8];
 } KernelArgs;
 
+/* The argument block of a kernel over a list of tensors (a multi-tensor optimizer step),
+ * taken with KERNEL_TAKING: up to LIST_TENSORS tensors, each with five addresses and
+ * three numbers; element j of the launch is in the tensor t with
+ * start[t] <= j < start[t + 1]. */
+#define LIST_TENSORS 48
+typedef struct {
+    u64 p[LIST_TENSORS][5];
+    i64 start[LIST_TENSORS + 1];
+    double per_tensor[LIST_TENSORS][3];
+    double shared[4];
+    i64 count;
+    i64 format;
+} TensorListArgs;
+
 #define MAX_DIMS 8
 
 /* The flat offset of element `index` of a row-major `shape` in a tensor with `strides`. */

@@ -2,6 +2,7 @@
 /* __grid_constant__ keeps the argument block in constant parameter memory even though
  * kernels take its address (needs compute capability 7.0; the minimum target is 7.5). */
 #define KERNEL(name) extern "C" __global__ void name(const __grid_constant__ KernelArgs args_)
+#define KERNEL_TAKING(name, type) extern "C" __global__ void name(const __grid_constant__ type args_)
 #define ARGS (&args_)
 #define DEVFN static __device__ __forceinline__
 #define FOR_EACH(i, n)                                                          \

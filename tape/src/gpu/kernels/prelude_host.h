@@ -2,6 +2,7 @@
  * FOR_EACH sequentially (the emulator device). */
 #include <math.h>
 #define KERNEL(name) void name(const KernelArgs* args_)
+#define KERNEL_TAKING(name, type) void name(const type* args_)
 #define ARGS (args_)
 #define DEVFN static inline
 #define FOR_EACH(i, n) for (i64 i = 0; i < (i64)(n); ++i)

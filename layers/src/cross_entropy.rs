@@ -78,9 +78,11 @@ pub fn vocab_parallel_cross_entropy(
             vocab_size,
         });
     }
-    // The whole vocabulary here: tape's fused loss, one row kernel each way, reading
-    // 16-bit logits as stored (the values the f32 cast below gives). Its mean over no
-    // counted row is PyTorch's 0/0, not this function's 0.
+    // bf16 or f16 logits: the loss is computed in f32 and the gradient flows back through
+    // the cast (Megatron's `.float()` before its vocabulary-parallel cross-entropy).
+    let logits = logits.to_dtype(ferrotron_tape::DType::F32)?;
+    // The whole vocabulary here: tape's fused loss, one row kernel each way. Its mean
+    // over no counted row is PyTorch's 0/0, not this function's 0.
     let counted = labels.iter().any(|&l| !ignored(l));
     if group.size() == 1 && (counted || options.reduction != Reduction::Mean) {
         return Ok(logits.cross_entropy(labels, options)?);
@@ -97,9 +99,6 @@ pub fn vocab_parallel_cross_entropy(
         options: *options,
         lead_shape: shape[..shape.len() - 1].to_vec(),
     };
-    // bf16 or f16 logits: the loss is computed in f32 and the gradient flows back through
-    // the cast (Megatron's `.float()` before its vocabulary-parallel cross-entropy).
-    let logits = logits.to_dtype(ferrotron_tape::DType::F32)?;
     Tensor::apply(Arc::new(op), &[&logits]).map_err(unwrap_own_error)
 }
 

@@ -462,6 +462,12 @@ impl Sizes {
         };
         block += e * scores;
         let local = if sp { sbh / t } else { sbh };
+        // On a device each residual branch's bias, dropout and addition is one kernel, and
+        // so are the MLP's bias and GELU: neither keeps a sum, so two hidden-sized
+        // activations per branch and one MLP-sized one are not kept.
+        if device {
+            block -= e * (4 * local + s * b * f / t);
+        }
         if model.hidden_dropout {
             block += 2 * mask * local;
         }
@@ -517,7 +523,9 @@ impl Sizes {
             head,
             block_forward: (e * (3 * sbh / t + scores)).max(widened),
             block_backward: softmax_backward * scores + 8 * sbh,
-            loss_forward: 8 * logits + sixteen_bit_logits,
+            // One rank's whole vocabulary is tape's fused loss, whose work is per row;
+            // a split one's is the vocabulary-parallel composition over the f32 logits.
+            loss_forward: if t == 1 { 8 * sb } else { 8 * logits } + sixteen_bit_logits,
             loss_backward: 4 * logits,
         }
     }

@@ -236,23 +236,26 @@ pub(crate) fn layer_norm_affine_grads<T: Element>(
 ) -> Result<AffineGrads<T>> {
     let op = "layer_norm backward";
     let (rows, width) = rows_of(saved.x.shape);
-    // Each part sums a run of rows; the parts are summed by `sum_dim` (see `sum_parts`).
-    let parts = sum_parts(width, rows);
-    let make = |needed: bool| {
-        needed
-            .then(|| GpuArray::<T>::uninit(op, grad.device(), &[parts, width]))
-            .transpose()
-    };
-    let (dweight, dbias) = (make(need_weight)?, make(need_bias)?);
-    if dweight.is_none() && dbias.is_none() {
+    let wanted = usize::from(need_weight) + usize::from(need_bias);
+    if wanted == 0 {
         return Ok((None, None));
     }
+    // Each part sums a run of rows into partial sums side by side, [wanted, parts,
+    // width], which one `sum_dim` then sums over the parts (see `sum_parts`).
+    let parts = sum_parts(width, rows);
+    let partials = GpuArray::<T>::uninit(op, grad.device(), &[wanted, parts, width])?;
+    let second = partials.ptr() + (parts * width * std::mem::size_of::<T>()) as u64;
+    let (dweight, dbias) = match (need_weight, need_bias) {
+        (true, true) => (partials.ptr(), second),
+        (true, false) => (partials.ptr(), 0),
+        _ => (0, partials.ptr()),
+    };
     // p0 dweight (0: not needed), p1 dbias (0: not needed), p2 g, p3 x, p4 mean, p5 rstd;
     // i0 width, i1 rows, i2 parts, i3 x's format.
     let mut args = KernelArgs::default();
     args.p[..6].copy_from_slice(&[
-        dweight.as_ref().map_or(0, GpuArray::ptr),
-        dbias.as_ref().map_or(0, GpuArray::ptr),
+        dweight,
+        dbias,
         grad.ptr(),
         saved.x.ptr,
         saved.mean.ptr(),
@@ -260,12 +263,18 @@ pub(crate) fn layer_norm_affine_grads<T: Element>(
     ]);
     args.i[..4].copy_from_slice(&[width as i64, rows as i64, parts as i64, saved.x.format]);
     let stats = saved.mean.bytes() + saved.rstd.bytes();
-    let written =
-        dweight.as_ref().map_or(0, GpuArray::bytes) + dbias.as_ref().map_or(0, GpuArray::bytes);
-    let cost = moves(grad.bytes() + saved.x.bytes::<T>() + stats, written);
+    let cost = moves(
+        grad.bytes() + saved.x.bytes::<T>() + stats,
+        partials.bytes(),
+    );
     grad.launch(&LAYER_NORM_AFFINE_BACKWARD, parts * width, &args, cost)?;
-    let total = |partial: Option<GpuArray<T>>| partial.map(|p| sum_dim(&p, 0, 1.0)).transpose();
-    Ok((total(dweight)?, total(dbias)?))
+    let totals = sum_dim(&partials, 1, 1.0)?;
+    let total = |k: usize| Some(totals.window(k * width, &[width]));
+    Ok(match (need_weight, need_bias) {
+        (true, true) => (total(0), total(1)),
+        (true, false) => (total(0), None),
+        _ => (None, total(0)),
+    })
 }
 
 /// The targets of a cross-entropy: one label per row (validated on the host), the

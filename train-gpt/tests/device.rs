@@ -185,7 +185,7 @@ fn a_profile_counts_every_kernel_of_the_steps_after_the_first() {
         "gemm_f32",
         "softmax_rows_f32",
         "layer_norm_rows_f32",
-        "adamw_step_f32",
+        "adamw_list_f32",
     ] {
         let row = line(kernel);
         assert!(row[1].parse::<f64>().unwrap() >= 1.0, "{row:?}");

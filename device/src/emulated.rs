@@ -25,6 +25,7 @@ pub(crate) const ARG_WORDS: usize = 64;
 pub(crate) const MAX_ARG_WORDS: usize = 512;
 
 /// A kernel's argument as the queue keeps it: inline when it fits, else on the heap.
+#[allow(clippy::large_enum_variant)] // inline on purpose: most launches then allocate nothing
 pub(crate) enum ArgCopy {
     Inline([u64; ARG_WORDS]),
     Boxed(Box<[u64]>),

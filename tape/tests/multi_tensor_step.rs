@@ -11,6 +11,8 @@ use ferrotron_tape::{
     AdamW, AdamWConfig, Device, Generator, Optimizer, ParamOptions, Parameter, Tensor,
 };
 
+type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+
 const PARAMS: usize = 100;
 const STEPS: usize = 3;
 
@@ -24,7 +26,7 @@ fn shape(i: usize) -> Vec<usize> {
 }
 
 /// The values after `STEPS` steps on `device`, and the launches of the last step.
-fn train(device: Device) -> Result<(Vec<Vec<f32>>, u64), Box<dyn std::error::Error>> {
+fn train(device: Device) -> AnyResult<(Vec<Vec<f32>>, u64)> {
     let mut generator = Generator::new(8);
     let params: Vec<Parameter> = (0..PARAMS)
         .map(|i| {

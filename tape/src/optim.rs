@@ -350,74 +350,88 @@ impl<T: Element> AdamW<T> {
     /// rounded, into its copy: on a device by the update kernel itself, which takes the
     /// device's parameters in as few launches as its argument block allows.
     fn update(&mut self, round: Option<(&[Parameter<T>], DType)>) -> Result<()> {
-        const OP: &str = "AdamW::step";
         self.config.lr = self.clock.advance(self.config.lr);
         let c = self.config;
         let mut on_devices: Vec<(usize, AdamWEntry<T>)> = Vec::new();
         for (i, param) in self.params.iter().enumerate() {
             let options = self.options[i];
+            let update = move |step| AdamWUpdate::new(&c, options, step);
             let copy = round.map(|(copies, dtype)| (&copies[i], dtype));
-            if !param.on_device() {
-                let moments = &mut self.moments[i];
-                let shape = param.shape();
-                param.update_in_place(OP, |values, grads| {
-                    let (m, v, step) = moments.get_or_insert_with(|| {
-                        let zeros = || ArrayD::zeros(IxDyn(&shape));
-                        (zeros(), zeros(), 0)
-                    });
-                    *step += 1;
-                    let update = AdamWUpdate::new(&c, options, *step);
-                    update.apply(values, grads, host_slice(m)?, host_slice(v)?)
-                })?;
-                if let Some((copy, dtype)) = copy {
-                    round_into(
-                        std::slice::from_ref(param),
-                        std::slice::from_ref(copy),
-                        dtype,
-                    )?;
-                }
-                continue;
-            }
-            let device = param.value().device();
-            let rounded = copy
-                .map(|(_, dtype)| Half::uninit_gpu(OP, dtype, &param.shape(), device))
-                .transpose()?;
-            let state = &mut self.device_moments[i];
-            let mut entry = None;
-            param.update_on_device(OP, |value, grad| {
-                let (m, v, step) = match state {
-                    Some(state) => state,
-                    None => {
-                        let zeros = || GpuArray::full(OP, device, value.shape(), T::zero());
-                        state.insert((zeros()?, zeros()?, 0))
-                    }
-                };
-                *step += 1;
-                let update = AdamWUpdate::new(&c, options, *step);
-                // Handles to the arrays, updated in place by the launches below.
-                entry = Some(AdamWEntry {
-                    param: value.clone(),
-                    grad: grad.clone(),
-                    m: m.clone(),
-                    v: v.clone(),
-                    rounded: rounded.clone(),
-                    coefficients: update.coefficients(),
-                });
-                Ok(())
-            })?;
+            let entry = if param.on_device() {
+                let rounded = copy.map(|(_, dtype)| dtype);
+                device_entry(param, &mut self.device_moments[i], rounded, update)?
+            } else {
+                step_on_host(param, &mut self.moments[i], update)?;
+                None
+            };
             match (entry, copy) {
                 (Some(entry), _) => on_devices.push((i, entry)),
-                // Not updated (no gradient): its copy is rounded from it as it is.
-                (None, Some((copy, dtype))) => round_into(
-                    std::slice::from_ref(param),
-                    std::slice::from_ref(copy),
-                    dtype,
-                )?,
+                // Updated on the host, or not at all (no gradient): rounded as it is.
+                (None, Some((copy, dtype))) => {
+                    let (param, copy) = (std::slice::from_ref(param), std::slice::from_ref(copy));
+                    round_into(param, copy, dtype)?
+                }
                 (None, None) => {}
             }
         }
         launch_by_device(on_devices, round.map(|(copies, _)| copies))
     }
+}
+
+const ADAMW_OP: &str = "AdamW::step";
+
+/// One AdamW update of a host parameter (if it has a gradient), in place.
+fn step_on_host<T: Element>(
+    param: &Parameter<T>,
+    moments: &mut Option<AdamState<T>>,
+    update: impl Fn(u32) -> AdamWUpdate,
+) -> Result<()> {
+    let shape = param.shape();
+    param.update_in_place(ADAMW_OP, |values, grads| {
+        let (m, v, step) = moments.get_or_insert_with(|| {
+            let zeros = || ArrayD::zeros(IxDyn(&shape));
+            (zeros(), zeros(), 0)
+        });
+        *step += 1;
+        update(*step).apply(values, grads, host_slice(m)?, host_slice(v)?)
+    })?;
+    Ok(())
+}
+
+/// A device parameter's update for the multi-tensor launch (handles to its arrays,
+/// updated in place by it, and a fresh 16-bit copy to write if `rounded`); `None`
+/// without a gradient.
+fn device_entry<T: Element>(
+    param: &Parameter<T>,
+    state: &mut Option<DeviceAdamState<T>>,
+    rounded: Option<DType>,
+    update: impl Fn(u32) -> AdamWUpdate,
+) -> Result<Option<AdamWEntry<T>>> {
+    let device = param.value().device();
+    let rounded = rounded
+        .map(|dtype| Half::uninit_gpu(ADAMW_OP, dtype, &param.shape(), device))
+        .transpose()?;
+    let mut entry = None;
+    param.update_on_device(ADAMW_OP, |value, grad| {
+        let (m, v, step) = match state {
+            Some(state) => state,
+            None => {
+                let zeros = || GpuArray::full(ADAMW_OP, device, value.shape(), T::zero());
+                state.insert((zeros()?, zeros()?, 0))
+            }
+        };
+        *step += 1;
+        entry = Some(AdamWEntry {
+            param: value.clone(),
+            grad: grad.clone(),
+            m: m.clone(),
+            v: v.clone(),
+            rounded,
+            coefficients: update(*step).coefficients(),
+        });
+        Ok(())
+    })?;
+    Ok(entry)
 }
 
 /// The multi-tensor launches of each device's updates, then each rounded copy (written

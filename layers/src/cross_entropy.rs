@@ -23,7 +23,9 @@ const OP: &str = "vocab_parallel_cross_entropy";
 /// of three numbers per row (Σ exp, Σ logits, the target logit). Label smoothing divides
 /// by the **global** vocabulary size (Megatron-Core divides by the local shard's, so its
 /// smoothed loss changes with the tensor-parallel size). Backward is fused and local:
-/// `softmax − (1−ε)·one-hot − ε/V`, scaled by the upstream gradient.
+/// `softmax − (1−ε)·one-hot − ε/V`, scaled by the upstream gradient. A group of one
+/// holds the whole vocabulary and needs none of this: there it is tape's fused
+/// cross-entropy (one row kernel each way) on the logits cast to f32.
 ///
 /// With [`Reduction::Mean`], rows whose label is the ignore index do not count; when no
 /// row counts, the loss is 0 and so is its gradient (the sum over no rows), not 0/0.

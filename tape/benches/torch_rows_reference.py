@@ -1,5 +1,6 @@
 """PyTorch side of `bench_rows` (tape/examples/bench_rows.rs): softmax, log-softmax,
-causal softmax, layer norm and cross-entropy, forward and backward, at the same shapes
+causal softmax, layer norm, cross-entropy, bias + GELU and bias + residual (eager, so
+unfused), forward and backward, at the same shapes
 and formats on the same GPU, each kernel timed with torch.profiler (CUDA time per
 kernel) and printed as the same JSON lines: bytes are the arrays each kernel reads and
 writes once, counted as bench_rows counts them, so the GB/s columns compare. Not run in
@@ -49,10 +50,12 @@ def bench(rows, width, dtype):
     upstream = torch.randn(rows, width, device="cuda").to(dtype)
     weight = torch.randn(width, device="cuda").to(dtype).requires_grad_()
     bias = torch.randn(width, device="cuda").to(dtype).requires_grad_()
+    residual = torch.randn(rows, width, device="cuda").to(dtype)
     ops = {
         "softmax": lambda t: t.softmax(-1),
         "log_softmax": lambda t: t.log_softmax(-1),
         "layer_norm": lambda t: torch.nn.functional.layer_norm(t, (width,), weight, bias, 1e-5),
+        "bias_gelu": lambda t: torch.nn.functional.gelu(t + bias, approximate="tanh"),
     }
     if rows % width == 0:
         mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device="cuda"), 1)
@@ -69,6 +72,9 @@ def bench(rows, width, dtype):
         # Forward reads x, writes y; backward reads the gradient and y (or x), writes dx.
         report(op, "forward", (rows, width), name, forward, 2 * n * size)
         report(op, "backward", (rows, width), name, backward, 3 * n * size)
+    # The residual branch's end has no backward kernel for x (the gradient passes through).
+    report("bias_dropout_add", "forward", (rows, width), name,
+           kernels(lambda: residual + (x + bias)), 3 * n * size)
     logits = torch.randn(rows, width, device="cuda", requires_grad=True)
     labels = torch.randint(0, width, (rows,), device="cuda")
     loss_of = lambda: torch.nn.functional.cross_entropy(logits, labels)

@@ -1,5 +1,6 @@
 //! Row-kernel bandwidth: softmax (plain and causal), log-softmax, layer norm and
-//! cross-entropy, forward and backward, at `[rows, width]` in f32 and bf16, beside
+//! cross-entropy, and the fused elementwise ops a block runs (bias + GELU, bias +
+//! dropout + residual), forward and backward, at `[rows, width]` in f32 and bf16, beside
 //! `tape/benches/torch_rows_reference.py` (PyTorch's on the same GPU); not run in CI.
 //!
 //! `cargo run --release -p ferrotron-tape --features cuda --example bench_rows -- --device cuda:0`
@@ -12,7 +13,9 @@
 
 use anyhow::{bail, Context, Result};
 use ferrotron_tape::profile::{self, Profile};
-use ferrotron_tape::{CrossEntropyOptions, DType, Device, Generator, Parameter, Tape, Tensor};
+use ferrotron_tape::{
+    CrossEntropyOptions, DType, Device, Gelu, Generator, Parameter, Tape, Tensor,
+};
 
 /// Launches of each op per measurement.
 const REPEATS: usize = 20;
@@ -35,7 +38,12 @@ fn report(profile: &Profile, op: &str, shape: [usize; 2], dtype: DType, copy_gbs
         let row_kernel = ["softmax_rows", "layer_norm_rows", "cross_entropy_rows"]
             .iter()
             .any(|k| kernel.name.starts_with(k));
-        if !row_kernel {
+        // The fused ops' own kernels (not the bias gradient's reduction).
+        let fused = op.starts_with("bias_")
+            && ["unary", "bias_dropout_add"]
+                .iter()
+                .any(|k| kernel.name.starts_with(k));
+        if !row_kernel && !fused {
             continue;
         }
         let launches = kernel.launches.max(1) as f64;
@@ -81,6 +89,8 @@ fn bench(device: Device, [rows, width]: [usize; 2], dtype: DType) -> Result<()> 
     let (weight, bias) = (affine(&mut rng)?, affine(&mut rng)?);
     let upstream = Tensor::<f32>::randn(&[rows, width], 1.0, &mut rng).to_device(device)?;
     let copy_gbs = copy_bandwidth(device, &x.value())?;
+    // A residual stream beside the branch, for the fused addition.
+    let residual = input(&mut rng)?;
     // Forward and backward of each op: the backward's kernels are the `_backward` lines.
     type Op<'a> = Box<dyn Fn(&Tape, &Tensor) -> ferrotron_tape::Result<Tensor> + 'a>;
     let mut ops: Vec<(&str, Op<'_>)> = vec![
@@ -94,6 +104,14 @@ fn bench(device: Device, [rows, width]: [usize; 2], dtype: DType) -> Result<()> 
             }),
         ),
     ];
+    ops.push((
+        "bias_gelu",
+        Box::new(|tape, t| t.bias_gelu(&tape.watch(&bias), Gelu::Tanh)),
+    ));
+    ops.push((
+        "bias_dropout_add",
+        Box::new(|tape, t| t.bias_dropout_add(Some(&tape.watch(&bias)), &residual, None)),
+    ));
     // Attention's causal softmax, where the rows make whole [width, width] matrices.
     if rows % width == 0 {
         ops.push((

@@ -306,21 +306,27 @@ impl<T: Element> Saved<T> {
             heads.context(address(&g)?.1),
             [s, d, s, b * n],
         )?;
-        let d_dropped = GpuArray::<T>::uninit(OP, device, &[b * n, s, s])?;
-        gemm_into(
-            (device, d_dropped.ptr()),
-            heads.scores_destination(),
-            backward,
-            heads.context(address(&g)?.1),
-            heads.part(qkv, size, 2, true),
-            [s, s, d, b * n],
-        )?;
-        let d_probs = match &self.keep {
-            Some((keep, scale)) => dropout_backward(&d_dropped, keep, *scale)?,
-            None => d_dropped,
+        // Each `sequence²` gradient is released once the next is made from it (the
+        // work is queued in order), so at most two are held at once.
+        let d_probs = {
+            let d_dropped = GpuArray::<T>::uninit(OP, device, &[b * n, s, s])?;
+            gemm_into(
+                (device, d_dropped.ptr()),
+                heads.scores_destination(),
+                backward,
+                heads.context(address(&g)?.1),
+                heads.part(qkv, size, 2, true),
+                [s, s, d, b * n],
+            )?;
+            match &self.keep {
+                Some((keep, scale)) => dropout_backward(&d_dropped, keep, *scale)?,
+                None => d_dropped,
+            }
         };
+        drop(g);
         let probs = self.probs.device_input(OP, device)?;
         let d_scores = softmax_backward(&d_probs, probs, self.how)?;
+        drop(d_probs);
         let rounded = self.rounded(&Tensor::from_gpu(d_scores))?;
         let d_scores = address(&rounded)?.1;
         for (index, transposed, other) in [(0, false, 1), (1, true, 0)] {

@@ -120,9 +120,11 @@ impl LocalSquares {
     }
 }
 
-/// [`LocalSquares`] whose sums are still tensors: added up where they are, read once.
+/// [`LocalSquares`] whose device sums are still tensors: added up where they are (in
+/// f32, as Megatron's fp32 norm), read once; host sums add up in f64 as they come.
 #[derive(Default)]
 struct DeviceSquares {
+    host: f64,
     sums: Vec<Tensor>,
     gradients: usize,
 }
@@ -130,6 +132,11 @@ struct DeviceSquares {
 impl DeviceSquares {
     fn add(&mut self, sum: Tensor) -> Result<()> {
         self.gradients += 1;
+        if sum.device() == ferrotron_tape::Device::Cpu {
+            // Reading a host value waits for nothing.
+            self.host += f64::from(sum.item()?);
+            return Ok(());
+        }
         // Sums on one device add there; another device's starts its own.
         match self.sums.iter_mut().find(|s| s.device() == sum.device()) {
             Some(total) => *total = total.add(&sum)?,
@@ -139,7 +146,7 @@ impl DeviceSquares {
     }
 
     fn read(self) -> Result<LocalSquares> {
-        let mut sum = 0.0;
+        let mut sum = self.host;
         for total in self.sums {
             sum += f64::from(total.item()?);
         }

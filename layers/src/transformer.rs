@@ -196,7 +196,7 @@ impl ParallelSelfAttention {
         };
         let context = match (&self.context, rng) {
             (None, Some(rng)) if self.recompute_core => {
-                let (query, key, value) = self.split_heads(&qkv)?;
+                let (query, key, value) = self.split_heads(&qkv, seq, batch)?;
                 self.merge_heads(&core.recomputed(&query, &key, &value, rng)?, seq, batch)?
             }
             // The products read q, k and v in place and write the context in place.
@@ -207,7 +207,7 @@ impl ParallelSelfAttention {
             // The ring keeps no probabilities, so there is nothing for selective
             // recomputation to drop.
             (Some(group), _) => {
-                let (query, key, value) = self.split_heads(&qkv)?;
+                let (query, key, value) = self.split_heads(&qkv, seq, batch)?;
                 let context = crate::ring_attention(&query, &key, &value, group, core.scale, true)?;
                 self.merge_heads(&context, seq, batch)?
             }
@@ -217,10 +217,13 @@ impl ParallelSelfAttention {
 
     /// Queries, keys and values `[batch·heads, sequence, head_dim]` out of the packed
     /// `[sequence, batch, heads, 3, head_dim]`, for the cores that take them apart.
-    fn split_heads(&self, qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let [seq, batch, heads, _, head_dim] = *qkv.shape() else {
-            unreachable!("reshaped to five dimensions above")
-        };
+    fn split_heads(
+        &self,
+        qkv: &Tensor,
+        seq: usize,
+        batch: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (heads, head_dim) = (self.local_heads, self.head_dim);
         let part = |index: usize| -> Result<Tensor> {
             Ok(qkv
                 .narrow(3, index, 1)?

@@ -353,7 +353,15 @@ impl<T: Element> AdamW<T> {
         self.config.lr = self.clock.advance(self.config.lr);
         let c = self.config;
         let mut on_devices: Vec<(usize, AdamWEntry<T>)> = Vec::new();
+        let mut gathered = std::collections::HashSet::new();
+        let copies = round.map(|(copies, _)| copies);
         for (i, param) in self.params.iter().enumerate() {
+            // A parameter listed twice is updated twice, in order: the gathered
+            // updates run before its second one reads the value.
+            if !gathered.insert(param.id()) {
+                launch_by_device(std::mem::take(&mut on_devices), copies)?;
+                gathered = std::collections::HashSet::from([param.id()]);
+            }
             let options = self.options[i];
             let update = move |step| AdamWUpdate::new(&c, options, step);
             let copy = round.map(|(copies, dtype)| (&copies[i], dtype));
@@ -374,7 +382,7 @@ impl<T: Element> AdamW<T> {
                 (None, None) => {}
             }
         }
-        launch_by_device(on_devices, round.map(|(copies, _)| copies))
+        launch_by_device(on_devices, copies)
     }
 }
 

@@ -72,3 +72,28 @@ fn a_device_step_is_a_few_launches_with_the_cpus_numbers() -> Result<(), Box<dyn
     }
     Ok(())
 }
+
+/// A parameter listed twice is updated twice on a device, as on the CPU (the gathered
+/// updates run before its second one).
+#[test]
+fn a_parameter_listed_twice_is_updated_twice() -> AnyResult<()> {
+    let run = |device: Device| -> AnyResult<Vec<f32>> {
+        let param = Parameter::new(
+            "p",
+            Tensor::from_vec(vec![1.0f32, -2.0], &[2])?.to_device(device)?,
+        );
+        let mut adamw = AdamW::new(vec![param.clone(), param.clone()], AdamWConfig::default());
+        for _ in 0..2 {
+            param.set_grad(Some(
+                Tensor::from_vec(vec![0.5f32, 0.25], &[2])?.to_device(device)?,
+            ))?;
+            adamw.step()?;
+        }
+        Ok(param.value().to_vec()?)
+    };
+    let cpu = run(Device::Cpu)?;
+    for device in device::devices() {
+        assert_eq!(run(device)?, cpu, "on {device}");
+    }
+    Ok(())
+}

@@ -84,7 +84,7 @@ impl CustomOp for RecomputeCore {
     ) -> ferrotron_tape::Result<Vec<Option<Tensor>>> {
         let replay = Tape::new();
         let inputs: Vec<Parameter> = (saved.iter().zip(["query", "key", "value"]))
-            .map(|(value, name)| Parameter::new(name, value.clone()))
+            .map(|(value, name)| Parameter::activation(name, value.clone()))
             .collect();
         let watched: Vec<Tensor> = inputs.iter().map(|p| replay.watch(p)).collect();
         let mut rng = self.rng.clone();

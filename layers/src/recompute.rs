@@ -97,7 +97,7 @@ impl CustomOp for Recompute {
                 stand_in
             })
             .collect();
-        let input = Parameter::new("recompute.input", saved[0].clone());
+        let input = Parameter::activation("recompute.input", saved[0].clone());
         let mut hidden = replay.watch(&input);
         let mut rng = self.rng.clone();
         for block in &self.blocks {

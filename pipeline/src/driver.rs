@@ -49,9 +49,9 @@ pub struct PipelineConfig {
     pub forward_only: bool,
     /// Where the stages compute: received activations and gradients are placed there.
     pub device: Device,
-    /// The format activations are stored in and travel in (f32, or bf16 / f16 for a
-    /// 16-bit model, as Megatron's `pipeline_dtype`); their gradients travel in f32, the
-    /// format gradients have.
+    /// The format activations and their gradients are stored in and travel in (f32, or
+    /// bf16 / f16 for a 16-bit model, as Megatron's `pipeline_dtype`): backward keeps a
+    /// 16-bit activation's gradient in its format.
     pub dtype: DType,
     /// Read the last stage's losses into [`StepReport::losses`] when the step ends (one
     /// host wait on a device); off for stages that report their loss themselves, so the
@@ -264,12 +264,9 @@ impl<'p> Step<'p> {
     }
 
     /// The format of what travels forward (activations) or backward (gradients).
-    fn format(&self, forward: bool) -> DType {
-        if forward {
-            self.pipeline.config.dtype
-        } else {
-            DType::F32
-        }
+    /// What a transfer carries: activations and their gradients alike.
+    fn format(&self) -> DType {
+        self.pipeline.config.dtype
     }
 
     fn is_last_stage(&self, chunk: usize) -> bool {
@@ -286,7 +283,7 @@ impl<'p> Step<'p> {
                 .received
                 .remove(&(chunk, microbatch))
                 .ok_or_else(|| out_of_step("an activation", vstage, microbatch))?;
-            Some(Parameter::new("pipeline.input", value))
+            Some(Parameter::activation("pipeline.input", value))
         };
         let watched = input.as_ref().map(|p| tape.watch(p));
         let forward_only = self.pipeline.config.forward_only;
@@ -362,7 +359,10 @@ impl<'p> Step<'p> {
         if let Some(input) = flight.input {
             let grad = match input.grad() {
                 Some(grad) => grad,
-                None => Tensor::full_on(&input.shape(), 0.0, self.pipeline.config.device)?,
+                None => {
+                    let config = &self.pipeline.config;
+                    Tensor::full_as(&input.shape(), 0.0, config.dtype, config.device)?
+                }
             };
             self.to_send_backward = Some(((chunk, microbatch), grad));
         }
@@ -391,7 +391,7 @@ impl<'p> Step<'p> {
                         Error::Config("internal: the plan sends a tensor it has not made".into())
                     })?;
                     let vstage = self.pipeline.virtual_stage(chunk);
-                    let format = self.format(forward);
+                    let format = self.format();
                     let what = if forward {
                         "activation sent"
                     } else {
@@ -452,11 +452,7 @@ impl<'p> Step<'p> {
                         forward,
                         key,
                         header: vec![0; 3 + expected.len()],
-                        data: receive_buffer(
-                            self.pipeline.config.device,
-                            self.format(forward),
-                            expected,
-                        )?,
+                        data: receive_buffer(self.pipeline.config.device, self.format(), expected)?,
                     }
                 }
             };
@@ -520,7 +516,7 @@ impl<'p> Step<'p> {
                     microbatch,
                 ));
             }
-            let format = self.format(forward);
+            let format = self.format();
             let what = if forward {
                 "activation received"
             } else {

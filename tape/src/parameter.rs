@@ -7,7 +7,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::gpu::GpuArray;
-use crate::{Element, Error, FlatView, Result, Tensor};
+use crate::{DType, Element, Error, FlatView, Result, Tensor};
 
 /// A grad-ready hook: called with the parameter as soon as its gradient for the current
 /// backward pass is complete. An error stops backward and is returned from it.
@@ -19,6 +19,8 @@ pub struct ParamId(usize);
 
 struct ParamShared<T: Element> {
     name: String,
+    /// Whether it stands in for an activation (see [`Parameter::activation`]).
+    activation: bool,
     value: Mutex<Tensor<T>>,
     grad: Mutex<GradSlot<T>>,
     hooks: Mutex<Vec<GradHook<T>>>,
@@ -70,13 +72,35 @@ pub struct Parameter<T: Element = f32> {
 impl<T: Element> Parameter<T> {
     /// A parameter holding `value` (detached from any tape), with no gradient yet.
     pub fn new(name: impl Into<String>, value: Tensor<T>) -> Self {
+        Self::leaf(name.into(), value, false)
+    }
+
+    /// A leaf standing in for an activation: a pipeline stage's received input, or a
+    /// recomputed block's. Its gradient is kept in the format its value is stored in,
+    /// as the activation's own would be (see [`Tensor::grad_format`]), so a stage or a
+    /// replay hands back the same bits the whole model computes.
+    pub fn activation(name: impl Into<String>, value: Tensor<T>) -> Self {
+        Self::leaf(name.into(), value, true)
+    }
+
+    fn leaf(name: String, value: Tensor<T>, activation: bool) -> Self {
         Parameter {
             shared: Arc::new(ParamShared {
-                name: name.into(),
+                name,
+                activation,
                 value: Mutex::new(value.detach()),
                 grad: Mutex::new(GradSlot::Own(None)),
                 hooks: Mutex::new(Vec::new()),
             }),
+        }
+    }
+
+    /// The format backward keeps its gradient in: `T`'s, or for an
+    /// [`activation`](Self::activation) its value's.
+    pub(crate) fn grad_format(&self) -> DType {
+        match self.shared.activation {
+            true => self.shared.value.lock().dtype(),
+            false => T::DTYPE,
         }
     }
 
@@ -341,7 +365,9 @@ impl<T: Element> Parameter<T> {
             match &mut *slot {
                 GradSlot::Own(own @ None) => *own = Some(contribution),
                 // Copy-on-write: a clone handed out by grad() keeps its old values.
-                GradSlot::Own(Some(existing)) => existing.accumulate("backward", &contribution)?,
+                GradSlot::Own(Some(existing)) => {
+                    existing.accumulate_as("backward", &contribution, self.grad_format())?
+                }
                 GradSlot::Main { view, written } => {
                     view.write("backward", &contribution, *written)
                         .map_err(|e| match e {

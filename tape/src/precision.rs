@@ -12,8 +12,8 @@ use ferrotron_comm_core::DType;
 use half::{bf16, f16};
 use ndarray::{ArcArray, ArrayBase, Data, IxDyn};
 
-use crate::gpu::ops::PointwiseInput;
-use crate::gpu::{GpuArray, HalfFormat, KernelArgs, Stored, CONVERT_HALF};
+use crate::gpu::ops::{PointwiseInput, PointwiseWrite};
+use crate::gpu::{GpuArray, HalfFormat, KernelArgs, CONVERT_HALF};
 use crate::{Device, Element, Error, Result, Tensor};
 
 /// A 16-bit float format tensors can be stored in: its element conversions (from
@@ -63,6 +63,23 @@ pub(crate) fn narrowed<H: HalfFloat, T: Element>(
     let cost = crate::gpu::moves(array.bytes(), out.bytes());
     array.launch(&CONVERT_HALF, array.len(), &args, cost)?;
     Ok(out)
+}
+
+/// The CPU array's values rounded to `dtype` (bf16 or f16) in place, kept in `T`: what
+/// storing them in `dtype` and widening them again gives.
+pub(crate) fn round_in_place<T: Element>(
+    array: &mut ndarray::ArrayD<T>,
+    dtype: DType,
+) -> Result<()> {
+    fn rounded<H: HalfFormat, T: Element>(v: T) -> T {
+        T::from_f64(f64::from(H::narrow(as_f32(v)).widen()))
+    }
+    match dtype {
+        DType::BF16 => array.mapv_inplace(rounded::<bf16, T>),
+        DType::F16 => array.mapv_inplace(rounded::<f16, T>),
+        other => return Err(not_16_bit("backward", other)),
+    }
+    Ok(())
 }
 
 /// The value as f32, the source every 16-bit rounding starts from (f64 rounds twice,
@@ -426,11 +443,6 @@ pub(crate) fn memory_range<E: Clone>(
     let len = shape.iter().product::<usize>();
     flat.slice_axis_inplace(ndarray::Axis(0), ndarray::Slice::from(offset..offset + len));
     flat.into_shape_with_order(IxDyn(shape)).ok()
-}
-
-/// What a pointwise kernel writes into a fresh device array of any storage format.
-pub(crate) trait PointwiseWrite {
-    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()>;
 }
 
 /// A new device tensor of `shape` stored as `dtype`, computed in `T` by `kernel`, which

@@ -8,6 +8,8 @@ use std::sync::Arc;
 use ndarray::{ArcArray, ArrayD, IxDyn};
 use parking_lot::Mutex;
 
+use ferrotron_comm_core::DType;
+
 use crate::parameter::ParamId;
 use crate::{Element, Error, Parameter, Result, Tensor};
 
@@ -47,6 +49,16 @@ impl<T: Element> Grad<T> {
         }
     }
 
+    /// The gradient as a tensor stored in `format` (a leaf's gradient format: a
+    /// parameter's is `T`'s, whatever format its contributions came in).
+    fn into_stored(self, format: DType) -> Result<Tensor<T>> {
+        let tensor = self.into_tensor();
+        match tensor.dtype() == format {
+            true => Ok(tensor),
+            false => tensor.stored_as("backward", format),
+        }
+    }
+
     fn into_array(self, op: &'static str) -> Result<ArrayD<T>> {
         match self {
             Grad::Cpu(array) => Ok(array),
@@ -54,18 +66,36 @@ impl<T: Element> Grad<T> {
         }
     }
 
-    /// Adds `other` in place (CPU arrays) or into a new tensor (devices, mixed).
-    fn accumulate(self, other: Grad<T>) -> Result<Grad<T>> {
+    /// Adds `other` in place (CPU arrays) or into a new tensor (devices, mixed), the sum
+    /// rounded once to `format` (see [`conform`](Self::conform)).
+    fn accumulate(self, other: Grad<T>, format: DType) -> Result<Grad<T>> {
         match (self, other) {
             (Grad::Cpu(mut mine), Grad::Cpu(theirs)) => {
                 mine += &theirs;
-                Ok(Grad::Cpu(mine))
+                Grad::Cpu(mine).conform(format)
             }
             (mine, theirs) => {
                 let mut sum = mine.into_tensor();
-                sum.accumulate("backward", &theirs.into_tensor())?;
+                sum.accumulate_as("backward", &theirs.into_tensor(), format)?;
                 Ok(Grad::Tensor(sum))
             }
+        }
+    }
+
+    /// The gradient in the format its tensor keeps gradients in: a 16-bit activation's
+    /// gradient is rounded to that format, as PyTorch's and Megatron's are, so it moves
+    /// half the bytes; a CPU array keeps its element type with the rounded values.
+    fn conform(self, format: DType) -> Result<Grad<T>> {
+        if format == T::DTYPE {
+            return Ok(self);
+        }
+        match self {
+            Grad::Cpu(mut array) => {
+                crate::precision::round_in_place(&mut array, format)?;
+                Ok(Grad::Cpu(array))
+            }
+            Grad::Tensor(tensor) if tensor.dtype() == format => Ok(Grad::Tensor(tensor)),
+            Grad::Tensor(tensor) => Ok(Grad::Tensor(tensor.stored_as("backward", format)?)),
         }
     }
 }
@@ -75,6 +105,8 @@ struct Node<T: Element> {
     kind: Option<NodeKind<T>>,
     /// Tape positions of the inputs that are recorded, by argument position.
     inputs: Vec<Option<usize>>,
+    /// The format its gradient is kept in (see [`Tensor::grad_format`]).
+    grad_format: DType,
 }
 
 struct TapeState<T: Element> {
@@ -97,6 +129,7 @@ pub(crate) struct GradLink<T: Element> {
     tape: Tape<T>,
     node: usize,
     generation: u64,
+    pub(crate) grad_format: DType,
 }
 
 /// A define-by-run record of the operations of one model (or thread).
@@ -203,6 +236,7 @@ impl<T: Element> Tape<T> {
         if !self.is_recording() {
             return value;
         }
+        let grad_format = param.grad_format();
         let mut state = self.shared.state.lock();
         let node = match state.leaves.get(&param.id()) {
             Some(&node) => node,
@@ -211,6 +245,7 @@ impl<T: Element> Tape<T> {
                 state.nodes.push(Node {
                     kind: Some(NodeKind::Leaf(param.clone())),
                     inputs: Vec::new(),
+                    grad_format,
                 });
                 state.leaves.insert(param.id(), node);
                 node
@@ -220,6 +255,7 @@ impl<T: Element> Tape<T> {
             tape: self.clone(),
             node,
             generation: state.generation,
+            grad_format,
         });
         value
     }
@@ -249,7 +285,12 @@ impl<T: Element> Tape<T> {
         inputs: &[&Tensor<T>],
         output: Tensor<T>,
         backward: OpBackward<T>,
+        view: bool,
     ) -> Result<Tensor<T>> {
+        let grad_format = match view {
+            false => output.dtype(),
+            true => moved_grad_format(inputs),
+        };
         let mut state = self.shared.state.lock();
         let mut input_nodes = Vec::with_capacity(inputs.len());
         for input in inputs {
@@ -265,14 +306,31 @@ impl<T: Element> Tape<T> {
         state.nodes.push(Node {
             kind: Some(NodeKind::Op(backward)),
             inputs: input_nodes,
+            grad_format,
         });
         let mut tensor = output;
         tensor.link = Some(GradLink {
             tape: self.clone(),
             node,
             generation: state.generation,
+            grad_format,
         });
         Ok(tensor)
+    }
+}
+
+/// The gradient format of a view or cast: its recorded inputs' where they share one, so a
+/// view or cast of parameters is still parameters (its gradient stays in `T`) and a cast
+/// of a 16-bit activation to f32 hands back a 16-bit gradient, rounded where the op
+/// that makes it writes it; `T`'s where they differ.
+fn moved_grad_format<T: Element>(inputs: &[&Tensor<T>]) -> DType {
+    let mut formats = inputs
+        .iter()
+        .filter(|t| t.requires_grad())
+        .map(|t| t.grad_format());
+    match formats.next() {
+        Some(first) if formats.all(|f| f == first) => first,
+        _ => T::DTYPE,
     }
 }
 
@@ -309,14 +367,58 @@ pub(crate) fn record_tensor<T: Element>(
     record_node(op, inputs, output, || OpBackward::Any(make_backward()))
 }
 
-/// [`record_tensor`] for an op whose output keeps its own storage format (a cast).
+/// [`record_tensor`] for a cast, whose output keeps its own storage format. A cast, like
+/// a [view](record_view), keeps its inputs' gradient format where that is `T`'s.
 pub(crate) fn record_exact<T: Element>(
     op: &'static str,
     inputs: &[&Tensor<T>],
     output: Tensor<T>,
     make_backward: impl FnOnce() -> TensorBackwardFn<T>,
 ) -> Result<Tensor<T>> {
-    record_link(op, inputs, output, || OpBackward::Any(make_backward()))
+    record_link(
+        op,
+        inputs,
+        output,
+        true,
+        || OpBackward::Any(make_backward()),
+    )
+}
+
+/// [`record_tensor`] for an op that only moves elements (reshape, transpose, narrow,
+/// concatenation): where every recorded input keeps its gradient in `T` (parameters,
+/// f32 activations), so does the output, so a weight read through a transpose gets the
+/// gradient it gets when a product reads it transposed in place.
+pub(crate) fn record_view<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: Tensor<T>,
+    make_backward: impl FnOnce() -> TensorBackwardFn<T>,
+) -> Result<Tensor<T>> {
+    let output = stored(op, inputs, output)?;
+    record_link(
+        op,
+        inputs,
+        output,
+        true,
+        || OpBackward::Any(make_backward()),
+    )
+}
+
+/// [`record_view`] for a CPU view, whose backward takes and returns arrays.
+pub(crate) fn record_cpu_view<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: ArcArray<T, IxDyn>,
+    make_backward: impl FnOnce() -> BackwardFn<T>,
+) -> Result<Tensor<T>> {
+    let output = stored(op, inputs, Tensor::from_shared(output))?;
+    record_link(
+        op,
+        inputs,
+        output,
+        true,
+        || OpBackward::Cpu(make_backward()),
+    )
 }
 
 /// [`record`] for an op whose backward reads its own output: `make_backward` gets the
@@ -331,7 +433,9 @@ pub(crate) fn record_reading_output<T: Element>(
 ) -> Result<Tensor<T>> {
     let output = stored(op, inputs, Tensor::from_shared(output))?;
     let kept = output.detach();
-    record_link(op, inputs, output, || OpBackward::Cpu(make_backward(kept)))
+    record_link(op, inputs, output, false, || {
+        OpBackward::Cpu(make_backward(kept))
+    })
 }
 
 /// [`record_reading_output`] for ops on any device.
@@ -343,7 +447,9 @@ pub(crate) fn record_tensor_reading_output<T: Element>(
 ) -> Result<Tensor<T>> {
     let output = stored(op, inputs, output)?;
     let kept = output.detach();
-    record_link(op, inputs, output, || OpBackward::Any(make_backward(kept)))
+    record_link(op, inputs, output, false, || {
+        OpBackward::Any(make_backward(kept))
+    })
 }
 
 /// Rounds the output to the inputs' 16-bit format, if they share one (see
@@ -355,7 +461,7 @@ fn record_node<T: Element>(
     make_backward: impl FnOnce() -> OpBackward<T>,
 ) -> Result<Tensor<T>> {
     let output = stored(op, inputs, output)?;
-    record_link(op, inputs, output, make_backward)
+    record_link(op, inputs, output, false, make_backward)
 }
 
 /// `output` in the format its inputs promote to.
@@ -376,6 +482,7 @@ fn record_link<T: Element>(
     op: &'static str,
     inputs: &[&Tensor<T>],
     output: Tensor<T>,
+    view: bool,
     make_backward: impl FnOnce() -> OpBackward<T>,
 ) -> Result<Tensor<T>> {
     let mut tape: Option<&Tape<T>> = None;
@@ -390,7 +497,9 @@ fn record_link<T: Element>(
         }
     }
     match tape {
-        Some(tape) if tape.is_recording() => tape.push_op(op, inputs, output, make_backward()),
+        Some(tape) if tape.is_recording() => {
+            tape.push_op(op, inputs, output, make_backward(), view)
+        }
         _ => Ok(output),
     }
 }
@@ -514,7 +623,7 @@ fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: Tensor<T
 
     let mut grads: Vec<Option<Grad<T>>> = Vec::with_capacity(nodes.len());
     grads.resize_with(nodes.len(), || None);
-    grads[root] = Some(Grad::Tensor(seed));
+    grads[root] = Some(Grad::Tensor(seed).conform(nodes[root].grad_format)?);
 
     // Tape order is a topological order, so walking it backwards visits every node after
     // all of its consumers.
@@ -529,7 +638,7 @@ fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: Tensor<T
                 // Only the root can be a leaf that nobody finished yet; others were
                 // finished when their last contribution arrived.
                 if let Some(grad) = grads[index].take() {
-                    param.accumulate_and_notify(grad.into_tensor())?;
+                    param.accumulate_and_notify(grad.into_stored(param.grad_format())?)?;
                 }
                 continue;
             }
@@ -557,16 +666,17 @@ fn run_backward<T: Element>(mut nodes: Vec<Node<T>>, root: usize, seed: Tensor<T
             let grad = input_grads.next().flatten();
             let Some(input) = input else { continue };
             if let Some(grad) = grad {
+                let format = nodes[input].grad_format;
                 grads[input] = Some(match grads[input].take() {
-                    Some(existing) => existing.accumulate(grad)?,
-                    None => grad,
+                    Some(existing) => existing.accumulate(grad.conform(format)?, format)?,
+                    None => grad.conform(format)?,
                 });
             }
             pending[input] -= 1;
             if pending[input] == 0 {
                 if let Some(NodeKind::Leaf(param)) = &nodes[input].kind {
                     if let Some(grad) = grads[input].take() {
-                        param.accumulate_and_notify(grad.into_tensor())?;
+                        param.accumulate_and_notify(grad.into_stored(param.grad_format())?)?;
                     }
                 }
             }

@@ -5,7 +5,7 @@ use std::fmt;
 
 use ndarray::{ArcArray, ArrayD, IxDyn};
 
-use crate::gpu::ops::BinaryKind;
+use crate::gpu::ops::{BinaryKernel, BinaryKind};
 use crate::gpu::GpuArray;
 use crate::precision::{self, Half};
 use crate::random::Generator;
@@ -256,9 +256,16 @@ impl<T: Element> Tensor<T> {
         })
     }
 
-    /// Adds `other` (same shape and device) into this untracked tensor: in place on the
-    /// CPU (copy-on-write), a new array on a device.
-    pub(crate) fn accumulate(&mut self, op: &'static str, other: &Tensor<T>) -> Result<()> {
+    /// Adds `other` (same shape and device) into this untracked tensor, the sum stored
+    /// as `format` (`T`'s own or 16-bit, rounded once): in place on the CPU
+    /// (copy-on-write), a new array on a device, where 16-bit operands are read as
+    /// stored.
+    pub(crate) fn accumulate_as(
+        &mut self,
+        op: &'static str,
+        other: &Tensor<T>,
+        format: DType,
+    ) -> Result<()> {
         if self.device() != other.device() {
             return Err(Error::DeviceMismatch {
                 op,
@@ -266,27 +273,24 @@ impl<T: Element> Tensor<T> {
                 second: other.device(),
             });
         }
-        // Sums are kept in `T` whatever the contributions' formats (gradients are `T`:
-        // the common case converts and clones nothing).
+        if let (Some(a), Some(b)) = (self.pointwise_input(), other.pointwise_input()) {
+            let sum = BinaryKernel {
+                op,
+                kind: BinaryKind::Add,
+                a,
+                b,
+            };
+            let shape = self.shape().to_vec();
+            *self = crate::precision::written(op, self.device(), &shape, format, &sum)?;
+            return Ok(());
+        }
         if self.half().is_some() {
             *self = self.widened(op)?;
         }
-        let widened;
-        let other = match other.half() {
-            Some(_) => {
-                widened = other.widened(op)?;
-                &widened
-            }
-            None => other,
-        };
-        match (&mut self.storage, &other.storage) {
-            (Storage::Cpu(mine), Storage::Cpu(theirs)) => *mine += theirs,
-            (Storage::Gpu(mine), Storage::Gpu(theirs)) => {
-                let (device, shape) = (mine.device(), mine.shape().to_vec());
-                let sum = ((&*mine).into(), theirs.into());
-                *mine = crate::gpu::ops::binary(op, BinaryKind::Add, device, &shape, sum)?;
-            }
-            _ => unreachable!("devices compared equal above"),
+        let theirs = other.cpu(op)?;
+        *self.cpu_mut(op)? += &theirs;
+        if format != T::DTYPE {
+            *self = self.stored_as(op, format)?;
         }
         Ok(())
     }
@@ -425,6 +429,15 @@ impl<T: Element> Tensor<T> {
     /// Whether operations on this tensor are recorded for backward.
     pub fn requires_grad(&self) -> bool {
         self.link.is_some()
+    }
+
+    /// The format backward keeps this tensor's gradient in: the tensor's own 16-bit
+    /// format for an activation stored so (PyTorch's and Megatron's bf16 gradients, half
+    /// the bytes of f32), `T`'s for parameters (whose gradients feed f32 main gradients)
+    /// and for everything else. Each contribution is rounded to it once, and several
+    /// are summed in `T` and rounded once more, on every device alike.
+    pub fn grad_format(&self) -> DType {
+        self.link.as_ref().map_or(T::DTYPE, |link| link.grad_format)
     }
 
     /// The same data, cut off from the tape: operations on the result are not recorded.

@@ -92,7 +92,8 @@ fn sixteen_bit_pointwise_ops_take_only_their_result() -> ferrotron_tape::Result<
                 assert_eq!(out.dtype(), expected, "{name}");
             }
 
-            let grad = Tensor::full_on(&[ROWS, COLS], 1.0, device)?;
+            // The gradient of a 16-bit result is kept in its format.
+            let grad = Tensor::full_as(&[ROWS, COLS], 1.0, dtype, device)?;
             // Each op's inputs (all parameters) and what its backward needs: the f32
             // gradients of its inputs, and for tanh its recomputed f32 output.
             let (one, two) = (4 * n, 8 * n);

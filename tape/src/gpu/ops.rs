@@ -84,6 +84,26 @@ impl<'a, E: Stored> From<&'a GpuArray<E>> for PointwiseInput<'a> {
     }
 }
 
+/// What a pointwise kernel writes into a fresh device array of any storage format (see
+/// `crate::precision::written`).
+pub(crate) trait PointwiseWrite {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()>;
+}
+
+/// `a (kind) b` as a pointwise kernel writing any storage format.
+pub(crate) struct BinaryKernel<'a> {
+    pub op: &'static str,
+    pub kind: BinaryKind,
+    pub a: PointwiseInput<'a>,
+    pub b: PointwiseInput<'a>,
+}
+
+impl PointwiseWrite for BinaryKernel<'_> {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
+        binary_stored::<T, O>(self.op, self.kind, out, self.a, self.b)
+    }
+}
+
 /// [`binary`] written into `out` (of the broadcast shape), which may be `a` itself: each
 /// element is read before it is written.
 pub(crate) fn binary_into<T: Element>(
@@ -127,14 +147,20 @@ pub(crate) fn binary_stored<T: Element, O: Stored>(
     out.launch_build(&super::BINARY, Precision::of::<T>(), out.len(), &args, cost)
 }
 
-/// Sums a broadcast gradient down to an operand's `shape`. Adjacent summed dimensions
-/// are one reduction (a bias's gradient over `[sequence, batch, hidden]` sums
-/// `[sequence·batch, hidden]` once), taken from the last so the others' indices stay put.
-pub(crate) fn sum_to<T: Element>(grad: GpuArray<T>, shape: &[usize]) -> Result<GpuArray<T>> {
-    let target = padded(shape, grad.ndim());
+/// Sums a broadcast gradient in any storage format (16-bit read as stored) down to an
+/// operand's `shape`, in `T`. Adjacent summed dimensions are one reduction (a bias's
+/// gradient over `[sequence, batch, hidden]` sums `[sequence·batch, hidden]` once), taken
+/// from the last so the others' indices stay put; a gradient with nothing to sum is
+/// widened.
+pub(crate) fn sum_to_stored<T: Element>(
+    device: crate::Device,
+    grad: PointwiseInput<'_>,
+    shape: &[usize],
+) -> Result<GpuArray<T>> {
+    let target = padded(shape, grad.shape.len());
     // (extent, summed) of each run of dimensions; a size-1 dimension joins any run.
     let mut runs: Vec<(usize, bool)> = Vec::new();
-    for (&size, &kept) in grad.shape().iter().zip(&target) {
+    for (&size, &kept) in grad.shape.iter().zip(&target) {
         let summed = kept == 1 && size != 1;
         match runs.last_mut() {
             Some((extent, was)) if *was == summed || size == 1 || *extent == 1 => {
@@ -147,51 +173,30 @@ pub(crate) fn sum_to<T: Element>(grad: GpuArray<T>, shape: &[usize]) -> Result<G
         }
     }
     let extents: Vec<usize> = runs.iter().map(|&(extent, _)| extent).collect();
-    let mut out = grad.reshaped(&extents);
+    let mut out: Option<GpuArray<T>> = None;
     for (d, &(_, summed)) in runs.iter().enumerate().rev() {
         if summed {
-            let mut kept = out.shape().to_vec();
+            let input = match &out {
+                Some(partial) => partial.into(),
+                None => PointwiseInput {
+                    shape: &extents,
+                    ..grad
+                },
+            };
+            let mut kept = input.shape.to_vec();
             kept[d] = 1;
-            out = sum_dim(&out, d, 1.0)?.reshaped(&kept);
+            out = Some(sum_dim_stored(device, input, d, 1.0)?.reshaped(&kept));
         }
     }
-    Ok(out.reshaped(shape))
-}
-
-/// Gradients of `a (op) b` with respect to each operand that needs one, reading the
-/// operands as stored (16-bit ones widened as they are read, not copied).
-pub(crate) fn binary_backward<T: Element>(
-    kind: BinaryKind,
-    grad: &GpuArray<T>,
-    needs: &[bool],
-    a: PointwiseInput<'_>,
-    b: PointwiseInput<'_>,
-) -> Result<Vec<Option<GpuArray<T>>>> {
-    let op = "binary backward";
-    let shape = grad.shape();
-    let apply = |kind, operands| binary::<T>(op, kind, grad.device(), shape, operands);
-    let grad_a = match (needs[0], kind) {
-        (false, _) => None,
-        (true, BinaryKind::Add | BinaryKind::Sub) => Some(grad.clone()),
-        (true, BinaryKind::Mul | BinaryKind::Div) => Some(apply(kind, (grad.into(), b))?),
-    };
-    let grad_b = match (needs[1], kind) {
-        (false, _) => None,
-        (true, BinaryKind::Add) => Some(grad.clone()),
-        (true, BinaryKind::Sub) => Some(unary(UnaryKind::Scale, grad, -1.0)?),
-        (true, BinaryKind::Mul) => Some(apply(BinaryKind::Mul, (grad.into(), a))?),
-        (true, BinaryKind::Div) => {
-            // d(a/b)/db = -(a/b)/b
-            let quotient = apply(BinaryKind::Div, (a, b))?;
-            let over_b = apply(BinaryKind::Div, ((&quotient).into(), b))?;
-            let product = apply(BinaryKind::Mul, (grad.into(), (&over_b).into()))?;
-            Some(unary(UnaryKind::Scale, &product, -1.0)?)
+    match out {
+        Some(out) => Ok(out.reshaped(shape)),
+        None => {
+            let out = GpuArray::<T>::uninit("sum_to", device, shape)?;
+            let input = PointwiseInput { shape, ..grad };
+            unary_stored::<T, T>(UnaryKind::Scale, &out, input, None, 1.0)?;
+            Ok(out)
         }
-    };
-    Ok(vec![
-        grad_a.map(|g| sum_to(g, a.shape)).transpose()?,
-        grad_b.map(|g| sum_to(g, b.shape)).transpose()?,
-    ])
+    }
 }
 
 /// Pointwise functions, as numbered in `elementwise.cu`.
@@ -255,31 +260,42 @@ pub(crate) fn unary_stored<T: Element, O: Stored>(
     out.launch_build(&super::UNARY, Precision::of::<T>(), out.len(), &args, cost)
 }
 
-/// The gradient of `y = f(x)` given `grad` = d(loss)/dy.
+/// The gradient of `y = f(x)` given `grad` = d(loss)/dy, as a kernel reading `grad` as
+/// stored and writing any storage format.
 ///
 /// `kept` is what the derivative reads, in any storage format: the output for exp and
 /// tanh, the input for the others (unread by a scale), to which `bias` is added.
-pub(crate) fn unary_backward<T: Element>(
-    kind: UnaryKind,
-    grad: &GpuArray<T>,
-    kept: PointwiseInput<'_>,
-    bias: Option<&AddedBias<'_>>,
-    factor: f64,
-) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit("unary backward", grad.device(), grad.shape())?;
-    let mut args = KernelArgs::default();
-    args.p[..3].copy_from_slice(&[out.ptr(), grad.ptr(), kept.ptr]);
-    args.i[..3].copy_from_slice(&[out.len() as i64, kind as i64, kept.format]);
-    args.f[0] = factor;
-    let read_bias = AddedBias::set::<T>(bias, &mut args);
-    let read_kept = if kind == UnaryKind::Scale {
-        0
-    } else {
-        kept.bytes::<T>() + read_bias
-    };
-    let cost = moves(grad.bytes() + read_kept, out.bytes());
-    out.launch(&super::UNARY_BACKWARD, out.len(), &args, cost)?;
-    Ok(out)
+pub(crate) struct UnaryBackward<'a> {
+    pub kind: UnaryKind,
+    pub grad: PointwiseInput<'a>,
+    pub kept: PointwiseInput<'a>,
+    pub bias: Option<AddedBias<'a>>,
+    pub factor: f64,
+}
+
+impl PointwiseWrite for UnaryBackward<'_> {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
+        let (kind, grad, kept) = (self.kind, self.grad, self.kept);
+        let mut args = KernelArgs::default();
+        args.p[..3].copy_from_slice(&[out.ptr(), grad.ptr, kept.ptr]);
+        args.i[..3].copy_from_slice(&[out.len() as i64, kind as i64, kept.format]);
+        args.i[7..9].copy_from_slice(&[grad.format, O::FORMAT]);
+        args.f[0] = self.factor;
+        let read_bias = AddedBias::set::<T>(self.bias.as_ref(), &mut args);
+        let read_kept = if kind == UnaryKind::Scale {
+            0
+        } else {
+            kept.bytes::<T>() + read_bias
+        };
+        let cost = moves(grad.bytes::<T>() + read_kept, out.bytes());
+        out.launch_build(
+            &super::UNARY_BACKWARD,
+            Precision::of::<T>(),
+            out.len(),
+            &args,
+            cost,
+        )
+    }
 }
 
 /// `(outer, dim, inner)` extents of `shape` around dimension `dim`.

@@ -2,7 +2,7 @@
 //! works on a tensor viewed as `[rows, width]` over its last dimension, with the kernels
 //! of `kernels/rows.cu` (whose argument slots are restated at each caller).
 
-use super::ops::{sum_dim, sum_parts, unary, PointwiseInput, UnaryKind};
+use super::ops::{sum_dim, sum_parts, unary, PointwiseInput, PointwiseWrite, UnaryKind};
 use super::{moves, GpuArray, Kernel, KernelArgs, Precision, Stored};
 use crate::{Element, Result};
 use ferrotron_device::Grid;
@@ -116,21 +116,24 @@ pub(crate) fn softmax_stored<T: Element, O: Stored>(
     launch_rows::<T, O>(out, &SOFTMAX_ROWS, rows, &args, cost)
 }
 
-/// The gradient of `y = softmax(x)` (or log-softmax) from `y` and `grad` = d(loss)/dy.
-pub(crate) fn softmax_backward<T: Element>(
-    grad: &GpuArray<T>,
-    y: PointwiseInput<'_>,
-    how: SoftmaxRows,
-) -> Result<GpuArray<T>> {
-    let (rows, width) = rows_of(y.shape);
-    let dx = GpuArray::<T>::uninit("softmax backward", grad.device(), y.shape)?;
-    // p0 dx, p1 g, p2 y; i4 y's format; the rest as in `softmax`.
-    let mut args = how.args(rows, width);
-    args.p[..3].copy_from_slice(&[dx.ptr(), grad.ptr(), y.ptr]);
-    args.i[4] = y.format;
-    let cost = moves(grad.bytes() + y.bytes::<T>(), dx.bytes());
-    launch_rows::<T, T>(&dx, &SOFTMAX_ROWS_BACKWARD, rows, &args, cost)?;
-    Ok(dx)
+/// The gradient of `y = softmax(x)` (or log-softmax) from `y` and `grad` = d(loss)/dy,
+/// both read as stored, as a kernel writing any storage format.
+pub(crate) struct SoftmaxBackward<'a> {
+    pub grad: PointwiseInput<'a>,
+    pub y: PointwiseInput<'a>,
+    pub how: SoftmaxRows,
+}
+
+impl PointwiseWrite for SoftmaxBackward<'_> {
+    fn write<T: Element, O: Stored>(&self, dx: &GpuArray<O>) -> Result<()> {
+        let (rows, width) = rows_of(self.y.shape);
+        // p0 dx, p1 g, p2 y; i4 y's format, i5 g's, i6 dx's; the rest as in `softmax`.
+        let mut args = self.how.args(rows, width);
+        args.p[..3].copy_from_slice(&[dx.ptr(), self.grad.ptr, self.y.ptr]);
+        args.i[4..7].copy_from_slice(&[self.y.format, self.grad.format, O::FORMAT]);
+        let cost = moves(self.grad.bytes::<T>() + self.y.bytes::<T>(), dx.bytes());
+        launch_rows::<T, O>(dx, &SOFTMAX_ROWS_BACKWARD, rows, &args, cost)
+    }
 }
 
 /// What the layer-norm backward reuses from the forward: the input as stored and each
@@ -192,36 +195,48 @@ pub(crate) type LayerNormInputs<'a> = (
 );
 
 /// The gradient of layer norm with respect to its input, given `grad` = d(loss)/d(out),
-/// reading the input and `weight` as stored.
-pub(crate) fn layer_norm_input_grad<T: Element>(
-    grad: &GpuArray<T>,
-    saved: LayerNormSaved<'_, T>,
-    weight: Option<PointwiseInput<'_>>,
-) -> Result<GpuArray<T>> {
-    let (rows, width) = rows_of(saved.x.shape);
-    let dx = GpuArray::<T>::uninit("layer_norm backward", grad.device(), saved.x.shape)?;
-    // p0 dx, p1 g, p2 x, p3 weight (0: none), p4 mean, p5 rstd; i0 rows, i1 width, i2 x's
-    // format, i3 weight's.
-    let mut args = KernelArgs::default();
-    args.p[..6].copy_from_slice(&[
-        dx.ptr(),
-        grad.ptr(),
-        saved.x.ptr,
-        weight.map_or(0, |w| w.ptr),
-        saved.mean.ptr(),
-        saved.rstd.ptr(),
-    ]);
-    args.i[..4].copy_from_slice(&[
-        rows as i64,
-        width as i64,
-        saved.x.format,
-        weight.map_or(0, |w| w.format),
-    ]);
-    let stats = saved.mean.bytes() + saved.rstd.bytes();
-    let read = grad.bytes() + saved.x.bytes::<T>() + weight.map_or(0, |w| w.bytes::<T>()) + stats;
-    let cost = moves(read, dx.bytes());
-    launch_rows::<T, T>(&dx, &LAYER_NORM_ROWS_BACKWARD, rows, &args, cost)?;
-    Ok(dx)
+/// reading it, the input and `weight` as stored, as a kernel writing any storage format.
+pub(crate) struct LayerNormInputGrad<'a, T> {
+    pub grad: PointwiseInput<'a>,
+    pub saved: LayerNormSaved<'a, T>,
+    pub weight: Option<PointwiseInput<'a>>,
+}
+
+impl<E: Element> PointwiseWrite for LayerNormInputGrad<'_, E> {
+    // Computed in the statistics' type `E`, the tensor's element type `written` passes.
+    fn write<T: Element, O: Stored>(&self, dx: &GpuArray<O>) -> Result<()> {
+        let (saved, weight) = (self.saved, self.weight);
+        let (rows, width) = rows_of(saved.x.shape);
+        // p0 dx, p1 g, p2 x, p3 weight (0: none), p4 mean, p5 rstd; i0 rows, i1 width,
+        // i2 x's format, i3 weight's, i4 g's, i5 dx's.
+        let mut args = KernelArgs::default();
+        args.p[..6].copy_from_slice(&[
+            dx.ptr(),
+            self.grad.ptr,
+            saved.x.ptr,
+            weight.map_or(0, |w| w.ptr),
+            saved.mean.ptr(),
+            saved.rstd.ptr(),
+        ]);
+        args.i[..6].copy_from_slice(&[
+            rows as i64,
+            width as i64,
+            saved.x.format,
+            weight.map_or(0, |w| w.format),
+            self.grad.format,
+            O::FORMAT,
+        ]);
+        let stats = saved.mean.bytes() + saved.rstd.bytes();
+        let inputs = self.grad.bytes::<E>() + saved.x.bytes::<E>();
+        let read = inputs + weight.map_or(0, |w| w.bytes::<E>()) + stats;
+        launch_rows::<E, O>(
+            dx,
+            &LAYER_NORM_ROWS_BACKWARD,
+            rows,
+            &args,
+            moves(read, dx.bytes()),
+        )
+    }
 }
 
 /// The gradients of layer norm's weight and bias, in that order.
@@ -229,7 +244,7 @@ pub(crate) type AffineGrads<T> = (Option<GpuArray<T>>, Option<GpuArray<T>>);
 
 /// The gradients of layer norm's weight and bias (`[width]`), each only when asked for.
 pub(crate) fn layer_norm_affine_grads<T: Element>(
-    grad: &GpuArray<T>,
+    grad: PointwiseInput<'_>,
     saved: LayerNormSaved<'_, T>,
     need_weight: bool,
     need_bias: bool,
@@ -243,7 +258,7 @@ pub(crate) fn layer_norm_affine_grads<T: Element>(
     // Each part sums a run of rows into partial sums side by side, [wanted, parts,
     // width], which one `sum_dim` then sums over the parts (see `sum_parts`).
     let parts = sum_parts(width, rows);
-    let partials = GpuArray::<T>::uninit(op, grad.device(), &[wanted, parts, width])?;
+    let partials = GpuArray::<T>::uninit(op, saved.mean.device(), &[wanted, parts, width])?;
     let second = partials.ptr() + (parts * width * std::mem::size_of::<T>()) as u64;
     let (dweight, dbias) = match (need_weight, need_bias) {
         (true, true) => (partials.ptr(), second),
@@ -251,23 +266,29 @@ pub(crate) fn layer_norm_affine_grads<T: Element>(
         _ => (0, partials.ptr()),
     };
     // p0 dweight (0: not needed), p1 dbias (0: not needed), p2 g, p3 x, p4 mean, p5 rstd;
-    // i0 width, i1 rows, i2 parts, i3 x's format.
+    // i0 width, i1 rows, i2 parts, i3 x's format, i4 g's.
     let mut args = KernelArgs::default();
     args.p[..6].copy_from_slice(&[
         dweight,
         dbias,
-        grad.ptr(),
+        grad.ptr,
         saved.x.ptr,
         saved.mean.ptr(),
         saved.rstd.ptr(),
     ]);
-    args.i[..4].copy_from_slice(&[width as i64, rows as i64, parts as i64, saved.x.format]);
+    args.i[..5].copy_from_slice(&[
+        width as i64,
+        rows as i64,
+        parts as i64,
+        saved.x.format,
+        grad.format,
+    ]);
     let stats = saved.mean.bytes() + saved.rstd.bytes();
     let cost = moves(
-        grad.bytes() + saved.x.bytes::<T>() + stats,
+        grad.bytes::<T>() + saved.x.bytes::<T>() + stats,
         partials.bytes(),
     );
-    grad.launch(&LAYER_NORM_AFFINE_BACKWARD, parts * width, &args, cost)?;
+    partials.launch(&LAYER_NORM_AFFINE_BACKWARD, parts * width, &args, cost)?;
     let totals = sum_dim(&partials, 1, 1.0)?;
     let total = |k: usize| Some(totals.window(k * width, &[width]));
     Ok(match (need_weight, need_bias) {
@@ -346,21 +367,43 @@ pub(crate) fn sum_losses<T: Element>(
     }
 }
 
-/// The gradient of the cross-entropy with respect to `logits`. `upstream` is d(loss)/d of
-/// each row's loss (`per_row`) or of their sum, divided by `divisor` (the counted rows
-/// of a mean, else 1).
-pub(crate) fn cross_entropy_backward<T: Element>(
+/// The gradient of the cross-entropy with respect to `logits`, as a kernel writing any
+/// storage format. `upstream` is d(loss)/d of each row's loss (`per_row`) or of their
+/// sum, divided by `divisor` (the counted rows of a mean, else 1).
+pub(crate) struct CrossEntropyBackward<'a, T> {
+    pub upstream: &'a GpuArray<T>,
+    pub per_row: bool,
+    pub divisor: f64,
+    pub logits: &'a GpuArray<T>,
+    pub lse: &'a GpuArray<T>,
+    pub targets: &'a Targets,
+}
+
+impl<E: Element> PointwiseWrite for CrossEntropyBackward<'_, E> {
+    fn write<T: Element, O: Stored>(&self, dx: &GpuArray<O>) -> Result<()> {
+        let Self {
+            upstream,
+            per_row,
+            divisor,
+            logits,
+            lse,
+            targets,
+        } = *self;
+        cross_entropy_backward_into(dx, upstream, per_row, divisor, (logits, lse), targets)
+    }
+}
+
+fn cross_entropy_backward_into<T: Element, O: Stored>(
+    dx: &GpuArray<O>,
     upstream: &GpuArray<T>,
     per_row: bool,
     divisor: f64,
-    logits: &GpuArray<T>,
-    lse: &GpuArray<T>,
+    (logits, lse): (&GpuArray<T>, &GpuArray<T>),
     targets: &Targets,
-) -> Result<GpuArray<T>> {
+) -> Result<()> {
     let (rows, classes) = targets.rows_of(logits);
-    let dx = GpuArray::<T>::uninit("cross_entropy backward", logits.device(), logits.shape())?;
     // p0 dx, p1 logits, p2 lse, p3 labels, p4 upstream; i0 rows, i1 classes, i2 has
-    // ignore, i3 ignored label, i4 per row; f0 smoothing, f1 divisor.
+    // ignore, i3 ignored label, i4 per row, i5 dx's format; f0 smoothing, f1 divisor.
     let mut args = KernelArgs::default();
     args.p[..5].copy_from_slice(&[
         dx.ptr(),
@@ -372,10 +415,10 @@ pub(crate) fn cross_entropy_backward<T: Element>(
     args.i[..2].copy_from_slice(&[rows as i64, classes as i64]);
     targets.fill(&mut args);
     args.i[4] = i64::from(per_row);
+    args.i[5] = O::FORMAT;
     args.f[1] = divisor;
     let upstream_bytes = if per_row { upstream.bytes() } else { 0 };
     let read = logits.bytes() + lse.bytes() + targets.labels.bytes() + upstream_bytes;
     let cost = moves(read, dx.bytes());
-    launch_rows::<T, T>(&dx, &CROSS_ENTROPY_ROWS_BACKWARD, rows, &args, cost)?;
-    Ok(dx)
+    launch_rows::<T, O>(dx, &CROSS_ENTROPY_ROWS_BACKWARD, rows, &args, cost)
 }

@@ -100,24 +100,33 @@ pub(crate) fn narrow<E: Stored>(
     gather(op, x, &shape, start * strides[dim], &strides)
 }
 
-/// Gradient of `narrow` for an input of `shape`: `grad` placed at `start` along `dim`,
-/// zeros elsewhere, in one kernel that writes each element once.
-pub(crate) fn narrow_backward<T: Element>(
-    op: &'static str,
-    grad: &GpuArray<T>,
-    shape: &[usize],
-    dim: usize,
-    start: usize,
-) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit(op, grad.device(), shape)?;
-    let (_, extent, inner) = super::ops::around(shape, dim);
-    let len = grad.shape()[dim];
-    let mut args = KernelArgs::default();
-    args.p[..2].copy_from_slice(&[out.ptr(), grad.ptr()]);
-    args.i[..5].copy_from_slice(&[out.len(), inner, extent, start, len].map(|v| v as i64));
-    let cost = moves(grad.bytes(), out.bytes());
-    out.launch(&NARROW_BACKWARD, out.len(), &args, cost)?;
-    Ok(out)
+/// Gradient of `narrow` for an input of `shape`: `grad` (read as stored) placed at
+/// `start` along `dim`, zeros elsewhere, in one kernel that writes each element once, in
+/// any storage format.
+pub(crate) struct NarrowBackward<'a> {
+    pub grad: PointwiseInput<'a>,
+    pub dim: usize,
+    pub start: usize,
+}
+
+impl super::ops::PointwiseWrite for NarrowBackward<'_> {
+    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
+        let (_, extent, inner) = super::ops::around(out.shape(), self.dim);
+        let len = self.grad.shape[self.dim];
+        let mut args = KernelArgs::default();
+        args.p[..2].copy_from_slice(&[out.ptr(), self.grad.ptr]);
+        let extents = [out.len(), inner, extent, self.start, len];
+        args.i[..5].copy_from_slice(&extents.map(|v| v as i64));
+        args.i[5..7].copy_from_slice(&[self.grad.format, O::FORMAT]);
+        let cost = moves(self.grad.bytes::<T>(), out.bytes());
+        out.launch_build(
+            &NARROW_BACKWARD,
+            Precision::of::<T>(),
+            out.len(),
+            &args,
+            cost,
+        )
+    }
 }
 
 /// `parts` joined along `dim`; their other dimensions (already checked) agree.
@@ -161,35 +170,27 @@ pub(crate) fn embedding<E: Stored>(
     Ok(out)
 }
 
-/// Gradient of `embedding` for a table of `table_shape`: each row of `grad` added into
-/// the row of its id (repeated ids accumulate).
+/// Gradient of `embedding` for a table of `table_shape`: each row of `grad` (read as
+/// stored) added into the row of its id (repeated ids accumulate), in `T`.
 pub(crate) fn embedding_backward<T: Element>(
-    grad: &GpuArray<T>,
+    device: crate::Device,
+    grad: PointwiseInput<'_>,
     ids: &GpuArray<i64>,
     table_shape: &[usize],
 ) -> Result<GpuArray<T>> {
-    let table_grad = GpuArray::full("embedding backward", grad.device(), table_shape, T::zero())?;
+    let table_grad = GpuArray::full("embedding backward", device, table_shape, T::zero())?;
     // Slots of `embedding_backward` (index.cu): p0 table_grad, p1 grad, p2 ids; i0 rows,
-    // i1 hidden.
+    // i1 hidden, i2 grad's format.
     let mut args = KernelArgs::default();
-    args.p[..3].copy_from_slice(&[table_grad.ptr(), grad.ptr(), ids.ptr()]);
-    args.i[0] = ids.len() as i64;
-    args.i[1] = table_shape[1] as i64;
-    // Each row of `grad` is added into its id's row: read and written once.
-    let cost = moves(2 * grad.bytes() + ids.bytes(), grad.bytes());
-    table_grad.launch(&EMBEDDING_BACKWARD, grad.len(), &args, cost)?;
+    args.p[..3].copy_from_slice(&[table_grad.ptr(), grad.ptr, ids.ptr()]);
+    args.i[..3].copy_from_slice(&[ids.len() as i64, table_shape[1] as i64, grad.format]);
+    // Each row of `grad` is added into its id's row: read, and a table row read and
+    // written, once.
+    let rows = grad.shape.iter().product::<usize>() * std::mem::size_of::<T>();
+    let cost = moves(grad.bytes::<T>() + rows + ids.bytes(), rows);
+    let items = grad.shape.iter().product();
+    table_grad.launch(&EMBEDDING_BACKWARD, items, &args, cost)?;
     Ok(table_grad)
-}
-
-/// `grad` with zeros where `mask` (1 = fill, broadcast to its shape) is set: the
-/// gradient of `masked_fill`.
-pub(crate) fn zero_masked<T: Element>(
-    grad: &GpuArray<T>,
-    mask: &GpuArray<u8>,
-) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit("masked_fill", grad.device(), grad.shape())?;
-    masked_fill_stored::<T, T>(&out, grad.into(), mask, 0.0)?;
-    Ok(out)
 }
 
 /// `x` with `value` where `mask` (1 = fill, broadcast to `x`'s shape) is set, `x` in any
@@ -222,19 +223,9 @@ pub(crate) fn masked_fill_stored<T: Element, O: Stored>(
     out.launch_build(&MASKED_FILL, Precision::of::<T>(), out.len(), &args, cost)
 }
 
-/// `x` times `scale` where `keep` (of `x`'s shape) is set and times 0 elsewhere: the
-/// gradient of `dropout`.
-pub(crate) fn dropout<T: Element>(
-    x: &GpuArray<T>,
-    keep: &GpuArray<u8>,
-    scale: f64,
-) -> Result<GpuArray<T>> {
-    let out = GpuArray::<T>::uninit("dropout", x.device(), x.shape())?;
-    dropout_stored::<T, T>(&out, x.into(), keep, scale)?;
-    Ok(out)
-}
-
-/// [`dropout`] of `x` in any storage format into `out` in any, computed in `T`.
+/// `x` times `scale` where `keep` (of `x`'s shape) is set and times 0 elsewhere (also
+/// the gradient of dropout), `x` in any storage format into `out` in any, computed in
+/// `T`.
 pub(crate) fn dropout_stored<T: Element, O: Stored>(
     out: &GpuArray<O>,
     x: PointwiseInput<'_>,

@@ -5,8 +5,7 @@
 use super::index::{dropout_scale, keep_mask, Dropout};
 use super::softmax::SoftmaxKernel;
 use crate::gpu::ops::{gemm_into, Destination, Operand};
-use crate::gpu::row_ops::{softmax_backward, SoftmaxKind, SoftmaxRows};
-use crate::gpu::shape_ops::dropout as dropout_backward;
+use crate::gpu::row_ops::{SoftmaxBackward, SoftmaxKind, SoftmaxRows};
 use crate::gpu::{GemmFormat, GpuArray};
 use crate::precision::{written, Half};
 use crate::tape::record_tensor;
@@ -98,7 +97,7 @@ impl<T: Element> Tensor<T> {
     ) -> Result<Tensor<T>> {
         let Heads { s, b, n, d } = heads;
         let (device, dtype) = (self.device(), self.dtype());
-        let (forward, _) = formats::<T>(dtype);
+        let forward = product_format::<T>(dtype, dtype);
         let qkv = self.device_input(OP, device)?.ptr;
         let size = forward.bytes().0;
         let scores = product_output::<T>(device, &[b * n, s, s], dtype)?;
@@ -146,9 +145,11 @@ impl<T: Element> Tensor<T> {
             heads.part(qkv, size, 2, false),
             [s, d, s, b * n],
         )?;
+        let grad_format = self.grad_format();
         record_tensor(OP, &[self], context, || {
             let saved = Saved {
                 qkv: self.detach(),
+                grad_format,
                 probs,
                 dropped,
                 keep,
@@ -244,14 +245,15 @@ impl Heads {
     }
 }
 
-/// The GEMM formats of the forward and backward products for operands stored as
-/// `dtype`: 16-bit ones multiply in their format and their backward writes f32
-/// gradients from a gradient rounded to it, as [`Tensor::matmul`] does.
-fn formats<T: Element>(dtype: DType) -> (GemmFormat, GemmFormat) {
-    match dtype {
-        DType::BF16 => (GemmFormat::Bf16, GemmFormat::Bf16IntoF32),
-        DType::F16 => (GemmFormat::F16, GemmFormat::F16IntoF32),
-        _ => (GemmFormat::of::<T>(), GemmFormat::of::<T>()),
+/// The GEMM format of products of operands stored as `dtype` writing a result stored
+/// as `out`: 16-bit operands multiply in their format, into 16-bit or `T` results.
+fn product_format<T: Element>(dtype: DType, out: DType) -> GemmFormat {
+    match (dtype, out == dtype) {
+        (DType::BF16, true) => GemmFormat::Bf16,
+        (DType::F16, true) => GemmFormat::F16,
+        (DType::BF16, false) => GemmFormat::Bf16IntoF32,
+        (DType::F16, false) => GemmFormat::F16IntoF32,
+        _ => GemmFormat::of::<T>(),
     }
 }
 
@@ -274,10 +276,11 @@ fn address<T: Element>(tensor: &Tensor<T>) -> Result<(Device, u64)> {
     ))
 }
 
-/// What the backward reads: the packed input, the probabilities before and after
-/// dropout, and dropout's mask and scale.
+/// What the backward reads: the packed input (and the format its gradient is kept
+/// in), the probabilities before and after dropout, and dropout's mask and scale.
 struct Saved<T: Element> {
     qkv: Tensor<T>,
+    grad_format: DType,
     probs: Tensor<T>,
     dropped: Tensor<T>,
     keep: Option<(GpuArray<u8>, f64)>,
@@ -288,20 +291,23 @@ struct Saved<T: Element> {
 impl<T: Element> Saved<T> {
     /// The packed gradient: `dV = P'ᵀ·dC`, `dP' = dC·Vᵀ`, dropout's and softmax's
     /// backward to `dS`, then `dQ = dS·K` and `dK = dSᵀ·Q`, each product writing its part.
+    /// Every gradient is stored as the composition's tape keeps it: the sequence² ones
+    /// in the activations' format, the packed one in the input's gradient format.
     fn backward(&self, grad: &Tensor<T>) -> Result<Tensor<T>> {
         let Heads { s, b, n, d } = self.heads;
         let (device, dtype) = (self.qkv.device(), self.qkv.dtype());
-        let (_, backward) = formats::<T>(dtype);
+        let inner = product_format::<T>(dtype, dtype);
+        let outer = product_format::<T>(dtype, self.grad_format);
         let qkv = self.qkv.device_input(OP, device)?.ptr;
-        let size = backward.bytes().0;
-        let out = GpuArray::<T>::uninit(OP, device, &[s, b, n, 3, d])?;
-        let packed = (device, out.ptr());
-        let g = self.rounded(grad)?;
+        let size = inner.bytes().0;
+        let out = product_output::<T>(device, &[s, b, n, 3, d], self.grad_format)?;
+        let packed = address(&out)?;
+        let g = self.as_stored(grad)?;
         let heads = self.heads;
         gemm_into(
             packed,
             heads.part_destination(2),
-            backward,
+            outer,
             heads.scores(address(&self.dropped)?.1, true),
             heads.context(address(&g)?.1),
             [s, d, s, b * n],
@@ -309,46 +315,52 @@ impl<T: Element> Saved<T> {
         // Each `sequence²` gradient is released once the next is made from it (the
         // work is queued in order), so at most two are held at once.
         let d_probs = {
-            let d_dropped = GpuArray::<T>::uninit(OP, device, &[b * n, s, s])?;
+            let d_dropped = product_output::<T>(device, &[b * n, s, s], dtype)?;
             gemm_into(
-                (device, d_dropped.ptr()),
+                address(&d_dropped)?,
                 heads.scores_destination(),
-                backward,
+                inner,
                 heads.context(address(&g)?.1),
                 heads.part(qkv, size, 2, true),
                 [s, s, d, b * n],
             )?;
             match &self.keep {
-                Some((keep, scale)) => dropout_backward(&d_dropped, keep, *scale)?,
+                Some((keep, scale)) => {
+                    let x = d_dropped.device_input(OP, device)?;
+                    let scale = *scale;
+                    let shape = [b * n, s, s];
+                    written(OP, device, &shape, dtype, &Dropout { x, keep, scale })?
+                }
                 None => d_dropped,
             }
         };
         drop(g);
-        let probs = self.probs.device_input(OP, device)?;
-        let d_scores = softmax_backward(&d_probs, probs, self.how)?;
+        let softmax = SoftmaxBackward {
+            grad: d_probs.device_input(OP, device)?,
+            y: self.probs.device_input(OP, device)?,
+            how: self.how,
+        };
+        let d_scores: Tensor<T> = written(OP, device, &[b * n, s, s], dtype, &softmax)?;
         drop(d_probs);
-        let rounded = self.rounded(&Tensor::from_gpu(d_scores))?;
-        let d_scores = address(&rounded)?.1;
+        let d_scores = address(&d_scores)?.1;
         for (index, transposed, other) in [(0, false, 1), (1, true, 0)] {
             gemm_into(
                 packed,
                 heads.part_destination(index),
-                backward,
+                outer,
                 heads.scores(d_scores, transposed),
                 heads.part(qkv, size, other, false),
                 [s, d, s, b * n],
             )?;
         }
-        Ok(Tensor::from_gpu(out))
+        Ok(out)
     }
 
-    /// `grad` as the backward products read it: rounded once to 16-bit operands'
-    /// format.
-    fn rounded(&self, grad: &Tensor<T>) -> Result<Tensor<T>> {
-        let device = self.qkv.device();
-        let grad = Tensor::from_gpu(grad.device_array(OP, device)?);
+    /// `grad` stored as the products read it, in the activations' format (as the tape
+    /// keeps it already).
+    fn as_stored(&self, grad: &Tensor<T>) -> Result<Tensor<T>> {
         match self.qkv.dtype() {
-            dtype if dtype == T::DTYPE => Ok(grad),
+            dtype if dtype == grad.dtype() => Ok(grad.clone()),
             dtype => grad.stored_as(OP, dtype),
         }
     }

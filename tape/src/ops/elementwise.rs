@@ -2,15 +2,17 @@
 
 use ndarray::{ArcArray, ArrayD, IxDyn, Zip};
 
-use super::{broadcast_shape, device_grads, pointwise, pointwise_inputs, sum_to_shape};
-use crate::gpu::ops::{self as device, AddedBias, BinaryKind, PointwiseInput, UnaryKind};
+use super::{broadcast_shape, pointwise, pointwise_inputs, sum_to_shape};
+use crate::gpu::ops::{
+    self as device, AddedBias, BinaryKernel, BinaryKind, PointwiseInput, PointwiseWrite, UnaryKind,
+};
 use crate::gpu::{GpuArray, Stored};
-use crate::precision::{promoted, written, Kept, PointwiseWrite};
+use crate::precision::{promoted, written, Kept};
 use crate::tape::{
     record, record_reading_output, record_tensor, record_tensor_reading_output, BackwardFn,
     TensorBackwardFn,
 };
-use crate::{Element, Error, Result, Tensor};
+use crate::{DType, Element, Error, Result, Tensor};
 
 /// Which GELU formula to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -80,17 +82,14 @@ impl<T: Element> Tensor<T> {
             };
             let format = promoted(&[self, other]);
             let out = written(op, self.device(), &shape, format, &kernel)?;
+            let formats = [self.grad_format(), other.grad_format()];
             return record_tensor(op, &[self, other], out, || {
                 // The inputs as stored, which backward reads so.
                 let (a, b) = (self.detach(), other.detach());
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                     let on = a.device();
-                    let (a, b) = (a.device_input(op, on)?, b.device_input(op, on)?);
-                    let grad = grad.device_array(op, on)?;
-                    let kind = kind.device_kind();
-                    Ok(device_grads(device::binary_backward(
-                        kind, &grad, needs, a, b,
-                    )?))
+                    let operands = [a.device_input(op, on)?, b.device_input(op, on)?];
+                    binary_backward_on_device(op, kind, &grad, needs, operands, formats)
                 })
             });
         }
@@ -160,15 +159,16 @@ impl<T: Element> Tensor<T> {
             factor,
         };
         let y = written(op, on, self.shape(), self.dtype(), &kernel)?;
+        let format = self.grad_format();
         // Only what the derivative reads is kept: the output as stored for exp, the
         // output for tanh (or a 16-bit input, since 1 − y² of a rounded y near ±1 cancels),
         // nothing for a scale, the input for the others. The kernel reads it as stored.
         let backward = move |kept: Option<Kept<T, Tensor<T>>>| -> TensorBackwardFn<T> {
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                let grad = grad.device_array(op, on)?;
+                let grad = grad.device_input(op, on)?;
                 let recomputed;
                 let kept = match &kept {
-                    None => (&grad).into(),
+                    None => grad,
                     Some(Kept::Output(y)) => y.device_input(op, on)?,
                     Some(Kept::Input(x)) if matches!(kind, UnaryKind::Tanh) => {
                         let x = x.device_input(op, on)?;
@@ -183,8 +183,14 @@ impl<T: Element> Tensor<T> {
                     }
                     Some(Kept::Input(x)) => x.device_input(op, on)?,
                 };
-                let dx = device::unary_backward(kind, &grad, kept, None, factor)?;
-                Ok(vec![Some(Tensor::from_gpu(dx))])
+                let kernel = device::UnaryBackward {
+                    kind,
+                    grad,
+                    kept,
+                    bias: None,
+                    factor,
+                };
+                Ok(vec![Some(written(op, on, grad.shape, format, &kernel)?)])
             })
         };
         match kind {
@@ -359,19 +365,130 @@ impl<T: Element> Tensor<T> {
         record_tensor(OP, &[self, bias], y, || {
             let (x, bias) = (self.detach(), bias.detach());
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
-                let grad = grad.device_array(OP, on)?;
+                let grad = grad.device_input(OP, on)?;
                 let added = AddedBias {
                     bias: bias.device_input(OP, on)?,
                     sum_format,
                 };
-                let x = x.device_input(OP, on)?;
-                let dx = device::unary_backward(kind, &grad, x, Some(&added), 1.0)?;
+                let kernel = device::UnaryBackward {
+                    kind,
+                    grad,
+                    kept: x.device_input(OP, on)?,
+                    bias: Some(added),
+                    factor: 1.0,
+                };
+                // The gradient of the sum, stored as the sum is (the composition's
+                // rounding), is the input's; the bias's sums it.
+                let d_sum: Tensor<T> = written(OP, on, grad.shape, sum, &kernel)?;
                 let db = needs[1]
-                    .then(|| device::sum_to(dx.clone(), bias.shape()))
+                    .then(|| {
+                        let d_sum = d_sum.device_input(OP, on)?;
+                        device::sum_to_stored(on, d_sum, bias.shape()).map(Tensor::from_gpu)
+                    })
                     .transpose()?;
-                Ok(device_grads(vec![needs[0].then_some(dx), db]))
+                Ok(vec![needs[0].then_some(d_sum), db])
             })
         })
+    }
+}
+
+/// Gradients of `a (kind) b` on a device from `grad`, every tensor read as stored: each
+/// written in its operand's gradient `formats` (the incoming gradient itself for a sum's
+/// operand of its shape), a broadcast operand's summed down to it in `T`.
+fn binary_backward_on_device<T: Element>(
+    op: &'static str,
+    kind: Binary,
+    grad: &Tensor<T>,
+    needs: &[bool],
+    [a, b]: [PointwiseInput<'_>; 2],
+    formats: [DType; 2],
+) -> Result<Vec<Option<Tensor<T>>>> {
+    let on = grad.device();
+    let g = grad.device_input(op, on)?;
+    let times = |other| BinaryKernel {
+        op,
+        kind: BinaryKind::Mul,
+        a: g,
+        b: other,
+    };
+    let over = |other| BinaryKernel {
+        op,
+        kind: BinaryKind::Div,
+        a: g,
+        b: other,
+    };
+    let negated = UnaryKernel {
+        kind: UnaryKind::Scale,
+        x: g,
+        bias: None,
+        factor: -1.0,
+    };
+    let mut grads = Vec::with_capacity(2);
+    for (i, operand) in [a, b].into_iter().enumerate() {
+        if !needs[i] {
+            grads.push(None);
+            continue;
+        }
+        let (shape, format) = (operand.shape, formats[i]);
+        let whole = |kernel: &dyn PointwiseWriteDyn<T>| -> Result<Tensor<T>> {
+            match shape == g.shape {
+                true => kernel.written(op, on, shape, format),
+                false => {
+                    let full = kernel.written(op, on, g.shape, T::DTYPE)?;
+                    let full = full.device_input(op, on)?;
+                    Ok(Tensor::from_gpu(device::sum_to_stored(on, full, shape)?))
+                }
+            }
+        };
+        let summed = |g: PointwiseInput<'_>| -> Result<Tensor<T>> {
+            Ok(Tensor::from_gpu(device::sum_to_stored(on, g, shape)?))
+        };
+        grads.push(Some(match (kind, i) {
+            (Binary::Add, _) | (Binary::Sub, 0) if shape == g.shape => grad.clone(),
+            (Binary::Add, _) | (Binary::Sub, 0) => summed(g)?,
+            (Binary::Sub, _) => whole(&negated)?,
+            (Binary::Mul, 0) => whole(&times(b))?,
+            (Binary::Mul, _) => whole(&times(a))?,
+            (Binary::Div, 0) => whole(&over(b))?,
+            (Binary::Div, _) => {
+                // d(a/b)/db = -(a/b)/b · g, in `T` until the last product.
+                let quotient = device::binary::<T>(op, BinaryKind::Div, on, g.shape, (a, b))?;
+                let over_b = (&quotient).into();
+                let over_b = device::binary::<T>(op, BinaryKind::Div, on, g.shape, (over_b, b))?;
+                let negated = device::unary::<T>(UnaryKind::Scale, &over_b, -1.0)?;
+                let product = BinaryKernel {
+                    op,
+                    kind: BinaryKind::Mul,
+                    a: g,
+                    b: (&negated).into(),
+                };
+                whole(&product)?
+            }
+        }));
+    }
+    Ok(grads)
+}
+
+/// A [`PointwiseWrite`] kernel behind a reference (the trait's method is generic).
+trait PointwiseWriteDyn<T: Element> {
+    fn written(
+        &self,
+        op: &'static str,
+        on: crate::Device,
+        shape: &[usize],
+        format: DType,
+    ) -> Result<Tensor<T>>;
+}
+
+impl<T: Element, K: PointwiseWrite> PointwiseWriteDyn<T> for K {
+    fn written(
+        &self,
+        op: &'static str,
+        on: crate::Device,
+        shape: &[usize],
+        format: DType,
+    ) -> Result<Tensor<T>> {
+        written(op, on, shape, format, self)
     }
 }
 
@@ -445,20 +562,6 @@ fn gelu_tanh_derivative<T: Element>(x: T) -> T {
     let t = (c * (x + k * x * x * x)).tanh_vectorizable();
     let dinner = c * (T::one() + T::from_f64(3.0) * k * x * x);
     half * (T::one() + t) + half * x * (T::one() - t * t) * dinner
-}
-
-/// `a (kind) b` as a pointwise kernel writing any storage format.
-struct BinaryKernel<'a> {
-    op: &'static str,
-    kind: BinaryKind,
-    a: PointwiseInput<'a>,
-    b: PointwiseInput<'a>,
-}
-
-impl PointwiseWrite for BinaryKernel<'_> {
-    fn write<T: Element, O: Stored>(&self, out: &GpuArray<O>) -> Result<()> {
-        device::binary_stored::<T, O>(self.op, self.kind, out, self.a, self.b)
-    }
 }
 
 /// `kind(x)` as a pointwise kernel writing any storage format.

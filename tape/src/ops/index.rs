@@ -4,10 +4,10 @@ use ndarray::{ArrayD, Axis, IxDyn, Zip};
 
 use super::pointwise_inputs;
 use super::shape::{moved_on_device, Movement};
-use crate::gpu::ops::PointwiseInput;
+use crate::gpu::ops::{PointwiseInput, PointwiseWrite};
 use crate::gpu::shape_ops as device;
 use crate::gpu::{GpuArray, Stored};
-use crate::precision::{written, PointwiseWrite};
+use crate::precision::written;
 use crate::random::Generator;
 use crate::tape::{record, record_stored, record_tensor};
 use crate::{Device, Element, Error, Result, Tensor};
@@ -59,8 +59,8 @@ impl<T: Element> Tensor<T> {
             let (device, table_shape) = (on, self.shape().to_vec());
             return record_tensor(OP, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                    let grad = grad.device_array(OP, device)?;
-                    let table_grad = device::embedding_backward(&grad, &ids, &table_shape)?;
+                    let grad = grad.device_input(OP, device)?;
+                    let table_grad = device::embedding_backward(device, grad, &ids, &table_shape)?;
                     Ok(vec![Some(Tensor::from_gpu(table_grad))])
                 })
             });
@@ -114,11 +114,13 @@ impl<T: Element> Tensor<T> {
                 value: value.into_f64(),
             };
             let out = written(OP, device, self.shape(), self.dtype(), &kernel)?;
+            let format = self.grad_format();
             return record_tensor(OP, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                    let grad = grad.device_array(OP, device)?;
-                    let grad = device::zero_masked(&grad, &fill)?;
-                    Ok(vec![Some(Tensor::from_gpu(grad))])
+                    let x = grad.device_input(OP, device)?;
+                    let (mask, value) = (&fill, 0.0);
+                    let kernel = MaskedFill { x, mask, value };
+                    Ok(vec![Some(written(OP, device, x.shape, format, &kernel)?)])
                 })
             });
         }
@@ -156,12 +158,16 @@ impl<T: Element> Tensor<T> {
                 scale,
             };
             let out = written(OP, device, self.shape(), self.dtype(), &kernel)?;
+            let format = self.grad_format();
             return record_tensor(OP, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                    let grad = grad.device_array(OP, device)?;
-                    Ok(vec![Some(Tensor::from_gpu(device::dropout(
-                        &grad, &keep, scale,
-                    )?))])
+                    let x = grad.device_input(OP, device)?;
+                    let kernel = Dropout {
+                        x,
+                        keep: &keep,
+                        scale,
+                    };
+                    Ok(vec![Some(written(OP, device, x.shape, format, &kernel)?)])
                 })
             });
         }

@@ -5,6 +5,7 @@ use ndarray::{Array1, ArrayD, Ix2, IxDyn};
 use super::{on_device, reshape_owned};
 use crate::gpu::row_ops::{self as device, Targets};
 use crate::gpu::GpuArray;
+use crate::precision::written;
 use crate::tape::{record, record_tensor};
 use crate::{Element, Error, Result, Tensor};
 
@@ -182,19 +183,31 @@ impl<T: Element> Tensor<T> {
             Reduction::Mean => device::sum_losses(&losses, Some(counted))?,
         };
         let logits = logits.clone();
+        let format = self.grad_format();
         record_tensor(OP, &[self], Tensor::from_gpu(out), || {
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                let grad = grad.device_array(OP, logits.device())?;
+                let on = logits.device();
+                let upstream = grad.device_array(OP, on)?;
                 // As on the CPU: a mean's upstream gradient is shared by the counted rows.
                 let divisor = match reduction {
                     Reduction::Mean => counted as f64,
                     Reduction::Sum | Reduction::None => 1.0,
                 };
-                let per_row = reduction == Reduction::None;
-                let dx = device::cross_entropy_backward(
-                    &grad, per_row, divisor, &logits, &lse, &targets,
-                )?;
-                Ok(vec![Some(Tensor::from_gpu(dx))])
+                let kernel = device::CrossEntropyBackward {
+                    upstream: &upstream,
+                    per_row: reduction == Reduction::None,
+                    divisor,
+                    logits: &logits,
+                    lse: &lse,
+                    targets: &targets,
+                };
+                Ok(vec![Some(written(
+                    OP,
+                    on,
+                    logits.shape(),
+                    format,
+                    &kernel,
+                )?)])
             })
         })
     }
@@ -292,10 +305,15 @@ impl<T: Element> Tensor<T> {
                 smoothing,
                 all_classes: classes,
             };
-            let dx = device::cross_entropy_backward(
-                &upstream, per_row, divisor, &logits, &lse, &targets,
-            )?;
-            return Ok(Tensor::from_gpu(dx));
+            let kernel = device::CrossEntropyBackward {
+                upstream: &upstream,
+                per_row,
+                divisor,
+                logits: &logits,
+                lse: &lse,
+                targets: &targets,
+            };
+            return written(OP, logits.device(), logits.shape(), T::DTYPE, &kernel);
         }
         let mut logits = self
             .cpu(OP)?

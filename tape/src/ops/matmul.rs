@@ -10,7 +10,7 @@ use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewMut2, Axi
 use super::{device_grads, on_device};
 use crate::gpu::ops::{self as device_ops, Operand};
 use crate::gpu::GpuArray;
-use crate::precision::{narrowed, promoted, Half, HalfFloat, Packed};
+use crate::precision::{promoted, Half, HalfFloat, Packed};
 use crate::tape::{record, record_tensor};
 use crate::threads::{num_threads, run_pieces};
 use crate::{DType, Element, Error, Result, Tensor};
@@ -334,25 +334,27 @@ impl Geometry {
         (b, shape_b): (u64, &[usize]),
         g: u64,
         needs: &[bool],
-        gemm: impl Fn(&[usize], Operand, Operand, [usize; 4]) -> Result<GpuArray<E>>,
-    ) -> Result<Vec<Option<GpuArray<E>>>> {
+        gemm: impl Fn(usize, &[usize], Operand, Operand, [usize; 4]) -> Result<E>,
+    ) -> Result<Vec<Option<E>>> {
         let Geometry { batch, m, k, n, .. } = *self;
         let stride_g = self.stride_c;
         let grad_a = needs[0]
             .then(|| {
                 let b = operand(b, !self.transposed_b, self.stride_b);
-                gemm(shape_a, operand(g, false, stride_g), b, [m, k, n, batch])
+                gemm(0, shape_a, operand(g, false, stride_g), b, [m, k, n, batch])
             })
             .transpose()?;
         let grad_b = needs[1]
             .then(|| match self.transposed_b {
                 false => gemm(
+                    1,
                     shape_b,
                     operand(a, true, self.stride_a),
                     operand(g, false, stride_g),
                     [k, n, m, batch],
                 ),
                 true => gemm(
+                    1,
                     shape_b,
                     operand(g, true, stride_g),
                     operand(a, false, self.stride_a),
@@ -363,30 +365,45 @@ impl Geometry {
         Ok(vec![grad_a, grad_b])
     }
 
-    /// [`backward`](Self::backward) of two `H` operands on a device: the gradient rounded
-    /// to `H` once, then GEMMs of 16-bit operands into f32 gradients. `None` where the
-    /// operands are not device storage of `H`.
+    /// [`backward`](Self::backward) of two `H` operands on a device: GEMMs of 16-bit
+    /// operands and the gradient in `H` (as the tape keeps it) into each input's
+    /// gradient format, `formats`: `H` for an activation, f32 for a parameter (Megatron's
+    /// fp32 main-grad GEMMs). `None` where the operands are not device storage of `H`.
     fn backward_16_bit<H: HalfFloat, T: Element>(
         &self,
         a: &Tensor<T>,
         b: &Tensor<T>,
         grad: &Tensor<T>,
         needs: &[bool],
-    ) -> Result<Option<Vec<Option<GpuArray<T>>>>> {
+        formats: [DType; 2],
+    ) -> Result<Option<Vec<Option<Tensor<T>>>>> {
         let (Some(Packed::Gpu(x)), Some(Packed::Gpu(y))) =
             (a.half().and_then(H::packed), b.half().and_then(H::packed))
         else {
             return Ok(None);
         };
         let device = a.device();
-        let g = narrowed::<H, T>(OP, &grad.device_array(OP, device)?)?;
+        let stored = match grad.half().and_then(H::packed) {
+            Some(_) => grad.clone(),
+            None => grad.stored_as(OP, H::DTYPE)?,
+        };
+        let Some(Packed::Gpu(g)) = stored.half().and_then(H::packed) else {
+            return Err(Error::UnsupportedDevice {
+                op: OP,
+                device: grad.device(),
+            });
+        };
         self.backward(
             (x.ptr(), a.shape()),
             (y.ptr(), b.shape()),
             g.ptr(),
             needs,
-            |shape, x, y, dims| {
-                device_ops::matmul_16_bit_widening::<H, T>(device, shape, x, y, dims)
+            // An empty inner dimension is zeros, which the widening product writes.
+            |which, shape, x, y, dims| match formats[which] == H::DTYPE && dims[2] > 0 {
+                true => device_ops::matmul_16_bit::<H>(device, shape, x, y, dims)
+                    .map(|product| Tensor::from_half(H::into_half(Packed::Gpu(product)))),
+                false => device_ops::matmul_16_bit_widening::<H, T>(device, shape, x, y, dims)
+                    .map(Tensor::from_gpu),
             },
         )
         .map(Some)
@@ -462,30 +479,29 @@ impl<T: Element> Tensor<T> {
         out: Tensor<T>,
     ) -> Result<Tensor<T>> {
         let device = self.device();
+        let formats = [self.grad_format(), other.grad_format()];
         record_tensor(OP, &[self, other], out, || {
             let (a, b) = (self.detach(), other.detach());
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                 let rounded = match gradient_format(&a, &b) {
                     Some(DType::BF16) => {
-                        geometry.backward_16_bit::<bf16, T>(&a, &b, &grad, needs)?
+                        geometry.backward_16_bit::<bf16, T>(&a, &b, &grad, needs, formats)?
                     }
-                    Some(_) => geometry.backward_16_bit::<f16, T>(&a, &b, &grad, needs)?,
+                    Some(_) => geometry.backward_16_bit::<f16, T>(&a, &b, &grad, needs, formats)?,
                     None => None,
                 };
-                let grads = match rounded {
-                    Some(grads) => grads,
-                    None => {
-                        let (x, y) = (a.device_array(OP, device)?, b.device_array(OP, device)?);
-                        let g = grad.device_array(OP, device)?;
-                        geometry.backward(
-                            (x.ptr(), a.shape()),
-                            (y.ptr(), b.shape()),
-                            g.ptr(),
-                            needs,
-                            |shape, x, y, dims| device_ops::matmul(device, shape, x, y, dims),
-                        )?
-                    }
-                };
+                if let Some(grads) = rounded {
+                    return Ok(grads);
+                }
+                let (x, y) = (a.device_array(OP, device)?, b.device_array(OP, device)?);
+                let g = grad.device_array(OP, device)?;
+                let grads = geometry.backward(
+                    (x.ptr(), a.shape()),
+                    (y.ptr(), b.shape()),
+                    g.ptr(),
+                    needs,
+                    |_, shape, x, y, dims| device_ops::matmul(device, shape, x, y, dims),
+                )?;
                 Ok(device_grads(grads))
             })
         })

@@ -3,9 +3,10 @@
 use ndarray::ArrayD;
 
 use super::common_device;
+use crate::gpu::ops::PointwiseWrite;
 use crate::gpu::row_ops as device;
 use crate::gpu::{GpuArray, Stored};
-use crate::precision::{promoted, written, PointwiseWrite};
+use crate::precision::{promoted, written};
 use crate::tape::{record, record_tensor};
 use crate::threads::for_row_blocks;
 use crate::{Device, Element, Error, Result, Tensor};
@@ -153,6 +154,7 @@ impl<T: Element> Tensor<T> {
         };
         let out = written(OP, on, self.shape(), promoted(&inputs), &kernel)?;
         let has_bias = bias.is_some();
+        let format = self.grad_format();
         record_tensor(OP, &inputs, out, || {
             // A 16-bit input and weight are kept as themselves and read so.
             let input = self.detach();
@@ -167,16 +169,23 @@ impl<T: Element> Tensor<T> {
                     .as_ref()
                     .map(|w| w.device_input(OP, on))
                     .transpose()?;
-                let grad = grad.device_array(OP, on)?;
+                let grad = grad.device_input(OP, on)?;
                 let dx = needs[0]
-                    .then(|| device::layer_norm_input_grad(&grad, saved, weight))
+                    .then(|| {
+                        let kernel = device::LayerNormInputGrad {
+                            grad,
+                            saved,
+                            weight,
+                        };
+                        written(OP, on, saved.x.shape, format, &kernel)
+                    })
                     .transpose()?;
                 // Inputs are [x, weight?, bias?].
                 let need_weight = weight.is_some() && needs[1];
                 let need_bias = has_bias && needs[1 + usize::from(weight.is_some())];
                 let (dweight, dbias) =
-                    device::layer_norm_affine_grads(&grad, saved, need_weight, need_bias)?;
-                let mut grads = vec![dx.map(Tensor::from_gpu)];
+                    device::layer_norm_affine_grads(grad, saved, need_weight, need_bias)?;
+                let mut grads = vec![dx];
                 if weight.is_some() {
                     grads.push(dweight.map(Tensor::from_gpu));
                 }

@@ -1,12 +1,11 @@
 //! A residual branch's end in one pass: its bias, dropout and addition to the residual
 //! stream (Megatron's `bias_dropout_add`).
 
-use super::device_grads;
-use super::index::{dropout_scale, keep_mask};
-use crate::gpu::ops::{sum_to, PointwiseInput};
-use crate::gpu::shape_ops::{bias_dropout_add_stored, dropout as dropout_backward};
+use super::index::{dropout_scale, keep_mask, Dropout};
+use crate::gpu::ops::{sum_to_stored, PointwiseInput, PointwiseWrite};
+use crate::gpu::shape_ops::bias_dropout_add_stored;
 use crate::gpu::{GpuArray, Stored};
-use crate::precision::{promoted, written, PointwiseWrite};
+use crate::precision::{promoted, written};
 use crate::random::Generator;
 use crate::tape::record_tensor;
 use crate::{DType, Element, Error, Result, Tensor};
@@ -95,22 +94,45 @@ impl<T: Element> Tensor<T> {
         let mut inputs = vec![self, residual];
         inputs.extend(bias);
         let width = bias.map(|b| b.shape().to_vec());
+        // The dropout's input: the biased sum, or the branch itself.
+        let dropout_input = match bias {
+            Some(_) => sum,
+            None => self.grad_format(),
+        };
         record_tensor(OP, &inputs, out, || {
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
-                let grad = grad.device_array(OP, on)?;
+                // The gradients the composition's tape keeps: the dropped branch's and
+                // the biased sum's stored as those results are.
+                let dropped_format = match keep {
+                    Some(_) => sum,
+                    None => dropout_input,
+                };
+                let kept_as_is = dropped_format == T::DTYPE || grad.dtype() == dropped_format;
+                let dropped = match kept_as_is {
+                    true => grad.clone(),
+                    false => grad.stored_as(OP, dropped_format)?,
+                };
                 let branch = match &keep {
-                    Some((keep, scale)) => dropout_backward(&grad, keep, *scale)?,
-                    None => grad.clone(),
+                    Some((keep, scale)) => {
+                        let x = dropped.device_input(OP, on)?;
+                        let scale = *scale;
+                        let kernel = Dropout { x, keep, scale };
+                        written(OP, on, grad.shape(), dropout_input, &kernel)?
+                    }
+                    None => dropped,
                 };
                 let d_bias = match &width {
-                    Some(shape) if needs[2] => Some(sum_to(branch.clone(), shape)?),
+                    Some(shape) if needs[2] => {
+                        let branch = branch.device_input(OP, on)?;
+                        Some(Tensor::from_gpu(sum_to_stored(on, branch, shape)?))
+                    }
                     _ => None,
                 };
                 let mut grads = vec![needs[0].then_some(branch), needs[1].then_some(grad)];
                 if width.is_some() {
                     grads.push(d_bias);
                 }
-                Ok(device_grads(grads))
+                Ok(grads)
             })
         })
     }

@@ -8,8 +8,8 @@ use half::{bf16, f16};
 
 use crate::gpu::shape_ops as device;
 use crate::gpu::{GpuArray, Stored};
-use crate::precision::{HalfFloat, Packed};
-use crate::tape::{record, record_tensor};
+use crate::precision::{written, HalfFloat, Packed};
+use crate::tape::{record_cpu_view, record_view};
 use crate::{DType, Element, Error, Result, Tensor};
 
 impl<T: Element> Tensor<T> {
@@ -27,12 +27,12 @@ impl<T: Element> Tensor<T> {
         }
         let from = self.shape().to_vec();
         if let Some(out) = self.memory_range(0, shape) {
-            return record_tensor(OP, &[self], out, || {
+            return record_view(OP, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| Ok(vec![Some(grad.reshape(&from)?)]))
             });
         }
         let out = reshape_owned(OP, self.cpu(OP)?.to_owned(), shape)?;
-        record(OP, &[self], out.into_shared(), || {
+        record_cpu_view(OP, &[self], out.into_shared(), || {
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
                 Ok(vec![Some(reshape_owned(OP, grad, &from)?)])
             })
@@ -73,17 +73,18 @@ impl<T: Element> Tensor<T> {
         }
         if let Some(out) = moved_on_device(op, &[self], &Permute(op, order))? {
             let device = self.device();
-            return record_tensor(op, &[self], out, || {
+            return record_view(op, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                    let grad = grad.device_array(op, device)?;
-                    Ok(vec![Some(Tensor::from_gpu(device::permute(
-                        op, &grad, &inverse,
-                    )?))])
+                    // The gradient's elements moved as stored.
+                    let moved = moved_on_device(op, &[&grad], &Permute(op, &inverse))?;
+                    Ok(vec![Some(
+                        moved.ok_or(Error::UnsupportedDevice { op, device })?,
+                    )])
                 })
             });
         }
         let out = self.cpu(op)?.clone().permuted_axes(IxDyn(order));
-        record(op, &[self], out, || {
+        record_cpu_view(op, &[self], out, || {
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
                 Ok(vec![Some(grad.permuted_axes(IxDyn(&inverse)))])
             })
@@ -126,7 +127,7 @@ impl<T: Element> Tensor<T> {
             },
         };
         let on = self.device();
-        record_tensor(OP, &[self], out, || {
+        record_view(OP, &[self], out, || {
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
                 let full = match on {
                     crate::Device::Cpu => {
@@ -136,8 +137,13 @@ impl<T: Element> Tensor<T> {
                         Tensor::from_array(full)
                     }
                     _ => {
-                        let grad = grad.device_array(OP, on)?;
-                        Tensor::from_gpu(device::narrow_backward(OP, &grad, &shape, dim, start)?)
+                        let grad_input = grad.device_input(OP, on)?;
+                        let kernel = device::NarrowBackward {
+                            grad: grad_input,
+                            dim,
+                            start,
+                        };
+                        written(OP, on, &shape, grad.dtype(), &kernel)?
                     }
                 };
                 Ok(vec![Some(full)])
@@ -170,19 +176,25 @@ impl<T: Element> Tensor<T> {
         let sizes: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
         if let Some(out) = moved_on_device(OP, tensors, &Concat(dim))? {
             let device = out.device();
-            return record_tensor(OP, tensors, out, || {
+            return record_view(OP, tensors, out, || {
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
-                    let grad = grad.device_array(OP, device)?;
                     let mut start = 0;
                     sizes
                         .iter()
                         .zip(needs)
                         .map(|(&size, &need)| {
+                            let len = size;
+                            let narrowed = Narrow { dim, start, len };
+                            // Each part's gradient moved as stored.
                             let part = need
-                                .then(|| device::narrow(OP, &grad, dim, start, size))
-                                .transpose();
+                                .then(|| moved_on_device(OP, &[&grad], &narrowed))
+                                .transpose()?
+                                .flatten();
                             start += size;
-                            Ok(part?.map(Tensor::from_gpu))
+                            match (need, part) {
+                                (true, None) => Err(Error::UnsupportedDevice { op: OP, device }),
+                                (_, part) => Ok(part),
+                            }
                         })
                         .collect()
                 })
@@ -195,7 +207,7 @@ impl<T: Element> Tensor<T> {
         let views: Vec<_> = arrays.iter().map(|a| a.view()).collect();
         let out = ndarray::concatenate(Axis(dim), &views)
             .map_err(|e| Error::shape(OP, &shapes, e.to_string()))?;
-        record(OP, tensors, out.into_shared(), || {
+        record_cpu_view(OP, tensors, out.into_shared(), || {
             Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
                 let mut start = 0;
                 Ok(sizes
@@ -286,7 +298,7 @@ impl Movement for Concat {
 }
 
 /// `movement` of tensors on one device, in their storage format where they share a 16-bit
-/// one (its bits moved, nothing widened); `None` for CPU tensors. Gradients stay f32.
+/// one (its bits moved, nothing widened); `None` for CPU tensors.
 pub(super) fn moved_on_device<T: Element>(
     op: &'static str,
     tensors: &[&Tensor<T>],

@@ -4,10 +4,10 @@
 use ndarray::{ArrayD, ArrayView1, Axis};
 
 use super::pointwise_inputs;
-use crate::gpu::ops::PointwiseInput;
+use crate::gpu::ops::{PointwiseInput, PointwiseWrite};
 use crate::gpu::row_ops::{self as device, SoftmaxKind, SoftmaxRows};
 use crate::gpu::{GpuArray, Stored};
-use crate::precision::{written, PointwiseWrite};
+use crate::precision::written;
 use crate::tape::{record_reading_output, record_tensor_reading_output};
 use crate::{Element, Error, Result, Tensor};
 
@@ -73,12 +73,13 @@ impl<T: Element> Tensor<T> {
                 self.dtype(),
                 &SoftmaxKernel { x, how },
             )?;
+            let format = self.grad_format();
             return record_tensor_reading_output(op, &[self], y, |kept| {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     let y = kept.device_input(op, on)?;
-                    let grad = grad.device_array(op, on)?;
-                    let dx = device::softmax_backward(&grad, y, how)?;
-                    Ok(vec![Some(Tensor::from_gpu(dx))])
+                    let grad = grad.device_input(op, on)?;
+                    let kernel = device::SoftmaxBackward { grad, y, how };
+                    Ok(vec![Some(written(op, on, y.shape, format, &kernel)?)])
                 })
             });
         }

@@ -110,30 +110,29 @@ KERNEL(SFX(unary)) {
 /* Gradient of `unary`.  p0 out, p1 grad, p2 what the derivative reads: the output y for
  * exp and tanh, the input x for the others (unread by a scale); i0 n, i1 kind as in
  * `unary`, i2 p2's format (as for `binary`); p3 and i4..i6 the bias as in `unary`, added
- * to the input read; f0 the scale factor. */
+ * to the input read; i7 grad's format, i8 out's; f0 the scale factor. */
 KERNEL(SFX(unary_backward)) {
     const KernelArgs* A = ARGS;
-    real* out = (real*)A->p[0];
-    const real* g = (const real*)A->p[1];
+    const void* g = (const void*)A->p[1];
     const void* kept = (const void*)A->p[2];
     int kind = (int)A->i[1];
-    int fk = (int)A->i[2];
+    int fk = (int)A->i[2], fg = (int)A->i[7], fout = (int)A->i[8];
     real factor = (real)A->f[0];
     FOR_EACH(i, A->i[0]) {
         real r;
+        real gi = SFX(load)(g, i, fg);
         real v = kind == 0 ? (real)0 : SFX(unary_input)(A, kept, fk, i);
         switch (kind) {
-            case 0: r = g[i] * factor; break;
-            case 1: r = g[i] * v; break;
-            case 2: r = g[i] / v; break;
-            case 3: r = g[i] * ((real)1 - v * v); break;
-            case 4: r = v <= (real)0 ? (real)0 : g[i]; break;
-            default: r = g[i] * SFX(gelu_derivative)(v, kind == 6); break;
+            case 0: r = gi * factor; break;
+            case 1: r = gi * v; break;
+            case 2: r = gi / v; break;
+            case 3: r = gi * ((real)1 - v * v); break;
+            case 4: r = v <= (real)0 ? (real)0 : gi; break;
+            default: r = gi * SFX(gelu_derivative)(v, kind == 6); break;
         }
-        out[i] = r;
+        SFX(store)((void*)A->p[0], i, fout, r);
     }
 }
-
 
 /* 16-bit storage.  p0 out, p1 x; i0 n, i1 kind: 0 real -> bf16, 1 real -> f16,
  * 2 bf16 -> real, 3 f16 -> real (via f32 for f64, as the CPU path). */

@@ -18,15 +18,16 @@ KERNEL(SFX(embedding)) {
 
 /* Gradient of `embedding`: table_grad[ids[r], h] += g[r, h]. Repeated ids hit the same
  * row, hence the atomic add.  p0 table_grad (zeroed), p1 g [rows, hidden], p2 ids;
- * i0 rows, i1 hidden. */
+ * i0 rows, i1 hidden, i2 g's format (as for `binary`). */
 KERNEL(SFX(embedding_backward)) {
     const KernelArgs* A = ARGS;
     real* table_grad = (real*)A->p[0];
-    const real* g = (const real*)A->p[1];
+    const void* g = (const void*)A->p[1];
     const i64* ids = (const i64*)A->p[2];
     i64 hidden = A->i[1];
+    int fg = (int)A->i[2];
     FOR_EACH(j, A->i[0] * hidden) {
-        ATOMIC_ADD(&table_grad[ids[j / hidden] * hidden + j % hidden], g[j]);
+        ATOMIC_ADD(&table_grad[ids[j / hidden] * hidden + j % hidden], SFX(load)(g, j, fg));
     }
 }
 

@@ -64,32 +64,35 @@ BLOCK_KERNEL(SFX(softmax_rows)) {
  * log-softmax dx = f0 · (g − exp(y) · Σ g); with i3 = 1, columns a row does not see get
  * 0 and take no part in the sums.  p0 dx, p1 g, p2 y; i0 rows, i1 width, i2 and i3 as in
  * `softmax_rows`, i4 y's format (as for `binary`: the rounded 16-bit output is read as
- * stored); f0 scale. */
+ * stored), i5 g's, i6 dx's; f0 scale. */
 BLOCK_KERNEL(SFX(softmax_rows_backward)) {
     const KernelArgs* A = ARGS;
-    real* dx = (real*)A->p[0];
-    const real* g = (const real*)A->p[1];
+    void* dx = (void*)A->p[0];
+    const void* g = (const void*)A->p[1];
     const void* y = (const void*)A->p[2];
     i64 width = A->i[1];
     int log_form = A->i[2] != 0;
     int causal = A->i[3] != 0;
-    int fy = (int)A->i[4];
+    int fy = (int)A->i[4], fg = (int)A->i[5], fdx = (int)A->i[6];
     real scale = (real)A->f[0];
     ROWS_OF_WARPS(r, A->i[0]) {
         i64 base = r * width;
         i64 seen = causal ? r % width + 1 : width;
         real acc = (real)0;
-        LANE_COLUMNS(j, seen)
-            acc += log_form ? g[base + j] : g[base + j] * SFX(load)(y, base + j, fy);
+        LANE_COLUMNS(j, seen) {
+            real gj = SFX(load)(g, base + j, fg);
+            acc += log_form ? gj : gj * SFX(load)(y, base + j, fy);
+        }
         acc = WARP_SUM(acc);
         LANE_COLUMNS(j, width) {
             i64 k = base + j;
             real d = (real)0;
             if (j < seen) {
                 real yk = SFX(load)(y, k, fy);
-                d = (log_form ? g[k] - EXP(yk) * acc : yk * (g[k] - acc)) * scale;
+                real gk = SFX(load)(g, k, fg);
+                d = (log_form ? gk - EXP(yk) * acc : yk * (gk - acc)) * scale;
             }
-            dx[k] = d;
+            SFX(store)(dx, k, fdx, d);
         }
     }
 }
@@ -136,34 +139,36 @@ BLOCK_KERNEL(SFX(layer_norm_rows)) {
 
 /* Input gradient of `layer_norm_rows`: dx = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ ⊙ x̂)) with
  * ĝ = g ⊙ weight and x̂ = (x − mean) · rstd.  p0 dx, p1 g, p2 x, p3 weight (0: none),
- * p4 mean, p5 rstd; i0 rows, i1 width, i2 x's storage format, i3 weight's (as for
- * `binary`). */
+ * p4 mean, p5 rstd; i0 rows, i1 width, i2 x's storage format, i3 weight's, i4 g's, i5
+ * dx's (as for `binary`). */
 BLOCK_KERNEL(SFX(layer_norm_rows_backward)) {
     const KernelArgs* A = ARGS;
-    real* dx = (real*)A->p[0];
-    const real* g = (const real*)A->p[1];
+    void* dx = (void*)A->p[0];
+    const void* g = (const void*)A->p[1];
     const void* x = (const void*)A->p[2];
     const void* weight = (const void*)A->p[3];
     const real* means = (const real*)A->p[4];
     const real* rstds = (const real*)A->p[5];
     i64 width = A->i[1];
-    int fx = (int)A->i[2], fw = (int)A->i[3];
+    int fx = (int)A->i[2], fw = (int)A->i[3], fg = (int)A->i[4], fdx = (int)A->i[5];
     real count = (real)width;
     ROWS_OF_WARPS(r, A->i[0]) {
         i64 base = r * width;
         real mean = means[r], rstd = rstds[r];
         real sum_g = (real)0, sum_gx = (real)0;
         LANE_COLUMNS(j, width) {
-            real g_hat = weight ? g[base + j] * SFX(load)(weight, j, fw) : g[base + j];
+            real gj = SFX(load)(g, base + j, fg);
+            real g_hat = weight ? gj * SFX(load)(weight, j, fw) : gj;
             sum_g += g_hat;
             sum_gx += g_hat * ((SFX(load)(x, base + j, fx) - mean) * rstd);
         }
         real mean_g = WARP_SUM(sum_g) / count;
         real mean_gx = WARP_SUM(sum_gx) / count;
         LANE_COLUMNS(j, width) {
-            real g_hat = weight ? g[base + j] * SFX(load)(weight, j, fw) : g[base + j];
+            real gj = SFX(load)(g, base + j, fg);
+            real g_hat = weight ? gj * SFX(load)(weight, j, fw) : gj;
             real x_hat = (SFX(load)(x, base + j, fx) - mean) * rstd;
-            dx[base + j] = rstd * (g_hat - mean_g - x_hat * mean_gx);
+            SFX(store)(dx, base + j, fdx, rstd * (g_hat - mean_g - x_hat * mean_gx));
         }
     }
 }
@@ -172,14 +177,14 @@ BLOCK_KERNEL(SFX(layer_norm_rows_backward)) {
  * ceil(rows / parts) rows, one index per (part, column), so no atomics; the caller sums the
  * parts: dweight = Σ g ⊙ x̂, dbias = Σ g.  p0 dweight [parts, width] (0: not needed), p1
  * dbias (likewise), p2 g, p3 x, p4 mean, p5 rstd; i0 width, i1 rows, i2 parts, i3 x's
- * storage format. */
+ * storage format, i4 g's. */
 KERNEL(SFX(layer_norm_affine_backward)) {
     const KernelArgs* A = ARGS;
     real* dweight = (real*)A->p[0];
     real* dbias = (real*)A->p[1];
-    const real* g = (const real*)A->p[2];
+    const void* g = (const void*)A->p[2];
     const void* x = (const void*)A->p[3];
-    int fx = (int)A->i[3];
+    int fx = (int)A->i[3], fg = (int)A->i[4];
     const real* means = (const real*)A->p[4];
     const real* rstds = (const real*)A->p[5];
     i64 width = A->i[0], rows = A->i[1], parts = A->i[2];
@@ -190,8 +195,9 @@ KERNEL(SFX(layer_norm_affine_backward)) {
         real sum_gx = (real)0, sum_g = (real)0;
         for (i64 r = begin; r < end; ++r) {
             i64 k = r * width + c;
-            sum_gx += g[k] * ((SFX(load)(x, k, fx) - means[r]) * rstds[r]);
-            sum_g += g[k];
+            real gk = SFX(load)(g, k, fg);
+            sum_gx += gk * ((SFX(load)(x, k, fx) - means[r]) * rstds[r]);
+            sum_g += gk;
         }
         if (dweight) dweight[t] = sum_gx;
         if (dbias) dbias[t] = sum_g;
@@ -245,11 +251,12 @@ BLOCK_KERNEL(SFX(cross_entropy_rows)) {
  * p2 lse, p3 labels, p4 upstream (one per row if i4, else one for all); i0 rows,
  * i1 classes, i2 and i3 as in `cross_entropy_rows`, i4 whether upstream is per row;
  * f0 ε, f1 divisor of upstream (the counted rows for a mean, else 1), f2 the C of ε/C
- * when the logits are one shard of more classes (0: i1). A negative label is a counted
- * row whose target is in another shard. */
+ * when the logits are one shard of more classes (0: i1); i5 dx's format (as for
+ * `binary`). A negative label is a counted row whose target is in another shard. */
 BLOCK_KERNEL(SFX(cross_entropy_rows_backward)) {
     const KernelArgs* A = ARGS;
-    real* dx = (real*)A->p[0];
+    void* dx = (void*)A->p[0];
+    int fdx = (int)A->i[5];
     const real* x = (const real*)A->p[1];
     const real* lses = (const real*)A->p[2];
     const i64* labels = (const i64*)A->p[3];
@@ -265,7 +272,7 @@ BLOCK_KERNEL(SFX(cross_entropy_rows_backward)) {
         i64 base = r * classes;
         i64 label = labels[r];
         if (has_ignore && label == ignore) {
-            LANE_COLUMNS(j, classes) dx[base + j] = (real)0;
+            LANE_COLUMNS(j, classes) SFX(store)(dx, base + j, fdx, (real)0);
             continue;
         }
         real u = (per_row ? upstream[r] : upstream[0]) / divisor;
@@ -274,7 +281,7 @@ BLOCK_KERNEL(SFX(cross_entropy_rows_backward)) {
         LANE_COLUMNS(j, classes) {
             real d = u * (EXP(x[base + j] - lse) - uniform);
             if (j == label) d -= u * ((real)1 - eps);
-            dx[base + j] = d;
+            SFX(store)(dx, base + j, fdx, d);
         }
     }
 }

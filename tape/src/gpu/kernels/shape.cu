@@ -23,16 +23,17 @@ KERNEL(SFX(gather_strided)) {
  * around the narrowed dimension) is g where the coordinate c along it is in
  * [start, start + len) and 0 elsewhere, each element written once (no fill first).
  * p0 out, p1 g ([outer, len, inner]); i0 out's elements, i1 inner, i2 extent, i3 start,
- * i4 len. */
+ * i4 len, i5 g's format, i6 out's (as for `binary`). */
 KERNEL(SFX(narrow_backward)) {
     const KernelArgs* A = ARGS;
-    real* out = (real*)A->p[0];
-    const real* g = (const real*)A->p[1];
+    const void* g = (const void*)A->p[1];
     i64 inner = A->i[1], extent = A->i[2], start = A->i[3], len = A->i[4];
+    int fg = (int)A->i[5], fout = (int)A->i[6];
     FOR_EACH(i, A->i[0]) {
         i64 within = i % inner, c = i / inner % extent, outer = i / (inner * extent);
         i64 k = c - start;
-        out[i] = k >= 0 && k < len ? g[(outer * len + k) * inner + within] : (real)0;
+        real v = k >= 0 && k < len ? SFX(load)(g, (outer * len + k) * inner + within, fg) : (real)0;
+        SFX(store)((void*)A->p[0], i, fout, v);
     }
 }
 

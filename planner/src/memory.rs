@@ -506,7 +506,14 @@ impl Sizes {
             + 17 * sb
             + transposed(vocab_shard * h);
         let sixteen_bit_logits = if e < 4 { e * logits } else { 0 };
-        let softmax_backward = if device || e < 4 { 8 } else { 4 };
+        // Backward holds two score-sized and two hidden-sized gradients at once: on a
+        // device in the activations' format (16-bit gradients stay 16-bit), on the CPU in
+        // f32 (where a 16-bit softmax's backward works on widened copies).
+        let block_backward = match (device, e < 4) {
+            (true, _) => 2 * e * (scores + sbh),
+            (false, true) => 8 * scores + 8 * sbh,
+            (false, false) => 4 * scores + 8 * sbh,
+        };
         // On the CPU a 16-bit product widens its operands to f32 and computes in f32: the
         // first MLP product (the gathered input and the weight) is the largest.
         let widened = if e < 4 && !device {
@@ -522,11 +529,12 @@ impl Sizes {
             embedding,
             head,
             block_forward: (e * (3 * sbh / t + scores)).max(widened),
-            block_backward: softmax_backward * scores + 8 * sbh,
+            block_backward,
             // One rank's whole vocabulary is tape's fused loss, whose work is per row;
             // a split one's is the vocabulary-parallel composition over the f32 logits.
             loss_forward: if t == 1 { 8 * sb } else { 8 * logits } + sixteen_bit_logits,
-            loss_backward: 4 * logits,
+            // The logits' gradient: on a device the fused loss writes it in their format.
+            loss_backward: if device && t == 1 { e * logits } else { 4 * logits },
         }
     }
 }

@@ -4,7 +4,8 @@
 //! [`to_dtype`](crate::Tensor::to_dtype), as bf16 or f16 (half the memory). The element
 //! type stays the compute type: an op widens 16-bit inputs to `T`, computes there (so
 //! sums, softmax, norm statistics and GEMM accumulation are f32), and rounds its result
-//! once to the inputs' format (see [`promoted`]). Gradients flow in `T`. Keeping the
+//! once to the inputs' format (see [`promoted`]). A 16-bit activation's gradient is
+//! kept in its format, a parameter's in `T` (see [`Tensor::grad_format`]). Keeping the
 //! format out of the type lets one tape hold a bf16 model and its f32 loss, as PyTorch
 //! autocast and Megatron's `--bf16` do.
 

@@ -25,7 +25,7 @@ const OP: &str = "vocab_parallel_cross_entropy";
 /// smoothed loss changes with the tensor-parallel size). Backward is fused and local:
 /// `softmax − (1−ε)·one-hot − ε/V`, scaled by the upstream gradient. A group of one
 /// holds the whole vocabulary and needs none of this: there it is tape's fused
-/// cross-entropy (one row kernel each way) on the logits cast to f32.
+/// cross-entropy (one row kernel each way), which reads 16-bit logits as they are.
 ///
 /// With [`Reduction::Mean`], rows whose label is the ignore index do not count; when no
 /// row counts, the loss is 0 and so is its gradient (the sum over no rows), not 0/0.
@@ -80,15 +80,16 @@ pub fn vocab_parallel_cross_entropy(
             vocab_size,
         });
     }
-    // bf16 or f16 logits: the loss is computed in f32 and the gradient flows back through
-    // the cast (Megatron's `.float()` before its vocabulary-parallel cross-entropy).
-    let logits = logits.to_dtype(ferrotron_tape::DType::F32)?;
-    // The whole vocabulary here: tape's fused loss, one row kernel each way. Its mean
-    // over no counted row is PyTorch's 0/0, not this function's 0.
+    // The whole vocabulary here: tape's fused loss, one row kernel each way, which reads
+    // 16-bit logits as stored and computes in f32. Its mean over no counted row is
+    // PyTorch's 0/0, not this function's 0.
     let counted = labels.iter().any(|&l| !ignored(l));
     if group.size() == 1 && (counted || options.reduction != Reduction::Mean) {
         return Ok(logits.cross_entropy(labels, options)?);
     }
+    // bf16 or f16 logits: the loss is computed in f32 and the gradient flows back through
+    // the cast (Megatron's `.float()` before its vocabulary-parallel cross-entropy).
+    let logits = logits.to_dtype(ferrotron_tape::DType::F32)?;
     let targets = labels
         .iter()
         .map(|&l| (!ignored(l) && range.contains(l as usize)).then(|| l as usize - range.start))

@@ -498,14 +498,19 @@ impl Sizes {
             } else {
                 0
             };
+        // One device rank's whole vocabulary is tape's fused loss, which keeps the logits
+        // as they are; elsewhere the loss keeps them in f32 (a cast's copy of 16-bit ones,
+        // made while the 16-bit ones are still held).
+        let fused_loss = device && t == 1;
+        let kept_logits = if fused_loss { e * logits } else { 4 * logits };
         let head = e * local
             + 8 * sb / if sp { t } else { 1 }
             + e * sbh
-            + 4 * logits
+            + kept_logits
             + 4 * sb
             + 17 * sb
             + transposed(vocab_shard * h);
-        let sixteen_bit_logits = if e < 4 { e * logits } else { 0 };
+        let sixteen_bit_logits = if e < 4 && !fused_loss { e * logits } else { 0 };
         // Backward holds two score-sized and two hidden-sized gradients at once: on a
         // device in the activations' format (16-bit gradients stay 16-bit), on the CPU in
         // f32 (where a 16-bit softmax's backward works on widened copies).
@@ -533,8 +538,8 @@ impl Sizes {
             // One rank's whole vocabulary is tape's fused loss, whose work is per row;
             // a split one's is the vocabulary-parallel composition over the f32 logits.
             loss_forward: if t == 1 { 8 * sb } else { 8 * logits } + sixteen_bit_logits,
-            // The logits' gradient: on a device the fused loss writes it in their format.
-            loss_backward: if device && t == 1 { e * logits } else { 4 * logits },
+            // The logits' gradient: the fused loss writes it in their format.
+            loss_backward: if fused_loss { e * logits } else { 4 * logits },
         }
     }
 }

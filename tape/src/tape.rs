@@ -367,6 +367,32 @@ pub(crate) fn record_tensor<T: Element>(
     record_node(op, inputs, output, || OpBackward::Any(make_backward()))
 }
 
+/// [`record_tensor`] for an op whose result stays in `T` whatever its inputs' formats: a
+/// loss, whose sums PyTorch's autocast keeps in f32 too.
+pub(crate) fn record_in_t<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: Tensor<T>,
+    make_backward: impl FnOnce() -> TensorBackwardFn<T>,
+) -> Result<Tensor<T>> {
+    record_link(op, inputs, output, false, || {
+        OpBackward::Any(make_backward())
+    })
+}
+
+/// [`record_in_t`] for a CPU op, whose backward takes and returns arrays.
+pub(crate) fn record_cpu_in_t<T: Element>(
+    op: &'static str,
+    inputs: &[&Tensor<T>],
+    output: ArcArray<T, IxDyn>,
+    make_backward: impl FnOnce() -> BackwardFn<T>,
+) -> Result<Tensor<T>> {
+    let output = Tensor::from_shared(output);
+    record_link(op, inputs, output, false, || {
+        OpBackward::Cpu(make_backward())
+    })
+}
+
 /// [`record_tensor`] for a cast, whose output keeps its own storage format. A cast, like
 /// a [view](record_view), keeps its inputs' gradient format where that is `T`'s.
 pub(crate) fn record_exact<T: Element>(

@@ -40,7 +40,10 @@ fn contributions_are_rounded_then_summed_once() -> Result<()> {
         round(&a.iter().zip(&b).map(|(x, y)| x + y).collect::<Vec<_>>())
     };
     let once = round(&w1.add(&w2)?.to_vec()?);
-    assert_ne!(expected, once, "the weights must tell the two roundings apart");
+    assert_ne!(
+        expected, once,
+        "the weights must tell the two roundings apart"
+    );
     for device in [Device::Cpu].into_iter().chain(devices()) {
         let x = param("x", &uniform(&shape, 3), device)?;
         let tape = Tape::new();
@@ -106,7 +109,10 @@ fn a_stand_in_gets_the_activations_bits() -> Result<()> {
         let replay = Tape::new();
         head(&replay.watch(&parameter))?.backward()?;
         let unrounded = parameter.grad().expect("a gradient").to_vec()?;
-        assert_ne!(unrounded, whole, "on {device}: a parameter's is not rounded");
+        assert_ne!(
+            unrounded, whole,
+            "on {device}: a parameter's is not rounded"
+        );
     }
     Ok(())
 }
@@ -137,10 +143,14 @@ fn a_blocks_backward_writes_16_bit_gradients_directly() -> Result<()> {
         let w: Vec<Tensor> = params.iter().map(|p| tape.watch(p)).collect();
         let x = w[0].scale(1.0)?;
         let normed = x.layer_norm(Some(&w[1]), Some(&w[2]), 1e-5)?;
-        let qkv = normed.matmul_transposed(&w[3])?.reshape(&[s, b, heads, 3, d])?;
+        let qkv = normed
+            .matmul_transposed(&w[3])?
+            .reshape(&[s, b, heads, 3, d])?;
         let context = qkv.packed_causal_attention(0.5, Some((0.1, &mut Generator::new(1))))?;
         let residual = context.add(&x)?;
-        let inner = residual.matmul_transposed(&w[4])?.bias_gelu(&w[5], Gelu::Tanh)?;
+        let inner = residual
+            .matmul_transposed(&w[4])?
+            .bias_gelu(&w[5], Gelu::Tanh)?;
         let branch = inner.matmul_transposed(&w[6])?;
         let mut generator = Generator::new(2);
         let out = branch.bias_dropout_add(Some(&w[7]), &residual, Some((0.1, &mut generator)))?;

@@ -299,12 +299,37 @@ fn shapes_and_indexing() {
 }
 
 #[test]
-fn cross_entropy_of_16_bit_logits() {
-    // The loss of 16-bit logits is rounded to their format like any result; models cast
-    // the logits to f32 first (see `cross_entropy_in_f32`).
-    check("cross_entropy", &[&[6, 9]], |x| {
-        x[0].cross_entropy(&[0, 8, 3, 3, -100, 5], &CrossEntropyOptions::default())
-    });
+fn cross_entropy_reads_16_bit_logits_as_a_cast_to_f32_would() -> Result<()> {
+    // The loss is f32 whatever the logits' format: the numbers of casting the logits to
+    // f32 first, loss and gradient bit for bit, without the f32 copy.
+    let logits = Tensor::uniform(&[6, 9], -3.0, 3.0, &mut Generator::new(5));
+    let labels = [0, 8, 3, 3, -100, 5];
+    let smoothed = CrossEntropyOptions {
+        label_smoothing: 0.1,
+        reduction: ferrotron_tape::Reduction::Sum,
+        ..CrossEntropyOptions::default()
+    };
+    let mut devices = vec![Device::Cpu];
+    devices.extend(device::devices());
+    for options in [CrossEntropyOptions::default(), smoothed] {
+        for (dtype, device) in [DType::BF16, DType::F16]
+            .into_iter()
+            .flat_map(|d| devices.iter().map(move |&device| (d, device)))
+        {
+            let run = |cast: bool| -> Result<(f32, Vec<f32>)> {
+                let tape = Tape::new();
+                let param = Parameter::new("x", logits.to_device(device)?.to_dtype(dtype)?);
+                let x = tape.watch(&param).scale(1.0)?;
+                let x = if cast { x.to_dtype(DType::F32)? } else { x };
+                let loss = x.cross_entropy(&labels, &options)?;
+                assert_eq!(loss.dtype(), DType::F32, "{dtype} on {device}");
+                loss.backward()?;
+                Ok((loss.item()?, param.grad().expect("a gradient").to_vec()?))
+            };
+            assert_eq!(run(false)?, run(true)?, "{dtype} on {device}");
+        }
+    }
+    Ok(())
 }
 
 #[test]

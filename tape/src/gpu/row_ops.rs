@@ -322,32 +322,32 @@ impl Targets {
 
     /// `(rows, classes)` of `logits`: one row per label, even when there are no classes
     /// (then every label is ignored and every loss is 0).
-    fn rows_of<T: Copy + Default>(&self, logits: &GpuArray<T>) -> (usize, usize) {
-        (
-            self.labels.len(),
-            logits.shape().last().copied().unwrap_or(1),
-        )
+    fn rows_of(&self, logits: PointwiseInput<'_>) -> (usize, usize) {
+        (self.labels.len(), logits.shape.last().copied().unwrap_or(1))
     }
 }
 
-/// Per-row cross-entropy losses of `logits` (`[rows]`, 0 for ignored rows), and each
-/// row's log-sum-exp for the backward.
+/// Per-row cross-entropy losses of `logits` on `device` (`[rows]`, 0 for ignored rows;
+/// 16-bit logits read as stored, the losses in `T`), and each row's log-sum-exp for the
+/// backward.
 pub(crate) fn cross_entropy<T: Element>(
-    logits: &GpuArray<T>,
+    device: crate::Device,
+    logits: PointwiseInput<'_>,
     targets: &Targets,
 ) -> Result<(GpuArray<T>, GpuArray<T>)> {
     let op = "cross_entropy";
     let (rows, classes) = targets.rows_of(logits);
-    let loss = GpuArray::<T>::uninit(op, logits.device(), &[rows])?;
-    let lse = GpuArray::<T>::uninit(op, logits.device(), &[rows])?;
+    let loss = GpuArray::<T>::uninit(op, device, &[rows])?;
+    let lse = GpuArray::<T>::uninit(op, device, &[rows])?;
     // p0 loss, p1 lse, p2 logits, p3 labels; i0 rows, i1 classes, i2 has ignore,
-    // i3 ignored label; f0 smoothing.
+    // i3 ignored label, i4 the logits' format; f0 smoothing.
     let mut args = KernelArgs::default();
-    args.p[..4].copy_from_slice(&[loss.ptr(), lse.ptr(), logits.ptr(), targets.labels.ptr()]);
+    args.p[..4].copy_from_slice(&[loss.ptr(), lse.ptr(), logits.ptr, targets.labels.ptr()]);
     args.i[..2].copy_from_slice(&[rows as i64, classes as i64]);
     targets.fill(&mut args);
+    args.i[4] = logits.format;
     let cost = moves(
-        logits.bytes() + targets.labels.bytes(),
+        logits.bytes::<T>() + targets.labels.bytes(),
         loss.bytes() + lse.bytes(),
     );
     launch_rows::<T, T>(&loss, &CROSS_ENTROPY_ROWS, rows, &args, cost)?;
@@ -374,7 +374,8 @@ pub(crate) struct CrossEntropyBackward<'a, T> {
     pub upstream: &'a GpuArray<T>,
     pub per_row: bool,
     pub divisor: f64,
-    pub logits: &'a GpuArray<T>,
+    /// The logits as stored.
+    pub logits: PointwiseInput<'a>,
     pub lse: &'a GpuArray<T>,
     pub targets: &'a Targets,
 }
@@ -398,16 +399,17 @@ fn cross_entropy_backward_into<T: Element, O: Stored>(
     upstream: &GpuArray<T>,
     per_row: bool,
     divisor: f64,
-    (logits, lse): (&GpuArray<T>, &GpuArray<T>),
+    (logits, lse): (PointwiseInput<'_>, &GpuArray<T>),
     targets: &Targets,
 ) -> Result<()> {
     let (rows, classes) = targets.rows_of(logits);
     // p0 dx, p1 logits, p2 lse, p3 labels, p4 upstream; i0 rows, i1 classes, i2 has
-    // ignore, i3 ignored label, i4 per row, i5 dx's format; f0 smoothing, f1 divisor.
+    // ignore, i3 ignored label, i4 per row, i5 dx's format, i6 the logits'; f0
+    // smoothing, f1 divisor.
     let mut args = KernelArgs::default();
     args.p[..5].copy_from_slice(&[
         dx.ptr(),
-        logits.ptr(),
+        logits.ptr,
         lse.ptr(),
         targets.labels.ptr(),
         upstream.ptr(),
@@ -415,10 +417,10 @@ fn cross_entropy_backward_into<T: Element, O: Stored>(
     args.i[..2].copy_from_slice(&[rows as i64, classes as i64]);
     targets.fill(&mut args);
     args.i[4] = i64::from(per_row);
-    args.i[5] = O::FORMAT;
+    args.i[5..7].copy_from_slice(&[O::FORMAT, logits.format]);
     args.f[1] = divisor;
     let upstream_bytes = if per_row { upstream.bytes() } else { 0 };
-    let read = logits.bytes() + lse.bytes() + targets.labels.bytes() + upstream_bytes;
+    let read = logits.bytes::<T>() + lse.bytes() + targets.labels.bytes() + upstream_bytes;
     let cost = moves(read, dx.bytes());
     launch_rows::<T, O>(dx, &CROSS_ENTROPY_ROWS_BACKWARD, rows, &args, cost)
 }

@@ -6,7 +6,7 @@ use super::{on_device, reshape_owned};
 use crate::gpu::row_ops::{self as device, Targets};
 use crate::gpu::GpuArray;
 use crate::precision::written;
-use crate::tape::{record, record_tensor};
+use crate::tape::{record_cpu_in_t, record_in_t};
 use crate::{Element, Error, Result, Tensor};
 
 const OP: &str = "cross_entropy";
@@ -46,7 +46,11 @@ impl Default for CrossEntropyOptions {
 
 impl<T: Element> Tensor<T> {
     /// Cross-entropy of these logits `[..., classes]` against `labels` (one per row of the
-    /// leading dimensions), as `torch.nn.functional.cross_entropy`.
+    /// leading dimensions), as `torch.nn.functional.cross_entropy`. The loss is stored in
+    /// `T` whatever the logits' format: 16-bit logits are read as stored and everything
+    /// is computed in `T` (the numbers of casting them to f32 first, without the copy;
+    /// PyTorch's autocast computes it in f32 too), and their gradient is kept in their
+    /// format.
     pub fn cross_entropy(
         &self,
         labels: &[i64],
@@ -81,9 +85,9 @@ impl<T: Element> Tensor<T> {
                 format!("label {bad} out of range for {classes} classes"),
             ));
         }
-        if let Some([logits]) = on_device(OP, [self])? {
+        if self.device() != crate::Device::Cpu {
             let counted = labels.iter().filter(|&&l| !ignored(l)).count();
-            return self.cross_entropy_on_device(&logits, labels, lead, options, counted);
+            return self.cross_entropy_on_device(labels, lead, options, counted);
         }
 
         let logits = reshape_owned(OP, self.cpu(OP)?.into_owned(), &[rows, classes])?
@@ -117,7 +121,7 @@ impl<T: Element> Tensor<T> {
             }
         };
         let reduction = options.reduction;
-        record(OP, &[self], out.into_shared(), || {
+        record_cpu_in_t(OP, &[self], out.into_shared(), || {
             let labels = labels.to_vec();
             let ignore_index = options.ignore_index;
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
@@ -159,34 +163,34 @@ impl<T: Element> Tensor<T> {
 }
 
 impl<T: Element> Tensor<T> {
-    /// Cross-entropy of device `logits` (this tensor's array, `[lead..., classes]`) against
+    /// Cross-entropy of these device logits (`[lead..., classes]`, read as stored) against
     /// `labels`, already validated, of which `counted` are not ignored.
     fn cross_entropy_on_device(
         &self,
-        logits: &GpuArray<T>,
         labels: &[i64],
         lead: &[usize],
         options: &CrossEntropyOptions,
         counted: usize,
     ) -> Result<Tensor<T>> {
+        let on = self.device();
         let targets = Targets {
-            labels: GpuArray::from_host(OP, logits.device(), labels, &[labels.len()])?,
+            labels: GpuArray::from_host(OP, on, labels, &[labels.len()])?,
             ignore_index: options.ignore_index,
             smoothing: options.label_smoothing,
             all_classes: 0,
         };
-        let (losses, lse) = device::cross_entropy(logits, &targets)?;
+        let (losses, lse) = device::cross_entropy(on, self.device_input(OP, on)?, &targets)?;
         let reduction = options.reduction;
         let out = match reduction {
             Reduction::None => losses.reshaped(lead),
             Reduction::Sum => device::sum_losses(&losses, None)?,
             Reduction::Mean => device::sum_losses(&losses, Some(counted))?,
         };
-        let logits = logits.clone();
+        // The logits as stored, which backward reads so.
+        let logits = self.detach();
         let format = self.grad_format();
-        record_tensor(OP, &[self], Tensor::from_gpu(out), || {
+        record_in_t(OP, &[self], Tensor::from_gpu(out), || {
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
-                let on = logits.device();
                 let upstream = grad.device_array(OP, on)?;
                 // As on the CPU: a mean's upstream gradient is shared by the counted rows.
                 let divisor = match reduction {
@@ -197,7 +201,7 @@ impl<T: Element> Tensor<T> {
                     upstream: &upstream,
                     per_row: reduction == Reduction::None,
                     divisor,
-                    logits: &logits,
+                    logits: logits.device_input(OP, on)?,
                     lse: &lse,
                     targets: &targets,
                 };
@@ -309,7 +313,7 @@ impl<T: Element> Tensor<T> {
                 upstream: &upstream,
                 per_row,
                 divisor,
-                logits: &logits,
+                logits: (&logits).into(),
                 lse: &lse,
                 targets: &targets,
             };

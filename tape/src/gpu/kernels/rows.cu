@@ -208,37 +208,43 @@ KERNEL(SFX(layer_norm_affine_backward)) {
  * loss = (1 − ε)(lse − x[label]) + ε(lse − mean(x)), 0 for an ignored row; lse (log Σ exp
  * of the row, left unset for ignored rows) is kept for the backward.  p0 loss [rows], p1
  * lse [rows], p2 logits, p3 labels (i64, checked in range on the host); i0 rows, i1
- * classes, i2 whether i3 is an ignored label, i3 the ignored label; f0 ε. */
+ * classes, i2 whether i3 is an ignored label, i3 the ignored label, i4 the logits' format
+ * (as for `binary`: 16-bit logits are read as stored); f0 ε. */
 BLOCK_KERNEL(SFX(cross_entropy_rows)) {
     const KernelArgs* A = ARGS;
     real* loss = (real*)A->p[0];
     real* lses = (real*)A->p[1];
-    const real* x = (const real*)A->p[2];
+    const void* x = (const void*)A->p[2];
     const i64* labels = (const i64*)A->p[3];
     i64 classes = A->i[1];
     int has_ignore = A->i[2] != 0;
     i64 ignore = A->i[3];
+    int fx = (int)A->i[4];
     real eps = (real)A->f[0];
     ROWS_OF_WARPS(r, A->i[0]) {
-        const real* row = x + r * classes;
+        i64 base = r * classes;
         i64 label = labels[r];
         /* Checked first: an ignored row may be empty (0 classes), and needs no lse. */
         if (has_ignore && label == ignore) {
             if (LANE == 0) loss[r] = (real)0;
             continue;
         }
-        real max = row[0];
-        LANE_COLUMNS(j, classes) if (row[j] > max) max = row[j];
+        real max = SFX(load)(x, base, fx);
+        LANE_COLUMNS(j, classes) {
+            real v = SFX(load)(x, base + j, fx);
+            if (v > max) max = v;
+        }
         max = WARP_MAX(max);
         real exps = (real)0, total = (real)0;
         LANE_COLUMNS(j, classes) {
-            exps += EXP(row[j] - max);
-            total += row[j];
+            real v = SFX(load)(x, base + j, fx);
+            exps += EXP(v - max);
+            total += v;
         }
         real lse = LOG(WARP_SUM(exps)) + max;
         total = WARP_SUM(total);
         if (LANE == 0) {
-            real nll = lse - row[label];
+            real nll = lse - SFX(load)(x, base + label, fx);
             real smooth = lse - total / (real)classes;
             lses[r] = lse;
             loss[r] = ((real)1 - eps) * nll + eps * smooth;
@@ -251,13 +257,13 @@ BLOCK_KERNEL(SFX(cross_entropy_rows)) {
  * p2 lse, p3 labels, p4 upstream (one per row if i4, else one for all); i0 rows,
  * i1 classes, i2 and i3 as in `cross_entropy_rows`, i4 whether upstream is per row;
  * f0 ε, f1 divisor of upstream (the counted rows for a mean, else 1), f2 the C of ε/C
- * when the logits are one shard of more classes (0: i1); i5 dx's format (as for
- * `binary`). A negative label is a counted row whose target is in another shard. */
+ * when the logits are one shard of more classes (0: i1); i5 dx's format, i6 the logits'
+ * (as for `binary`). A negative label is a counted row whose target is in another shard. */
 BLOCK_KERNEL(SFX(cross_entropy_rows_backward)) {
     const KernelArgs* A = ARGS;
     void* dx = (void*)A->p[0];
-    int fdx = (int)A->i[5];
-    const real* x = (const real*)A->p[1];
+    int fdx = (int)A->i[5], fx = (int)A->i[6];
+    const void* x = (const void*)A->p[1];
     const real* lses = (const real*)A->p[2];
     const i64* labels = (const i64*)A->p[3];
     const real* upstream = (const real*)A->p[4];
@@ -279,7 +285,7 @@ BLOCK_KERNEL(SFX(cross_entropy_rows_backward)) {
         real uniform = eps / uniform_over;
         real lse = lses[r];
         LANE_COLUMNS(j, classes) {
-            real d = u * (EXP(x[base + j] - lse) - uniform);
+            real d = u * (EXP(SFX(load)(x, base + j, fx) - lse) - uniform);
             if (j == label) d -= u * ((real)1 - eps);
             SFX(store)(dx, base + j, fdx, d);
         }

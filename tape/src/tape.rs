@@ -285,9 +285,9 @@ impl<T: Element> Tape<T> {
         inputs: &[&Tensor<T>],
         output: Tensor<T>,
         backward: OpBackward<T>,
-        view: bool,
+        moves: bool,
     ) -> Result<Tensor<T>> {
-        let grad_format = match view {
+        let grad_format = match moves {
             false => output.dtype(),
             true => moved_grad_format(inputs),
         };
@@ -354,7 +354,9 @@ pub(crate) fn record_stored<T: Element>(
     output: Tensor<T>,
     make_backward: impl FnOnce() -> BackwardFn<T>,
 ) -> Result<Tensor<T>> {
-    record_node(op, inputs, output, || OpBackward::Cpu(make_backward()))
+    record_link(Recorded::Computed, op, inputs, output, || {
+        OpBackward::Cpu(make_backward())
+    })
 }
 
 /// [`record`] for ops on any device: the backward takes and returns tensors.
@@ -364,85 +366,59 @@ pub(crate) fn record_tensor<T: Element>(
     output: Tensor<T>,
     make_backward: impl FnOnce() -> TensorBackwardFn<T>,
 ) -> Result<Tensor<T>> {
-    record_node(op, inputs, output, || OpBackward::Any(make_backward()))
+    record_as(Recorded::Computed, op, inputs, output, make_backward)
 }
 
-/// [`record_tensor`] for an op whose result stays in `T` whatever its inputs' formats: a
-/// loss, whose sums PyTorch's autocast keeps in f32 too.
-pub(crate) fn record_in_t<T: Element>(
+/// What an op does to the format of its result and its gradient.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Recorded {
+    /// Computes: the result is rounded to its inputs' shared 16-bit format and keeps its
+    /// gradient in its own format.
+    Computed,
+    /// A loss: the result stays in `T` whatever its inputs' formats (PyTorch's autocast
+    /// keeps a loss's sums in f32 too), and so does its gradient.
+    Loss,
+    /// A cast: the result keeps the format it is given; its gradient is kept as its
+    /// inputs keep theirs (see [`moved_grad_format`]).
+    Cast,
+    /// Moves elements (reshape, transpose, narrow, concatenation): rounded like a
+    /// computed result, its gradient kept as its inputs keep theirs, so a weight read
+    /// through a transpose gets the gradient a product reading it transposed in place
+    /// gives it.
+    View,
+}
+
+/// [`record_tensor`] for an op of any [`Recorded`] kind.
+pub(crate) fn record_as<T: Element>(
+    kind: Recorded,
     op: &'static str,
     inputs: &[&Tensor<T>],
     output: Tensor<T>,
     make_backward: impl FnOnce() -> TensorBackwardFn<T>,
 ) -> Result<Tensor<T>> {
-    record_link(op, inputs, output, false, || {
-        OpBackward::Any(make_backward())
-    })
+    record_link(
+        kind,
+        op,
+        inputs,
+        output,
+        || OpBackward::Any(make_backward()),
+    )
 }
 
-/// [`record_in_t`] for a CPU op, whose backward takes and returns arrays.
-pub(crate) fn record_cpu_in_t<T: Element>(
+/// [`record`] for a CPU op of any [`Recorded`] kind.
+pub(crate) fn record_cpu_as<T: Element>(
+    kind: Recorded,
     op: &'static str,
     inputs: &[&Tensor<T>],
     output: ArcArray<T, IxDyn>,
     make_backward: impl FnOnce() -> BackwardFn<T>,
 ) -> Result<Tensor<T>> {
     let output = Tensor::from_shared(output);
-    record_link(op, inputs, output, false, || {
-        OpBackward::Cpu(make_backward())
-    })
-}
-
-/// [`record_tensor`] for a cast, whose output keeps its own storage format. A cast, like
-/// a [view](record_view), keeps its inputs' gradient format where that is `T`'s.
-pub(crate) fn record_exact<T: Element>(
-    op: &'static str,
-    inputs: &[&Tensor<T>],
-    output: Tensor<T>,
-    make_backward: impl FnOnce() -> TensorBackwardFn<T>,
-) -> Result<Tensor<T>> {
     record_link(
+        kind,
         op,
         inputs,
         output,
-        true,
-        || OpBackward::Any(make_backward()),
-    )
-}
-
-/// [`record_tensor`] for an op that only moves elements (reshape, transpose, narrow,
-/// concatenation): where every recorded input keeps its gradient in `T` (parameters,
-/// f32 activations), so does the output, so a weight read through a transpose gets the
-/// gradient it gets when a product reads it transposed in place.
-pub(crate) fn record_view<T: Element>(
-    op: &'static str,
-    inputs: &[&Tensor<T>],
-    output: Tensor<T>,
-    make_backward: impl FnOnce() -> TensorBackwardFn<T>,
-) -> Result<Tensor<T>> {
-    let output = stored(op, inputs, output)?;
-    record_link(
-        op,
-        inputs,
-        output,
-        true,
-        || OpBackward::Any(make_backward()),
-    )
-}
-
-/// [`record_view`] for a CPU view, whose backward takes and returns arrays.
-pub(crate) fn record_cpu_view<T: Element>(
-    op: &'static str,
-    inputs: &[&Tensor<T>],
-    output: ArcArray<T, IxDyn>,
-    make_backward: impl FnOnce() -> BackwardFn<T>,
-) -> Result<Tensor<T>> {
-    let output = stored(op, inputs, Tensor::from_shared(output))?;
-    record_link(
-        op,
-        inputs,
-        output,
-        true,
         || OpBackward::Cpu(make_backward()),
     )
 }
@@ -459,7 +435,7 @@ pub(crate) fn record_reading_output<T: Element>(
 ) -> Result<Tensor<T>> {
     let output = stored(op, inputs, Tensor::from_shared(output))?;
     let kept = output.detach();
-    record_link(op, inputs, output, false, || {
+    record_link(Recorded::Computed, op, inputs, output, || {
         OpBackward::Cpu(make_backward(kept))
     })
 }
@@ -473,21 +449,9 @@ pub(crate) fn record_tensor_reading_output<T: Element>(
 ) -> Result<Tensor<T>> {
     let output = stored(op, inputs, output)?;
     let kept = output.detach();
-    record_link(op, inputs, output, false, || {
+    record_link(Recorded::Computed, op, inputs, output, || {
         OpBackward::Any(make_backward(kept))
     })
-}
-
-/// Rounds the output to the inputs' 16-bit format, if they share one (see
-/// `crate::precision`), then records it.
-fn record_node<T: Element>(
-    op: &'static str,
-    inputs: &[&Tensor<T>],
-    output: Tensor<T>,
-    make_backward: impl FnOnce() -> OpBackward<T>,
-) -> Result<Tensor<T>> {
-    let output = stored(op, inputs, output)?;
-    record_link(op, inputs, output, false, make_backward)
 }
 
 /// `output` in the format its inputs promote to.
@@ -504,13 +468,18 @@ fn stored<T: Element>(
     }
 }
 
+/// Records `output` (rounded where `kind` rounds) when an input is on a recording tape.
 fn record_link<T: Element>(
+    kind: Recorded,
     op: &'static str,
     inputs: &[&Tensor<T>],
     output: Tensor<T>,
-    view: bool,
     make_backward: impl FnOnce() -> OpBackward<T>,
 ) -> Result<Tensor<T>> {
+    let output = match kind {
+        Recorded::Computed | Recorded::View => stored(op, inputs, output)?,
+        Recorded::Loss | Recorded::Cast => output,
+    };
     let mut tape: Option<&Tape<T>> = None;
     for input in inputs {
         if let Some(link) = &input.link {
@@ -524,7 +493,8 @@ fn record_link<T: Element>(
     }
     match tape {
         Some(tape) if tape.is_recording() => {
-            tape.push_op(op, inputs, output, make_backward(), view)
+            let moves = matches!(kind, Recorded::Cast | Recorded::View);
+            tape.push_op(op, inputs, output, make_backward(), moves)
         }
         _ => Ok(output),
     }

@@ -234,7 +234,7 @@ impl<T: Element> Tensor<T> {
             return Ok(self.clone());
         }
         let output = self.detach().stored_as(OP, dtype)?;
-        crate::tape::record_exact(OP, &[self], output, || {
+        crate::tape::record_as(crate::tape::Recorded::Cast, OP, &[self], output, || {
             Box::new(|grad: Tensor<T>, _: &[bool]| Ok(vec![Some(grad)]))
         })
     }

@@ -430,26 +430,17 @@ fn binary_backward_on_device<T: Element>(
             continue;
         }
         let (shape, format) = (operand.shape, formats[i]);
-        let whole = |kernel: &dyn PointwiseWriteDyn<T>| -> Result<Tensor<T>> {
-            match shape == g.shape {
-                true => kernel.written(op, on, shape, format),
-                false => {
-                    let full = kernel.written(op, on, g.shape, T::DTYPE)?;
-                    let full = full.device_input(op, on)?;
-                    Ok(Tensor::from_gpu(device::sum_to_stored(on, full, shape)?))
-                }
-            }
-        };
+        let whole = (shape, format);
         let summed = |g: PointwiseInput<'_>| -> Result<Tensor<T>> {
             Ok(Tensor::from_gpu(device::sum_to_stored(on, g, shape)?))
         };
         grads.push(Some(match (kind, i) {
             (Binary::Add, _) | (Binary::Sub, 0) if shape == g.shape => grad.clone(),
             (Binary::Add, _) | (Binary::Sub, 0) => summed(g)?,
-            (Binary::Sub, _) => whole(&negated)?,
-            (Binary::Mul, 0) => whole(&times(b))?,
-            (Binary::Mul, _) => whole(&times(a))?,
-            (Binary::Div, 0) => whole(&over(b))?,
+            (Binary::Sub, _) => as_operand((op, on), &negated, g.shape, whole)?,
+            (Binary::Mul, 0) => as_operand((op, on), &times(b), g.shape, whole)?,
+            (Binary::Mul, _) => as_operand((op, on), &times(a), g.shape, whole)?,
+            (Binary::Div, 0) => as_operand((op, on), &over(b), g.shape, whole)?,
             (Binary::Div, _) => {
                 // d(a/b)/db = -(a/b)/b · g, in `T` until the last product.
                 let quotient = device::binary::<T>(op, BinaryKind::Div, on, g.shape, (a, b))?;
@@ -462,34 +453,27 @@ fn binary_backward_on_device<T: Element>(
                     a: g,
                     b: (&negated).into(),
                 };
-                whole(&product)?
+                as_operand((op, on), &product, g.shape, whole)?
             }
         }));
     }
     Ok(grads)
 }
 
-/// A [`PointwiseWrite`] kernel behind a reference (the trait's method is generic).
-trait PointwiseWriteDyn<T: Element> {
-    fn written(
-        &self,
-        op: &'static str,
-        on: crate::Device,
-        shape: &[usize],
-        format: DType,
-    ) -> Result<Tensor<T>>;
-}
-
-impl<T: Element, K: PointwiseWrite> PointwiseWriteDyn<T> for K {
-    fn written(
-        &self,
-        op: &'static str,
-        on: crate::Device,
-        shape: &[usize],
-        format: DType,
-    ) -> Result<Tensor<T>> {
-        written(op, on, shape, format, self)
+/// `kernel`'s gradient of `full` shape on `on` as an operand's of `(shape, format)`:
+/// written in its format where the operand has that shape, else summed down to it in `T`.
+fn as_operand<T: Element>(
+    (op, on): (&'static str, crate::Device),
+    kernel: &impl PointwiseWrite,
+    full: &[usize],
+    (shape, format): (&[usize], DType),
+) -> Result<Tensor<T>> {
+    if shape == full {
+        return written(op, on, shape, format, kernel);
     }
+    let whole: Tensor<T> = written(op, on, full, T::DTYPE, kernel)?;
+    let whole = whole.device_input(op, on)?;
+    Ok(Tensor::from_gpu(device::sum_to_stored(on, whole, shape)?))
 }
 
 fn binary_backward<T: Element>(

@@ -6,7 +6,7 @@ use super::{on_device, reshape_owned};
 use crate::gpu::row_ops::{self as device, Targets};
 use crate::gpu::GpuArray;
 use crate::precision::written;
-use crate::tape::{record_cpu_in_t, record_in_t};
+use crate::tape::{record_as, record_cpu_as, Recorded};
 use crate::{Element, Error, Result, Tensor};
 
 const OP: &str = "cross_entropy";
@@ -121,7 +121,7 @@ impl<T: Element> Tensor<T> {
             }
         };
         let reduction = options.reduction;
-        record_cpu_in_t(OP, &[self], out.into_shared(), || {
+        record_cpu_as(Recorded::Loss, OP, &[self], out.into_shared(), || {
             let labels = labels.to_vec();
             let ignore_index = options.ignore_index;
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
@@ -189,7 +189,7 @@ impl<T: Element> Tensor<T> {
         // The logits as stored, which backward reads so.
         let logits = self.detach();
         let format = self.grad_format();
-        record_in_t(OP, &[self], Tensor::from_gpu(out), || {
+        record_as(Recorded::Loss, OP, &[self], Tensor::from_gpu(out), || {
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
                 let upstream = grad.device_array(OP, on)?;
                 // As on the CPU: a mean's upstream gradient is shared by the counted rows.

@@ -9,7 +9,7 @@ use half::{bf16, f16};
 use crate::gpu::shape_ops as device;
 use crate::gpu::{GpuArray, Stored};
 use crate::precision::{written, HalfFloat, Packed};
-use crate::tape::{record_cpu_view, record_view};
+use crate::tape::{record_as, record_cpu_as, Recorded};
 use crate::{DType, Element, Error, Result, Tensor};
 
 impl<T: Element> Tensor<T> {
@@ -27,12 +27,12 @@ impl<T: Element> Tensor<T> {
         }
         let from = self.shape().to_vec();
         if let Some(out) = self.memory_range(0, shape) {
-            return record_view(OP, &[self], out, || {
+            return record_as(Recorded::View, OP, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| Ok(vec![Some(grad.reshape(&from)?)]))
             });
         }
         let out = reshape_owned(OP, self.cpu(OP)?.to_owned(), shape)?;
-        record_cpu_view(OP, &[self], out.into_shared(), || {
+        record_cpu_as(Recorded::View, OP, &[self], out.into_shared(), || {
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
                 Ok(vec![Some(reshape_owned(OP, grad, &from)?)])
             })
@@ -73,7 +73,7 @@ impl<T: Element> Tensor<T> {
         }
         if let Some(out) = moved_on_device(op, &[self], &Permute(op, order))? {
             let device = self.device();
-            return record_view(op, &[self], out, || {
+            return record_as(Recorded::View, op, &[self], out, || {
                 Box::new(move |grad: Tensor<T>, _: &[bool]| {
                     // The gradient's elements moved as stored.
                     let moved = moved_on_device(op, &[&grad], &Permute(op, &inverse))?;
@@ -84,7 +84,7 @@ impl<T: Element> Tensor<T> {
             });
         }
         let out = self.cpu(op)?.clone().permuted_axes(IxDyn(order));
-        record_cpu_view(op, &[self], out, || {
+        record_cpu_as(Recorded::View, op, &[self], out, || {
             Box::new(move |grad: ArrayD<T>, _: &[bool]| {
                 Ok(vec![Some(grad.permuted_axes(IxDyn(&inverse)))])
             })
@@ -127,7 +127,7 @@ impl<T: Element> Tensor<T> {
             },
         };
         let on = self.device();
-        record_view(OP, &[self], out, || {
+        record_as(Recorded::View, OP, &[self], out, || {
             Box::new(move |grad: Tensor<T>, _: &[bool]| {
                 let full = match on {
                     crate::Device::Cpu => {
@@ -176,7 +176,7 @@ impl<T: Element> Tensor<T> {
         let sizes: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
         if let Some(out) = moved_on_device(OP, tensors, &Concat(dim))? {
             let device = out.device();
-            return record_view(OP, tensors, out, || {
+            return record_as(Recorded::View, OP, tensors, out, || {
                 Box::new(move |grad: Tensor<T>, needs: &[bool]| {
                     let mut start = 0;
                     sizes
@@ -207,7 +207,7 @@ impl<T: Element> Tensor<T> {
         let views: Vec<_> = arrays.iter().map(|a| a.view()).collect();
         let out = ndarray::concatenate(Axis(dim), &views)
             .map_err(|e| Error::shape(OP, &shapes, e.to_string()))?;
-        record_cpu_view(OP, tensors, out.into_shared(), || {
+        record_cpu_as(Recorded::View, OP, tensors, out.into_shared(), || {
             Box::new(move |grad: ArrayD<T>, needs: &[bool]| {
                 let mut start = 0;
                 Ok(sizes

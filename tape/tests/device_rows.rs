@@ -9,7 +9,7 @@
 mod device;
 
 use device::{check, Inputs};
-use ferrotron_tape::{CrossEntropyOptions, Reduction};
+use ferrotron_tape::{CrossEntropyOptions, DType, Reduction};
 
 const F32: f64 = 1e-6;
 const F64: f64 = 1e-12;
@@ -85,6 +85,44 @@ fn cross_entropy_rows_at_every_width() {
                     x[0].cross_entropy(&labels, &options)
                 });
             }
+        }
+    }
+}
+
+/// The same kernels on bf16 rows, which they read as stored and whose gradients they
+/// read and write in bf16: within one bf16 unit of the largest magnitude (the two paths'
+/// f32 sums, ordered differently, may round a value to its neighbour).
+#[test]
+fn bf16_rows_at_every_width() {
+    const BF16: f64 = 1.0 / 128.0;
+    // The rows as a bf16 activation (scaling by one is exact), so their gradient is
+    // kept in bf16 too.
+    let activation = |x: &ferrotron_tape::Tensor| x.to_dtype(DType::BF16)?.scale(1.0);
+    for width in [1, 33, 129, 1000] {
+        for rows in ROWS {
+            let shape: &[usize] = &[rows, width];
+            let name = |op: &str| format!("bf16 {op} [{rows}, {width}]");
+            let wide = || Inputs::new(&[shape]).range(-30.0, 30.0);
+            check::<f32>(&name("softmax"), wide(), BF16, |x| {
+                activation(&x[0])?.softmax()
+            });
+            check::<f32>(&name("layer_norm"), Inputs::new(&[shape]), BF16, |x| {
+                activation(&x[0])?.layer_norm(None, None, 1e-5)
+            });
+            let labels: Vec<i64> = (0..rows)
+                .map(|r| match r % 3 {
+                    1 => -100,
+                    _ => ((r * 7919) % width) as i64,
+                })
+                .collect();
+            let options = CrossEntropyOptions {
+                ignore_index: Some(-100),
+                label_smoothing: 0.1,
+                reduction: Reduction::None,
+            };
+            check::<f32>(&name("cross_entropy"), wide(), BF16, |x| {
+                activation(&x[0])?.cross_entropy(&labels, &options)
+            });
         }
     }
 }

@@ -243,11 +243,12 @@ fn batch_transpose_times_batch<T: Element>(
     out
 }
 
-/// The format a product's incoming gradient is rounded to before its backward GEMMs:
-/// that of two 16-bit operands of one format, with gradients in f32. Their device
-/// GEMMs then read 16-bit operands and write f32 gradients (Megatron's fp32 main-grad
-/// GEMMs; PyTorch autocast's backward reads a 16-bit gradient too), and the CPU rounds
-/// the same way so that every device computes the same gradients.
+/// The format a product's incoming gradient is read in by its backward GEMMs: that of
+/// two 16-bit operands of one format (the tape keeps the product's gradient so already).
+/// Their device GEMMs read 16-bit operands and write each input's gradient in its
+/// gradient format: 16-bit for an activation, f32 for a parameter (Megatron's fp32
+/// main-grad GEMMs). The CPU rounds the same way, so every device computes the same
+/// gradients.
 fn gradient_format<T: Element>(a: &Tensor<T>, b: &Tensor<T>) -> Option<DType> {
     let format = promoted(&[a, b]);
     (T::DTYPE == DType::F32 && matches!(format, DType::BF16 | DType::F16)).then_some(format)

@@ -11,6 +11,7 @@
 #include "shape.cu"
 #include "index.cu"
 #include "rows.cu"
+#include "attention.cu"
 #include "optim.cu"
 #include "precision_end.h"
 
@@ -20,5 +21,6 @@
 #include "shape.cu"
 #include "index.cu"
 #include "rows.cu"
+#include "attention.cu"
 #include "optim.cu"
 #include "precision_end.h"

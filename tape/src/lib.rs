@@ -117,7 +117,10 @@ pub use gradcheck::{gradcheck, GradCheckOptions};
 pub use mixed::{MixedPrecision, MASTER_BUFFER};
 pub use ndarray;
 pub use ops::custom::CustomOp;
-pub use ops::{causal_mask, CrossEntropyOptions, Gelu, Reduction, RowTarget};
+pub use ops::{
+    causal_mask, fused_attention_dropout_mask, AttentionKernel, AttentionOptions,
+    CrossEntropyOptions, Gelu, Reduction, RowTarget,
+};
 pub use optim::{
     AdamW, AdamWConfig, AdamWUpdate, Optimizer, OptimizerState, ParamOptions, ParamState, Sgd,
     SgdConfig, SgdUpdate,

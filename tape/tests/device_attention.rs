@@ -169,7 +169,7 @@ fn misshapen_input_and_bad_probabilities_are_typed_errors() {
     assert!(
         error
             .to_string()
-            .contains("[sequence, batch, heads, 3, head_dim]"),
+            .contains("[sequence, batch, groups, queries per group + 2, head_dim]"),
         "{error}"
     );
     let qkv = Tensor::<f32>::zeros(&[2, 1, 1, 3, 2]);

@@ -31,6 +31,7 @@ fn source() -> String {
         file!("shape.cu"),
         file!("index.cu"),
         file!("rows.cu"),
+        file!("attention.cu"),
         file!("optim.cu"),
     ]
     .join("\n");

@@ -85,7 +85,7 @@ impl Kernel {
             "adamw_step" => &[2, 3, 4],
             "cross_entropy_rows" => &[1],
             "layer_norm_rows" => &[4, 5],
-            "layer_norm_affine_backward" => &[1],
+            "layer_norm_affine_backward" | "attention_forward" | "attention_backward_kv" => &[1],
             _ => &[],
         };
         slot == 0 || more.contains(&slot)
@@ -138,6 +138,7 @@ kernels! {
 }
 
 mod array;
+pub(crate) mod attention_ops;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod emulator;
@@ -148,8 +149,9 @@ pub(crate) mod shape_ops;
 
 /// Every kernel, by family (the NVRTC test checks that each one compiled).
 #[allow(dead_code)] // read by the NVRTC test
-pub(crate) const KERNEL_LISTS: [&[&Kernel]; 5] = [
+pub(crate) const KERNEL_LISTS: [&[&Kernel]; 6] = [
     MATH_KERNELS,
+    attention_ops::ATTENTION_KERNELS,
     shape_ops::SHAPE_KERNELS,
     row_ops::ROW_KERNELS,
     row_ops::COLUMN_KERNELS,

@@ -1,9 +1,12 @@
-//! Causal self-attention on packed queries, keys and values: a transformer block's
-//! attention core, whose products on a device read q, k and v where the fused QKV
-//! projection wrote them and write the context where the output projection reads it.
+//! Self-attention on packed queries, keys and values: a transformer block's attention
+//! core. Fused by default (`flash.rs`: no `sequence²` tensor kept); unfused, its products
+//! on a device read q, k and v where the fused QKV projection wrote them and write the
+//! context where the output projection reads it.
 
+use super::flash;
 use super::index::{dropout_scale, keep_mask, Dropout};
 use super::softmax::SoftmaxKernel;
+use crate::gpu::attention_ops::{max_head_dim, Flash, FlashDropout};
 use crate::gpu::ops::{gemm_into, Destination, Operand};
 use crate::gpu::row_ops::{SoftmaxBackward, SoftmaxKind, SoftmaxRows};
 use crate::gpu::{GemmFormat, GpuArray};
@@ -11,25 +14,49 @@ use crate::precision::{written, Half};
 use crate::tape::record_tensor;
 use crate::{DType, Device, Element, Error, Generator, Result, Tensor};
 
-const OP: &str = "packed_causal_attention";
+pub(super) const OP: &str = "packed_attention";
+
+/// Which computation [`Tensor::packed_attention`] runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// FlashAttention-2's scheme: tiles of keys with an online softmax, keeping only the
+    /// output and one log-sum-exp per query; backward recomputes the probabilities. On a
+    /// device, head dimensions above 128 (64 in f64) run [`Unfused`](Self::Unfused).
+    #[default]
+    Fused,
+    /// Scores, softmax, dropout and two products as separate passes over
+    /// `[batch · heads, seq, seq]` tensors: the reference the fused kernel is tested
+    /// against.
+    Unfused,
+}
+
+/// How [`Tensor::packed_attention`] attends.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionOptions {
+    /// What the scores `q·kᵀ` are multiplied by (usually `1/√head_dim`).
+    pub scale: f64,
+    /// Whether position `i` sees only positions `j <= i`.
+    pub causal: bool,
+    /// Fused (the default) or the unfused reference.
+    pub kernel: AttentionKernel,
+}
+
+impl AttentionOptions {
+    /// Causal attention scaled by `1/√head_dim`, fused.
+    pub fn causal(head_dim: usize) -> Self {
+        AttentionOptions {
+            scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
+            causal: true,
+            kernel: AttentionKernel::Fused,
+        }
+    }
+}
 
 impl<T: Element> Tensor<T> {
-    /// Causal self-attention on `self`, a fused QKV projection's output viewed as
-    /// `[sequence, batch, heads, 3, head_dim]` (Megatron's layout: each head's query, key
-    /// and value side by side): for every sequence and head
-    /// `dropout(causal_softmax(q·kᵀ · scale))·v`, returned as
-    /// `[sequence, batch, heads·head_dim]`; `dropout` is the probability and the
-    /// generator the mask is drawn from.
-    ///
-    /// It equals splitting q, k and v out with [`narrow`](Tensor::narrow) and
-    /// [`permute`](Tensor::permute) into `[batch·heads, sequence, head_dim]`, then
-    /// [`matmul_transposed`](Tensor::matmul_transposed),
-    /// [`causal_softmax`](Tensor::causal_softmax), [`dropout`](Tensor::dropout) (the same
-    /// mask from the same generator) and [`matmul`](Tensor::matmul), and permuting the
-    /// context back, which is what it does on the CPU, where those are views. On a device,
-    /// where they would be copies, the products are strided-batched GEMMs over the packed
-    /// layout and the backward writes the three gradients into one array: no copies,
-    /// the same numbers.
+    /// Causal self-attention, unfused: [`packed_attention`](Self::packed_attention) with
+    /// `causal` and [`AttentionKernel::Unfused`], on packed `[sequence, batch, heads, 3,
+    /// head_dim]` (or grouped-query) input. Its dropout mask is drawn element by element from `generator`, as
+    /// [`dropout`](Tensor::dropout) draws it.
     ///
     /// ```
     /// use ferrotron_tape::Tensor;
@@ -47,42 +74,129 @@ impl<T: Element> Tensor<T> {
         scale: f64,
         dropout: Option<(f64, &mut Generator)>,
     ) -> Result<Tensor<T>> {
+        let options = AttentionOptions {
+            scale,
+            causal: true,
+            kernel: AttentionKernel::Unfused,
+        };
+        self.packed_attention(options, dropout)
+    }
+
+    /// Self-attention on `self`, a fused QKV projection's output viewed as
+    /// `[sequence, batch, groups, per_group + 2, head_dim]` (Megatron's layout: each key/value
+    /// group's `per_group` queries, then its key and its value; `per_group = 1` is plain
+    /// multi-head attention, more is grouped-query attention): for every position and
+    /// query head `dropout(softmax(q·kᵀ · scale))·v` with the key and value of the head's
+    /// group, the softmax causal or not, returned as `[sequence, batch, heads·head_dim]`
+    /// (heads group by group). `dropout` is the probability and the generator it draws
+    /// from.
+    ///
+    /// The unfused kernel equals splitting q, k and v out with [`narrow`](Tensor::narrow),
+    /// [`concat`](Tensor::concat) and [`permute`](Tensor::permute) into
+    /// `[batch·heads, sequence, head_dim]`, then
+    /// [`matmul_transposed`](Tensor::matmul_transposed), [`causal_softmax`](Tensor::causal_softmax)
+    /// (or [`softmax`](Tensor::softmax) of the scaled scores), [`dropout`](Tensor::dropout)
+    /// (the same mask from the same generator) and [`matmul`](Tensor::matmul), and
+    /// permuting the context back; on a device, causal multi-head attention runs as
+    /// strided-batched GEMMs over the packed layout with the same numbers. The fused
+    /// kernel computes the same attention tile by tile (within rounding of the summation
+    /// order: 1e-6 relative in f32) and keeps no `sequence²` tensor; its dropout draws one
+    /// seed from the generator and regenerates the mask from it in backward.
+    ///
+    /// ```
+    /// use ferrotron_tape::{AttentionOptions, Tensor};
+    ///
+    /// // Two query heads share one key and value (grouped-query attention): q = k = 0,
+    /// // so each position averages the values it sees.
+    /// let qkv = Tensor::<f64>::from_vec(
+    ///     vec![0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 3.0],
+    ///     &[2, 1, 1, 4, 1],
+    /// )?;
+    /// let context = qkv.packed_attention(AttentionOptions::causal(1), None)?;
+    /// assert_eq!(context.shape(), [2, 1, 2]);
+    /// assert_eq!(context.to_vec()?, [1.0, 1.0, 2.0, 2.0]);
+    /// # Ok::<(), ferrotron_tape::Error>(())
+    /// ```
+    pub fn packed_attention(
+        &self,
+        options: AttentionOptions,
+        dropout: Option<(f64, &mut Generator)>,
+    ) -> Result<Tensor<T>> {
         let heads = Heads::of(self.shape())?;
         let dropout = match dropout {
             Some((p, generator)) => dropout_scale::<T>(OP, p)?.map(|s| (p, s, generator)),
             None => None,
         };
+        let empty = heads.numel() == 0;
+        let fused = options.kernel == AttentionKernel::Fused && !empty && self.fuses(&heads);
+        if fused {
+            let flash = Flash {
+                geometry: flash::packed_geometry(&heads, options.causal),
+                scale: options.scale,
+                dropout: dropout.map(|(p, _, generator)| FlashDropout {
+                    seed: generator.next_u64(),
+                    p,
+                }),
+            };
+            return flash::attend(self, heads, flash);
+        }
         let strided = self.device() != Device::Cpu
-            && heads.numel() > 0
+            && !empty
+            && options.causal
+            && heads.r == 1
             && (self.dtype() == T::DTYPE || T::DTYPE == DType::F32);
         if strided {
-            return self.attend_in_place(heads, scale, dropout);
+            return self.attend_in_place(heads, options.scale, dropout);
         }
-        self.attend_by_views(heads, scale, dropout)
+        self.attend_by_views(heads, options, dropout)
     }
 
-    /// The composition this op equals (views on the CPU).
+    /// Whether the fused kernel takes this input: any on the CPU; on a device, head
+    /// dimensions its tiles hold (the others fall back, noted once per process).
+    fn fuses(&self, heads: &Heads) -> bool {
+        if self.device() == Device::Cpu || heads.d <= max_head_dim::<T>() {
+            return true;
+        }
+        static NOTED: std::sync::Once = std::sync::Once::new();
+        NOTED.call_once(|| {
+            eprintln!(
+                "note: fused attention takes head dimensions up to {} on a device; head \
+                 dimension {} runs the unfused attention",
+                max_head_dim::<T>(),
+                heads.d
+            )
+        });
+        false
+    }
+
+    /// The composition the unfused kernel equals (views on the CPU).
     fn attend_by_views(
         &self,
-        Heads { s, b, n, d }: Heads,
-        scale: f64,
+        Heads { s, b, n, r, d }: Heads,
+        options: AttentionOptions,
         dropout: Option<(f64, f64, &mut Generator)>,
     ) -> Result<Tensor<T>> {
-        let part = |index: usize| {
-            self.narrow(3, index, 1)?
-                .reshape(&[s, b, n, d])?
-                .permute(&[1, 2, 0, 3])?
-                .reshape(&[b * n, s, d])
+        let heads_of = |t: Tensor<T>| t.permute(&[1, 2, 3, 0, 4])?.reshape(&[b * n, s, d]);
+        let queries = heads_of(self.narrow(3, 0, r)?)?;
+        // Each group's key and value, once for every query of the group.
+        let shared = |index: usize| {
+            let part = self.narrow(3, index, 1)?;
+            match r {
+                1 => heads_of(part),
+                _ => heads_of(Tensor::concat(&vec![&part; r], 3)?),
+            }
         };
-        let probs = part(0)?
-            .matmul_transposed(&part(1)?)?
-            .causal_softmax(scale)?;
+        let scores = queries.matmul_transposed(&shared(r)?)?;
+        let probs = match options.causal {
+            true => scores.causal_softmax(options.scale)?,
+            false => scores.scale(options.scale)?.softmax()?,
+        };
         let probs = match dropout {
             Some((p, _, generator)) => probs.dropout(p, generator)?,
             None => probs,
         };
         probs
-            .matmul(&part(2)?)?
+            .matmul(&shared(r + 1)?)?
             .reshape(&[b, n, s, d])?
             .permute(&[2, 0, 1, 3])?
             .reshape(&[s, b, n * d])
@@ -95,7 +209,7 @@ impl<T: Element> Tensor<T> {
         scale: f64,
         dropout: Option<(f64, f64, &mut Generator)>,
     ) -> Result<Tensor<T>> {
-        let Heads { s, b, n, d } = heads;
+        let Heads { s, b, n, d, .. } = heads;
         let (device, dtype) = (self.device(), self.dtype());
         let forward = product_format::<T>(dtype, dtype);
         let qkv = self.device_input(OP, device)?.ptr;
@@ -161,23 +275,32 @@ impl<T: Element> Tensor<T> {
     }
 }
 
-/// The extents of packed attention: sequence, batch, heads, head width.
+/// The extents of packed attention: sequence, batch, query heads, query heads per
+/// key/value group, head width.
 #[derive(Clone, Copy, Debug)]
-struct Heads {
-    s: usize,
-    b: usize,
-    n: usize,
-    d: usize,
+pub(super) struct Heads {
+    pub s: usize,
+    pub b: usize,
+    pub n: usize,
+    pub r: usize,
+    pub d: usize,
 }
 
 impl Heads {
     fn of(shape: &[usize]) -> Result<Heads> {
         match *shape {
-            [s, b, n, 3, d] => Ok(Heads { s, b, n, d }),
+            [s, b, g, parts, d] if parts >= 3 => Ok(Heads {
+                s,
+                b,
+                n: g * (parts - 2),
+                r: parts - 2,
+                d,
+            }),
             _ => Err(Error::shape(
                 OP,
                 &[shape],
-                "needs packed queries, keys and values [sequence, batch, heads, 3, head_dim]",
+                "needs packed queries, keys and values [sequence, batch, groups, \
+                 queries per group + 2, head_dim]",
             )),
         }
     }
@@ -258,7 +381,11 @@ fn product_format<T: Element>(dtype: DType, out: DType) -> GemmFormat {
 }
 
 /// A device tensor of `shape` stored as `dtype` for a product to fill.
-fn product_output<T: Element>(device: Device, shape: &[usize], dtype: DType) -> Result<Tensor<T>> {
+pub(super) fn product_output<T: Element>(
+    device: Device,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<Tensor<T>> {
     if dtype == T::DTYPE {
         Ok(Tensor::from_gpu(GpuArray::uninit(OP, device, shape)?))
     } else {
@@ -294,7 +421,7 @@ impl<T: Element> Saved<T> {
     /// Every gradient is stored as the composition's tape keeps it: the sequence² ones
     /// in the activations' format, the packed one in the input's gradient format.
     fn backward(&self, grad: &Tensor<T>) -> Result<Tensor<T>> {
-        let Heads { s, b, n, d } = self.heads;
+        let Heads { s, b, n, d, .. } = self.heads;
         let (device, dtype) = (self.qkv.device(), self.qkv.dtype());
         let inner = product_format::<T>(dtype, dtype);
         let outer = product_format::<T>(dtype, self.grad_format);

@@ -4,6 +4,7 @@
 mod attention;
 pub mod custom;
 mod elementwise;
+mod flash;
 mod index;
 mod loss;
 mod matmul;
@@ -14,7 +15,9 @@ mod residual;
 mod shape;
 mod softmax;
 
+pub use attention::{AttentionKernel, AttentionOptions};
 pub use elementwise::Gelu;
+pub use flash::fused_attention_dropout_mask;
 pub use index::causal_mask;
 pub use loss::{CrossEntropyOptions, Reduction, RowTarget};
 

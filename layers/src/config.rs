@@ -1,7 +1,7 @@
 //! The sizes and probabilities of a transformer block, shared by its attention, its MLP
 //! and a mixture of experts in its place.
 
-use ferrotron_tape::Gelu;
+use ferrotron_tape::{AttentionKernel, Gelu};
 
 /// Sizes and probabilities of a transformer block.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -10,6 +10,14 @@ pub struct BlockConfig {
     pub hidden: usize,
     /// Attention heads; the tensor-parallel size must divide it.
     pub heads: usize,
+    /// Key/value heads, each shared by `heads / groups` query heads (grouped-query
+    /// attention, Megatron's `--num-query-groups`); `None` gives every query head its
+    /// own (multi-head attention). It must divide `heads`, and the tensor-parallel size
+    /// must divide it.
+    pub query_groups: Option<usize>,
+    /// The attention core's kernel: fused (the default: no `sequence²` tensor kept) or
+    /// the unfused reference.
+    pub attention: AttentionKernel,
     /// Width of the MLP's inner layer (usually `4 · hidden`); any size, split unevenly
     /// when the tensor-parallel size does not divide it.
     pub ffn_hidden: usize,
@@ -24,7 +32,8 @@ pub struct BlockConfig {
     pub gelu: Gelu,
     /// Recompute the attention core (scores, softmax, dropout, the product with the
     /// values) in backward instead of keeping its `sequence²` activations: Megatron's
-    /// `selective` recomputation.
+    /// `selective` recomputation. The fused core keeps none, so this changes nothing
+    /// for it.
     pub recompute_attention_core: bool,
 }
 
@@ -34,6 +43,8 @@ impl BlockConfig {
         BlockConfig {
             hidden,
             heads,
+            query_groups: None,
+            attention: AttentionKernel::Fused,
             ffn_hidden: 4 * hidden,
             layer_norm_eps: 1e-5,
             attention_dropout: 0.0,
@@ -41,5 +52,10 @@ impl BlockConfig {
             gelu: Gelu::Tanh,
             recompute_attention_core: false,
         }
+    }
+
+    /// Key/value heads: [`query_groups`](Self::query_groups), or one per query head.
+    pub fn groups(&self) -> usize {
+        self.query_groups.unwrap_or(self.heads)
     }
 }

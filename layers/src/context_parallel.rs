@@ -12,13 +12,18 @@
 //! owners after the last hop.
 //!
 //! The probabilities are never kept: the op saves its inputs, its output and one
-//! log-sum-exp per query, and recomputes each block's probabilities in backward (as flash
-//! attention does). It computes in f32 whatever its inputs' storage.
+//! log-sum-exp per query, and recomputes each block's probabilities in backward. Each
+//! block runs tape's fused attention ([`attention_block`]: no `sequence²` tensor even
+//! within a block) where it takes the head width, else a composition of products. It
+//! computes in f32 whatever its inputs' storage.
 
 use std::sync::Arc;
 
 use ferrotron_comm_core::{Communicator, P2p};
-use ferrotron_tape::{causal_mask, CustomOp, DType, Device, Tensor};
+use ferrotron_tape::{
+    attention_block, attention_block_backward, causal_mask, fused_attention_takes, CustomOp, DType,
+    Device, Tensor,
+};
 
 use crate::error::{Error, Result};
 
@@ -229,34 +234,82 @@ impl RingAttention {
     }
 }
 
-/// A query chunk's running result: the largest score so far, the sum of the exponentials
-/// below it, and the unnormalised output.
+/// A query chunk's result so far: the output over the blocks seen, normalised, and each
+/// query's log-sum-exp over them (`[b, c, 1]`).
 struct Running {
-    max: Tensor,
-    sum: Tensor,
     out: Tensor,
+    lse: Tensor,
 }
 
 impl Running {
-    /// Adds a block's scores and values.
-    fn add(this: Option<Running>, scores: &Tensor, value: &Tensor) -> TapeResult<Running> {
-        let max = scores.max_dim(2, true)?;
-        let probs = scores.sub(&max)?.exp()?;
-        let block = Running {
-            sum: probs.sum_dim(2, true)?,
-            out: probs.matmul(value)?,
-            max,
-        };
+    /// Adds a block's normalised output and log-sum-exp: each side weighted by
+    /// `exp(lse_side − lse)`, `lse` the log-sum-exp of both.
+    fn add(this: Option<Running>, block: Running) -> TapeResult<Running> {
         let Some(this) = this else {
             return Ok(block);
         };
-        let max = maximum(&this.max, &block.max)?;
-        let (old, new) = (this.max.sub(&max)?.exp()?, block.max.sub(&max)?.exp()?);
+        let max = maximum(&this.lse, &block.lse)?;
+        let (old, new) = (this.lse.sub(&max)?.exp()?, block.lse.sub(&max)?.exp()?);
+        let total = old.add(&new)?;
         Ok(Running {
-            sum: this.sum.mul(&old)?.add(&block.sum.mul(&new)?)?,
-            out: this.out.mul(&old)?.add(&block.out.mul(&new)?)?,
-            max,
+            out: this
+                .out
+                .mul(&old)?
+                .add(&block.out.mul(&new)?)?
+                .div(&total)?,
+            lse: max.add(&total.log()?)?,
         })
+    }
+}
+
+impl RingAttention {
+    /// Whether the blocks run the fused kernel (every CPU head width; on a device, the
+    /// widths its tiles hold).
+    fn fused(&self, q: &Tensor) -> bool {
+        fused_attention_takes::<f32>(q.device(), q.shape()[2])
+    }
+
+    /// One block's normalised output and log-sum-exp: fused, or composed from its scores.
+    fn block(&self, q: &Tensor, k: &Tensor, v: &Tensor, diagonal: bool) -> TapeResult<Running> {
+        if self.fused(q) {
+            let block = attention_block(q, k, v, self.scale, diagonal)?;
+            let lse = block.lse.reshape(&[q.shape()[0], q.shape()[1], 1])?;
+            return Ok(Running {
+                out: block.out,
+                lse,
+            });
+        }
+        let scores = self.scores(q, k, diagonal)?;
+        let max = scores.max_dim(2, true)?;
+        let probs = scores.sub(&max)?.exp()?;
+        let sum = probs.sum_dim(2, true)?;
+        Ok(Running {
+            out: probs.matmul(v)?.div(&sum)?,
+            lse: max.add(&sum.log()?)?,
+        })
+    }
+
+    /// One block's share of the query, key and value gradients, from the whole
+    /// attention's output `out`, its gradient and log-sum-exp (`[b, c, 1]`) for the
+    /// block's queries, and `correction = Σ dO ⊙ out` per query.
+    fn block_backward(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        (out, d_out, lse, correction): (&Tensor, &Tensor, &Tensor, &Tensor),
+        diagonal: bool,
+    ) -> TapeResult<[Tensor; 3]> {
+        if self.fused(q) {
+            let lse = lse.reshape(&[q.shape()[0], q.shape()[1]])?;
+            return attention_block_backward((q, k, v), out, d_out, &lse, self.scale, diagonal);
+        }
+        let probs = self.scores(q, k, diagonal)?.sub(lse)?.exp()?;
+        let d_probs = d_out.matmul_transposed(v)?;
+        let d_scores = probs.mul(&d_probs.sub(correction)?)?.scale(self.scale)?;
+        Ok([
+            d_scores.matmul(k)?,
+            d_scores.transpose(1, 2)?.matmul(q)?,
+            probs.transpose(1, 2)?.matmul(d_out)?,
+        ])
     }
 }
 
@@ -281,10 +334,10 @@ impl CustomOp for RingAttention {
             let mut compute = || -> TapeResult<()> {
                 for block in blocks.iter().filter(|b| b.step == step) {
                     let (q, k) = (chunk(&query, block.query)?, chunk(&key, block.key)?);
-                    let scores = self.scores(&q, &k, block.diagonal)?;
-                    let slot = &mut running[block.query];
                     let v = chunk(&value, block.key)?;
-                    *slot = Some(Running::add(slot.take(), &scores, &v)?);
+                    let result = self.block(&q, &k, &v, block.diagonal)?;
+                    let slot = &mut running[block.query];
+                    *slot = Some(Running::add(slot.take(), result)?);
                 }
                 Ok(())
             };
@@ -298,17 +351,8 @@ impl CustomOp for RingAttention {
         let [Some(first), Some(second)] = running else {
             return Err(self.fail("internal: a query chunk attended to nothing"));
         };
-        let out = Tensor::concat(
-            &[&first.out.div(&first.sum)?, &second.out.div(&second.sum)?],
-            1,
-        )?;
-        let lse = Tensor::concat(
-            &[
-                &first.max.add(&first.sum.log()?)?,
-                &second.max.add(&second.sum.log()?)?,
-            ],
-            1,
-        )?;
+        let out = Tensor::concat(&[&first.out, &second.out], 1)?;
+        let lse = Tensor::concat(&[&first.lse, &second.lse], 1)?;
         saved.extend(inputs.iter().cloned());
         saved.push(out.clone());
         saved.push(lse);
@@ -347,19 +391,15 @@ impl CustomOp for RingAttention {
                         chunk(&key, block.key)?,
                         chunk(&value, block.key)?,
                     );
-                    let d_out = chunk(&grad, block.query)?;
-                    let probs = self
-                        .scores(&q, &k, block.diagonal)?
-                        .sub(&chunk(lse, block.query)?)?
-                        .exp()?;
-                    let d_probs = d_out.matmul_transposed(&v)?;
-                    let d_scores = probs
-                        .mul(&d_probs.sub(&chunk(&correction, block.query)?)?)?
-                        .scale(self.scale)?;
+                    let rows = [out, &grad, lse, &correction].map(|t| chunk(t, block.query));
+                    let [out, d_out, lse, correction] = rows;
+                    let [d_query, d_key, d_value] = self.block_backward(
+                        (&q, &k, &v),
+                        (&out?, &d_out?, &lse?, &correction?),
+                        block.diagonal,
+                    )?;
                     let slot = &mut grad_query[block.query];
-                    *slot = slot.add(&d_scores.matmul(&k)?)?;
-                    let d_key = d_scores.transpose(1, 2)?.matmul(&q)?;
-                    let d_value = probs.transpose(1, 2)?.matmul(&d_out)?;
+                    *slot = slot.add(&d_query)?;
                     grad_kv[0][block.key] = grad_kv[0][block.key].add(&d_key)?;
                     grad_kv[1][block.key] = grad_kv[1][block.key].add(&d_value)?;
                 }

@@ -9,7 +9,7 @@ use ferrotron_comm_core::Communicator;
 use ferrotron_mappings::{
     gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
-use ferrotron_tape::{Tape, Tensor};
+use ferrotron_tape::{AttentionKernel, AttentionOptions, Tape, Tensor};
 
 use crate::config::BlockConfig;
 use crate::error::{Error, Result};
@@ -72,28 +72,34 @@ impl Module for LayerNorm {
     }
 }
 
-/// Causal multi-head self-attention with the heads divided among the tensor-parallel
-/// ranks: a column-parallel QKV projection, attention over this rank's heads, and a
-/// row-parallel output projection.
+/// Causal multi-head (or grouped-query) self-attention with the heads divided among the
+/// tensor-parallel ranks: a column-parallel QKV projection, attention over this rank's
+/// heads, and a row-parallel output projection.
 ///
-/// The fused QKV weight's rows are laid out head by head (`[q, k, v]` of head 0, then of
-/// head 1, ...), as Megatron-Core's, so cutting its rows among ranks hands each rank
-/// whole heads.
+/// The fused QKV weight's rows are laid out group by group (the queries of group 0's
+/// heads, its key and its value, then group 1's, ...), as Megatron-Core's; with one query
+/// per group that is `[q, k, v]` head by head. Cutting its rows among ranks hands each
+/// rank whole groups. The core is fused ([`AttentionKernel::Fused`]: no `sequence²`
+/// tensor kept) unless the config asks for the unfused reference.
 #[derive(Clone)]
 pub struct ParallelSelfAttention {
     qkv: ColumnParallelLinear,
     proj: RowParallelLinear,
     local_heads: usize,
+    /// Query heads per key/value group.
+    per_group: usize,
     head_dim: usize,
     dropout: f64,
     recompute_core: bool,
+    kernel: AttentionKernel,
     /// The ring attention runs over, under context parallelism.
     context: Option<Arc<dyn Communicator>>,
 }
 
 impl ParallelSelfAttention {
     /// Attention called `name` (`name.qkv`, `name.proj`). Errors when the heads do not
-    /// divide the width or the tensor-parallel size does not divide the heads.
+    /// divide the width, the groups do not divide the heads, or the tensor-parallel size
+    /// does not divide the groups.
     pub fn new(
         tp: &TensorParallel,
         name: &str,
@@ -101,23 +107,24 @@ impl ParallelSelfAttention {
         init: &MasterInit,
     ) -> Result<Self> {
         const OP: &str = "ParallelSelfAttention";
-        let (hidden, heads) = (config.hidden, config.heads);
-        if heads == 0 || hidden % heads != 0 {
-            return Err(Error::NotDivisible {
-                op: OP,
-                what: "hidden size",
-                value: hidden,
-                parts: heads,
-            });
-        }
-        if heads % tp.size() != 0 {
-            return Err(Error::NotDivisible {
-                op: OP,
-                what: "attention heads",
-                value: heads,
-                parts: tp.size(),
-            });
-        }
+        let (hidden, heads, groups) = (config.hidden, config.heads, config.groups());
+        let divides =
+            |what, value: usize, parts: usize| match parts > 0 && value.is_multiple_of(parts) {
+                true => Ok(()),
+                false => Err(Error::NotDivisible {
+                    op: OP,
+                    what,
+                    value,
+                    parts,
+                }),
+            };
+        divides("hidden size", hidden, heads)?;
+        divides("attention heads", heads, groups)?;
+        let grouped = match config.query_groups {
+            Some(_) => "query groups",
+            None => "attention heads",
+        };
+        divides(grouped, groups, tp.size())?;
         if tp.context_parallel().is_some() && config.attention_dropout > 0.0 {
             return Err(Error::config(
                 OP,
@@ -128,12 +135,13 @@ impl ParallelSelfAttention {
                 ),
             ));
         }
+        let head_dim = hidden / heads;
         Ok(ParallelSelfAttention {
             qkv: ColumnParallelLinear::new(
                 tp,
                 &format!("{name}.qkv"),
                 hidden,
-                3 * hidden,
+                (heads + 2 * groups) * head_dim,
                 false,
                 LinearOptions::default(),
                 init,
@@ -152,9 +160,11 @@ impl ParallelSelfAttention {
                 init,
             )?,
             local_heads: heads / tp.size(),
-            head_dim: hidden / heads,
+            per_group: heads / groups,
+            head_dim,
             dropout: config.attention_dropout,
             recompute_core: config.recompute_attention_core,
+            kernel: config.attention,
             context: tp.context_parallel().cloned(),
         })
     }
@@ -189,25 +199,32 @@ impl ParallelSelfAttention {
         }
         let qkv = self.qkv.forward(tape, x)?.output;
         let (seq, batch) = (qkv.shape()[0], qkv.shape()[1]);
-        let qkv = qkv.reshape(&[seq, batch, self.local_heads, 3, self.head_dim])?;
+        let groups = self.local_heads / self.per_group;
+        let qkv = qkv.reshape(&[seq, batch, groups, self.per_group + 2, self.head_dim])?;
         let core = crate::attention_core::AttentionCore {
             scale: 1.0 / (self.head_dim as f64).sqrt(),
             dropout: self.dropout,
         };
+        let unfused = self.kernel == AttentionKernel::Unfused;
         let context = match (&self.context, rng) {
-            (None, Some(rng)) if self.recompute_core => {
-                let (query, key, value) = self.split_heads(&qkv, seq, batch)?;
+            (None, Some(rng)) if self.recompute_core && unfused => {
+                let (query, key, value) = self.split_heads(&qkv)?;
                 self.merge_heads(&core.recomputed(&query, &key, &value, rng)?, seq, batch)?
             }
-            // The products read q, k and v in place and write the context in place.
+            // Fused, or the unfused products reading q, k and v in place.
             (None, rng) => {
                 let dropout = rng.map(|rng| (self.dropout, rng.model_parallel_stream()));
-                qkv.packed_causal_attention(core.scale, dropout)?
+                let options = AttentionOptions {
+                    scale: core.scale,
+                    causal: true,
+                    kernel: self.kernel,
+                };
+                qkv.packed_attention(options, dropout)?
             }
             // The ring keeps no probabilities, so there is nothing for selective
             // recomputation to drop.
             (Some(group), _) => {
-                let (query, key, value) = self.split_heads(&qkv, seq, batch)?;
+                let (query, key, value) = self.split_heads(&qkv)?;
                 let context = crate::ring_attention(&query, &key, &value, group, core.scale, true)?;
                 self.merge_heads(&context, seq, batch)?
             }
@@ -216,24 +233,30 @@ impl ParallelSelfAttention {
     }
 
     /// Queries, keys and values `[batch·heads, sequence, head_dim]` out of the packed
-    /// `[sequence, batch, heads, 3, head_dim]`, for the cores that take them apart.
-    fn split_heads(
-        &self,
-        qkv: &Tensor,
-        seq: usize,
-        batch: usize,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (heads, head_dim) = (self.local_heads, self.head_dim);
-        let part = |index: usize| -> Result<Tensor> {
-            Ok(qkv
-                .narrow(3, index, 1)?
-                .reshape(&[seq, batch, heads, head_dim])?
-                .permute(&[1, 2, 0, 3])?
-                .reshape(&[batch * heads, seq, head_dim])?)
+    /// `[sequence, batch, groups, per_group + 2, head_dim]`, each group's key and value
+    /// repeated for its queries, for the cores that take them apart.
+    fn split_heads(&self, qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let [seq, batch, _, _, head_dim] = qkv.shape().try_into().map_err(|_| {
+            Error::shape(
+                "ParallelSelfAttention",
+                qkv.shape(),
+                "packed 5-D queries, keys and values",
+            )
+        })?;
+        let r = self.per_group;
+        let heads = |t: Tensor| -> Result<Tensor> {
+            Ok(t.permute(&[1, 2, 3, 0, 4])?
+                .reshape(&[batch * self.local_heads, seq, head_dim])?)
         };
-        Ok((part(0)?, part(1)?, part(2)?))
+        let shared = |index: usize| -> Result<Tensor> {
+            let part = qkv.narrow(3, index, 1)?;
+            match r {
+                1 => heads(part),
+                _ => heads(Tensor::concat(&vec![&part; r], 3)?),
+            }
+        };
+        Ok((heads(qkv.narrow(3, 0, r)?)?, shared(r)?, shared(r + 1)?))
     }
-
     /// A `[batch·heads, sequence, head_dim]` context as `[sequence, batch, hidden]`.
     fn merge_heads(&self, context: &Tensor, seq: usize, batch: usize) -> Result<Tensor> {
         let (heads, head_dim) = (self.local_heads, self.head_dim);

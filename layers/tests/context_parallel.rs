@@ -54,7 +54,7 @@ fn reference(inputs: &[Tensor; 4], causal: bool) -> AnyResult<Vec<Vec<f32>>> {
         .collect();
     let tape = Tape::new();
     let [q, k, v] = [0, 1, 2].map(|i| tape.watch(&params[i]));
-    let scale = 1.0 / (DIM as f64).sqrt();
+    let scale = 1.0 / (inputs[0].shape()[2] as f64).sqrt();
     let probs = match causal {
         true => q.matmul_transposed(&k)?.causal_softmax(scale)?,
         false => q.matmul_transposed(&k)?.scale(scale)?.softmax()?,
@@ -89,7 +89,8 @@ fn ring(
             .collect::<AnyResult<_>>()?;
         let tape = Tape::new();
         let [q, k, v] = [0, 1, 2].map(|i| tape.watch(&params[i]));
-        let out = ring_attention(&q, &k, &v, &group, 1.0 / (DIM as f64).sqrt(), causal)?;
+        let scale = 1.0 / (inputs[0].shape()[2] as f64).sqrt();
+        let out = ring_attention(&q, &k, &v, &group, scale, causal)?;
         assert_eq!(out.dtype(), dtype);
         out.mul(&mine(&inputs[3])?)?.sum()?.backward()?;
         let mut results = vec![out.to_vec()?];
@@ -108,8 +109,12 @@ fn ring(
 }
 
 fn inputs(seq: usize, seed: u64) -> [Tensor; 4] {
+    inputs_of(seq, DIM, seed)
+}
+
+fn inputs_of(seq: usize, dim: usize, seed: u64) -> [Tensor; 4] {
     let mut rng = Generator::new(seed);
-    [0; 4].map(|_| Tensor::randn(&[2 * HEADS, seq, DIM], 1.0, &mut rng))
+    [0; 4].map(|_| Tensor::randn(&[2 * HEADS, seq, dim], 1.0, &mut rng))
 }
 
 fn assert_all_close(what: &str, got: &[Vec<f32>], want: &[Vec<f32>], tolerance: f32) {
@@ -148,6 +153,19 @@ fn ring_attention_on_the_emulated_device_equals_one_rank() -> AnyResult<()> {
             &want,
             1e-5,
         );
+    }
+    Ok(())
+}
+
+#[test]
+fn heads_wider_than_the_fused_kernel_takes_run_composed_blocks() -> AnyResult<()> {
+    // Blocks of head width 136 on a device are products and a softmax, not the fused
+    // kernel (which takes up to 128); the ring merges them the same way.
+    for (cp, causal) in [(2, true), (2, false)] {
+        let inputs = inputs_of(4 * cp, 136, 30 + cp as u64);
+        let want = reference(&inputs, causal)?;
+        let got = ring(&inputs, cp, causal, Device::Emulated, DType::F32)?;
+        assert_all_close(&format!("wide cp={cp} causal={causal}"), &got, &want, 1e-5);
     }
     Ok(())
 }

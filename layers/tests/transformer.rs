@@ -1,7 +1,8 @@
 //! MLP, attention and transformer blocks on TP ∈ {2, 3, 4} equal the serial (TP = 1)
 //! model built from the same master weights, with sequence parallelism off and on —
 //! outputs, input gradients and every parameter gradient. The serial attention is also
-//! checked against a plain, single-head-at-a-time implementation.
+//! checked against a plain, single-head-at-a-time implementation; attention both ways,
+//! fused and unfused, multi-head and grouped-query.
 
 mod common;
 
@@ -9,7 +10,7 @@ use common::{assert_close, assert_runs_equal, run_sequence_model, AnyResult};
 use ferrotron_layers::{
     BlockConfig, MasterInit, Module, ParallelMlp, ParallelSelfAttention, TransformerBlock,
 };
-use ferrotron_tape::{causal_mask, Generator, Tape, Tensor};
+use ferrotron_tape::{causal_mask, AttentionKernel, Generator, Tape, Tensor};
 
 const SEQ: usize = 6;
 const BATCH: usize = 2;
@@ -66,22 +67,44 @@ fn mlp_matches_serial_for_every_tp_and_sequence_parallel() -> AnyResult<()> {
     Ok(())
 }
 
+/// Multi-head and grouped-query attention (4 groups of 3 heads), fused and unfused.
+fn attention_configs() -> Vec<BlockConfig> {
+    let mut configs = Vec::new();
+    for query_groups in [None, Some(4)] {
+        for attention in [AttentionKernel::Fused, AttentionKernel::Unfused] {
+            configs.push(BlockConfig {
+                query_groups,
+                attention,
+                ..config()
+            });
+        }
+    }
+    configs
+}
+
 #[test]
 fn attention_matches_serial_for_every_tp_and_sequence_parallel() -> AnyResult<()> {
     let (x, w) = data();
-    let build = |tp: &ferrotron_layers::TensorParallel| {
-        ParallelSelfAttention::new(tp, "attn", &config(), &init())
-    };
-    let forward =
-        |m: &ParallelSelfAttention,
-         tape: &Tape,
-         x: &Tensor,
-         rng: &mut ferrotron_layers::RngTracker| { m.forward(tape, x, rng) };
-    let serial = run_sequence_model(1, false, &x, &w, build, forward)?;
-    for tp in [2, 3, 4] {
-        for sp in [false, true] {
-            let parallel = run_sequence_model(tp, sp, &x, &w, build, forward)?;
-            assert_runs_equal(&format!("attention tp={tp} sp={sp}"), &parallel, &serial);
+    for config in attention_configs() {
+        let build = |tp: &ferrotron_layers::TensorParallel| {
+            ParallelSelfAttention::new(tp, "attn", &config, &init())
+        };
+        let forward =
+            |m: &ParallelSelfAttention,
+             tape: &Tape,
+             x: &Tensor,
+             rng: &mut ferrotron_layers::RngTracker| { m.forward(tape, x, rng) };
+        let serial = run_sequence_model(1, false, &x, &w, build, forward)?;
+        // Tensor parallelism divides the key/value groups.
+        for tp in [2, 3, 4].into_iter().filter(|tp| config.groups() % tp == 0) {
+            for sp in [false, true] {
+                let parallel = run_sequence_model(tp, sp, &x, &w, build, forward)?;
+                let what = format!(
+                    "{:?} groups {:?} tp={tp} sp={sp}",
+                    config.attention, config.query_groups
+                );
+                assert_runs_equal(&what, &parallel, &serial);
+            }
         }
     }
     Ok(())
@@ -89,28 +112,44 @@ fn attention_matches_serial_for_every_tp_and_sequence_parallel() -> AnyResult<()
 
 #[test]
 fn serial_attention_matches_a_plain_per_head_implementation() -> AnyResult<()> {
-    let (x, _) = data();
-    let outputs = ferrotron_comm_core::run_local(1, |comm| -> AnyResult<Tensor> {
-        let tp = common::tp_context(comm, false);
-        let attention = ParallelSelfAttention::new(&tp, "attn", &config(), &init())?;
-        let mut rng = ferrotron_layers::RngTracker::new(0, 0);
-        Ok(attention.forward(&Tape::new(), &x, &mut rng)?)
-    })?;
-    // Plain reference from the master weights, one (batch, head) at a time.
+    for config in attention_configs() {
+        let (x, _) = data();
+        let outputs = ferrotron_comm_core::run_local(1, |comm| -> AnyResult<Tensor> {
+            let tp = common::tp_context(comm, false);
+            let attention = ParallelSelfAttention::new(&tp, "attn", &config, &init())?;
+            let mut rng = ferrotron_layers::RngTracker::new(0, 0);
+            Ok(attention.forward(&Tape::new(), &x, &mut rng)?)
+        })?;
+        let what = format!("{:?} groups {:?}", config.attention, config.query_groups);
+        assert_close(&what, &outputs[0], &plain_attention(&config, &x)?);
+    }
+    Ok(())
+}
+
+/// Attention from the master weights, one (batch, head) at a time: the QKV projection's
+/// rows group by group (the group's queries, its key, its value).
+fn plain_attention(config: &BlockConfig, x: &Tensor) -> AnyResult<Tensor> {
     let master = init();
-    let qkv_w = master.weight("attn.qkv.weight", &[3 * HIDDEN, HIDDEN]);
-    let qkv_b = master.bias("attn.qkv.bias", &[3 * HIDDEN], 0.0)?;
+    let (groups, head_dim) = (config.groups(), HIDDEN / HEADS);
+    let per_group = HEADS / groups;
+    let width = (HEADS + 2 * groups) * head_dim;
+    let qkv_w = master.weight("attn.qkv.weight", &[width, HIDDEN]);
+    let qkv_b = master.bias("attn.qkv.bias", &[width], 0.0)?;
     let proj_w = master.weight("attn.proj.weight", &[HIDDEN, HIDDEN]);
     let proj_b = master.bias("attn.proj.bias", &[HIDDEN], 0.0)?;
-    let head_dim = HIDDEN / HEADS;
     let mut per_batch = Vec::new();
     for b in 0..BATCH {
         let xb = x.narrow(1, b, 1)?.reshape(&[SEQ, HIDDEN])?;
         let qkv = xb.matmul(&qkv_w.transpose(0, 1)?)?.add(&qkv_b)?;
         let mut heads = Vec::new();
         for h in 0..HEADS {
-            let column = |i: usize| qkv.narrow(1, (3 * h + i) * head_dim, head_dim);
-            let (q, k, v) = (column(0)?, column(1)?, column(2)?);
+            let group = (h / per_group) * (per_group + 2);
+            let column = |i: usize| qkv.narrow(1, (group + i) * head_dim, head_dim);
+            let (q, k, v) = (
+                column(h % per_group)?,
+                column(per_group)?,
+                column(per_group + 1)?,
+            );
             let probs = q
                 .matmul(&k.transpose(0, 1)?)?
                 .scale(1.0 / (head_dim as f64).sqrt())?
@@ -124,8 +163,7 @@ fn serial_attention_matches_a_plain_per_head_implementation() -> AnyResult<()> {
         per_batch.push(out.reshape(&[SEQ, 1, HIDDEN])?);
     }
     let refs: Vec<&Tensor> = per_batch.iter().collect();
-    assert_close("attention", &outputs[0], &Tensor::concat(&refs, 1)?);
-    Ok(())
+    Ok(Tensor::concat(&refs, 1)?)
 }
 
 #[test]

@@ -118,8 +118,9 @@ pub use mixed::{MixedPrecision, MASTER_BUFFER};
 pub use ndarray;
 pub use ops::custom::CustomOp;
 pub use ops::{
-    causal_mask, fused_attention_dropout_mask, AttentionKernel, AttentionOptions,
-    CrossEntropyOptions, Gelu, Reduction, RowTarget,
+    attention_block, attention_block_backward, causal_mask, fused_attention_dropout_mask,
+    fused_attention_takes, AttentionBlock, AttentionKernel, AttentionOptions, CrossEntropyOptions,
+    Gelu, Reduction, RowTarget,
 };
 pub use optim::{
     AdamW, AdamWConfig, AdamWUpdate, Optimizer, OptimizerState, ParamOptions, ParamState, Sgd,

@@ -90,6 +90,217 @@ pub fn fused_attention_dropout_mask<T: Element>(
     Tensor::from_vec(factors, &shape)
 }
 
+/// One block of attention computed fused and not recorded, for attention assembled from
+/// blocks (context parallelism's ring): the output and each query's log-sum-exp.
+pub struct AttentionBlock<T: Element> {
+    /// `softmax(q·kᵀ · scale)·v`, `[heads, sq, d]`, in `T`.
+    pub out: Tensor<T>,
+    /// `log Σ_j exp(q·k_j · scale)` of each query, `[heads, sq]`, in `T`.
+    pub lse: Tensor<T>,
+}
+
+/// Fused attention of `[heads, sq, d]` queries over `[heads, sk, d]` keys and values
+/// (any storage format, one device), causal or not (query `i` sees keys `j <= i`), as
+/// [`Tensor::packed_attention`] computes it, without recording. Blocks over parts of the
+/// keys combine by their log-sum-exps: the whole output is `Σ_b out_b · exp(lse_b − lse)`
+/// with `lse = log Σ_b exp(lse_b)`. On a device, head dimensions above 128 (64 in f64)
+/// are an error: check [`fused_attention_takes`] first.
+///
+/// ```
+/// use ferrotron_tape::{attention_block, Tensor};
+///
+/// // One query over two keys with equal scores: the mean of the values, and
+/// // lse = log(e⁰ + e⁰).
+/// let q = Tensor::<f64>::zeros(&[1, 1, 1]);
+/// let v = Tensor::from_vec(vec![1.0, 3.0], &[1, 2, 1])?;
+/// let block = attention_block(&q, &Tensor::zeros(&[1, 2, 1]), &v, 1.0, false)?;
+/// assert_eq!(block.out.to_vec()?, [2.0]);
+/// assert!((block.lse.to_vec()?[0] - 2f64.ln()).abs() < 1e-15);
+/// # Ok::<(), ferrotron_tape::Error>(())
+/// ```
+pub fn attention_block<T: Element>(
+    q: &Tensor<T>,
+    k: &Tensor<T>,
+    v: &Tensor<T>,
+    scale: f64,
+    causal: bool,
+) -> Result<AttentionBlock<T>> {
+    let flash = block_flash(q, k, v, scale, causal)?;
+    let g = flash.geometry;
+    let (heads, sq, d) = (g.heads, g.sq, g.d);
+    match q.device() {
+        Device::Cpu => {
+            let arrays = [q, k, v].map(|t| t.cpu(OP).map(|a| a.as_standard_layout().into_owned()));
+            let [q, k, v] = arrays;
+            let (q, k, v) = (q?, k?, v?);
+            let x = Parts {
+                q: slice(&q)?,
+                k: slice(&k)?,
+                v: slice(&v)?,
+            };
+            let (out, lse) = cpu_forward(&flash, &x, &[heads, sq, d])?;
+            Ok(AttentionBlock {
+                out: Tensor::from_array(out),
+                lse: Tensor::from_vec(lse, &[heads, sq])?,
+            })
+        }
+        on => {
+            let out = product_output::<T>(on, &[heads, sq, d], T::DTYPE)?;
+            let lse = GpuArray::<T>::uninit(OP, on, &[heads, sq])?;
+            if g.sq > 0 && heads > 0 {
+                let ops = Operands {
+                    q: at(q)?,
+                    k: at(k)?,
+                    v: at(v)?,
+                    out: at(&out)?,
+                };
+                device::forward(&flash, &ops, &lse)?;
+            }
+            Ok(AttentionBlock {
+                out,
+                lse: Tensor::from_gpu(lse),
+            })
+        }
+    }
+}
+
+/// The gradients of one [`attention_block`]'s queries, keys and values, given the
+/// gradient `d_out` of the whole attention's output `out` and its log-sum-exp `lse`
+/// (`[heads, sq, d]` and `[heads, sq]`): the block's share, so blocks over parts of the
+/// keys sum to the whole attention's gradients. Each gradient in `T`.
+#[allow(clippy::too_many_arguments)] // the block's inputs and what backward reads
+pub fn attention_block_backward<T: Element>(
+    (q, k, v): (&Tensor<T>, &Tensor<T>, &Tensor<T>),
+    out: &Tensor<T>,
+    d_out: &Tensor<T>,
+    lse: &Tensor<T>,
+    scale: f64,
+    causal: bool,
+) -> Result<[Tensor<T>; 3]> {
+    let flash = block_flash(q, k, v, scale, causal)?;
+    let g = flash.geometry;
+    match q.device() {
+        Device::Cpu => {
+            let arrays = [q, k, v, out, d_out, lse]
+                .map(|t| t.cpu(OP).map(|a| a.as_standard_layout().into_owned()));
+            let [q, k, v, out, d_out, lse] = arrays;
+            let (q, k, v, out, d_out, lse) = (q?, k?, v?, out?, d_out?, lse?);
+            let x = Parts {
+                q: slice(&q)?,
+                k: slice(&k)?,
+                v: slice(&v)?,
+            };
+            let rows = RowData {
+                out: slice(&out)?,
+                d_out: slice(&d_out)?,
+                lse: slice(&lse)?,
+            };
+            let mut grads = [g.sq, g.sk, g.sk].map(|n| vec![T::zero(); g.heads * n * g.d]);
+            cpu_backward(&flash, &x, &rows, |t, z, i, values| {
+                let at = g.row(t, z, i);
+                grads[t][at..at + values.len()].copy_from_slice(values);
+            })?;
+            let [dq, dk, dv] = grads;
+            Ok([
+                Tensor::from_vec(dq, &[g.heads, g.sq, g.d])?,
+                Tensor::from_vec(dk, &[g.heads, g.sk, g.d])?,
+                Tensor::from_vec(dv, &[g.heads, g.sk, g.d])?,
+            ])
+        }
+        on => {
+            let shapes = [
+                [g.heads, g.sq, g.d],
+                [g.heads, g.sk, g.d],
+                [g.heads, g.sk, g.d],
+            ];
+            let grads = shapes.map(|shape| product_output::<T>(on, &shape, T::DTYPE));
+            let [dq, dk, dv] = grads;
+            let (dq, dk, dv) = (dq?, dk?, dv?);
+            if g.sq > 0 && g.sk > 0 && g.heads > 0 {
+                let ops = Operands {
+                    q: at(q)?,
+                    k: at(k)?,
+                    v: at(v)?,
+                    out: at(out)?,
+                };
+                let lse = lse.gpu(OP)?.ok_or(crate::Error::DeviceMismatch {
+                    op: OP,
+                    first: on,
+                    second: lse.device(),
+                })?;
+                let delta = GpuArray::<T>::uninit(OP, on, &[g.heads * g.sq])?;
+                let gradients = Gradients {
+                    d_out: at(d_out)?,
+                    dq: at(&dq)?.ptr,
+                    dk: at(&dk)?.ptr,
+                    dv: at(&dv)?.ptr,
+                    format: 0,
+                };
+                device::backward(&flash, &ops, &lse, &delta, &gradients)?;
+            }
+            Ok([dq, dk, dv])
+        }
+    }
+}
+
+/// Whether [`attention_block`] takes `head_dim` on `device` in `T`.
+pub fn fused_attention_takes<T: Element>(device: Device, head_dim: usize) -> bool {
+    device == Device::Cpu || head_dim <= device::max_head_dim::<T>()
+}
+
+/// The geometry of a block's `[heads, s, d]` operands, checked.
+fn block_flash<T: Element>(
+    q: &Tensor<T>,
+    k: &Tensor<T>,
+    v: &Tensor<T>,
+    scale: f64,
+    causal: bool,
+) -> Result<Flash> {
+    const BLOCK: &str = "attention_block";
+    let (qs, ks) = (q.shape(), k.shape());
+    let fits =
+        qs.len() == 3 && ks.len() == 3 && v.shape() == ks && qs[0] == ks[0] && qs[2] == ks[2];
+    if !fits {
+        return Err(crate::Error::shape(
+            BLOCK,
+            &[qs, ks, v.shape()],
+            "needs [heads, sq, d] queries and [heads, sk, d] keys and values",
+        ));
+    }
+    super::common_device(BLOCK, &[q, k, v])?;
+    if !fused_attention_takes::<T>(q.device(), qs[2]) {
+        return Err(crate::Error::invalid(
+            BLOCK,
+            format!(
+                "head dimension {} is wider than the fused kernel takes on a device ({})",
+                qs[2],
+                device::max_head_dim::<T>()
+            ),
+        ));
+    }
+    let (heads, sq, sk, d) = (qs[0], qs[1], ks[1], qs[2]);
+    let rows = |s: usize| RowStrides {
+        batch: 0,
+        group: s * d,
+        head: 0,
+        pos: d,
+    };
+    Ok(Flash {
+        geometry: FlashGeometry {
+            batch: 1,
+            heads,
+            per_group: 1,
+            sq,
+            sk,
+            d,
+            strides: [rows(sq), rows(sk), rows(sk), rows(sq)],
+            causal: causal.then_some(0),
+        },
+        scale,
+        dropout: None,
+    })
+}
+
 /// The geometry of packed input and its `[s, b, heads · d]` output.
 pub(super) fn packed_geometry(heads: &Heads, causal: bool) -> FlashGeometry {
     let Heads { s, b, n, r, d } = *heads;

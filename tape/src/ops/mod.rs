@@ -17,7 +17,10 @@ mod softmax;
 
 pub use attention::{AttentionKernel, AttentionOptions};
 pub use elementwise::Gelu;
-pub use flash::fused_attention_dropout_mask;
+pub use flash::{
+    attention_block, attention_block_backward, fused_attention_dropout_mask, fused_attention_takes,
+    AttentionBlock,
+};
 pub use index::causal_mask;
 pub use loss::{CrossEntropyOptions, Reduction, RowTarget};
 

@@ -10,7 +10,7 @@ use common::{run_sequence_model, AnyResult, FullRun};
 use ferrotron_layers::{
     recompute_blocks, BlockConfig, MasterInit, Module, RngTracker, TransformerBlock,
 };
-use ferrotron_tape::{Generator, Tape, Tensor};
+use ferrotron_tape::{AttentionKernel, Generator, Tape, Tensor};
 
 const SEQ: usize = 8;
 const BATCH: usize = 2;
@@ -43,6 +43,9 @@ fn build_with(
         attention_dropout: 0.2,
         hidden_dropout: 0.1,
         recompute_attention_core: selective,
+        // The unfused core is the one selective recomputation drops (the fused core
+        // keeps no probabilities).
+        attention: AttentionKernel::Unfused,
         ..BlockConfig::new(HIDDEN, HEADS)
     };
     let init = MasterInit::new(7, 0.2).with_bias_std(0.1);

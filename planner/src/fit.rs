@@ -92,11 +92,11 @@ pub fn fit(model: &Model, search: &Search) -> Result<Fit> {
         Error::Invalid(format!(
             "no layout of {} ranks splits this model and a global batch of {} in \
              microbatches of {}: the world must be TP × PP × DP with TP dividing the {} \
-             heads, PP the {} layers, and DP × {} the global batch",
+             key/value heads, PP the {} layers, and DP × {} the global batch",
             search.world,
             search.global_batch,
             search.micro_batch,
-            model.heads,
+            model.query_groups,
             model.layers,
             search.micro_batch
         ))
@@ -145,8 +145,8 @@ fn divisors(n: usize) -> impl Iterator<Item = usize> {
 
 fn layouts(model: &Model, search: &Search) -> Vec<Layout> {
     let mut out = Vec::new();
-    let tps =
-        divisors(model.heads).filter(|&t| t <= search.max_tp && search.world.is_multiple_of(t));
+    let tps = divisors(model.query_groups)
+        .filter(|&t| t <= search.max_tp && search.world.is_multiple_of(t));
     for tp in tps {
         let pps = divisors(model.layers).filter(|&p| (search.world / tp).is_multiple_of(p));
         for pp in pps.collect::<Vec<_>>() {

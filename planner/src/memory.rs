@@ -16,8 +16,14 @@ pub struct Model {
     pub layers: usize,
     /// Hidden size.
     pub hidden: usize,
-    /// Attention heads (`hidden` must divide by it, and it by TP).
+    /// Attention heads (`hidden` must divide by it).
     pub heads: usize,
+    /// Key/value heads (grouped-query attention; `heads` for multi-head attention): it
+    /// divides `heads`, and TP divides it.
+    pub query_groups: usize,
+    /// The attention core is fused (no `sequence²` tensor kept, one f32 log-sum-exp per
+    /// query instead) rather than the unfused reference.
+    pub fused_attention: bool,
     /// The MLP's width (4 × hidden in the demo).
     pub ffn: usize,
     /// Vocabulary entries, as the embedding holds them (pad it first if you pad).
@@ -34,12 +40,14 @@ pub struct Model {
 
 impl Model {
     /// A GPT of `layers` blocks of width `hidden` with an MLP of 4 × `hidden`, tied
-    /// embeddings and no dropout.
+    /// embeddings, multi-head fused attention and no dropout.
     pub fn gpt(layers: usize, hidden: usize, heads: usize, vocab: usize, seq: usize) -> Model {
         Model {
             layers,
             hidden,
             heads,
+            query_groups: heads,
+            fused_attention: true,
             ffn: 4 * hidden,
             vocab,
             seq,
@@ -51,10 +59,17 @@ impl Model {
 
     /// Parameters of the whole model (every stage, no TP split).
     pub fn parameters(&self) -> usize {
-        let (h, f) = (self.hidden, self.ffn);
-        let block = 4 * h * h + 2 * f * h + 3 * h + f + 6 * h;
+        let (h, f, qkv) = (self.hidden, self.ffn, self.qkv_width());
+        let block = h * qkv + h * h + 2 * f * h + qkv + f + 6 * h;
         let head = if self.tied { 0 } else { self.vocab * h };
         self.layers * block + (self.vocab + self.seq) * h + 2 * h + head
+    }
+}
+
+impl Model {
+    /// Width of the fused QKV projection: the queries, and a key and a value per group.
+    pub fn qkv_width(&self) -> usize {
+        self.hidden + 2 * self.hidden * self.query_groups / self.heads.max(1)
     }
 }
 
@@ -138,6 +153,15 @@ impl Layout {
             return invalid(format!(
                 "{} heads must divide the hidden size {} and divide by tp {}",
                 model.heads, model.hidden, self.tp
+            ));
+        }
+        if model.query_groups == 0
+            || !model.heads.is_multiple_of(model.query_groups)
+            || !model.query_groups.is_multiple_of(self.tp)
+        {
+            return invalid(format!(
+                "{} query groups must divide the {} heads and divide by tp {}",
+                model.query_groups, model.heads, self.tp
             ));
         }
         if !model.layers.is_multiple_of(self.pp * chunks) {
@@ -447,6 +471,9 @@ impl Sizes {
         let b = layout.batch / layout.microbatches.max(1);
         let (sbh, sb) = (s * b * h, s * b);
         let scores = a * b * s * s / t;
+        let qkv = model.qkv_width();
+        // The fused core's f32 log-sum-exp per query and head.
+        let lse = 4 * a * sb / t;
         let vocab_shard = model.vocab.div_ceil(t);
         let logits = sb * vocab_shard;
         // A dropout mask's element: f32 on the CPU, a byte on the device.
@@ -460,7 +487,15 @@ impl Sizes {
         } else {
             e * (8 * sbh + (7 * sbh + 3 * s * b * f) / t) + 16 * sb
         };
-        block += e * scores;
+        // The QKV projection's output is narrower than 3 · hidden under grouped-query
+        // attention.
+        block -= e * sb * (3 * h - qkv) / t;
+        // The unfused core keeps the probabilities, the fused one a statistic per query.
+        block += if model.fused_attention {
+            lse
+        } else {
+            e * scores
+        };
         let local = if sp { sbh / t } else { sbh };
         // On a device each residual branch's bias, dropout and addition is one kernel, and
         // so are the MLP's bias and GELU: neither keeps a sum, so two hidden-sized
@@ -471,10 +506,12 @@ impl Sizes {
         if model.hidden_dropout {
             block += 2 * mask * local;
         }
-        if model.attention_dropout {
+        // The fused core regenerates its dropout mask in backward.
+        let unfused = !model.fused_attention;
+        if model.attention_dropout && unfused {
             block += (e + mask) * scores;
         }
-        if layout.recompute == Recompute::Selective {
+        if layout.recompute == Recompute::Selective && unfused {
             block -= e * scores;
             if model.attention_dropout {
                 block -= (e + mask) * scores;
@@ -486,7 +523,7 @@ impl Sizes {
             true => e * weights,
             false => 0,
         };
-        block += transposed((4 * h * h + 2 * f * h) / t);
+        block += transposed((h * qkv + h * h + 2 * f * h) / t);
         let embedding = e * local
             + 8 * sb
             + if t > 1 {
@@ -503,14 +540,16 @@ impl Sizes {
         // made while the 16-bit ones are still held).
         let fused_loss = device && t == 1;
         let kept_logits = if fused_loss { e * logits } else { 4 * logits };
+        // Outside the fused loss, 16-bit logits stay held beside their f32 copy.
+        let sixteen_bit_logits = if e < 4 && !fused_loss { e * logits } else { 0 };
         let head = e * local
             + 8 * sb / if sp { t } else { 1 }
             + e * sbh
             + kept_logits
+            + sixteen_bit_logits
             + 4 * sb
             + 17 * sb
             + transposed(vocab_shard * h);
-        let sixteen_bit_logits = if e < 4 && !fused_loss { e * logits } else { 0 };
         // Backward holds two score-sized and two hidden-sized gradients at once: on a
         // device in the activations' format (16-bit gradients stay 16-bit), on the CPU in
         // f32 (where a 16-bit softmax's backward works on widened copies).
@@ -518,6 +557,21 @@ impl Sizes {
             (true, _) => 2 * e * (scores + sbh),
             (false, true) => 8 * scores + 8 * sbh,
             (false, false) => 4 * scores + 8 * sbh,
+        };
+        // The fused core's backward holds no scores: on a device the context's gradient,
+        // the packed QKV gradient and a correction per query; on the CPU f32 copies of
+        // its inputs, output and the two gradients.
+        let block_backward = match (model.fused_attention, device) {
+            (false, _) => block_backward,
+            (true, true) => 2 * e * sbh + e * sb * qkv / t + lse,
+            (true, false) => 8 * sbh + 4 * (2 * sb * qkv + 2 * sbh) / t + lse,
+        };
+        // Forward: the unfused core's scores and probabilities; the fused one's output,
+        // and on the CPU its f32 copy of the input and f32 output.
+        let attention_forward = match (model.fused_attention, device) {
+            (false, _) => e * (3 * sbh / t + scores),
+            (true, true) => e * 3 * sbh / t + lse,
+            (true, false) => 4 * (sb * qkv + sbh) / t + e * sbh / t + lse,
         };
         // On the CPU a 16-bit product widens its operands to f32 and computes in f32: the
         // first MLP product (the gathered input and the weight) is the largest.
@@ -528,16 +582,16 @@ impl Sizes {
         };
         Sizes {
             vocab_shard,
-            block_parameters: (4 * h * h + 2 * f * h + 3 * h + f) / t + 6 * h,
+            block_parameters: (h * qkv + h * h + 2 * f * h + qkv + f) / t + 6 * h,
             block,
             block_input: e * local,
             embedding,
             head,
-            block_forward: (e * (3 * sbh / t + scores)).max(widened),
+            block_forward: attention_forward.max(widened),
             block_backward,
             // One rank's whole vocabulary is tape's fused loss, whose work is per row;
             // a split one's is the vocabulary-parallel composition over the f32 logits.
-            loss_forward: if t == 1 { 8 * sb } else { 8 * logits } + sixteen_bit_logits,
+            loss_forward: if t == 1 { 8 * sb } else { 8 * logits },
             // The logits' gradient: the fused loss writes it in their format.
             loss_backward: if fused_loss { e * logits } else { 4 * logits },
         }

@@ -56,7 +56,7 @@ impl TrainerState {
             "pp": self.pp,
             "chunks": self.chunks,
             "model": {"vocab": m.vocab, "valid_vocab": m.valid_vocab, "layers": m.layers, "hidden": m.hidden,
-                      "heads": m.heads, "seq": m.seq, "tied": m.tied,
+                      "heads": m.heads, "query_groups": m.query_groups, "seq": m.seq, "tied": m.tied,
                       "experts": m.moe.map(|(moe, every)| json!({
                           "num_experts": moe.num_experts, "ffn_hidden": moe.ffn_hidden,
                           "shared_expert_ffn": moe.shared_expert_ffn, "every": every}))},
@@ -140,6 +140,14 @@ impl TrainerState {
                 layers: number(&model["layers"])?,
                 hidden: number(&model["hidden"])?,
                 heads: number(&model["heads"])?,
+                // Checkpoints from before grouped-query attention have a key and value
+                // per head.
+                query_groups: match &model["query_groups"] {
+                    Value::Null => None,
+                    groups => Some(number(groups)?),
+                },
+                // Fused or not is a setting of each run: both give the same model.
+                attention: ferrotron_tape::AttentionKernel::Fused,
                 seq: number(&model["seq"])?,
                 // Format 1 had no tied embeddings.
                 tied: model["tied"].as_bool().unwrap_or(false),

@@ -30,6 +30,14 @@ pub fn export(from: &Path, out: &Path) -> Result<()> {
     let dir = checkpoint_dir(from)?;
     let saved = TrainerState::read(&dir)?;
     let model = saved.model;
+    if let Some(groups) = model.query_groups.filter(|&g| g != model.heads) {
+        bail!(
+            "the checkpoint's attention shares each key and value among {} heads \
+             ({groups} query groups); GPT-2 has a key and value per head, so it cannot be \
+             exported as GPT-2",
+            model.heads / groups
+        );
+    }
     let full = checkpoint::read_stages(&saved.stage_dirs(&dir), saved.tp)?;
     let mut tensors = BTreeMap::new();
     for (name, (_, tensor)) in &full {

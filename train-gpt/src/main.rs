@@ -66,6 +66,15 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use train::{train_rank, RankResult, Schedule, TrainConfig};
 
+/// `--attention`: the attention core's kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Attention {
+    /// FlashAttention-2's scheme: no sequence² tensor kept.
+    Fused,
+    /// Scores, softmax, dropout and products as separate passes (the reference).
+    Unfused,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum RecomputeGranularity {
     /// Whole transformer blocks.
@@ -192,6 +201,15 @@ struct Args {
     /// Attention heads.
     #[arg(long, default_value_t = 4)]
     heads: usize,
+    /// Key/value heads, each shared by --heads / G query heads (grouped-query
+    /// attention, Megatron's flag); must divide --heads, and --tp must divide it. Without
+    /// it every head has its own key and value.
+    #[arg(long, value_name = "G", value_parser = clap::value_parser!(u64).range(1..))]
+    num_query_groups: Option<u64>,
+    /// The attention core's kernel: `fused` (FlashAttention-2's scheme, no sequence²
+    /// tensor kept) or `unfused` (separate passes, the reference).
+    #[arg(long, value_enum, default_value_t = Attention::Fused)]
+    attention: Attention,
     /// Context length in bytes.
     #[arg(long, default_value_t = 64)]
     seq: usize,
@@ -621,6 +639,8 @@ fn planned_model(args: &Args, corpus: &Corpus) -> ferrotron_planner::Model {
         layers: args.layers,
         hidden: args.hidden,
         heads: args.heads,
+        query_groups: query_groups(args),
+        fused_attention: args.attention == Attention::Fused,
         ffn: 4 * args.hidden,
         vocab: corpus.vocabulary.padded(args.tp),
         seq: args.seq,
@@ -921,14 +941,17 @@ fn run_mpi_backend(
             args.tp,
             args.pp,
             args.cp,
-            list(&valid_tp(size, args.heads))
+            list(&valid_tp(size, query_groups(args)))
         ),
     };
     if mp * dp != size {
         let fix = if size.is_multiple_of(mp) {
             format!("pass --dp {}", size / mp)
         } else {
-            format!("pass a --tp among {}", list(&valid_tp(size, args.heads)))
+            format!(
+                "pass a --tp among {}",
+                list(&valid_tp(size, query_groups(args)))
+            )
         };
         bail!(
             "--tp {} × --pp {} × --cp {} × --dp {dp} = {} ranks, but mpirun started {size}; \
@@ -1094,6 +1117,32 @@ fn validate_recompute(args: &Args) -> Result<()> {
     }
 }
 
+/// Key/value heads: `--num-query-groups`, else one per head.
+fn query_groups(args: &Args) -> usize {
+    args.num_query_groups.map_or(args.heads, |g| g as usize)
+}
+
+/// `--num-query-groups` against the heads and the tensor-parallel split.
+fn validate_query_groups(args: &Args) -> Result<()> {
+    let Some(groups) = args.num_query_groups.map(|g| g as usize) else {
+        return Ok(());
+    };
+    ensure!(
+        args.heads.is_multiple_of(groups),
+        "--num-query-groups {groups} does not divide --heads {}; valid groups: {}",
+        args.heads,
+        list(&divisors(args.heads))
+    );
+    ensure!(
+        groups.is_multiple_of(args.tp),
+        "--num-query-groups {groups} cannot be divided among --tp {} ranks (each rank \
+         holds whole groups); valid --tp: {}",
+        args.tp,
+        list(&divisors(groups))
+    );
+    Ok(())
+}
+
 /// The model's and the batch's sizes against the tensor-parallel split.
 fn validate_model(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Result<()> {
     ensure!(args.tp >= 1, "--tp must be at least 1");
@@ -1116,6 +1165,7 @@ fn validate_model(args: &Args, dp: usize, vocabulary: &data::Vocabulary) -> Resu
         args.heads,
         list(&divisors(args.heads))
     );
+    validate_query_groups(args)?;
     ensure!(
         args.tp <= vocabulary.size(),
         "--tp {} exceeds the {}-byte vocabulary it divides",
@@ -1319,6 +1369,11 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
             layers: args.layers,
             hidden: args.hidden,
             heads: args.heads,
+            query_groups: args.num_query_groups.map(|g| g as usize),
+            attention: match args.attention {
+                Attention::Fused => ferrotron_tape::AttentionKernel::Fused,
+                Attention::Unfused => ferrotron_tape::AttentionKernel::Unfused,
+            },
             seq: args.seq,
             tied: !args.untie_embeddings_and_output_weights,
             attention_dropout: args.attention_dropout,
@@ -1774,7 +1829,7 @@ fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankResult> {
     Ok(results.swap_remove(0))
 }
 
-/// Tensor-parallel sizes that divide both the world and the attention heads.
+/// Tensor-parallel sizes that divide both the world and the key/value heads.
 #[cfg(feature = "mpi")]
 fn valid_tp(world: usize, heads: usize) -> Vec<usize> {
     divisors(world)

@@ -15,7 +15,7 @@ use ferrotron_layers::{
     LinearOptions, MasterInit, Module, RngTracker, ShardedParameter, Sharding, TensorParallel,
     TokenLoss, TransformerBlock, VocabParallelEmbedding, EMBEDDING_GROUP, TP_GROUP,
 };
-use ferrotron_tape::{CrossEntropyOptions, Parameter, Tape, Tensor};
+use ferrotron_tape::{AttentionKernel, CrossEntropyOptions, Parameter, Tape, Tensor};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -36,6 +36,10 @@ pub struct GptConfig {
     pub layers: usize,
     pub hidden: usize,
     pub heads: usize,
+    /// Key/value heads of grouped-query attention (`None`: one per head).
+    pub query_groups: Option<usize>,
+    /// The attention core's kernel (a setting of the run: both give the same model).
+    pub attention: AttentionKernel,
     /// Longest context; the position table has this many rows.
     pub seq: usize,
     /// Whether the head's weight is the token embedding's table (Megatron's default).
@@ -53,7 +57,7 @@ pub struct GptConfig {
 impl GptConfig {
     /// Floating-point operations of one training step per token, as Megatron counts a
     /// model's: 6 per weight a token multiplies (2 forward, 4 backward: every block's
-    /// projections and MLP, a mixture of experts' `top_k` experts, router and shared
+    /// projections (the key and value ones narrower under grouped-query attention) and MLP, a mixture of experts' `top_k` experts, router and shared
     /// expert, and the output layer), plus attention's two products over the whole
     /// context, 12·seq·hidden per block (the causal mask's skipped half counted, as
     /// Megatron does). Recomputation is not counted: these are model flops.
@@ -68,8 +72,10 @@ impl GptConfig {
             }
             _ => dense_mlp,
         };
+        let kv = 2.0 * h * h * self.query_groups.unwrap_or(self.heads) as f64 / self.heads as f64;
+        let attention = 2.0 * h * h + kv;
         let weights: f64 =
-            (0..self.layers).map(|b| 4.0 * h * h + mlp(b)).sum::<f64>() + h * self.vocab as f64;
+            (0..self.layers).map(|b| attention + mlp(b)).sum::<f64>() + h * self.vocab as f64;
         6.0 * weights + 12.0 * (self.seq as f64) * h * self.layers as f64
     }
 }
@@ -138,6 +144,8 @@ impl Gpt {
             attention_dropout: config.attention_dropout,
             hidden_dropout: config.hidden_dropout,
             recompute_attention_core: config.recompute_attention_core,
+            query_groups: config.query_groups,
+            attention: config.attention,
             ..BlockConfig::new(config.hidden, config.heads)
         };
         let first = if blocks.start == 0 {
@@ -491,6 +499,8 @@ mod tests {
             layers,
             hidden,
             heads: 12,
+            query_groups: None,
+            attention: ferrotron_tape::AttentionKernel::Fused,
             seq,
             tied: true,
             attention_dropout: 0.0,

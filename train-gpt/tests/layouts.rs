@@ -2,7 +2,8 @@
 //! cannot run is refused before the first step, naming the flag to change. The sweep
 //! crosses tensor, pipeline (1F1B, GPipe, interleaved with one or two chunks), context and
 //! data parallelism with sequence parallelism, the distributed optimizer, clipping, 16-bit
-//! formats, dropout, tied and untied embeddings and the emulated device.
+//! formats, dropout, tied and untied embeddings, grouped-query and unfused attention and the
+//! emulated device.
 
 mod common;
 
@@ -50,6 +51,10 @@ const ACCEPTED: &[&str] = &[
     "--cp 2 --pp 2 --tp 1 --dp 1 --microbatches 2 --hidden-dropout 0.1",
     "--cp 2 --tp 2 --dp 1 --sequence-parallel --use-distributed-optimizer --precision bf16",
     "--cp 4 --tp 1 --dp 1 --device emulated",
+    // Grouped-query attention (two groups of two heads) split over TP, fused and unfused.
+    "--tp 2 --dp 1 --num-query-groups 2 --sequence-parallel --device emulated --precision bf16",
+    "--tp 2 --dp 2 --num-query-groups 2 --attention unfused --attention-dropout 0.1",
+    "--cp 2 --tp 1 --dp 1 --num-query-groups 1",
     // Experts: sequence parallelism, the distributed optimizer, bf16 on the device.
     "--num-experts 4 --expert-parallel 2 --tp 2 --dp 2 --sequence-parallel \
      --use-distributed-optimizer --precision bf16 --device emulated",
@@ -70,6 +75,14 @@ const REFUSED: &[(&str, &str)] = &[
     (
         "--cp 2 --dp 1 --attention-dropout 0.1",
         "--attention-dropout 0",
+    ),
+    (
+        "--num-query-groups 3",
+        "--num-query-groups 3 does not divide --heads 4",
+    ),
+    (
+        "--tp 2 --dp 1 --num-query-groups 1",
+        "--num-query-groups 1 cannot be divided",
     ),
     ("--lr-decay wsd", "--lr-wsd-decay-steps"),
     ("--lr-wsd-decay-steps 10", "--lr-decay wsd"),

@@ -91,9 +91,10 @@ fn held_per_stage(stdout: &str) -> Vec<f64> {
 }
 
 /// The measured peak shows what recomputation and the 1F1B schedule trade: recomputing
-/// every block holds well under half the activations, recomputing the attention cores
-/// less, and 1F1B's first stage holds at most two microbatches' activations where
-/// GPipe's holds all eight.
+/// every block holds well under half the activations; recomputing the unfused attention
+/// cores less (the fused core, the default, keeps none to recompute, and holds less than
+/// the unfused one); and 1F1B's first stage holds at most two microbatches' activations
+/// where GPipe's holds all eight.
 #[test]
 fn the_measured_peak_falls_with_recomputation_and_with_1f1b() {
     let kept = peak("--tp 1 --dp 1");
@@ -103,11 +104,13 @@ fn the_measured_peak_falls_with_recomputation_and_with_1f1b() {
         2 * recomputed < kept,
         "recomputed {recomputed}, kept {kept}"
     );
-    let selective = peak("--tp 1 --dp 1 --recompute-granularity selective");
+    let unfused = peak("--tp 1 --dp 1 --attention unfused");
+    let selective = peak("--tp 1 --dp 1 --attention unfused --recompute-granularity selective");
     assert!(
-        recomputed < selective && selective < kept,
-        "selective {selective}"
+        recomputed < selective && selective < unfused,
+        "selective {selective}, unfused {unfused}"
     );
+    assert!(kept < unfused, "fused {kept}, unfused {unfused}");
     let gpipe = peak("--tp 1 --dp 1 --pp 2 --microbatches 8 --schedule gpipe");
     let one_f_one_b = peak("--tp 1 --dp 1 --pp 2 --microbatches 8 --schedule 1f1b");
     assert!(2 * one_f_one_b < gpipe, "1F1B {one_f_one_b}, GPipe {gpipe}");

@@ -1,0 +1,185 @@
+//! Attention's forward and backward, fused and unfused, beside
+//! `tape/benches/torch_attention_reference.py` (PyTorch's `scaled_dot_product_attention`
+//! on the same GPU); not run in CI.
+//!
+//! `cargo run --release -p ferrotron-tape --features cuda --example bench_attention -- --device cuda:0`
+//! prints one JSON object per line and case: causal self-attention on packed
+//! `[seq, batch, heads, 3, head_dim]` input (batch 8, 12 heads, head dim 64 by default, at
+//! sequences 1024 and 4096, in bf16 and f32), its mean time per forward and backward and
+//! the achieved TFLOP/s (the causal half of `4 · seq² · head_dim` per head forward, twice
+//! that backward, as FlashAttention counts), from the device profile's event times on a
+//! GPU or the wall clock on the CPU, and the most memory held above the input. On the
+//! emulated device the lines have launches and bytes moved, and no time.
+//!
+//! `-- --device cpu --batch 1 --seqs 1024,4096 --dtypes f32` compares the CPU's two paths.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use ferrotron_tape::profile;
+use ferrotron_tape::{
+    AttentionKernel, AttentionOptions, DType, Device, Generator, Parameter, Tape, Tensor,
+};
+
+/// Counts the host bytes live, for the CPU's peaks.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+static PEAK: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: forwards to the system allocator and only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let live =
+            LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst) + layout.size() as isize;
+        PEAK.fetch_max(live, Ordering::SeqCst);
+        // SAFETY: the caller's layout, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
+        // SAFETY: allocated by `alloc` above with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Measured runs per case after one warm-up.
+const REPEATS: usize = 5;
+
+struct Case {
+    device: Device,
+    batch: usize,
+    heads: usize,
+    head_dim: usize,
+    seq: usize,
+    dtype: DType,
+    kernel: AttentionKernel,
+}
+
+/// One forward and backward of `case` on `qkv`.
+fn step(case: &Case, qkv: &Parameter, upstream: &Tensor) -> Result<()> {
+    qkv.zero_grad();
+    let tape = Tape::new();
+    let options = AttentionOptions {
+        kernel: case.kernel,
+        ..AttentionOptions::causal(case.head_dim)
+    };
+    let out = tape.watch(qkv).packed_attention(options, None)?;
+    out.backward_with_grad(upstream)?;
+    Ok(())
+}
+
+fn bench(case: &Case) -> Result<()> {
+    let (s, b, n, d) = (case.seq, case.batch, case.heads, case.head_dim);
+    let mut rng = Generator::new(3);
+    let value = Tensor::<f32>::randn(&[s, b, n, 3, d], 1.0, &mut rng)
+        .to_device(case.device)?
+        .to_dtype(case.dtype)?;
+    let qkv = Parameter::new("qkv", value);
+    let upstream = Tensor::<f32>::randn(&[s, b, n * d], 1.0, &mut rng)
+        .to_device(case.device)?
+        .to_dtype(case.dtype)?;
+    step(case, &qkv, &upstream)?;
+    ferrotron_tape::synchronize(case.device)?;
+    let (device_before, host_before) = (
+        ferrotron_tape::device_memory(case.device).live,
+        LIVE.load(Ordering::SeqCst),
+    );
+    ferrotron_tape::reset_device_peak(case.device);
+    PEAK.store(host_before, Ordering::SeqCst);
+    profile::start(case.device);
+    let started = Instant::now();
+    for _ in 0..REPEATS {
+        step(case, &qkv, &upstream)?;
+    }
+    ferrotron_tape::synchronize(case.device)?;
+    let wall = started.elapsed().as_secs_f64();
+    let profile = profile::finish()?;
+    let total = profile.total();
+    let seconds = match case.device {
+        Device::Cpu => Some(wall),
+        _ => total.time.map(|t| t.as_secs_f64()),
+    };
+    let held = match case.device {
+        Device::Cpu => (PEAK.load(Ordering::SeqCst) - host_before) as f64,
+        device => (ferrotron_tape::device_memory(device).peak - device_before) as f64,
+    };
+    // Forward 4·s²·d per head (two products), backward twice that; causal halves both.
+    let flops = 3.0 * 4.0 * (s * s * d * b * n) as f64 / 2.0;
+    let kernel = match case.kernel {
+        AttentionKernel::Fused => "fused",
+        AttentionKernel::Unfused => "unfused",
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "bench": "attention", "impl": format!("tape-{kernel}"), "device": case.device.to_string(),
+            "batch": b, "heads": n, "head_dim": d, "seq": s, "dtype": case.dtype.to_string(),
+            "causal": true, "launches_per_step": total.launches as f64 / REPEATS as f64,
+            "bytes_per_step": total.bytes() as f64 / REPEATS as f64,
+            "ms": seconds.map(|t| t * 1e3 / REPEATS as f64),
+            "tflops": seconds.map(|t| flops * REPEATS as f64 / t / 1e12),
+            "peak_bytes_held": held,
+        })
+    );
+    Ok(())
+}
+
+/// `--name value` from the command line, or `default`.
+fn flag(args: &[String], name: &str, default: &str) -> String {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| default.to_string())
+}
+
+fn dtype(text: &str) -> Result<DType> {
+    Ok(match text {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" | "fp16" => DType::F16,
+        other => anyhow::bail!("--dtypes takes f32, bf16 and f16, not {other}"),
+    })
+}
+
+fn list(text: &str) -> Vec<String> {
+    text.split(',').map(str::to_string).collect()
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let device: Device = flag(&args, "--device", "cuda:0").parse()?;
+    let number = |name: &str, default: &str| -> Result<usize> {
+        flag(&args, name, default)
+            .parse()
+            .with_context(|| format!("{name} takes a number"))
+    };
+    let (batch, heads, head_dim) = (
+        number("--batch", "8")?,
+        number("--heads", "12")?,
+        number("--head-dim", "64")?,
+    );
+    for seq in list(&flag(&args, "--seqs", "1024,4096")) {
+        for name in list(&flag(&args, "--dtypes", "bf16,f32")) {
+            for kernel in [AttentionKernel::Fused, AttentionKernel::Unfused] {
+                let case = Case {
+                    device,
+                    batch,
+                    heads,
+                    head_dim,
+                    seq: seq.parse().context("--seqs takes numbers")?,
+                    dtype: dtype(&name)?,
+                    kernel,
+                };
+                bench(&case)?;
+            }
+        }
+    }
+    Ok(())
+}

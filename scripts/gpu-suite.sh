@@ -11,8 +11,8 @@
 #   scripts/gpu-suite.sh nccl    # (every run with two or more NCCL ranks)
 #   scripts/gpu-suite.sh bench
 #   scripts/gpu-suite.sh gpt     # the GPT step at GPT-2 small's shape beside its PyTorch
-#                                # twin, and the row kernels' bandwidth beside PyTorch's
-#                                # (JSON lines; in `run` too)
+#                                # twin, the row kernels' bandwidth and attention's time
+#                                # beside PyTorch's (JSON lines; in `run` too)
 #   eval "$(scripts/gpu-suite.sh env)"   # the same LD_LIBRARY_PATH, to run a binary by hand
 #
 # `run` points LD_LIBRARY_PATH at the CUDA, cuBLAS, NVRTC and NCCL libraries of the
@@ -39,6 +39,7 @@ import json, sys
 wanted = {"gpu", "gpu_local", "gpu_nccl", "device", "device_math", "device_nn", "device_shape",
           "device_training", "main_grad", "lending", "flat_updates", "low_precision", "shape_memory",
           "pointwise_memory", "device_rows", "device_profile", "device_attention", "device_fusions",
+          "fused_attention",
           "multi_tensor_step", "adamw_numerics", "master_weights",
           "ferrotron_device", "ferrotron_comm_core", "ferrotron_tape"}
 for line in sys.stdin:
@@ -50,11 +51,12 @@ for line in sys.stdin:
     cargo build --release -p ferrotron-comm-core --features cuda,cli --bin comm-bench
     cargo build --release -p ferrotron-tape --features cuda --example bench_device
     cargo build --release -p ferrotron-tape --features cuda --example bench_rows
+    cargo build --release -p ferrotron-tape --features cuda --example bench_attention
     cargo build --release -p ferrotron-layers --features ferrotron-tape/cuda --example bench_block
     cargo build --release -p ferrotron-train-gpt --features cuda
     cargo build --release -p ferrotron-ddp --features cuda --example bench_ddp
     cp target/release/comm-bench target/release/examples/bench_device \
-        target/release/examples/bench_rows \
+        target/release/examples/bench_rows target/release/examples/bench_attention \
         target/release/examples/bench_block target/release/examples/bench_ddp \
         target/release/train-gpt "$BIN/"
     # Debug info is most of the size.
@@ -253,7 +255,7 @@ gpt() {
 import json, re, statistics, sys
 times = [float(m.group(1)) for m in re.finditer(r"elapsed time per step \(ms\) ([0-9.]+)", open(sys.argv[1]).read())]
 ms = statistics.median(times[2:]) if len(times) > 2 else None
-print(json.dumps({"bench": "gpt_step", "impl": "ferrotron", "attention": "explicit",
+print(json.dumps({"bench": "gpt_step", "impl": "ferrotron", "attention": "fused",
                   "precision": sys.argv[2], "ms_per_step": ms,
                   "tokens_per_s": 8 * 1024 / (ms * 1e-3) if ms else None}))
 PY
@@ -270,6 +272,9 @@ PY
         sed -n '/^kernels per step/,/^kernel time/p' || failed=1
     limit 120 "$BIN/bench_rows" --device cuda:0 || failed=1
     limit 120 python3 tape/benches/torch_rows_reference.py || failed=1
+    # Attention's forward and backward, fused and unfused, beside PyTorch's SDPA.
+    limit 120 "$BIN/bench_attention" --device cuda:0 || failed=1
+    limit 120 python3 tape/benches/torch_attention_reference.py || failed=1
     return $failed
 }
 

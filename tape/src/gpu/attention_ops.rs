@@ -251,10 +251,14 @@ impl Operands {
         args.i[23] = self.out.format;
     }
 
-    fn bytes<T>(&self, g: &FlashGeometry) -> usize {
-        let size = |a: At| super::stored_bytes::<T>(1, a.format);
+    /// Bytes of the queries, keys and values, and of the output, as stored.
+    fn bytes<T>(&self, g: &FlashGeometry) -> (usize, usize) {
         let (queries, keys) = (g.query_heads() * g.sq * g.d, g.kv_heads() * g.sk * g.d);
-        queries * (size(self.q) + size(self.out)) + keys * (size(self.k) + size(self.v))
+        let size = |a: At| super::stored_bytes::<T>(1, a.format);
+        (
+            queries * size(self.q) + keys * (size(self.k) + size(self.v)),
+            queries * size(self.out),
+        )
     }
 }
 
@@ -266,9 +270,10 @@ pub(crate) fn forward<T: Element>(flash: &Flash, ops: &Operands, lse: &GpuArray<
     let mut args = g.args(flash);
     args.p[..5].copy_from_slice(&[ops.out.ptr, lse.ptr(), ops.q.ptr, ops.k.ptr, ops.v.ptr]);
     ops.set(&mut args);
+    let (inputs, out) = ops.bytes::<T>(g);
     let cost = super::Cost {
-        read: (ops.bytes::<T>(g) - g.query_heads() * g.sq * g.d) as u64,
-        written: (g.query_heads() * g.sq * g.d) as u64 + lse.bytes() as u64,
+        read: inputs as u64,
+        written: (out + lse.bytes()) as u64,
         flops: flash.flops(),
     };
     let grid = flash.grid("attention", g.query_heads(), g.sq)?;
@@ -301,10 +306,15 @@ pub(crate) fn backward<T: Element>(
     args.i[30] = grads.d_out.format;
     let precision = Precision::of::<T>();
     let rows = g.query_heads() * g.sq;
+    // Bytes each launch reads and writes, each array once.
+    let (inputs, out) = ops.bytes::<T>(g);
+    let d_out = rows * g.d * super::stored_bytes::<T>(1, grads.d_out.format);
+    let grad = |n: usize| n * g.d * super::stored_bytes::<T>(1, grads.format);
+    let stats = lse.bytes() + delta.bytes();
     // p0 delta, p1 out, p2 dO.
     let mut per_row = args;
     per_row.p[..3].copy_from_slice(&[delta.ptr(), ops.out.ptr, grads.d_out.ptr]);
-    let cost = super::moves(2 * ops.bytes::<T>(g) / 4, delta.bytes());
+    let cost = super::moves(out + d_out, delta.bytes());
     let grid = Grid {
         blocks: rows.div_ceil(4).clamp(1, 65_535) as u32,
         threads: 128,
@@ -312,10 +322,11 @@ pub(crate) fn backward<T: Element>(
     if rows > 0 {
         delta.launch_grid(&ATTENTION_DELTA, precision, grid, &per_row, cost)?;
     }
-    let cost = super::Cost {
-        read: 2 * ops.bytes::<T>(g) as u64,
-        written: ops.bytes::<T>(g) as u64,
-        flops: 2 * flash.flops(),
+    let read = (inputs + d_out + stats) as u64;
+    let cost = |written: usize| super::Cost {
+        read,
+        written: written as u64,
+        flops: flash.flops(),
     };
     // p0 dQ, p1 q, p2 k, p3 v, p4 dO, p5 lse, p6 delta.
     let mut queries = args;
@@ -329,7 +340,13 @@ pub(crate) fn backward<T: Element>(
         delta.ptr(),
     ]);
     let grid = flash.grid("attention", g.query_heads(), g.sq)?;
-    delta.launch_grid(&ATTENTION_BACKWARD_Q, precision, grid, &queries, cost)?;
+    delta.launch_grid(
+        &ATTENTION_BACKWARD_Q,
+        precision,
+        grid,
+        &queries,
+        cost(grad(rows)),
+    )?;
     // p0 dK, p1 dV, p2 q, p3 k, p4 v, p5 dO, p6 lse, p7 delta.
     let mut keys = args;
     keys.p = [
@@ -343,7 +360,14 @@ pub(crate) fn backward<T: Element>(
         delta.ptr(),
     ];
     let grid = flash.grid("attention", g.kv_heads(), g.sk)?;
-    delta.launch_grid(&ATTENTION_BACKWARD_KV, precision, grid, &keys, cost)
+    let written = grad(2 * g.kv_heads() * g.sk);
+    delta.launch_grid(
+        &ATTENTION_BACKWARD_KV,
+        precision,
+        grid,
+        &keys,
+        cost(written),
+    )
 }
 
 #[cfg(test)]

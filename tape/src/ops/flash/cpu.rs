@@ -1,9 +1,10 @@
-//! Fused attention on the CPU: the device kernels' tiles and order of sums, each tile
-//! gathered into contiguous row-major and transposed copies so that every inner loop
-//! runs over 32 independent columns (or a head's width) and vectorizes. Tiles run on the
-//! calling thread's threads; results do not depend on how many.
+//! Fused attention on the CPU: the device kernels' tiles, each gathered into a
+//! contiguous row-major copy whose products run as the CPU's matrix products do
+//! (vectorized, on the tile's own thread). Tiles run on the calling thread's threads;
+//! results do not depend on how many.
 
-use ndarray::{ArrayD, IxDyn};
+use ndarray::linalg::general_mat_mul;
+use ndarray::{ArrayD, ArrayView2, ArrayViewMut2, IxDyn};
 
 use super::OP;
 use crate::gpu::attention_ops::{Flash, FlashGeometry, K, O, Q, TILE, V};
@@ -54,41 +55,23 @@ fn gather<T: Element>(
     tile
 }
 
-/// A `[TILE, d]` tile as `[d, TILE]`.
-fn transposed<T: Element>(tile: &[T], d: usize) -> Vec<T> {
-    let mut out = vec![T::zero(); TILE * d];
-    for (j, row) in tile.chunks(d.max(1)).enumerate() {
-        for (c, &x) in row.iter().enumerate() {
-            out[c * TILE + j] = x;
-        }
-    }
-    out
+/// `out = a · bᵀ` for `[rows, d]` `a`, `[TILE, d]` `b` and `[rows, TILE]` `out` (the
+/// products run as the CPU's matrix products do, vectorized).
+fn products<T: Element>(a: &[T], b: &[T], d: usize, out: &mut [T]) {
+    let rows = out.len() / TILE;
+    let a = ArrayView2::from_shape((rows, d), a).expect("a tile of rows");
+    let b = ArrayView2::from_shape((TILE, d), b).expect("a whole tile");
+    let mut out = ArrayViewMut2::from_shape((rows, TILE), out).expect("a tile of scores");
+    general_mat_mul(T::one(), &a, &b.t(), T::zero(), &mut out);
 }
 
-/// `out[r][j] = Σ_c a[r][c] · bt[c][j]` for `rows` rows of `a` (`[rows, d]`) and `bt`
-/// (`[d, TILE]`), each sum in column order.
-fn products<T: Element>(a: &[T], bt: &[T], d: usize, out: &mut [T]) {
-    for (r, row) in out.chunks_mut(TILE).enumerate() {
-        row.fill(T::zero());
-        for c in 0..d {
-            let x = a[r * d + c];
-            row.iter_mut()
-                .zip(&bt[c * TILE..(c + 1) * TILE])
-                .for_each(|(o, &y)| *o += x * y);
-        }
-    }
-}
-
-/// `acc[r] += Σ_j w[r][j] · b[j]` for `[rows, d]` `acc`, `[rows, TILE]` `w` and `[TILE, d]`
-/// `b`, in `j` order.
+/// `acc += w · b` for `[rows, d]` `acc`, `[rows, TILE]` `w` and `[TILE, d]` `b`.
 fn accumulate<T: Element>(acc: &mut [T], w: &[T], b: &[T], d: usize) {
-    for (r, row) in acc.chunks_mut(d.max(1)).enumerate() {
-        for (j, &wj) in w[r * TILE..(r + 1) * TILE].iter().enumerate() {
-            row.iter_mut()
-                .zip(&b[j * d..(j + 1) * d])
-                .for_each(|(a, &y)| *a += wj * y);
-        }
-    }
+    let rows = w.len() / TILE;
+    let w = ArrayView2::from_shape((rows, TILE), w).expect("a tile of weights");
+    let b = ArrayView2::from_shape((TILE, d), b).expect("a whole tile");
+    let mut acc = ArrayViewMut2::from_shape((rows, d), acc).expect("a tile of rows");
+    general_mat_mul(T::one(), &w, &b, T::one(), &mut acc);
 }
 
 /// `(head, first row)` of every tile of `rows` rows over `heads` heads.
@@ -150,8 +133,8 @@ fn forward_tile<T: Element>(
     let (mut m, mut l) = (vec![T::neg_infinity(); rows], vec![T::zero(); rows]);
     let (mut acc, mut p) = (vec![T::zero(); TILE * d], vec![T::zero(); TILE * TILE]);
     for k0 in (0..g.key_end(q0)).step_by(TILE) {
-        let kt = transposed(&gather(g, x.k, K, z, k0, g.sk), d);
-        products(&q[..rows * d], &kt, d, &mut p[..rows * TILE]);
+        let k = gather(g, x.k, K, z, k0, g.sk);
+        products(&q[..rows * d], &k, d, &mut p[..rows * TILE]);
         for rr in 0..rows {
             let i = q0 + rr;
             let row = &mut p[rr * TILE..(rr + 1) * TILE];
@@ -277,14 +260,9 @@ fn query_tile<T: Element>(
     let mut dq = vec![T::zero(); TILE * d];
     for k0 in (0..g.key_end(q0)).step_by(TILE) {
         let k = gather(g, x.k, K, z, k0, g.sk);
-        products(
-            &q[..count * d],
-            &transposed(&k, d),
-            d,
-            &mut s[..count * TILE],
-        );
-        let vt = transposed(&gather(g, x.v, V, z, k0, g.sk), d);
-        products(&d_out[..count * d], &vt, d, &mut dp[..count * TILE]);
+        products(&q[..count * d], &k, d, &mut s[..count * TILE]);
+        let v = gather(g, x.v, V, z, k0, g.sk);
+        products(&d_out[..count * d], &v, d, &mut dp[..count * TILE]);
         for rr in 0..count {
             let (i, zi) = (q0 + rr, z * g.sq + q0 + rr);
             for j in 0..TILE {
@@ -328,18 +306,8 @@ fn key_tile<T: Element>(
             let q = gather(g, x.q, Q, z, q0, g.sq);
             let d_out = gather(g, rows.d_out, O, z, q0, g.sq);
             // Transposed blocks: row kk is key k0 + kk, column j query q0 + j.
-            products(
-                &k[..count * d],
-                &transposed(&q, d),
-                d,
-                &mut s[..count * TILE],
-            );
-            products(
-                &v[..count * d],
-                &transposed(&d_out, d),
-                d,
-                &mut dp[..count * TILE],
-            );
+            products(&k[..count * d], &q, d, &mut s[..count * TILE]);
+            products(&v[..count * d], &d_out, d, &mut dp[..count * TILE]);
             for kk in 0..count {
                 for j in 0..TILE {
                     let (at, i) = (kk * TILE + j, q0 + j);

@@ -558,20 +558,24 @@ impl Sizes {
             (false, true) => 8 * scores + 8 * sbh,
             (false, false) => 4 * scores + 8 * sbh,
         };
+        // The CPU reads 16-bit attention inputs through f32 copies.
+        let as_f32 = |n: usize| if e < 4 { 4 * n } else { 0 };
         // The fused core's backward holds no scores: on a device the context's gradient,
-        // the packed QKV gradient and a correction per query; on the CPU f32 copies of
-        // its inputs, output and the two gradients.
+        // the packed QKV gradient and a correction per query; on the CPU the f32 packed
+        // gradient (and f32 copies of 16-bit inputs, output and its gradient).
         let block_backward = match (model.fused_attention, device) {
             (false, _) => block_backward,
             (true, true) => 2 * e * sbh + e * sb * qkv / t + lse,
-            (true, false) => 8 * sbh + 4 * (2 * sb * qkv + 2 * sbh) / t + lse,
+            (true, false) => {
+                8 * sbh + 4 * sb * qkv / t + as_f32((sb * qkv + 2 * sbh) / t) + 2 * lse
+            }
         };
         // Forward: the unfused core's scores and probabilities; the fused one's output,
-        // and on the CPU its f32 copy of the input and f32 output.
+        // on the CPU in f32 before it is stored (and an f32 copy of 16-bit input).
         let attention_forward = match (model.fused_attention, device) {
             (false, _) => e * (3 * sbh / t + scores),
             (true, true) => e * 3 * sbh / t + lse,
-            (true, false) => 4 * (sb * qkv + sbh) / t + e * sbh / t + lse,
+            (true, false) => 4 * sbh / t + as_f32(sb * qkv / t) + e * sbh / t + lse,
         };
         // On the CPU a 16-bit product widens its operands to f32 and computes in f32: the
         // first MLP product (the gathered input and the weight) is the largest.

@@ -103,10 +103,10 @@ fn compare(device: Device, dtype: DType, shape: &[usize], causal: bool, toleranc
 }
 
 /// Sequences 1, 17, 128 and 1000, head dims 64 and 128, causal and not, one, two and
-/// four queries per key/value group.
+/// four queries per key/value group and one, two and four groups.
 const CASES: [([usize; 5], bool); 7] = [
-    (packed_const(1, 2, 2, 1, 64), true),
-    (packed_const(17, 1, 2, 2, 64), false),
+    (packed_const(1, 2, 4, 1, 64), true),
+    (packed_const(17, 1, 4, 2, 64), false),
     (packed_const(17, 2, 1, 4, 128), true),
     (packed_const(128, 1, 2, 1, 128), false),
     (packed_const(128, 2, 1, 2, 64), true),

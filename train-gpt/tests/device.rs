@@ -183,7 +183,7 @@ fn a_profile_counts_every_kernel_of_the_steps_after_the_first() {
     };
     for kernel in [
         "gemm_f32",
-        "softmax_rows_f32",
+        "attention_forward_f32",
         "layer_norm_rows_f32",
         "adamw_list_f32",
     ] {

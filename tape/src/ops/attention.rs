@@ -5,16 +5,15 @@
 
 use super::flash;
 use super::index::{dropout_scale, keep_mask, Dropout};
+use super::packed::{product_output, Heads, OP};
 use super::softmax::SoftmaxKernel;
 use crate::gpu::attention_ops::{max_head_dim, Flash, FlashDropout};
 use crate::gpu::ops::{gemm_into, Destination, Operand};
 use crate::gpu::row_ops::{SoftmaxBackward, SoftmaxKind, SoftmaxRows};
 use crate::gpu::{GemmFormat, GpuArray};
-use crate::precision::{written, Half};
+use crate::precision::written;
 use crate::tape::record_tensor;
-use crate::{DType, Device, Element, Error, Generator, Result, Tensor};
-
-pub(super) const OP: &str = "packed_attention";
+use crate::{DType, Device, Element, Generator, Result, Tensor};
 
 /// Which computation [`Tensor::packed_attention`] runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -275,40 +274,7 @@ impl<T: Element> Tensor<T> {
     }
 }
 
-/// The extents of packed attention: sequence, batch, query heads, query heads per
-/// key/value group, head width.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Heads {
-    pub s: usize,
-    pub b: usize,
-    pub n: usize,
-    pub r: usize,
-    pub d: usize,
-}
-
 impl Heads {
-    fn of(shape: &[usize]) -> Result<Heads> {
-        match *shape {
-            [s, b, g, parts, d] if parts >= 3 => Ok(Heads {
-                s,
-                b,
-                n: g * (parts - 2),
-                r: parts - 2,
-                d,
-            }),
-            _ => Err(Error::shape(
-                OP,
-                &[shape],
-                "needs packed queries, keys and values [sequence, batch, groups, \
-                 queries per group + 2, head_dim]",
-            )),
-        }
-    }
-
-    fn numel(&self) -> usize {
-        self.s * self.b * self.n * self.d
-    }
-
     /// Query (0), key (1) or value (2) of every `(batch, head)` in the packed array at
     /// `qkv` of `size`-byte elements: `[sequence, head_dim]` matrices whose rows are a
     /// whole packed row apart.
@@ -377,21 +343,6 @@ fn product_format<T: Element>(dtype: DType, out: DType) -> GemmFormat {
         (DType::BF16, false) => GemmFormat::Bf16IntoF32,
         (DType::F16, false) => GemmFormat::F16IntoF32,
         _ => GemmFormat::of::<T>(),
-    }
-}
-
-/// A device tensor of `shape` stored as `dtype` for a product to fill.
-pub(super) fn product_output<T: Element>(
-    device: Device,
-    shape: &[usize],
-    dtype: DType,
-) -> Result<Tensor<T>> {
-    if dtype == T::DTYPE {
-        Ok(Tensor::from_gpu(GpuArray::uninit(OP, device, shape)?))
-    } else {
-        Ok(Tensor::from_half(Half::uninit_gpu(
-            OP, dtype, shape, device,
-        )?))
     }
 }
 

@@ -9,6 +9,7 @@ mod index;
 mod loss;
 mod matmul;
 mod norm;
+mod packed;
 mod pointwise;
 mod reduce;
 mod residual;

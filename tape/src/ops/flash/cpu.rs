@@ -4,14 +4,14 @@
 //! results do not depend on how many.
 
 use ndarray::linalg::general_mat_mul;
-use ndarray::{ArrayD, ArrayView2, ArrayViewMut2, IxDyn};
+use ndarray::{ArrayBase, ArrayD, ArrayView2, ArrayViewMut2, Data, IxDyn};
 
 use super::OP;
 use crate::gpu::attention_ops::{Flash, FlashGeometry, K, O, Q, TILE, V};
 use crate::{Element, Result};
 
 /// A row-major array's elements.
-pub(super) fn slice<T: Element>(array: &ArrayD<T>) -> Result<&[T]> {
+pub(super) fn slice<T: Element, S: Data<Elem = T>>(array: &ArrayBase<S, IxDyn>) -> Result<&[T]> {
     array
         .as_slice()
         .ok_or_else(|| crate::Error::shape(OP, &[array.shape()], "internal: not row-major"))

@@ -9,7 +9,7 @@ use ndarray::{ArrayD, IxDyn};
 
 mod cpu;
 
-use super::attention::{product_output, Heads, OP};
+use super::packed::{product_output, Heads, OP};
 use crate::gpu::attention_ops::{
     self as device, At, Flash, FlashDropout, FlashGeometry, Gradients, Operands, RowStrides,
 };
@@ -25,7 +25,8 @@ pub(super) fn attend<T: Element>(qkv: &Tensor<T>, heads: Heads, flash: Flash) ->
     let dtype = qkv.dtype();
     let (out, lse) = match qkv.device() {
         Device::Cpu => {
-            let data = qkv.cpu(OP)?.as_standard_layout().into_owned();
+            let data = qkv.cpu(OP)?;
+            let data = data.as_standard_layout();
             let x = packed_parts(slice(&data)?, &heads);
             let (out, lse) = cpu_forward(&flash, &x, &[s, b, n * d])?;
             (Tensor::from_array(out).stored_as(OP, dtype)?, Lse::Cpu(lse))
@@ -33,12 +34,7 @@ pub(super) fn attend<T: Element>(qkv: &Tensor<T>, heads: Heads, flash: Flash) ->
         on => {
             let out = product_output::<T>(on, &[s, b, n * d], dtype)?;
             let lse = GpuArray::<T>::uninit(OP, on, &[b * n * s])?;
-            let base = qkv.device_input(OP, on)?;
-            let qkv_at = At {
-                ptr: base.ptr,
-                format: base.format,
-            };
-            let ops = packed_operands::<T>(&heads, qkv_at, at(&out)?);
+            let ops = packed_operands::<T>(&heads, at(qkv)?, at(&out)?);
             device::forward(&flash, &ops, &lse)?;
             (out, Lse::Device(lse))
         }
@@ -132,9 +128,13 @@ pub fn attention_block<T: Element>(
     let (heads, sq, d) = (g.heads, g.sq, g.d);
     match q.device() {
         Device::Cpu => {
-            let arrays = [q, k, v].map(|t| t.cpu(OP).map(|a| a.as_standard_layout().into_owned()));
-            let [q, k, v] = arrays;
+            let [q, k, v] = [q, k, v].map(|t| t.cpu(OP));
             let (q, k, v) = (q?, k?, v?);
+            let (q, k, v) = (
+                q.as_standard_layout(),
+                k.as_standard_layout(),
+                v.as_standard_layout(),
+            );
             let x = Parts {
                 q: slice(&q)?,
                 k: slice(&k)?,
@@ -183,10 +183,11 @@ pub fn attention_block_backward<T: Element>(
     let g = flash.geometry;
     match q.device() {
         Device::Cpu => {
-            let arrays = [q, k, v, out, d_out, lse]
-                .map(|t| t.cpu(OP).map(|a| a.as_standard_layout().into_owned()));
+            let arrays = [q, k, v, out, d_out, lse].map(|t| t.cpu(OP));
             let [q, k, v, out, d_out, lse] = arrays;
             let (q, k, v, out, d_out, lse) = (q?, k?, v?, out?, d_out?, lse?);
+            let [q, k, v, out, d_out, lse] =
+                [&q, &k, &v, &out, &d_out, &lse].map(|a| a.as_standard_layout());
             let x = Parts {
                 q: slice(&q)?,
                 k: slice(&k)?,
@@ -383,10 +384,14 @@ impl<T: Element> Saved<T> {
         let shape = [s, b, n / r, r + 2, d];
         match &self.lse {
             Lse::Cpu(lse) => {
-                let data = self.qkv.cpu(OP)?.as_standard_layout().into_owned();
+                let [data, out, d_out] = [&self.qkv, &self.out, grad].map(|t| t.cpu(OP));
+                let (data, out, d_out) = (data?, out?, d_out?);
+                let (data, out, d_out) = (
+                    data.as_standard_layout(),
+                    out.as_standard_layout(),
+                    d_out.as_standard_layout(),
+                );
                 let x = packed_parts(slice(&data)?, &self.heads);
-                let out = self.out.cpu(OP)?.as_standard_layout().into_owned();
-                let d_out = grad.cpu(OP)?.as_standard_layout().into_owned();
                 let mut packed = ArrayD::<T>::zeros(IxDyn(&shape));
                 let g = &self.flash.geometry;
                 let rows = RowData {
@@ -424,6 +429,7 @@ impl<T: Element> Saved<T> {
     }
 }
 
+/// The queries, keys and values of packed input's elements.
 fn packed_parts<'a, T>(data: &'a [T], heads: &Heads) -> Parts<'a, T> {
     let at = |index: usize| &data[(index * heads.d).min(data.len())..];
     Parts {

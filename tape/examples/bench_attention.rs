@@ -13,8 +13,6 @@
 //!
 //! `-- --device cpu --batch 1 --seqs 1024,4096 --dtypes f32` compares the CPU's two paths.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -24,29 +22,8 @@ use ferrotron_tape::{
 };
 
 /// Counts the host bytes live, for the CPU's peaks.
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: forwards to the system allocator and only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let live =
-            LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst) + layout.size() as isize;
-        PEAK.fetch_max(live, Ordering::SeqCst);
-        // SAFETY: the caller's layout, passed on.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
-        // SAFETY: allocated by `alloc` above with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
+#[path = "../tests/support/counting.rs"]
+mod counting;
 
 /// Measured runs per case after one warm-up.
 const REPEATS: usize = 5;
@@ -88,10 +65,10 @@ fn bench(case: &Case) -> Result<()> {
     ferrotron_tape::synchronize(case.device)?;
     let (device_before, host_before) = (
         ferrotron_tape::device_memory(case.device).live,
-        LIVE.load(Ordering::SeqCst),
+        counting::live(),
     );
     ferrotron_tape::reset_device_peak(case.device);
-    PEAK.store(host_before, Ordering::SeqCst);
+    counting::reset_peak();
     profile::start(case.device);
     let started = Instant::now();
     for _ in 0..REPEATS {
@@ -106,7 +83,7 @@ fn bench(case: &Case) -> Result<()> {
         _ => total.time.map(|t| t.as_secs_f64()),
     };
     let held = match case.device {
-        Device::Cpu => (PEAK.load(Ordering::SeqCst) - host_before) as f64,
+        Device::Cpu => (counting::peak() - host_before) as f64,
         device => (ferrotron_tape::device_memory(device).peak - device_before) as f64,
     };
     // Forward 4·s²·d per head (two products), backward twice that; causal halves both.

@@ -6,7 +6,7 @@
 #[path = "support/device.rs"]
 mod device;
 
-use device::{check, devices, Inputs};
+use device::{check, devices, output_and_grad, Inputs};
 use ferrotron_tape::profile;
 use ferrotron_tape::{DType, Device, Generator, Parameter, Result, Tape, Tensor};
 
@@ -33,29 +33,6 @@ fn composed(qkv: &Tensor, scale: f64, dropout: Option<(f64, &mut Generator)>) ->
         .reshape(&[s, b, n * d])
 }
 
-/// The output and the packed input's gradient for `loss = Σ out · weights`, with the
-/// input stored as `dtype` on `device`.
-fn run(
-    device: Device,
-    dtype: DType,
-    shape: &[usize],
-    attend: impl Fn(&Tensor) -> Result<Tensor>,
-) -> Result<(Vec<f32>, Vec<f32>)> {
-    let mut generator = Generator::new(11);
-    let value = Tensor::uniform(shape, -2.0, 2.0, &mut generator).to_dtype(dtype)?;
-    let qkv = Parameter::new("qkv", value.to_device(device)?);
-    let tape = Tape::new();
-    let out = attend(&tape.watch(&qkv))?;
-    let weights: Tensor = Tensor::uniform(out.shape(), 0.5, 1.5, &mut generator);
-    let loss = out
-        .to_dtype(DType::F32)?
-        .mul(&weights.to_device(device)?)?
-        .sum()?;
-    loss.backward()?;
-    let grad = qkv.grad().expect("a gradient").to_vec()?;
-    Ok((out.to_vec()?, grad))
-}
-
 const SHAPES: [[usize; 5]; 4] = [
     [1, 1, 1, 3, 1],
     [5, 2, 3, 3, 4],
@@ -71,11 +48,11 @@ fn on_a_device_it_gives_the_compositions_numbers_exactly() -> Result<()> {
                 for p in [0.0, 0.3] {
                     let scale = 1.0 / (shape[4] as f64).sqrt();
                     let draw = |seed| (p > 0.0).then(|| Generator::new(seed));
-                    let packed = run(device, dtype, &shape, |qkv| {
+                    let packed = output_and_grad(device, dtype, &shape, |qkv| {
                         let mut generator = draw(5);
                         qkv.packed_causal_attention(scale, generator.as_mut().map(|g| (p, g)))
                     })?;
-                    let reference = run(device, dtype, &shape, |qkv| {
+                    let reference = output_and_grad(device, dtype, &shape, |qkv| {
                         let mut generator = draw(5);
                         composed(qkv, scale, generator.as_mut().map(|g| (p, g)))
                     })?;

@@ -6,7 +6,7 @@
 #[path = "support/device.rs"]
 mod device;
 
-use device::{check, devices, Inputs};
+use device::{check, devices, output_and_grad, output_and_grad_rounded, Inputs};
 use ferrotron_tape::{
     device_memory, fused_attention_dropout_mask, gradcheck, reset_device_peak, AttentionKernel,
     AttentionOptions, DType, Device, Generator, GradCheckOptions, Parameter, Result, Tape, Tensor,
@@ -23,42 +23,6 @@ fn options(shape: &[usize], causal: bool, kernel: AttentionKernel) -> AttentionO
         causal,
         kernel,
     }
-}
-
-/// The output and the packed input's gradient for `loss = Σ out · weights`, the input
-/// stored as `dtype` on `device`.
-fn run(
-    device: Device,
-    dtype: DType,
-    shape: &[usize],
-    attend: impl Fn(&Tensor) -> Result<Tensor>,
-) -> Result<(Vec<f32>, Vec<f32>)> {
-    run_rounded(device, dtype, dtype, shape, attend)
-}
-
-/// [`run`] with the input rounded to `round`, then stored as `store`.
-fn run_rounded(
-    device: Device,
-    round: DType,
-    store: DType,
-    shape: &[usize],
-    attend: impl Fn(&Tensor) -> Result<Tensor>,
-) -> Result<(Vec<f32>, Vec<f32>)> {
-    let mut generator = Generator::new(11);
-    let value = Tensor::uniform(shape, -2.0, 2.0, &mut generator)
-        .to_dtype(round)?
-        .to_dtype(store)?;
-    let qkv = Parameter::new("qkv", value.to_device(device)?);
-    let tape = Tape::new();
-    let out = attend(&tape.watch(&qkv))?;
-    let weights: Tensor = Tensor::uniform(out.shape(), 0.5, 1.5, &mut generator);
-    let loss = out
-        .to_dtype(DType::F32)?
-        .mul(&weights.to_device(device)?)?
-        .sum()?;
-    loss.backward()?;
-    let grad = qkv.grad().expect("a gradient").to_vec()?;
-    Ok((out.to_vec()?, grad))
 }
 
 /// The largest difference of `a` from `b`, relative to `b`'s largest magnitude (at
@@ -83,7 +47,7 @@ fn assert_close(a: &[f32], b: &[f32], tolerance: f64, what: &str) {
 /// Fused and unfused on `device` for one case, within `tolerance`.
 fn compare(device: Device, dtype: DType, shape: &[usize], causal: bool, tolerance: f64) {
     let attend = |kernel| {
-        run(device, dtype, shape, |qkv| {
+        output_and_grad(device, dtype, shape, |qkv| {
             qkv.packed_attention(options(shape, causal, kernel), None)
         })
         .unwrap_or_else(|e| panic!("{shape:?} on {device}: {e}"))
@@ -148,7 +112,7 @@ fn sixteen_bit_fused_is_within_the_formats_rounding_of_f32() {
                 (packed(128, 1, 1, 1, 128), false),
             ] {
                 let attend = |kernel, store| {
-                    run_rounded(device, dtype, store, &shape, |qkv| {
+                    output_and_grad_rounded(device, dtype, store, &shape, |qkv| {
                         qkv.packed_attention(options(&shape, causal, kernel), None)
                     })
                     .unwrap_or_else(|e| panic!("{shape:?} on {device}: {e}"))
@@ -248,14 +212,14 @@ fn dropout_applies_the_mask_it_documents_and_regenerates_it_in_backward() -> Res
         let share = kept / mask.numel() as f64;
         assert!((share - (1.0 - p)).abs() < 0.05, "kept {share}");
         for device in [Device::Cpu].into_iter().chain(devices()) {
-            let fused = run(device, DType::F32, &shape, |qkv| {
+            let fused = output_and_grad(device, DType::F32, &shape, |qkv| {
                 let dropout = (p, &mut Generator::new(9));
                 qkv.packed_attention(
                     options(&shape, causal, AttentionKernel::Fused),
                     Some(dropout),
                 )
             })?;
-            let reference = run(device, DType::F32, &shape, |qkv| {
+            let reference = output_and_grad(device, DType::F32, &shape, |qkv| {
                 with_mask(qkv, causal, &mask.to_device(device)?)
             })?;
             let what = format!("{shape:?} causal {causal} on {device}");
@@ -294,7 +258,7 @@ fn wide_heads_on_a_device_fall_back_to_the_unfused_kernel() -> Result<()> {
     let shape = packed(9, 1, 2, 1, 136);
     for device in devices() {
         let attend = |kernel| {
-            run(device, DType::F32, &shape, |qkv| {
+            output_and_grad(device, DType::F32, &shape, |qkv| {
                 qkv.packed_attention(options(&shape, true, kernel), None)
             })
         };

@@ -3,7 +3,7 @@
 //! compares the output and every input gradient.
 #![allow(dead_code)] // each test file uses part of it
 
-use ferrotron_tape::{Device, Element, Generator, Parameter, Result, Tape, Tensor};
+use ferrotron_tape::{DType, Device, Element, Generator, Parameter, Result, Tape, Tensor};
 
 /// Devices to check: the emulator always; `cuda:0` when it can be opened (otherwise the
 /// reason is printed as `skipped: …`).
@@ -137,4 +137,40 @@ pub fn check<T: Element>(
             );
         }
     }
+}
+
+/// The output and the gradient of a `shape` input drawn in [-2, 2] for
+/// `loss = Σ attend(input) · weights`, the input stored as `dtype` on `device`.
+pub fn output_and_grad(
+    device: Device,
+    dtype: DType,
+    shape: &[usize],
+    attend: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    output_and_grad_rounded(device, dtype, dtype, shape, attend)
+}
+
+/// [`output_and_grad`] with the input rounded to `round`, then stored as `store`.
+pub fn output_and_grad_rounded(
+    device: Device,
+    round: DType,
+    store: DType,
+    shape: &[usize],
+    attend: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let mut generator = Generator::new(11);
+    let value = Tensor::uniform(shape, -2.0, 2.0, &mut generator)
+        .to_dtype(round)?
+        .to_dtype(store)?;
+    let qkv = Parameter::new("qkv", value.to_device(device)?);
+    let tape = Tape::new();
+    let out = attend(&tape.watch(&qkv))?;
+    let weights: Tensor = Tensor::uniform(out.shape(), 0.5, 1.5, &mut generator);
+    let loss = out
+        .to_dtype(DType::F32)?
+        .mul(&weights.to_device(device)?)?
+        .sum()?;
+    loss.backward()?;
+    let grad = qkv.grad().expect("a gradient").to_vec()?;
+    Ok((out.to_vec()?, grad))
 }

@@ -209,9 +209,13 @@ pub(super) fn cpu_backward<T: Element>(
         })
         .collect();
     let query_tiles = tiles(g.query_heads(), g.sq);
-    let dq = in_parallel(&query_tiles, |&(z, q0)| {
-        query_tile(flash, x, rows, &delta, z, q0)
-    });
+    let pass = Backward {
+        flash,
+        x,
+        rows,
+        delta: &delta,
+    };
+    let dq = in_parallel(&query_tiles, |&(z, q0)| pass.query_tile(z, q0));
     for ((z, q0), block) in query_tiles.into_iter().zip(dq) {
         for (rr, row) in block.chunks(d.max(1)).enumerate().take(g.sq - q0) {
             write(Q, z, q0 + rr, row);
@@ -220,9 +224,7 @@ pub(super) fn cpu_backward<T: Element>(
     let key_tiles = tiles(g.kv_heads(), g.sk);
     let groups = g.heads / g.per_group;
     let first_head = |kv: usize| (kv / groups) * g.heads + (kv % groups) * g.per_group;
-    let dkv = in_parallel(&key_tiles, |&(kv, k0)| {
-        key_tile(flash, x, rows, &delta, first_head(kv), k0)
-    });
+    let dkv = in_parallel(&key_tiles, |&(kv, k0)| pass.key_tile(first_head(kv), k0));
     for ((kv, k0), (dk, dv)) in key_tiles.into_iter().zip(dkv) {
         let z = first_head(kv);
         let pairs = dk.chunks(d.max(1)).zip(dv.chunks(d.max(1)));
@@ -234,98 +236,97 @@ pub(super) fn cpu_backward<T: Element>(
     Ok(())
 }
 
-/// The recomputed probability `P`, its dropped value `P'` and the gradient
-/// `dS = P · (dP' − delta)` of one query and key, from the scaled score, `dO·v`, the
-/// query's statistics and dropout's factor.
+/// The recomputed probability of one query and key after dropout, `P' = P · factor`,
+/// and its score's gradient `dS = P · (factor · dP − delta)`, from the scaled score,
+/// `dP = dO·v`, the query's log-sum-exp and correction, and dropout's factor.
 fn recomputed<T: Element>(score: T, dp: T, lse: T, delta: T, factor: T) -> (T, T) {
     let p = (score - lse).exp();
     (p * factor, p * (dp * factor - delta))
 }
 
-/// One query tile's gradient rows (`[TILE, d]`).
-fn query_tile<T: Element>(
-    flash: &Flash,
-    x: &Parts<'_, T>,
-    rows: &RowData<'_, T>,
-    delta: &[T],
-    z: usize,
-    q0: usize,
-) -> Vec<T> {
-    let g = &flash.geometry;
-    let (d, count) = (g.d, TILE.min(g.sq - q0));
-    let scale = T::from_f64(flash.scale);
-    let q = gather(g, x.q, Q, z, q0, g.sq);
-    let d_out = gather(g, rows.d_out, O, z, q0, g.sq);
-    let (mut s, mut dp) = (vec![T::zero(); TILE * TILE], vec![T::zero(); TILE * TILE]);
-    let mut dq = vec![T::zero(); TILE * d];
-    for k0 in (0..g.key_end(q0)).step_by(TILE) {
-        let k = gather(g, x.k, K, z, k0, g.sk);
-        products(&q[..count * d], &k, d, &mut s[..count * TILE]);
-        let v = gather(g, x.v, V, z, k0, g.sk);
-        products(&d_out[..count * d], &v, d, &mut dp[..count * TILE]);
-        for rr in 0..count {
-            let (i, zi) = (q0 + rr, z * g.sq + q0 + rr);
-            for j in 0..TILE {
-                let at = rr * TILE + j;
-                s[at] = match g.sees(i, k0 + j) {
-                    true => {
-                        let factor = T::from_f64(flash.factor(z, i, k0 + j));
-                        recomputed(s[at] * scale, dp[at], rows.lse[zi], delta[zi], factor).1
-                    }
-                    false => T::zero(),
-                };
-            }
-        }
-        accumulate(&mut dq[..count * d], &s[..count * TILE], &k, d);
-    }
-    dq.iter_mut().for_each(|a| *a *= scale);
-    dq
+/// What the backward's tiles read: the call, its inputs, the output side and each
+/// query's correction `Σ dO ⊙ out`.
+struct Backward<'a, T> {
+    flash: &'a Flash,
+    x: &'a Parts<'a, T>,
+    rows: &'a RowData<'a, T>,
+    delta: &'a [T],
 }
 
-/// One key tile's key and value gradient rows (`[TILE, d]` each), over the group's query
-/// heads from `z0`.
-fn key_tile<T: Element>(
-    flash: &Flash,
-    x: &Parts<'_, T>,
-    rows: &RowData<'_, T>,
-    delta: &[T],
-    z0: usize,
-    k0: usize,
-) -> (Vec<T>, Vec<T>) {
-    let g = &flash.geometry;
-    let (d, count) = (g.d, TILE.min(g.sk - k0));
-    let scale = T::from_f64(flash.scale);
-    let (k, v) = (
-        gather(g, x.k, K, z0, k0, g.sk),
-        gather(g, x.v, V, z0, k0, g.sk),
-    );
-    let (mut s, mut dp) = (vec![T::zero(); TILE * TILE], vec![T::zero(); TILE * TILE]);
-    let (mut dk, mut dv) = (vec![T::zero(); TILE * d], vec![T::zero(); TILE * d]);
-    for z in z0..z0 + g.per_group {
-        for q0 in (g.first_query_tile(k0)..g.sq).step_by(TILE) {
-            let q = gather(g, x.q, Q, z, q0, g.sq);
-            let d_out = gather(g, rows.d_out, O, z, q0, g.sq);
-            // Transposed blocks: row kk is key k0 + kk, column j query q0 + j.
-            products(&k[..count * d], &q, d, &mut s[..count * TILE]);
-            products(&v[..count * d], &d_out, d, &mut dp[..count * TILE]);
-            for kk in 0..count {
+impl<T: Element> Backward<'_, T> {
+    /// One query tile's gradient rows (`[TILE, d]`).
+    fn query_tile(&self, z: usize, q0: usize) -> Vec<T> {
+        let (flash, x, rows, delta) = (self.flash, self.x, self.rows, self.delta);
+        let g = &flash.geometry;
+        let (d, count) = (g.d, TILE.min(g.sq - q0));
+        let scale = T::from_f64(flash.scale);
+        let q = gather(g, x.q, Q, z, q0, g.sq);
+        let d_out = gather(g, rows.d_out, O, z, q0, g.sq);
+        let (mut s, mut dp) = (vec![T::zero(); TILE * TILE], vec![T::zero(); TILE * TILE]);
+        let mut dq = vec![T::zero(); TILE * d];
+        for k0 in (0..g.key_end(q0)).step_by(TILE) {
+            let k = gather(g, x.k, K, z, k0, g.sk);
+            products(&q[..count * d], &k, d, &mut s[..count * TILE]);
+            let v = gather(g, x.v, V, z, k0, g.sk);
+            products(&d_out[..count * d], &v, d, &mut dp[..count * TILE]);
+            for rr in 0..count {
+                let (i, zi) = (q0 + rr, z * g.sq + q0 + rr);
                 for j in 0..TILE {
-                    let (at, i) = (kk * TILE + j, q0 + j);
-                    let (kept, ds) = match g.sees(i, k0 + kk) {
+                    let at = rr * TILE + j;
+                    s[at] = match g.sees(i, k0 + j) {
                         true => {
-                            let zi = z * g.sq + i;
-                            let factor = T::from_f64(flash.factor(z, i, k0 + kk));
-                            recomputed(s[at] * scale, dp[at], rows.lse[zi], delta[zi], factor)
+                            let factor = T::from_f64(flash.factor(z, i, k0 + j));
+                            recomputed(s[at] * scale, dp[at], rows.lse[zi], delta[zi], factor).1
                         }
-                        false => (T::zero(), T::zero()),
+                        false => T::zero(),
                     };
-                    (s[at], dp[at]) = (kept, ds);
                 }
             }
-            accumulate(&mut dv[..count * d], &s[..count * TILE], &d_out, d);
-            accumulate(&mut dk[..count * d], &dp[..count * TILE], &q, d);
+            accumulate(&mut dq[..count * d], &s[..count * TILE], &k, d);
         }
+        dq.iter_mut().for_each(|a| *a *= scale);
+        dq
     }
-    dk.iter_mut().for_each(|a| *a *= scale);
-    (dk, dv)
+
+    /// One key tile's key and value gradient rows (`[TILE, d]` each), over the group's
+    /// query heads from `z0`.
+    fn key_tile(&self, z0: usize, k0: usize) -> (Vec<T>, Vec<T>) {
+        let (flash, x, rows, delta) = (self.flash, self.x, self.rows, self.delta);
+        let g = &flash.geometry;
+        let (d, count) = (g.d, TILE.min(g.sk - k0));
+        let scale = T::from_f64(flash.scale);
+        let (k, v) = (
+            gather(g, x.k, K, z0, k0, g.sk),
+            gather(g, x.v, V, z0, k0, g.sk),
+        );
+        let (mut s, mut dp) = (vec![T::zero(); TILE * TILE], vec![T::zero(); TILE * TILE]);
+        let (mut dk, mut dv) = (vec![T::zero(); TILE * d], vec![T::zero(); TILE * d]);
+        for z in z0..z0 + g.per_group {
+            for q0 in (g.first_query_tile(k0)..g.sq).step_by(TILE) {
+                let q = gather(g, x.q, Q, z, q0, g.sq);
+                let d_out = gather(g, rows.d_out, O, z, q0, g.sq);
+                // Transposed blocks: row kk is key k0 + kk, column j query q0 + j.
+                products(&k[..count * d], &q, d, &mut s[..count * TILE]);
+                products(&v[..count * d], &d_out, d, &mut dp[..count * TILE]);
+                for kk in 0..count {
+                    for j in 0..TILE {
+                        let (at, i) = (kk * TILE + j, q0 + j);
+                        let (kept, ds) = match g.sees(i, k0 + kk) {
+                            true => {
+                                let zi = z * g.sq + i;
+                                let factor = T::from_f64(flash.factor(z, i, k0 + kk));
+                                recomputed(s[at] * scale, dp[at], rows.lse[zi], delta[zi], factor)
+                            }
+                            false => (T::zero(), T::zero()),
+                        };
+                        (s[at], dp[at]) = (kept, ds);
+                    }
+                }
+                accumulate(&mut dv[..count * d], &s[..count * TILE], &d_out, d);
+                accumulate(&mut dk[..count * d], &dp[..count * TILE], &q, d);
+            }
+        }
+        dk.iter_mut().for_each(|a| *a *= scale);
+        (dk, dv)
+    }
 }

@@ -59,6 +59,8 @@ fn gather<T: Element>(
 /// products run as the CPU's matrix products do, vectorized).
 fn products<T: Element>(a: &[T], b: &[T], d: usize, out: &mut [T]) {
     let rows = out.len() / TILE;
+    // The callers' tiles are made `TILE · d` long (`gather`) and sliced to `rows`, so
+    // these shapes always fit.
     let a = ArrayView2::from_shape((rows, d), a).expect("a tile of rows");
     let b = ArrayView2::from_shape((TILE, d), b).expect("a whole tile");
     let mut out = ArrayViewMut2::from_shape((rows, TILE), out).expect("a tile of scores");
@@ -68,6 +70,7 @@ fn products<T: Element>(a: &[T], b: &[T], d: usize, out: &mut [T]) {
 /// `acc += w · b` for `[rows, d]` `acc`, `[rows, TILE]` `w` and `[TILE, d]` `b`.
 fn accumulate<T: Element>(acc: &mut [T], w: &[T], b: &[T], d: usize) {
     let rows = w.len() / TILE;
+    // As in `products`: the tiles' lengths are the shapes'.
     let w = ArrayView2::from_shape((rows, TILE), w).expect("a tile of weights");
     let b = ArrayView2::from_shape((TILE, d), b).expect("a whole tile");
     let mut acc = ArrayViewMut2::from_shape((rows, d), acc).expect("a tile of rows");

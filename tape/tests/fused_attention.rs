@@ -147,6 +147,8 @@ fn devices_match_the_cpu() {
     for (shape, causal) in [
         (packed(33, 2, 2, 2, 64), true),
         (packed(70, 1, 3, 1, 128), false),
+        // An odd head width, less than a warp wide.
+        (packed(37, 1, 2, 2, 33), true),
     ] {
         check::<f32>(
             "fused attention",

@@ -271,6 +271,19 @@ fn block_flash<T: Element>(
         ));
     }
     super::common_device(BLOCK, &[q, k, v])?;
+    // The kernels read the three in one storage format.
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        return Err(crate::Error::invalid(
+            BLOCK,
+            format!(
+                "queries, keys and values are stored as {}, {} and {}: store them in one \
+                 format (to_dtype)",
+                q.dtype(),
+                k.dtype(),
+                v.dtype()
+            ),
+        ));
+    }
     if !fused_attention_takes::<T>(q.device(), qs[2]) {
         return Err(crate::Error::invalid(
             BLOCK,

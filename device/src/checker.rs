@@ -267,6 +267,17 @@ pub(crate) fn synchronize_stream(agent: u64, clock: &Clock) -> Result<()> {
     }
 }
 
+/// What this thread has seen complete and done so far.
+pub(crate) fn thread_clock() -> Clock {
+    let thread = this_thread();
+    STATE
+        .lock()
+        .clocks
+        .get(&thread)
+        .cloned()
+        .unwrap_or_default()
+}
+
 /// This thread has seen the work before an event complete.
 pub(crate) fn synchronize_event(event: &Clock) {
     let thread = this_thread();

@@ -70,4 +70,6 @@ pub use memory::DeviceMemory;
 pub use module::{Arg, Function, HostKernel, KernelArg, Module};
 pub use pinned::PinnedMemory;
 pub use place::{Device, NotADevice};
-pub use stream::{Event, Stream};
+pub use stream::{
+    finish_own_streams, own_stream, own_streams, use_own_streams, Event, HandOff, Stream,
+};

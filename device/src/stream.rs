@@ -9,6 +9,7 @@
 //! and an access that a GPU could run out of order is an error even on a run whose timing
 //! happened to hide it.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use crate::checker::{self, Access, Clock};
@@ -16,6 +17,64 @@ use crate::counters::count_host_wait;
 use crate::emulated::{Progress, Work, Worker};
 use crate::error::{Error, Result};
 use crate::Device;
+
+thread_local! {
+    /// The streams made for this thread's own work ([`own_stream`]); `None` while the
+    /// thread shares the device's streams (it has not called [`use_own_streams`]).
+    static OWN_STREAMS: RefCell<Option<Vec<Stream>>> = const { RefCell::new(None) };
+}
+
+/// Gives the device work this thread queues from now on streams no other thread queues
+/// on, as each rank of a GPU job has its own: the launcher of ranks as threads calls it
+/// on every rank thread, and the crates above (tape's compute stream, a communicator's
+/// streams) then make this thread's streams with [`own_stream`] instead of sharing the
+/// device's. Work that crosses threads is then ordered only by events and host waits,
+/// which the emulated device's ordering checker follows.
+pub fn use_own_streams() {
+    OWN_STREAMS.with_borrow_mut(|own| {
+        own.get_or_insert_with(Vec::new);
+    });
+}
+
+/// Whether this thread's device work goes on streams of its own ([`use_own_streams`]).
+pub fn own_streams() -> bool {
+    OWN_STREAMS.with_borrow(|own| own.is_some())
+}
+
+/// A new stream on `device` for this thread's own work, kept until
+/// [`finish_own_streams`] waits for it.
+pub fn own_stream(device: Device) -> Result<Stream> {
+    let stream = Stream::new(device)?;
+    OWN_STREAMS.with_borrow_mut(|own| own.get_or_insert_with(Vec::new).push(stream.clone()));
+    Ok(stream)
+}
+
+/// What a thread has seen complete on the device, handed to another thread that takes
+/// over its results ([`HandOff::receive`]).
+#[must_use = "the receiving thread must call `receive`"]
+pub struct HandOff(Clock);
+
+impl HandOff {
+    /// Orders the calling thread after everything the handing thread had seen complete:
+    /// call it once the handing thread has ended (joined), which is what makes this true.
+    pub fn receive(self) {
+        checker::synchronize_event(&self.0);
+    }
+}
+
+/// Waits on the host for every stream this thread made with [`own_stream`] (a rank
+/// thread's last act, so that its results are complete when another thread takes
+/// them), and returns what it has then seen complete, for the thread that joins it. The
+/// first failure of a stream is returned after all were waited for.
+pub fn finish_own_streams() -> Result<HandOff> {
+    let streams = OWN_STREAMS.with_borrow_mut(|own| own.as_mut().map(std::mem::take));
+    let mut outcome = Ok(());
+    for stream in streams.unwrap_or_default() {
+        let waited = stream.synchronize();
+        outcome = outcome.and(waited);
+    }
+    outcome.map(|()| HandOff(checker::thread_clock()))
+}
 
 /// An ordered queue of device work. Cloning gives another handle on the same stream.
 #[derive(Clone)]

@@ -177,10 +177,17 @@ impl LocalLauncher {
                         .name(format!("rank-{rank}"))
                         .spawn_scoped(scope, move || {
                             RANK_THREADS.set(size);
+                            ferrotron_device::use_own_streams();
                             let outcome =
                                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)));
+                            // The rank's device work ends with it: its results are
+                            // complete when the launching thread takes them.
+                            let finished = ferrotron_device::finish_own_streams();
                             let error: Box<dyn std::error::Error + Send + Sync> = match outcome {
-                                Ok(Ok(value)) => return Ok(value),
+                                Ok(Ok(value)) => match finished {
+                                    Ok(handoff) => return Ok((value, handoff)),
+                                    Err(e) => Box::new(Error::from(e)),
+                                },
                                 Ok(Err(e)) => e.into(),
                                 Err(panic) => {
                                     format!("panicked: {}", panic_message(panic.as_ref())).into()
@@ -203,15 +210,23 @@ impl LocalLauncher {
                 .into_iter()
                 .enumerate()
                 .map(|(rank, handle)| match handle {
-                    Ok(h) => h.join().unwrap_or_else(|panic| {
-                        Err((
-                            u64::MAX,
-                            Error::RankFailed {
-                                rank,
-                                source: panic_message(panic.as_ref()).into(),
-                            },
-                        ))
-                    }),
+                    Ok(h) => h
+                        .join()
+                        .map(|outcome| {
+                            outcome.map(|(value, handoff)| {
+                                handoff.receive();
+                                value
+                            })
+                        })
+                        .unwrap_or_else(|panic| {
+                            Err((
+                                u64::MAX,
+                                Error::RankFailed {
+                                    rank,
+                                    source: panic_message(panic.as_ref()).into(),
+                                },
+                            ))
+                        }),
                     Err(e) => Err((
                         u64::MAX,
                         Error::Config(format!("cannot start thread for rank {rank}: {e}")),

@@ -1,5 +1,6 @@
 //! [`Device::Cuda`]: NVRTC-compiled kernels and stream-ordered memory from the device
-//! layer, GEMMs through cuBLAS, all on one stream per device.
+//! layer, GEMMs through cuBLAS, all on the backend's stream (one per device, or one per rank
+//! thread).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -80,12 +81,18 @@ pub(crate) struct CudaBackend {
 }
 
 impl CudaBackend {
-    pub(crate) fn new(ordinal: usize) -> Result<CudaBackend> {
-        let device = Device::Cuda(ordinal);
+    /// The device of `stream` (a CUDA stream), its work queued there.
+    pub(crate) fn new(stream: ferrotron_device::Stream) -> Result<CudaBackend> {
+        let device = stream.device();
+        let Device::Cuda(ordinal) = device else {
+            return Err(Error::UnsupportedDevice {
+                op: "open device",
+                device,
+            });
+        };
         let fail = |op| failure(device, op);
         let open = Error::on_device("open device", device);
         let context = ferrotron_device::cuda::context(ordinal).map_err(&open)?;
-        let stream = ferrotron_device::Stream::new(device).map_err(&open)?;
         let (major, minor) = context
             .compute_capability()
             .map_err(|e| fail("query compute capability")(format!("{e}")))?;

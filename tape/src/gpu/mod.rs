@@ -350,23 +350,46 @@ pub fn synchronize(device: Device) -> Result<()> {
     }
 }
 
-/// The backend of `device`, created on first use and shared by every thread.
+/// The backend of `device` for this thread: on a thread with streams of its own (a rank
+/// thread, [`ferrotron_device::use_own_streams`]) one made for it on its own stream, else
+/// the one every other thread shares; created on first use.
 pub(crate) fn backend(op: &'static str, device: Device) -> Result<Arc<dyn Backend>> {
-    static BACKENDS: OnceLock<Mutex<HashMap<Device, Arc<dyn Backend>>>> = OnceLock::new();
-    let mut backends = BACKENDS.get_or_init(Default::default).lock();
-    if let Some(backend) = backends.get(&device) {
+    type Backends = HashMap<Device, Arc<dyn Backend>>;
+    static SHARED: OnceLock<Mutex<Backends>> = OnceLock::new();
+    thread_local! {
+        static OWN: std::cell::RefCell<Backends> = Default::default();
+    }
+    if device == Device::Cpu {
+        return Err(Error::UnsupportedDevice { op, device });
+    }
+    let on_device = |e| Error::on_device("open device", device)(e);
+    if ferrotron_device::own_streams() {
+        if let Some(backend) = OWN.with_borrow(|own| own.get(&device).cloned()) {
+            return Ok(backend);
+        }
+        let stream = ferrotron_device::own_stream(device).map_err(on_device)?;
+        let backend = new_backend(op, stream)?;
+        OWN.with_borrow_mut(|own| own.insert(device, backend.clone()));
+        return Ok(backend);
+    }
+    let mut shared = SHARED.get_or_init(Default::default).lock();
+    if let Some(backend) = shared.get(&device) {
         return Ok(backend.clone());
     }
-    let backend: Arc<dyn Backend> = match device {
-        Device::Cpu => return Err(Error::UnsupportedDevice { op, device }),
-        Device::Emulated => Arc::new(emulator::Emulator::new()?),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(ordinal) => Arc::new(cuda::CudaBackend::new(ordinal)?),
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => return Err(Error::UnsupportedDevice { op, device }),
-    };
-    backends.insert(device, backend.clone());
+    let stream = ferrotron_device::Stream::new(device).map_err(on_device)?;
+    let backend = new_backend(op, stream)?;
+    shared.insert(device, backend.clone());
     Ok(backend)
+}
+
+/// A backend whose work goes on `stream`.
+fn new_backend(op: &'static str, stream: ferrotron_device::Stream) -> Result<Arc<dyn Backend>> {
+    Ok(match stream.device() {
+        Device::Emulated => Arc::new(emulator::Emulator::new(stream)),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => Arc::new(cuda::CudaBackend::new(stream)?),
+        device => return Err(Error::UnsupportedDevice { op, device }),
+    })
 }
 
 /// Whether cuBLAS may use TF32 tensor cores for f32 GEMMs (off by default, as

@@ -179,6 +179,11 @@ macro_rules! view_accessors {
 impl<'a> BufRef<'a> {
     view_accessors!();
 
+    /// The device layer's stream the memory belongs to (views of `DeviceMemory`).
+    pub(crate) fn ordered_on(&self) -> Option<&'a Stream> {
+        self.ordered_on
+    }
+
     /// The elements as a typed host slice, if the view is host (or emulated device)
     /// memory of type `T`; emulated memory once the work queued on its stream has run
     /// (`None` if that stream is broken).

@@ -19,13 +19,12 @@ pub struct Work {
 enum WorkState {
     /// Run by a progress thread, which fills the slot.
     Queued(Arc<Completion>),
-    /// Already queued where it runs (a device stream); the closure waits for it on the
-    /// waiting thread and gives the buffer back. `None` once run.
-    #[cfg(feature = "cuda")]
+    /// Already queued where it runs (a device stream); the closure waits for it (on the
+    /// host, or making the buffer's streams wait on the device) and gives the buffer
+    /// back. `None` once run.
     Deferred(Option<Finish>),
 }
 
-#[cfg(feature = "cuda")]
 type Finish = Box<dyn FnOnce() -> Result<Buffer> + Send>;
 
 struct Completion {
@@ -48,8 +47,8 @@ impl Work {
     }
 
     /// An operation already queued elsewhere (on a device stream) that `finish` waits
-    /// for, with the backend's watchdog, and whose buffer it then gives back.
-    #[cfg(feature = "cuda")]
+    /// for (with the backend's watchdog, or by ordering the buffer's streams after it),
+    /// and whose buffer it then gives back.
     pub(crate) fn deferred(finish: impl FnOnce() -> Result<Buffer> + Send + 'static) -> Work {
         Work {
             state: WorkState::Deferred(Some(Box::new(finish))),
@@ -61,7 +60,6 @@ impl Work {
     pub fn is_done(&self) -> bool {
         match &self.state {
             WorkState::Queued(slot) => slot.result.lock().is_some(),
-            #[cfg(feature = "cuda")]
             WorkState::Deferred(finish) => finish.is_none(),
         }
     }
@@ -79,7 +77,6 @@ impl Work {
                     slot.done.wait(&mut guard);
                 }
             }
-            #[cfg(feature = "cuda")]
             WorkState::Deferred(finish) => match finish.take() {
                 Some(finish) => finish(),
                 None => unreachable!("a deferred operation runs once, in wait or drop"),
@@ -88,7 +85,6 @@ impl Work {
     }
 }
 
-#[cfg(feature = "cuda")]
 impl Drop for Work {
     fn drop(&mut self) {
         // The buffer must outlive the device's use of it.

@@ -98,6 +98,11 @@ impl Access {
         }
     }
 
+    /// The bytes it names (none for [`rest`](Self::rest), whose extent is unknown).
+    pub(crate) fn known_bytes(&self) -> u64 {
+        self.bytes.unwrap_or(0) as u64
+    }
+
     /// From `ptr` to the end of its allocation, read or written (`write`): for an
     /// argument whose extent the caller does not know (a kernel's input described only
     /// by its address).

@@ -65,6 +65,8 @@ pub(crate) enum Work {
     },
     /// Anything else.
     Call(Box<dyn FnOnce() + Send>),
+    /// Anything else that can fail; its error breaks the stream.
+    Try(Box<dyn FnOnce() -> std::result::Result<(), String> + Send>),
 }
 
 impl Work {
@@ -88,6 +90,7 @@ impl Work {
                     .map_err(|e| format!("waited for: {e}"))
             }
             Work::Call(call) => call(),
+            Work::Try(call) => return call(),
         }
         Ok(())
     }

@@ -59,6 +59,7 @@ mod pinned;
 mod place;
 pub mod profile;
 mod stream;
+pub mod timeline;
 
 pub use blocks::{BlockKernel, Grid, Thread};
 pub use checker::{host_access, Access};
@@ -73,3 +74,4 @@ pub use place::{Device, NotADevice};
 pub use stream::{
     finish_own_streams, own_stream, own_streams, use_own_streams, Event, HandOff, Stream,
 };
+pub use timeline::Role;

@@ -75,6 +75,22 @@ impl Drop for DeviceMemory {
                 // stream's next error, and its memory is leaked: another stream's work
                 // may still use it.
                 let ordered = checker::freed(self.stream.agent(), self.ptr);
+                // Another rank's stream (a message it sent us): freed in its order by its
+                // worker, without a host wait, which could wait for that rank's half of a
+                // collective this thread has yet to queue.
+                if let (true, true, Some(layout)) = (
+                    ordered,
+                    self.stream.owned_elsewhere(),
+                    emulated_layout(self.bytes),
+                ) {
+                    let ptr = self.ptr as usize;
+                    // SAFETY (of the closure's call): allocated by `Stream::alloc` with this
+                    // layout; the worker runs it after the work queued before, which may use
+                    // it, and nothing after can name it.
+                    let free = move || unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+                    self.stream.queue_unchecked(Box::new(free));
+                    return;
+                }
                 // Returned to the host once the stream's queued work (which may still use
                 // it) has run: the host allocator then sees memory come and go in the
                 // program's order, as a GPU's stream-ordered pool hands it out. The wait

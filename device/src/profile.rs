@@ -162,7 +162,8 @@ pub fn measure<R>(
     launch: impl FnOnce() -> Result<R>,
 ) -> Result<R> {
     let span = begin(stream)?;
-    let result = launch()?;
+    crate::timeline::charge_kernel(cost);
+    let result = launch().inspect_err(|_| crate::timeline::clear_charge())?;
     if let Some(span) = span {
         span.end(stream, kernel, build, cost)?;
     }

@@ -16,6 +16,7 @@ use crate::checker::{self, Access, Clock};
 use crate::counters::count_host_wait;
 use crate::emulated::{Progress, Work, Worker};
 use crate::error::{Error, Result};
+use crate::timeline::{self, Role};
 use crate::Device;
 
 thread_local! {
@@ -41,10 +42,10 @@ pub fn own_streams() -> bool {
     OWN_STREAMS.with_borrow(|own| own.is_some())
 }
 
-/// A new stream on `device` for this thread's own work, kept until
+/// A new stream on `device` for this thread's own work, for `role`, kept until
 /// [`finish_own_streams`] waits for it.
-pub fn own_stream(device: Device) -> Result<Stream> {
-    let stream = Stream::new(device)?;
+pub fn own_stream(device: Device, role: Role) -> Result<Stream> {
+    let stream = Stream::make(device, role, Some(std::thread::current().id()))?;
     OWN_STREAMS.with_borrow_mut(|own| own.get_or_insert_with(Vec::new).push(stream.clone()));
     Ok(stream)
 }
@@ -90,15 +91,19 @@ enum Kind {
     Cuda(Arc<cudarc::driver::CudaStream>),
 }
 
-/// An emulated stream: its agent number in the ordering checker and the worker that
-/// runs its calls.
+/// An emulated stream: its agent number in the ordering checker, the worker that runs
+/// its calls, and what it is for.
 struct EmulatedQueue {
     id: u64,
     worker: Worker,
+    role: Role,
+    /// The thread whose own stream it is ([`own_stream`]), if any.
+    owner: Option<std::thread::ThreadId>,
     /// Held while a call moves the checker's clock and the worker's queue together, so
-    /// that an event's clock never covers a call its position does not (rank threads
-    /// share tape's stream).
-    order: parking_lot::Mutex<()>,
+    /// that an event's clock never covers a call its position does not (threads that
+    /// share a stream); it holds the modelled time at which the queued work ends
+    /// (`crate::timeline`).
+    order: parking_lot::Mutex<f64>,
 }
 
 impl Drop for EmulatedQueue {
@@ -116,9 +121,20 @@ impl std::fmt::Debug for Stream {
 }
 
 impl Stream {
-    /// A new stream on `device` (the emulated device, or a CUDA device of the `cuda`
-    /// feature); the host has none.
+    /// A new compute stream on `device` (the emulated device, or a CUDA device of the
+    /// `cuda` feature); the host has none.
     pub fn new(device: Device) -> Result<Stream> {
+        Stream::with_role(device, Role::Compute)
+    }
+
+    /// A new stream on `device` for `role` (which the emulated device's modelled
+    /// timeline tells apart; a CUDA stream is a stream whatever its role).
+    pub fn with_role(device: Device, role: Role) -> Result<Stream> {
+        Stream::make(device, role, None)
+    }
+
+    /// A new stream, of `owner`'s own if named.
+    fn make(device: Device, role: Role, owner: Option<std::thread::ThreadId>) -> Result<Stream> {
         let kind = match device {
             Device::Emulated => {
                 let id = checker::new_stream();
@@ -126,7 +142,9 @@ impl Stream {
                 Kind::Emulated(Arc::new(EmulatedQueue {
                     id,
                     worker,
-                    order: parking_lot::Mutex::new(()),
+                    role,
+                    owner,
+                    order: parking_lot::Mutex::new(0.0),
                 }))
             }
             #[cfg(feature = "cuda")]
@@ -199,12 +217,13 @@ impl Stream {
     pub fn record(&self) -> Result<Event> {
         let kind = match &self.kind {
             Kind::Emulated(queue) => {
-                let _order = queue.order.lock();
+                let ready = queue.order.lock();
                 EventKind::Emulated {
                     stream: queue.id,
                     clock: checker::record(queue.id),
                     progress: queue.worker.progress().clone(),
                     ticket: queue.worker.position(),
+                    at: *ready,
                 }
             }
             #[cfg(feature = "cuda")]
@@ -233,9 +252,11 @@ impl Stream {
                     clock,
                     progress,
                     ticket,
+                    at,
                 },
             ) => {
-                let _order = queue.order.lock();
+                let mut ready = queue.order.lock();
+                *ready = ready.max(*at);
                 checker::wait(queue.id, clock);
                 // A stream's own events are passed in order already.
                 if *stream != queue.id {
@@ -269,7 +290,8 @@ impl Stream {
             Kind::Emulated(queue) => {
                 count_host_wait(self.device);
                 let (ticket, clock) = {
-                    let _order = queue.order.lock();
+                    let ready = queue.order.lock();
+                    timeline::host_waited(*ready);
                     (queue.worker.position(), checker::stream_clock(queue.id))
                 };
                 queue.worker.progress().wait(ticket)?;
@@ -303,8 +325,9 @@ impl Stream {
         match &self.kind {
             Kind::Emulated(queue) => {
                 let ticket = {
-                    let _order = queue.order.lock();
+                    let ready = queue.order.lock();
                     checker::queue(queue.id, op, accesses)?;
+                    timeline::host_waited(*ready);
                     queue.worker.position()
                 };
                 queue.worker.progress().wait(ticket)
@@ -320,7 +343,10 @@ impl Stream {
     /// (declare the access with [`declare`](Self::declare) for that). A no-op on CUDA.
     pub fn drain_emulated(&self) -> Result<()> {
         match &self.kind {
-            Kind::Emulated(queue) => queue.worker.drain(),
+            Kind::Emulated(queue) => {
+                timeline::host_waited(*queue.order.lock());
+                queue.worker.drain()
+            }
             #[cfg(feature = "cuda")]
             Kind::Cuda(_) => Ok(()),
         }
@@ -340,6 +366,44 @@ impl Stream {
         self.queue_emulated(op, accesses, Work::Call(Box::new(work)))
     }
 
+    /// [`queue_host`](Self::queue_host) of work that can fail: its error breaks the
+    /// stream (its later calls are skipped, and the next wait for it returns the error,
+    /// as does every stream that waits for it).
+    pub fn queue_host_fallible(
+        &self,
+        op: &'static str,
+        accesses: &[Access],
+        work: impl FnOnce() -> std::result::Result<(), String> + Send + 'static,
+    ) -> Result<()> {
+        self.queue_emulated(op, accesses, Work::Try(Box::new(work)))
+    }
+
+    /// Whether this is another thread's own stream ([`own_stream`]): that thread's
+    /// work may wait for what this thread has not queued yet (a collective's other half),
+    /// so this thread must not wait for it on the host.
+    pub(crate) fn owned_elsewhere(&self) -> bool {
+        match &self.kind {
+            Kind::Emulated(queue) => queue
+                .owner
+                .is_some_and(|owner| owner != std::thread::current().id()),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => false,
+        }
+    }
+
+    /// Queues `work` on the emulated stream's worker with no access to check (memory
+    /// the checker already saw freed).
+    pub(crate) fn queue_unchecked(&self, work: Box<dyn FnOnce() + Send>) {
+        match &self.kind {
+            Kind::Emulated(queue) => {
+                let _order = queue.order.lock();
+                queue.worker.queue(Work::Call(work));
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => {}
+        }
+    }
+
     /// Checks `work`'s accesses and queues it on the emulated stream's worker.
     pub(crate) fn queue_emulated(
         &self,
@@ -349,8 +413,10 @@ impl Stream {
     ) -> Result<()> {
         match &self.kind {
             Kind::Emulated(queue) => {
-                let _order = queue.order.lock();
-                checker::queue(queue.id, op, accesses)?;
+                let mut ready = queue.order.lock();
+                checker::queue(queue.id, op, accesses).inspect_err(|_| timeline::clear_charge())?;
+                let bytes = accesses.iter().map(Access::known_bytes).sum();
+                timeline::queued(queue.id, queue.role, &mut ready, op, bytes);
                 queue.worker.queue(work);
                 Ok(())
             }
@@ -396,6 +462,8 @@ enum EventKind {
         clock: Clock,
         progress: Arc<Progress>,
         ticket: u64,
+        /// The modelled time at which the work before it ends (`crate::timeline`).
+        at: f64,
     },
     #[cfg(feature = "cuda")]
     Cuda(cudarc::driver::CudaEvent),
@@ -455,10 +523,12 @@ impl Event {
                 clock,
                 progress,
                 ticket,
+                at,
                 ..
             } => {
                 progress.wait(*ticket)?;
                 checker::synchronize_event(clock);
+                timeline::host_waited(*at);
                 Ok(())
             }
             #[cfg(feature = "cuda")]

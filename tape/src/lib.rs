@@ -109,7 +109,8 @@ pub use ferrotron_comm_core::{DType, Device};
 /// comm-core makes to stage device memory through the host (MPI, the local backend's
 /// point-to-point mailbox).
 pub use ferrotron_device::{
-    device_memory, host_waits, profile, reset_device_peak, transfers, DeviceHeld, Transfers,
+    device_memory, host_waits, profile, reset_device_peak, timeline, transfers, DeviceHeld,
+    Transfers,
 };
 pub use flat::{FlatStorage, FlatView};
 pub use gpu::{allow_tf32, set_allow_tf32, synchronize};

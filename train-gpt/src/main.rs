@@ -276,6 +276,16 @@ struct Args {
     /// and the parameters are all-gathered. Same results; checkpoints load either way.
     #[arg(long)]
     use_distributed_optimizer: bool,
+    /// Start each gradient bucket's reduction only after backward instead of as soon as
+    /// its last gradient is ready (Megatron without --overlap-grad-reduce): to compare
+    /// what the overlap hides.
+    #[arg(long)]
+    no_overlap_grad_reduce: bool,
+    /// Gradients per data-parallel bucket (Megatron's --ddp-bucket-size): smaller buckets
+    /// start their reductions earlier in backward. Default: PyTorch's caps (1 MiB for the
+    /// first bucket, 25 MiB for the others).
+    #[arg(long, value_name = "ELEMENTS", value_parser = clap::value_parser!(u64).range(1..))]
+    ddp_bucket_size: Option<u64>,
     /// Storage format of parameters and activations. Ops compute in f32 and round their
     /// results; the loss, gradients, master weights and AdamW stay f32 (Megatron's
     /// --bf16 / --fp16 with f32 main gradients).
@@ -827,9 +837,9 @@ fn run_local_backend(
     finish(args, corpus, dp, result)
 }
 
-/// A rank's transfers and host waits per step, and its peak memory, as numbers to take
-/// the largest of.
-fn step_costs(result: &RankResult) -> [f64; 6] {
+/// A rank's transfers and host waits per step, its peak memory, and the share of its
+/// communication left exposed (-1: none), as numbers to take the largest of.
+fn step_costs(result: &RankResult) -> [f64; 7] {
     let t = result.transfers_per_step;
     [
         t.to_device_bytes as f64,
@@ -838,6 +848,9 @@ fn step_costs(result: &RankResult) -> [f64; 6] {
         t.to_host_copies as f64,
         result.host_waits_per_step,
         result.peak_bytes as f64,
+        result
+            .communication_hidden
+            .map_or(-1.0, |hidden| 1.0 - hidden),
     ]
 }
 
@@ -884,16 +897,18 @@ fn set_model_state(result: &mut RankResult, figures: &[f64]) {
 
 /// The largest of each figure over the ranks: the report shows the busiest rank's (the
 /// last pipeline stage reads the loss, the first uploads the batch).
-fn busiest_rank(costs: impl Iterator<Item = [f64; 6]>) -> [f64; 6] {
-    costs.fold([0.0; 6], |most, c| {
+fn busiest_rank(costs: impl Iterator<Item = [f64; 7]>) -> [f64; 7] {
+    costs.fold([-1.0; 7], |most, c| {
         std::array::from_fn(|i| most[i].max(c[i]))
     })
 }
 
 fn set_step_costs(
     result: &mut RankResult,
-    [to_device, to_device_copies, to_host, to_host_copies, waits, peak]: [f64; 6],
+    [to_device, to_device_copies, to_host, to_host_copies, waits, peak, exposed]: [f64; 7],
 ) {
+    // The rank that hides the least speaks for the run.
+    result.communication_hidden = (exposed >= 0.0).then_some(1.0 - exposed);
     result.peak_bytes = peak as usize;
     result.transfers_per_step = ferrotron_tape::Transfers {
         to_device_bytes: to_device as u64,
@@ -1397,6 +1412,8 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
         schedule: schedule(args),
         clip_grad: args.clip_grad,
         distributed_optimizer: args.use_distributed_optimizer,
+        overlap_grad_reduce: !args.no_overlap_grad_reduce,
+        bucket_elements: args.ddp_bucket_size.map(|n| n as usize),
         precision: args.precision.dtype(),
         weight_decay: args.weight_decay,
         loss_scaler: loss_scaler(args),
@@ -1668,6 +1685,13 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         // A mean over the steps, to one decimal (whole numbers print without one).
         let waits = (result.host_waits_per_step * 10.0).round() / 10.0;
         println!("host waits per step and rank: {waits}");
+    }
+    if let Some(hidden) = result.communication_hidden {
+        // The emulated device's modelled timeline (see `ferrotron_device::timeline`).
+        println!(
+            "communication hidden behind compute: {:.1}%",
+            100.0 * hidden
+        );
     }
     let on_gpu = matches!(args.device, ferrotron_tape::Device::Cuda(_));
     println!(

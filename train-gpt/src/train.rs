@@ -60,6 +60,11 @@ pub struct TrainConfig {
     /// Shard AdamW's state over the data-parallel group (ZeRO-1/2) instead of keeping
     /// all of it on every rank.
     pub distributed_optimizer: bool,
+    /// Start each gradient bucket's reduction as soon as its gradients are ready
+    /// (`DdpConfig::overlap_grad_reduce`), rather than after backward.
+    pub overlap_grad_reduce: bool,
+    /// Gradients per bucket (f32 main gradients), if not the DDP's default caps.
+    pub bucket_elements: Option<usize>,
     /// The parameters' storage format: f32, or bf16 / f16 with f32 master weights and
     /// f32 main gradients.
     pub precision: ferrotron_tape::DType,
@@ -160,6 +165,10 @@ pub struct RankResult {
     pub host_waits_per_step: f64,
     /// This rank's kernels over the same steps, with `TrainConfig::profile` on a device.
     pub profile: Option<StepsProfile>,
+    /// The share of this rank's communication-stream time that its compute streams
+    /// overlap, on the emulated device's modelled timeline over the same steps (`None`
+    /// elsewhere, or with no communication on a stream of its own).
+    pub communication_hidden: Option<f64>,
     /// The checkpoints this run wrote, oldest first.
     pub saved: Vec<PathBuf>,
     /// How long this rank's training stood still for them, in all.
@@ -270,6 +279,7 @@ pub fn train_rank(
         transfers_per_step: steady.transfers,
         host_waits_per_step: steady.host_waits,
         profile: steady.profile,
+        communication_hidden: steady.hidden,
         saved: history.saved,
         save_wait: history.save_wait,
         peak_bytes,
@@ -290,9 +300,15 @@ fn build_ddps(
     state: &ParallelState,
     config: &TrainConfig,
 ) -> Result<(Vec<DistributedDataParallel>, Vec<Option<usize>>)> {
+    let defaults = DdpConfig::default();
+    // Main gradients are f32, whatever the parameters' format.
+    let cap = config.bucket_elements.map(|n| n.saturating_mul(4));
     let ddp_config = DdpConfig {
         use_distributed_optimizer: config.distributed_optimizer,
-        ..DdpConfig::default()
+        overlap_grad_reduce: config.overlap_grad_reduce,
+        bucket_cap_bytes: cap.unwrap_or(defaults.bucket_cap_bytes),
+        first_bucket_bytes: cap.unwrap_or(defaults.first_bucket_bytes),
+        ..defaults
     };
     let mut ddps = (models.iter())
         .map(|model| DistributedDataParallel::for_model(model, state, ddp_config.clone()))
@@ -759,6 +775,7 @@ impl<'a> Trainer<'a> {
         let config = chunks.config;
         let first_step = history.losses.len();
         let (mut steady_transfers, mut waits) = (Vec::new(), Vec::new());
+        let mut timeline = ferrotron_tape::timeline::Timeline::default();
         let mut profile = (config.profile && config.device != ferrotron_tape::Device::Cpu)
             .then(StepsProfile::default);
         for step in first_step..config.steps {
@@ -769,9 +786,15 @@ impl<'a> Trainer<'a> {
             if recording.is_some() {
                 ferrotron_tape::profile::start(config.device);
             }
+            if steady {
+                ferrotron_tape::timeline::start();
+            }
             let started = std::time::Instant::now();
             self.step(chunks, corpus, step, history)?;
             let wall = started.elapsed();
+            if steady {
+                timeline.extend(ferrotron_tape::timeline::finish());
+            }
             // Read before the profile's own wait for its last timing event.
             if steady {
                 steady_transfers.push(ferrotron_tape::transfers(config.device) - before);
@@ -826,6 +849,7 @@ impl<'a> Trainer<'a> {
             transfers: mean(&steady_transfers),
             host_waits: waits.iter().sum::<u64>() as f64 / waits.len().max(1) as f64,
             profile,
+            hidden: timeline.hidden_fraction(),
         })
     }
 
@@ -1633,6 +1657,8 @@ struct Steady {
     transfers: Transfers,
     host_waits: f64,
     profile: Option<StepsProfile>,
+    /// What share of the communication the compute hid (modelled, emulated device).
+    hidden: Option<f64>,
 }
 
 /// The mean of per-step transfer counts (none: zero).

@@ -207,3 +207,37 @@ fn a_profile_counts_every_kernel_of_the_steps_after_the_first() {
         "{stdout}"
     );
 }
+
+/// On the emulated device a run says how much of its communication-stream time its
+/// compute streams overlap, on a modelled timeline (each call timed by what it moves,
+/// not by the host's clock), so the figure is the same on every run and machine. Buckets
+/// reduced as soon as backward completes them hide more than buckets reduced after it.
+#[test]
+fn the_modelled_timeline_says_how_much_communication_compute_hides() {
+    let hidden = |extra: &[&str]| -> f64 {
+        let flags = [
+            &["--layers", "2", "--use-distributed-optimizer"],
+            &["--ddp-bucket-size", "2000"][..],
+            extra,
+        ]
+        .concat();
+        let stdout = train("emulated", &flags);
+        let line = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("communication hidden behind compute: "))
+            .unwrap_or_else(|| panic!("no overlap figure in\n{stdout}"));
+        line.trim_end_matches('%').parse().expect("a percentage")
+    };
+    let overlapped = hidden(&[]);
+    assert_eq!(
+        hidden(&[]),
+        overlapped,
+        "the modelled figure is deterministic"
+    );
+    let after_backward = hidden(&["--no-overlap-grad-reduce"]);
+    assert!(
+        overlapped >= 70.0 && overlapped > after_backward,
+        "{overlapped}% hidden with overlap, {after_backward}% without"
+    );
+    assert!(!train("cpu", &[]).contains("communication hidden"));
+}

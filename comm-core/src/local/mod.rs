@@ -11,6 +11,7 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 mod group;
+mod streamed;
 
 use crate::buffer::{BufMut, BufRef, Buffer};
 use crate::calls::{offsets, signatures_agree, CallCheck};
@@ -286,6 +287,9 @@ struct RankCore {
     rank: usize,
     counters: Mutex<Counters>,
     queue: ProgressQueue,
+    /// The communication stream of non-blocking collectives over emulated device memory
+    /// (`streamed`), made on first use.
+    comm_stream: Mutex<Option<ferrotron_device::Stream>>,
 }
 
 impl LocalCommunicator {
@@ -302,6 +306,7 @@ impl LocalCommunicator {
                     recvs: 0,
                     open: Ticket::NONE,
                 }),
+                comm_stream: Mutex::new(None),
                 queue,
             }),
             owner: true,
@@ -358,27 +363,27 @@ impl Communicator for LocalCommunicator {
         &self.core.group.world_ranks
     }
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         buf.declare("all_reduce", true)?;
         self.core.all_reduce(buf, op)
     }
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         buf.declare("broadcast", true)?;
         self.core.broadcast(buf, root)
     }
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         crate::buffer::declare_in_out("all_gather", &input, &output)?;
         self.core.all_gather(input, output, None)
     }
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         crate::buffer::declare_in_out("all_gather_v", &input, &output)?;
         self.core.all_gather(input, output, Some(counts))
     }
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         crate::buffer::declare_in_out("reduce_scatter", &input, &output)?;
         self.core.reduce_scatter(input, output, None, op)
     }
@@ -389,7 +394,7 @@ impl Communicator for LocalCommunicator {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         crate::buffer::declare_in_out("reduce_scatter_v", &input, &output)?;
         self.core.reduce_scatter(input, output, Some(counts), op)
     }
@@ -400,23 +405,23 @@ impl Communicator for LocalCommunicator {
         output: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         crate::buffer::declare_in_out("all_to_all_v", &input, &output)?;
         self.core
             .all_to_all_v(input, send_counts, output, recv_counts)
     }
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         buf.declare("send", false)?;
         self.core.send(buf, dest)
     }
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         buf.declare("recv", true)?;
         self.core.recv(buf, src)
     }
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         crate::buffer::declare_exchange(ops)?;
         self.core.exchange(ops)
     }
@@ -434,7 +439,7 @@ impl Communicator for LocalCommunicator {
         self.core.irecv(buf, src)
     }
     fn barrier(&self) -> Result<()> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         self.core.barrier()
     }
     fn split(
@@ -443,7 +448,7 @@ impl Communicator for LocalCommunicator {
         key: u32,
         name: &str,
     ) -> Result<Option<Arc<dyn Communicator>>> {
-        self.core.queue.wait_idle();
+        self.core.quiesce()?;
         Ok(self
             .core
             .split(color, key, name)?
@@ -453,6 +458,10 @@ impl Communicator for LocalCommunicator {
         self.core.group.flight_record()
     }
     fn start(&self, op: AsyncOp) -> Result<Work> {
+        let op = match self.core.start_streamed(op)? {
+            Ok(queued) => return Ok(queued),
+            Err(op) => op,
+        };
         let handle = LocalCommunicator {
             core: self.core.clone(),
             owner: false,
@@ -478,6 +487,13 @@ fn at<T>(addr: usize, offset: usize) -> *const T {
 }
 
 impl RankCore {
+    /// Lets the calls this rank queued before (on the progress thread, on the
+    /// communication stream) run before a call the calling thread runs itself.
+    fn quiesce(&self) -> Result<()> {
+        self.queue.wait_idle();
+        self.drain_comm_stream()
+    }
+
     fn name(&self) -> &str {
         &self.group.name
     }

@@ -580,8 +580,10 @@ pub(crate) fn gemm_into(
     let backend = super::backend("matmul", device)?;
     let on_device = Error::on_device("matmul", device);
     let span = ferrotron_device::profile::begin(backend.stream()).map_err(&on_device)?;
+    // The emulated device's modelled timeline times the product by its cost.
+    ferrotron_device::timeline::charge_kernel(cost);
     // SAFETY: the extents follow from the operands' checked shapes.
-    unsafe { backend.gemm(&gemm)? };
+    unsafe { backend.gemm(&gemm) }.inspect_err(|_| ferrotron_device::timeline::clear_charge())?;
     if let Some(span) = span {
         (span.end(backend.stream(), "gemm", format.name(), cost)).map_err(&on_device)?;
     }

@@ -1,0 +1,122 @@
+//! Non-blocking collectives over device memory run on the rank's communication stream of
+//! the group, as NCCL's do: `start` returns before the peers have arrived, the host does
+//! not wait, the buffers' stream waits for the collective only when the `Work` is waited
+//! for, and the emulated device's ordering checker sees the collective's accesses as the
+//! communication stream's.
+
+use std::sync::mpsc;
+
+use ferrotron_comm_core::{
+    run_local, AsyncOp, BufMut, BufRef, Buffer, Communicator, DType, Device, LentMemory, ReduceOp,
+};
+use ferrotron_device::{host_waits, DeviceMemory, Stream};
+
+const LEN: usize = 4096;
+
+/// Device memory lent whole to a collective, as tape lends a gradient bucket.
+#[derive(Debug)]
+struct Lent(DeviceMemory);
+
+impl LentMemory for Lent {
+    fn view(&self) -> BufRef<'_> {
+        BufRef::device(&self.0, 0, LEN, DType::F32).expect("sized for LEN f32s")
+    }
+    fn view_mut(&mut self) -> BufMut<'_> {
+        BufMut::device(&mut self.0, 0, LEN, DType::F32).expect("sized for LEN f32s")
+    }
+}
+
+/// `LEN` f32s of `value` on `stream`, lent.
+fn lent(stream: &Stream, value: f32) -> ferrotron_device::Result<Buffer> {
+    let memory = stream.alloc(4 * LEN)?;
+    let bytes: Vec<u8> = (0..LEN).flat_map(|_| value.to_ne_bytes()).collect();
+    // SAFETY: the allocation holds `4 * LEN` bytes.
+    unsafe { stream.upload(memory.ptr(), &bytes)? };
+    Ok(Buffer::lent(Box::new(Lent(memory))))
+}
+
+fn read(buffer: Buffer) -> Vec<f32> {
+    let lent = buffer.into_lent().expect("lent memory comes back");
+    let memory = &(lent as Box<dyn std::any::Any>)
+        .downcast::<Lent>()
+        .expect("our own memory")
+        .0;
+    let mut bytes = vec![0u8; 4 * LEN];
+    // SAFETY: as in `lent`.
+    unsafe { memory.stream().download(&mut bytes, memory.ptr()) }.expect("download");
+    bytes
+        .chunks(4)
+        .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn start_returns_before_the_peers_arrive_and_the_host_never_waits() {
+    // Rank 1 starts its half only after rank 0's `start` has returned: a `start` that
+    // waited for its peers on the host would never return.
+    let (started, go) = mpsc::channel::<()>();
+    let (started, go) = (std::sync::Mutex::new(started), std::sync::Mutex::new(go));
+    let sums = run_local(2, |comm| -> anyhow::Result<(Vec<f32>, u64)> {
+        let stream = Stream::new(Device::Emulated)?;
+        let buf = lent(&stream, comm.rank() as f32 + 1.0)?;
+        stream.synchronize()?;
+        let waits = host_waits(Device::Emulated);
+        if comm.rank() == 1 {
+            go.lock().unwrap().recv()?;
+        }
+        let work = comm.start(AsyncOp::AllReduce {
+            buf,
+            op: ReduceOp::Sum,
+        })?;
+        if comm.rank() == 0 {
+            started.lock().unwrap().send(())?;
+        }
+        let buf = work.wait()?;
+        let waited = host_waits(Device::Emulated) - waits;
+        Ok((read(buf), waited))
+    })
+    .unwrap();
+    for (rank, (sum, waited)) in sums.into_iter().enumerate() {
+        assert!(
+            sum.iter().all(|&x| x == 3.0),
+            "rank {rank}: {:?}",
+            &sum[..4]
+        );
+        assert_eq!(waited, 0, "rank {rank} waited on the host");
+    }
+}
+
+#[test]
+fn reading_a_buffer_before_its_collective_is_waited_for_is_an_ordering_error() {
+    run_local(2, |comm| -> anyhow::Result<()> {
+        let stream = Stream::new(Device::Emulated)?;
+        let buf = lent(&stream, 1.0)?;
+        // The emulated device's memory is host memory: its first element's address.
+        let address = (buf.as_buf_ref().as_host_slice::<f32>())
+            .map(|s| s.as_ptr() as u64)
+            .expect("emulated memory is host memory");
+        let scratch = stream.alloc(4 * LEN)?;
+        let work = comm.start(AsyncOp::AllReduce {
+            buf,
+            op: ReduceOp::Sum,
+        })?;
+        // The buffer's own stream reads it while the communication stream may still be
+        // writing it: nothing orders the two.
+        // SAFETY: both ranges hold `4 * LEN` bytes and stay allocated until the end.
+        let early = unsafe { stream.copy(scratch.ptr(), address, 4 * LEN) };
+        let error = early
+            .expect_err("an unordered read must be reported")
+            .to_string();
+        assert!(
+            error.contains("unordered") && error.contains("all_reduce"),
+            "{error}"
+        );
+        // Waiting for the work orders the stream after the collective.
+        let buf = work.wait()?;
+        // SAFETY: as above.
+        unsafe { stream.copy(scratch.ptr(), address, 4 * LEN) }?;
+        assert!(read(buf).iter().all(|&x| x == 2.0));
+        Ok(())
+    })
+    .unwrap();
+}

@@ -162,7 +162,7 @@ pub fn measure<R>(
     launch: impl FnOnce() -> Result<R>,
 ) -> Result<R> {
     let span = begin(stream)?;
-    crate::timeline::charge_kernel(cost);
+    crate::timeline::charge_kernel(cost.read + cost.written, cost.flops);
     let result = launch().inspect_err(|_| crate::timeline::clear_charge())?;
     if let Some(span) = span {
         span.end(stream, kernel, build, cost)?;

@@ -33,8 +33,6 @@
 
 use std::cell::{Cell, RefCell};
 
-use crate::profile::Cost;
-
 /// What a stream is for: compute (kernels, products) or communication (collectives and
 /// transfers queued beside compute).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -71,10 +69,10 @@ impl Model {
         link_latency: 10e-6,
     };
 
-    /// A kernel's duration in seconds.
-    pub fn kernel(&self, cost: Cost) -> f64 {
-        let memory = (cost.read + cost.written) as f64 / self.memory_bandwidth;
-        let math = cost.flops as f64 / self.flops;
+    /// The duration in seconds of a kernel that moves `bytes` and does `flops`.
+    pub fn kernel(&self, bytes: u64, flops: u64) -> f64 {
+        let memory = bytes as f64 / self.memory_bandwidth;
+        let math = flops as f64 / self.flops;
         memory.max(math).max(self.launch)
     }
 
@@ -194,10 +192,10 @@ pub fn finish() -> Timeline {
     }
 }
 
-/// The next call this thread queues is a kernel of `cost` (`profile::measure` says so
-/// of each launch it measures).
-pub fn charge_kernel(cost: Cost) {
-    PENDING.set(Some(Model::H200.kernel(cost)));
+/// The next call this thread queues is a kernel that moves `bytes` and does `flops`
+/// (`profile::measure` says so of each launch it measures, from its cost).
+pub fn charge_kernel(bytes: u64, flops: u64) {
+    PENDING.set(Some(Model::H200.kernel(bytes, flops)));
 }
 
 /// The next call this thread queues moves `bytes` over the link (a collective's ring
@@ -214,13 +212,9 @@ pub fn clear_charge() {
 /// A call named `op` moving `bytes` is queued on a stream of `role` whose work ends at
 /// `*ready`: moves `*ready` to the call's end and records it.
 pub(crate) fn queued(stream: u64, role: Role, ready: &mut f64, op: &'static str, bytes: u64) {
-    let duration = PENDING.take().unwrap_or_else(|| {
-        Model::H200.kernel(Cost {
-            read: bytes,
-            written: 0,
-            flops: 0,
-        })
-    });
+    let duration = PENDING
+        .take()
+        .unwrap_or_else(|| Model::H200.kernel(bytes, 0));
     let start = ready.max(HOST_NOW.get());
     *ready = start + duration;
     RECORDING.with_borrow_mut(|recording| {
@@ -282,12 +276,7 @@ mod tests {
         );
         let (memory, other) = (compute.alloc(1 << 20)?, comm.alloc(64)?);
         start();
-        let cost = Cost {
-            read: 40_000_000,
-            written: 0,
-            flops: 0,
-        };
-        charge_kernel(cost);
+        charge_kernel(40_000_000, 0);
         // SAFETY: both halves lie in the allocation.
         unsafe { compute.copy(memory.ptr(), memory.ptr() + (1 << 19), 1 << 19)? };
         charge_transfer(35_000_000);

@@ -95,4 +95,4 @@ mod trace;
 pub use driver::{Pipeline, PipelineConfig, Stage, StepReport};
 pub use error::{Error, Result};
 pub use schedule::{Action, Schedule, Transfer};
-pub use trace::{chrome_trace, Span};
+pub use trace::{chrome_trace, chrome_trace_with_streams, Span};

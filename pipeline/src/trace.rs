@@ -1,7 +1,9 @@
 //! A step's timeline as Chrome trace events (open the file in Perfetto or
-//! `chrome://tracing`): one row per rank, one box per forward, backward and exchange.
+//! `chrome://tracing`): one row per rank, one box per forward, backward and exchange, and
+//! with device streams, one row per stream of each rank with its calls.
 
 use crate::schedule::Action;
+use ferrotron_tape::timeline::{Role, Timeline};
 use std::time::Instant;
 
 /// One timed action of a step.
@@ -42,6 +44,59 @@ impl Span {
 /// Chrome trace event JSON of every rank's timeline (`timelines[r]` is pipeline rank
 /// `r`'s): forwards, backwards and exchanges as complete events, one thread per rank.
 pub fn chrome_trace(timelines: &[Vec<Span>]) -> String {
+    chrome_trace_with_streams(timelines, &[])
+}
+
+/// [`chrome_trace`] and, for each rank that has one (`streams[r]`), its device streams'
+/// calls on the emulated device's modelled timeline (`ferrotron_tape::timeline`): one
+/// process per rank, one thread per stream, in microseconds from the rank's first call.
+/// Calls on one stream never overlap; calls on two streams side by side are overlap.
+pub fn chrome_trace_with_streams(timelines: &[Vec<Span>], streams: &[Timeline]) -> String {
+    let mut events = pipeline_events(timelines);
+    for (rank, line) in streams.iter().enumerate() {
+        events.extend(stream_events(rank, line));
+    }
+    serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" }).to_string()
+}
+
+/// A rank's streams as one process (`pid` 1 + rank), a thread per stream.
+fn stream_events(rank: usize, line: &Timeline) -> Vec<serde_json::Value> {
+    let pid = 1 + rank;
+    let mut events = vec![serde_json::json!({
+        "name": "process_name", "ph": "M", "pid": pid,
+        "args": { "name": format!("pipeline rank {rank}: device streams (modelled)") },
+    })];
+    let origin = line
+        .intervals
+        .iter()
+        .map(|i| i.start)
+        .fold(f64::INFINITY, f64::min);
+    let mut streams: Vec<u64> = Vec::new();
+    for call in &line.intervals {
+        let tid = match streams.iter().position(|&s| s == call.stream) {
+            Some(tid) => tid,
+            None => {
+                streams.push(call.stream);
+                let role = match call.role {
+                    Role::Compute => "compute",
+                    Role::Communication => "communication",
+                };
+                events.push(serde_json::json!({
+                    "name": "thread_name", "ph": "M", "pid": pid, "tid": streams.len() - 1,
+                    "args": { "name": format!("{role} stream {}", call.stream) },
+                }));
+                streams.len() - 1
+            }
+        };
+        events.push(serde_json::json!({
+            "name": call.name, "cat": "device", "ph": "X", "pid": pid, "tid": tid,
+            "ts": (call.start - origin) * 1e6, "dur": (call.end - call.start) * 1e6,
+        }));
+    }
+    events
+}
+
+fn pipeline_events(timelines: &[Vec<Span>]) -> Vec<serde_json::Value> {
     let mut events = Vec::new();
     for (rank, timeline) in timelines.iter().enumerate() {
         events.push(serde_json::json!({
@@ -60,5 +115,5 @@ pub fn chrome_trace(timelines: &[Vec<Span>]) -> String {
             }));
         }
     }
-    serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" }).to_string()
+    events
 }

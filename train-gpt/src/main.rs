@@ -814,11 +814,13 @@ fn run_local_backend(
         let mut stages: Vec<_> = results
             .iter()
             .filter(|r| r.coordinates.1 == 0 && r.coordinates.2 == 0 && r.coordinates.3 == 0)
-            .map(|r| (r.coordinates.0, r.timeline.clone()))
+            .map(|r| (r.coordinates.0, r.timeline.clone(), r.streams.clone()))
             .collect();
         stages.sort_by_key(|s| s.0);
-        let timelines: Vec<_> = stages.into_iter().map(|s| s.1).collect();
-        std::fs::write(path, ferrotron_pipeline::chrome_trace(&timelines))?;
+        let (timelines, streams): (Vec<_>, Vec<_>) =
+            stages.into_iter().map(|(_, t, s)| (t, s)).unzip();
+        let trace = ferrotron_pipeline::chrome_trace_with_streams(&timelines, &streams);
+        std::fs::write(path, trace)?;
         println!("pipeline timeline of the last step: {}", path.display());
     }
     let busiest = busiest_rank(results.iter().map(step_costs));

@@ -157,6 +157,9 @@ pub struct RankResult {
     /// and its timeline of the last step if tracing.
     pub coordinates: (usize, usize, usize, usize),
     pub timeline: Vec<ferrotron_pipeline::Span>,
+    /// Its device streams' calls in the last step, on the emulated device's modelled
+    /// timeline, if tracing.
+    pub streams: ferrotron_tape::timeline::Timeline,
     /// Host↔device copies of a training step on this rank, averaged over the steps after
     /// the first (which also uploads the model's first use of each constant).
     pub transfers_per_step: Transfers,
@@ -276,6 +279,7 @@ pub fn train_rank(
         samples,
         coordinates: (state.pp_rank(), tp.rank(), state.dp_rank(), state.cp_rank()),
         timeline: history.timeline,
+        streams: history.streams,
         transfers_per_step: steady.transfers,
         host_waits_per_step: steady.host_waits,
         profile: steady.profile,
@@ -672,6 +676,8 @@ struct History {
     tied_copies: Option<TiedCopies>,
     /// The last step's pipeline timeline, when tracing.
     timeline: Vec<ferrotron_pipeline::Span>,
+    /// The last step's device streams on the modelled timeline, when tracing (emulated).
+    streams: ferrotron_tape::timeline::Timeline,
     /// The checkpoints this run wrote.
     saved: Vec<PathBuf>,
     /// The step a stop signal ended the run after.
@@ -793,7 +799,11 @@ impl<'a> Trainer<'a> {
             self.step(chunks, corpus, step, history)?;
             let wall = started.elapsed();
             if steady {
-                timeline.extend(ferrotron_tape::timeline::finish());
+                let streams = ferrotron_tape::timeline::finish();
+                if config.trace {
+                    history.streams = streams.clone();
+                }
+                timeline.extend(streams);
             }
             // Read before the profile's own wait for its last timing event.
             if steady {

@@ -228,16 +228,54 @@ fn the_modelled_timeline_says_how_much_communication_compute_hides() {
             .unwrap_or_else(|| panic!("no overlap figure in\n{stdout}"));
         line.trim_end_matches('%').parse().expect("a percentage")
     };
-    let overlapped = hidden(&[]);
+    let trace = std::env::temp_dir().join(format!("train-gpt-streams-{}.json", std::process::id()));
+    let overlapped = hidden(&["--trace", trace.to_str().unwrap()]);
     assert_eq!(
         hidden(&[]),
         overlapped,
         "the modelled figure is deterministic"
     );
+    assert_stream_tracks(&std::fs::read_to_string(&trace).expect("the trace was written"));
     let after_backward = hidden(&["--no-overlap-grad-reduce"]);
     assert!(
         overlapped >= 70.0 && overlapped > after_backward,
         "{overlapped}% hidden with overlap, {after_backward}% without"
     );
     assert!(!train("cpu", &[]).contains("communication hidden"));
+}
+
+/// `--trace`'s device streams: a track (thread) per stream of each rank, compute and
+/// communication among them, whose calls follow one another without overlapping.
+fn assert_stream_tracks(trace: &str) {
+    let trace: serde_json::Value = serde_json::from_str(trace).expect("JSON");
+    let events = trace["traceEvents"].as_array().expect("events");
+    let names: Vec<&str> = (events.iter())
+        .filter(|e| e["name"] == "thread_name" && e["pid"].as_u64() > Some(0))
+        .filter_map(|e| e["args"]["name"].as_str())
+        .collect();
+    for role in ["compute stream", "communication stream"] {
+        assert!(
+            names.iter().any(|n| n.starts_with(role)),
+            "no {role} in {names:?}"
+        );
+    }
+    let mut tracks: std::collections::BTreeMap<(u64, u64), Vec<(f64, f64)>> = Default::default();
+    for call in events.iter().filter(|e| e["cat"] == "device") {
+        let at = |k: &str| call[k].as_f64().expect("a number");
+        let key = (call["pid"].as_u64().unwrap(), call["tid"].as_u64().unwrap());
+        tracks
+            .entry(key)
+            .or_default()
+            .push((at("ts"), at("ts") + at("dur")));
+    }
+    assert!(tracks.len() >= 2, "{tracks:?}");
+    for (track, mut calls) in tracks {
+        calls.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for pair in calls.windows(2) {
+            assert!(
+                pair[0].1 <= pair[1].0 + 1e-6,
+                "track {track:?}: {pair:?} overlap"
+            );
+        }
+    }
 }

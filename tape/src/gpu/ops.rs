@@ -581,7 +581,7 @@ pub(crate) fn gemm_into(
     let on_device = Error::on_device("matmul", device);
     let span = ferrotron_device::profile::begin(backend.stream()).map_err(&on_device)?;
     // The emulated device's modelled timeline times the product by its cost.
-    ferrotron_device::timeline::charge_kernel(cost);
+    ferrotron_device::timeline::charge_kernel(cost.read + cost.written, cost.flops);
     // SAFETY: the extents follow from the operands' checked shapes.
     unsafe { backend.gemm(&gemm) }.inspect_err(|_| ferrotron_device::timeline::clear_charge())?;
     if let Some(span) = span {

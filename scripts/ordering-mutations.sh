@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Removes, one at a time, each wait and record that orders device work between streams
+# (a rank's compute and communication streams, two ranks' streams), reruns the emulated
+# tests that cover it, and reports whether the emulated device's ordering checker named
+# the missing order ("unordered accesses"). A removal that the tests do not report as an
+# ordering error is an order nothing checks. Not part of CI (each mutation rebuilds
+# comm-core's tests); run it by hand after changing how device collectives are ordered.
+#
+#   scripts/ordering-mutations.sh          # every mutation below
+#   scripts/ordering-mutations.sh 2 3      # the second and third
+#
+# Prints one line per mutation (caught / not caught) and exits 1 if any was not caught.
+# The mutated file is restored from a copy afterwards, also on interruption.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# name | file | the exact line removed (leading spaces trimmed)
+mutations=(
+    "receiver's stream waits for a device message|comm-core/src/buffer.rs|to.wait(&from.record()?)?;"
+    "sender's stream waits for the receiver's copy before freeing|comm-core/src/buffer.rs|from.wait(&to.record()?)?;"
+    "communication stream waits for the buffers' streams|comm-core/src/local/streamed.rs|comm.wait(&holder.record()?)?;"
+    "buffers' streams wait for the collective when its Work is waited for|comm-core/src/local/streamed.rs|holder.wait(&done)?;"
+    "a blocking collective waits for its buffer's stream|comm-core/src/local/mod.rs|buf.declare(\"all_reduce\", true)?;"
+)
+tests=(-p ferrotron-comm-core --all-features --test comm_streams --test device_messages --test emulated_memory)
+
+selected=("$@")
+if [ ${#selected[@]} -eq 0 ]; then
+    selected=($(seq 1 ${#mutations[@]}))
+fi
+
+backup=""
+restore() {
+    if [ -n "$backup" ]; then
+        cp "$backup" "$file" && rm -f "$backup"
+        backup=""
+    fi
+}
+trap restore EXIT
+
+status=0
+for index in "${selected[@]}"; do
+    IFS='|' read -r name file line <<<"${mutations[$((index - 1))]}"
+    backup="$(mktemp)"
+    cp "$file" "$backup"
+    python3 - "$file" "$line" <<'PY'
+import sys
+path, line = sys.argv[1], sys.argv[2]
+text = open(path).read().split("\n")
+hits = [i for i, l in enumerate(text) if l.strip() == line]
+if len(hits) != 1:
+    sys.exit(f"{path}: expected the line '{line}' once, found it {len(hits)} times")
+del text[hits[0]]
+open(path, "w").write("\n".join(text))
+PY
+    log="target/ordering-mutation-$index.log"
+    if cargo test "${tests[@]}" >"$log" 2>&1; then
+        verdict="not caught (the tests pass)"
+        status=1
+    elif grep -q "unordered accesses" "$log"; then
+        verdict="caught: an ordering error"
+    else
+        verdict="not caught as an ordering error (the tests fail otherwise; see $log)"
+        status=1
+    fi
+    printf '%d. %s (%s): %s\n' "$index" "$name" "$file" "$verdict"
+    restore
+done
+exit "$status"

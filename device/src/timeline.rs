@@ -170,25 +170,48 @@ fn overlap(a: &[(f64, f64)], b: &[(f64, f64)]) -> f64 {
     shared
 }
 
+/// What a thread records.
+struct Recording {
+    /// Every call, or (false) each stream's busy periods: a call that starts when the
+    /// previous one on its stream ends extends it, so a step's recording stays small
+    /// (the demo's memory figures count it).
+    calls: bool,
+    intervals: Vec<Interval>,
+}
+
 thread_local! {
     /// The intervals recorded since `start`, if recording.
-    static RECORDING: RefCell<Option<Vec<Interval>>> = const { RefCell::new(None) };
+    static RECORDING: RefCell<Option<Recording>> = const { RefCell::new(None) };
     /// The host's modelled time: when it could queue its next call.
     static HOST_NOW: Cell<f64> = const { Cell::new(0.0) };
     /// The duration of the next call this thread queues, when its caller knows its cost.
     static PENDING: Cell<Option<f64>> = const { Cell::new(None) };
 }
 
-/// Starts recording the calls this thread queues on emulated streams (a recording under
-/// way is dropped).
+/// Starts recording when this thread's emulated streams are busy: each stream's calls
+/// that follow one another without a gap are one interval, named after the first (a
+/// recording under way is dropped). Enough for [`Timeline::hidden_fraction`].
 pub fn start() {
-    RECORDING.set(Some(Vec::new()));
+    record(false);
+}
+
+/// Starts recording every call this thread queues on emulated streams, one interval
+/// each (for a trace).
+pub fn start_calls() {
+    record(true);
+}
+
+fn record(calls: bool) {
+    RECORDING.set(Some(Recording {
+        calls,
+        intervals: Vec::new(),
+    }));
 }
 
 /// Ends this thread's recording and returns it (empty when nothing was recorded).
 pub fn finish() -> Timeline {
     Timeline {
-        intervals: RECORDING.take().unwrap_or_default(),
+        intervals: RECORDING.take().map(|r| r.intervals).unwrap_or_default(),
     }
 }
 
@@ -218,14 +241,19 @@ pub(crate) fn queued(stream: u64, role: Role, ready: &mut f64, op: &'static str,
     let start = ready.max(HOST_NOW.get());
     *ready = start + duration;
     RECORDING.with_borrow_mut(|recording| {
-        if let Some(intervals) = recording {
-            intervals.push(Interval {
+        let Some(Recording { calls, intervals }) = recording else {
+            return;
+        };
+        let last = intervals.iter_mut().rev().find(|i| i.stream == stream);
+        match last {
+            Some(last) if !*calls && last.end == start => last.end = *ready,
+            _ => intervals.push(Interval {
                 stream,
                 role,
                 name: op,
                 start,
                 end: *ready,
-            });
+            }),
         }
     });
 }
@@ -275,7 +303,7 @@ mod tests {
             Stream::with_role(Device::Emulated, Role::Communication)?,
         );
         let (memory, other) = (compute.alloc(1 << 20)?, comm.alloc(64)?);
-        start();
+        start_calls();
         charge_kernel(40_000_000, 0);
         // SAFETY: both halves lie in the allocation.
         unsafe { compute.copy(memory.ptr(), memory.ptr() + (1 << 19), 1 << 19)? };
@@ -301,6 +329,14 @@ mod tests {
             after.start >= copy.end,
             "a call queued after a host wait waits too"
         );
+        // Recording busy periods, two back-to-back calls are one.
+        start();
+        charge_transfer(35_000_000);
+        // SAFETY: as above.
+        unsafe { comm.copy(other.ptr(), other.ptr() + 32, 8)? };
+        // SAFETY: as above.
+        unsafe { comm.copy(other.ptr() + 8, other.ptr() + 40, 8)? };
+        assert_eq!(finish().intervals.len(), 1);
         Ok(())
     }
 }

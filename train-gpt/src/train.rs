@@ -792,8 +792,10 @@ impl<'a> Trainer<'a> {
             if recording.is_some() {
                 ferrotron_tape::profile::start(config.device);
             }
-            if steady {
-                ferrotron_tape::timeline::start();
+            match (steady, config.trace) {
+                (true, true) => ferrotron_tape::timeline::start_calls(),
+                (true, false) => ferrotron_tape::timeline::start(),
+                (false, _) => {}
             }
             let started = std::time::Instant::now();
             self.step(chunks, corpus, step, history)?;

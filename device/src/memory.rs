@@ -78,8 +78,12 @@ impl Drop for DeviceMemory {
                 // Another rank's stream (a message it sent us): freed in its order by its
                 // worker, without a host wait, which could wait for that rank's half of a
                 // collective this thread has yet to queue.
-                if let (true, true, Some(layout)) = (
+                // (Not from the stream's own worker, which frees at once below.)
+                let worker = self.stream.emulated_worker();
+                let on_worker = worker.is_some_and(|w| w.is_current());
+                if let (true, false, true, Some(layout)) = (
                     ordered,
+                    on_worker,
                     self.stream.owned_elsewhere(),
                     emulated_layout(self.bytes),
                 ) {
@@ -97,10 +101,8 @@ impl Drop for DeviceMemory {
                 // is not counted (`cuMemFreeAsync` does not wait). Freed by a call the
                 // stream runs (memory a queued closure owned), everything before that call
                 // has run and nothing after it can name the memory: it goes at once.
-                let settled = ordered
-                    && (self.stream.emulated_worker())
-                        .is_some_and(|w| w.is_current() || w.drain().is_ok()); // else leaked
-                                                                               // `alloc` succeeded with this size, so its layout exists.
+                // Else leaked. `alloc` succeeded with this size, so its layout exists.
+                let settled = ordered && (on_worker || worker.is_some_and(|w| w.drain().is_ok()));
                 if let (true, Some(layout)) = (settled, emulated_layout(self.bytes)) {
                     // SAFETY: allocated by `Stream::alloc` with the same layout; this was
                     // its only owner, and the work that used it has run.

@@ -185,7 +185,9 @@ struct Args {
     /// Microbatches per step; must divide --batch.
     #[arg(long, default_value_t = 1)]
     microbatches: usize,
-    /// Write the last step's pipeline timeline as Chrome trace JSON (local backend).
+    /// Write the last step's pipeline timeline as Chrome trace JSON (local backend); on
+    /// the emulated device also each stage rank's device streams, a track per stream, on
+    /// the modelled timeline.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
     /// Print world rank 0's kernels per step (launches, bytes, achieved GB/s and

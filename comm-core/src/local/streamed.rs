@@ -253,6 +253,8 @@ impl Call {
 /// The operation again, for the progress thread.
 fn rebuild(call: Call, buffers: Vec<(Buffer, bool)>) -> AsyncOp {
     let mut buffers = buffers.into_iter().map(|(b, _)| b);
+    // Invariant, not input: `start_streamed` built `buffers` from this very call, one
+    // buffer per slot taken here.
     let mut next = || buffers.next().expect("built from this call's buffers");
     match call {
         Call::AllReduce(op) => AsyncOp::AllReduce { buf: next(), op },

@@ -163,7 +163,11 @@ pub fn measure<R>(
 ) -> Result<R> {
     let span = begin(stream)?;
     crate::timeline::charge_kernel(cost.read + cost.written, cost.flops);
-    let result = launch().inspect_err(|_| crate::timeline::clear_charge())?;
+    // A launch that queued nothing (no items, or an error) leaves no charge behind for
+    // the next call to take.
+    let result = launch();
+    crate::timeline::clear_charge();
+    let result = result?;
     if let Some(span) = span {
         span.end(stream, kernel, build, cost)?;
     }

@@ -583,7 +583,9 @@ pub(crate) fn gemm_into(
     // The emulated device's modelled timeline times the product by its cost.
     ferrotron_device::timeline::charge_kernel(cost.read + cost.written, cost.flops);
     // SAFETY: the extents follow from the operands' checked shapes.
-    unsafe { backend.gemm(&gemm) }.inspect_err(|_| ferrotron_device::timeline::clear_charge())?;
+    let done = unsafe { backend.gemm(&gemm) };
+    ferrotron_device::timeline::clear_charge();
+    done?;
     if let Some(span) = span {
         (span.end(backend.stream(), "gemm", format.name(), cost)).map_err(&on_device)?;
     }

@@ -249,8 +249,12 @@ impl<'a> BufRef<'a> {
         let memory = stream.alloc(bytes)?;
         // SAFETY: the new allocation and this view both hold `bytes` bytes.
         unsafe { stream.copy(memory.ptr(), self.ptr as usize as u64, bytes)? };
+        // Recorded now, not when the message arrives: by then the sender's stream may wait
+        // for a collective whose other half the receiver queues after this receive.
+        let sent = stream.record()?;
         Ok(Buffer::lent(Box::new(DeviceMessage {
             memory,
+            sent,
             dtype: self.dtype,
             len: self.len,
         })))
@@ -390,32 +394,40 @@ impl<'a> BufMut<'a> {
     /// Fills this view with a message made by [`BufRef::to_message`]: device to device
     /// when both are device memory (queued on this view's stream after the sender's
     /// copy, with no host wait), else through the host.
-    pub(crate) fn copy_from_message(&mut self, message: &Buffer) -> Result<()> {
-        let src = message.as_buf_ref();
-        let (Some(from), Some(to)) = (src.ordered_on, self.ordered_on) else {
-            if src.ordered_on.is_some() {
-                return self.copy_from_host(&src.to_host()?);
+    pub(crate) fn copy_from_message(&mut self, message: Buffer) -> Result<()> {
+        let device = match message.into_lent() {
+            Ok(lent) if (&*lent as &dyn std::any::Any).is::<DeviceMessage>() => {
+                let any: Box<dyn std::any::Any> = lent;
+                any.downcast::<DeviceMessage>()
+                    .expect("the type was just checked")
             }
-            return self.copy_from_host(message);
+            Ok(lent) => return self.copy_from_host(&lent.view().to_host()?),
+            Err(host) => return self.copy_from_host(&host),
         };
+        match self.ordered_on {
+            Some(to) => self.copy_from_device_message(*device, to),
+            None => self.copy_from_host(&device.view().to_host()?),
+        }
+    }
+
+    /// The device-to-device half of [`copy_from_message`](Self::copy_from_message), queued
+    /// on `to`, this view's stream.
+    fn copy_from_device_message(&mut self, message: DeviceMessage, to: &Stream) -> Result<()> {
+        let src = message.view();
         self.check_fits("receive", src.dtype, src.len)?;
         let (dst, bytes) = (self.ptr as usize as u64, self.byte_len());
-        // The sender's copy is queued on its stream: this stream waits for it, and the
-        // sender's stream, which frees the message, waits for this copy.
-        let crosses = !to.same_as(from);
         // The injected fault applies to the emulated device alone, where the checker
         // reports it; on a GPU the copy would race.
         let skip = SKIP_RECEIVE_WAIT.with(Cell::get) && to.device() == Device::Emulated;
-        if crosses && !skip {
-            to.wait(&from.record()?)?;
+        if !skip {
+            to.wait(&message.sent)?;
         }
         // SAFETY: both ranges hold `bytes` bytes (same dtype and length, checked), the
         // message is this call's alone, and `&mut self` makes this view the only access.
         let copied = unsafe { to.copy(dst, src.ptr as usize as u64, bytes) };
-        // Whether or not the copy was queued, the free waits for this stream.
-        if crosses {
-            from.wait(&to.record()?)?;
-        }
+        // Freed after the copy in this stream's order, whether or not it was queued: the
+        // sender's stream never waits for the receiver's.
+        message.memory.free_on(to)?;
         Ok(copied?)
     }
 
@@ -914,10 +926,13 @@ pub(crate) fn declare_exchange(ops: &[crate::P2p<'_>]) -> Result<()> {
 }
 
 /// A message's data kept on its device: a copy of what was sent, allocated and filled on
-/// the sender's stream and freed there.
+/// the sender's stream, freed on the receiver's after its copy (on the sender's if it is
+/// never received).
 #[derive(Debug)]
 struct DeviceMessage {
     memory: DeviceMemory,
+    /// Recorded on the sender's stream after its copy into `memory`.
+    sent: ferrotron_device::Event,
     dtype: DType,
     len: usize,
 }

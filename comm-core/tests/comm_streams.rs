@@ -50,14 +50,8 @@ fn read(buffer: Buffer) -> Vec<f32> {
         .collect()
 }
 
-/// Collectives on communication streams are opt-in for now (`src/local/streamed.rs`).
-fn opt_in() {
-    std::env::set_var("FERROTRON_COMM_STREAMS", "1");
-}
-
 #[test]
 fn start_returns_before_the_peers_arrive_and_the_host_never_waits() {
-    opt_in();
     // Rank 1 starts its half only after rank 0's `start` has returned: a `start` that
     // waited for its peers on the host would never return.
     let (started, go) = mpsc::channel::<()>();
@@ -94,7 +88,6 @@ fn start_returns_before_the_peers_arrive_and_the_host_never_waits() {
 
 #[test]
 fn reading_a_buffer_before_its_collective_is_waited_for_is_an_ordering_error() {
-    opt_in();
     run_local(2, |comm| -> anyhow::Result<()> {
         let stream = Stream::new(Device::Emulated)?;
         let buf = lent(&stream, 1.0)?;

@@ -25,6 +25,8 @@ pub struct DeviceMemory {
     ptr: u64,
     bytes: usize,
     stream: Stream,
+    /// Another stream of the device to free it on ([`free_on`](Self::free_on)).
+    free_on: Option<Stream>,
     /// The allocating thread's count of device memory, given back on drop.
     holder: std::sync::Arc<crate::counters::Holder>,
 }
@@ -64,59 +66,84 @@ impl DeviceMemory {
     pub fn device(&self) -> Device {
         self.stream.device()
     }
+
+    /// Frees the memory in `stream`'s order instead of its own (`cuMemFreeAsync` on
+    /// another stream of the device): work queued on `stream` before this call may still
+    /// use it. The caller must have ordered the owning stream's work on it before
+    /// `stream`'s (`stream` waited for an event recorded after that work); on the emulated
+    /// device the checker reports a free that is not, and the memory is leaked.
+    ///
+    /// A receiver frees a message this way: the sender's stream then never waits for the
+    /// receiver, whose stream may be waiting for what the sender has yet to queue.
+    pub fn free_on(mut self, stream: &Stream) -> Result<()> {
+        if stream.device() != self.device() {
+            return Err(Error::Invalid {
+                op: "DeviceMemory::free_on",
+                reason: format!(
+                    "memory of {} cannot be freed on a stream of {}",
+                    self.device(),
+                    stream.device()
+                ),
+            });
+        }
+        self.free_on = Some(stream.clone());
+        Ok(())
+    }
+
+    /// Frees emulated memory in `stream`'s order (see [`Drop`]).
+    fn free_emulated(&self, stream: &Stream) {
+        // Checked as a write in the stream's order; an unordered free is the stream's next
+        // error, and its memory is leaked: another stream's work may still use it.
+        let ordered = checker::freed(stream.agent(), self.ptr);
+        let worker = stream.emulated_worker();
+        let on_worker = worker.is_some_and(|w| w.is_current());
+        // Another thread's own stream (a message it sent us), or a stream that did not
+        // allocate it (a message we received): freed in that stream's order by its worker,
+        // without a host wait, which could wait for that rank's half of a collective this
+        // thread has yet to queue. (Not from the stream's own worker, which frees at once.)
+        let queued = stream.owned_elsewhere() || !stream.same_as(&self.stream);
+        if let (true, false, true, Some(layout)) =
+            (ordered, on_worker, queued, emulated_layout(self.bytes))
+        {
+            let ptr = self.ptr as usize;
+            // SAFETY (of the closure's call): allocated by `Stream::alloc` with this layout;
+            // the worker runs it after the work queued before, which may use it, and
+            // nothing after can name it.
+            let free = move || unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+            stream.queue_unchecked(Box::new(free));
+            return;
+        }
+        // Returned to the host once the stream's queued work (which may still use it) has
+        // run: the host allocator then sees memory come and go in the program's order, as
+        // a GPU's stream-ordered pool hands it out. The wait is not counted
+        // (`cuMemFreeAsync` does not wait). Freed by a call the stream runs (memory a
+        // queued closure owned), everything before that call has run and nothing after it
+        // can name the memory: it goes at once. Else leaked. `alloc` succeeded with this
+        // size, so its layout exists.
+        let settled = ordered && (on_worker || worker.is_some_and(|w| w.drain().is_ok()));
+        if let (true, Some(layout)) = (settled, emulated_layout(self.bytes)) {
+            // SAFETY: allocated by `Stream::alloc` with the same layout; this was its only
+            // owner, and the work that used it has run.
+            unsafe { std::alloc::dealloc(self.ptr as *mut u8, layout) }
+        }
+    }
 }
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
         self.holder.sub(self.bytes);
-        match self.stream.device() {
-            Device::Emulated => {
-                // Checked as a write in the stream's order; an unordered free is the
-                // stream's next error, and its memory is leaked: another stream's work
-                // may still use it.
-                let ordered = checker::freed(self.stream.agent(), self.ptr);
-                // Another rank's stream (a message it sent us): freed in its order by its
-                // worker, without a host wait, which could wait for that rank's half of a
-                // collective this thread has yet to queue.
-                // (Not from the stream's own worker, which frees at once below.)
-                let worker = self.stream.emulated_worker();
-                let on_worker = worker.is_some_and(|w| w.is_current());
-                if let (true, false, true, Some(layout)) = (
-                    ordered,
-                    on_worker,
-                    self.stream.owned_elsewhere(),
-                    emulated_layout(self.bytes),
-                ) {
-                    let ptr = self.ptr as usize;
-                    // SAFETY (of the closure's call): allocated by `Stream::alloc` with this
-                    // layout; the worker runs it after the work queued before, which may use
-                    // it, and nothing after can name it.
-                    let free = move || unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
-                    self.stream.queue_unchecked(Box::new(free));
-                    return;
-                }
-                // Returned to the host once the stream's queued work (which may still use
-                // it) has run: the host allocator then sees memory come and go in the
-                // program's order, as a GPU's stream-ordered pool hands it out. The wait
-                // is not counted (`cuMemFreeAsync` does not wait). Freed by a call the
-                // stream runs (memory a queued closure owned), everything before that call
-                // has run and nothing after it can name the memory: it goes at once.
-                // Else leaked. `alloc` succeeded with this size, so its layout exists.
-                let settled = ordered && (on_worker || worker.is_some_and(|w| w.drain().is_ok()));
-                if let (true, Some(layout)) = (settled, emulated_layout(self.bytes)) {
-                    // SAFETY: allocated by `Stream::alloc` with the same layout; this was
-                    // its only owner, and the work that used it has run.
-                    unsafe { std::alloc::dealloc(self.ptr as *mut u8, layout) }
-                }
-            }
+        let other = self.free_on.take();
+        let stream = other.as_ref().unwrap_or(&self.stream);
+        match stream.device() {
+            Device::Emulated => self.free_emulated(stream),
             #[cfg(feature = "cuda")]
             _ => {
-                if let (Ok(()), Some(stream)) = (self.stream.bind(), self.stream.cuda()) {
-                    // SAFETY: allocated on this stream; work that used it was queued on it
-                    // (or ordered before it) earlier. A failure means the context is
+                if let (Ok(()), Some(cuda)) = (stream.bind(), stream.cuda()) {
+                    // SAFETY: allocated on this device's pool; work that used it was queued
+                    // on this stream or ordered before it. A failure means the context is
                     // already broken, which the next call reports.
                     let _ =
-                        unsafe { cudarc::driver::result::free_async(self.ptr, stream.cu_stream()) };
+                        unsafe { cudarc::driver::result::free_async(self.ptr, cuda.cu_stream()) };
                 }
             }
             #[cfg(not(feature = "cuda"))]
@@ -163,6 +190,7 @@ impl Stream {
             ptr,
             bytes,
             stream: self.clone(),
+            free_on: None,
             holder,
         })
     }

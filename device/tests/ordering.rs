@@ -167,6 +167,28 @@ fn an_unordered_free_is_the_freeing_streams_next_error() -> ferrotron_device::Re
     Ok(())
 }
 
+/// A receiver frees what another stream made on its own stream, after its own use: the
+/// owner's stream never waits for the user's. Freed before the user saw the owner's
+/// writes, it is the user's error.
+#[test]
+fn memory_freed_on_another_stream_follows_that_streams_order() -> ferrotron_device::Result<()> {
+    let (owner, user) = two_streams()?;
+    let scratch = user.alloc(BYTES)?;
+    let memory = owner.alloc(BYTES)?;
+    user.wait(&owner.record()?)?;
+    add(&user, scratch.ptr(), memory.ptr())?;
+    memory.free_on(&user)?;
+    owner.synchronize()?;
+    user.synchronize()?;
+    // The owner's later work is not the user's: freeing there without a wait is reported.
+    let memory = owner.alloc(BYTES)?;
+    add(&owner, memory.ptr(), memory.ptr())?;
+    memory.free_on(&user)?;
+    let message = unordered(user.synchronize());
+    assert!(message.contains("`free` on emulated stream"), "{message}");
+    Ok(())
+}
+
 #[test]
 fn memory_is_used_on_another_stream_only_after_its_allocation() -> ferrotron_device::Result<()> {
     let (owner, user) = two_streams()?;

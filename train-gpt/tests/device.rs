@@ -9,11 +9,6 @@ use std::process::Command;
 
 /// Runs the README's device example with `device` and `extra` flags; returns stdout.
 fn train(device: &str, extra: &[&str]) -> String {
-    train_with(device, extra, &[])
-}
-
-/// [`train`] with environment variables `env` set.
-fn train_with(device: &str, extra: &[&str], env: &[(&str, &str)]) -> String {
     // One layer unless `extra` says otherwise (a pipeline needs one per stage).
     let layers: &[&str] = if extra.contains(&"--layers") {
         &[]
@@ -21,7 +16,6 @@ fn train_with(device: &str, extra: &[&str], env: &[(&str, &str)]) -> String {
         &["--layers", "1"]
     };
     let output = Command::new(env!("CARGO_BIN_EXE_train-gpt"))
-        .envs(env.iter().copied())
         .args(["--device", device, "--tp", "2", "--dp", "2"])
         .args(layers)
         .args(extra)
@@ -227,9 +221,7 @@ fn the_modelled_timeline_says_how_much_communication_compute_hides() {
             extra,
         ]
         .concat();
-        // Collectives on communication streams are opt-in for now (comm-core's
-        // `streamed.rs` says why).
-        let stdout = train_with("emulated", &flags, &[("FERROTRON_COMM_STREAMS", "1")]);
+        let stdout = train("emulated", &flags);
         let line = stdout
             .lines()
             .find_map(|l| l.strip_prefix("communication hidden behind compute: "))

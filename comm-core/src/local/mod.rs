@@ -997,7 +997,7 @@ impl RankCore {
             });
         }
         // Device memory stays on the devices: the message is a device copy.
-        buf.copy_from_message(&msg.data)
+        buf.copy_from_message(msg.data)
     }
 }
 

@@ -18,19 +18,6 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::work::Work;
 
-/// Whether non-blocking collectives go on communication streams: only with
-/// `FERROTRON_COMM_STREAMS=1` for now. A device message's receiver orders its copy after
-/// an event it records on the sender's stream when it receives, which also covers
-/// whatever the sender queued since, a wait for a collective included; that collective
-/// may need the receiver's half, queued only later, and the ranks then wait for each
-/// other until the timeout (the layouts test's CP 4 run, now and then). Until messages
-/// carry an event recorded when they are sent, the default keeps these collectives on
-/// the progress thread, in the buffers' streams' order.
-fn enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("FERROTRON_COMM_STREAMS").is_ok_and(|v| v == "1"))
-}
-
 /// One buffer of a streamed call: where it is, and whether the call writes it.
 #[derive(Clone, Copy)]
 struct Part {
@@ -120,9 +107,6 @@ impl RankCore {
         self: &Arc<Self>,
         op: AsyncOp,
     ) -> Result<std::result::Result<Work, AsyncOp>> {
-        if !enabled() {
-            return Ok(Err(op));
-        }
         let (call, mut buffers) = match op {
             AsyncOp::AllReduce { buf, op } => (Call::AllReduce(op), vec![(buf, true)]),
             AsyncOp::Broadcast { buf, root } => (Call::Broadcast(root), vec![(buf, true)]),

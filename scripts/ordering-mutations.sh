@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 
 # name | file | the exact line removed (leading spaces trimmed)
 mutations=(
-    "receiver's stream waits for a device message|comm-core/src/buffer.rs|to.wait(&from.record()?)?;"
-    "sender's stream waits for the receiver's copy before freeing|comm-core/src/buffer.rs|from.wait(&to.record()?)?;"
+    "receiver's stream waits for a device message's send event|comm-core/src/buffer.rs|to.wait(&message.sent)?;"
+    "a received device message is freed after the receiver's copy|comm-core/src/buffer.rs|message.memory.free_on(to)?;"
     "communication stream waits for the buffers' streams|comm-core/src/local/streamed.rs|comm.wait(&holder.record()?)?;"
     "buffers' streams wait for the collective when its Work is waited for|comm-core/src/local/streamed.rs|holder.wait(&done)?;"
     "a blocking collective waits for its buffer's stream|comm-core/src/local/mod.rs|buf.declare(\"all_reduce\", true)?;"

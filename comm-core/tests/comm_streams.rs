@@ -26,13 +26,29 @@ impl LentMemory for Lent {
     }
 }
 
-/// `LEN` f32s of `value` on `stream`, lent.
-fn lent(stream: &Stream, value: f32) -> ferrotron_device::Result<Buffer> {
+/// `LEN` f32s of `value` on `stream`.
+fn filled(stream: &Stream, value: f32) -> ferrotron_device::Result<DeviceMemory> {
     let memory = stream.alloc(4 * LEN)?;
     let bytes: Vec<u8> = (0..LEN).flat_map(|_| value.to_ne_bytes()).collect();
     // SAFETY: the allocation holds `4 * LEN` bytes.
     unsafe { stream.upload(memory.ptr(), &bytes)? };
-    Ok(Buffer::lent(Box::new(Lent(memory))))
+    Ok(memory)
+}
+
+/// `LEN` f32s of `value` on `stream`, lent.
+fn lent(stream: &Stream, value: f32) -> ferrotron_device::Result<Buffer> {
+    Ok(Buffer::lent(Box::new(Lent(filled(stream, value)?))))
+}
+
+/// The `LEN` f32s of `memory`, after its stream's work.
+fn download(memory: &DeviceMemory) -> Vec<f32> {
+    let mut bytes = vec![0u8; 4 * LEN];
+    // SAFETY: every allocation here holds `4 * LEN` bytes.
+    unsafe { memory.stream().download(&mut bytes, memory.ptr()) }.expect("download");
+    bytes
+        .chunks(4)
+        .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
+        .collect()
 }
 
 fn read(buffer: Buffer) -> Vec<f32> {
@@ -41,13 +57,7 @@ fn read(buffer: Buffer) -> Vec<f32> {
         .downcast::<Lent>()
         .expect("our own memory")
         .0;
-    let mut bytes = vec![0u8; 4 * LEN];
-    // SAFETY: as in `lent`.
-    unsafe { memory.stream().download(&mut bytes, memory.ptr()) }.expect("download");
-    bytes
-        .chunks(4)
-        .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
-        .collect()
+    download(memory)
 }
 
 #[test]
@@ -119,4 +129,46 @@ fn reading_a_buffer_before_its_collective_is_waited_for_is_an_ordering_error() {
         Ok(())
     })
     .unwrap();
+}
+
+/// A blocking collective over device memory is queued as NCCL queues one, with its
+/// buffer's stream waiting for it at once: it returns before the peers arrive, the host
+/// waits for nothing, and the stream's work before and after it is ordered around it
+/// only by the waits between the streams (without them, the checker names the call).
+#[test]
+fn a_blocking_collective_is_queued_between_its_streams_work() {
+    let (started, go) = mpsc::channel::<()>();
+    let (started, go) = (std::sync::Mutex::new(started), std::sync::Mutex::new(go));
+    let results = run_local(2, |comm| -> anyhow::Result<(Vec<f32>, u64)> {
+        let stream = Stream::new(Device::Emulated)?;
+        let source = filled(&stream, comm.rank() as f32 + 1.0)?;
+        let (mut reduced, result) = (stream.alloc(4 * LEN)?, stream.alloc(4 * LEN)?);
+        let waits = host_waits(Device::Emulated);
+        // Written by the stream, reduced on the communication stream, read by the stream.
+        // SAFETY: every allocation holds `4 * LEN` bytes and outlives the stream's work.
+        unsafe { stream.copy(reduced.ptr(), source.ptr(), 4 * LEN)? };
+        if comm.rank() == 1 {
+            go.lock().unwrap().recv()?;
+        }
+        comm.all_reduce(
+            BufMut::device(&mut reduced, 0, LEN, DType::F32)?,
+            ReduceOp::Sum,
+        )?;
+        if comm.rank() == 0 {
+            started.lock().unwrap().send(())?;
+        }
+        // SAFETY: as above.
+        unsafe { stream.copy(result.ptr(), reduced.ptr(), 4 * LEN)? };
+        let waited = host_waits(Device::Emulated) - waits;
+        Ok((download(&result), waited))
+    })
+    .unwrap();
+    for (rank, (sum, waited)) in results.into_iter().enumerate() {
+        assert!(
+            sum.iter().all(|&x| x == 3.0),
+            "rank {rank}: {:?}",
+            &sum[..4]
+        );
+        assert_eq!(waited, 0, "rank {rank} waited on the host");
+    }
 }

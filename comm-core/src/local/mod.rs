@@ -26,6 +26,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use streamed::Call;
 
 /// Per-rank messages up to this size go through staging copies (one barrier).
 pub const SMALL_MESSAGE_BYTES: usize = 64 * 1024;
@@ -363,26 +364,52 @@ impl Communicator for LocalCommunicator {
         &self.core.group.world_ranks
     }
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        if self
+            .core
+            .run_on_comm_stream(Call::AllReduce(op), None, &buf)?
+        {
+            return Ok(());
+        }
         self.core.quiesce()?;
         buf.declare("all_reduce", true)?;
         self.core.all_reduce(buf, op)
     }
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        if self
+            .core
+            .run_on_comm_stream(Call::Broadcast(root), None, &buf)?
+        {
+            return Ok(());
+        }
         self.core.quiesce()?;
         buf.declare("broadcast", true)?;
         self.core.broadcast(buf, root)
     }
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        if self
+            .core
+            .run_on_comm_stream(Call::AllGather(None), Some(&input), &output)?
+        {
+            return Ok(());
+        }
         self.core.quiesce()?;
         crate::buffer::declare_in_out("all_gather", &input, &output)?;
         self.core.all_gather(input, output, None)
     }
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
+        let call = Call::AllGather(Some(counts.into()));
+        if self.core.run_on_comm_stream(call, Some(&input), &output)? {
+            return Ok(());
+        }
         self.core.quiesce()?;
         crate::buffer::declare_in_out("all_gather_v", &input, &output)?;
         self.core.all_gather(input, output, Some(counts))
     }
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let call = Call::ReduceScatter(op, None);
+        if self.core.run_on_comm_stream(call, Some(&input), &output)? {
+            return Ok(());
+        }
         self.core.quiesce()?;
         crate::buffer::declare_in_out("reduce_scatter", &input, &output)?;
         self.core.reduce_scatter(input, output, None, op)
@@ -394,6 +421,10 @@ impl Communicator for LocalCommunicator {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
+        let call = Call::ReduceScatter(op, Some(counts.into()));
+        if self.core.run_on_comm_stream(call, Some(&input), &output)? {
+            return Ok(());
+        }
         self.core.quiesce()?;
         crate::buffer::declare_in_out("reduce_scatter_v", &input, &output)?;
         self.core.reduce_scatter(input, output, Some(counts), op)
@@ -405,6 +436,13 @@ impl Communicator for LocalCommunicator {
         output: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
+        let call = Call::AllToAll {
+            send: send_counts.into(),
+            recv: recv_counts.into(),
+        };
+        if self.core.run_on_comm_stream(call, Some(&input), &output)? {
+            return Ok(());
+        }
         self.core.quiesce()?;
         crate::buffer::declare_in_out("all_to_all_v", &input, &output)?;
         self.core

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use ferrotron_device::{Access, Device, Stream};
+use ferrotron_device::{Access, Device, Event, Stream};
 use parking_lot::Mutex;
 
 use super::RankCore;
@@ -64,13 +64,21 @@ impl Part {
 }
 
 /// What the queued call runs, on views of its parts.
-#[derive(Clone, Copy)]
-enum Call {
+#[derive(Clone)]
+pub(super) enum Call {
     AllReduce(crate::ReduceOp),
     Broadcast(usize),
-    AllGather,
-    ReduceScatter(crate::ReduceOp),
+    /// Per-rank counts for the `_v` variant.
+    AllGather(Option<Arc<[usize]>>),
+    ReduceScatter(crate::ReduceOp, Option<Arc<[usize]>>),
+    AllToAll {
+        send: Arc<[usize]>,
+        recv: Arc<[usize]>,
+    },
 }
+
+/// Where a queued call's error goes, for the `Work` that reports it.
+type Failure = Arc<Mutex<Option<Error>>>;
 
 impl RankCore {
     /// The rank's communication stream of this group on the emulated device, made on
@@ -111,53 +119,35 @@ impl RankCore {
             AsyncOp::AllReduce { buf, op } => (Call::AllReduce(op), vec![(buf, true)]),
             AsyncOp::Broadcast { buf, root } => (Call::Broadcast(root), vec![(buf, true)]),
             AsyncOp::AllGatherInto { input, output } => {
-                (Call::AllGather, vec![(input, false), (output, true)])
+                (Call::AllGather(None), vec![(input, false), (output, true)])
             }
             AsyncOp::ReduceScatterInto { input, output, op } => (
-                Call::ReduceScatter(op),
+                Call::ReduceScatter(op, None),
                 vec![(input, false), (output, true)],
             ),
             other => return Ok(Err(other)),
         };
-        let holders: Option<Vec<Stream>> = buffers
-            .iter()
-            .map(|(b, _)| {
-                let view = b.as_buf_ref();
-                (view.memory() == Device::Emulated)
-                    .then(|| view.ordered_on().cloned())
-                    .flatten()
-            })
-            .collect();
-        let holders = match holders {
-            Some(holders) if self.group.size() > 1 => dedup(holders),
-            _ => return Ok(Err(rebuild(call, buffers))),
+        let views: Vec<BufRef<'_>> = buffers.iter().map(|(b, _)| b.as_buf_ref()).collect();
+        let Some(holders) = self.holders(&views) else {
+            return Ok(Err(rebuild(call, buffers)));
         };
-        self.check_streamed(call, &mut buffers)?;
-        let parts: Vec<Part> = buffers.iter().map(|(b, w)| Part::of(b, *w)).collect();
-        let comm = self.comm_stream()?;
-        for holder in &holders {
-            comm.wait(&holder.record()?)?;
+        match &mut buffers[..] {
+            [(input, _), (output, _)] => {
+                self.check_call(&call, Some(&input.as_buf_ref()), &output.as_buf_mut())?
+            }
+            [(buf, _)] => self.check_call(&call, None, &buf.as_buf_mut())?,
+            _ => {
+                return Err(Error::Config(format!(
+                    "{}: one or two buffers",
+                    call.name()
+                )))
+            }
         }
-        let failure = Arc::new(Mutex::new(None));
-        let (core, failed) = (self.clone(), failure.clone());
-        let accesses: Vec<Access> = parts.iter().map(Part::access).collect();
-        ferrotron_device::timeline::charge_transfer(call.ring_bytes(&parts, self.group.size()));
-        comm.queue_host_fallible(call.name(), &accesses, move || {
-            // SAFETY: the buffers stay with the `Work`, whose waiting (or dropping) makes
-            // their streams, which free and overwrite them, wait for this call.
-            let outcome = unsafe { core.run_streamed(call, &parts) };
-            outcome.map_err(|error| {
-                let message = error.to_string();
-                *failed.lock() = Some(error);
-                message
-            })
-        })?;
-        let done = comm.record()?;
+        let parts: Vec<Part> = buffers.iter().map(|(b, w)| Part::of(b, *w)).collect();
+        let (done, failure) = self.queue_on_comm_stream(call, parts, &holders)?;
         let mut kept: Vec<Buffer> = buffers.into_iter().map(|(b, _)| b).collect();
         Ok(Ok(Work::deferred(move || {
-            for holder in &holders {
-                holder.wait(&done)?;
-            }
+            wait_for(&holders, &done)?;
             // The result is the last buffer; an input goes back to its owner only now,
             // once its streams wait for the call.
             let result = kept.pop();
@@ -169,24 +159,107 @@ impl RankCore {
         })))
     }
 
-    /// The call's own checks (lengths, roots), on the host before anything is queued,
-    /// so a bad call is its caller's typed error.
-    fn check_streamed(&self, call: Call, buffers: &mut [(Buffer, bool)]) -> Result<()> {
+    /// Queues a blocking call over `input` (none when in place) and `output` on the
+    /// communication stream, as NCCL queues a blocking call: the buffers' streams wait for
+    /// it at once, the host waits for nothing, and work queued after it on those streams
+    /// sees the result. `false` (nothing queued) unless every buffer is emulated device
+    /// memory of a stream and the group has peers. An error the call meets on the stream
+    /// (a peer that disagrees, a timeout) breaks the stream and every stream that waits
+    /// for it; the next wait on the host reports it.
+    pub(super) fn run_on_comm_stream(
+        self: &Arc<Self>,
+        call: Call,
+        input: Option<&BufRef<'_>>,
+        output: &BufMut<'_>,
+    ) -> Result<bool> {
+        let out = output.as_ref();
+        let views: Vec<BufRef<'_>> = input.into_iter().copied().chain([out]).collect();
+        let Some(holders) = self.holders(&views) else {
+            return Ok(false);
+        };
+        self.check_call(&call, input, output)?;
+        // Calls the progress thread holds come first in the group's order.
+        self.queue.wait_idle();
+        let part = |view: &BufRef<'_>, write| Part {
+            ptr: view.host_ptr() as usize,
+            len: view.len(),
+            dtype: view.dtype(),
+            write,
+        };
+        let parts = match input {
+            Some(input) => vec![part(input, false), part(&out, true)],
+            None => vec![part(&out, true)],
+        };
+        let (done, _failure) = self.queue_on_comm_stream(call, parts, &holders)?;
+        wait_for(&holders, &done)?;
+        Ok(true)
+    }
+
+    /// The distinct streams `views` are ordered on, when all are emulated device memory
+    /// of a stream and the group has peers; `None` for a call the host runs.
+    fn holders(&self, views: &[BufRef<'_>]) -> Option<Vec<Stream>> {
+        let holders: Option<Vec<Stream>> = views
+            .iter()
+            .map(|view| {
+                (view.memory() == Device::Emulated)
+                    .then(|| view.ordered_on().cloned())
+                    .flatten()
+            })
+            .collect();
+        holders.filter(|_| self.group.size() > 1).map(dedup)
+    }
+
+    /// Queues `call` over `parts` on the communication stream after the `holders`' work
+    /// queued so far; returns the event of its completion and where its error goes.
+    fn queue_on_comm_stream(
+        self: &Arc<Self>,
+        call: Call,
+        parts: Vec<Part>,
+        holders: &[Stream],
+    ) -> Result<(Event, Failure)> {
+        let comm = self.comm_stream()?;
+        for holder in holders {
+            comm.wait(&holder.record()?)?;
+        }
+        let failure = Failure::default();
+        let (core, failed) = (self.clone(), failure.clone());
+        let accesses: Vec<Access> = parts.iter().map(Part::access).collect();
+        ferrotron_device::timeline::charge_transfer(call.ring_bytes(&parts, self.group.size()));
+        comm.queue_host_fallible(call.name(), &accesses, move || {
+            // SAFETY: the buffers' streams, which free and overwrite them, wait for this
+            // call before anything they queue later.
+            let outcome = unsafe { core.run_streamed(&call, &parts) };
+            outcome.map_err(|error| {
+                let message = error.to_string();
+                *failed.lock() = Some(error);
+                message
+            })
+        })?;
+        Ok((comm.record()?, failure))
+    }
+
+    /// The call's own checks (lengths, roots, counts), on the host before anything is
+    /// queued, so a bad call is its caller's typed error.
+    fn check_call(
+        &self,
+        call: &Call,
+        input: Option<&BufRef<'_>>,
+        output: &BufMut<'_>,
+    ) -> Result<()> {
         let check = self.check();
-        let (first, rest) = buffers.split_at_mut(1);
-        let input = first[0].0.as_buf_ref();
-        let mut output = rest.first_mut().map(|(b, _)| b.as_buf_mut());
-        match (call, output.as_mut()) {
-            (Call::AllReduce(op), _) => check.all_reduce(&first[0].0.as_buf_mut(), op).map(drop),
-            (Call::Broadcast(root), _) => check.broadcast(&first[0].0.as_buf_mut(), root).map(drop),
-            (Call::AllGather, Some(output)) => check.all_gather(&input, output, None).map(drop),
-            (Call::ReduceScatter(op), Some(output)) => {
-                check.reduce_scatter(&input, output, None, op).map(drop)
-            }
-            _ => Err(Error::Config(format!(
-                "{} without an output buffer",
-                call.name()
-            ))),
+        let missing = || Error::Config(format!("{} without an input buffer", call.name()));
+        match call {
+            Call::AllReduce(op) => check.all_reduce(output, *op).map(drop),
+            Call::Broadcast(root) => check.broadcast(output, *root).map(drop),
+            Call::AllGather(counts) => check
+                .all_gather(input.ok_or_else(missing)?, output, counts.as_deref())
+                .map(drop),
+            Call::ReduceScatter(op, counts) => check
+                .reduce_scatter(input.ok_or_else(missing)?, output, counts.as_deref(), *op)
+                .map(drop),
+            Call::AllToAll { send, recv } => check
+                .all_to_all_v(input.ok_or_else(missing)?, send, output, recv)
+                .map(drop),
         }
     }
 
@@ -194,42 +267,60 @@ impl RankCore {
     ///
     /// # Safety
     /// As [`Part::input`].
-    unsafe fn run_streamed(&self, call: Call, parts: &[Part]) -> Result<()> {
+    unsafe fn run_streamed(&self, call: &Call, parts: &[Part]) -> Result<()> {
         // SAFETY: as the caller guarantees.
         unsafe {
             match call {
-                Call::AllReduce(op) => self.all_reduce(parts[0].output(), op),
-                Call::Broadcast(root) => self.broadcast(parts[0].output(), root),
-                Call::AllGather => self.all_gather(parts[0].input(), parts[1].output(), None),
-                Call::ReduceScatter(op) => {
-                    self.reduce_scatter(parts[0].input(), parts[1].output(), None, op)
+                Call::AllReduce(op) => self.all_reduce(parts[0].output(), *op),
+                Call::Broadcast(root) => self.broadcast(parts[0].output(), *root),
+                Call::AllGather(counts) => {
+                    self.all_gather(parts[0].input(), parts[1].output(), counts.as_deref())
+                }
+                Call::ReduceScatter(op, counts) => {
+                    self.reduce_scatter(parts[0].input(), parts[1].output(), counts.as_deref(), *op)
+                }
+                Call::AllToAll { send, recv } => {
+                    self.all_to_all_v(parts[0].input(), send, parts[1].output(), recv)
                 }
             }
         }
     }
 }
 
+/// Makes each of `holders` wait for `done` (a collective on the communication stream).
+fn wait_for(holders: &[Stream], done: &Event) -> Result<()> {
+    for holder in holders {
+        holder.wait(done)?;
+    }
+    Ok(())
+}
+
 impl Call {
     /// The bytes each rank sends in a ring implementation of the call over `n` ranks
     /// (what NCCL's bus bandwidth is measured by), for the modelled timeline.
-    fn ring_bytes(self, parts: &[Part], n: usize) -> u64 {
+    fn ring_bytes(&self, parts: &[Part], n: usize) -> u64 {
         let bytes = |p: &Part| (p.len * p.dtype.size_in_bytes()) as u64;
         let (n, steps) = (n as u64, n.saturating_sub(1) as u64);
         match self {
             Call::AllReduce(_) => 2 * steps * bytes(&parts[0]) / n,
             Call::Broadcast(_) => bytes(&parts[0]),
             // The gathered output, or the scattered input: the whole buffer.
-            Call::AllGather => steps * bytes(&parts[1]) / n,
-            Call::ReduceScatter(_) => steps * bytes(&parts[0]) / n,
+            Call::AllGather(_) => steps * bytes(&parts[1]) / n,
+            Call::ReduceScatter(..) => steps * bytes(&parts[0]) / n,
+            // What this rank sends to the others, about all of its input.
+            Call::AllToAll { .. } => steps * bytes(&parts[0]) / n,
         }
     }
 
-    fn name(self) -> &'static str {
+    fn name(&self) -> &'static str {
         match self {
             Call::AllReduce(_) => "all_reduce",
             Call::Broadcast(_) => "broadcast",
-            Call::AllGather => "all_gather",
-            Call::ReduceScatter(_) => "reduce_scatter",
+            Call::AllGather(None) => "all_gather",
+            Call::AllGather(Some(_)) => "all_gather_v",
+            Call::ReduceScatter(_, None) => "reduce_scatter",
+            Call::ReduceScatter(_, Some(_)) => "reduce_scatter_v",
+            Call::AllToAll { .. } => "all_to_all_v",
         }
     }
 }
@@ -243,15 +334,17 @@ fn rebuild(call: Call, buffers: Vec<(Buffer, bool)>) -> AsyncOp {
     match call {
         Call::AllReduce(op) => AsyncOp::AllReduce { buf: next(), op },
         Call::Broadcast(root) => AsyncOp::Broadcast { buf: next(), root },
-        Call::AllGather => AsyncOp::AllGatherInto {
+        Call::AllGather(_) => AsyncOp::AllGatherInto {
             input: next(),
             output: next(),
         },
-        Call::ReduceScatter(op) => AsyncOp::ReduceScatterInto {
+        Call::ReduceScatter(op, _) => AsyncOp::ReduceScatterInto {
             input: next(),
             output: next(),
             op,
         },
+        // Not an asynchronous operation; `start_streamed` makes none.
+        Call::AllToAll { .. } => unreachable!("all_to_all_v has no asynchronous form"),
     }
 }
 

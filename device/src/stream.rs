@@ -42,10 +42,12 @@ pub fn own_streams() -> bool {
     OWN_STREAMS.with_borrow(|own| own.is_some())
 }
 
-/// A new stream on `device` for this thread's own work, for `role`, kept until
+/// A new stream on `device` for this thread's own work, for `role`, named `label` on the
+/// modelled timeline (a communication stream by its group), kept until
 /// [`finish_own_streams`] waits for it.
-pub fn own_stream(device: Device, role: Role) -> Result<Stream> {
-    let stream = Stream::make(device, role, Some(std::thread::current().id()))?;
+pub fn own_stream(device: Device, role: Role, label: &str) -> Result<Stream> {
+    let owner = Some(std::thread::current().id());
+    let stream = Stream::make(device, role, label, owner)?;
     OWN_STREAMS.with_borrow_mut(|own| own.get_or_insert_with(Vec::new).push(stream.clone()));
     Ok(stream)
 }
@@ -97,6 +99,8 @@ struct EmulatedQueue {
     id: u64,
     worker: Worker,
     role: Role,
+    /// What the modelled timeline calls it (`crate::timeline::Interval::label`).
+    label: Arc<str>,
     /// The thread whose own stream it is ([`own_stream`]), if any.
     owner: Option<std::thread::ThreadId>,
     /// Held while a call moves the checker's clock and the worker's queue together, so
@@ -130,11 +134,22 @@ impl Stream {
     /// A new stream on `device` for `role` (which the emulated device's modelled
     /// timeline tells apart; a CUDA stream is a stream whatever its role).
     pub fn with_role(device: Device, role: Role) -> Result<Stream> {
-        Stream::make(device, role, None)
+        Stream::make(device, role, role.name(), None)
+    }
+
+    /// [`with_role`](Self::with_role), named `label` on the modelled timeline (a
+    /// communication stream by its group: `tp`, `dp`).
+    pub fn with_label(device: Device, role: Role, label: &str) -> Result<Stream> {
+        Stream::make(device, role, label, None)
     }
 
     /// A new stream, of `owner`'s own if named.
-    fn make(device: Device, role: Role, owner: Option<std::thread::ThreadId>) -> Result<Stream> {
+    fn make(
+        device: Device,
+        role: Role,
+        label: &str,
+        owner: Option<std::thread::ThreadId>,
+    ) -> Result<Stream> {
         let kind = match device {
             Device::Emulated => {
                 let id = checker::new_stream();
@@ -143,6 +158,7 @@ impl Stream {
                     id,
                     worker,
                     role,
+                    label: label.into(),
                     owner,
                     order: parking_lot::Mutex::new(0.0),
                 }))
@@ -416,7 +432,8 @@ impl Stream {
                 let mut ready = queue.order.lock();
                 checker::queue(queue.id, op, accesses).inspect_err(|_| timeline::clear_charge())?;
                 let bytes = accesses.iter().map(Access::known_bytes).sum();
-                timeline::queued(queue.id, queue.role, &mut ready, op, bytes);
+                let stream = (queue.id, queue.role, &queue.label);
+                timeline::queued(stream, &mut ready, op, bytes);
                 queue.worker.queue(work);
                 Ok(())
             }

@@ -32,6 +32,7 @@
 //! ```
 
 use std::cell::{Cell, RefCell};
+use std::sync::Arc;
 
 /// What a stream is for: compute (kernels, products) or communication (collectives and
 /// transfers queued beside compute).
@@ -41,6 +42,16 @@ pub enum Role {
     Compute,
     /// Collectives and point-to-point transfers.
     Communication,
+}
+
+impl Role {
+    /// Its name, which also labels a stream made without one.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Compute => "compute",
+            Role::Communication => "communication",
+        }
+    }
 }
 
 /// The rates a call's modelled duration is computed from.
@@ -89,6 +100,8 @@ pub struct Interval {
     pub stream: u64,
     /// What the stream is for.
     pub role: Role,
+    /// The stream's label: its role's name, or the group a communication stream serves.
+    pub label: Arc<str>,
     /// The call.
     pub name: &'static str,
     /// When it starts.
@@ -123,14 +136,39 @@ impl Timeline {
         Some(overlap(&comm, &compute) / total)
     }
 
+    /// [`hidden_fraction`](Self::hidden_fraction) of each label's communication streams
+    /// (one group's traffic: `tp`, `dp`), in label order.
+    pub fn hidden_by_label(&self) -> Vec<(Arc<str>, f64)> {
+        let compute = union(self.of(Role::Compute));
+        let mut labels: Vec<&Arc<str>> = (self.intervals.iter())
+            .filter(|i| i.role == Role::Communication)
+            .map(|i| &i.label)
+            .collect();
+        labels.sort();
+        labels.dedup();
+        labels
+            .into_iter()
+            .filter_map(|label| {
+                let comm =
+                    union(self.spans(|i| i.role == Role::Communication && i.label == *label));
+                let total = length(&comm);
+                (total > 0.0).then(|| (label.clone(), overlap(&comm, &compute) / total))
+            })
+            .collect()
+    }
+
     /// Adds `other`'s intervals (another span of the same thread) after this one's.
     pub fn extend(&mut self, other: Timeline) {
         self.intervals.extend(other.intervals);
     }
 
     fn of(&self, role: Role) -> Vec<(f64, f64)> {
+        self.spans(|i| i.role == role)
+    }
+
+    fn spans(&self, keep: impl Fn(&Interval) -> bool) -> Vec<(f64, f64)> {
         (self.intervals.iter())
-            .filter(|i| i.role == role && i.end > i.start)
+            .filter(|i| keep(i) && i.end > i.start)
             .map(|i| (i.start, i.end))
             .collect()
     }
@@ -232,9 +270,14 @@ pub fn clear_charge() {
     PENDING.set(None);
 }
 
-/// A call named `op` moving `bytes` is queued on a stream of `role` whose work ends at
-/// `*ready`: moves `*ready` to the call's end and records it.
-pub(crate) fn queued(stream: u64, role: Role, ready: &mut f64, op: &'static str, bytes: u64) {
+/// A call named `op` moving `bytes` is queued on a stream (its id, role and label) whose
+/// work ends at `*ready`: moves `*ready` to the call's end and records it.
+pub(crate) fn queued(
+    (stream, role, label): (u64, Role, &Arc<str>),
+    ready: &mut f64,
+    op: &'static str,
+    bytes: u64,
+) {
     let duration = PENDING
         .take()
         .unwrap_or_else(|| Model::H200.kernel(bytes, 0));
@@ -250,6 +293,7 @@ pub(crate) fn queued(stream: u64, role: Role, ready: &mut f64, op: &'static str,
             _ => intervals.push(Interval {
                 stream,
                 role,
+                label: label.clone(),
                 name: op,
                 start,
                 end: *ready,
@@ -272,6 +316,7 @@ mod tests {
         Interval {
             stream: 0,
             role,
+            label: role.name().into(),
             name: "call",
             start,
             end,
@@ -294,6 +339,29 @@ mod tests {
         // [2, 3] and [6, 7] of the four communication units.
         assert_eq!(line.hidden_fraction(), Some(0.5));
         assert_eq!(Timeline::default().hidden_fraction(), None);
+    }
+
+    #[test]
+    fn each_groups_traffic_has_its_own_hidden_share() {
+        let labelled = |label: &str, start, end| Interval {
+            label: label.into(),
+            ..interval(Role::Communication, start, end)
+        };
+        let line = Timeline {
+            intervals: vec![
+                interval(Role::Compute, 0.0, 4.0),
+                labelled("tp", 4.0, 5.0),
+                labelled("dp", 3.0, 5.0),
+                labelled("dp", 1.0, 2.0),
+            ],
+        };
+        let shares: Vec<(String, f64)> = (line.hidden_by_label().into_iter())
+            .map(|(label, share)| (label.to_string(), share))
+            .collect();
+        // dp: [1, 2] and [3, 4] of its three units; tp: none of its one.
+        assert_eq!(shares, [("dp".into(), 2.0 / 3.0), ("tp".into(), 0.0)]);
+        // In all: the same two of the three units either group's traffic covers.
+        assert_eq!(line.hidden_fraction(), Some(2.0 / 3.0));
     }
 
     #[test]

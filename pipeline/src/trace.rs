@@ -3,7 +3,7 @@
 //! with device streams, one row per stream of each rank with its calls.
 
 use crate::schedule::Action;
-use ferrotron_tape::timeline::{Role, Timeline};
+use ferrotron_tape::timeline::Timeline;
 use std::time::Instant;
 
 /// One timed action of a step.
@@ -77,13 +77,14 @@ fn stream_events(rank: usize, line: &Timeline) -> Vec<serde_json::Value> {
             Some(tid) => tid,
             None => {
                 streams.push(call.stream);
-                let role = match call.role {
-                    Role::Compute => "compute",
-                    Role::Communication => "communication",
+                let (role, label) = (call.role.name(), &call.label);
+                let name = match &**label == role {
+                    true => format!("{role} stream {}", call.stream),
+                    false => format!("{role} stream {} ({label})", call.stream),
                 };
                 events.push(serde_json::json!({
                     "name": "thread_name", "ph": "M", "pid": pid, "tid": streams.len() - 1,
-                    "args": { "name": format!("{role} stream {}", call.stream) },
+                    "args": { "name": name },
                 }));
                 streams.len() - 1
             }

@@ -64,7 +64,7 @@ use report::Progress;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use train::{train_rank, RankResult, Schedule, TrainConfig};
+use train::{train_rank, Hidden, RankResult, Schedule, TrainConfig};
 
 /// `--attention`: the attention core's kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -841,10 +841,30 @@ fn run_local_backend(
     finish(args, corpus, dp, result)
 }
 
+/// The groups whose communication the overlap figure names, in the order it names them.
+fn overlap_groups() -> impl Iterator<Item = &'static str> {
+    ferrotron_parallel_state::GroupKind::ALL
+        .into_iter()
+        .map(|kind| kind.name())
+        .chain(["world"])
+}
+
 /// A rank's transfers and host waits per step, its peak memory, and the share of its
-/// communication left exposed (-1: none), as numbers to take the largest of.
-fn step_costs(result: &RankResult) -> [f64; 7] {
+/// communication left exposed, in all and of each of [`overlap_groups`] (-1: none), as
+/// numbers to take the largest of.
+fn step_costs(result: &RankResult) -> Vec<f64> {
     let t = result.transfers_per_step;
+    let hidden = result.communication_hidden.as_ref();
+    let exposed = |share: Option<f64>| share.map_or(-1.0, |hidden| 1.0 - hidden);
+    let by_group = overlap_groups().map(|name| {
+        let groups = hidden.map(|h| h.by_group.as_slice()).unwrap_or_default();
+        exposed(
+            groups
+                .iter()
+                .find(|(g, _)| g == name)
+                .map(|(_, share)| *share),
+        )
+    });
     [
         t.to_device_bytes as f64,
         t.to_device_copies as f64,
@@ -852,10 +872,11 @@ fn step_costs(result: &RankResult) -> [f64; 7] {
         t.to_host_copies as f64,
         result.host_waits_per_step,
         result.peak_bytes as f64,
-        result
-            .communication_hidden
-            .map_or(-1.0, |hidden| 1.0 - hidden),
+        exposed(hidden.map(|h| h.all)),
     ]
+    .into_iter()
+    .chain(by_group)
+    .collect()
 }
 
 /// The model state and the peak's phases of the rank with the largest peak, given that
@@ -901,18 +922,21 @@ fn set_model_state(result: &mut RankResult, figures: &[f64]) {
 
 /// The largest of each figure over the ranks: the report shows the busiest rank's (the
 /// last pipeline stage reads the loss, the first uploads the batch).
-fn busiest_rank(costs: impl Iterator<Item = [f64; 7]>) -> [f64; 7] {
-    costs.fold([-1.0; 7], |most, c| {
-        std::array::from_fn(|i| most[i].max(c[i]))
-    })
+fn busiest_rank(costs: impl Iterator<Item = Vec<f64>>) -> Vec<f64> {
+    costs
+        .reduce(|most, c| most.into_iter().zip(c).map(|(m, c)| m.max(c)).collect())
+        .unwrap_or_default()
 }
 
-fn set_step_costs(
-    result: &mut RankResult,
-    [to_device, to_device_copies, to_host, to_host_copies, waits, peak, exposed]: [f64; 7],
-) {
-    // The rank that hides the least speaks for the run.
-    result.communication_hidden = (exposed >= 0.0).then_some(1.0 - exposed);
+fn set_step_costs(result: &mut RankResult, costs: Vec<f64>) {
+    let [to_device, to_device_copies, to_host, to_host_copies, waits, peak, exposed] =
+        std::array::from_fn(|i| costs.get(i).copied().unwrap_or(-1.0));
+    // The rank that hides the least speaks for the run, for each group too.
+    let hidden = |exposed: f64| (exposed >= 0.0).then_some(1.0 - exposed);
+    let by_group = (overlap_groups().zip(costs.iter().skip(7)))
+        .filter_map(|(name, &exposed)| Some((name.to_string(), hidden(exposed)?)))
+        .collect();
+    result.communication_hidden = hidden(exposed).map(|all| Hidden { all, by_group });
     result.peak_bytes = peak as usize;
     result.transfers_per_step = ferrotron_tape::Transfers {
         to_device_bytes: to_device as u64,
@@ -1690,11 +1714,15 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         let waits = (result.host_waits_per_step * 10.0).round() / 10.0;
         println!("host waits per step and rank: {waits}");
     }
-    if let Some(hidden) = result.communication_hidden {
+    if let Some(hidden) = &result.communication_hidden {
         // The emulated device's modelled timeline (see `ferrotron_device::timeline`).
+        let groups: Vec<String> = (hidden.by_group.iter())
+            .map(|(group, share)| format!("{group} {:.1}%", 100.0 * share))
+            .collect();
         println!(
-            "communication hidden behind compute: {:.1}%",
-            100.0 * hidden
+            "communication hidden behind compute: {:.1}% (by group: {})",
+            100.0 * hidden.all,
+            groups.join(", ")
         );
     }
     let on_gpu = matches!(args.device, ferrotron_tape::Device::Cuda(_));

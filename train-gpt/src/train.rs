@@ -171,7 +171,7 @@ pub struct RankResult {
     /// The share of this rank's communication-stream time that its compute streams
     /// overlap, on the emulated device's modelled timeline over the same steps (`None`
     /// elsewhere, or with no communication on a stream of its own).
-    pub communication_hidden: Option<f64>,
+    pub communication_hidden: Option<Hidden>,
     /// The checkpoints this run wrote, oldest first.
     pub saved: Vec<PathBuf>,
     /// How long this rank's training stood still for them, in all.
@@ -861,7 +861,7 @@ impl<'a> Trainer<'a> {
             transfers: mean(&steady_transfers),
             host_waits: waits.iter().sum::<u64>() as f64 / waits.len().max(1) as f64,
             profile,
-            hidden: timeline.hidden_fraction(),
+            hidden: Hidden::of(&timeline),
         })
     }
 
@@ -1664,13 +1664,34 @@ fn sample(logits: &[f32], generator: &mut Generator) -> u32 {
     (weights.len() - 1) as u32
 }
 
+/// How much of a rank's communication-stream time its compute streams overlap.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Hidden {
+    /// All of it.
+    pub all: f64,
+    /// Each group's traffic (each group has its own communication stream), by the
+    /// group's name, in name order.
+    pub by_group: Vec<(String, f64)>,
+}
+
+impl Hidden {
+    /// What `timeline` says, if it has communication.
+    fn of(timeline: &ferrotron_tape::timeline::Timeline) -> Option<Hidden> {
+        let by_group = (timeline.hidden_by_label().into_iter())
+            .map(|(group, share)| (group.to_string(), share))
+            .collect();
+        let all = timeline.hidden_fraction()?;
+        Some(Hidden { all, by_group })
+    }
+}
+
 /// What a step after the first costs in host↔device traffic, on average.
 struct Steady {
     transfers: Transfers,
     host_waits: f64,
     profile: Option<StepsProfile>,
     /// What share of the communication the compute hid (modelled, emulated device).
-    hidden: Option<f64>,
+    hidden: Option<Hidden>,
 }
 
 /// The mean of per-step transfer counts (none: zero).

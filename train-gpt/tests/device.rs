@@ -209,12 +209,14 @@ fn a_profile_counts_every_kernel_of_the_steps_after_the_first() {
 }
 
 /// On the emulated device a run says how much of its communication-stream time its
-/// compute streams overlap, on a modelled timeline (each call timed by what it moves,
-/// not by the host's clock), so the figure is the same on every run and machine. Buckets
-/// reduced as soon as backward completes them hide more than buckets reduced after it.
+/// compute streams overlap, in all and for each group's traffic, on a modelled timeline
+/// (each call timed by what it moves, not by the host's clock), so the figure is the same
+/// on every run and machine. Buckets reduced as soon as backward completes them hide
+/// more of the data-parallel traffic than buckets reduced after it; the tensor-parallel
+/// all-reduces, which the next kernel needs at once, hide nothing.
 #[test]
 fn the_modelled_timeline_says_how_much_communication_compute_hides() {
-    let hidden = |extra: &[&str]| -> f64 {
+    let hidden = |extra: &[&str]| -> String {
         let flags = [
             &["--layers", "2", "--use-distributed-optimizer"],
             &["--ddp-bucket-size", "2000"][..],
@@ -226,7 +228,15 @@ fn the_modelled_timeline_says_how_much_communication_compute_hides() {
             .lines()
             .find_map(|l| l.strip_prefix("communication hidden behind compute: "))
             .unwrap_or_else(|| panic!("no overlap figure in\n{stdout}"));
-        line.trim_end_matches('%').parse().expect("a percentage")
+        line.to_string()
+    };
+    // "P% (by group: tp P%, dp P%)": a group's share.
+    let share = |line: &str, group: &str| -> f64 {
+        let (_, groups) = line.split_once("(by group: ").expect("shares by group");
+        let found = (groups.trim_end_matches(')').split(", "))
+            .find_map(|g| g.strip_prefix(group)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {group} share in {line}"));
+        found.trim_end_matches('%').parse().expect("a percentage")
     };
     let trace = std::env::temp_dir().join(format!("train-gpt-streams-{}.json", std::process::id()));
     let overlapped = hidden(&["--trace", trace.to_str().unwrap()]);
@@ -237,15 +247,17 @@ fn the_modelled_timeline_says_how_much_communication_compute_hides() {
     );
     assert_stream_tracks(&std::fs::read_to_string(&trace).expect("the trace was written"));
     let after_backward = hidden(&["--no-overlap-grad-reduce"]);
+    let (dp, dp_after) = (share(&overlapped, "dp"), share(&after_backward, "dp"));
     assert!(
-        overlapped >= 70.0 && overlapped > after_backward,
-        "{overlapped}% hidden with overlap, {after_backward}% without"
+        dp >= 70.0 && dp > dp_after,
+        "data-parallel traffic {dp}% hidden with overlap, {dp_after}% without"
     );
+    assert_eq!(share(&overlapped, "tp"), 0.0, "{overlapped}");
     assert!(!train("cpu", &[]).contains("communication hidden"));
 }
 
 /// `--trace`'s device streams: a track (thread) per stream of each rank, compute and
-/// communication among them, whose calls follow one another without overlapping.
+/// each group's communication among them, whose calls follow one another without overlapping.
 fn assert_stream_tracks(trace: &str) {
     let trace: serde_json::Value = serde_json::from_str(trace).expect("JSON");
     let events = trace["traceEvents"].as_array().expect("events");
@@ -257,6 +269,13 @@ fn assert_stream_tracks(trace: &str) {
         assert!(
             names.iter().any(|n| n.starts_with(role)),
             "no {role} in {names:?}"
+        );
+    }
+    // Each group's communication stream is named for it.
+    for group in ["(tp)", "(dp)"] {
+        assert!(
+            names.iter().any(|n| n.ends_with(group)),
+            "no {group} track in {names:?}"
         );
     }
     let mut tracks: std::collections::BTreeMap<(u64, u64), Vec<(f64, f64)>> = Default::default();

@@ -89,9 +89,11 @@ impl RankCore {
             return Ok(stream.clone());
         }
         let role = ferrotron_device::Role::Communication;
+        // Labelled by the group, so the modelled timeline tells each group's traffic apart.
+        let label = self.name();
         let stream = match ferrotron_device::own_streams() {
-            true => ferrotron_device::own_stream(Device::Emulated, role)?,
-            false => Stream::with_role(Device::Emulated, role)?,
+            true => ferrotron_device::own_stream(Device::Emulated, role, label)?,
+            false => Stream::with_label(Device::Emulated, role, label)?,
         };
         *slot = Some(stream.clone());
         Ok(stream)

@@ -367,8 +367,9 @@ pub(crate) fn backend(op: &'static str, device: Device) -> Result<Arc<dyn Backen
         if let Some(backend) = OWN.with_borrow(|own| own.get(&device).cloned()) {
             return Ok(backend);
         }
-        let stream = ferrotron_device::own_stream(device, ferrotron_device::Role::Compute)
-            .map_err(on_device)?;
+        let stream =
+            ferrotron_device::own_stream(device, ferrotron_device::Role::Compute, "compute")
+                .map_err(on_device)?;
         let backend = new_backend(op, stream)?;
         OWN.with_borrow_mut(|own| own.insert(device, backend.clone()));
         return Ok(backend);

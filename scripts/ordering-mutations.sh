@@ -2,7 +2,7 @@
 # Removes, one at a time, each wait and record that orders device work between streams
 # (a rank's compute and communication streams, two ranks' streams), reruns the emulated
 # tests that cover it, and reports whether the emulated device's ordering checker named
-# the missing order ("unordered accesses"). A removal that the tests do not report as an
+# the missing order (`Error::Unordered`). A removal that the tests do not report as an
 # ordering error is an order nothing checks. Not part of CI (each mutation rebuilds
 # the tests); run it by hand after changing how device work is ordered between streams.
 # A removed line that is a function's tail expression becomes `Ok(())`.
@@ -66,7 +66,7 @@ PY
     if cargo test "${tests[@]}" >"$log" 2>&1; then
         verdict="not caught (the tests pass)"
         status=1
-    elif grep -q "unordered accesses" "$log"; then
+    elif grep -qE "unordered accesses|Unordered\(" "$log"; then
         verdict="caught: an ordering error"
     else
         verdict="not caught as an ordering error (the tests fail otherwise; see $log)"

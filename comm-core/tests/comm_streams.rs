@@ -150,13 +150,13 @@ fn a_blocking_collective_is_queued_between_its_streams_work() {
         if comm.rank() == 1 {
             go.lock().unwrap().recv()?;
         }
-        comm.all_reduce(
-            BufMut::device(&mut reduced, 0, LEN, DType::F32)?,
-            ReduceOp::Sum,
-        )?;
+        let view = BufMut::device(&mut reduced, 0, LEN, DType::F32)?;
+        let queued = comm.all_reduce(view, ReduceOp::Sum);
         if comm.rank() == 0 {
+            // Also when the call failed: rank 1 must not wait for it forever.
             started.lock().unwrap().send(())?;
         }
+        queued?;
         // SAFETY: as above.
         unsafe { stream.copy(result.ptr(), reduced.ptr(), 4 * LEN)? };
         let waited = host_waits(Device::Emulated) - waits;

@@ -66,7 +66,7 @@ PY
     if cargo test "${tests[@]}" >"$log" 2>&1; then
         verdict="not caught (the tests pass)"
         status=1
-    elif grep -qE "unordered accesses|Unordered\(" "$log"; then
+    elif grep -qE "unordered accesses|Unordered ?[({]" "$log"; then
         verdict="caught: an ordering error"
     else
         verdict="not caught as an ordering error (the tests fail otherwise; see $log)"

@@ -311,30 +311,35 @@ pub(crate) fn allocated(agent: Option<u64>, kind: &'static str, ptr: u64, bytes:
 }
 
 /// Stops tracking the allocation at `ptr`, freed in stream `agent`'s order (`None`: by this
-/// thread, once its copies are waited for). An unordered free becomes the stream's pending
-/// error, and `false` tells the caller to leak the memory rather than free it under work
-/// that may still use it; the host's free is taken as ordered, as its owner has waited
-/// for every copy it queued.
+/// thread, once its copies are waited for). An unordered free becomes the pending error of
+/// the freeing stream (of the host's: of every stream that used the memory), and `false`
+/// tells the caller to leak the memory rather than free it under work that may still use
+/// it.
 pub(crate) fn freed(agent: Option<u64>, ptr: u64) -> bool {
     let thread = this_thread();
     let mut state = STATE.lock();
-    let bytes = match state.allocations.get(&ptr) {
-        Some(allocation) => allocation.bytes as usize,
-        None => return true,
+    let Some(allocation) = state.allocations.get(&ptr) else {
+        return true;
     };
-    let access = [Access::write(ptr, bytes)];
+    let users: Vec<u64> = allocation.records.iter().map(|r| r.agent).collect();
+    let access = [Access::write(ptr, allocation.bytes as usize)];
     let result = match agent {
         Some(agent) => state.queue(thread, agent, "free", &access),
-        None => Ok(()),
+        // Pinned memory: after the copies its owner waited for, which must be all of them.
+        None => state.host_access(thread, "free", &access),
     };
     state.allocations.remove(&ptr);
-    match (result, agent) {
-        (Err(error), Some(agent)) => {
-            state.sticky.entry(agent).or_insert(error);
-            false
-        }
-        _ => true,
+    let Err(error) = result else {
+        return true;
+    };
+    let streams = match agent {
+        Some(agent) => vec![agent],
+        None => users.into_iter().filter(|&user| user != thread).collect(),
+    };
+    for stream in streams {
+        state.sticky.entry(stream).or_insert_with(|| error.clone());
     }
+    false
 }
 
 impl State {

@@ -222,8 +222,10 @@ impl Drop for PinnedMemory {
         let _ = self.settle();
         match self.device {
             Device::Emulated => {
-                checker::freed(None, self.ptr as u64); // the host's: always ordered
-                if let Some(layout) = layout(self.bytes) {
+                // A copy nobody waited for (a bug) leaks the memory, and its stream's
+                // next wait reports it.
+                let ordered = checker::freed(None, self.ptr as u64);
+                if let (true, Some(layout)) = (ordered, layout(self.bytes)) {
                     // SAFETY: allocated in `new` with this layout; this is its only owner.
                     unsafe { std::alloc::dealloc(self.ptr, layout) }
                 }

@@ -239,19 +239,29 @@ impl<'a> BufRef<'a> {
     }
 
     /// What a point-to-point message carries: a copy of device memory in new memory of
-    /// the same device, queued on its stream (the host does not wait, and the bytes never
-    /// leave the device), or a host copy of anything else.
-    pub(crate) fn to_message(self) -> Result<Buffer> {
+    /// the same device, queued on `comm` (the group's communication stream) after the
+    /// work queued on the view's stream, or on the view's stream without one (the host
+    /// does not wait, and the bytes never leave the device); a host copy of anything else.
+    pub(crate) fn to_message(self, comm: Option<&Stream>) -> Result<Buffer> {
         let Some(stream) = self.ordered_on else {
             return self.to_host();
         };
+        let on = comm.unwrap_or(stream);
+        let crosses = !on.same_as(stream);
+        if crosses {
+            on.wait(&stream.record()?)?;
+        }
         let bytes = self.byte_len();
-        let memory = stream.alloc(bytes)?;
+        let memory = on.alloc(bytes)?;
         // SAFETY: the new allocation and this view both hold `bytes` bytes.
-        unsafe { stream.copy(memory.ptr(), self.ptr as usize as u64, bytes)? };
-        // Recorded now, not when the message arrives: by then the sender's stream may wait
-        // for a collective whose other half the receiver queues after this receive.
-        let sent = stream.record()?;
+        unsafe { on.copy(memory.ptr(), self.ptr as usize as u64, bytes)? };
+        // Recorded now, not when the message arrives: by then the sender's streams may
+        // wait for a collective whose other half the receiver queues after this receive.
+        let sent = on.record()?;
+        if crosses {
+            // The view's stream overwrites the view only after the copy has read it.
+            stream.wait(&sent)?;
+        }
         Ok(Buffer::lent(Box::new(DeviceMessage {
             memory,
             sent,
@@ -392,9 +402,14 @@ impl<'a> BufMut<'a> {
     }
 
     /// Fills this view with a message made by [`BufRef::to_message`]: device to device
-    /// when both are device memory (queued on this view's stream after the sender's
-    /// copy, with no host wait), else through the host.
-    pub(crate) fn copy_from_message(&mut self, message: Buffer) -> Result<()> {
+    /// when both are device memory (queued on `comm`, the group's communication stream,
+    /// or on this view's stream without one, after the sender's copy, with no host wait),
+    /// else through the host.
+    pub(crate) fn copy_from_message(
+        &mut self,
+        message: Buffer,
+        comm: Option<&Stream>,
+    ) -> Result<()> {
         let device = match message.into_lent() {
             Ok(lent) if (&*lent as &dyn std::any::Any).is::<DeviceMessage>() => {
                 let any: Box<dyn std::any::Any> = lent;
@@ -405,14 +420,20 @@ impl<'a> BufMut<'a> {
             Err(host) => return self.copy_from_host(&host),
         };
         match self.ordered_on {
-            Some(to) => self.copy_from_device_message(*device, to),
+            Some(to) => self.copy_from_device_message(*device, to, comm.unwrap_or(to)),
             None => self.copy_from_host(&device.view().to_host()?),
         }
     }
 
-    /// The device-to-device half of [`copy_from_message`](Self::copy_from_message), queued
-    /// on `to`, this view's stream.
-    fn copy_from_device_message(&mut self, message: DeviceMessage, to: &Stream) -> Result<()> {
+    /// The device-to-device half of [`copy_from_message`](Self::copy_from_message),
+    /// queued on `on`, ordered between the work `to` (this view's stream) queued before
+    /// and after it.
+    fn copy_from_device_message(
+        &mut self,
+        message: DeviceMessage,
+        to: &Stream,
+        on: &Stream,
+    ) -> Result<()> {
         let src = message.view();
         self.check_fits("receive", src.dtype, src.len)?;
         let (dst, bytes) = (self.ptr as usize as u64, self.byte_len());
@@ -420,14 +441,23 @@ impl<'a> BufMut<'a> {
         // reports it; on a GPU the copy would race.
         let skip = SKIP_RECEIVE_WAIT.with(Cell::get) && to.device() == Device::Emulated;
         if !skip {
-            to.wait(&message.sent)?;
+            on.wait(&message.sent)?;
+        }
+        let crosses = !on.same_as(to);
+        if crosses {
+            on.wait(&to.record()?)?;
+            // Between two ranks: the link's time, on the modelled timeline.
+            ferrotron_device::timeline::charge_transfer(bytes as u64);
         }
         // SAFETY: both ranges hold `bytes` bytes (same dtype and length, checked), the
         // message is this call's alone, and `&mut self` makes this view the only access.
-        let copied = unsafe { to.copy(dst, src.ptr as usize as u64, bytes) };
-        // Freed after the copy in this stream's order, whether or not it was queued: the
-        // sender's stream never waits for the receiver's.
-        message.memory.free_on(to)?;
+        let copied = unsafe { on.copy(dst, src.ptr as usize as u64, bytes) };
+        if crosses {
+            to.wait(&on.record()?)?;
+        }
+        // Freed after the copy in that stream's order, whether or not it was queued: the
+        // sender's streams never wait for the receiver's.
+        message.memory.free_on(on)?;
         Ok(copied?)
     }
 

@@ -60,6 +60,18 @@ fn read(buffer: Buffer) -> Vec<f32> {
     download(memory)
 }
 
+/// Each rank's sum of 1 and 2, and the host waits it counted: none.
+fn assert_summed_without_host_waits(results: Vec<(Vec<f32>, u64)>) {
+    for (rank, (sum, waited)) in results.into_iter().enumerate() {
+        assert!(
+            sum.iter().all(|&x| x == 3.0),
+            "rank {rank}: {:?}",
+            &sum[..4]
+        );
+        assert_eq!(waited, 0, "rank {rank} waited on the host");
+    }
+}
+
 #[test]
 fn start_returns_before_the_peers_arrive_and_the_host_never_waits() {
     // Rank 1 starts its half only after rank 0's `start` has returned: a `start` that
@@ -86,14 +98,7 @@ fn start_returns_before_the_peers_arrive_and_the_host_never_waits() {
         Ok((read(buf), waited))
     })
     .unwrap();
-    for (rank, (sum, waited)) in sums.into_iter().enumerate() {
-        assert!(
-            sum.iter().all(|&x| x == 3.0),
-            "rank {rank}: {:?}",
-            &sum[..4]
-        );
-        assert_eq!(waited, 0, "rank {rank} waited on the host");
-    }
+    assert_summed_without_host_waits(sums);
 }
 
 #[test]
@@ -163,12 +168,5 @@ fn a_blocking_collective_is_queued_between_its_streams_work() {
         Ok((download(&result), waited))
     })
     .unwrap();
-    for (rank, (sum, waited)) in results.into_iter().enumerate() {
-        assert!(
-            sum.iter().all(|&x| x == 3.0),
-            "rank {rank}: {:?}",
-            &sum[..4]
-        );
-        assert_eq!(waited, 0, "rank {rank} waited on the host");
-    }
+    assert_summed_without_host_waits(results);
 }

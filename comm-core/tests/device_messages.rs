@@ -1,12 +1,13 @@
 //! Point-to-point messages between views of device memory (`BufRef::device`) stay on
 //! the device: the local backend copies them on the streams, with no host transfer and no
-//! host wait, and orders the receiver's stream after the sender's copy (which the emulated
-//! device's ordering checker verifies).
+//! host wait, on the group's communication streams (as NCCL's transfers run on its own),
+//! and orders the receiver's streams after the sender's copy (which the emulated device's
+//! ordering checker verifies).
 
 use ferrotron_comm_core::{
     inject_missing_receive_wait, run_local, BufMut, BufRef, Communicator, DType, Device, Error, P2p,
 };
-use ferrotron_device::{host_waits, transfers, DeviceMemory, Stream};
+use ferrotron_device::{host_waits, timeline, transfers, DeviceMemory, Role, Stream};
 
 const LEN: usize = 64;
 
@@ -30,14 +31,17 @@ fn read(memory: &DeviceMemory) -> ferrotron_device::Result<Vec<f32>> {
 }
 
 /// Rank 0 sends its memory to rank 1 and receives rank 1's, each rank on a stream of its
-/// own (as ranks on separate GPUs are), through `exchange`.
-fn swap(comm: &dyn Communicator) -> ferrotron_comm_core::Result<(Vec<f32>, u64, u64)> {
+/// own (as ranks on separate GPUs are), through `exchange`. Returns what it received, the
+/// bytes moved between host and device, the host waits, and the calls the group's
+/// communication stream ran.
+fn swap(comm: &dyn Communicator) -> ferrotron_comm_core::Result<(Vec<f32>, u64, u64, usize)> {
     let rank = comm.rank();
     let stream = Stream::new(Device::Emulated)?;
     let mine = filled(&stream, rank as f32 + 1.0)?;
     let mut theirs = filled(&stream, 0.0)?;
     stream.synchronize()?;
     let (moved, waited) = (transfers(Device::Emulated), host_waits(Device::Emulated));
+    timeline::start_calls();
     let result = {
         let send = BufRef::device(&mine, 0, LEN, DType::F32)?;
         let recv = BufMut::device(&mut theirs, 0, LEN, DType::F32)?;
@@ -52,6 +56,9 @@ fn swap(comm: &dyn Communicator) -> ferrotron_comm_core::Result<(Vec<f32>, u64, 
             },
         ])
     };
+    let on_comm = (timeline::finish().intervals.iter())
+        .filter(|call| call.role == Role::Communication && &*call.label == comm.name())
+        .count();
     result?;
     let moved = transfers(Device::Emulated) - moved;
     let waits = host_waits(Device::Emulated) - waited;
@@ -59,18 +66,24 @@ fn swap(comm: &dyn Communicator) -> ferrotron_comm_core::Result<(Vec<f32>, u64, 
         read(&theirs)?,
         moved.to_device_bytes + moved.to_host_bytes,
         waits,
+        on_comm,
     ))
 }
 
 #[test]
 fn device_messages_stay_on_the_device_and_the_host_does_not_wait() {
     let results = run_local(2, |comm| swap(&comm)).unwrap();
-    for (rank, (received, bytes, waits)) in results.into_iter().enumerate() {
+    for (rank, (received, bytes, waits, on_comm)) in results.into_iter().enumerate() {
         assert_eq!(received, vec![(2 - rank) as f32; LEN], "rank {rank}");
         assert_eq!(
             (bytes, waits),
             (0, 0),
             "rank {rank}: bytes moved, host waits"
+        );
+        // The send's copy into the message and the receive's copy out of it.
+        assert_eq!(
+            on_comm, 2,
+            "rank {rank}: copies on the communication stream"
         );
     }
 }
@@ -99,17 +112,32 @@ fn send_one_way(comm: &dyn Communicator, skip_wait: bool) -> ferrotron_comm_core
 fn a_receive_without_its_stream_wait_is_reported() {
     let received = run_local(2, |comm| send_one_way(&comm, false)).unwrap();
     assert_eq!(received[1], vec![1.0; LEN], "with the wait");
-    let reports = run_local(2, |comm| match send_one_way(&comm, true) {
-        Err(Error::Unordered(error)) => Ok(Some(error.to_string())),
-        Err(other) => Err(other),
-        Ok(_) => Ok(None),
-    })
-    .unwrap();
+    let report = std::sync::Mutex::new(None);
+    let outcome = run_local(2, |comm| match send_one_way(&comm, true) {
+        Err(Error::Unordered(error)) => {
+            *report.lock().unwrap() = Some((comm.rank(), error.to_string()));
+            Ok(())
+        }
+        other => other.map(drop),
+    });
+    // The message's free on the receiving rank's stream, after the unordered copy, is
+    // unordered too (and the memory leaked): that stream reports it when the rank ends.
+    match outcome {
+        Err(Error::RankFailed { rank: 1, source }) => assert!(
+            matches!(source.downcast_ref::<Error>(), Some(Error::Unordered(_))),
+            "{source}"
+        ),
+        other => panic!("rank 1's streams report its free: {other:?}"),
+    }
+    let (rank, message) = report
+        .lock()
+        .unwrap()
+        .take()
+        .expect("the receive is reported");
     assert_eq!(
-        reports[0], None,
-        "the sender's free waited for the receive all the same"
+        rank, 1,
+        "only the receive is reported, not the sender's free"
     );
-    let message = reports[1].as_deref().expect("rank 1's receive is reported");
     for part in [
         "`copy` on emulated stream",
         "writing bytes 0..256",

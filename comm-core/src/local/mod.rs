@@ -959,7 +959,7 @@ impl RankCore {
         let ticket = self
             .group
             .check_broken(self.rank, OpKind::Send, 0)
-            .and_then(|()| buf.to_message())
+            .and_then(|()| buf.to_message(self.message_stream(&buf)?.as_ref()))
             .map(|data| {
                 let msg = Message {
                     data,
@@ -1035,7 +1035,8 @@ impl RankCore {
             });
         }
         // Device memory stays on the devices: the message is a device copy.
-        buf.copy_from_message(msg.data)
+        let comm = self.message_stream(&buf.as_ref())?;
+        buf.copy_from_message(msg.data, comm.as_ref())
     }
 }
 

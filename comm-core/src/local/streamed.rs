@@ -1,10 +1,13 @@
-//! Non-blocking collectives over the emulated device's memory, queued on the rank's
-//! communication stream of the group as NCCL queues them on its own: the stream waits
-//! for the buffers' streams, runs the collective in their order while the caller goes on
-//! (backward's later kernels, say), and the buffers' streams wait for it only when the
-//! [`Work`] is waited for, on the device, with no host wait. The ordering checker sees
-//! the collective's reads and writes as the communication stream's, so a missing wait on
-//! either side is a named ordering error.
+//! Collectives over the emulated device's memory, queued on the rank's communication
+//! stream of the group as NCCL queues them on its own: the stream waits for the buffers'
+//! streams, runs the collective in their order while the caller goes on (backward's
+//! later kernels, say), and the buffers' streams wait for it on the device, with no host
+//! wait: a non-blocking call's when its [`Work`] is waited for, a blocking call's at once
+//! (tensor-parallel all-reduces, sequence-parallel gathers, expert all-to-alls).
+//! Point-to-point messages of such memory are copied on the same stream
+//! (`BufRef::to_message`). The ordering checker sees the collective's reads and writes as
+//! the communication stream's, so a missing wait on either side is a named ordering
+//! error.
 
 use std::sync::Arc;
 
@@ -97,6 +100,16 @@ impl RankCore {
         };
         *slot = Some(stream.clone());
         Ok(stream)
+    }
+
+    /// The stream a point-to-point message of `view` is copied on: the group's
+    /// communication stream for emulated device memory of a stream, as NCCL's transfers
+    /// run on its own; `None` for anything else.
+    pub(super) fn message_stream(&self, view: &BufRef<'_>) -> Result<Option<Stream>> {
+        match (view.memory(), view.ordered_on()) {
+            (Device::Emulated, Some(_)) => self.comm_stream().map(Some),
+            _ => Ok(None),
+        }
     }
 
     /// Lets the calls queued on the communication stream run before a call that the host

@@ -20,7 +20,7 @@ comm=(-p ferrotron-comm-core --all-features --test comm_streams --test device_me
 device=(-p ferrotron-device --test memory)
 mutations=(
     "receiver's stream waits for a device message's send event|comm-core/src/buffer.rs|on.wait(&message.sent)?;|comm"
-    "a received device message is freed after the receiver's copy|comm-core/src/buffer.rs|message.memory.free_on(to)?;|comm"
+    "a received device message is freed after the receiver's copy|comm-core/src/buffer.rs|unsafe { message.memory.free_on(on)? };|comm"
     "communication stream waits for the buffers' streams|comm-core/src/local/streamed.rs|comm.wait(&holder.record()?)?;|comm"
     "buffers' streams wait for the collective (blocking at once, non-blocking at Work::wait)|comm-core/src/local/streamed.rs|holder.wait(done)?;|comm"
     "a staging buffer is reused only after its upload has run|device/src/pinned.rs|src.track(self)|device"

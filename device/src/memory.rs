@@ -69,13 +69,17 @@ impl DeviceMemory {
 
     /// Frees the memory in `stream`'s order instead of its own (`cuMemFreeAsync` on
     /// another stream of the device): work queued on `stream` before this call may still
-    /// use it. The caller must have ordered the owning stream's work on it before
-    /// `stream`'s (`stream` waited for an event recorded after that work); on the emulated
-    /// device the checker reports a free that is not, and the memory is leaked.
+    /// use it. On the emulated device the checker reports a free that other work is not
+    /// ordered before, and the memory is leaked.
     ///
     /// A receiver frees a message this way: the sender's stream then never waits for the
     /// receiver, whose stream may be waiting for what the sender has yet to queue.
-    pub fn free_on(mut self, stream: &Stream) -> Result<()> {
+    ///
+    /// # Safety
+    /// Every use of the memory on other streams (its own included) must be ordered before
+    /// the work queued on `stream` now (`stream` waited for an event recorded after it):
+    /// on a GPU the memory may be reused as soon as `stream` reaches the free.
+    pub unsafe fn free_on(mut self, stream: &Stream) -> Result<()> {
         if stream.device() != self.device() {
             return Err(Error::Invalid {
                 op: "DeviceMemory::free_on",

@@ -364,55 +364,32 @@ impl Communicator for LocalCommunicator {
         &self.core.group.world_ranks
     }
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        if self
-            .core
-            .run_on_comm_stream(Call::AllReduce(op), None, &buf)?
-        {
-            return Ok(());
-        }
-        self.core.quiesce()?;
-        buf.declare("all_reduce", true)?;
-        self.core.all_reduce(buf, op)
+        self.core.blocking(Call::AllReduce(op), None, buf, |out| {
+            self.core.all_reduce(out, op)
+        })
     }
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        if self
-            .core
-            .run_on_comm_stream(Call::Broadcast(root), None, &buf)?
-        {
-            return Ok(());
-        }
-        self.core.quiesce()?;
-        buf.declare("broadcast", true)?;
-        self.core.broadcast(buf, root)
+        self.core.blocking(Call::Broadcast(root), None, buf, |out| {
+            self.core.broadcast(out, root)
+        })
     }
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        if self
-            .core
-            .run_on_comm_stream(Call::AllGather(None), Some(&input), &output)?
-        {
-            return Ok(());
-        }
-        self.core.quiesce()?;
-        crate::buffer::declare_in_out("all_gather", &input, &output)?;
-        self.core.all_gather(input, output, None)
+        self.core
+            .blocking(Call::AllGather(None), Some(input), output, |out| {
+                self.core.all_gather(input, out, None)
+            })
     }
     fn all_gather_v(&self, input: BufRef<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()> {
         let call = Call::AllGather(Some(counts.into()));
-        if self.core.run_on_comm_stream(call, Some(&input), &output)? {
-            return Ok(());
-        }
-        self.core.quiesce()?;
-        crate::buffer::declare_in_out("all_gather_v", &input, &output)?;
-        self.core.all_gather(input, output, Some(counts))
+        self.core.blocking(call, Some(input), output, |out| {
+            self.core.all_gather(input, out, Some(counts))
+        })
     }
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let call = Call::ReduceScatter(op, None);
-        if self.core.run_on_comm_stream(call, Some(&input), &output)? {
-            return Ok(());
-        }
-        self.core.quiesce()?;
-        crate::buffer::declare_in_out("reduce_scatter", &input, &output)?;
-        self.core.reduce_scatter(input, output, None, op)
+        self.core.blocking(call, Some(input), output, |out| {
+            self.core.reduce_scatter(input, out, None, op)
+        })
     }
     fn reduce_scatter_v(
         &self,
@@ -422,12 +399,9 @@ impl Communicator for LocalCommunicator {
         op: ReduceOp,
     ) -> Result<()> {
         let call = Call::ReduceScatter(op, Some(counts.into()));
-        if self.core.run_on_comm_stream(call, Some(&input), &output)? {
-            return Ok(());
-        }
-        self.core.quiesce()?;
-        crate::buffer::declare_in_out("reduce_scatter_v", &input, &output)?;
-        self.core.reduce_scatter(input, output, Some(counts), op)
+        self.core.blocking(call, Some(input), output, |out| {
+            self.core.reduce_scatter(input, out, Some(counts), op)
+        })
     }
     fn all_to_all_v(
         &self,
@@ -440,13 +414,9 @@ impl Communicator for LocalCommunicator {
             send: send_counts.into(),
             recv: recv_counts.into(),
         };
-        if self.core.run_on_comm_stream(call, Some(&input), &output)? {
-            return Ok(());
-        }
-        self.core.quiesce()?;
-        crate::buffer::declare_in_out("all_to_all_v", &input, &output)?;
-        self.core
-            .all_to_all_v(input, send_counts, output, recv_counts)
+        self.core.blocking(call, Some(input), output, |out| {
+            self.core.all_to_all_v(input, send_counts, out, recv_counts)
+        })
     }
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
         self.core.quiesce()?;

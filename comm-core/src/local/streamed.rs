@@ -174,6 +174,28 @@ impl RankCore {
         })))
     }
 
+    /// Runs a blocking call: on the communication stream when it can
+    /// ([`run_on_comm_stream`](Self::run_on_comm_stream)), else `host` on this thread once
+    /// the calls queued before it have run and the buffers' streams are declared to the
+    /// ordering checker.
+    pub(super) fn blocking(
+        self: &Arc<Self>,
+        call: Call,
+        input: Option<BufRef<'_>>,
+        output: BufMut<'_>,
+        host: impl FnOnce(BufMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        if self.run_on_comm_stream(call.clone(), input.as_ref(), &output)? {
+            return Ok(());
+        }
+        self.quiesce()?;
+        if let Some(input) = &input {
+            input.declare(call.name(), false)?;
+        }
+        output.declare(call.name(), true)?;
+        host(output)
+    }
+
     /// Queues a blocking call over `input` (none when in place) and `output` on the
     /// communication stream, as NCCL queues a blocking call: the buffers' streams wait for
     /// it at once, the host waits for nothing, and work queued after it on those streams

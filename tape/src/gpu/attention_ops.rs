@@ -19,14 +19,15 @@ block_kernels! {
 /// Rows of a tile: the queries a block takes, and the keys it visits at a time.
 pub(crate) const TILE: usize = 32;
 
-/// Threads of an attention block (two warps of 16 rows each).
+/// Threads of an attention block (two warps; eight threads to a group of four rows).
 const THREADS: u32 = 64;
 
-/// The widest head a device kernel takes in `T` (its tiles fit 48 KiB of shared memory).
+/// The widest head a device kernel takes in `T` (four of its tiles fit 48 KiB of shared
+/// memory).
 pub(crate) fn max_head_dim<T>() -> usize {
     match std::mem::size_of::<T>() {
-        4 => 128,
-        _ => 64,
+        4 => 64,
+        _ => 32,
     }
 }
 

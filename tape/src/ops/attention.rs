@@ -20,7 +20,7 @@ use crate::{DType, Device, Element, Generator, Result, Tensor};
 pub enum AttentionKernel {
     /// FlashAttention-2's scheme: tiles of keys with an online softmax, keeping only the
     /// output and one log-sum-exp per query; backward recomputes the probabilities. On a
-    /// device, head dimensions above 128 (64 in f64) run [`Unfused`](Self::Unfused).
+    /// device, head dimensions above 64 (32 in f64) run [`Unfused`](Self::Unfused).
     #[default]
     Fused,
     /// Scores, softmax, dropout and two products as separate passes over

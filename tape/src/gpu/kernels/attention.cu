@@ -18,19 +18,24 @@
  * barrier before restaging keys, 2 stages the sequence's last row as zeros); f0 scale,
  * f1 dropout's 1/(1 - p).
  *
- * Cooperative: blocks of ATT_THREADS (two warps), each warp 16 rows of the block's tile
- * and each lane one column of the 32-wide tile of the other side; per-tile operands the
- * lanes read column-wise are staged in padded shared memory (no bank conflicts), those
- * every lane reads alike (a broadcast) come from global memory. The head dimension is at
- * most ATT_DMAX (128 in f32, 64 in f64, so that the tiles fit 48 KiB of static shared
- * memory); the host falls back to the unfused path above it. */
+ * Cooperative: blocks of ATT_THREADS (two warps) over a tile of ATT_TILE rows of their own
+ * side (queries, or keys in the key/value backward) against tiles of ATT_TILE rows of the
+ * other side, every operand tile staged in padded shared memory, widened to `real`. Each
+ * product is register-blocked: thread (ty, tx) = (THREAD_IDX / 8, THREAD_IDX % 8) holds
+ * rows ty·4 .. ty·4 + 3 of its side, the score columns tx·4 .. tx·4 + 3 and the output
+ * columns tx + 8·c, so a step over the head dimension reads 8 values for 16 products. A
+ * row's eight threads are lanes of one warp: row maxima and sums are three xor shuffles,
+ * and a tile of probabilities passes between them with a warp barrier. The head
+ * dimension is at most ATT_DMAX (64 in f32, 32 in f64, so that four tiles fit 48 KiB of
+ * static shared memory); the host falls back to the unfused path above it. */
 
 #define ATT_TILE 32
-#define ATT_WARP_ROWS 16
 #define ATT_THREADS 64
-#define ATT_DMAX (sizeof(real) == 4 ? 128 : 64)
-#define ATT_COLS (ATT_DMAX / 32)
+#define ATT_R 4
+#define ATT_DMAX (sizeof(real) == 4 ? 64 : 32)
+#define ATT_CC (ATT_DMAX / 8)
 #define ATT_PAD (ATT_DMAX + 1)
+#define ATT_SPAD (ATT_TILE + 1)
 #define ATT_NEG_INF ((real)bits_float(0xff800000u))
 
 /* Element offset of row i of tensor t (0 q, 1 k, 2 v, 3 o) for query head z. */
@@ -57,15 +62,6 @@ DEVFN int SFX(att_keep)(const KernelArgs* A, i64 z, i64 i, i64 j) {
     return (x >> 11) >= (u64)A->i[28];
 }
 
-/* q_i · row `row` of a shared tile (each lane its own row), in column order. */
-DEVFN real SFX(att_dot_shared)(THREAD_PARAM, const KernelArgs* A, const void* x, i64 at,
-                               const real* tile, i64 row) {
-    real acc = (real)0;
-    for (i64 c = 0; c < A->i[5]; ++c)
-        acc += SFX(load)(x, at + c, (int)A->i[22]) * SHARED_LOAD(tile, row * ATT_PAD + c);
-    return acc;
-}
-
 /* Stages rows first, first + 1, ... (ATT_TILE of them) of tensor t for head z into a
  * shared tile, widened; rows past `rows` are zeros. */
 DEVFN void SFX(att_stage)(THREAD_PARAM, const KernelArgs* A, real* tile, int t, i64 z,
@@ -80,6 +76,74 @@ DEVFN void SFX(att_stage)(THREAD_PARAM, const KernelArgs* A, real* tile, int t, 
     }
 }
 
+/* This thread's 4 × 4 block of a·bᵀ over two staged tiles: s[a][b] = Σ_c a[ty·4 + a][c] ·
+ * b[tx·4 + b][c]. */
+DEVFN void SFX(att_scores)(THREAD_PARAM, const real* a, const real* b, i64 d,
+                           real s[ATT_R][ATT_R]) {
+    i64 ty = THREAD_IDX / 8, tx = THREAD_IDX % 8;
+    for (int x = 0; x < ATT_R; ++x)
+        for (int y = 0; y < ATT_R; ++y) s[x][y] = (real)0;
+    for (i64 c = 0; c < d; ++c) {
+        real ax[ATT_R], by[ATT_R];
+        for (int x = 0; x < ATT_R; ++x) {
+            ax[x] = SHARED_LOAD(a, (ty * ATT_R + x) * ATT_PAD + c);
+            by[x] = SHARED_LOAD(b, (tx * ATT_R + x) * ATT_PAD + c);
+        }
+        for (int x = 0; x < ATT_R; ++x)
+            for (int y = 0; y < ATT_R; ++y) s[x][y] += ax[x] * by[y];
+    }
+}
+
+/* acc[x][c] += Σ_j p[ty·4 + x][j] · b[j][tx + 8c] over a staged tile b and this warp's
+ * rows of the probability tile p. */
+DEVFN void SFX(att_accumulate)(THREAD_PARAM, const real* p, const real* b, i64 d,
+                               real acc[ATT_R][ATT_CC]) {
+    i64 ty = THREAD_IDX / 8, tx = THREAD_IDX % 8;
+    for (i64 j = 0; j < ATT_TILE; ++j) {
+        real px[ATT_R], bc[ATT_CC];
+        for (int x = 0; x < ATT_R; ++x) px[x] = SHARED_LOAD(p, (ty * ATT_R + x) * ATT_SPAD + j);
+        for (int c = 0; c < ATT_CC; ++c)
+            bc[c] = tx + 8 * c < d ? SHARED_LOAD(b, j * ATT_PAD + tx + 8 * c) : (real)0;
+        for (int x = 0; x < ATT_R; ++x)
+            for (int c = 0; c < ATT_CC; ++c) acc[x][c] += px[x] * bc[c];
+    }
+}
+
+/* Stores this thread's rows of a probability tile: p[ty·4 + x][tx·4 + y] = v[x][y]. */
+DEVFN void SFX(att_put)(THREAD_PARAM, real* p, real v[ATT_R][ATT_R]) {
+    i64 ty = THREAD_IDX / 8, tx = THREAD_IDX % 8;
+    for (int x = 0; x < ATT_R; ++x)
+        for (int y = 0; y < ATT_R; ++y)
+            SHARED_STORE(p, (ty * ATT_R + x) * ATT_SPAD + tx * ATT_R + y, v[x][y]);
+}
+
+/* The maximum and the sum over a row's eight threads (lanes 8k .. 8k + 7). */
+DEVFN real SFX(att_row_max)(THREAD_PARAM, real v) {
+    for (int mask = 1; mask < 8; mask *= 2) {
+        real other = SHFL_XOR(v, mask);
+        v = other > v ? other : v;
+    }
+    return v;
+}
+DEVFN real SFX(att_row_sum)(THREAD_PARAM, real v) {
+    for (int mask = 1; mask < 8; mask *= 2) v += SHFL_XOR(v, mask);
+    return v;
+}
+
+/* Writes this thread's output columns of its rows: row ty·4 + x of tensor t (head z, rows
+ * from r0) gets acc[x] · factor. */
+DEVFN void SFX(att_write)(THREAD_PARAM, const KernelArgs* A, void* out, int format, int t,
+                          i64 z, i64 r0, i64 rows, real acc[ATT_R][ATT_CC], real factor) {
+    i64 ty = THREAD_IDX / 8, tx = THREAD_IDX % 8;
+    for (int x = 0; x < ATT_R; ++x) {
+        i64 i = r0 + ty * ATT_R + x;
+        if (i >= rows) break;
+        i64 at = SFX(att_row)(A, t, z, i);
+        for (int c = 0; c < ATT_CC; ++c)
+            if (tx + 8 * c < A->i[5]) SFX(store)(out, at + tx + 8 * c, format, acc[x][c] * factor);
+    }
+}
+
 /* The keys a query tile starting at row q0 sees: [0, end). */
 DEVFN i64 SFX(att_key_end)(const KernelArgs* A, i64 q0) {
     i64 sk = A->i[4];
@@ -91,77 +155,72 @@ DEVFN i64 SFX(att_key_end)(const KernelArgs* A, i64 q0) {
 
 /* Forward: out = softmax(f0 · q·kᵀ)·v (dropout on the probabilities), lse = each row's
  * log-sum-exp of the scaled scores.  p0 out, p1 lse [B·H·sq] (real), p2 q, p3 k, p4 v;
- * a block per (head z, query tile). */
+ * a block per (head z, query tile); keys and then values pass through one staged tile. */
 BLOCK_KERNEL(SFX(attention_forward)) {
     const KernelArgs* A = ARGS;
-    const void *q = (const void*)A->p[2], *k = (const void*)A->p[3];
-    const void* v = (const void*)A->p[4];
     i64 sq = A->i[3], d = A->i[5];
     int fin = (int)A->i[22];
     real scale = (real)A->f[0], kept = (real)A->f[1];
     i64 tiles = (sq + ATT_TILE - 1) / ATT_TILE;
     i64 z = BLOCK_IDX / tiles, q0 = (BLOCK_IDX % tiles) * ATT_TILE;
-    i64 warp = THREAD_IDX / 32, lane = THREAD_IDX % 32;
-    i64 row0 = q0 + warp * ATT_WARP_ROWS;
-    SHARED(real, ks, ATT_TILE * ATT_PAD);
-    SHARED(real, ps, ATT_TILE * (ATT_TILE + 1));
-    real m[ATT_WARP_ROWS], l[ATT_WARP_ROWS], acc[ATT_WARP_ROWS][ATT_COLS];
-    for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-        m[rr] = ATT_NEG_INF;
-        l[rr] = (real)0;
-        for (int t = 0; t < ATT_COLS; ++t) acc[rr][t] = (real)0;
+    i64 ty = THREAD_IDX / 8, tx = THREAD_IDX % 8;
+    SHARED(real, qs, ATT_TILE * ATT_PAD);
+    SHARED(real, kvs, ATT_TILE * ATT_PAD);
+    SHARED(real, ps, ATT_TILE * ATT_SPAD);
+    real m[ATT_R], l[ATT_R], acc[ATT_R][ATT_CC];
+    for (int x = 0; x < ATT_R; ++x) {
+        m[x] = ATT_NEG_INF;
+        l[x] = (real)0;
+        for (int c = 0; c < ATT_CC; ++c) acc[x][c] = (real)0;
     }
+    SFX(att_stage)(THREAD, A, qs, 0, z, q0, sq, (const void*)A->p[2], fin);
     i64 end = SFX(att_key_end)(A, q0);
     for (i64 k0 = 0; k0 < end; k0 += ATT_TILE) {
-        if (A->i[31] != 1) SYNC_THREADS(); /* the previous tile's reads of ks are done */
-        SFX(att_stage)(THREAD, A, ks, 1, z, k0, A->i[4], k, fin);
+        if (A->i[31] != 1) SYNC_THREADS(); /* the previous tile's reads of kvs are done */
+        SFX(att_stage)(THREAD, A, kvs, 1, z, k0, A->i[4], (const void*)A->p[3], fin);
         SYNC_THREADS();
-        i64 key = k0 + lane;
-        for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-            i64 i = row0 + rr;
-            int seen = SFX(att_sees)(A, i, key);
-            real s = (real)0;
-            if (seen) s = MUL_RN(SFX(att_dot_shared)(THREAD, A, q, SFX(att_row)(A, 0, z, i), ks, lane), scale);
-            real top = WARP_MAX(seen ? s : ATT_NEG_INF);
-            real m_new = top > m[rr] ? top : m[rr];
+        real s[ATT_R][ATT_R];
+        SFX(att_scores)(THREAD, qs, kvs, d, s);
+        for (int x = 0; x < ATT_R; ++x) {
+            i64 i = q0 + ty * ATT_R + x;
+            real top = ATT_NEG_INF;
+            for (int y = 0; y < ATT_R; ++y) {
+                int seen = SFX(att_sees)(A, i, k0 + tx * ATT_R + y);
+                s[x][y] = seen ? MUL_RN(s[x][y], scale) : ATT_NEG_INF;
+                top = s[x][y] > top ? s[x][y] : top;
+            }
+            top = SFX(att_row_max)(THREAD, top);
+            real m_new = top > m[x] ? top : m[x];
             real base = m_new == ATT_NEG_INF ? (real)0 : m_new;
-            real p = seen ? EXP(s - base) : (real)0;
-            real alpha = EXP(m[rr] - base);
-            l[rr] = l[rr] * alpha + WARP_SUM(p);
-            m[rr] = m_new;
-            for (int t = 0; t < ATT_COLS; ++t) acc[rr][t] *= alpha;
-            if (seen && !SFX(att_keep)(A, z, i, key)) p = (real)0;
-            else if (A->i[26] != 0) p *= kept;
-            SHARED_STORE(ps, (warp * ATT_WARP_ROWS + rr) * (ATT_TILE + 1) + lane, p);
-        }
-        SYNC_WARP();
-        i64 width = A->i[4] - k0 < ATT_TILE ? A->i[4] - k0 : ATT_TILE;
-        for (i64 j = 0; j < width; ++j) {
-            i64 at = SFX(att_row)(A, 2, z, k0 + j);
-            real vj[ATT_COLS];
-            for (int t = 0; t < ATT_COLS; ++t) {
-                i64 c = lane + 32 * t;
-                vj[t] = c < d ? SFX(load)(v, at + c, fin) : (real)0;
+            real sum = (real)0;
+            for (int y = 0; y < ATT_R; ++y) {
+                i64 key = k0 + tx * ATT_R + y;
+                real p = s[x][y] == ATT_NEG_INF ? (real)0 : EXP(s[x][y] - base);
+                sum += p;
+                if (p != (real)0 && !SFX(att_keep)(A, z, i, key)) p = (real)0;
+                else if (A->i[26] != 0) p *= kept;
+                s[x][y] = p;
             }
-            for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-                real pj = SHARED_LOAD(ps, (warp * ATT_WARP_ROWS + rr) * (ATT_TILE + 1) + j);
-                for (int t = 0; t < ATT_COLS; ++t) acc[rr][t] += pj * vj[t];
-            }
+            real alpha = EXP(m[x] - base);
+            l[x] = l[x] * alpha + SFX(att_row_sum)(THREAD, sum);
+            m[x] = m_new;
+            for (int c = 0; c < ATT_CC; ++c) acc[x][c] *= alpha;
         }
-        SYNC_WARP(); /* every lane read ps before the next tile writes it */
+        SFX(att_put)(THREAD, ps, s);
+        SYNC_THREADS(); /* the keys' reads are done before the values replace them */
+        SFX(att_stage)(THREAD, A, kvs, 2, z, k0, A->i[4], (const void*)A->p[4], fin);
+        SYNC_THREADS();
+        SFX(att_accumulate)(THREAD, ps, kvs, d, acc);
     }
-    for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-        i64 i = row0 + rr;
-        if (i >= sq) break;
-        real inv = l[rr] > (real)0 ? (real)1 / l[rr] : (real)0;
-        i64 at = SFX(att_row)(A, 3, z, i);
-        for (int t = 0; t < ATT_COLS; ++t) {
-            i64 c = lane + 32 * t;
-            if (c < d) SFX(store)((void*)A->p[0], at + c, (int)A->i[23], acc[rr][t] * inv);
-        }
-        if (lane == 0)
-            ((real*)A->p[1])[z * sq + i] = l[rr] > (real)0 ? m[rr] + LOG(l[rr]) : ATT_NEG_INF;
+    real inv[ATT_R];
+    for (int x = 0; x < ATT_R; ++x) {
+        inv[x] = l[x] > (real)0 ? (real)1 / l[x] : (real)0;
+        for (int c = 0; c < ATT_CC; ++c) acc[x][c] *= inv[x];
+        i64 i = q0 + ty * ATT_R + x;
+        if (tx == 0 && i < sq)
+            ((real*)A->p[1])[z * sq + i] = l[x] > (real)0 ? m[x] + LOG(l[x]) : ATT_NEG_INF;
     }
+    SFX(att_write)(THREAD, A, (void*)A->p[0], (int)A->i[23], 3, z, q0, sq, acc, (real)1);
 }
 
 /* The backward's per-row correction delta = Σ dO ⊙ out (a warp per row).  p0 delta
@@ -197,91 +256,74 @@ DEVFN real SFX(att_factor)(const KernelArgs* A, i64 z, i64 i, i64 j) {
  * a block per (head z, query tile). */
 BLOCK_KERNEL(SFX(attention_backward_q)) {
     const KernelArgs* A = ARGS;
-    const void *q = (const void*)A->p[1], *dout = (const void*)A->p[4];
     const real *lse = (const real*)A->p[5], *delta = (const real*)A->p[6];
     i64 sq = A->i[3], d = A->i[5];
-    int fin = (int)A->i[22], fdo = (int)A->i[30];
+    int fin = (int)A->i[22];
     i64 tiles = (sq + ATT_TILE - 1) / ATT_TILE;
     i64 z = BLOCK_IDX / tiles, q0 = (BLOCK_IDX % tiles) * ATT_TILE;
-    i64 warp = THREAD_IDX / 32, lane = THREAD_IDX % 32;
-    i64 row0 = q0 + warp * ATT_WARP_ROWS;
+    i64 ty = THREAD_IDX / 8, tx = THREAD_IDX % 8;
+    SHARED(real, qs, ATT_TILE * ATT_PAD);
+    SHARED(real, dos, ATT_TILE * ATT_PAD);
     SHARED(real, ks, ATT_TILE * ATT_PAD);
     SHARED(real, vs, ATT_TILE * ATT_PAD);
-    SHARED(real, ps, ATT_TILE * (ATT_TILE + 1));
-    real acc[ATT_WARP_ROWS][ATT_COLS];
-    for (int rr = 0; rr < ATT_WARP_ROWS; ++rr)
-        for (int t = 0; t < ATT_COLS; ++t) acc[rr][t] = (real)0;
+    SHARED(real, ps, ATT_TILE * ATT_SPAD);
+    real acc[ATT_R][ATT_CC], row_lse[ATT_R], row_delta[ATT_R];
+    for (int x = 0; x < ATT_R; ++x) {
+        i64 i = q0 + ty * ATT_R + x;
+        row_lse[x] = i < sq ? lse[z * sq + i] : (real)0;
+        row_delta[x] = i < sq ? delta[z * sq + i] : (real)0;
+        for (int c = 0; c < ATT_CC; ++c) acc[x][c] = (real)0;
+    }
+    SFX(att_stage)(THREAD, A, qs, 0, z, q0, sq, (const void*)A->p[1], fin);
+    SFX(att_stage)(THREAD, A, dos, 3, z, q0, sq, (const void*)A->p[4], (int)A->i[30]);
     i64 end = SFX(att_key_end)(A, q0);
     for (i64 k0 = 0; k0 < end; k0 += ATT_TILE) {
         SYNC_THREADS();
         SFX(att_stage)(THREAD, A, ks, 1, z, k0, A->i[4], (const void*)A->p[2], fin);
         SFX(att_stage)(THREAD, A, vs, 2, z, k0, A->i[4], (const void*)A->p[3], fin);
         SYNC_THREADS();
-        i64 key = k0 + lane;
-        for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-            i64 i = row0 + rr;
-            int seen = SFX(att_sees)(A, i, key);
-            real ds = (real)0;
-            if (seen) {
-                i64 zi = z * sq + i;
-                real s = SFX(att_dot_shared)(THREAD, A, q, SFX(att_row)(A, 0, z, i), ks, lane);
-                real dp = (real)0;
-                i64 at = SFX(att_row)(A, 3, z, i);
-                for (i64 c = 0; c < d; ++c)
-                    dp += SFX(load)(dout, at + c, fdo) * SHARED_LOAD(vs, lane * ATT_PAD + c);
-                real p = SFX(att_prob)(A, s, lse[zi], seen);
-                ds = p * (dp * SFX(att_factor)(A, z, i, key) - delta[zi]);
+        real s[ATT_R][ATT_R], dp[ATT_R][ATT_R];
+        SFX(att_scores)(THREAD, qs, ks, d, s);
+        SFX(att_scores)(THREAD, dos, vs, d, dp);
+        for (int x = 0; x < ATT_R; ++x)
+            for (int y = 0; y < ATT_R; ++y) {
+                i64 i = q0 + ty * ATT_R + x, key = k0 + tx * ATT_R + y;
+                int seen = SFX(att_sees)(A, i, key);
+                real p = SFX(att_prob)(A, s[x][y], row_lse[x], seen);
+                s[x][y] = seen ? p * (dp[x][y] * SFX(att_factor)(A, z, i, key) - row_delta[x])
+                               : (real)0;
             }
-            SHARED_STORE(ps, (warp * ATT_WARP_ROWS + rr) * (ATT_TILE + 1) + lane, ds);
-        }
+        SFX(att_put)(THREAD, ps, s);
         SYNC_WARP();
-        for (i64 j = 0; j < ATT_TILE; ++j) {
-            real kj[ATT_COLS];
-            for (int t = 0; t < ATT_COLS; ++t) {
-                i64 c = lane + 32 * t;
-                kj[t] = c < d ? SHARED_LOAD(ks, j * ATT_PAD + c) : (real)0;
-            }
-            for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-                real g = SHARED_LOAD(ps, (warp * ATT_WARP_ROWS + rr) * (ATT_TILE + 1) + j);
-                for (int t = 0; t < ATT_COLS; ++t) acc[rr][t] += g * kj[t];
-            }
-        }
-        SYNC_WARP();
+        SFX(att_accumulate)(THREAD, ps, ks, d, acc);
     }
-    for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-        i64 i = row0 + rr;
-        if (i >= sq) break;
-        i64 at = SFX(att_row)(A, 0, z, i);
-        for (int t = 0; t < ATT_COLS; ++t) {
-            i64 c = lane + 32 * t;
-            if (c < d) SFX(store)((void*)A->p[0], at + c, (int)A->i[29], acc[rr][t] * (real)A->f[0]);
-        }
-    }
+    SFX(att_write)(THREAD, A, (void*)A->p[0], (int)A->i[29], 0, z, q0, sq, acc, (real)A->f[0]);
 }
 
 /* Backward for the keys and values of one group: over its r query heads and their query
  * tiles, dV = Σ P'ᵀ·dO (P' the dropped probabilities) and dK = f0 · Σ dSᵀ·q.  p0 dK, p1 dV
- * (k's and v's layouts), p2 q, p3 k, p4 v, p5 dO, p6 lse, p7 delta; a
- * block per (batch, group, key tile), each warp 16 keys and each lane a query of the
- * tile. */
+ * (k's and v's layouts), p2 q, p3 k, p4 v, p5 dO, p6 lse, p7 delta; a block per (batch,
+ * group, key tile), its own side the keys (scores transposed: rows keys, columns queries). */
 BLOCK_KERNEL(SFX(attention_backward_kv)) {
     const KernelArgs* A = ARGS;
-    const void *k = (const void*)A->p[3], *v = (const void*)A->p[4];
     const real *lse = (const real*)A->p[6], *delta = (const real*)A->p[7];
     i64 H = A->i[1], r = A->i[2], sq = A->i[3], sk = A->i[4], d = A->i[5];
     int fin = (int)A->i[22], fout = (int)A->i[29];
     i64 tiles = (sk + ATT_TILE - 1) / ATT_TILE;
     i64 kv = BLOCK_IDX / tiles, k0 = (BLOCK_IDX % tiles) * ATT_TILE;
-    i64 warp = THREAD_IDX / 32, lane = THREAD_IDX % 32;
-    i64 key0 = k0 + warp * ATT_WARP_ROWS;
+    i64 ty = THREAD_IDX / 8, tx = THREAD_IDX % 8;
     /* Query head 0 of the group: batch kv / (H / r), group kv % (H / r). */
     i64 z0 = (kv / (H / r)) * H + (kv % (H / r)) * r;
+    SHARED(real, ks, ATT_TILE * ATT_PAD);
+    SHARED(real, vs, ATT_TILE * ATT_PAD);
     SHARED(real, qs, ATT_TILE * ATT_PAD);
     SHARED(real, dos, ATT_TILE * ATT_PAD);
-    SHARED(real, ps, ATT_TILE * (ATT_TILE + 1));
-    real dk[ATT_WARP_ROWS][ATT_COLS], dv[ATT_WARP_ROWS][ATT_COLS];
-    for (int rr = 0; rr < ATT_WARP_ROWS; ++rr)
-        for (int t = 0; t < ATT_COLS; ++t) dk[rr][t] = dv[rr][t] = (real)0;
+    SHARED(real, ps, ATT_TILE * ATT_SPAD);
+    real dk[ATT_R][ATT_CC], dv[ATT_R][ATT_CC];
+    for (int x = 0; x < ATT_R; ++x)
+        for (int c = 0; c < ATT_CC; ++c) dk[x][c] = dv[x][c] = (real)0;
+    SFX(att_stage)(THREAD, A, ks, 1, z0, k0, sk, (const void*)A->p[3], fin);
+    SFX(att_stage)(THREAD, A, vs, 2, z0, k0, sk, (const void*)A->p[4], fin);
     /* The first query row that sees key k0 under the causal mask. */
     i64 first = A->i[24] != 0 && k0 - A->i[25] > 0 ? (k0 - A->i[25]) / ATT_TILE * ATT_TILE : 0;
     for (i64 head = 0; head < r; ++head) {
@@ -291,67 +333,33 @@ BLOCK_KERNEL(SFX(attention_backward_kv)) {
             SFX(att_stage)(THREAD, A, qs, 0, z, q0, sq, (const void*)A->p[2], fin);
             SFX(att_stage)(THREAD, A, dos, 3, z, q0, sq, (const void*)A->p[5], (int)A->i[30]);
             SYNC_THREADS();
-            i64 i = q0 + lane;
-            real p[ATT_WARP_ROWS], dp[ATT_WARP_ROWS];
-            for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-                i64 key = key0 + rr;
-                int seen = SFX(att_sees)(A, i, key);
-                p[rr] = dp[rr] = (real)0;
-                real factor = (real)0;
-                if (seen) {
-                    i64 kat = SFX(att_row)(A, 1, z, key), vat = SFX(att_row)(A, 2, z, key);
-                    real s = (real)0, g = (real)0;
-                    for (i64 c = 0; c < d; ++c) {
-                        s += SFX(load)(k, kat + c, fin) * SHARED_LOAD(qs, lane * ATT_PAD + c);
-                        g += SFX(load)(v, vat + c, fin) * SHARED_LOAD(dos, lane * ATT_PAD + c);
-                    }
-                    p[rr] = SFX(att_prob)(A, s, lse[z * sq + i], seen);
-                    factor = SFX(att_factor)(A, z, i, key);
-                    dp[rr] = g * factor;
+            real p[ATT_R][ATT_R], dp[ATT_R][ATT_R], kept[ATT_R][ATT_R];
+            SFX(att_scores)(THREAD, ks, qs, d, p);
+            SFX(att_scores)(THREAD, vs, dos, d, dp);
+            for (int x = 0; x < ATT_R; ++x)
+                for (int y = 0; y < ATT_R; ++y) {
+                    i64 key = k0 + ty * ATT_R + x, i = q0 + tx * ATT_R + y;
+                    int seen = SFX(att_sees)(A, i, key);
+                    real factor = seen ? SFX(att_factor)(A, z, i, key) : (real)0;
+                    p[x][y] = seen ? SFX(att_prob)(A, p[x][y], lse[z * sq + i], seen) : (real)0;
+                    dp[x][y] *= factor;
+                    kept[x][y] = p[x][y] * factor;
                 }
-                SHARED_STORE(ps, (warp * ATT_WARP_ROWS + rr) * (ATT_TILE + 1) + lane, p[rr] * factor);
-            }
+            SFX(att_put)(THREAD, ps, kept);
             SYNC_WARP();
-            for (i64 j = 0; j < ATT_TILE; ++j) {
-                real gj[ATT_COLS];
-                for (int t = 0; t < ATT_COLS; ++t) {
-                    i64 c = lane + 32 * t;
-                    gj[t] = c < d ? SHARED_LOAD(dos, j * ATT_PAD + c) : (real)0;
+            SFX(att_accumulate)(THREAD, ps, dos, d, dv);
+            SYNC_WARP(); /* every lane read the kept probabilities before dS replaces them */
+            for (int x = 0; x < ATT_R; ++x)
+                for (int y = 0; y < ATT_R; ++y) {
+                    i64 i = q0 + tx * ATT_R + y;
+                    real correction = i < sq ? delta[z * sq + i] : (real)0;
+                    p[x][y] = p[x][y] * (dp[x][y] - correction);
                 }
-                for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-                    real pj = SHARED_LOAD(ps, (warp * ATT_WARP_ROWS + rr) * (ATT_TILE + 1) + j);
-                    for (int t = 0; t < ATT_COLS; ++t) dv[rr][t] += pj * gj[t];
-                }
-            }
+            SFX(att_put)(THREAD, ps, p);
             SYNC_WARP();
-            real correction = i < sq ? delta[z * sq + i] : (real)0;
-            for (int rr = 0; rr < ATT_WARP_ROWS; ++rr)
-                SHARED_STORE(ps, (warp * ATT_WARP_ROWS + rr) * (ATT_TILE + 1) + lane,
-                             p[rr] * (dp[rr] - correction));
-            SYNC_WARP();
-            for (i64 j = 0; j < ATT_TILE; ++j) {
-                real qj[ATT_COLS];
-                for (int t = 0; t < ATT_COLS; ++t) {
-                    i64 c = lane + 32 * t;
-                    qj[t] = c < d ? SHARED_LOAD(qs, j * ATT_PAD + c) : (real)0;
-                }
-                for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-                    real g = SHARED_LOAD(ps, (warp * ATT_WARP_ROWS + rr) * (ATT_TILE + 1) + j);
-                    for (int t = 0; t < ATT_COLS; ++t) dk[rr][t] += g * qj[t];
-                }
-            }
-            SYNC_WARP();
+            SFX(att_accumulate)(THREAD, ps, qs, d, dk);
         }
     }
-    for (int rr = 0; rr < ATT_WARP_ROWS; ++rr) {
-        i64 key = key0 + rr;
-        if (key >= sk) break;
-        i64 kat = SFX(att_row)(A, 1, z0, key), vat = SFX(att_row)(A, 2, z0, key);
-        for (int t = 0; t < ATT_COLS; ++t) {
-            i64 c = lane + 32 * t;
-            if (c >= d) continue;
-            SFX(store)((void*)A->p[0], kat + c, fout, dk[rr][t] * (real)A->f[0]);
-            SFX(store)((void*)A->p[1], vat + c, fout, dv[rr][t]);
-        }
-    }
+    SFX(att_write)(THREAD, A, (void*)A->p[0], fout, 1, z0, k0, sk, dk, (real)A->f[0]);
+    SFX(att_write)(THREAD, A, (void*)A->p[1], fout, 2, z0, k0, sk, dv, (real)1);
 }

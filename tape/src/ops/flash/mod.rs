@@ -101,7 +101,7 @@ pub struct AttentionBlock<T: Element> {
 /// (any storage format, one device), causal or not (query `i` sees keys `j <= i`), as
 /// [`Tensor::packed_attention`] computes it, without recording. Blocks over parts of the
 /// keys combine by their log-sum-exps: the whole output is `Σ_b out_b · exp(lse_b − lse)`
-/// with `lse = log Σ_b exp(lse_b)`. On a device, head dimensions above 128 (64 in f64)
+/// with `lse = log Σ_b exp(lse_b)`. On a device, head dimensions above 64 (32 in f64)
 /// are an error: check [`fused_attention_takes`] first.
 ///
 /// ```

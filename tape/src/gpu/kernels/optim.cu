@@ -1,4 +1,6 @@
-/* Optimizer steps, in place; the same arithmetic as tape/src/optim.rs on the CPU. */
+/* Optimizer steps, in place; the same arithmetic as tape/src/optim.rs on the CPU, each
+ * product rounded on its own (MUL_RN: NVRTC would fuse a product and a sum into one FMA,
+ * and the CPU's numbers would differ in the last bit). */
 
 /* SGD with optional momentum, dampening, Nesterov and (coupled) weight decay.
  * p0 param, p1 grad, p2 momentum buffer (unused without momentum); i0 n, i1 flags
@@ -14,13 +16,13 @@ KERNEL(SFX(sgd_step)) {
     FOR_EACH(i, A->i[0]) {
         real p = param[i];
         if (!(flags & 1)) {
-            param[i] = p - lr * (grad[i] + wd * p);
+            param[i] = p - MUL_RN(lr, grad[i] + MUL_RN(wd, p));
         } else {
-            real direction = wd != (real)0 ? grad[i] + wd * p : grad[i];
-            real b = (flags & 2) ? direction : mu * buffer[i] + damp * direction;
+            real direction = wd != (real)0 ? grad[i] + MUL_RN(wd, p) : grad[i];
+            real b = (flags & 2) ? direction : MUL_RN(mu, buffer[i]) + MUL_RN(damp, direction);
             buffer[i] = b;
-            real step = (flags & 4) ? direction + mu * b : b;
-            param[i] = p - lr * step;
+            real step = (flags & 4) ? direction + MUL_RN(mu, b) : b;
+            param[i] = p - MUL_RN(lr, step);
         }
     }
 }
@@ -37,11 +39,11 @@ DEVFN void SFX(adamw_element)(real* param, const real* grad, real* m, real* v, u
     real g = grad[i];
     real mi = m[i];
     /* torch.lerp(m, g, w1): from the nearer end. */
-    mi = w1 < (real)0.5 ? mi + w1 * (g - mi) : g - (g - mi) * ((real)1 - w1);
-    real vi = b2 * v[i] + w2 * g * g;
+    mi = w1 < (real)0.5 ? mi + MUL_RN(w1, g - mi) : g - MUL_RN(g - mi, (real)1 - w1);
+    real vi = MUL_RN(b2, v[i]) + MUL_RN(MUL_RN(w2, g), g);
     m[i] = mi;
     v[i] = vi;
-    real p = param[i] * decay - step_size * mi / (SQRT(vi) / bias2_sqrt + eps);
+    real p = MUL_RN(param[i], decay) - MUL_RN(step_size, mi) / (SQRT(vi) / bias2_sqrt + eps);
     param[i] = p;
     if (rounded) rounded[i] = format == 0 ? f32_to_bf16((float)p) : f32_to_f16((float)p);
 }

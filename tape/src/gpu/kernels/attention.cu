@@ -63,17 +63,19 @@ DEVFN int SFX(att_keep)(const KernelArgs* A, i64 z, i64 i, i64 j) {
 }
 
 /* Stages rows first, first + 1, ... (ATT_TILE of them) of tensor t for head z into a
- * shared tile, widened; rows past `rows` are zeros. */
+ * shared tile, widened; rows past `rows` are zeros. Row by row, the threads across its
+ * columns: no integer division per element (64-bit division is a long instruction
+ * sequence on a GPU, and dividing here cost more than the products). */
 DEVFN void SFX(att_stage)(THREAD_PARAM, const KernelArgs* A, real* tile, int t, i64 z,
                           i64 first, i64 rows, const void* x, int format) {
-    i64 d = A->i[5];
+    i64 d = A->i[5], base = SFX(att_row)(A, t, z, first), step = A->i[6 + 4 * t + 3];
     rows -= A->i[31] == 2;
-    for (i64 e = THREAD_IDX; e < ATT_TILE * d; e += BLOCK_DIM) {
-        i64 j = e / d, c = e % d;
-        real v = (real)0;
-        if (first + j < rows) v = SFX(load)(x, SFX(att_row)(A, t, z, first + j) + c, format);
-        SHARED_STORE(tile, j * ATT_PAD + c, v);
-    }
+    for (i64 j = 0; j < ATT_TILE; ++j)
+        for (i64 c = THREAD_IDX; c < d; c += BLOCK_DIM) {
+            real v = (real)0;
+            if (first + j < rows) v = SFX(load)(x, base + j * step + c, format);
+            SHARED_STORE(tile, j * ATT_PAD + c, v);
+        }
 }
 
 /* This thread's 4 × 4 block of a·bᵀ over two staged tiles: s[a][b] = Σ_c a[ty·4 + a][c] ·

@@ -69,6 +69,10 @@ use train::{train_rank, Hidden, RankResult, Schedule, TrainConfig};
 /// `--attention`: the attention core's kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Attention {
+    /// `unfused` on CUDA, where ferrotron's fused kernel (on CUDA cores, in f32) is still
+    /// several times slower than the products on cuBLAS; `fused` on the CPU and the
+    /// emulated device.
+    Auto,
     /// FlashAttention-2's scheme: no sequence² tensor kept.
     Fused,
     /// Scores, softmax, dropout and products as separate passes (the reference).
@@ -209,8 +213,9 @@ struct Args {
     #[arg(long, value_name = "G", value_parser = clap::value_parser!(u64).range(1..))]
     num_query_groups: Option<u64>,
     /// The attention core's kernel: `fused` (FlashAttention-2's scheme, no sequence²
-    /// tensor kept) or `unfused` (separate passes, the reference).
-    #[arg(long, value_enum, default_value_t = Attention::Fused)]
+    /// tensor kept), `unfused` (separate passes, the reference) or `auto` (the faster
+    /// of the two on the device).
+    #[arg(long, value_enum, default_value_t = Attention::Auto)]
     attention: Attention,
     /// Context length in bytes.
     #[arg(long, default_value_t = 64)]
@@ -646,13 +651,22 @@ fn planned_dp(args: &Args) -> Result<usize> {
     })
 }
 
+/// Whether the attention core runs fused (`--attention`, `auto` resolved for the device).
+fn fused_attention(args: &Args) -> bool {
+    match args.attention {
+        Attention::Auto => !matches!(args.device, ferrotron_tape::Device::Cuda(_)),
+        Attention::Fused => true,
+        Attention::Unfused => false,
+    }
+}
+
 fn planned_model(args: &Args, corpus: &Corpus) -> ferrotron_planner::Model {
     ferrotron_planner::Model {
         layers: args.layers,
         hidden: args.hidden,
         heads: args.heads,
         query_groups: query_groups(args),
-        fused_attention: args.attention == Attention::Fused,
+        fused_attention: fused_attention(args),
         ffn: 4 * args.hidden,
         vocab: corpus.vocabulary.padded(args.tp),
         seq: args.seq,
@@ -1413,9 +1427,9 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
             hidden: args.hidden,
             heads: args.heads,
             query_groups: args.num_query_groups.map(|g| g as usize),
-            attention: match args.attention {
-                Attention::Fused => ferrotron_tape::AttentionKernel::Fused,
-                Attention::Unfused => ferrotron_tape::AttentionKernel::Unfused,
+            attention: match fused_attention(args) {
+                true => ferrotron_tape::AttentionKernel::Fused,
+                false => ferrotron_tape::AttentionKernel::Unfused,
             },
             seq: args.seq,
             tied: !args.untie_embeddings_and_output_weights,

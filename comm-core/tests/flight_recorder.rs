@@ -221,6 +221,9 @@ fn the_ring_keeps_only_the_last_n_calls() {
             comm.barrier()?;
             let alone = comm.split(Some(comm.rank() as u32), 0, "alone")?.unwrap();
             alone.all_gather_vec(&[1.5f64])?;
+            // A one-rank all-reduce and broadcast move nothing, and are recorded too.
+            alone.all_reduce_slice(&mut [1i32; 2], ReduceOp::Sum)?;
+            alone.broadcast_slice(&mut [1i32; 2], 0)?;
             Ok::<_, Error>((comm.flight_record(), alone.flight_record()))
         })
         .unwrap();
@@ -251,13 +254,22 @@ fn the_ring_keeps_only_the_last_n_calls() {
         assert_eq!((mine[0].dtype, mine[0].count), (Some(DType::I64), 3));
         assert_eq!(mine[1].peer, Some(1 - rank));
         assert_eq!((mine[1].dtype, mine[1].count), (Some(DType::U8), 5));
-        // The sub-group has its own recorder: one rank, one call.
+        // The sub-group has its own recorder: one rank, its three calls.
         assert_eq!(alone.ranks.len(), 1);
         assert_eq!(alone.ranks[0].world_rank, rank);
-        let gathered = &alone.ranks[0].calls;
-        assert_eq!(gathered.len(), 1);
-        assert_eq!(gathered[0].op, OpKind::AllGather);
-        assert_eq!(gathered[0].dtype, Some(DType::F64));
+        let calls = &alone.ranks[0].calls;
+        let seqs: Vec<(OpKind, u64)> = calls.iter().map(|c| (c.op, c.seq)).collect();
+        assert_eq!(
+            seqs,
+            [
+                (OpKind::AllGather, 0),
+                (OpKind::AllReduce, 1),
+                (OpKind::Broadcast, 2)
+            ],
+            "{alone}"
+        );
+        assert_eq!(calls[0].dtype, Some(DType::F64));
+        assert!(calls.iter().all(|c| c.state == CallState::Completed));
     }
 }
 

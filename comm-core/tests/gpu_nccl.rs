@@ -835,7 +835,10 @@ fn a_dual_communicator_routes_device_memory_to_nccl() -> anyhow::Result<()> {
         let (on_host, record) = calls(&host, host_calls);
         ensure!(on_host == 1, "one host call, not {on_host}: {record}");
         let (on_device, record) = calls(&nccl, nccl_calls);
-        ensure!(on_device == 4, "four device calls, not {on_device}: {record}");
+        ensure!(
+            on_device == 4,
+            "four device calls, not {on_device}: {record}"
+        );
         ensure!(stream.clone_dtoh(&x)? == vec![1.0, 2.0]);
         Ok(())
     })?;

@@ -562,6 +562,17 @@ impl RankCore {
         result
     }
 
+    /// A call of a one-rank group that moves nothing: the flight record still shows it,
+    /// completed, under its sequence number, as it shows every call a rank reached.
+    fn alone(&self, sig: &CallSignature) -> Result<()> {
+        self.call(|counters| {
+            let call = CallRecord::collective(counters.seq, sig);
+            counters.open = self.group.recorder(self.rank).start(&call);
+            counters.seq += 1;
+            Ok(())
+        })
+    }
+
     /// Records the start of this rank's next send or receive; returns its number.
     fn start_message(&self, op: OpKind, buf: (crate::DType, usize), peer: usize) -> (u64, Ticket) {
         let mut counters = self.counters.lock();
@@ -613,7 +624,7 @@ impl RankCore {
         // is read, written or waited for (a device buffer's stream would otherwise be
         // synchronized twice, for nothing, as NCCL does not either).
         if self.group.size() == 1 {
-            return Ok(());
+            return self.alone(&sig);
         }
         #[cfg(feature = "cuda")]
         if let Some(stream) = buf.cuda_stream() {
@@ -656,7 +667,7 @@ impl RankCore {
         let sig = self.check().broadcast(&buf, root)?;
         // One rank is its own root: nothing to move (see `all_reduce`).
         if self.group.size() == 1 {
-            return Ok(());
+            return self.alone(&sig);
         }
         #[cfg(feature = "cuda")]
         if let Some(stream) = buf.cuda_stream() {

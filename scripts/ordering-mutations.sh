@@ -23,6 +23,8 @@ mutations=(
     "a received device message is freed after the receiver's copy|comm-core/src/buffer.rs|unsafe { message.memory.free_on(on)? };|comm"
     "communication stream waits for the buffers' streams|comm-core/src/local/streamed.rs|comm.wait(&holder.record()?)?;|comm"
     "buffers' streams wait for the collective (blocking at once, non-blocking at Work::wait)|comm-core/src/local/streamed.rs|holder.wait(done)?;|comm"
+    "communication stream waits for the peers' buffers to be ready before moving them|comm-core/src/local/streamed.rs|comm.wait(ready)?;|comm"
+    "communication stream waits for the peers' moves before its buffers are reused|comm-core/src/local/streamed.rs|comm.wait(&done)?;|comm"
     "a staging buffer is reused only after its upload has run|device/src/pinned.rs|src.track(self)|device"
     "pinned memory is read on the host only after its download has run|device/src/pinned.rs|dst.track(self)|device"
 )

@@ -1,6 +1,7 @@
-//! Non-blocking collectives over device memory run on the rank's communication stream of
-//! the group, as NCCL's do: `start` returns before the peers have arrived, the host does
-//! not wait, the buffers' stream waits for the collective only when the `Work` is waited
+//! Collectives over device memory run on the rank's communication stream of the group,
+//! as NCCL's do: a call returns once queued, before the device has run it (the ranks meet
+//! on the host, as the host collectives do, but nothing waits for the device), the
+//! buffers' stream waits for a non-blocking collective only when the `Work` is waited
 //! for, and the emulated device's ordering checker sees the collective's accesses as the
 //! communication stream's.
 
@@ -72,27 +73,31 @@ fn assert_summed_without_host_waits(results: Vec<(Vec<f32>, u64)>) {
     }
 }
 
+/// Holds `stream` until the returned sender is used (or dropped): a call queued after
+/// the hold cannot have run while it lasts.
+fn hold(stream: &Stream) -> ferrotron_device::Result<mpsc::Sender<()>> {
+    let (release, held) = mpsc::channel::<()>();
+    stream.queue_host("hold", &[], move || {
+        let _ = held.recv();
+    })?;
+    Ok(release)
+}
+
 #[test]
-fn start_returns_before_the_peers_arrive_and_the_host_never_waits() {
-    // Rank 1 starts its half only after rank 0's `start` has returned: a `start` that
-    // waited for its peers on the host would never return.
-    let (started, go) = mpsc::channel::<()>();
-    let (started, go) = (std::sync::Mutex::new(started), std::sync::Mutex::new(go));
+fn start_returns_before_the_device_runs_it_and_the_host_never_waits() {
+    // Each rank's buffer stream is held until its `start` has returned: a `start` that
+    // waited for the collective to run would never return.
     let sums = run_local(2, |comm| -> anyhow::Result<(Vec<f32>, u64)> {
         let stream = Stream::new(Device::Emulated)?;
         let buf = lent(&stream, comm.rank() as f32 + 1.0)?;
         stream.synchronize()?;
         let waits = host_waits(Device::Emulated);
-        if comm.rank() == 1 {
-            go.lock().unwrap().recv()?;
-        }
+        let release = hold(&stream)?;
         let work = comm.start(AsyncOp::AllReduce {
             buf,
             op: ReduceOp::Sum,
         })?;
-        if comm.rank() == 0 {
-            started.lock().unwrap().send(())?;
-        }
+        release.send(())?;
         let buf = work.wait()?;
         let waited = host_waits(Device::Emulated) - waits;
         Ok((read(buf), waited))
@@ -137,30 +142,24 @@ fn reading_a_buffer_before_its_collective_is_waited_for_is_an_ordering_error() {
 }
 
 /// A blocking collective over device memory is queued as NCCL queues one, with its
-/// buffer's stream waiting for it at once: it returns before the peers arrive, the host
-/// waits for nothing, and the stream's work before and after it is ordered around it
+/// buffer's stream waiting for it at once: it returns before the device has run it, the
+/// host waits for nothing, and the stream's work before and after it is ordered around it
 /// only by the waits between the streams (without them, the checker names the call).
 #[test]
 fn a_blocking_collective_is_queued_between_its_streams_work() {
-    let (started, go) = mpsc::channel::<()>();
-    let (started, go) = (std::sync::Mutex::new(started), std::sync::Mutex::new(go));
     let results = run_local(2, |comm| -> anyhow::Result<(Vec<f32>, u64)> {
         let stream = Stream::new(Device::Emulated)?;
         let source = filled(&stream, comm.rank() as f32 + 1.0)?;
         let (mut reduced, result) = (stream.alloc(4 * LEN)?, stream.alloc(4 * LEN)?);
         let waits = host_waits(Device::Emulated);
+        let release = hold(&stream)?;
         // Written by the stream, reduced on the communication stream, read by the stream.
         // SAFETY: every allocation holds `4 * LEN` bytes and outlives the stream's work.
         unsafe { stream.copy(reduced.ptr(), source.ptr(), 4 * LEN)? };
-        if comm.rank() == 1 {
-            go.lock().unwrap().recv()?;
-        }
         let view = BufMut::device(&mut reduced, 0, LEN, DType::F32)?;
         let queued = comm.all_reduce(view, ReduceOp::Sum);
-        if comm.rank() == 0 {
-            // Also when the call failed: rank 1 must not wait for it forever.
-            started.lock().unwrap().send(())?;
-        }
+        // Also when the call failed: the stream must not be held forever.
+        release.send(())?;
         queued?;
         // SAFETY: as above.
         unsafe { stream.copy(result.ptr(), reduced.ptr(), 4 * LEN)? };

@@ -261,6 +261,17 @@ impl Stream {
     /// # Safety
     /// Both ranges must be valid for `bytes` bytes until the copy has run.
     pub unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: as the caller guarantees.
+        unsafe { self.copy_as("copy", dst, src, bytes) }
+    }
+
+    /// [`copy`](Self::copy), named `op` where the emulated device names its calls (the
+    /// ordering checker's reports, the modelled timeline): a collective's moves by the
+    /// collective.
+    ///
+    /// # Safety
+    /// As [`copy`](Self::copy).
+    pub unsafe fn copy_as(&self, op: &'static str, dst: u64, src: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
@@ -268,7 +279,7 @@ impl Stream {
             Device::Emulated => {
                 let accesses = [Access::read(src, bytes), Access::write(dst, bytes)];
                 let (src, dst) = (src as usize, dst as usize);
-                self.queue_host("copy", &accesses, move || {
+                self.queue_host(op, &accesses, move || {
                     // SAFETY: the caller guarantees both ranges until the copy has run;
                     // `copy` tolerates overlap.
                     unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) }

@@ -18,7 +18,7 @@
 use crate::buffer::Buffer;
 use crate::error::{CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{FlightRecord, RankHistory, Recorder};
-use ferrotron_device::Device;
+use ferrotron_device::{Device, Event};
 use parking_lot::{Condvar, Mutex};
 use std::cell::UnsafeCell;
 use std::collections::VecDeque;
@@ -82,6 +82,14 @@ pub(crate) struct Exchange {
     pub(crate) staging: Vec<u64>,
     /// `(color, key)` for split.
     pub(crate) split: (Option<u32>, u32),
+    /// A device collective ordered by events (`streamed`): recorded on the rank's
+    /// communication stream after the work its buffers' streams had queued, which peers'
+    /// moves into and out of those buffers wait for.
+    pub(crate) ready: Option<Arc<Event>>,
+    /// Recorded after the rank's own moves of that call, which the peers' streams wait
+    /// for before they reuse their buffers. Written after the opening barrier (hence the
+    /// lock) and read by peers after the closing one.
+    pub(crate) done: Mutex<Option<Arc<Event>>>,
 }
 
 #[repr(align(128))]
@@ -206,6 +214,8 @@ impl GroupShared {
                 recv_ptr: 0,
                 staging: Vec::new(),
                 split: (None, 0),
+                ready: None,
+                done: Mutex::new(None),
             })
         };
         Arc::new(GroupShared {

@@ -11,6 +11,7 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 mod group;
+mod moves;
 mod streamed;
 
 use crate::buffer::{BufMut, BufRef, Buffer};
@@ -26,6 +27,8 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+#[cfg(feature = "cuda")]
+use moves::Shape;
 use streamed::Call;
 
 /// Per-rank messages up to this size go through staging copies (one barrier).
@@ -288,9 +291,9 @@ struct RankCore {
     rank: usize,
     counters: Mutex<Counters>,
     queue: ProgressQueue,
-    /// The communication stream of non-blocking collectives over emulated device memory
-    /// (`streamed`), made on first use.
-    comm_stream: Mutex<Option<ferrotron_device::Stream>>,
+    /// The communication streams of collectives over device memory (`streamed`), one
+    /// per device, made on first use.
+    comm_streams: Mutex<Vec<ferrotron_device::Stream>>,
 }
 
 impl LocalCommunicator {
@@ -307,7 +310,7 @@ impl LocalCommunicator {
                     recvs: 0,
                     open: Ticket::NONE,
                 }),
-                comm_stream: Mutex::new(None),
+                comm_streams: Mutex::new(Vec::new()),
                 queue,
             }),
             owner: true,
@@ -419,17 +422,17 @@ impl Communicator for LocalCommunicator {
         })
     }
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
-        self.core.quiesce()?;
+        self.core.quiesce();
         buf.declare("send", false)?;
         self.core.send(buf, dest)
     }
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
-        self.core.quiesce()?;
+        self.core.quiesce();
         buf.declare("recv", true)?;
         self.core.recv(buf, src)
     }
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
-        self.core.quiesce()?;
+        self.core.quiesce();
         crate::buffer::declare_exchange(ops)?;
         self.core.exchange(ops)
     }
@@ -447,7 +450,7 @@ impl Communicator for LocalCommunicator {
         self.core.irecv(buf, src)
     }
     fn barrier(&self) -> Result<()> {
-        self.core.quiesce()?;
+        self.core.quiesce();
         self.core.barrier()
     }
     fn split(
@@ -456,7 +459,7 @@ impl Communicator for LocalCommunicator {
         key: u32,
         name: &str,
     ) -> Result<Option<Arc<dyn Communicator>>> {
-        self.core.quiesce()?;
+        self.core.quiesce();
         Ok(self
             .core
             .split(color, key, name)?
@@ -495,11 +498,11 @@ fn at<T>(addr: usize, offset: usize) -> *const T {
 }
 
 impl RankCore {
-    /// Lets the calls this rank queued before (on the progress thread, on the
-    /// communication stream) run before a call the calling thread runs itself.
-    fn quiesce(&self) -> Result<()> {
+    /// Lets the calls this rank queued on the progress thread run before a call the
+    /// calling thread runs itself (calls on the communication streams took their place
+    /// in the group's order when they were queued).
+    fn quiesce(&self) {
         self.queue.wait_idle();
-        self.drain_comm_stream()
     }
 
     fn name(&self) -> &str {
@@ -627,8 +630,10 @@ impl RankCore {
             return self.alone(&sig);
         }
         #[cfg(feature = "cuda")]
-        if let Some(stream) = buf.cuda_stream() {
-            return self.device_all_reduce(sig, buf, op, stream);
+        if buf.cuda_stream().is_some() {
+            let call = Call::AllReduce(op);
+            let shape = Shape::in_place(&call, &buf);
+            return self.device_call(sig, &shape, None, buf);
         }
         let (len, dtype) = (buf.len(), buf.dtype());
         let ptr = buf.host_ptr_mut() as usize;
@@ -670,8 +675,10 @@ impl RankCore {
             return self.alone(&sig);
         }
         #[cfg(feature = "cuda")]
-        if let Some(stream) = buf.cuda_stream() {
-            return self.device_broadcast(sig, buf, root, stream);
+        if buf.cuda_stream().is_some() {
+            let call = Call::Broadcast(root);
+            let shape = Shape::in_place(&call, &buf);
+            return self.device_call(sig, &shape, None, buf);
         }
         let bytes = buf.byte_len();
         let ptr = buf.host_ptr_mut() as usize;
@@ -708,8 +715,10 @@ impl RankCore {
     ) -> Result<()> {
         let (sig, counts) = self.check().all_gather(&input, &output, counts)?;
         #[cfg(feature = "cuda")]
-        if let Some(stream) = input.cuda_stream() {
-            return self.device_all_gather(sig, input, output, &counts, stream);
+        if input.cuda_stream().is_some() {
+            let call = Call::AllGather(None);
+            let shape = Shape::blocks(&call, input.dtype(), &counts);
+            return self.device_call(sig, &shape, Some(input), output);
         }
         let kind = sig.op;
         let esize = input.dtype().size_in_bytes();
@@ -743,8 +752,10 @@ impl RankCore {
     ) -> Result<()> {
         let (sig, counts) = self.check().reduce_scatter(&input, &output, counts, op)?;
         #[cfg(feature = "cuda")]
-        if let Some(stream) = input.cuda_stream() {
-            return self.device_reduce_scatter(sig, input, output, &counts, op, stream);
+        if input.cuda_stream().is_some() {
+            let call = Call::ReduceScatter(op, None);
+            let shape = Shape::blocks(&call, input.dtype(), &counts);
+            return self.device_call(sig, &shape, Some(input), output);
         }
         let kind = sig.op;
         let small = input.byte_len() <= SMALL_MESSAGE_BYTES;
@@ -782,8 +793,13 @@ impl RankCore {
             .check()
             .all_to_all_v(&input, send_counts, &output, recv_counts)?;
         #[cfg(feature = "cuda")]
-        if let Some(stream) = input.cuda_stream() {
-            return self.device_all_to_all_v(sig, input, output, recv_counts, stream);
+        if input.cuda_stream().is_some() {
+            let call = Call::AllToAll {
+                send: send_counts.into(),
+                recv: recv_counts.into(),
+            };
+            let shape = Shape::blocks(&call, input.dtype(), recv_counts);
+            return self.device_call(sig, &shape, Some(input), output);
         }
         let esize = input.dtype().size_in_bytes();
         let in_ptr = input.host_ptr() as usize;

@@ -1,72 +1,32 @@
-//! Collectives over the emulated device's memory, queued on the rank's communication
-//! stream of the group as NCCL queues them on its own: the stream waits for the buffers'
-//! streams, runs the collective in their order while the caller goes on (backward's
-//! later kernels, say), and the buffers' streams wait for it on the device, with no host
-//! wait: a non-blocking call's when its [`Work`] is waited for, a blocking call's at once
-//! (tensor-parallel all-reduces, sequence-parallel gathers, expert all-to-alls).
+//! Collectives over the device layer's memory (a GPU's or the emulated device's),
+//! queued on the rank's communication stream of the group as NCCL queues them on its
+//! own, and ordered by events alone: the stream waits for the buffers' streams and
+//! records that it is ready; the ranks publish their buffers and ready events and meet on
+//! the host (as they would at an NCCL call's launch); each rank's stream waits for its
+//! peers' ready events, queues its moves (`moves`: copies from and to peers' buffers,
+//! reductions) and records that they are done; the ranks meet again to exchange those
+//! events, and each stream waits for its peers' before its buffers' streams wait for it
+//! (a non-blocking call's when its [`Work`] is waited for, a blocking call's at once:
+//! tensor-parallel all-reduces, sequence-parallel gathers, expert all-to-alls). The host
+//! waits for none of it. One discipline for both devices: on the emulated device the
+//! ordering checker sees every move as the communication stream's access, so a missing
+//! wait on any side is a named ordering error, and the same code orders a GPU's moves.
 //! Point-to-point messages of such memory are copied on the same stream
-//! (`BufRef::to_message`). The ordering checker sees the collective's reads and writes as
-//! the communication stream's, so a missing wait on either side is a named ordering
-//! error.
+//! (`BufRef::to_message`).
 
 use std::sync::Arc;
 
 use ferrotron_device::{Access, Device, Event, Stream};
-use parking_lot::Mutex;
 
-use super::RankCore;
+use super::moves::{Mover, Shape};
+use super::{Phase, RankCore};
 use crate::buffer::{BufMut, BufRef, Buffer};
 use crate::communicator::AsyncOp;
-use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::dtype::{reduce_raw, DType, ReduceOp};
+use crate::error::{CallSignature, Error, Result};
 use crate::work::Work;
 
-/// One buffer of a streamed call: where it is, and whether the call writes it.
-#[derive(Clone, Copy)]
-struct Part {
-    ptr: usize,
-    len: usize,
-    dtype: DType,
-    write: bool,
-}
-
-impl Part {
-    fn of(buffer: &Buffer, write: bool) -> Part {
-        let view = buffer.as_buf_ref();
-        Part {
-            ptr: view.host_ptr() as usize,
-            len: view.len(),
-            dtype: view.dtype(),
-            write,
-        }
-    }
-
-    fn access(&self) -> Access {
-        let bytes = self.len * self.dtype.size_in_bytes();
-        match self.write {
-            true => Access::write(self.ptr as u64, bytes),
-            false => Access::read(self.ptr as u64, bytes),
-        }
-    }
-
-    /// The buffer as the queued call reads it.
-    ///
-    /// # Safety
-    /// The memory must be live and left alone by everything else until the call has
-    /// run, which stream order guarantees (see `RankCore::start_streamed`).
-    unsafe fn input(&self) -> BufRef<'static> {
-        // SAFETY: as the caller guarantees.
-        unsafe { BufRef::emulated(self.ptr as *const u8, self.len, self.dtype) }
-    }
-
-    /// The buffer as the queued call writes it; see [`input`](Self::input).
-    unsafe fn output(&self) -> BufMut<'static> {
-        // SAFETY: as the caller guarantees.
-        unsafe { BufMut::emulated(self.ptr as *mut u8, self.len, self.dtype) }
-    }
-}
-
-/// What the queued call runs, on views of its parts.
+/// A collective of the local backend, by kind (and, for the ordered moves, shape).
 #[derive(Clone)]
 pub(super) enum Call {
     AllReduce(crate::ReduceOp),
@@ -80,96 +40,69 @@ pub(super) enum Call {
     },
 }
 
-/// Where a queued call's error goes, for the `Work` that reports it.
-type Failure = Arc<Mutex<Option<Error>>>;
-
 impl RankCore {
-    /// The rank's communication stream of this group on the emulated device, made on
-    /// first use (a stream of the rank thread's own, as its compute stream is).
-    fn comm_stream(&self) -> Result<Stream> {
-        let mut slot = self.comm_stream.lock();
-        if let Some(stream) = &*slot {
+    /// The rank's communication stream of this group on `device`, made on first use (a
+    /// stream of the rank thread's own, as its compute stream is).
+    fn comm_stream(&self, device: Device) -> Result<Stream> {
+        let mut streams = self.comm_streams.lock();
+        if let Some(stream) = streams.iter().find(|s| s.device() == device) {
             return Ok(stream.clone());
         }
         let role = ferrotron_device::Role::Communication;
         // Labelled by the group, so the modelled timeline tells each group's traffic apart.
         let label = self.name();
         let stream = match ferrotron_device::own_streams() {
-            true => ferrotron_device::own_stream(Device::Emulated, role, label)?,
-            false => Stream::with_label(Device::Emulated, role, label)?,
+            true => ferrotron_device::own_stream(device, role, label)?,
+            false => Stream::with_label(device, role, label)?,
         };
-        *slot = Some(stream.clone());
+        streams.push(stream.clone());
         Ok(stream)
     }
 
     /// The stream a point-to-point message of `view` is copied on: the group's
-    /// communication stream for emulated device memory of a stream, as NCCL's transfers
-    /// run on its own; `None` for anything else.
+    /// communication stream for the device layer's memory, as NCCL's transfers run on its
+    /// own; `None` for anything else.
     pub(super) fn message_stream(&self, view: &BufRef<'_>) -> Result<Option<Stream>> {
-        match (view.memory(), view.ordered_on()) {
-            (Device::Emulated, Some(_)) => self.comm_stream().map(Some),
-            _ => Ok(None),
+        match view.ordered_on() {
+            Some(stream) => self.comm_stream(stream.device()).map(Some),
+            None => Ok(None),
         }
     }
 
-    /// Lets the calls queued on the communication stream run before a call that the host
-    /// runs itself (they come first in the group's order). Not a host wait: on a GPU the
-    /// later call would be queued behind them.
-    pub(super) fn drain_comm_stream(&self) -> Result<()> {
-        let stream = self.comm_stream.lock().clone();
-        match stream {
-            Some(stream) => Ok(stream.drain_emulated()?),
-            None => Ok(()),
-        }
-    }
-
-    /// Queues `op` on the communication stream when all its buffers are emulated device
-    /// memory of a stream (lent tensors and buckets) and the group has peers; otherwise
+    /// Queues `op` on the communication stream when all its buffers are the device
+    /// layer's memory (lent tensors and buckets) and the group has peers; otherwise
     /// gives it back for the progress thread.
     pub(super) fn start_streamed(
         self: &Arc<Self>,
         op: AsyncOp,
     ) -> Result<std::result::Result<Work, AsyncOp>> {
         let (call, mut buffers) = match op {
-            AsyncOp::AllReduce { buf, op } => (Call::AllReduce(op), vec![(buf, true)]),
-            AsyncOp::Broadcast { buf, root } => (Call::Broadcast(root), vec![(buf, true)]),
-            AsyncOp::AllGatherInto { input, output } => {
-                (Call::AllGather(None), vec![(input, false), (output, true)])
+            AsyncOp::AllReduce { buf, op } => (Call::AllReduce(op), vec![buf]),
+            AsyncOp::Broadcast { buf, root } => (Call::Broadcast(root), vec![buf]),
+            AsyncOp::AllGatherInto { input, output } => (Call::AllGather(None), vec![input, output]),
+            AsyncOp::ReduceScatterInto { input, output, op } => {
+                (Call::ReduceScatter(op, None), vec![input, output])
             }
-            AsyncOp::ReduceScatterInto { input, output, op } => (
-                Call::ReduceScatter(op, None),
-                vec![(input, false), (output, true)],
-            ),
             other => return Ok(Err(other)),
         };
-        let views: Vec<BufRef<'_>> = buffers.iter().map(|(b, _)| b.as_buf_ref()).collect();
+        let views: Vec<BufRef<'_>> = buffers.iter().map(Buffer::as_buf_ref).collect();
         let Some(holders) = self.holders(&views) else {
             return Ok(Err(rebuild(call, buffers)));
         };
-        match &mut buffers[..] {
-            [(input, _), (output, _)] => {
-                self.check_call(&call, Some(&input.as_buf_ref()), &output.as_buf_mut())?
+        let done = match &mut buffers[..] {
+            [input, output] => {
+                let input = input.as_buf_ref();
+                self.queue_on_comm_stream(&call, Some(&input), &output.as_buf_mut(), &holders)?
             }
-            [(buf, _)] => self.check_call(&call, None, &buf.as_buf_mut())?,
-            _ => {
-                return Err(Error::Config(format!(
-                    "{}: one or two buffers",
-                    call.name()
-                )))
-            }
-        }
-        let parts: Vec<Part> = buffers.iter().map(|(b, w)| Part::of(b, *w)).collect();
-        let (done, failure) = self.queue_on_comm_stream(call, parts, &holders)?;
-        let mut kept: Vec<Buffer> = buffers.into_iter().map(|(b, _)| b).collect();
+            [buf] => self.queue_on_comm_stream(&call, None, &buf.as_buf_mut(), &holders)?,
+            _ => return Err(Error::Config(format!("{}: one or two buffers", call.name()))),
+        };
         Ok(Ok(Work::deferred(move || {
             wait_for(&holders, &done)?;
             // The result is the last buffer; an input goes back to its owner only now,
             // once its streams wait for the call.
-            let result = kept.pop();
-            drop(kept);
-            if let Some(error) = failure.lock().take() {
-                return Err(error);
-            }
+            let result = buffers.pop();
+            drop(buffers);
             result.ok_or_else(|| Error::Config("a collective without buffers".into()))
         })))
     }
@@ -185,10 +118,10 @@ impl RankCore {
         output: BufMut<'_>,
         host: impl FnOnce(BufMut<'_>) -> Result<()>,
     ) -> Result<()> {
-        if self.run_on_comm_stream(call.clone(), input.as_ref(), &output)? {
+        if self.run_on_comm_stream(&call, input.as_ref(), &output)? {
             return Ok(());
         }
-        self.quiesce()?;
+        self.quiesce();
         if let Some(input) = &input {
             input.declare(call.name(), false)?;
         }
@@ -199,128 +132,179 @@ impl RankCore {
     /// Queues a blocking call over `input` (none when in place) and `output` on the
     /// communication stream, as NCCL queues a blocking call: the buffers' streams wait for
     /// it at once, the host waits for nothing, and work queued after it on those streams
-    /// sees the result. `false` (nothing queued) unless every buffer is emulated device
-    /// memory of a stream and the group has peers. An error the call meets on the stream
-    /// (a peer that disagrees, a timeout) breaks the stream and every stream that waits
-    /// for it; the next wait on the host reports it.
+    /// sees the result. `false` (nothing queued) unless every buffer is the device layer's
+    /// memory and the group has peers.
     pub(super) fn run_on_comm_stream(
         self: &Arc<Self>,
-        call: Call,
+        call: &Call,
         input: Option<&BufRef<'_>>,
         output: &BufMut<'_>,
     ) -> Result<bool> {
-        let out = output.as_ref();
-        let views: Vec<BufRef<'_>> = input.into_iter().copied().chain([out]).collect();
+        let views: Vec<BufRef<'_>> = input.into_iter().copied().chain([output.as_ref()]).collect();
         let Some(holders) = self.holders(&views) else {
             return Ok(false);
         };
-        self.check_call(&call, input, output)?;
-        // Calls the progress thread holds come first in the group's order.
-        self.queue.wait_idle();
-        let part = |view: &BufRef<'_>, write| Part {
-            ptr: view.host_ptr() as usize,
-            len: view.len(),
-            dtype: view.dtype(),
-            write,
-        };
-        let parts = match input {
-            Some(input) => vec![part(input, false), part(&out, true)],
-            None => vec![part(&out, true)],
-        };
-        let (done, _failure) = self.queue_on_comm_stream(call, parts, &holders)?;
+        let done = self.queue_on_comm_stream(call, input, output, &holders)?;
         wait_for(&holders, &done)?;
         Ok(true)
     }
 
-    /// The distinct streams `views` are ordered on, when all are emulated device memory
-    /// of a stream and the group has peers; `None` for a call the host runs.
+    /// The distinct streams `views` are ordered on, when all are the device layer's
+    /// memory of one device and the group has peers; `None` for a call the host runs.
     fn holders(&self, views: &[BufRef<'_>]) -> Option<Vec<Stream>> {
-        let holders: Option<Vec<Stream>> = views
+        let holders: Vec<Stream> = views
             .iter()
-            .map(|view| {
-                (view.memory() == Device::Emulated)
-                    .then(|| view.ordered_on().cloned())
-                    .flatten()
-            })
-            .collect();
-        holders.filter(|_| self.group.size() > 1).map(dedup)
+            .map(|view| view.ordered_on().cloned())
+            .collect::<Option<_>>()?;
+        let device = holders.first()?.device();
+        let one_device = holders.iter().all(|s| s.device() == device);
+        (one_device && self.group.size() > 1).then(|| dedup(holders))
     }
 
-    /// Queues `call` over `parts` on the communication stream after the `holders`' work
-    /// queued so far; returns the event of its completion and where its error goes.
+    /// Queues `call` on the communication stream of the buffers' device after the work
+    /// the `holders` queued so far, ordered by events with the peers' streams (see the
+    /// module docs); returns the event after which this rank's buffers are free of
+    /// every rank's moves. The call's own checks run first, so a bad call is its caller's
+    /// typed error with nothing queued.
     fn queue_on_comm_stream(
         self: &Arc<Self>,
-        call: Call,
-        parts: Vec<Part>,
+        call: &Call,
+        input: Option<&BufRef<'_>>,
+        output: &BufMut<'_>,
         holders: &[Stream],
-    ) -> Result<(Event, Failure)> {
-        let comm = self.comm_stream()?;
+    ) -> Result<Event> {
+        let (sig, counts) = self.check_call(call, input, output)?;
+        let shape = match call {
+            Call::AllReduce(_) | Call::Broadcast(_) => Shape::in_place(call, output),
+            _ => Shape::blocks(call, output.dtype(), &counts),
+        };
+        // Calls the progress thread holds come first in the group's order.
+        self.queue.wait_idle();
+        let comm = self.comm_stream(holders[0].device())?;
         for holder in holders {
             comm.wait(&holder.record()?)?;
         }
-        let failure = Failure::default();
-        let (core, failed) = (self.clone(), failure.clone());
-        let accesses: Vec<Access> = parts.iter().map(Part::access).collect();
-        ferrotron_device::timeline::charge_transfer(call.ring_bytes(&parts, self.group.size()));
-        comm.queue_host_fallible(call.name(), &accesses, move || {
-            // SAFETY: the buffers' streams, which free and overwrite them, wait for this
-            // call before anything they queue later.
-            let outcome = unsafe { core.run_streamed(&call, &parts) };
-            outcome.map_err(|error| {
-                let message = error.to_string();
-                *failed.lock() = Some(error);
-                message
-            })
-        })?;
-        Ok((comm.record()?, failure))
+        let ready = Arc::new(comm.record()?);
+        // Device addresses of the device layer's memory (the emulated device's are host
+        // addresses).
+        let recv = output.as_ref().host_ptr() as usize;
+        let send = input.map_or(recv, |input| input.host_ptr() as usize);
+        let bytes = call.ring_bytes(input.map(BufRef::byte_len), output.byte_len(), self.group.size());
+        let op = sig.op;
+        self.call(|counters| {
+            let seq = self.begin(counters, sig, |ex| {
+                (ex.send_ptr, ex.recv_ptr) = (send, recv);
+                ex.ready = Some(ready);
+                *ex.done.get_mut() = None;
+            })?;
+            let others = || (0..self.group.size()).filter(|&r| r != self.rank);
+            let peers_ready = || -> Result<()> {
+                for peer in others() {
+                    if let Some(ready) = &self.peer(peer, seq).ready {
+                        comm.wait(ready)?;
+                    }
+                }
+                Ok(())
+            };
+            ferrotron_device::timeline::charge_transfer(bytes);
+            // SAFETY: every rank's buffers are live until its holders wait for the event
+            // this returns, which follows every rank's moves (the done events below), and
+            // no rank's stream touches them between its ready event and then.
+            let moved = peers_ready()
+                .and_then(|()| unsafe { self.queue_moves(&StreamMover(&comm, call.name()), seq, &shape) });
+            ferrotron_device::timeline::clear_charge();
+            if moved.is_err() {
+                // The peers must not return a result with this rank's share missing.
+                self.group.declare_lost(op, seq, self.rank);
+            }
+            // Published whatever happened: the peers' buffers must outlive what was queued.
+            let done = comm.record().map(Arc::new);
+            if let Ok(done) = &done {
+                *self.peer(self.rank, seq).done.lock() = Some(done.clone());
+            }
+            let closed = self.barrier_step(counters, op, seq, Phase::Close);
+            for peer in others() {
+                if let Some(done) = self.peer(peer, seq).done.lock().clone() {
+                    comm.wait(&done)?;
+                }
+            }
+            moved.and(closed)?;
+            done?;
+            Ok(comm.record()?)
+        })
     }
 
-    /// The call's own checks (lengths, roots, counts), on the host before anything is
-    /// queued, so a bad call is its caller's typed error.
+    /// The call's own checks (lengths, roots, counts): its signature, and each rank's
+    /// block for the calls made of blocks.
     fn check_call(
         &self,
         call: &Call,
         input: Option<&BufRef<'_>>,
         output: &BufMut<'_>,
-    ) -> Result<()> {
+    ) -> Result<(CallSignature, Vec<usize>)> {
         let check = self.check();
         let missing = || Error::Config(format!("{} without an input buffer", call.name()));
         match call {
-            Call::AllReduce(op) => check.all_reduce(output, *op).map(drop),
-            Call::Broadcast(root) => check.broadcast(output, *root).map(drop),
-            Call::AllGather(counts) => check
-                .all_gather(input.ok_or_else(missing)?, output, counts.as_deref())
-                .map(drop),
-            Call::ReduceScatter(op, counts) => check
-                .reduce_scatter(input.ok_or_else(missing)?, output, counts.as_deref(), *op)
-                .map(drop),
-            Call::AllToAll { send, recv } => check
-                .all_to_all_v(input.ok_or_else(missing)?, send, output, recv)
-                .map(drop),
-        }
-    }
-
-    /// Runs the collective on the communication stream's worker.
-    ///
-    /// # Safety
-    /// As [`Part::input`].
-    unsafe fn run_streamed(&self, call: &Call, parts: &[Part]) -> Result<()> {
-        // SAFETY: as the caller guarantees.
-        unsafe {
-            match call {
-                Call::AllReduce(op) => self.all_reduce(parts[0].output(), *op),
-                Call::Broadcast(root) => self.broadcast(parts[0].output(), *root),
-                Call::AllGather(counts) => {
-                    self.all_gather(parts[0].input(), parts[1].output(), counts.as_deref())
-                }
-                Call::ReduceScatter(op, counts) => {
-                    self.reduce_scatter(parts[0].input(), parts[1].output(), counts.as_deref(), *op)
-                }
-                Call::AllToAll { send, recv } => {
-                    self.all_to_all_v(parts[0].input(), send, parts[1].output(), recv)
-                }
+            Call::AllReduce(op) => Ok((check.all_reduce(output, *op)?, Vec::new())),
+            Call::Broadcast(root) => Ok((check.broadcast(output, *root)?, Vec::new())),
+            Call::AllGather(counts) => {
+                check.all_gather(input.ok_or_else(missing)?, output, counts.as_deref())
+            }
+            Call::ReduceScatter(op, counts) => {
+                check.reduce_scatter(input.ok_or_else(missing)?, output, counts.as_deref(), *op)
+            }
+            Call::AllToAll { send, recv } => {
+                let sig = check.all_to_all_v(input.ok_or_else(missing)?, send, output, recv)?;
+                Ok((sig, recv.to_vec()))
             }
         }
+    }
+}
+
+/// Moves queued on a stream of the device layer, named by their collective: copies as
+/// the stream's own, reductions by the emulated device's worker on the host (where every
+/// rank's memory is addressable) or, on a GPU, by the reduction kernel over rows gathered
+/// into this device's memory.
+struct StreamMover<'a>(&'a Stream, &'static str);
+
+impl Mover for StreamMover<'_> {
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: as the caller guarantees.
+        Ok(unsafe { self.0.copy_as(self.1, dst, src, bytes) }?)
+    }
+
+    unsafe fn reduce(
+        &self,
+        op: ReduceOp,
+        dtype: DType,
+        out: u64,
+        sources: &[u64],
+        count: usize,
+    ) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = self.0.cuda() {
+            self.0.bind()?;
+            // SAFETY: as the caller guarantees.
+            return unsafe { super::cuda::CudaMover(stream).reduce(op, dtype, out, sources, count) };
+        }
+        let bytes = count * dtype.size_in_bytes();
+        // `out` may be a source: its write covers the read.
+        let mut accesses: Vec<Access> = sources
+            .iter()
+            .filter(|&&src| src != out)
+            .map(|&src| Access::read(src, bytes))
+            .collect();
+        accesses.push(Access::write(out, bytes));
+        let sources: Vec<usize> = sources.iter().map(|&src| src as usize).collect();
+        let out = out as usize;
+        Ok(self.0.queue_host(self.1, &accesses, move || {
+            crate::with_dtype!(dtype, T => {
+                let sources: Vec<*const T> = sources.iter().map(|&src| src as *const T).collect();
+                // SAFETY: as the caller guarantees, until this call has run; `out` is at
+                // most equal to a source, never a partial overlap (disjoint chunks).
+                unsafe { reduce_raw::<T>(op, &sources, &[out as *mut T], count) }
+            })
+        })?)
     }
 }
 
@@ -334,18 +318,19 @@ fn wait_for(holders: &[Stream], done: &Event) -> Result<()> {
 
 impl Call {
     /// The bytes each rank sends in a ring implementation of the call over `n` ranks
-    /// (what NCCL's bus bandwidth is measured by), for the modelled timeline.
-    fn ring_bytes(&self, parts: &[Part], n: usize) -> u64 {
-        let bytes = |p: &Part| (p.len * p.dtype.size_in_bytes()) as u64;
+    /// (what NCCL's bus bandwidth is measured by), for the modelled timeline: `input`
+    /// bytes (none when in place) and `output` bytes.
+    fn ring_bytes(&self, input: Option<usize>, output: usize, n: usize) -> u64 {
         let (n, steps) = (n as u64, n.saturating_sub(1) as u64);
+        let (input, output) = (input.unwrap_or(output) as u64, output as u64);
         match self {
-            Call::AllReduce(_) => 2 * steps * bytes(&parts[0]) / n,
-            Call::Broadcast(_) => bytes(&parts[0]),
+            Call::AllReduce(_) => 2 * steps * output / n,
+            Call::Broadcast(_) => output,
             // The gathered output, or the scattered input: the whole buffer.
-            Call::AllGather(_) => steps * bytes(&parts[1]) / n,
-            Call::ReduceScatter(..) => steps * bytes(&parts[0]) / n,
+            Call::AllGather(_) => steps * output / n,
+            Call::ReduceScatter(..) => steps * input / n,
             // What this rank sends to the others, about all of its input.
-            Call::AllToAll { .. } => steps * bytes(&parts[0]) / n,
+            Call::AllToAll { .. } => steps * input / n,
         }
     }
 
@@ -363,8 +348,8 @@ impl Call {
 }
 
 /// The operation again, for the progress thread.
-fn rebuild(call: Call, buffers: Vec<(Buffer, bool)>) -> AsyncOp {
-    let mut buffers = buffers.into_iter().map(|(b, _)| b);
+fn rebuild(call: Call, buffers: Vec<Buffer>) -> AsyncOp {
+    let mut buffers = buffers.into_iter();
     // Invariant, not input: `start_streamed` built `buffers` from this very call, one
     // buffer per slot taken here.
     let mut next = || buffers.next().expect("built from this call's buffers");

@@ -22,14 +22,14 @@ use crate::error::{panic_message, CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{self, CallRecord, FlightRecord, Ticket};
 use crate::work::{ProgressQueue, Work};
 use group::{GroupShared, Message, Phase, WorldShared};
+use moves::Call;
+#[cfg(feature = "cuda")]
+use moves::Shape;
 use parking_lot::Mutex;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-#[cfg(feature = "cuda")]
-use moves::Shape;
-use streamed::Call;
 
 /// Per-rank messages up to this size go through staging copies (one barrier).
 pub const SMALL_MESSAGE_BYTES: usize = 64 * 1024;

@@ -17,7 +17,36 @@ use crate::buffer::BufMut;
 use crate::calls::offsets;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::local::streamed::Call;
+use std::sync::Arc;
+
+/// A collective of the local backend, by kind (and, for the ordered moves, shape).
+#[derive(Clone)]
+pub(super) enum Call {
+    AllReduce(crate::ReduceOp),
+    Broadcast(usize),
+    /// Per-rank counts for the `_v` variant.
+    AllGather(Option<Arc<[usize]>>),
+    ReduceScatter(crate::ReduceOp, Option<Arc<[usize]>>),
+    AllToAll {
+        send: Arc<[usize]>,
+        recv: Arc<[usize]>,
+    },
+}
+
+impl Call {
+    /// The collective's name, as its flight record and the ordering checker say it.
+    pub(super) fn name(&self) -> &'static str {
+        match self {
+            Call::AllReduce(_) => "all_reduce",
+            Call::Broadcast(_) => "broadcast",
+            Call::AllGather(None) => "all_gather",
+            Call::AllGather(Some(_)) => "all_gather_v",
+            Call::ReduceScatter(_, None) => "reduce_scatter",
+            Call::ReduceScatter(_, Some(_)) => "reduce_scatter_v",
+            Call::AllToAll { .. } => "all_to_all_v",
+        }
+    }
+}
 
 /// Queues the device work of one rank's moves on one stream.
 pub(super) trait Mover {

@@ -18,27 +18,13 @@ use std::sync::Arc;
 
 use ferrotron_device::{Access, Device, Event, Stream};
 
-use super::moves::{Mover, Shape};
+use super::moves::{Call, Mover, Shape};
 use super::{Phase, RankCore};
 use crate::buffer::{BufMut, BufRef, Buffer};
 use crate::communicator::AsyncOp;
 use crate::dtype::{reduce_raw, DType, ReduceOp};
 use crate::error::{CallSignature, Error, Result};
 use crate::work::Work;
-
-/// A collective of the local backend, by kind (and, for the ordered moves, shape).
-#[derive(Clone)]
-pub(super) enum Call {
-    AllReduce(crate::ReduceOp),
-    Broadcast(usize),
-    /// Per-rank counts for the `_v` variant.
-    AllGather(Option<Arc<[usize]>>),
-    ReduceScatter(crate::ReduceOp, Option<Arc<[usize]>>),
-    AllToAll {
-        send: Arc<[usize]>,
-        recv: Arc<[usize]>,
-    },
-}
 
 impl RankCore {
     /// The rank's communication stream of this group on `device`, made on first use (a
@@ -79,7 +65,9 @@ impl RankCore {
         let (call, mut buffers) = match op {
             AsyncOp::AllReduce { buf, op } => (Call::AllReduce(op), vec![buf]),
             AsyncOp::Broadcast { buf, root } => (Call::Broadcast(root), vec![buf]),
-            AsyncOp::AllGatherInto { input, output } => (Call::AllGather(None), vec![input, output]),
+            AsyncOp::AllGatherInto { input, output } => {
+                (Call::AllGather(None), vec![input, output])
+            }
             AsyncOp::ReduceScatterInto { input, output, op } => {
                 (Call::ReduceScatter(op, None), vec![input, output])
             }
@@ -95,7 +83,12 @@ impl RankCore {
                 self.queue_on_comm_stream(&call, Some(&input), &output.as_buf_mut(), &holders)?
             }
             [buf] => self.queue_on_comm_stream(&call, None, &buf.as_buf_mut(), &holders)?,
-            _ => return Err(Error::Config(format!("{}: one or two buffers", call.name()))),
+            _ => {
+                return Err(Error::Config(format!(
+                    "{}: one or two buffers",
+                    call.name()
+                )))
+            }
         };
         Ok(Ok(Work::deferred(move || {
             wait_for(&holders, &done)?;
@@ -140,7 +133,11 @@ impl RankCore {
         input: Option<&BufRef<'_>>,
         output: &BufMut<'_>,
     ) -> Result<bool> {
-        let views: Vec<BufRef<'_>> = input.into_iter().copied().chain([output.as_ref()]).collect();
+        let views: Vec<BufRef<'_>> = input
+            .into_iter()
+            .copied()
+            .chain([output.as_ref()])
+            .collect();
         let Some(holders) = self.holders(&views) else {
             return Ok(false);
         };
@@ -189,7 +186,11 @@ impl RankCore {
         // addresses).
         let recv = output.as_ref().host_ptr() as usize;
         let send = input.map_or(recv, |input| input.host_ptr() as usize);
-        let bytes = call.ring_bytes(input.map(BufRef::byte_len), output.byte_len(), self.group.size());
+        let bytes = call.ring_bytes(
+            input.map(BufRef::byte_len),
+            output.byte_len(),
+            self.group.size(),
+        );
         let op = sig.op;
         self.call(|counters| {
             let seq = self.begin(counters, sig, |ex| {
@@ -210,8 +211,9 @@ impl RankCore {
             // SAFETY: every rank's buffers are live until its holders wait for the event
             // this returns, which follows every rank's moves (the done events below), and
             // no rank's stream touches them between its ready event and then.
-            let moved = peers_ready()
-                .and_then(|()| unsafe { self.queue_moves(&StreamMover(&comm, call.name()), seq, &shape) });
+            let moved = peers_ready().and_then(|()| unsafe {
+                self.queue_moves(&StreamMover(&comm, call.name()), seq, &shape)
+            });
             ferrotron_device::timeline::clear_charge();
             if moved.is_err() {
                 // The peers must not return a result with this rank's share missing.
@@ -285,7 +287,9 @@ impl Mover for StreamMover<'_> {
         if let Some(stream) = self.0.cuda() {
             self.0.bind()?;
             // SAFETY: as the caller guarantees.
-            return unsafe { super::cuda::CudaMover(stream).reduce(op, dtype, out, sources, count) };
+            return unsafe {
+                super::cuda::CudaMover(stream).reduce(op, dtype, out, sources, count)
+            };
         }
         let bytes = count * dtype.size_in_bytes();
         // `out` may be a source: its write covers the read.
@@ -331,18 +335,6 @@ impl Call {
             Call::ReduceScatter(..) => steps * input / n,
             // What this rank sends to the others, about all of its input.
             Call::AllToAll { .. } => steps * input / n,
-        }
-    }
-
-    fn name(&self) -> &'static str {
-        match self {
-            Call::AllReduce(_) => "all_reduce",
-            Call::Broadcast(_) => "broadcast",
-            Call::AllGather(None) => "all_gather",
-            Call::AllGather(Some(_)) => "all_gather_v",
-            Call::ReduceScatter(_, None) => "reduce_scatter",
-            Call::ReduceScatter(_, Some(_)) => "reduce_scatter_v",
-            Call::AllToAll { .. } => "all_to_all_v",
         }
     }
 }

@@ -1,11 +1,14 @@
 //! Column- and row-parallel linear layers (Megatron-Core's `ColumnParallelLinear` and
 //! `RowParallelLinear`). Weights are stored `[out_features, in_features]`, as PyTorch's.
 
+use std::sync::Arc;
+
 use ferrotron_mappings::{
-    copy_to_region, gather_from_region, gather_from_sequence_parallel_region, reduce_from_region,
+    copy_to_region, copy_to_region_beside, gather_from_region,
+    gather_from_sequence_parallel_region, reduce_from_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_region,
 };
-use ferrotron_tape::{Tape, Tensor};
+use ferrotron_tape::{Device, InputGradHook, Tape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::init::{sharded, MasterInit};
@@ -199,13 +202,16 @@ impl ColumnParallelLinear {
             ));
         }
         let group = self.tp.group();
-        let input = if self.tp.sequence_parallel() {
-            gather_from_sequence_parallel_region(x, group, true, None)?
-        } else {
-            copy_to_region(x, group)?
-        };
         let weight = tape.watch(&self.weight.param);
-        let mut output = matmul_transposed(&input, &weight)?;
+        let mut output = if self.tp.sequence_parallel() {
+            let input = gather_from_sequence_parallel_region(x, group, true, None)?;
+            matmul_transposed(&input, &weight, None)?
+        } else if group.size() > 1 && x.device() != Device::Cpu {
+            // The input gradient's all-reduce runs beside the weight gradient's GEMM.
+            matmul_transposed(x, &weight, Some(copy_to_region_beside(group)))?
+        } else {
+            matmul_transposed(&copy_to_region(x, group)?, &weight, None)?
+        };
         let bias = self.bias.as_ref().map(|b| tape.watch(&b.param));
         let returned_bias = match bias {
             Some(bias) if !self.skip_bias_add => {
@@ -335,7 +341,7 @@ impl RowParallelLinear {
             let sizes = ferrotron_mappings::split_sizes(self.in_features, self.tp.size())?;
             scatter_to_region(x, group, x.ndim() - 1, Some(&sizes))?
         };
-        let partial = matmul_transposed(&input, &tape.watch(&self.weight.param))?;
+        let partial = matmul_transposed(&input, &tape.watch(&self.weight.param), None)?;
         let mut output = if self.tp.sequence_parallel() {
             reduce_scatter_to_sequence_parallel_region(&partial, group, None)?
         } else {
@@ -376,12 +382,20 @@ fn check_features(op: &'static str, in_features: usize, out_features: usize) -> 
 
 /// `x·Wᵀ` for `x` of any rank ≥ 1 and `W: [out, in]`: leading dimensions are flattened
 /// into rows for one GEMM, which reads `W` as stored (no transposed copy on a device).
-pub(crate) fn matmul_transposed(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+pub(crate) fn matmul_transposed(
+    x: &Tensor,
+    weight: &Tensor,
+    input_grad: Option<Arc<dyn InputGradHook<f32>>>,
+) -> Result<Tensor> {
     let shape = x.shape().to_vec();
     let in_features = shape.last().copied().unwrap_or(0);
     let rows = x.numel().checked_div(in_features).unwrap_or(0);
     let out_features = weight.shape()[0];
-    let product = x.reshape(&[rows, in_features])?.matmul_transposed(weight)?;
+    let rows = x.reshape(&[rows, in_features])?;
+    let product = match input_grad {
+        Some(hook) => rows.matmul_transposed_overlapped(weight, hook)?,
+        None => rows.matmul_transposed(weight)?,
+    };
     let mut out_shape = shape;
     if let Some(last) = out_shape.last_mut() {
         *last = out_features;

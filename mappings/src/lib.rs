@@ -111,9 +111,9 @@ mod split;
 pub use all_to_all::all_to_all;
 pub use error::{Error, Result};
 pub use regions::{
-    all_gather_from_region, all_gather_variable, copy_to_region, gather_from_region,
-    gather_from_sequence_parallel_region, reduce_from_region, reduce_scatter_to_region,
-    reduce_scatter_to_sequence_parallel_region, scatter_to_region,
+    all_gather_from_region, all_gather_variable, copy_to_region, copy_to_region_beside,
+    gather_from_region, gather_from_sequence_parallel_region, reduce_from_region,
+    reduce_scatter_to_region, reduce_scatter_to_sequence_parallel_region, scatter_to_region,
     scatter_to_sequence_parallel_region,
 };
 pub use split::split_sizes;

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use ferrotron_comm_core::Communicator;
-use ferrotron_tape::Tensor;
+use ferrotron_comm_core::{AsyncOp, Communicator, ReduceOp};
+use ferrotron_tape::{InputGradHook, PendingGrad, Tensor};
 
 use crate::collective::Collective;
 use crate::error::Result;
@@ -28,6 +28,35 @@ pub fn copy_to_region<T: Scalar>(
         backward: Collective::AllReduce,
     }
     .apply(x)
+}
+
+/// [`copy_to_region`]'s backward for a product that runs it beside its weight gradient's
+/// GEMM ([`Tensor::matmul_transposed_overlapped`], Megatron's asynchronous
+/// tensor-parallel all-reduce): the input gradient is summed over `group` by a
+/// non-blocking all-reduce started as soon as it is computed (on a device, queued on
+/// the group's communication stream) and waited for once the weight gradient is queued.
+/// Use the product on `x` itself in place of [`copy_to_region`]`(x)`.
+pub fn copy_to_region_beside<T: Scalar>(
+    group: &Arc<dyn Communicator>,
+) -> Arc<dyn InputGradHook<T>> {
+    Arc::new(SumBeside(group.clone()))
+}
+
+/// The hook of [`copy_to_region_beside`].
+struct SumBeside(Arc<dyn Communicator>);
+
+impl<T: Scalar> InputGradHook<T> for SumBeside {
+    fn start(&self, grad: Tensor<T>) -> ferrotron_tape::Result<PendingGrad<T>> {
+        let failed = |e| ferrotron_tape::Error::custom("copy_to_region", e);
+        let op = AsyncOp::AllReduce {
+            buf: grad.into_buffer()?,
+            op: ReduceOp::Sum,
+        };
+        let work = self.0.start(op).map_err(failed)?;
+        Ok(Box::new(move || {
+            Tensor::from_buffer(work.wait().map_err(failed)?)
+        }))
+    }
 }
 
 /// Leaves a parallel region: forward sums `x` over `group` (all-reduce), backward is the

@@ -212,8 +212,9 @@ fn a_profile_counts_every_kernel_of_the_steps_after_the_first() {
 /// compute streams overlap, in all and for each group's traffic, on a modelled timeline
 /// (each call timed by what it moves, not by the host's clock), so the figure is the same
 /// on every run and machine. Buckets reduced as soon as backward completes them hide
-/// more of the data-parallel traffic than buckets reduced after it; the tensor-parallel
-/// all-reduces, which the next kernel needs at once, hide nothing.
+/// more of the data-parallel traffic than buckets reduced after it; of the
+/// tensor-parallel all-reduces, those of the input gradients run beside the weight
+/// gradients' GEMMs (forward's, which the next kernel needs at once, hide nothing).
 #[test]
 fn the_modelled_timeline_says_how_much_communication_compute_hides() {
     let hidden = |extra: &[&str]| -> String {
@@ -252,7 +253,8 @@ fn the_modelled_timeline_says_how_much_communication_compute_hides() {
         dp >= 70.0 && dp > dp_after,
         "data-parallel traffic {dp}% hidden with overlap, {dp_after}% without"
     );
-    assert_eq!(share(&overlapped, "tp"), 0.0, "{overlapped}");
+    let tp = share(&overlapped, "tp");
+    assert!(tp > 0.0 && tp < 50.0, "{overlapped}");
     assert!(!train("cpu", &[]).contains("communication hidden"));
 }
 

@@ -5,6 +5,8 @@
 
 use half::{bf16, f16};
 use ndarray::linalg::general_mat_mul;
+use std::sync::Arc;
+
 use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewMut2, Axis, Ix2, Ix3};
 
 use super::{device_grads, on_device};
@@ -21,11 +23,11 @@ impl<T: Element> Tensor<T> {
     /// Matrix product. Shapes: `[m,k]·[k,n] → [m,n]`, `[b,m,k]·[b,k,n] → [b,m,n]`, and
     /// `[b,m,k]·[k,n] → [b,m,n]` (the matrix is shared across the batch).
     pub fn matmul(&self, other: &Tensor<T>) -> Result<Tensor<T>> {
-        if let Some(out) = self.matmul_16_bit(other, false)? {
+        if let Some(out) = self.matmul_16_bit(other, false, None)? {
             return Ok(out);
         }
         if let Some(arrays) = on_device(OP, [self, other])? {
-            return self.matmul_on_device(other, arrays, false);
+            return self.matmul_on_device(other, arrays, false, None);
         }
         let a = self.cpu(OP)?;
         let b = other.cpu(OP)?;
@@ -107,16 +109,59 @@ impl<T: Element> Tensor<T> {
                 "the transposed operand must be 2-D or 3-D",
             ));
         }
-        if let Some(out) = self.matmul_16_bit(other, true)? {
+        if let Some(out) = self.matmul_16_bit(other, true, None)? {
             return Ok(out);
         }
         match on_device(OP, [self, other])? {
-            Some(arrays) => self.matmul_on_device(other, arrays, true),
+            Some(arrays) => self.matmul_on_device(other, arrays, true, None),
             // A CPU transpose is a strided view, which the GEMM reads in place.
             None => self.matmul(&other.transpose(ndim - 2, ndim - 1)?),
         }
     }
+
+    /// [`matmul_transposed`](Self::matmul_transposed) of two device tensors whose
+    /// backward hands `self`'s gradient to `hook` as soon as it is queued, then queues
+    /// `other`'s, then takes `self`'s gradient from what `hook` returned: a linear
+    /// layer's input gradient all-reduced over the tensor-parallel group while the weight
+    /// gradient's GEMM runs (Megatron's asynchronous tensor-parallel all-reduce). The
+    /// values are those of `matmul_transposed` with `hook` applied to the gradient;
+    /// [`Error::UnsupportedDevice`] on the CPU, where nothing would overlap.
+    pub fn matmul_transposed_overlapped(
+        &self,
+        other: &Tensor<T>,
+        hook: Arc<dyn InputGradHook<T>>,
+    ) -> Result<Tensor<T>> {
+        if other.ndim() < 2 {
+            return Err(Error::shape(
+                OP,
+                &[self.shape(), other.shape()],
+                "the transposed operand must be 2-D or 3-D",
+            ));
+        }
+        if let Some(out) = self.matmul_16_bit(other, true, Some(&hook))? {
+            return Ok(out);
+        }
+        match on_device(OP, [self, other])? {
+            Some(arrays) => self.matmul_on_device(other, arrays, true, Some(&hook)),
+            None => Err(Error::UnsupportedDevice {
+                op: "matmul_transposed_overlapped",
+                device: self.device(),
+            }),
+        }
+    }
 }
+
+/// What a product's backward does with its first operand's gradient before it queues the
+/// second's ([`Tensor::matmul_transposed_overlapped`]).
+pub trait InputGradHook<T: Element>: Send + Sync {
+    /// Starts work on `grad` (a non-blocking collective, say) and returns what finishes
+    /// it, called once the second operand's gradient is queued; its result is the first
+    /// operand's gradient, of `grad`'s shape.
+    fn start(&self, grad: Tensor<T>) -> Result<PendingGrad<T>>;
+}
+
+/// The rest of an [`InputGradHook`]'s work.
+pub type PendingGrad<T> = Box<dyn FnOnce() -> Result<Tensor<T>> + Send>;
 
 fn view2<T: Element>(view: ndarray::ArrayViewD<'_, T>) -> Result<ArrayView2<'_, T>> {
     let shape = view.shape().to_vec();
@@ -425,10 +470,15 @@ impl<T: Element> Tensor<T> {
     /// stored (GemmEx with f32 accumulation, the result rounded once); `None` for any
     /// other pair, and for an empty inner dimension. `other` is read transposed if
     /// `transposed`.
-    fn matmul_16_bit(&self, other: &Tensor<T>, transposed: bool) -> Result<Option<Tensor<T>>> {
+    fn matmul_16_bit(
+        &self,
+        other: &Tensor<T>,
+        transposed: bool,
+        hook: Option<&Arc<dyn InputGradHook<T>>>,
+    ) -> Result<Option<Tensor<T>>> {
         match (self.dtype(), other.dtype()) {
-            (DType::BF16, DType::BF16) => self.matmul_stored::<bf16>(other, transposed),
-            (DType::F16, DType::F16) => self.matmul_stored::<f16>(other, transposed),
+            (DType::BF16, DType::BF16) => self.matmul_stored::<bf16>(other, transposed, hook),
+            (DType::F16, DType::F16) => self.matmul_stored::<f16>(other, transposed, hook),
             _ => Ok(None),
         }
     }
@@ -437,6 +487,7 @@ impl<T: Element> Tensor<T> {
         &self,
         other: &Tensor<T>,
         transposed: bool,
+        hook: Option<&Arc<dyn InputGradHook<T>>>,
     ) -> Result<Option<Tensor<T>>> {
         let (Some(Packed::Gpu(a)), Some(Packed::Gpu(b))) = (
             self.half().and_then(H::packed),
@@ -457,7 +508,8 @@ impl<T: Element> Tensor<T> {
             geometry.dims(),
         )?;
         let out = Tensor::from_half(H::into_half(Packed::Gpu(product)));
-        self.record_device_product(other, geometry, out).map(Some)
+        self.record_device_product(other, geometry, out, hook)
+            .map(Some)
     }
 
     fn matmul_on_device(
@@ -465,12 +517,13 @@ impl<T: Element> Tensor<T> {
         other: &Tensor<T>,
         [a, b]: [GpuArray<T>; 2],
         transposed: bool,
+        hook: Option<&Arc<dyn InputGradHook<T>>>,
     ) -> Result<Tensor<T>> {
         let geometry = Geometry::of(self.shape(), other.shape(), transposed)?;
         let (x, y) = geometry.operands(a.ptr(), b.ptr());
         let product =
             device_ops::matmul(self.device(), &geometry.out_shape, x, y, geometry.dims())?;
-        self.record_device_product(other, geometry, Tensor::from_gpu(product))
+        self.record_device_product(other, geometry, Tensor::from_gpu(product), hook)
     }
 
     fn record_device_product(
@@ -478,33 +531,62 @@ impl<T: Element> Tensor<T> {
         other: &Tensor<T>,
         geometry: Geometry,
         out: Tensor<T>,
+        hook: Option<&Arc<dyn InputGradHook<T>>>,
     ) -> Result<Tensor<T>> {
-        let device = self.device();
         let formats = [self.grad_format(), other.grad_format()];
+        let hook = hook.cloned();
         record_tensor(OP, &[self, other], out, || {
             let (a, b) = (self.detach(), other.detach());
             Box::new(move |grad: Tensor<T>, needs: &[bool]| {
-                let rounded = match gradient_format(&a, &b) {
-                    Some(DType::BF16) => {
-                        geometry.backward_16_bit::<bf16, T>(&a, &b, &grad, needs, formats)?
+                let grads =
+                    |needs: &[bool]| device_product_grads(&a, &b, &grad, needs, &geometry, formats);
+                match (&hook, needs) {
+                    // Each gradient's GEMMs alone give the same values as both at once.
+                    (Some(hook), [true, second]) => {
+                        let first = grads(&[true, false])?.swap_remove(0);
+                        let first = first.ok_or_else(|| Error::custom(OP, "no input gradient"))?;
+                        let pending = hook.start(first)?;
+                        let second = match second {
+                            true => grads(&[false, true])?.pop().flatten(),
+                            false => None,
+                        };
+                        Ok(vec![Some(pending()?), second])
                     }
-                    Some(_) => geometry.backward_16_bit::<f16, T>(&a, &b, &grad, needs, formats)?,
-                    None => None,
-                };
-                if let Some(grads) = rounded {
-                    return Ok(grads);
+                    _ => grads(needs),
                 }
-                let (x, y) = (a.device_array(OP, device)?, b.device_array(OP, device)?);
-                let g = grad.device_array(OP, device)?;
-                let grads = geometry.backward(
-                    (x.ptr(), a.shape()),
-                    (y.ptr(), b.shape()),
-                    g.ptr(),
-                    needs,
-                    |_, shape, x, y, dims| device_ops::matmul(device, shape, x, y, dims),
-                )?;
-                Ok(device_grads(grads))
             })
         })
     }
+}
+
+/// The gradients of a device product `a·b` (or `a·bᵀ`, by `geometry`) that `needs` asks
+/// for, given the product's gradient `grad`: 16-bit GEMMs into `formats` for 16-bit
+/// operands, else in `T`.
+fn device_product_grads<T: Element>(
+    a: &Tensor<T>,
+    b: &Tensor<T>,
+    grad: &Tensor<T>,
+    needs: &[bool],
+    geometry: &Geometry,
+    formats: [DType; 2],
+) -> Result<Vec<Option<Tensor<T>>>> {
+    let device = a.device();
+    let rounded = match gradient_format(a, b) {
+        Some(DType::BF16) => geometry.backward_16_bit::<bf16, T>(a, b, grad, needs, formats)?,
+        Some(_) => geometry.backward_16_bit::<f16, T>(a, b, grad, needs, formats)?,
+        None => None,
+    };
+    if let Some(grads) = rounded {
+        return Ok(grads);
+    }
+    let (x, y) = (a.device_array(OP, device)?, b.device_array(OP, device)?);
+    let g = grad.device_array(OP, device)?;
+    let grads = geometry.backward(
+        (x.ptr(), a.shape()),
+        (y.ptr(), b.shape()),
+        g.ptr(),
+        needs,
+        |_, shape, x, y, dims| device_ops::matmul(device, shape, x, y, dims),
+    )?;
+    Ok(device_grads(grads))
 }

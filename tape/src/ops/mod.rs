@@ -24,6 +24,7 @@ pub use flash::{
 };
 pub use index::causal_mask;
 pub use loss::{CrossEntropyOptions, Reduction, RowTarget};
+pub use matmul::{InputGradHook, PendingGrad};
 
 use ndarray::{ArrayD, Axis, IxDyn};
 

@@ -21,8 +21,8 @@ device=(-p ferrotron-device --test memory)
 mutations=(
     "receiver's stream waits for a device message's send event|comm-core/src/buffer.rs|on.wait(&message.sent)?;|comm"
     "a received device message is freed after the receiver's copy|comm-core/src/buffer.rs|unsafe { message.memory.free_on(on)? };|comm"
-    "communication stream waits for the buffers' streams|comm-core/src/local/streamed.rs|comm.wait(&holder.record()?)?;|comm"
-    "buffers' streams wait for the collective (blocking at once, non-blocking at Work::wait)|comm-core/src/local/streamed.rs|holder.wait(done)?;|comm"
+    "communication stream waits for the buffers' streams (the NCCL backend's too)|comm-core/src/ordering.rs|comm.wait_for(&holder.mark()?)?;|comm"
+    "buffers' streams wait for the collective (blocking at once, non-blocking at Work::wait; NCCL's handed-out work too)|comm-core/src/ordering.rs|holder.wait_for(done)?;|comm"
     "communication stream waits for the peers' buffers to be ready before moving them|comm-core/src/local/streamed.rs|comm.wait(ready)?;|comm"
     "communication stream waits for the peers' moves before its buffers are reused|comm-core/src/local/streamed.rs|comm.wait(&done)?;|comm"
     "a staging buffer is reused only after its upload has run|device/src/pinned.rs|src.track(self)|device"

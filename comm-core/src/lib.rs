@@ -105,6 +105,7 @@ pub mod local;
 pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+mod ordering;
 #[cfg(any(feature = "mpi", feature = "cuda", test))]
 mod signature;
 mod work;

@@ -541,20 +541,7 @@ impl NcclCommunicator {
         streams: &[&CudaStream],
         enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Queued,
     ) -> Result<CudaEvent> {
-        for (i, stream) in streams.iter().enumerate() {
-            if streams[..i]
-                .iter()
-                .any(|s| s.cu_stream() == stream.cu_stream())
-            {
-                continue;
-            }
-            let ready = stream
-                .record_event(None)
-                .map_err(cuda::driver_error("cuEventRecord"))?;
-            self.stream
-                .wait(&ready)
-                .map_err(cuda::driver_error("cuStreamWaitEvent"))?;
-        }
+        crate::ordering::after_holders(&*self.stream, streams)?;
         // NCCL queues on the device current on this thread.
         cuda::bind(&self.stream)?;
         enqueue(comm, self.stream.cu_stream().cast())
@@ -668,11 +655,7 @@ impl NcclWork<'_> {
     /// skip it (found on an H200 with two ranks under NCCL 2.30).
     fn held_by(self, holders: &[&CudaStream]) -> Result<Self> {
         if let Some(done) = &self.pending.done {
-            for stream in holders {
-                stream
-                    .wait(done)
-                    .map_err(cuda::driver_error("cuStreamWaitEvent"))?;
-            }
+            crate::ordering::holders_after(holders, done)?;
         }
         Ok(self)
     }

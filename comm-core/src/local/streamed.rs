@@ -178,9 +178,7 @@ impl RankCore {
         // Calls the progress thread holds come first in the group's order.
         self.queue.wait_idle();
         let comm = self.comm_stream(holders[0].device())?;
-        for holder in holders {
-            comm.wait(&holder.record()?)?;
-        }
+        crate::ordering::after_holders(&comm, &holders.iter().collect::<Vec<_>>())?;
         let ready = Arc::new(comm.record()?);
         // Device addresses of the device layer's memory (the emulated device's are host
         // addresses).
@@ -314,10 +312,7 @@ impl Mover for StreamMover<'_> {
 
 /// Makes each of `holders` wait for `done` (a collective on the communication stream).
 fn wait_for(holders: &[Stream], done: &Event) -> Result<()> {
-    for holder in holders {
-        holder.wait(done)?;
-    }
-    Ok(())
+    crate::ordering::holders_after(&holders.iter().collect::<Vec<_>>(), done)
 }
 
 impl Call {

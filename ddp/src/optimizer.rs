@@ -23,7 +23,8 @@ use ferrotron_comm_core::{AsyncOp, Communicator, CommunicatorExt, DType, ReduceO
 use ferrotron_layers::{GradNorm, GradScaler, LocalSquares, ShardedParameter, TensorParallel};
 use ferrotron_tape::{
     AdamWConfig, AdamWUpdate, Device, FlatStorage, FlatView, LrSchedule, Optimizer, OptimizerState,
-    ParamId, ParamOptions, ParamState, Parameter, SgdConfig, SgdUpdate, Tensor, MASTER_BUFFER,
+    ParamId, ParamOptions, ParamState, Parameter, PendingValue, SgdConfig, SgdUpdate, Tensor,
+    MASTER_BUFFER,
 };
 use parking_lot::Mutex;
 
@@ -302,6 +303,9 @@ pub struct DistributedOptimizer {
     /// [`unscale_grads`](Self::unscale_grads) dropped the gradients, until a step finds
     /// new ones (for the error that says why there is nothing to step with).
     dropped: Option<String>,
+    /// Whether the parameters land when first read after a step
+    /// ([`with_overlap_param_gather`](Self::with_overlap_param_gather)).
+    overlap_param_gather: bool,
 }
 
 impl DistributedOptimizer {
@@ -379,6 +383,7 @@ impl DistributedOptimizer {
             masters,
             mastered: vec![false; params_len],
             dropped: None,
+            overlap_param_gather: false,
         };
         let stored_16_bit: Vec<bool> = optimizer.params.iter().map(is_16_bit).collect();
         optimizer.read_masters(&stored_16_bit)?;
@@ -683,70 +688,103 @@ impl DistributedOptimizer {
     ///
     /// Each bucket's all-gather starts as soon as its shard is updated and runs while the
     /// next bucket's shard is updated; its parameters are set once that next gather has
-    /// started, so at most two buckets' gathered values are held at a time.
+    /// started, so at most two buckets' gathered values are held at a time. With
+    /// [`with_overlap_param_gather`](Self::with_overlap_param_gather) the buckets are
+    /// updated and gathered in the order the forward reads them (the last bucket first),
+    /// and each bucket's parameters are set when one of them is first read: its gather
+    /// runs beside the later buckets' updates and the next forward up to that read.
     pub fn step(&mut self) -> Result<()> {
+        for param in &self.params {
+            // A gather of the last step that failed where it landed is reported here.
+            param.settle()?;
+        }
         let (shards, used, scales) = self.take_reduced()?;
         let lr = self.next_lr();
         self.steps += 1;
+        if self.overlap_param_gather {
+            // In the order the forward reads them (the buckets fill in backward's order).
+            for (index, shard) in shards.iter().enumerate().rev() {
+                let values = self.update_bucket(index, shard, &used, &scales, lr)?;
+                let work = self.start_gather(&self.buckets[index], &values)?;
+                let landing = self.landing(index, work);
+                let pending = PendingValue::new(move || landing().map_err(tape_error));
+                for slot in &self.buckets[index].info.params {
+                    self.params[self.buckets[index].first_param + slot.index].set_pending(&pending);
+                }
+            }
+            return Ok(());
+        }
         let mut in_flight: Option<(usize, Work)> = None;
-        for (index, (bucket, shard)) in self.buckets.iter().zip(&shards).enumerate() {
-            let scale = scales[bucket.ddp];
-            if scale != 1.0 {
-                FlatView::new(shard, 0, &[shard.len()])?.scale(scale)?;
-            }
-            // The values the update starts from: the masters where the bucket has them,
-            // the parameters' own for their other pieces.
-            let values = match &self.masters[index] {
-                Some(masters) => masters.clone(),
-                None => bucket.shard_storage()?,
-            };
-            for piece in &self.pieces[index] {
-                let piece_values = piece.view(&values)?;
-                if !self.mastered[piece.param] {
-                    self.params[piece.param]
-                        .read_flat_into(piece.within_param.start, &piece_values)?;
-                }
-                if !used[piece.param] {
-                    continue;
-                }
-                let first = self.updates[piece.param] == 0;
-                self.updates[piece.param] += 1;
-                let options = self.options[piece.param];
-                let grads = piece.view(shard)?;
-                let buffers = &self.buffers[index];
-                match self.rule {
-                    Rule::AdamW(config) => {
-                        let update = AdamWUpdate::new(
-                            &AdamWConfig { lr, ..config },
-                            options,
-                            self.updates[piece.param],
-                        );
-                        let [m, v] = buffers.as_slice() else {
-                            unreachable!("AdamW keeps two buffers");
-                        };
-                        update.apply_views(
-                            &piece_values,
-                            &grads,
-                            &piece.view(m)?,
-                            &piece.view(v)?,
-                        )?;
-                    }
-                    Rule::Sgd(config) => {
-                        let update = SgdUpdate::new(&SgdConfig { lr, ..config }, options);
-                        let momentum = buffers.first().map(|b| piece.view(b)).transpose()?;
-                        update.apply_views(&piece_values, &grads, momentum.as_ref(), first)?;
-                    }
-                }
-            }
-            let work = self.start_gather(bucket, &values)?;
+        for (index, shard) in shards.iter().enumerate() {
+            let values = self.update_bucket(index, shard, &used, &scales, lr)?;
+            let work = self.start_gather(&self.buckets[index], &values)?;
             if let Some((previous, work)) = in_flight.replace((index, work)) {
-                self.land_gather(&self.buckets[previous], work)?;
+                self.landing(previous, work)()?;
             }
         }
         if let Some((last, work)) = in_flight {
-            self.land_gather(&self.buckets[last], work)?;
+            self.landing(last, work)()?;
         }
         Ok(())
+    }
+
+    /// Gathers each bucket's parameters in the order the next forward reads them, beside
+    /// the step's end and that forward (Megatron's `--overlap-param-gather`): see
+    /// [`step`](Self::step). The values are the same bits either way.
+    pub fn with_overlap_param_gather(mut self, overlap: bool) -> Self {
+        self.overlap_param_gather = overlap;
+        self
+    }
+
+    /// Updates this rank's shard of bucket `index` from its reduced gradients `shard`
+    /// (scaled by its DDP's clip factor); returns the updated values to gather.
+    fn update_bucket(
+        &mut self,
+        index: usize,
+        shard: &FlatStorage,
+        used: &[bool],
+        scales: &[f32],
+        lr: f64,
+    ) -> Result<FlatStorage> {
+        let bucket = &self.buckets[index];
+        let scale = scales[bucket.ddp];
+        if scale != 1.0 {
+            FlatView::new(shard, 0, &[shard.len()])?.scale(scale)?;
+        }
+        // The values the update starts from: the masters where the bucket has them,
+        // the parameters' own for their other pieces.
+        let values = match &self.masters[index] {
+            Some(masters) => masters.clone(),
+            None => bucket.shard_storage()?,
+        };
+        let buffers = &self.buffers[index];
+        for piece in &self.pieces[index] {
+            let piece_values = piece.view(&values)?;
+            if !self.mastered[piece.param] {
+                self.params[piece.param].read_flat_into(piece.within_param.start, &piece_values)?;
+            }
+            if !used[piece.param] {
+                continue;
+            }
+            self.updates[piece.param] += 1;
+            let (updates, options) = (self.updates[piece.param], self.options[piece.param]);
+            let grads = piece.view(shard)?;
+            match self.rule {
+                Rule::AdamW(config) => {
+                    let update = AdamWUpdate::new(&AdamWConfig { lr, ..config }, options, updates);
+                    let [m, v] = buffers.as_slice() else {
+                        unreachable!("AdamW keeps two buffers");
+                    };
+                    update.apply_views(&piece_values, &grads, &piece.view(m)?, &piece.view(v)?)?;
+                }
+                Rule::Sgd(config) => {
+                    let update = SgdUpdate::new(&SgdConfig { lr, ..config }, options);
+                    let momentum = buffers.first().map(|b| piece.view(b)).transpose()?;
+                    update.apply_views(&piece_values, &grads, momentum.as_ref(), updates == 1)?;
+                }
+            }
+        }
+        Ok(values)
     }
 
     /// Starts all-gathering the bucket's updated shards (`values` on this rank) into a
@@ -768,24 +806,31 @@ impl DistributedOptimizer {
         Ok(group.start(AsyncOp::AllGatherInto { input, output })?)
     }
 
-    /// Waits for a bucket's all-gather and sets its parameters: each becomes a view of the
-    /// gathered bucket (no copy). Those no rank had a gradient for are set too, to the
-    /// same values (their shard's, not updated), so that no parameter keeps an older
-    /// bucket alive: each bucket's memory is freed by the next step's.
-    fn land_gather(&self, bucket: &Bucket, work: Work) -> Result<()> {
-        let gathered = Tensor::<f32>::from_buffer(work.wait()?)?;
-        for slot in &bucket.info.params {
-            let param = &self.params[bucket.first_param + slot.index];
-            let value = gathered
-                .narrow(0, slot.offset, slot.numel)?
-                .reshape(&slot.shape)?;
-            let stored = param.value().dtype();
-            param.set_value(match value.dtype() == stored {
-                true => value,
-                false => value.to_dtype(stored)?,
-            })?;
+    /// What waits for bucket `index`'s all-gather `work` and sets its parameters: each
+    /// becomes a view of the gathered bucket (no copy). Those no rank had a gradient for
+    /// are set too, to the same values (their shard's, not updated), so that no
+    /// parameter keeps an older bucket alive: each bucket's memory is freed by the next
+    /// step's.
+    fn landing(&self, index: usize, work: Work) -> impl FnOnce() -> Result<()> + Send + 'static {
+        let bucket = &self.buckets[index];
+        let slots: Vec<(Parameter, usize, usize, Vec<usize>)> = (bucket.info.params.iter())
+            .map(|slot| {
+                let param = self.params[bucket.first_param + slot.index].clone();
+                (param, slot.offset, slot.numel, slot.shape.clone())
+            })
+            .collect();
+        move || {
+            let gathered = Tensor::<f32>::from_buffer(work.wait()?)?;
+            for (param, offset, numel, shape) in slots {
+                let value = gathered.narrow(0, offset, numel)?.reshape(&shape)?;
+                let stored = param.value().dtype();
+                param.set_value(match value.dtype() == stored {
+                    true => value,
+                    false => value.to_dtype(stored)?,
+                })?;
+            }
+            Ok(())
         }
-        Ok(())
     }
 
     /// The whole optimizer state, as [`ferrotron_tape::AdamW`] or [`ferrotron_tape::Sgd`] over the same
@@ -1027,5 +1072,14 @@ impl std::fmt::Debug for DistributedOptimizer {
             .field("buckets", &self.buckets.len())
             .field("state_bytes", &self.state_bytes())
             .finish()
+    }
+}
+
+/// A landing's error as the tape's parameters keep it (`PendingValue`): the tape's own
+/// as it was, anything else wrapped.
+fn tape_error(error: Error) -> ferrotron_tape::Error {
+    match error {
+        Error::Tape(error) => error,
+        other => ferrotron_tape::Error::custom("DistributedOptimizer::step", other),
     }
 }

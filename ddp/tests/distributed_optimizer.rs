@@ -135,6 +135,8 @@ struct Way<'a> {
     dtype: DType,
     config: &'a DdpConfig,
     device: Device,
+    /// The distributed optimizer's gathers land when the next forward reads them.
+    gather_beside: bool,
 }
 
 impl<'a> Way<'a> {
@@ -145,11 +147,19 @@ impl<'a> Way<'a> {
             dtype,
             config,
             device: Device::Cpu,
+            gather_beside: false,
         }
     }
 
     fn on(self, device: Device) -> Self {
         Way { device, ..self }
+    }
+
+    fn gathering_beside_forward(self) -> Self {
+        Way {
+            gather_beside: true,
+            ..self
+        }
     }
 
     /// [`train`] on `dp` local ranks: what each rank ends with.
@@ -191,6 +201,7 @@ fn train(
         dtype,
         config,
         device,
+        gather_beside,
     } = way;
     let (rank, ranks) = (dp.rank(), dp.size());
     let params = wide_mlp(100 + rank as u64);
@@ -211,8 +222,14 @@ fn train(
         },
     )?;
     let mut opt: Box<dyn Optimizer> = match (zero, dtype) {
-        (true, DType::F32) => Box::new(sharded(rule, &ddp)?),
-        (true, dtype) => Box::new(sharded(rule, &ddp)?.store_params_as(dtype)?),
+        (true, DType::F32) => {
+            Box::new(sharded(rule, &ddp)?.with_overlap_param_gather(gather_beside))
+        }
+        (true, dtype) => Box::new(
+            sharded(rule, &ddp)?
+                .with_overlap_param_gather(gather_beside)
+                .store_params_as(dtype)?,
+        ),
         (false, DType::F32) => replicated(rule, params.clone()),
         (false, dtype) => Box::new(MixedPrecision::new(&params, dtype, |masters| {
             replicated(rule, masters)
@@ -374,6 +391,35 @@ fn on_a_device_the_sharded_step_moves_nothing_through_the_host() -> Result<()> {
         Way::new(Rule::AdamW, true, DType::BF16, &compressed),
         "bf16-compress",
     )
+}
+
+/// Gathering each bucket when the next forward first reads it (Megatron's
+/// `--overlap-param-gather`) changes when the parameters land, not their bits: on the CPU
+/// and the emulated device, f32 and bf16, the same parameters and state as gathering
+/// inside the step, and still nothing through the host.
+#[test]
+fn gathering_beside_the_next_forward_gives_the_same_bits() -> Result<()> {
+    let config = small_buckets(true);
+    for device in [Device::Cpu, Device::Emulated] {
+        for dtype in [DType::F32, DType::BF16] {
+            let way = Way::new(Rule::AdamW, true, dtype, &config).on(device);
+            let inside = way.run(2, 0..STEPS, None)?;
+            let beside = way
+                .gathering_beside_forward()
+                .run_measured(2, 0..STEPS, None)?;
+            for (rank, ((values, state), moved)) in beside.iter().enumerate() {
+                let label = format!("{dtype} on {device}, rank {rank}");
+                assert_eq!(values, &inside[rank].0, "{label}");
+                assert_eq!(masters(state)?, masters(&inside[rank].1)?, "{label}");
+                if device != Device::Cpu {
+                    for step in moved {
+                        assert_eq!(step, &Transfers::default(), "{label}: a host copy");
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 #[test]

@@ -127,7 +127,7 @@ pub use optim::{
     AdamW, AdamWConfig, AdamWUpdate, Optimizer, OptimizerState, ParamOptions, ParamState, Sgd,
     SgdConfig, SgdUpdate,
 };
-pub use parameter::{GradHook, ParamId, Parameter};
+pub use parameter::{GradHook, ParamId, Parameter, PendingValue};
 pub use random::Generator;
 pub use schedule::{LrDecay, LrSchedule, WsdAnneal};
 pub use tape::{GradHandle, Tape};

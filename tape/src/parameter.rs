@@ -22,8 +22,59 @@ struct ParamShared<T: Element> {
     /// Whether it stands in for an activation (see [`Parameter::activation`]).
     activation: bool,
     value: Mutex<Tensor<T>>,
+    /// Work that sets the value before it is next read ([`Parameter::set_pending`]).
+    pending: Mutex<Option<PendingValue>>,
     grad: Mutex<GradSlot<T>>,
     hooks: Mutex<Vec<GradHook<T>>>,
+}
+
+/// Work that sets some parameters' values later, run by the first read of any of them
+/// ([`Parameter::set_pending`]): a bucket of parameters all-gathered after the optimizer's
+/// step lands just before the next forward reads it, so the gather runs beside the
+/// step's end and the forward's start (Megatron's `--overlap-param-gather`). Clones share
+/// the work, which runs once.
+#[derive(Clone)]
+pub struct PendingValue(Arc<Mutex<Landing>>);
+
+enum Landing {
+    Waiting(Box<dyn FnOnce() -> Result<()> + Send>),
+    /// Running on some thread (whose `set_value` calls must not wait for it).
+    Running,
+    Landed,
+    /// It failed; the values stayed as they were.
+    Failed(String),
+}
+
+impl PendingValue {
+    /// Work that `land` does: it sets the values (with [`Parameter::set_value`]) of the
+    /// parameters it is given to.
+    pub fn new(land: impl FnOnce() -> Result<()> + Send + 'static) -> Self {
+        PendingValue(Arc::new(Mutex::new(Landing::Waiting(Box::new(land)))))
+    }
+
+    /// Runs the work unless it ran already; its error, now or on every later call.
+    pub fn land(&self) -> Result<()> {
+        // A statement of its own: the lock must be released before the arms relock it.
+        let state = std::mem::replace(&mut *self.0.lock(), Landing::Running);
+        let work = match state {
+            Landing::Waiting(work) => work,
+            Landing::Failed(message) => {
+                *self.0.lock() = Landing::Failed(message.clone());
+                return Err(Error::custom("a parameter's pending value", message));
+            }
+            // Landed, or running further up this thread's stack (its own `set_value`).
+            done => {
+                *self.0.lock() = done;
+                return Ok(());
+            }
+        };
+        let outcome = work();
+        *self.0.lock() = match &outcome {
+            Ok(()) => Landing::Landed,
+            Err(error) => Landing::Failed(error.to_string()),
+        };
+        outcome
+    }
 }
 
 /// Where backward accumulates a parameter's gradient.
@@ -89,6 +140,7 @@ impl<T: Element> Parameter<T> {
                 name,
                 activation,
                 value: Mutex::new(value.detach()),
+                pending: Mutex::new(None),
                 grad: Mutex::new(GradSlot::Own(None)),
                 hooks: Mutex::new(Vec::new()),
             }),
@@ -114,9 +166,34 @@ impl<T: Element> Parameter<T> {
         ParamId(Arc::as_ptr(&self.shared) as *const () as usize)
     }
 
-    /// The current value (a cheap clone, not recorded on any tape).
+    /// The current value (a cheap clone, not recorded on any tape), once a pending value
+    /// has landed ([`set_pending`](Self::set_pending); if that failed, the value before
+    /// it, and [`settle`](Self::settle) returns the error).
     pub fn value(&self) -> Tensor<T> {
+        let _ = self.settle();
         self.shared.value.lock().clone()
+    }
+
+    /// Makes `pending` set this parameter's value before anything reads or writes it:
+    /// every reader runs it first (the tape's `watch` included).
+    pub fn set_pending(&self, pending: &PendingValue) {
+        *self.shared.pending.lock() = Some(pending.clone());
+    }
+
+    /// Lands a pending value now, if there is one; the error it met, if it failed (then
+    /// on every call, so that a fallible caller reports it).
+    pub fn settle(&self) -> Result<()> {
+        let pending = self.shared.pending.lock().clone();
+        match pending {
+            Some(pending) => {
+                let landed = pending.land();
+                if landed.is_ok() {
+                    self.shared.pending.lock().take();
+                }
+                landed
+            }
+            None => Ok(()),
+        }
     }
 
     /// Shape of the value.
@@ -129,8 +206,10 @@ impl<T: Element> Parameter<T> {
         self.shared.value.lock().numel()
     }
 
-    /// Replaces the value; the shape must stay the same.
+    /// Replaces the value; the shape must stay the same. A pending value lands first
+    /// (unless this call is its landing), so it cannot overwrite this one later.
     pub fn set_value(&self, value: Tensor<T>) -> Result<()> {
+        self.settle()?;
         let mut current = self.shared.value.lock();
         if current.shape() != value.shape() {
             return Err(Error::shape(
@@ -147,6 +226,7 @@ impl<T: Element> Parameter<T> {
     /// into `out`: no allocation for a host value; from a device value only those
     /// elements are downloaded.
     pub fn read_flat(&self, offset: usize, out: &mut [T]) -> Result<()> {
+        self.settle()?;
         read_flat(&self.shared.value.lock(), offset, out)
     }
 
@@ -157,6 +237,7 @@ impl<T: Element> Parameter<T> {
         const OP: &str = "Parameter::read_flat_into";
         // A handle on the value, so that no lock of this parameter is held while the
         // view's storage is locked (backward takes them the other way round).
+        self.settle()?;
         let value = self.value();
         if out.device() == crate::Device::Cpu {
             return crate::flat::with_regions(OP, &[out], |regions| match regions {
@@ -184,6 +265,7 @@ impl<T: Element> Parameter<T> {
     /// upload, and a download of the old value only when part of it stays).
     pub fn write_flat(&self, offset: usize, values: &[T]) -> Result<()> {
         const OP: &str = "Parameter::write_flat";
+        self.settle()?;
         let mut value = self.shared.value.lock();
         let range = flat_range(OP, value.numel(), offset, values.len())?;
         if let Ok(array) = value.cpu_mut(OP) {
@@ -396,6 +478,7 @@ impl<T: Element> Parameter<T> {
         op: &'static str,
         update: impl FnOnce(&mut [T], &[T]) -> Result<()>,
     ) -> Result<bool> {
+        self.settle()?;
         let grad_slot = self.shared.grad.lock();
         if !grad_slot.has_grad() {
             return Ok(false);
@@ -438,6 +521,7 @@ impl<T: Element> Parameter<T> {
         op: &'static str,
         update: impl FnOnce(&GpuArray<T>, &GpuArray<T>) -> Result<()>,
     ) -> Result<bool> {
+        self.settle()?;
         let grad_slot = self.shared.grad.lock();
         let mut value = self.shared.value.lock();
         let device = value.device();

@@ -288,6 +288,12 @@ struct Args {
     /// what the overlap hides.
     #[arg(long)]
     no_overlap_grad_reduce: bool,
+    /// With --use-distributed-optimizer: all-gather each bucket's updated parameters in
+    /// the order the next forward reads them and set them when first read, so the gathers
+    /// run beside the step's end and that forward (Megatron's --overlap-param-gather).
+    /// Same results.
+    #[arg(long)]
+    overlap_param_gather: bool,
     /// Gradients per data-parallel bucket (Megatron's --ddp-bucket-size): smaller buckets
     /// start their reductions earlier in backward. Default: PyTorch's caps (1 MiB for the
     /// first bucket, 25 MiB for the others).
@@ -1412,6 +1418,11 @@ fn validate_pipeline(args: &Args) -> Result<()> {
     );
     pipeline_schedule(args).validate(args.pp, args.microbatches)?;
     ensure!(
+        !args.overlap_param_gather || args.use_distributed_optimizer,
+        "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather: \
+         add --use-distributed-optimizer"
+    );
+    ensure!(
         args.trace.is_none() || args.backend == Backend::Local,
         "--trace collects every stage's timeline in one process: use the local backend"
     );
@@ -1455,6 +1466,7 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
         clip_grad: args.clip_grad,
         distributed_optimizer: args.use_distributed_optimizer,
         overlap_grad_reduce: !args.no_overlap_grad_reduce,
+        overlap_param_gather: args.overlap_param_gather,
         bucket_elements: args.ddp_bucket_size.map(|n| n as usize),
         precision: args.precision.dtype(),
         weight_decay: args.weight_decay,

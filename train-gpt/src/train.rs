@@ -63,6 +63,9 @@ pub struct TrainConfig {
     /// Start each gradient bucket's reduction as soon as its gradients are ready
     /// (`DdpConfig::overlap_grad_reduce`), rather than after backward.
     pub overlap_grad_reduce: bool,
+    /// Gather the distributed optimizer's parameters as the next forward reads them
+    /// (`DistributedOptimizer::with_overlap_param_gather`).
+    pub overlap_param_gather: bool,
     /// Gradients per bucket (f32 main gradients), if not the DDP's default caps.
     pub bucket_elements: Option<usize>,
     /// The parameters' storage format: f32, or bf16 / f16 with f32 master weights and
@@ -1107,7 +1110,8 @@ impl TrainOptimizer {
             (true, precision) => {
                 let sharded = DistributedOptimizer::adamw(ddps, adamw)?
                     .with_schedule(schedule)
-                    .with_param_options(groups);
+                    .with_param_options(groups)
+                    .with_overlap_param_gather(config.overlap_param_gather);
                 TrainOptimizer::Distributed(match precision {
                     DType::F32 => sharded,
                     _ => sharded.store_params_as(precision)?,

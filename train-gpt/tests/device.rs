@@ -212,7 +212,8 @@ fn a_profile_counts_every_kernel_of_the_steps_after_the_first() {
 /// compute streams overlap, in all and for each group's traffic, on a modelled timeline
 /// (each call timed by what it moves, not by the host's clock), so the figure is the same
 /// on every run and machine. Buckets reduced as soon as backward completes them hide
-/// more of the data-parallel traffic than buckets reduced after it; of the
+/// more of the data-parallel traffic than buckets reduced after it, and parameters
+/// gathered beside the next forward more again; of the
 /// tensor-parallel all-reduces, those of the input gradients run beside the weight
 /// gradients' GEMMs (forward's, which the next kernel needs at once, hide nothing).
 #[test]
@@ -252,6 +253,13 @@ fn the_modelled_timeline_says_how_much_communication_compute_hides() {
     assert!(
         dp >= 70.0 && dp > dp_after,
         "data-parallel traffic {dp}% hidden with overlap, {dp_after}% without"
+    );
+    // The parameters' gathers beside the next forward hide more of it again (the last
+    // step's gathers have no next forward in the run: three steps, two recorded).
+    let beside = share(&hidden(&["--overlap-param-gather"]), "dp");
+    assert!(
+        beside > dp,
+        "{beside}% with the gathers beside the forward, {dp}% without"
     );
     let tp = share(&overlapped, "tp");
     assert!(tp > 0.0 && tp < 50.0, "{overlapped}");

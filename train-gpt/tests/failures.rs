@@ -56,6 +56,16 @@ fn a_profile_on_the_cpu_is_refused() {
 }
 
 #[test]
+fn overlapping_a_parameter_gather_without_the_distributed_optimizer_is_refused() {
+    let (ok, stderr) = train(&["--overlap-param-gather", "--steps", "1"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("--overlap-param-gather") && stderr.contains("--use-distributed-optimizer"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn zero_threads_per_rank_is_refused() {
     let (ok, stderr) = train(&["--threads", "0", "--steps", "1"]);
     assert!(!ok);

@@ -1,0 +1,63 @@
+//! A parameter's pending value (`Parameter::set_pending`): the work that sets it runs once,
+//! at the first read or write of any parameter it was given to, a tape's `watch`
+//! included; a value set explicitly is not overwritten by it later; a failure leaves the
+//! old values and is every later `settle`'s error.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use ferrotron_tape::{Error, Parameter, PendingValue, Tape, Tensor};
+
+fn param(name: &str, value: f32) -> Parameter {
+    Parameter::new(name, Tensor::from_vec(vec![value; 2], &[2]).unwrap())
+}
+
+/// Two parameters whose pending work sets them to 7 and 8, counting its runs.
+fn pending_pair() -> (Parameter, Parameter, Arc<AtomicUsize>) {
+    let (a, b) = (param("a", 1.0), param("b", 2.0));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (la, lb, counted) = (a.clone(), b.clone(), runs.clone());
+    let pending = PendingValue::new(move || {
+        counted.fetch_add(1, Ordering::SeqCst);
+        la.set_value(Tensor::from_vec(vec![7.0; 2], &[2])?)?;
+        lb.set_value(Tensor::from_vec(vec![8.0; 2], &[2])?)
+    });
+    a.set_pending(&pending);
+    b.set_pending(&pending);
+    (a, b, runs)
+}
+
+#[test]
+fn the_first_read_of_either_parameter_lands_both_once() {
+    let (a, b, runs) = pending_pair();
+    let tape = Tape::new();
+    assert_eq!(tape.watch(&b).to_vec().unwrap(), [8.0, 8.0]);
+    assert_eq!(a.value().to_vec().unwrap(), [7.0, 7.0]);
+    let mut out = [0.0; 2];
+    a.read_flat(0, &mut out).unwrap();
+    assert_eq!(out, [7.0, 7.0]);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn a_value_set_before_the_landing_is_not_overwritten_by_it() {
+    let (a, b, runs) = pending_pair();
+    a.set_value(Tensor::from_vec(vec![3.0; 2], &[2]).unwrap())
+        .unwrap();
+    assert_eq!(a.value().to_vec().unwrap(), [3.0, 3.0]);
+    assert_eq!(b.value().to_vec().unwrap(), [8.0, 8.0]);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn a_failed_landing_keeps_the_old_values_and_is_every_later_settles_error() {
+    let a = param("a", 1.0);
+    let pending = PendingValue::new(|| Err(Error::custom("gather", "a peer was lost")));
+    a.set_pending(&pending);
+    assert_eq!(a.value().to_vec().unwrap(), [1.0, 1.0]);
+    for _ in 0..2 {
+        let error = a.settle().unwrap_err().to_string();
+        assert!(error.contains("a peer was lost"), "{error}");
+    }
+    assert!(a.write_flat(0, &[5.0]).is_err());
+}

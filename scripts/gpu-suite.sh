@@ -231,6 +231,9 @@ bench() {
         --sequence-parallel --out "$logs/demo" | grep -E "$counts" || failed=1
     limit 60 "$BIN/train-gpt" --device cuda:0 --use-distributed-optimizer --precision bf16 \
         --steps 20 --check --out "$logs/demo" | grep -E "$counts" || failed=1
+    limit 60 "$BIN/train-gpt" --device cuda:0 --use-distributed-optimizer --precision bf16 \
+        --overlap-param-gather --ddp-bucket-size 4000 --steps 20 --check --out "$logs/demo" |
+        grep -E "$counts" || failed=1
     echo "== the default demo run on cuda:0, timed"
     local start=$SECONDS
     limit 120 "$BIN/train-gpt" --device cuda:0 --out "$logs/demo" | tail -3 || failed=1

@@ -196,22 +196,15 @@ impl RankCore {
                 ex.ready = Some(ready);
                 *ex.done.get_mut() = None;
             })?;
-            let others = || (0..self.group.size()).filter(|&r| r != self.rank);
-            let peers_ready = || -> Result<()> {
-                for peer in others() {
-                    if let Some(ready) = &self.peer(peer, seq).ready {
-                        comm.wait(ready)?;
-                    }
-                }
-                Ok(())
-            };
             ferrotron_device::timeline::charge_transfer(bytes);
             // SAFETY: every rank's buffers are live until its holders wait for the event
-            // this returns, which follows every rank's moves (the done events below), and
-            // no rank's stream touches them between its ready event and then.
-            let moved = peers_ready().and_then(|()| unsafe {
-                self.queue_moves(&StreamMover(&comm, call.name()), seq, &shape)
-            });
+            // recorded below, which follows every rank's moves (the done events), and no
+            // rank's stream touches them between its ready event and then.
+            let moved = self
+                .wait_until_peers_ready(&comm, seq)
+                .and_then(|()| unsafe {
+                    self.queue_moves(&StreamMover(&comm, call.name()), seq, &shape)
+                });
             ferrotron_device::timeline::clear_charge();
             if moved.is_err() {
                 // The peers must not return a result with this rank's share missing.
@@ -223,15 +216,33 @@ impl RankCore {
                 *self.peer(self.rank, seq).done.lock() = Some(done.clone());
             }
             let closed = self.barrier_step(counters, op, seq, Phase::Close);
-            for peer in others() {
-                if let Some(done) = self.peer(peer, seq).done.lock().clone() {
-                    comm.wait(&done)?;
-                }
-            }
+            self.wait_until_peers_done(&comm, seq)?;
             moved.and(closed)?;
             done?;
             Ok(comm.record()?)
         })
+    }
+
+    /// Makes `comm` wait for every peer's ready event of call `seq`: its buffers are then
+    /// ready for this rank's moves.
+    fn wait_until_peers_ready(&self, comm: &Stream, seq: u64) -> Result<()> {
+        for peer in (0..self.group.size()).filter(|&r| r != self.rank) {
+            if let Some(ready) = &self.peer(peer, seq).ready {
+                comm.wait(ready)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `comm` wait for every peer's done event of call `seq` (those that published
+    /// one): its moves into and out of this rank's buffers have then run.
+    fn wait_until_peers_done(&self, comm: &Stream, seq: u64) -> Result<()> {
+        for peer in (0..self.group.size()).filter(|&r| r != self.rank) {
+            if let Some(done) = self.peer(peer, seq).done.lock().clone() {
+                comm.wait(&done)?;
+            }
+        }
+        Ok(())
     }
 
     /// The call's own checks (lengths, roots, counts): its signature, and each rank's

@@ -3,8 +3,9 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::thread::ThreadId;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::gpu::GpuArray;
 use crate::{DType, Element, Error, FlatView, Result, Tensor};
@@ -34,12 +35,19 @@ struct ParamShared<T: Element> {
 /// step's end and the forward's start (Megatron's `--overlap-param-gather`). Clones share
 /// the work, which runs once.
 #[derive(Clone)]
-pub struct PendingValue(Arc<Mutex<Landing>>);
+pub struct PendingValue(Arc<Shared>);
+
+struct Shared {
+    state: Mutex<Landing>,
+    /// Notified when a landing that was running ends.
+    ended: Condvar,
+}
 
 enum Landing {
     Waiting(Box<dyn FnOnce() -> Result<()> + Send>),
-    /// Running on some thread (whose `set_value` calls must not wait for it).
-    Running,
+    /// Running on this thread (whose own `set_value` calls must not wait for it; another
+    /// thread's reads wait until it ends).
+    Running(ThreadId),
     Landed,
     /// It failed; the values stayed as they were.
     Failed(String),
@@ -49,30 +57,42 @@ impl PendingValue {
     /// Work that `land` does: it sets the values (with [`Parameter::set_value`]) of the
     /// parameters it is given to.
     pub fn new(land: impl FnOnce() -> Result<()> + Send + 'static) -> Self {
-        PendingValue(Arc::new(Mutex::new(Landing::Waiting(Box::new(land)))))
+        PendingValue(Arc::new(Shared {
+            state: Mutex::new(Landing::Waiting(Box::new(land))),
+            ended: Condvar::new(),
+        }))
     }
 
-    /// Runs the work unless it ran already; its error, now or on every later call.
+    /// Runs the work unless it ran already (waiting for it if another thread is running
+    /// it); its error, now or on every later call.
     pub fn land(&self) -> Result<()> {
-        // A statement of its own: the lock must be released before the arms relock it.
-        let state = std::mem::replace(&mut *self.0.lock(), Landing::Running);
-        let work = match state {
+        let me = std::thread::current().id();
+        let mut state = self.0.state.lock();
+        while matches!(&*state, Landing::Running(id) if *id != me) {
+            self.0.ended.wait(&mut state);
+        }
+        let work = match std::mem::replace(&mut *state, Landing::Running(me)) {
             Landing::Waiting(work) => work,
-            Landing::Failed(message) => {
-                *self.0.lock() = Landing::Failed(message.clone());
-                return Err(Error::custom("a parameter's pending value", message));
-            }
-            // Landed, or running further up this thread's stack (its own `set_value`).
-            done => {
-                *self.0.lock() = done;
-                return Ok(());
+            // Landed, failed, or running further up this thread's stack.
+            other => {
+                let result = match &other {
+                    Landing::Failed(message) => Err(Error::custom(
+                        "a parameter's pending value",
+                        message.clone(),
+                    )),
+                    _ => Ok(()),
+                };
+                *state = other;
+                return result;
             }
         };
+        drop(state);
         let outcome = work();
-        *self.0.lock() = match &outcome {
+        *self.0.state.lock() = match &outcome {
             Ok(()) => Landing::Landed,
             Err(error) => Landing::Failed(error.to_string()),
         };
+        self.0.ended.notify_all();
         outcome
     }
 }

@@ -1,7 +1,8 @@
 //! A parameter's pending value (`Parameter::set_pending`): the work that sets it runs once,
 //! at the first read or write of any parameter it was given to, a tape's `watch`
-//! included; a value set explicitly is not overwritten by it later; a failure leaves the
-//! old values and is every later `settle`'s error.
+//! included (another thread's read waits for a landing under way); a value set
+//! explicitly is not overwritten by it later; a failure leaves the old values and is
+//! every later `settle`'s error.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -60,4 +61,23 @@ fn a_failed_landing_keeps_the_old_values_and_is_every_later_settles_error() {
         assert!(error.contains("a peer was lost"), "{error}");
     }
     assert!(a.write_flat(0, &[5.0]).is_err());
+}
+
+#[test]
+fn another_threads_read_waits_for_a_landing_under_way() {
+    let (a, b) = (param("a", 1.0), param("b", 2.0));
+    let (started, under_way) = std::sync::mpsc::channel();
+    let lb = b.clone();
+    let pending = PendingValue::new(move || {
+        started.send(()).expect("the test listens");
+        // Long enough for the other thread's read to arrive while this runs.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        lb.set_value(Tensor::from_vec(vec![8.0; 2], &[2])?)
+    });
+    a.set_pending(&pending);
+    b.set_pending(&pending);
+    let landing = std::thread::spawn(move || a.value());
+    under_way.recv().unwrap();
+    assert_eq!(b.value().to_vec().unwrap(), [8.0, 8.0]);
+    landing.join().unwrap();
 }

@@ -541,8 +541,16 @@ impl<T: Element> Tensor<T> {
                 let grads =
                     |needs: &[bool]| device_product_grads(&a, &b, &grad, needs, &geometry, formats);
                 match (&hook, needs) {
-                    // Each gradient's GEMMs alone give the same values as both at once.
+                    // Each gradient's GEMMs alone give the same values as both at once;
+                    // the incoming gradient is rounded to the operands' format once.
                     (Some(hook), [true, second]) => {
+                        let grad = match gradient_format(&a, &b) {
+                            Some(format) if grad.dtype() != format => grad.stored_as(OP, format)?,
+                            _ => grad.clone(),
+                        };
+                        let grads = |needs: &[bool]| {
+                            device_product_grads(&a, &b, &grad, needs, &geometry, formats)
+                        };
                         let first = grads(&[true, false])?.swap_remove(0);
                         let first = first.ok_or_else(|| Error::custom(OP, "no input gradient"))?;
                         let pending = hook.start(first)?;

@@ -21,6 +21,8 @@ device=(-p ferrotron-device --test memory)
 mutations=(
     "receiver's stream waits for a device message's send event|comm-core/src/buffer.rs|on.wait(&message.sent)?;|comm"
     "a received device message is freed after the receiver's copy|comm-core/src/buffer.rs|unsafe { message.memory.free_on(on)? };|comm"
+    "a receive's copy waits for its memory's stream (up to the post, when posted ahead)|comm-core/src/buffer.rs|on.wait(ready)?;|comm"
+    "the receiving stream waits for the receive's copy before reading what landed|comm-core/src/buffer.rs|to.wait(&on.record()?)?;|comm"
     "communication stream waits for the buffers' streams (the NCCL backend's too)|comm-core/src/ordering.rs|comm.wait_for(&holder.mark()?)?;|comm"
     "buffers' streams wait for the collective (blocking at once, non-blocking at Work::wait; NCCL's handed-out work too)|comm-core/src/ordering.rs|holder.wait_for(done)?;|comm"
     "communication stream waits for the peers' buffers to be ready before moving them|comm-core/src/local/streamed.rs|comm.wait(ready)?;|comm"

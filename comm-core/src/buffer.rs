@@ -150,6 +150,17 @@ macro_rules! view_accessors {
             .map_err(Error::from)
         }
 
+        /// [`declare`](Self::declare) for the local backend's point-to-point transfers,
+        /// which touch device memory ordered on a stream only through copies queued there
+        /// (a message's copy, a receive's copy) that the checker sees as that stream's
+        /// calls: nothing to declare for such a view, and nothing for the host to wait for.
+        pub(crate) fn declare_transfer(&self, op: &'static str, write: bool) -> Result<()> {
+            match self.ordered_on {
+                Some(_) => Ok(()),
+                None => self.declare(op, write),
+            }
+        }
+
         /// Whether the host may read or write the elements now: host memory always;
         /// emulated memory once the work queued on its stream has run (its worker runs
         /// behind the host, and may still be writing them), which this waits for.
@@ -239,18 +250,15 @@ impl<'a> BufRef<'a> {
     }
 
     /// What a point-to-point message carries: a copy of device memory in new memory of
-    /// the same device, queued on `comm` (the group's communication stream) after the
-    /// work queued on the view's stream, or on the view's stream without one (the host
-    /// does not wait, and the bytes never leave the device); a host copy of anything else.
-    pub(crate) fn to_message(self, comm: Option<&Stream>) -> Result<Buffer> {
-        let Some(stream) = self.ordered_on else {
+    /// the same device, queued on the view's stream (the host does not wait, and the
+    /// bytes never leave the device); a host copy of anything else. The copy is local,
+    /// so it runs in the sender's compute order rather than on the group's communication
+    /// stream, which then carries only transfers: a receive posted ahead there never
+    /// queues behind a send that waits for the sender's compute.
+    pub(crate) fn to_message(self) -> Result<Buffer> {
+        let Some(on) = self.ordered_on else {
             return self.to_host();
         };
-        let on = comm.unwrap_or(stream);
-        let crosses = !on.same_as(stream);
-        if crosses {
-            on.wait(&stream.record()?)?;
-        }
         let bytes = self.byte_len();
         let memory = on.alloc(bytes)?;
         // SAFETY: the new allocation and this view both hold `bytes` bytes.
@@ -258,10 +266,6 @@ impl<'a> BufRef<'a> {
         // Recorded now, not when the message arrives: by then the sender's streams may
         // wait for a collective whose other half the receiver queues after this receive.
         let sent = on.record()?;
-        if crosses {
-            // The view's stream overwrites the view only after the copy has read it.
-            stream.wait(&sent)?;
-        }
         Ok(Buffer::lent(Box::new(DeviceMessage {
             memory,
             sent,
@@ -404,11 +408,14 @@ impl<'a> BufMut<'a> {
     /// Fills this view with a message made by [`BufRef::to_message`]: device to device
     /// when both are device memory (queued on `comm`, the group's communication stream,
     /// or on this view's stream without one, after the sender's copy, with no host wait),
-    /// else through the host.
+    /// else through the host. `posted`, recorded on this view's stream when a receive was
+    /// posted ahead, is where the view was last written before the copy: the copy waits
+    /// for it rather than for everything queued on that stream since.
     pub(crate) fn copy_from_message(
         &mut self,
         message: Buffer,
         comm: Option<&Stream>,
+        posted: Option<&ferrotron_device::Event>,
     ) -> Result<()> {
         let device = match message.into_lent() {
             Ok(lent) if (&*lent as &dyn std::any::Any).is::<DeviceMessage>() => {
@@ -420,19 +427,20 @@ impl<'a> BufMut<'a> {
             Err(host) => return self.copy_from_host(&host),
         };
         match self.ordered_on {
-            Some(to) => self.copy_from_device_message(*device, to, comm.unwrap_or(to)),
+            Some(to) => self.copy_from_device_message(*device, to, comm.unwrap_or(to), posted),
             None => self.copy_from_host(&device.view().to_host()?),
         }
     }
 
     /// The device-to-device half of [`copy_from_message`](Self::copy_from_message),
     /// queued on `on`, ordered between the work `to` (this view's stream) queued before
-    /// and after it.
+    /// it (or before `posted`) and after it.
     fn copy_from_device_message(
         &mut self,
         message: DeviceMessage,
         to: &Stream,
         on: &Stream,
+        posted: Option<&ferrotron_device::Event>,
     ) -> Result<()> {
         let src = message.view();
         self.check_fits("receive", src.dtype, src.len)?;
@@ -445,7 +453,15 @@ impl<'a> BufMut<'a> {
         }
         let crosses = !on.same_as(to);
         if crosses {
-            on.wait(&to.record()?)?;
+            let recorded;
+            let ready = match posted {
+                Some(posted) => posted,
+                None => {
+                    recorded = to.record()?;
+                    &recorded
+                }
+            };
+            on.wait(ready)?;
             // Between two ranks: the link's time, on the modelled timeline.
             ferrotron_device::timeline::charge_transfer(bytes as u64);
         }
@@ -948,12 +964,18 @@ pub(crate) fn declare_in_out(
     output.declare(op, true)
 }
 
-/// Declares an exchange's sends and receives to the ordering checker.
-pub(crate) fn declare_exchange(ops: &[crate::P2p<'_>]) -> Result<()> {
+/// Declares an exchange's sends and receives to the ordering checker; `transfers`:
+/// as the local backend's transfers (see `declare_transfer`).
+pub(crate) fn declare_exchange(ops: &[crate::P2p<'_>], transfers: bool) -> Result<()> {
     for op in ops {
-        match op {
-            crate::P2p::Send { buf, .. } => buf.declare("exchange (send)", false)?,
-            crate::P2p::Recv { buf, .. } => buf.declare("exchange (recv)", true)?,
+        let (buf, what, write) = match op {
+            crate::P2p::Send { buf, .. } => (*buf, "exchange (send)", false),
+            crate::P2p::Recv { buf, .. } => (buf.as_ref(), "exchange (recv)", true),
+        };
+        if transfers {
+            buf.declare_transfer(what, write)?;
+        } else {
+            buf.declare(what, write)?;
         }
     }
     Ok(())

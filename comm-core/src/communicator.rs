@@ -126,6 +126,8 @@ pub trait Communicator: Send + Sync {
 #[must_use = "a P2pWork must be waited on to see its error (dropping it waits too)"]
 pub struct P2pWork {
     finish: Option<Box<dyn FnOnce() -> Result<Option<Buffer>> + Send>>,
+    /// Whether [`abandon`](Self::abandon) may drop `finish` without running it.
+    withdrawable: bool,
 }
 
 impl P2pWork {
@@ -134,6 +136,28 @@ impl P2pWork {
     pub(crate) fn new(finish: impl FnOnce() -> Result<Option<Buffer>> + Send + 'static) -> Self {
         P2pWork {
             finish: Some(Box::new(finish)),
+            withdrawable: false,
+        }
+    }
+
+    /// As [`new`](Self::new), for a transfer that touches its buffer only inside
+    /// `finish`, so that abandoning it need not wait.
+    pub(crate) fn withdrawable(
+        finish: impl FnOnce() -> Result<Option<Buffer>> + Send + 'static,
+    ) -> Self {
+        P2pWork {
+            finish: Some(Box::new(finish)),
+            withdrawable: true,
+        }
+    }
+
+    /// Gives the transfer up, for a caller that is failing anyway: its peer may never
+    /// come (it may be waiting for this caller). A transfer that has not touched its
+    /// buffer yet is withdrawn at once (the local backend's receives); any other is
+    /// waited for, as dropping it does, because the backend may still be writing.
+    pub fn abandon(mut self) {
+        if self.withdrawable {
+            self.finish = None;
         }
     }
 

@@ -1128,7 +1128,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
-        crate::buffer::declare_exchange(ops)?;
+        crate::buffer::declare_exchange(ops, false)?;
         #[cfg(feature = "cuda")]
         if ops.iter().any(|op| match op {
             P2p::Send { buf, .. } => buf.cuda_stream().is_some(),

@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use ferrotron_comm_core::{
     run_local, AsyncOp, BufMut, BufRef, Buffer, Communicator, DType, Device, LentMemory, ReduceOp,
 };
-use ferrotron_device::{host_waits, DeviceMemory, Stream};
+use ferrotron_device::{host_waits, timeline, DeviceMemory, Stream};
 
 const LEN: usize = 4096;
 
@@ -168,4 +168,61 @@ fn a_blocking_collective_is_queued_between_its_streams_work() {
     })
     .unwrap();
     assert_summed_without_host_waits(results);
+}
+
+/// `LEN` zeros that a copy queued on `stream` writes (an upload would be ordered by the
+/// host, hiding a missing stream wait from the checker), lent.
+fn written_on(stream: &Stream) -> ferrotron_device::Result<Buffer> {
+    let zeros = filled(stream, 0.0)?;
+    let memory = stream.alloc(4 * LEN)?;
+    // SAFETY: both allocations hold `4 * LEN` bytes.
+    unsafe { stream.copy(memory.ptr(), zeros.ptr(), 4 * LEN)? };
+    Ok(Buffer::lent(Box::new(Lent(memory))))
+}
+
+/// Rank 0 sends `LEN` ones to rank 1, which receives them into memory of its stream
+/// either posted ahead (`irecv` before a long kernel on that stream, waited for after)
+/// or when needed (`recv` after the kernel). Returns rank 1's values and the share of its
+/// communication stream's time that the kernel covers on the modelled timeline.
+fn receive_around_a_kernel(
+    comm: &dyn Communicator,
+    posted_ahead: bool,
+) -> ferrotron_comm_core::Result<(Vec<f32>, Option<f64>)> {
+    let stream = Stream::new(Device::Emulated)?;
+    if comm.rank() == 0 {
+        let ones = filled(&stream, 1.0)?;
+        comm.send(BufRef::device(&ones, 0, LEN, DType::F32)?, 1)?;
+        return Ok((download(&ones), None));
+    }
+    let mut landing = written_on(&stream)?;
+    timeline::start();
+    let posted = posted_ahead.then(|| comm.irecv(landing, 0)).transpose()?;
+    // Work that does not touch the landing memory: a kernel of a modelled millisecond.
+    let scratch = stream.alloc(8)?;
+    timeline::charge_kernel(0, 600_000_000_000);
+    // SAFETY: both halves lie in the 8-byte allocation.
+    unsafe { stream.copy(scratch.ptr(), scratch.ptr() + 4, 4)? };
+    let received = match posted {
+        Some(work) => work.wait()?.expect("a receive gives its buffer back"),
+        None => {
+            landing = written_on(&stream)?;
+            comm.recv(landing.as_buf_mut(), 0)?;
+            landing
+        }
+    };
+    let covered = timeline::finish().hidden_fraction();
+    Ok((read(received), covered))
+}
+
+/// A receive posted ahead lands as soon as its memory's stream has run what came before
+/// the post and the sender's copy is made, beside the work queued after the post; one
+/// made when needed waits for that work. Either way the stream reads it only after it
+/// landed (the checker would name the read otherwise).
+#[test]
+fn a_receive_posted_ahead_lands_beside_the_work_queued_after_it() {
+    for (posted_ahead, covered) in [(true, 1.0), (false, 0.0)] {
+        let results = run_local(2, |comm| receive_around_a_kernel(&comm, posted_ahead)).unwrap();
+        assert_eq!(results[1].0, vec![1.0; LEN], "posted ahead: {posted_ahead}");
+        assert_eq!(results[1].1, Some(covered), "posted ahead: {posted_ahead}");
+    }
 }

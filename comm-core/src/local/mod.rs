@@ -21,6 +21,7 @@ use crate::dtype::{reduce_raw, ReduceOp};
 use crate::error::{panic_message, CallSignature, Error, OpKind, Result};
 use crate::flight_recorder::{self, CallRecord, FlightRecord, Ticket};
 use crate::work::{ProgressQueue, Work};
+use ferrotron_device::{Event, Stream};
 use group::{GroupShared, Message, Phase, WorldShared};
 use moves::Call;
 #[cfg(feature = "cuda")]
@@ -423,22 +424,22 @@ impl Communicator for LocalCommunicator {
     }
     fn send(&self, buf: BufRef<'_>, dest: usize) -> Result<()> {
         self.core.quiesce();
-        buf.declare("send", false)?;
+        buf.declare_transfer("send", false)?;
         self.core.send(buf, dest)
     }
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
         self.core.quiesce();
-        buf.declare("recv", true)?;
+        buf.declare_transfer("recv", true)?;
         self.core.recv(buf, src)
     }
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
         self.core.quiesce();
-        crate::buffer::declare_exchange(ops)?;
+        crate::buffer::declare_exchange(ops, true)?;
         self.core.exchange(ops)
     }
     fn isend(&self, buf: BufRef<'_>, dest: usize) -> Result<P2pWork> {
         self.core.check().peer(OpKind::Send, "destination", dest)?;
-        buf.declare("isend", false)?;
+        buf.declare_transfer("isend", false)?;
         let posted = self.core.post(buf, dest)?;
         let core = self.core.clone();
         Ok(P2pWork::new(move || {
@@ -446,7 +447,7 @@ impl Communicator for LocalCommunicator {
         }))
     }
     fn irecv(&self, buf: Buffer, src: usize) -> Result<P2pWork> {
-        buf.as_buf_ref().declare("irecv", true)?;
+        buf.as_buf_ref().declare_transfer("irecv", true)?;
         self.core.irecv(buf, src)
     }
     fn barrier(&self) -> Result<()> {
@@ -934,13 +935,24 @@ impl RankCore {
         let mine = self
             .check()
             .signature(OpKind::Recv, Some(buf.dtype()), buf.len());
+        // Posted ahead of its use: the device copy may start as soon as the buffer's
+        // stream has run what was queued before this call, beside what it runs after.
+        let posted = buf
+            .as_buf_ref()
+            .ordered_on()
+            .map(Stream::record)
+            .transpose()?;
         let slot = self.group.start_receive(src, self.rank, mine.clone());
         let core = self.clone();
-        Ok(P2pWork::new(move || {
+        // Nothing writes the buffer before the handle is waited on, so abandoning the
+        // handle may drop it without waiting.
+        Ok(P2pWork::withdrawable(move || {
             let result = core
                 .group
                 .wait_received(src, core.rank, seq, &slot)
-                .and_then(|msg| core.accept(msg, buf.as_buf_mut(), src, seq, mine));
+                .and_then(|msg| {
+                    core.accept(msg, buf.as_buf_mut(), (src, seq), mine, posted.as_ref())
+                });
             core.group.recorder(core.rank).end(record, result.is_ok());
             result.map(|()| Some(buf))
         }))
@@ -956,7 +968,7 @@ impl RankCore {
         let ticket = self
             .group
             .check_broken(self.rank, OpKind::Send, 0)
-            .and_then(|()| buf.to_message(self.message_stream(&buf)?.as_ref()))
+            .and_then(|()| buf.to_message())
             .map(|data| {
                 let msg = Message {
                     data,
@@ -1008,17 +1020,18 @@ impl RankCore {
             .check()
             .signature(OpKind::Recv, Some(buf.dtype()), buf.len());
         let msg = self.group.receive(src, self.rank, seq, &mine)?;
-        self.accept(msg, buf, src, seq, mine)
+        self.accept(msg, buf, (src, seq), mine, None)
     }
 
-    /// Copies a received message into `buf`, or fails both sides if it did not match.
+    /// Copies a received message (number `seq` from `src`) into `buf`, or fails both
+    /// sides if it did not match; `posted` as for `copy_from_message`.
     fn accept(
         &self,
         msg: Message,
         mut buf: BufMut<'_>,
-        src: usize,
-        seq: u64,
+        (src, seq): (usize, u64),
         mine: CallSignature,
+        posted: Option<&Event>,
     ) -> Result<()> {
         if msg.rejected.get().is_some() {
             let mut sent =
@@ -1033,7 +1046,7 @@ impl RankCore {
         }
         // Device memory stays on the devices: the message is a device copy.
         let comm = self.message_stream(&buf.as_ref())?;
-        buf.copy_from_message(msg.data, comm.as_ref())
+        buf.copy_from_message(msg.data, comm.as_ref(), posted)
     }
 }
 

@@ -2,13 +2,16 @@
 //! between ranks in batched exchanges, one tape per microbatch in flight.
 
 use crate::error::{Error, Result};
-use crate::schedule::{peak_in_flight, Action, Schedule, Transfer};
+use crate::schedule::{peak_in_flight, Action, Schedule};
 use crate::trace::Span;
-use ferrotron_comm_core::{Buffer, Communicator, DType, P2p};
+use exchange::{code, Posted};
+use ferrotron_comm_core::{Communicator, DType};
 use ferrotron_tape::{Device, GradHandle, Parameter, Tape, Tensor};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
+
+mod exchange;
 
 /// One model chunk of a pipeline stage, as this rank runs it.
 pub trait Stage {
@@ -57,6 +60,11 @@ pub struct PipelineConfig {
     /// host wait on a device); off for stages that report their loss themselves, so the
     /// step reads nothing it does not use.
     pub read_losses: bool,
+    /// Post each exchange's receives when the previous exchange ends (Megatron's
+    /// `--overlap-p2p-comm`), so that a received tensor's copy runs beside the compute
+    /// queued before it is needed instead of after it. Needs a backend with
+    /// non-blocking receives (threads, MPI; NCCL's lone receives are refused).
+    pub overlap_p2p: bool,
 }
 
 impl PipelineConfig {
@@ -71,6 +79,7 @@ impl PipelineConfig {
             device: Device::Cpu,
             dtype: DType::F32,
             read_losses: true,
+            overlap_p2p: false,
         }
     }
 }
@@ -162,6 +171,14 @@ impl Pipeline {
             )));
         }
         let mut step = Step::new(self);
+        let overlap = self.config.overlap_p2p;
+        let mut exchanges = (self.plan.iter()).filter_map(|action| match action {
+            Action::Exchange(transfers) => Some(transfers),
+            _ => None,
+        });
+        if let (true, Some(first)) = (overlap, exchanges.next()) {
+            step.post_receives(first)?;
+        }
         for action in &self.plan {
             let started = Instant::now();
             match action {
@@ -171,7 +188,12 @@ impl Pipeline {
                 Action::Backward { chunk, microbatch } => {
                     step.backward(&mut *chunks[*chunk], *chunk, *microbatch)?
                 }
-                Action::Exchange(transfers) => step.exchange(transfers)?,
+                Action::Exchange(transfers) => {
+                    step.exchange(transfers)?;
+                    if let (true, Some(next)) = (overlap, exchanges.next()) {
+                        step.post_receives(next)?;
+                    }
+                }
             }
             if let Some(epoch) = self.config.trace_epoch {
                 step.report
@@ -207,6 +229,8 @@ struct Step<'p> {
     /// The latest forward's output (backward's input gradient) until an exchange sends it.
     to_send_forward: Option<(Key, Tensor)>,
     to_send_backward: Option<(Key, Tensor)>,
+    /// Receives posted ahead, one entry per exchange, in plan order.
+    posted: VecDeque<Vec<Posted>>,
     backwards_done: Vec<usize>,
     /// The last stage's losses, by microbatch, read together when the step ends.
     losses: Vec<(usize, Tensor)>,
@@ -238,6 +262,7 @@ impl<'p> Step<'p> {
             awaiting_gradient,
             to_send_forward: None,
             to_send_backward: None,
+            posted: VecDeque::new(),
             backwards_done: vec![0; pipeline.config.schedule.chunks()],
             losses: Vec::new(),
             report: StepReport::default(),
@@ -368,228 +393,6 @@ impl<'p> Step<'p> {
         }
         Ok(())
     }
-
-    fn exchange(&mut self, transfers: &[Transfer]) -> Result<()> {
-        let pp = self.pipeline.group.size();
-        let rank = self.pipeline.group.rank();
-        let (next, prev) = ((rank + 1) % pp, (rank + pp - 1) % pp);
-        let expected = &self.pipeline.config.shape;
-        let mut slots = Vec::with_capacity(transfers.len());
-        // A wrong shape of our own is reported after the exchange: the neighbour must
-        // get its message (and its own error) rather than wait for one.
-        let mut own_error = None;
-        for transfer in transfers {
-            let slot = match transfer {
-                Transfer::SendForward | Transfer::SendBackward => {
-                    let forward = *transfer == Transfer::SendForward;
-                    let pending = if forward {
-                        self.to_send_forward.take()
-                    } else {
-                        self.to_send_backward.take()
-                    };
-                    let ((chunk, microbatch), tensor) = pending.ok_or_else(|| {
-                        Error::Config("internal: the plan sends a tensor it has not made".into())
-                    })?;
-                    let vstage = self.pipeline.virtual_stage(chunk);
-                    let format = self.format();
-                    let what = if forward {
-                        "activation sent"
-                    } else {
-                        "gradient sent"
-                    };
-                    if tensor.dtype() != format && own_error.is_none() {
-                        own_error = Some(Error::Format {
-                            stage: vstage,
-                            what,
-                            microbatch,
-                            got: tensor.dtype().to_string(),
-                            expected: format,
-                        });
-                    }
-                    if tensor.shape() != expected.as_slice() && own_error.is_none() {
-                        own_error = Some(Error::Shape {
-                            stage: vstage,
-                            what,
-                            microbatch,
-                            got: tensor.shape().iter().map(|&d| d as i64).collect(),
-                            expected: expected.clone(),
-                        });
-                    }
-                    let format_code = code(tensor.dtype()).unwrap_or(-1);
-                    let mut header = vec![vstage as i64, microbatch as i64, format_code];
-                    header.extend(tensor.shape().iter().map(|&d| d as i64));
-                    // Sent from the tensor's memory on the stage's device, as stored (a
-                    // device copy first only if autograd still shares it): NCCL moves it
-                    // on the GPU, the threads and MPI backends stage device memory through
-                    // the host themselves. The receiver posts memory of the expected shape
-                    // and format on its device, so a wrong tensor travels as such a
-                    // placeholder; the header tells the receiver what was wrong.
-                    let data = if own_error.is_some() {
-                        receive_buffer(self.pipeline.config.device, format, expected)?
-                    } else {
-                        tensor
-                            .to_device(self.pipeline.config.device)?
-                            .into_buffer()?
-                    };
-                    Slot::Send {
-                        peer: if forward { next } else { prev },
-                        header,
-                        data,
-                    }
-                }
-                Transfer::RecvForward | Transfer::RecvBackward => {
-                    let forward = *transfer == Transfer::RecvForward;
-                    let key = if forward {
-                        self.awaiting_input.pop_front()
-                    } else {
-                        self.awaiting_gradient.pop_front()
-                    }
-                    .ok_or_else(|| {
-                        Error::Config("internal: the plan receives a tensor nobody needs".into())
-                    })?;
-                    Slot::Recv {
-                        peer: if forward { prev } else { next },
-                        forward,
-                        key,
-                        header: vec![0; 3 + expected.len()],
-                        data: receive_buffer(self.pipeline.config.device, self.format(), expected)?,
-                    }
-                }
-            };
-            slots.push(slot);
-        }
-        let mut ops = Vec::with_capacity(2 * slots.len());
-        for slot in slots.iter_mut() {
-            match slot {
-                Slot::Send { peer, header, data } => {
-                    ops.push(P2p::Send {
-                        buf: (&*header).into(),
-                        peer: *peer,
-                    });
-                    ops.push(P2p::Send {
-                        buf: data.as_buf_ref(),
-                        peer: *peer,
-                    });
-                }
-                Slot::Recv {
-                    peer, header, data, ..
-                } => {
-                    ops.push(P2p::Recv {
-                        buf: header.into(),
-                        peer: *peer,
-                    });
-                    ops.push(P2p::Recv {
-                        buf: data.as_buf_mut(),
-                        peer: *peer,
-                    });
-                }
-            }
-        }
-        let exchanged = self.pipeline.group.exchange(&mut ops);
-        drop(ops);
-        if let Some(error) = own_error {
-            return Err(error);
-        }
-        exchanged?;
-        for slot in slots {
-            let Slot::Recv {
-                forward,
-                key,
-                header,
-                data,
-                ..
-            } = slot
-            else {
-                continue;
-            };
-            let (chunk, microbatch) = key;
-            let vstage = self.pipeline.virtual_stage(chunk);
-            let producer = if forward { vstage - 1 } else { vstage + 1 };
-            if header[..2] != [producer as i64, microbatch as i64] {
-                return Err(out_of_step(
-                    if forward {
-                        "an activation"
-                    } else {
-                        "a gradient"
-                    },
-                    vstage,
-                    microbatch,
-                ));
-            }
-            let format = self.format();
-            let what = if forward {
-                "activation received"
-            } else {
-                "gradient received"
-            };
-            let got = usize::try_from(header[2])
-                .ok()
-                .and_then(|c| FORMATS.get(c).copied());
-            if got != Some(format) {
-                return Err(Error::Format {
-                    stage: vstage,
-                    what,
-                    microbatch,
-                    got: got
-                        .map_or_else(|| format!("format code {}", header[2]), |d| d.to_string()),
-                    expected: format,
-                });
-            }
-            let dims = &header[3..];
-            if dims
-                .iter()
-                .map(|&d| d as usize)
-                .ne(expected.iter().copied())
-            {
-                return Err(Error::Shape {
-                    stage: vstage,
-                    what,
-                    microbatch,
-                    got: dims.to_vec(),
-                    expected: expected.clone(),
-                });
-            }
-            // The memory the transfer filled, on the stage's device: no copy.
-            let tensor = Tensor::from_buffer(data)?;
-            if forward {
-                self.received.insert(key, tensor);
-            } else {
-                self.gradients.insert(key, tensor);
-            }
-        }
-        Ok(())
-    }
-}
-
-/// One transfer's buffers: a header (producing virtual stage, microbatch, format,
-/// shape) and the data, so that a receiver can tell a misrouted, misshapen or
-/// misformatted tensor from a right one.
-enum Slot {
-    Send {
-        peer: usize,
-        header: Vec<i64>,
-        data: Buffer,
-    },
-    Recv {
-        peer: usize,
-        forward: bool,
-        key: Key,
-        header: Vec<i64>,
-        data: Buffer,
-    },
-}
-
-/// Memory for a received tensor of `shape` in `format` on `device` (zeros until the
-/// transfer fills it), lent so the transfer writes into it in place.
-fn receive_buffer(device: Device, format: DType, shape: &[usize]) -> Result<Buffer> {
-    Ok(Tensor::<f32>::full_as(shape, 0.0, format, device)?.into_buffer()?)
-}
-
-/// The formats a header can name, by their code (their position).
-const FORMATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
-
-fn code(dtype: DType) -> Option<i64> {
-    FORMATS.iter().position(|&f| f == dtype).map(|p| p as i64)
 }
 
 fn out_of_step(what: &str, stage: usize, microbatch: usize) -> Error {

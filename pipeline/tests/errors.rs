@@ -16,7 +16,8 @@ struct Linear {
     weight: Parameter,
     last: bool,
     distort: Option<fn(&Tensor) -> ferrotron_tape::Result<Tensor>>,
-    fail: bool,
+    /// The microbatch whose forward fails, if any.
+    fail_at: Option<usize>,
 }
 
 impl Linear {
@@ -25,7 +26,7 @@ impl Linear {
             weight: Parameter::new("w", Tensor::full(&[4, 4], 0.5)),
             last,
             distort: None,
-            fail: false,
+            fail_at: None,
         }
     }
 }
@@ -37,7 +38,7 @@ impl Stage for Linear {
         mb: usize,
         input: Option<&Tensor>,
     ) -> Result<Tensor, BoxError> {
-        if self.fail {
+        if self.fail_at == Some(mb) {
             return Err("this stage's data loader failed".into());
         }
         let x = match input {
@@ -57,12 +58,18 @@ impl Stage for Linear {
 
 /// Runs a two-stage 1F1B step where `tweak` changes stage 0; returns each rank's error.
 fn two_stages(tweak: impl Fn(&mut Linear) + Sync) -> Vec<Error> {
+    two_stages_posting(false, tweak)
+}
+
+/// [`two_stages`], with receives posted ahead or not.
+fn two_stages_posting(overlap_p2p: bool, tweak: impl Fn(&mut Linear) + Sync) -> Vec<Error> {
     LocalLauncher::new(2)
         .unwrap()
         .timeout(Duration::from_secs(60))
         .run_each(|comm| {
             let group: Arc<dyn Communicator> = Arc::new(comm);
-            let config = PipelineConfig::new(Schedule::OneFOneB, 3, &[3, 4]);
+            let mut config = PipelineConfig::new(Schedule::OneFOneB, 3, &[3, 4]);
+            config.overlap_p2p = overlap_p2p;
             let pipeline = Pipeline::new(group.clone(), config)?;
             let mut stage = Linear::new(group.rank() == 1);
             if group.rank() == 0 {
@@ -80,9 +87,17 @@ fn two_stages(tweak: impl Fn(&mut Linear) + Sync) -> Vec<Error> {
 
 #[test]
 fn a_transposed_activation_is_a_shape_error_on_both_sides() {
-    let started = Instant::now();
-    let errors = two_stages(|stage| stage.distort = Some(|y| y.reshape(&[4, 3])));
-    assert!(started.elapsed() < Duration::from_secs(10));
+    for overlap_p2p in [false, true] {
+        let started = Instant::now();
+        let errors = two_stages_posting(overlap_p2p, |stage| {
+            stage.distort = Some(|y| y.reshape(&[4, 3]))
+        });
+        assert!(started.elapsed() < Duration::from_secs(10));
+        expect_transposed(&errors);
+    }
+}
+
+fn expect_transposed(errors: &[Error]) {
     let expect = |err: &Error, what: &str| match err {
         Error::Shape {
             stage: _,
@@ -143,17 +158,59 @@ fn an_activation_of_another_size_or_rank_count_fails_both_sides() {
 #[test]
 fn a_failing_stage_names_itself_and_releases_its_neighbour() {
     let started = Instant::now();
-    let errors = two_stages(|stage| stage.fail = true);
+    let errors = two_stages(|stage| stage.fail_at = Some(0));
     assert!(started.elapsed() < Duration::from_secs(10));
+    expect_stage_failure(&errors, 0);
+}
+
+/// With receives posted ahead, a failing stage gives up the receives it posted rather
+/// than wait for them: under GPipe, a stage failing in its last forward has posted the
+/// receive of its first gradient, which the stages after it can never send.
+#[test]
+fn a_failing_stage_abandons_the_receives_it_posted_ahead() {
+    for failing in 0..3 {
+        let started = Instant::now();
+        let outcomes = LocalLauncher::new(4)
+            .unwrap()
+            .timeout(Duration::from_secs(60))
+            .run_each(|comm| {
+                let group: Arc<dyn Communicator> = Arc::new(comm);
+                let mut config = PipelineConfig::new(Schedule::GPipe, 4, &[3, 4]);
+                config.overlap_p2p = true;
+                let pipeline = Pipeline::new(group.clone(), config)?;
+                let mut stage = Linear::new(group.rank() == 3);
+                if group.rank() == failing {
+                    stage.fail_at = Some(3);
+                }
+                pipeline.run(&mut [&mut stage]).map(drop)
+            });
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "stage {failing}"
+        );
+        match &outcomes[failing] {
+            Err((_, CommError::RankFailed { source, .. })) => assert!(
+                source.to_string().contains("data loader"),
+                "stage {failing}: {source}"
+            ),
+            other => panic!(
+                "stage {failing}: expected its error, got {:?}",
+                other.as_ref().map(drop)
+            ),
+        }
+    }
+}
+
+fn expect_stage_failure(errors: &[Error], failing: usize) {
     match &errors[0] {
         Error::Stage {
             stage: 0,
-            microbatch: 0,
+            microbatch,
             source,
-        } => {
+        } if *microbatch == failing => {
             assert!(source.to_string().contains("data loader"))
         }
-        other => panic!("expected the stage's error, got {other}"),
+        other => panic!("expected the stage's error at microbatch {failing}, got {other}"),
     }
     assert!(
         matches!(&errors[1], Error::Comm(CommError::PeerLost { rank: 0, .. })),

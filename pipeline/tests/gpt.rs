@@ -197,16 +197,17 @@ fn gradients(
 /// The same global batch (two data-parallel halves' worth at DP 1) through a pipeline:
 /// each data-parallel rank takes `2 / dp` of the sequences of the reference.
 fn pipelined(schedule: Schedule, layout: (usize, usize, usize), sp: bool) -> Outcome {
-    pipelined_losses(schedule, layout, sp, true).0
+    pipelined_losses(schedule, layout, sp, true, false).0
 }
 
 /// [`pipelined`], and the microbatch losses each rank's report holds (with
-/// `read_losses` as given).
+/// `read_losses` and `overlap_p2p` as given).
 fn pipelined_losses(
     schedule: Schedule,
     (pp, tp, dp): (usize, usize, usize),
     sp: bool,
     read_losses: bool,
+    overlap_p2p: bool,
 ) -> (Outcome, Vec<Vec<f32>>) {
     let world = pp * tp * dp;
     let layout = RankLayout::builder(world).tp(tp).pp(pp).build().unwrap();
@@ -233,6 +234,7 @@ fn pipelined_losses(
         let seq = if sp { SEQ / tp } else { SEQ };
         let mut config = PipelineConfig::new(schedule, microbatches, &[seq, BATCH, HIDDEN]);
         config.read_losses = read_losses;
+        config.overlap_p2p = overlap_p2p;
         let pipeline = Pipeline::new(state.pp().clone(), config)?;
         let mut refs: Vec<&mut dyn Stage> =
             stages.iter_mut().map(|s| s as &mut dyn Stage).collect();
@@ -317,11 +319,31 @@ fn every_schedule_and_layout_matches_the_serial_model() {
     }
 }
 
+/// Receives posted one exchange ahead (Megatron's `--overlap-p2p-comm`) carry the same
+/// tensors to the same forwards and backwards: the same bits, every schedule.
+#[test]
+fn receives_posted_ahead_give_the_same_bits() {
+    for layout in [(2, 1, 1), (4, 1, 1), (2, 2, 2)] {
+        for schedule in [
+            Schedule::GPipe,
+            Schedule::OneFOneB,
+            Schedule::Interleaved { virtual_stages: 2 },
+        ] {
+            let run = |overlap| pipelined_losses(schedule, layout, false, true, overlap);
+            let (batched, ahead) = (run(false), run(true));
+            let what = format!("{} {layout:?}", schedule.name());
+            assert_eq!(batched.0 .0.to_bits(), ahead.0 .0.to_bits(), "{what}: loss");
+            assert_eq!(batched.0 .1, ahead.0 .1, "{what}: gradients");
+            assert_eq!(batched.1, ahead.1, "{what}: microbatch losses");
+        }
+    }
+}
+
 /// The last stage's losses come back per microbatch, in microbatch order whatever the
 /// schedule (read once, when the step ends), or not at all when not asked for.
 #[test]
 fn losses_come_back_in_microbatch_order_or_not_at_all() {
-    let losses = |schedule, read| pipelined_losses(schedule, (2, 1, 1), false, read).1;
+    let losses = |schedule, read| pipelined_losses(schedule, (2, 1, 1), false, read, false).1;
     let in_order = losses(Schedule::OneFOneB, true);
     // Rank 1 holds the last stage of 1F1B; with two chunks, rank 1 again (virtual stage 3).
     assert!(in_order[0].is_empty() && in_order[1].len() == 2 * MICROBATCHES);

@@ -157,6 +157,14 @@ impl Timeline {
             .collect()
     }
 
+    /// The time from its first call's start to its last call's end, in seconds: how long
+    /// the recorded work (a step) takes on the modelled device. `None` when empty.
+    pub fn makespan(&self) -> Option<f64> {
+        let start = self.intervals.iter().map(|i| i.start).reduce(f64::min)?;
+        let end = self.intervals.iter().map(|i| i.end).reduce(f64::max)?;
+        Some(end - start)
+    }
+
     /// Adds `other`'s intervals (another span of the same thread) after this one's.
     pub fn extend(&mut self, other: Timeline) {
         self.intervals.extend(other.intervals);
@@ -338,7 +346,9 @@ mod tests {
         assert_eq!(line.busy(Role::Communication), 4.0);
         // [2, 3] and [6, 7] of the four communication units.
         assert_eq!(line.hidden_fraction(), Some(0.5));
+        assert_eq!(line.makespan(), Some(7.0));
         assert_eq!(Timeline::default().hidden_fraction(), None);
+        assert_eq!(Timeline::default().makespan(), None);
     }
 
     #[test]

@@ -294,6 +294,11 @@ struct Args {
     /// Same results.
     #[arg(long)]
     overlap_param_gather: bool,
+    /// Post each pipeline exchange's receives when the previous exchange ends, so that
+    /// received activations and gradients are copied beside the compute before them
+    /// (Megatron's --overlap-p2p-comm). Same results; not with --backend nccl.
+    #[arg(long)]
+    overlap_p2p_comm: bool,
     /// Gradients per data-parallel bucket (Megatron's --ddp-bucket-size): smaller buckets
     /// start their reductions earlier in backward. Default: PyTorch's caps (1 MiB for the
     /// first bucket, 25 MiB for the others).
@@ -869,9 +874,9 @@ fn overlap_groups() -> impl Iterator<Item = &'static str> {
         .chain(["world"])
 }
 
-/// A rank's transfers and host waits per step, its peak memory, and the share of its
-/// communication left exposed, in all and of each of [`overlap_groups`] (-1: none), as
-/// numbers to take the largest of.
+/// A rank's transfers and host waits per step, its peak memory, its modelled step time,
+/// and the share of its communication left exposed, in all and of each of
+/// [`overlap_groups`] (-1: none), as numbers to take the largest of.
 fn step_costs(result: &RankResult) -> Vec<f64> {
     let t = result.transfers_per_step;
     let hidden = result.communication_hidden.as_ref();
@@ -892,6 +897,7 @@ fn step_costs(result: &RankResult) -> Vec<f64> {
         t.to_host_copies as f64,
         result.host_waits_per_step,
         result.peak_bytes as f64,
+        result.modelled_step.unwrap_or(-1.0),
         exposed(hidden.map(|h| h.all)),
     ]
     .into_iter()
@@ -949,11 +955,12 @@ fn busiest_rank(costs: impl Iterator<Item = Vec<f64>>) -> Vec<f64> {
 }
 
 fn set_step_costs(result: &mut RankResult, costs: Vec<f64>) {
-    let [to_device, to_device_copies, to_host, to_host_copies, waits, peak, exposed] =
+    let [to_device, to_device_copies, to_host, to_host_copies, waits, peak, step, exposed] =
         std::array::from_fn(|i| costs.get(i).copied().unwrap_or(-1.0));
     // The rank that hides the least speaks for the run, for each group too.
     let hidden = |exposed: f64| (exposed >= 0.0).then_some(1.0 - exposed);
-    let by_group = (overlap_groups().zip(costs.iter().skip(7)))
+    result.modelled_step = (step >= 0.0).then_some(step);
+    let by_group = (overlap_groups().zip(costs.iter().skip(8)))
         .filter_map(|(name, &exposed)| Some((name.to_string(), hidden(exposed)?)))
         .collect();
     result.communication_hidden = hidden(exposed).map(|all| Hidden { all, by_group });
@@ -1423,6 +1430,11 @@ fn validate_pipeline(args: &Args) -> Result<()> {
          add --use-distributed-optimizer"
     );
     ensure!(
+        !args.overlap_p2p_comm || args.backend != Backend::Nccl,
+        "--overlap-p2p-comm posts pipeline receives ahead, which NCCL cannot do alone \
+         without risking a deadlock: leave it out with --backend nccl"
+    );
+    ensure!(
         args.trace.is_none() || args.backend == Backend::Local,
         "--trace collects every stage's timeline in one process: use the local backend"
     );
@@ -1467,6 +1479,7 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
         distributed_optimizer: args.use_distributed_optimizer,
         overlap_grad_reduce: !args.no_overlap_grad_reduce,
         overlap_param_gather: args.overlap_param_gather,
+        overlap_p2p: args.overlap_p2p_comm,
         bucket_elements: args.ddp_bucket_size.map(|n| n as usize),
         precision: args.precision.dtype(),
         weight_decay: args.weight_decay,
@@ -1750,6 +1763,10 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
             100.0 * hidden.all,
             groups.join(", ")
         );
+    }
+    if let Some(step) = result.modelled_step {
+        // The same timeline: each call timed at an H200's rates, the slowest rank's step.
+        println!("modelled step time: {:.1} µs", step * 1e6);
     }
     let on_gpu = matches!(args.device, ferrotron_tape::Device::Cuda(_));
     println!(

@@ -66,6 +66,8 @@ pub struct TrainConfig {
     /// Gather the distributed optimizer's parameters as the next forward reads them
     /// (`DistributedOptimizer::with_overlap_param_gather`).
     pub overlap_param_gather: bool,
+    /// Post pipeline receives one exchange ahead (`PipelineConfig::overlap_p2p`).
+    pub overlap_p2p: bool,
     /// Gradients per bucket (f32 main gradients), if not the DDP's default caps.
     pub bucket_elements: Option<usize>,
     /// The parameters' storage format: f32, or bf16 / f16 with f32 master weights and
@@ -175,6 +177,10 @@ pub struct RankResult {
     /// overlap, on the emulated device's modelled timeline over the same steps (`None`
     /// elsewhere, or with no communication on a stream of its own).
     pub communication_hidden: Option<Hidden>,
+    /// How long a step takes on this rank on the emulated device's modelled timeline, in
+    /// seconds, over the same steps (from its first device call to its last; `None`
+    /// elsewhere).
+    pub modelled_step: Option<f64>,
     /// The checkpoints this run wrote, oldest first.
     pub saved: Vec<PathBuf>,
     /// How long this rank's training stood still for them, in all.
@@ -287,6 +293,7 @@ pub fn train_rank(
         host_waits_per_step: steady.host_waits,
         profile: steady.profile,
         communication_hidden: steady.hidden,
+        modelled_step: steady.modelled_step,
         saved: history.saved,
         save_wait: history.save_wait,
         peak_bytes,
@@ -785,6 +792,7 @@ impl<'a> Trainer<'a> {
         let first_step = history.losses.len();
         let (mut steady_transfers, mut waits) = (Vec::new(), Vec::new());
         let mut timeline = ferrotron_tape::timeline::Timeline::default();
+        let mut makespans = Vec::new();
         let mut profile = (config.profile && config.device != ferrotron_tape::Device::Cpu)
             .then(StepsProfile::default);
         for step in first_step..config.steps {
@@ -808,6 +816,7 @@ impl<'a> Trainer<'a> {
                 if config.trace {
                     history.streams = streams.clone();
                 }
+                makespans.extend(streams.makespan());
                 timeline.extend(streams);
             }
             // Read before the profile's own wait for its last timing event.
@@ -865,6 +874,8 @@ impl<'a> Trainer<'a> {
             host_waits: waits.iter().sum::<u64>() as f64 / waits.len().max(1) as f64,
             profile,
             hidden: Hidden::of(&timeline),
+            modelled_step: (!makespans.is_empty())
+                .then(|| makespans.iter().sum::<f64>() / makespans.len() as f64),
         })
     }
 
@@ -1327,6 +1338,7 @@ impl Chunks<'_> {
         config.read_losses = false;
         config.device = self.config.device;
         config.dtype = self.config.precision;
+        config.overlap_p2p = self.config.overlap_p2p;
         if trace {
             self.state.pp().barrier()?;
             config.trace_epoch = Some(std::time::Instant::now());
@@ -1696,6 +1708,8 @@ struct Steady {
     profile: Option<StepsProfile>,
     /// What share of the communication the compute hid (modelled, emulated device).
     hidden: Option<Hidden>,
+    /// A step's mean modelled time, seconds (emulated device).
+    modelled_step: Option<f64>,
 }
 
 /// The mean of per-step transfer counts (none: zero).

@@ -230,7 +230,8 @@ bench() {
     limit 60 "$BIN/train-gpt" --device cuda:0 --pp 2 --layers 2 --steps 20 --check \
         --sequence-parallel --out "$logs/demo" | grep -E "$counts" || failed=1
     limit 60 "$BIN/train-gpt" --device cuda:0 --pp 2 --layers 4 --steps 20 --check \
-        --schedule interleaved --virtual-stages 2 --overlap-p2p-comm --out "$logs/demo" |
+        --schedule interleaved --virtual-stages 2 --microbatches 2 --overlap-p2p-comm \
+        --out "$logs/demo" |
         grep -E "$counts" || failed=1
     limit 60 "$BIN/train-gpt" --device cuda:0 --use-distributed-optimizer --precision bf16 \
         --steps 20 --check --out "$logs/demo" | grep -E "$counts" || failed=1

@@ -116,7 +116,7 @@ pub use buffer::{BufMut, BufRef, Buffer, LentMemory};
 pub use calls::reduce_slices;
 pub use communicator::{AsyncOp, Communicator, CommunicatorExt, P2p, P2pWork};
 pub use dtype::{DType, Element, ReduceOp};
-pub use dual::DualCommunicator;
+pub use dual::{DeviceOpener, DualCommunicator};
 pub use error::{CallSignature, Error, OpKind, Result};
 pub use ferrotron_device::Device;
 pub use flight_recorder::{CallRecord, CallState, FlightRecord, RankHistory};

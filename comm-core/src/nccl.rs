@@ -289,6 +289,20 @@ impl NcclCommunicator {
         self.device
     }
 
+    /// Opens groups' NCCL communicators as this one is (same device, signature check and
+    /// timeout), for [`DualCommunicator::opening`](crate::DualCommunicator::opening): over a
+    /// split of each group's host communicator, so that NCCL's setup never mixes with the
+    /// group's own host calls.
+    pub fn opener(&self) -> Box<crate::dual::DeviceOpener> {
+        let (device, check, timeout) = (self.device, self.checks_signatures(), self.timeout());
+        let split = crate::DualCommunicator::split_opener();
+        Box::new(move |group| {
+            let bootstrap = split(group)?;
+            let comm = NcclCommunicator::open(bootstrap, device, Some(check))?;
+            Ok(Arc::new(comm.with_timeout(timeout)) as Arc<dyn Communicator>)
+        })
+    }
+
     /// NCCL runs a rank's transfers one after another on its stream, so a send started
     /// alone would wait for its receiver before a later receive could start.
     fn no_single_transfers(&self, op: OpKind) -> Error {

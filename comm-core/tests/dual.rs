@@ -1,11 +1,12 @@
-//! A dual communicator sends host-memory calls (emulated device memory included) to its
-//! host communicator, splits both halves together, and refuses pairs of different ranks.
-//! Routing device memory to the other half needs CUDA memory: `gpu_nccl.rs`.
+//! A dual communicator sends host-memory calls to its host communicator and device
+//! memory (the emulated device's too) to its device communicator, splits both halves
+//! together or opens each group's device half when first used, and refuses pairs of
+//! different ranks. Over NCCL: `gpu_nccl.rs`.
 
 use std::sync::Arc;
 
 use ferrotron_comm_core::{
-    run_local, BufMut, BufRef, Communicator, CommunicatorExt, DualCommunicator, Error, P2p,
+    run_local, BufMut, BufRef, Communicator, CommunicatorExt, DType, DualCommunicator, Error, P2p,
     ReduceOp,
 };
 
@@ -85,5 +86,107 @@ fn pairs_of_other_ranks_are_refused_and_exchanges_run_on_the_host_half() -> anyh
         assert_eq!(recv, [1.0]);
         Ok(())
     })?;
+    Ok(())
+}
+
+/// `values` in emulated device memory on `stream`.
+fn on_device(
+    stream: &ferrotron_device::Stream,
+    values: &[f32],
+) -> ferrotron_device::Result<ferrotron_device::DeviceMemory> {
+    let memory = stream.alloc(4 * values.len())?;
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+    // SAFETY: the allocation holds the bytes.
+    unsafe { stream.upload(memory.ptr(), &bytes)? };
+    Ok(memory)
+}
+
+fn read(memory: &ferrotron_device::DeviceMemory, len: usize) -> ferrotron_device::Result<Vec<f32>> {
+    let mut bytes = vec![0u8; 4 * len];
+    // SAFETY: the allocation holds `len` f32s.
+    unsafe { memory.stream().download(&mut bytes, memory.ptr())? };
+    Ok(bytes
+        .chunks(4)
+        .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
+        .collect())
+}
+
+/// A lazily opening dual world splits only host halves; a group opens its device half at
+/// its first call on device memory (once), a group of one rank never does, and a chain
+/// of exchanges that mix host headers with device data (a pipeline's first sends and
+/// receives, each rank waiting for the one before) opens the device half before the
+/// host transfers, so the ranks meet in the opening instead of deadlocking.
+#[test]
+fn groups_open_their_device_half_when_first_used_and_alone_never() -> anyhow::Result<()> {
+    use ferrotron_comm_core::{Device, LocalLauncher};
+    use std::time::Duration;
+    let launcher = LocalLauncher::new(4)?.timeout(Duration::from_secs(20));
+    let opened = launcher.run(|comm| -> anyhow::Result<Vec<String>> {
+        let host: Arc<dyn Communicator> = Arc::new(comm);
+        let rank = host.rank();
+        let world =
+            DualCommunicator::opening(host.clone(), host, DualCommunicator::split_opener())?;
+        let split = |color: usize, name| -> anyhow::Result<Arc<dyn Communicator>> {
+            let group = world.split(Some(color as u32), rank as u32, name)?;
+            Ok(group.expect("every rank joins"))
+        };
+        let (pair, alone, chain) = (
+            split(rank / 2, "pair")?,
+            split(rank, "alone")?,
+            split(0, "chain")?,
+        );
+        assert!(world.opened().is_empty(), "splitting opens nothing");
+
+        let mut host_sum = [1.0f32];
+        pair.all_reduce_slice(&mut host_sum, ReduceOp::Sum)?;
+        assert!(world.opened().is_empty(), "host memory opens nothing");
+
+        let stream = ferrotron_device::Stream::new(Device::Emulated)?;
+        let mut x = on_device(&stream, &[rank as f32])?;
+        for _ in 0..2 {
+            pair.all_reduce(BufMut::device(&mut x, 0, 1, DType::F32)?, ReduceOp::Sum)?;
+        }
+        let pair_sum = (rank / 2 * 4 + 1) as f32 * 2.0;
+        assert_eq!(read(&x, 1)?, [pair_sum]);
+        alone.all_reduce(BufMut::device(&mut x, 0, 1, DType::F32)?, ReduceOp::Sum)?;
+        assert_eq!(read(&x, 1)?, [pair_sum]);
+
+        // Rank r receives from r − 1, then sends on to r + 1, header and data.
+        let mut data = on_device(&stream, &[0.0])?;
+        if rank > 0 {
+            let mut header = [0i64];
+            chain.exchange(&mut [
+                P2p::Recv {
+                    buf: BufMut::from(&mut header[..]),
+                    peer: rank - 1,
+                },
+                P2p::Recv {
+                    buf: BufMut::device(&mut data, 0, 1, DType::F32)?,
+                    peer: rank - 1,
+                },
+            ])?;
+            assert_eq!(header, [rank as i64 - 1]);
+        } else {
+            data = on_device(&stream, &[7.0])?;
+        }
+        if rank < 3 {
+            let header = [rank as i64];
+            chain.exchange(&mut [
+                P2p::Send {
+                    buf: BufRef::from(&header[..]),
+                    peer: rank + 1,
+                },
+                P2p::Send {
+                    buf: BufRef::device(&data, 0, 1, DType::F32)?,
+                    peer: rank + 1,
+                },
+            ])?;
+        }
+        assert_eq!(read(&data, 1)?, [7.0]);
+        Ok(world.opened())
+    })?;
+    for (rank, groups) in opened.into_iter().enumerate() {
+        assert_eq!(groups, ["pair", "chain"], "rank {rank}");
+    }
     Ok(())
 }

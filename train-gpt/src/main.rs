@@ -57,7 +57,7 @@ fn keep_freed_memory() {
 use anyhow::{bail, ensure, Result};
 use clap::{Parser, ValueEnum};
 use data::Corpus;
-use ferrotron_comm_core::{run_local, Communicator};
+use ferrotron_comm_core::{run_local, Communicator, DualCommunicator};
 use ferrotron_tape::{LrDecay, WsdAnneal};
 use model::GptConfig;
 use report::Progress;
@@ -748,36 +748,54 @@ fn nccl_devices(_: &Args) -> Result<std::ops::Range<usize>> {
     )
 }
 
-/// This rank's world communicator: `comm` itself, or with `devices` an NCCL group of the
-/// same ranks on the rank's device (the node's in turn by local rank), paired with `comm` for
-/// host memory; and the device the rank computes on.
+/// A rank's world, the same world as a dual communicator when it is one, and its device.
+type Connected = (
+    Arc<dyn Communicator>,
+    Option<Arc<DualCommunicator>>,
+    ferrotron_tape::Device,
+);
+
+/// This rank's world communicator and the device it computes on: `comm` itself on the
+/// CPU; on a device a dual communicator over `comm` for host memory whose groups open a
+/// device communicator when first used (with `devices`, NCCL on the rank's device, the
+/// node's in turn by local rank), returned twice so the launcher can say what it opened.
 fn connect(
     comm: Arc<dyn Communicator>,
     device: ferrotron_tape::Device,
     devices: Option<std::ops::Range<usize>>,
     placement: placement::Placement,
-) -> Result<(Arc<dyn Communicator>, ferrotron_tape::Device)> {
-    let Some(devices) = devices else {
-        return Ok((comm, device));
+) -> Result<Connected> {
+    let (world, device) = match devices {
+        None if device == ferrotron_tape::Device::Cpu => return Ok((comm, None, device)),
+        // Each group's device calls on a split of its own, opened when first used: what
+        // the emulated device runs where NCCL would open a communicator.
+        None => (
+            DualCommunicator::opening(comm.clone(), comm, DualCommunicator::split_opener())?,
+            device,
+        ),
+        Some(devices) => {
+            let ordinal = placement.device_of(&devices);
+            (
+                nccl_world(comm, ordinal)?,
+                ferrotron_tape::Device::Cuda(ordinal),
+            )
+        }
     };
-    let ordinal = placement.device_of(&devices);
-    Ok((
-        nccl_world(comm, ordinal)?,
-        ferrotron_tape::Device::Cuda(ordinal),
-    ))
+    let world = Arc::new(world);
+    Ok((world.clone(), Some(world), device))
 }
 
+/// The world over NCCL on device `ordinal`, each group's NCCL communicator opened when
+/// first used (none for a group of one rank).
 #[cfg(feature = "cuda")]
-fn nccl_world(comm: Arc<dyn Communicator>, ordinal: usize) -> Result<Arc<dyn Communicator>> {
+fn nccl_world(comm: Arc<dyn Communicator>, ordinal: usize) -> Result<DualCommunicator> {
     let nccl = ferrotron_comm_core::NcclCommunicator::new(comm.clone(), ordinal)?;
-    Ok(Arc::new(ferrotron_comm_core::DualCommunicator::new(
-        comm,
-        Arc::new(nccl),
-    )?))
+    let opener = nccl.opener();
+    Ok(DualCommunicator::opening(comm, Arc::new(nccl), opener)?)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn nccl_world(_: Arc<dyn Communicator>, _: usize) -> Result<Arc<dyn Communicator>> {
+fn nccl_world(_: Arc<dyn Communicator>, _: usize) -> Result<DualCommunicator> {
     unreachable!("nccl_devices refuses --backend nccl without the cuda feature")
 }
 
@@ -828,13 +846,16 @@ fn run_local_backend(
             local_rank: rank,
             local_size: comm.size(),
         };
-        let (world, device) = connect(Arc::new(comm), config.device, devices.clone(), placement)?;
+        let (world, dual, device) =
+            connect(Arc::new(comm), config.device, devices.clone(), placement)?;
         let config = TrainConfig {
             device,
             ..config.clone()
         };
         let progress = (rank == 0).then_some(&progress);
-        train_rank(world, &config, corpus, progress)
+        let mut result = train_rank(world, &config, corpus, progress)?;
+        result.device_groups = dual.map(|dual| dual.opened());
+        Ok::<_, anyhow::Error>(result)
     })?;
     if let Some(path) = &args.trace {
         // The first tensor- and data-parallel replica's stages, in pipeline order.
@@ -1048,13 +1069,14 @@ fn run_mpi_backend(
     if rank0 {
         announce(args, corpus, dp);
     }
-    let (world, device) = connect(world, args.device, devices, placement)?;
+    let (world, dual, device) = connect(world, args.device, devices, placement)?;
     let config = TrainConfig {
         device,
         ..training_config(args, &corpus.vocabulary)
     };
     let progress = rank0.then(|| progress("train", args, &config.model, dp, size));
     let mut result = train_rank(world.clone(), &config, corpus, progress.as_ref())?;
+    result.device_groups = dual.map(|dual| dual.opened());
     // The busiest rank's transfers and host waits, as the threads backend reports them.
     let mut costs = step_costs(&result);
     ferrotron_comm_core::CommunicatorExt::all_reduce_slice(
@@ -1761,6 +1783,14 @@ fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result
         println!(
             "communication hidden behind compute: {:.1}% (by group: {})",
             100.0 * hidden.all,
+            groups.join(", ")
+        );
+    }
+    if let Some(groups) = &result.device_groups {
+        // Opened when first used: NCCL communicators on a GPU, their stand-ins elsewhere.
+        println!(
+            "device communicators opened by rank 0: {} ({})",
+            groups.len(),
             groups.join(", ")
         );
     }

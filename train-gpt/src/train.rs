@@ -181,6 +181,9 @@ pub struct RankResult {
     /// seconds, over the same steps (from its first device call to its last; `None`
     /// elsewhere).
     pub modelled_step: Option<f64>,
+    /// The groups whose device communicator this rank opened (in the order opened), on
+    /// a device; set by the launcher, which made the world.
+    pub device_groups: Option<Vec<String>>,
     /// The checkpoints this run wrote, oldest first.
     pub saved: Vec<PathBuf>,
     /// How long this rank's training stood still for them, in all.
@@ -294,6 +297,7 @@ pub fn train_rank(
         profile: steady.profile,
         communication_hidden: steady.hidden,
         modelled_step: steady.modelled_step,
+        device_groups: None,
         saved: history.saved,
         save_wait: history.save_wait,
         peak_bytes,

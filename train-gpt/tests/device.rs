@@ -308,3 +308,31 @@ fn assert_stream_tracks(trace: &str) {
         }
     }
 }
+
+/// A device run opens a group's device communicator when the group first moves device
+/// memory (NCCL's on a GPU; on the emulated device a split that stands for it), so of
+/// the sixteen groups of a TP 2 × PP 2 × DP 2 layout the first stage opens only those
+/// its tensors travel over, and none of one rank; a CPU run opens none.
+#[test]
+fn a_run_opens_only_the_device_communicators_it_uses() {
+    let opened = |device: &str| -> Option<Vec<String>> {
+        let stdout = train(
+            device,
+            &["--pp", "2", "--layers", "2", "--microbatches", "2"],
+        );
+        let line = (stdout.lines())
+            .find_map(|l| l.strip_prefix("device communicators opened by rank 0: "))?;
+        let (count, names) = line.split_once(" (").expect("a count and names");
+        let mut names: Vec<String> = (names.trim_end_matches(')').split(", "))
+            .map(String::from)
+            .collect();
+        assert_eq!(count.parse::<usize>().ok(), Some(names.len()), "{line}");
+        names.sort();
+        Some(names)
+    };
+    assert_eq!(
+        opened("emulated").expect("the emulated run says what it opened"),
+        ["dp", "embedding", "pp", "tp"]
+    );
+    assert_eq!(opened("cpu"), None);
+}

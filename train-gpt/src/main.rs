@@ -241,7 +241,7 @@ struct Args {
     #[arg(long, default_value_t = 1234)]
     seed: u64,
     /// Peak AdamW learning rate.
-    #[arg(long, default_value_t = 3e-3)]
+    #[arg(long, default_value_t = 2e-3)]
     lr: f64,
     /// Learning rate at the end of the decay [default: a tenth of --lr].
     #[arg(long)]
@@ -249,7 +249,7 @@ struct Args {
     /// Steps of linear warm-up from --lr-warmup-init to --lr. As in Megatron, update k
     /// takes the rate at position k − 1: the first runs at --lr-warmup-init, and update
     /// --lr-warmup-steps + 1 at --lr.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 100)]
     lr_warmup_steps: u64,
     /// The learning rate the warm-up starts from.
     #[arg(long, default_value_t = 0.0, value_name = "LR")]
@@ -275,9 +275,10 @@ struct Args {
     #[arg(long, default_value_t = 0.01)]
     weight_decay: f64,
     /// Scale the gradients down when their global L2 norm exceeds this (Megatron's
-    /// --clip-grad); a step whose gradient norm is not finite is skipped.
-    #[arg(long, value_name = "NORM")]
-    clip_grad: Option<f64>,
+    /// --clip-grad, whose default this is); 0 turns clipping off. A step whose gradient
+    /// norm is not finite is skipped.
+    #[arg(long, value_name = "NORM", default_value_t = 1.0)]
+    clip_grad: f64,
     /// Shard AdamW's moments over the data-parallel ranks (Megatron's distributed
     /// optimizer, ZeRO-1/2): gradients are reduce-scattered, each rank updates its shard
     /// and the parameters are all-gathered. Same results; checkpoints load either way.
@@ -521,7 +522,10 @@ fn main() -> ExitCode {
                 serde_json::to_string(&logits).unwrap_or_default()
             )
         }),
-        None => resolve_resume(&mut args).and_then(|()| run(&args)),
+        None => resolve_resume(&mut args).and_then(|more| match more {
+            true => run(&args),
+            false => Ok(()),
+        }),
     };
     match done {
         Ok(()) => ExitCode::SUCCESS,
@@ -547,20 +551,32 @@ fn describe(error: &anyhow::Error) -> String {
 
 /// Turns `--resume DIR` into the checkpoint it names (DIR itself, the one its `latest`
 /// marker names, or its newest complete `step_*`), and `--resume auto` into the newest
-/// checkpoint under `--save`, or none (a fresh start) when there is none yet.
-fn resolve_resume(args: &mut Args) -> Result<()> {
+/// checkpoint under `--save`, or none (a fresh start) when there is none yet. Returns
+/// whether there is anything to train: with `auto`, a run already saved at `--steps` is
+/// complete (a requeued job reruns its command, and exits normally, as Megatron's does).
+fn resolve_resume(args: &mut Args) -> Result<bool> {
     let Some(dir) = args.resume.take() else {
-        return Ok(());
+        return Ok(true);
     };
     if dir.as_os_str() == "auto" {
         let Some(save) = &args.save else {
             bail!("--resume auto continues the run saved under --save DIR; pass --save too");
         };
         args.resume = checkpoint::newest(save)?;
-        if args.resume.is_none() {
+        let Some(newest) = &args.resume else {
             println!("no checkpoint under {} yet: starting fresh", save.display());
+            return Ok(true);
+        };
+        let done = checkpoint::TrainerState::read(newest)?.losses.len();
+        if done >= args.steps {
+            println!(
+                "the run is complete: {} is at step {done} of --steps {}; nothing to train",
+                newest.display(),
+                args.steps
+            );
+            return Ok(false);
         }
-        return Ok(());
+        return Ok(true);
     }
     match checkpoint::newest(&dir)? {
         Some(found) => args.resume = Some(found),
@@ -570,7 +586,7 @@ fn resolve_resume(args: &mut Args) -> Result<()> {
             dir.display()
         ),
     }
-    Ok(())
+    Ok(true)
 }
 
 fn run(args: &Args) -> Result<()> {
@@ -1401,6 +1417,10 @@ fn validate_optimizer(args: &Args) -> Result<()> {
         "--weight-decay must be a finite number ≥ 0"
     );
     ensure!(
+        args.clip_grad >= 0.0 && args.clip_grad.is_finite(),
+        "--clip-grad must be a finite number ≥ 0 (0 turns clipping off)"
+    );
+    ensure!(
         matches!(args.precision, Precision::Fp16)
             || (args.initial_loss_scale.is_none()
                 && args.loss_scale_window.is_none()
@@ -1497,7 +1517,7 @@ fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainConfig {
         steps: args.steps,
         seed: args.seed,
         schedule: schedule(args),
-        clip_grad: args.clip_grad,
+        clip_grad: (args.clip_grad > 0.0).then_some(args.clip_grad),
         distributed_optimizer: args.use_distributed_optimizer,
         overlap_grad_reduce: !args.no_overlap_grad_reduce,
         overlap_param_gather: args.overlap_param_gather,
@@ -1887,6 +1907,11 @@ fn compare_with_one_rank(
         .collect();
     if !growth.is_empty() {
         println!("largest difference {}", growth.join(", "));
+    }
+    // Where the runs part, so that a divergence is located, not only measured.
+    match differences.iter().position(|&d| d > 1e-4) {
+        Some(i) => println!("first step differing by more than 1e-4: {}", i + 1),
+        None => println!("first step differing by more than 1e-4: none"),
     }
     let norms: Vec<f64> = (result.grad_norms.iter())
         .filter_map(|(step, norm)| {

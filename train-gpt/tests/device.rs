@@ -94,13 +94,16 @@ fn transfers(stdout: &str) -> (u64, u64) {
 
 #[test]
 fn a_device_run_ends_with_its_transfers_per_step() {
-    let emulated = train("emulated", &[]);
+    // Without clipping (the default clips, and reads the norm back).
+    let unclipped = ["--clip-grad", "0"];
+    let emulated = train("emulated", &unclipped);
     // A step moves its batch to the device (64 tokens per rank: ids, labels and the masks
     // made from them, 27 bytes a token) and its loss back (one f32); gradients
     // stay in the device buckets and the loss arithmetic on the logits' device. The
     // gradients' round trip alone (about 15,000 f32 per rank) would exceed both bounds.
     // The sequence-parallel layer norms' extra sum over TP runs on the device too.
-    for run in [&emulated, &train("emulated", &["--sequence-parallel"])] {
+    let sequence_parallel = [&unclipped[..], &["--sequence-parallel"]].concat();
+    for run in [&emulated, &train("emulated", &sequence_parallel)] {
         let (to_device, to_host) = transfers(run);
         assert!(to_device <= 64 * 32, "{to_device} bytes to the device");
         assert!(to_host <= 4, "{to_host} bytes to the host");
@@ -124,6 +127,10 @@ fn a_device_run_ends_with_its_transfers_per_step() {
     let plain = host_waits(&emulated);
     assert!(plain <= 1.0, "{plain} host waits in a plain step");
     assert!(host_waits(&sharded) <= 3.0, "{sharded}");
+    // The default step clips, as Megatron's does, and reads the norm with the loss.
+    let clipped = train("emulated", &[]);
+    assert!(host_waits(&clipped) <= 2.0, "{clipped}");
+    assert!(transfers(&clipped).1 <= 4 + 8, "{clipped}");
     for run in [&emulated, &sharded] {
         assert!(host_waits(run) >= 1.0, "{run}");
         // Right after the transfer line, where scripts look for it.

@@ -90,6 +90,7 @@ const REFUSED: &[(&str, &str)] = &[
     ("--lr-warmup-init 1", "init_lr"),
     ("--hidden-dropout 1", "--hidden-dropout"),
     ("--weight-decay=-1", "--weight-decay"),
+    ("--clip-grad=-1", "--clip-grad must be a finite number ≥ 0"),
     ("--recompute-granularity full", "needs --recompute-method"),
     (
         "--recompute-granularity selective --recompute-method block",
@@ -152,8 +153,21 @@ fn assert_complete(what: &str, stdout: &str, out: &Path, steps: usize, flags: &s
     let exact = !["bf16", "fp16", "dropout"]
         .iter()
         .any(|f| flags.contains(f));
+    // Where the two runs part, if they do: nowhere for an exact layout; with dropout,
+    // whose masks differ by layout, at some step.
+    let first = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("first step differing by more than 1e-4: "))
+        .unwrap_or_else(|| panic!("{what}: no first-divergence line in\n{stdout}"));
     if exact {
         assert!(difference < 1e-4, "{what}: loss difference {difference}");
+        assert_eq!(first, "none", "{what}");
+    }
+    if flags.contains("dropout") {
+        assert!(
+            first.parse::<usize>().is_ok(),
+            "{what}: {first}, difference {difference}"
+        );
     }
     let tied_across_stages = flags.contains("--pp") && !flags.contains("--untie");
     if tied_across_stages {

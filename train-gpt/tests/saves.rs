@@ -102,6 +102,23 @@ fn saves_every_n_steps_keep_the_newest_and_resume_auto_continues() {
         rows(&root.join("B2/loss.csv")),
         rows(&root.join("A/loss.csv"))
     );
+    // The same command once more: the run is complete, which is a success (a requeued
+    // job reruns its command), and nothing trains.
+    let stdout = succeed(&[
+        "--steps",
+        "6",
+        "--save",
+        &dir("C"),
+        "--resume",
+        "auto",
+        "--out",
+        &dir("B4"),
+    ]);
+    assert!(
+        stdout.contains("the run is complete") && stdout.contains("step 6 of --steps 6"),
+        "{stdout}"
+    );
+    assert!(!root.join("B4/loss.csv").exists(), "nothing trained");
     // With nothing saved yet, auto starts fresh.
     let stdout = succeed(&[
         "--steps",

@@ -3,9 +3,9 @@
 //! gathering what each rank measured into the one report the run prints.
 
 use crate::args::Args;
-use crate::config::{training_config, validate};
 #[cfg(feature = "mpi")]
 use crate::config::{list, query_groups, valid_tp};
+use crate::config::{training_config, validate};
 use crate::data::Corpus;
 use crate::model::GptConfig;
 use crate::placement;

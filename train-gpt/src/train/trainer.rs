@@ -1,0 +1,384 @@
+//! The step loop: forward and backward over microbatches, gradient reduction, clipping,
+//! the optimizer step and the loss scale, with what each step records.
+
+use crate::checkpoint::{self, TrainerState};
+use crate::data::{Corpus, DistributedSampler, Split};
+use crate::memory::{self, Phase};
+use crate::model::{Gpt, RankModel};
+use crate::report::{Progress, StepsProfile};
+use anyhow::{bail, Result};
+use ferrotron_comm_core::CommunicatorExt;
+use ferrotron_layers::{GradScaler, Module, ShardedParameter};
+use ferrotron_parallel_state::ParallelState;
+use ferrotron_tape::{DType, Parameter, Transfers};
+use std::path::PathBuf;
+
+use super::*;
+
+/// What the steps so far produced.
+#[derive(Default)]
+pub(super) struct History {
+    pub(super) losses: Vec<f32>,
+    pub(super) validation: Vec<(usize, f32)>,
+    pub(super) grad_norms: Vec<(usize, f64)>,
+    pub(super) tied_copies: Option<TiedCopies>,
+    /// The last step's pipeline timeline, when tracing.
+    pub(super) timeline: Vec<ferrotron_pipeline::Span>,
+    /// The last step's device streams on the modelled timeline, when tracing (emulated).
+    pub(super) streams: ferrotron_tape::timeline::Timeline,
+    /// The checkpoints this run wrote.
+    pub(super) saved: Vec<PathBuf>,
+    /// The step a stop signal ended the run after.
+    pub(super) stopped: Option<usize>,
+    /// How long training stood still for saves (all of a save, or with `--async-save`
+    /// its copy to host memory and the wait for the previous one).
+    pub(super) save_wait: std::time::Duration,
+}
+
+/// The per-step machinery of one rank: the optimizer, the loss scaler, the sampler.
+pub(super) struct Trainer<'a> {
+    pub(super) optimizer: TrainOptimizer,
+    pub(super) scaler: Option<GradScaler>,
+    pub(super) sampler: DistributedSampler,
+    /// This rank's parameters, as clipping and unscaling take them.
+    pub(super) params: Vec<ShardedParameter>,
+    /// This rank's copy of a tied embedding another stage also holds.
+    pub(super) tied_copy: Option<Parameter>,
+    pub(super) progress: Option<&'a Progress>,
+    /// The save still being written (`--async-save`).
+    pub(super) pending_save: Option<PendingSave>,
+}
+
+impl<'a> Trainer<'a> {
+    pub(super) fn new(
+        optimizer: TrainOptimizer,
+        chunks: &Chunks<'_>,
+        corpus: &Corpus,
+        progress: Option<&'a Progress>,
+    ) -> Result<Self> {
+        let (config, state) = (chunks.config, chunks.state);
+        Ok(Trainer {
+            optimizer,
+            scaler: config.loss_scaler.map(GradScaler::new).transpose()?,
+            sampler: sampler(corpus, config, state),
+            params: chunks.models.iter().flat_map(Module::parameters).collect(),
+            tied_copy: chunks.models.iter().find_map(Gpt::tied_copy),
+            progress,
+            pending_save: None,
+        })
+    }
+
+    /// Continues where the checkpoint in `dir` stopped: the optimizer state, every
+    /// chunk's random streams, the loss scale and the curves so far (the weights are
+    /// already loaded).
+    pub(super) fn resume(
+        &mut self,
+        dir: &std::path::Path,
+        saved: &TrainerState,
+        chunks: &mut Chunks<'_>,
+        history: &mut History,
+    ) -> Result<()> {
+        let (state, config) = (chunks.state, chunks.config);
+        let tp = chunks.models[0].tp();
+        let rank_model = RankModel(chunks.models);
+        let dirs = saved.stage_dirs(dir);
+        let dirs: Vec<&std::path::Path> = dirs.iter().map(PathBuf::as_path).collect();
+        let optimizer_state = ferrotron_layers::checkpoint::load_optimizer_state_across(
+            &rank_model,
+            &dirs,
+            saved.tp,
+            tp.rank(),
+            tp.size(),
+        )?;
+        // Listed in the model's order; the distributed optimizer lists experts last.
+        let optimizer_state =
+            in_order_of(&rank_model, self.optimizer.model_params(), optimizer_state)?;
+        self.optimizer.as_dyn().load_state(&optimizer_state)?;
+        // Random streams belong to a chunk of one layout: restored only at the saved one.
+        if (saved.pp, saved.chunks) == (config.pp, config.pipeline.chunks()) {
+            let dir = checkpoint::stage_dir(dir, state.pp_rank(), config.pp);
+            checkpoint::restore_rng(&dir, saved, chunks.rngs, tp.rank(), tp.size())?;
+        }
+        if let (Some(scaler), Some(state)) = (&mut self.scaler, saved.loss_scaler) {
+            scaler.load_state(state)?;
+        }
+        history.losses.extend_from_slice(&saved.losses);
+        history.validation.extend_from_slice(&saved.validation);
+        Ok(())
+    }
+
+    /// The steps from where `history` ends to `--steps`, with the validation loss when
+    /// due; returns the host↔device copies and host waits of a step, averaged over the
+    /// steps after the first (which also uploads the model's first use of each constant).
+    pub(super) fn train(
+        &mut self,
+        chunks: &mut Chunks<'_>,
+        corpus: &Corpus,
+        history: &mut History,
+    ) -> Result<Steady> {
+        let config = chunks.config;
+        let first_step = history.losses.len();
+        let (mut steady_transfers, mut waits) = (Vec::new(), Vec::new());
+        let mut timeline = ferrotron_tape::timeline::Timeline::default();
+        let mut makespans = Vec::new();
+        let mut profile = (config.profile && config.device != ferrotron_tape::Device::Cpu)
+            .then(StepsProfile::default);
+        for step in first_step..config.steps {
+            let steady = step > first_step || config.steps == first_step + 1;
+            let before = ferrotron_tape::transfers(config.device);
+            let waits_before = ferrotron_tape::host_waits(config.device);
+            let recording = profile.as_mut().filter(|_| steady);
+            if recording.is_some() {
+                ferrotron_tape::profile::start(config.device);
+            }
+            match (steady, config.trace) {
+                (true, true) => ferrotron_tape::timeline::start_calls(),
+                (true, false) => ferrotron_tape::timeline::start(),
+                (false, _) => {}
+            }
+            let started = std::time::Instant::now();
+            self.step(chunks, corpus, step, history)?;
+            let wall = started.elapsed();
+            if steady {
+                let streams = ferrotron_tape::timeline::finish();
+                if config.trace {
+                    history.streams = streams.clone();
+                }
+                makespans.extend(streams.makespan());
+                timeline.extend(streams);
+            }
+            // Read before the profile's own wait for its last timing event.
+            if steady {
+                steady_transfers.push(ferrotron_tape::transfers(config.device) - before);
+                waits.push(ferrotron_tape::host_waits(config.device) - waits_before);
+            }
+            if let Some(recording) = recording {
+                recording.add(&ferrotron_tape::profile::finish()?, wall);
+            }
+            // `--check`'s own reads of the tied copies, outside the step's counts.
+            if config.check_tied {
+                self.compare_tied_copies(chunks.state, step, history)?;
+            }
+            let done = step + 1;
+            crate::faults::kill_point(chunks.state.world().rank(), done);
+            let stop = stop_agreed(chunks)?;
+            let interval = config.eval_interval;
+            if interval > 0 && (done % interval == 0 || done == config.steps) && !stop {
+                let _passes = memory::enter(Phase::Passes);
+                let loss = validation_loss(chunks, corpus)?;
+                history.validation.push((done, loss));
+            }
+            let every = config.save_interval.unwrap_or(0);
+            let due = done == config.steps || stop || (every > 0 && done % every == 0);
+            if let (Some(root), true) = (&config.save, due) {
+                let started = std::time::Instant::now();
+                let _saving = memory::enter(Phase::Checkpoint);
+                // One save in flight at a time: the previous one completes first.
+                self.finish_save(chunks, history)?;
+                let pending = save(
+                    root,
+                    chunks,
+                    &mut self.optimizer,
+                    self.scaler.as_ref(),
+                    history,
+                )?;
+                self.pending_save = Some(pending);
+                if !config.async_save {
+                    self.finish_save(chunks, history)?;
+                }
+                history.save_wait += started.elapsed();
+            }
+            if stop {
+                history.stopped = Some(done);
+                break;
+            }
+        }
+        self.finish_save(chunks, history)?;
+        if let Some(progress) = self.progress {
+            progress.finish();
+        }
+        Ok(Steady {
+            transfers: mean(&steady_transfers),
+            host_waits: waits.iter().sum::<u64>() as f64 / waits.len().max(1) as f64,
+            profile,
+            hidden: Hidden::of(&timeline),
+            modelled_step: (!makespans.is_empty())
+                .then(|| makespans.iter().sum::<f64>() / makespans.len() as f64),
+        })
+    }
+
+    /// Completes the save in flight, if any, recording its directory.
+    pub(super) fn finish_save(&mut self, chunks: &Chunks<'_>, history: &mut History) -> Result<()> {
+        if let Some(pending) = self.pending_save.take() {
+            let saved = pending.finish(chunks.state.world(), chunks.config.save_keep)?;
+            history.saved.push(saved);
+        }
+        Ok(())
+    }
+
+    /// One training step (0-based `step`): forward and backward of every microbatch,
+    /// gradient sync, unscaling and clipping, the update.
+    pub(super) fn step(
+        &mut self,
+        chunks: &mut Chunks<'_>,
+        corpus: &Corpus,
+        step: usize,
+        history: &mut History,
+    ) -> Result<()> {
+        let (config, state) = (chunks.config, chunks.state);
+        self.optimizer.as_dyn().zero_grad();
+        let reading = memory::enter(Phase::Data);
+        let microbatches = microbatches(corpus, Split::Train, &self.sampler.starts(step), config)?;
+        drop(reading);
+        let trace = config.trace && step + 1 == config.steps;
+        chunks.loss_scale = self.scaler.as_ref().map_or(1.0, GradScaler::scale);
+        let tp = chunks.models[0].tp();
+        let last_rank = state.pp_rank() + 1 == config.pp
+            && tp.rank() + 1 == tp.size()
+            && state.dp_rank() + 1 == state.dp_size();
+        if config.inject_grad_overflow == Some(step + 1) && last_rank {
+            chunks.loss_scale = f64::INFINITY;
+        }
+        let passes = memory::enter(Phase::Passes);
+        // Routing counts of this step's training pass only.
+        chunks
+            .models
+            .iter()
+            .flat_map(Gpt::experts)
+            .for_each(|moe| drop(moe.take_stats()));
+        let (step_loss, spans) = chunks.loss(&microbatches, Pass::Train, trace)?;
+        drop(passes);
+        let routing = expert_routing(chunks)?;
+        let _optimizer = memory::enter(Phase::Optimizer);
+        history.timeline = spans;
+        // Every rank holds the same global mean, so all of them stop here together.
+        if !step_loss.is_finite() {
+            bail!(
+                "step {}: the loss is {} (step {} had {}): training diverged; lower --lr \
+                 (now {}), lengthen --lr-warmup-steps (now {}) or clip with --clip-grad",
+                step + 1,
+                step_loss,
+                step,
+                history
+                    .losses
+                    .last()
+                    .map_or("none".into(), |l: &f32| l.to_string()),
+                config.schedule.lr,
+                config.schedule.warmup_steps
+            );
+        }
+        let unscaled = match &self.scaler {
+            Some(scaler) => {
+                self.optimizer
+                    .unscale_grads(scaler, &self.params, tp, &[state.pp()])?
+            }
+            None => true,
+        };
+        let finite = unscaled && self.clip(chunks, step, history)?;
+        if finite {
+            self.optimizer.as_dyn().step()?;
+        }
+        self.update_scaler(unscaled, step);
+        history.losses.push(step_loss);
+        if let Some(progress) = self.progress {
+            progress.step(step + 1, step_loss);
+            if let Some(line) = routing {
+                progress.note(&line);
+            }
+        }
+        Ok(())
+    }
+
+    /// Clips to `--clip-grad`, recording the norm: `false` (skip the step on every
+    /// rank) when it is not finite.
+    pub(super) fn clip(
+        &mut self,
+        chunks: &Chunks<'_>,
+        step: usize,
+        history: &mut History,
+    ) -> Result<bool> {
+        let Some(max_norm) = chunks.config.clip_grad else {
+            return Ok(true);
+        };
+        let tp = chunks.models[0].tp();
+        let groups = [chunks.state.pp()];
+        let norm = self
+            .optimizer
+            .clip_grad_norm(&self.params, tp, &groups, max_norm)?;
+        history.grad_norms.push((step + 1, norm.norm));
+        if let (false, Some(progress)) = (norm.is_finite(), self.progress) {
+            progress.note(&format!(
+                "step {}: the gradient norm is {}; step skipped on every rank",
+                step + 1,
+                norm.norm
+            ));
+        }
+        Ok(norm.is_finite())
+    }
+
+    /// Moves fp16's loss scale after a step that was (`unscaled`) or was not skipped.
+    pub(super) fn update_scaler(&mut self, unscaled: bool, step: usize) {
+        let Some(scaler) = &mut self.scaler else {
+            return;
+        };
+        let before = scaler.scale();
+        scaler.update(unscaled);
+        if let (false, Some(progress)) = (unscaled, self.progress) {
+            progress.note(&format!(
+                "step {}: gradients overflowed at loss scale {}; step skipped on every \
+                 rank, loss scale now {}",
+                step + 1,
+                readable(before),
+                readable(scaler.scale())
+            ));
+        }
+    }
+
+    /// Compares this rank's copy of the tied embedding with the other stage's, bit by
+    /// bit, over the embedding group (the ranks of the first and last stage).
+    pub(super) fn compare_tied_copies(
+        &self,
+        state: &ParallelState,
+        step: usize,
+        history: &mut History,
+    ) -> Result<()> {
+        let (Some(copy), Some(group)) = (&self.tied_copy, state.embedding()) else {
+            return Ok(());
+        };
+        let value = copy.value().to_dtype(DType::F32)?.to_vec()?;
+        let all: Vec<f32> = group.all_gather_vec(&value)?;
+        let (first, last) = all.split_at(value.len());
+        let differing = (first.iter().zip(last))
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        let record = history.tied_copies.get_or_insert_with(TiedCopies::default);
+        record.steps += 1;
+        if differing > 0 && record.first_difference.is_none() {
+            record.first_difference = Some((step + 1, differing));
+        }
+        Ok(())
+    }
+}
+
+/// What a step after the first costs in host↔device traffic, on average.
+pub(super) struct Steady {
+    pub(super) transfers: Transfers,
+    pub(super) host_waits: f64,
+    pub(super) profile: Option<StepsProfile>,
+    /// What share of the communication the compute hid (modelled, emulated device).
+    pub(super) hidden: Option<Hidden>,
+    /// A step's mean modelled time, seconds (emulated device).
+    pub(super) modelled_step: Option<f64>,
+}
+
+/// The mean of per-step transfer counts (none: zero).
+pub(super) fn mean(steps: &[Transfers]) -> Transfers {
+    let n = steps.len().max(1) as u64;
+    let total = steps.iter().fold(Transfers::default(), |sum, &t| sum + t);
+    Transfers {
+        to_device_bytes: total.to_device_bytes / n,
+        to_device_copies: total.to_device_copies / n,
+        to_host_bytes: total.to_host_bytes / n,
+        to_host_copies: total.to_host_copies / n,
+    }
+}

@@ -85,13 +85,6 @@ impl TrainerState {
         })?;
         let state: Value = serde_json::from_str(&text)
             .with_context(|| format!("{} is not valid JSON", path.display()))?;
-        let bad = || {
-            format!(
-                "{} is malformed; was it written by train-gpt?",
-                path.display()
-            )
-        };
-        let number = |value: &Value| value.as_u64().map(|n| n as usize).with_context(bad);
         let format = state["format"].as_u64();
         ensure!(
             matches!(format, Some(1..=FORMAT)),
@@ -99,95 +92,29 @@ impl TrainerState {
             path.display(),
             state["format"]
         );
-        let model = &state["model"];
-        let losses = state["losses"]
+        let fields = Fields { path: &path };
+        let validation = (state["validation"]
             .as_array()
-            .with_context(bad)?
-            .iter()
-            .map(|v| v.as_f64().map(|l| l as f32).with_context(bad))
-            .collect::<Result<Vec<_>>>()?;
-        let validation = state["validation"]
-            .as_array()
-            .with_context(bad)?
-            .iter()
-            .map(|pair| {
-                Ok((
-                    number(&pair[0])?,
-                    pair[1].as_f64().with_context(bad)? as f32,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        // Checkpoints written before pipelines existed hold one stage.
-        let or_one = |value: &Value| {
-            if value.is_null() {
-                Ok(1)
-            } else {
-                number(value)
-            }
-        };
+            .with_context(|| fields.malformed())?)
+        .iter()
+        .map(|pair| Ok((fields.number(&pair[0])?, fields.float(&pair[1])? as f32)))
+        .collect::<Result<Vec<_>>>()?;
         let read = TrainerState {
             format: format.unwrap_or(FORMAT),
-            tp: number(&state["tp"])?,
-            pp: or_one(&state["pp"])?,
-            chunks: or_one(&state["chunks"])?,
-            model: GptConfig {
-                vocab: number(&model["vocab"])?,
-                // Older checkpoints hold bytes, every entry a token.
-                valid_vocab: match &model["valid_vocab"] {
-                    Value::Null => number(&model["vocab"])?,
-                    valid => number(valid)?,
-                },
-                layers: number(&model["layers"])?,
-                hidden: number(&model["hidden"])?,
-                heads: number(&model["heads"])?,
-                // Checkpoints from before grouped-query attention have a key and value
-                // per head.
-                query_groups: match &model["query_groups"] {
-                    Value::Null => None,
-                    groups => Some(number(groups)?),
-                },
-                // Fused or not is a setting of each run: both give the same model.
-                attention: ferrotron_tape::AttentionKernel::Fused,
-                seq: number(&model["seq"])?,
-                // Format 1 had no tied embeddings.
-                tied: model["tied"].as_bool().unwrap_or(false),
-                // Dropout is a setting of each run, not of the weights.
-                attention_dropout: 0.0,
-                hidden_dropout: 0.0,
-                recompute_attention_core: false,
-                // The experts' shapes; routing is a setting of each run, like dropout.
-                moe: match &model["experts"] {
-                    Value::Null => None,
-                    e => Some((
-                        ferrotron_layers::MoeConfig {
-                            // Checkpoints from before shared experts have none.
-                            shared_expert_ffn: match &e["shared_expert_ffn"] {
-                                Value::Null => None,
-                                width => Some(number(width)?),
-                            },
-                            ..ferrotron_layers::MoeConfig::new(
-                                number(&e["num_experts"])?,
-                                1,
-                                number(&e["ffn_hidden"])?,
-                            )
-                        },
-                        number(&e["every"])?,
-                    )),
-                },
-            },
-            global_batch: number(&state["global_batch"])?,
-            losses,
+            tp: fields.number(&state["tp"])?,
+            // Checkpoints written before pipelines existed hold one stage.
+            pp: fields.or_one(&state["pp"])?,
+            chunks: fields.or_one(&state["chunks"])?,
+            model: fields.model(&state["model"])?,
+            global_batch: fields.number(&state["global_batch"])?,
+            losses: (state["losses"]
+                .as_array()
+                .with_context(|| fields.malformed())?)
+            .iter()
+            .map(|v| Ok(fields.float(v)? as f32))
+            .collect::<Result<Vec<_>>>()?,
             validation,
-            loss_scaler: match &state["loss_scaler"] {
-                Value::Null => None,
-                scaler => Some(GradScalerState {
-                    scale: scaler["scale"].as_f64().with_context(bad)?,
-                    growth_tracker: scaler["growth_tracker"]
-                        .as_u64()
-                        .and_then(|n| u32::try_from(n).ok())
-                        .with_context(bad)?,
-                }),
-            },
+            loss_scaler: fields.scaler(&state["loss_scaler"])?,
         };
         ensure!(
             read.model.valid_vocab <= read.model.vocab,
@@ -539,4 +466,97 @@ pub fn commit_save(root: &Path, step: usize, keep: Option<usize>) -> Result<Path
         }
     }
     Ok(done)
+}
+
+/// The fields of one `trainer_state.json`: a missing or mistyped one is an error naming
+/// the file.
+struct Fields<'a> {
+    path: &'a Path,
+}
+
+impl Fields<'_> {
+    fn malformed(&self) -> String {
+        format!(
+            "{} is malformed; was it written by train-gpt?",
+            self.path.display()
+        )
+    }
+
+    fn number(&self, value: &Value) -> Result<usize> {
+        (value.as_u64().map(|n| n as usize)).with_context(|| self.malformed())
+    }
+
+    fn float(&self, value: &Value) -> Result<f64> {
+        value.as_f64().with_context(|| self.malformed())
+    }
+
+    /// A count that older checkpoints do not record: one.
+    fn or_one(&self, value: &Value) -> Result<usize> {
+        match value {
+            Value::Null => Ok(1),
+            value => self.number(value),
+        }
+    }
+
+    fn model(&self, model: &Value) -> Result<GptConfig> {
+        Ok(GptConfig {
+            vocab: self.number(&model["vocab"])?,
+            // Older checkpoints hold bytes, every entry a token.
+            valid_vocab: match &model["valid_vocab"] {
+                Value::Null => self.number(&model["vocab"])?,
+                valid => self.number(valid)?,
+            },
+            layers: self.number(&model["layers"])?,
+            hidden: self.number(&model["hidden"])?,
+            heads: self.number(&model["heads"])?,
+            // Checkpoints from before grouped-query attention have a key and value per
+            // head.
+            query_groups: match &model["query_groups"] {
+                Value::Null => None,
+                groups => Some(self.number(groups)?),
+            },
+            // Fused or not is a setting of each run: both give the same model.
+            attention: ferrotron_tape::AttentionKernel::Fused,
+            seq: self.number(&model["seq"])?,
+            // Format 1 had no tied embeddings.
+            tied: model["tied"].as_bool().unwrap_or(false),
+            // Dropout is a setting of each run, not of the weights.
+            attention_dropout: 0.0,
+            hidden_dropout: 0.0,
+            recompute_attention_core: false,
+            moe: self.experts(&model["experts"])?,
+        })
+    }
+
+    /// The experts' shapes; routing is a setting of each run, like dropout.
+    fn experts(&self, experts: &Value) -> Result<Option<(ferrotron_layers::MoeConfig, usize)>> {
+        if experts.is_null() {
+            return Ok(None);
+        }
+        let config = ferrotron_layers::MoeConfig {
+            // Checkpoints from before shared experts have none.
+            shared_expert_ffn: match &experts["shared_expert_ffn"] {
+                Value::Null => None,
+                width => Some(self.number(width)?),
+            },
+            ..ferrotron_layers::MoeConfig::new(
+                self.number(&experts["num_experts"])?,
+                1,
+                self.number(&experts["ffn_hidden"])?,
+            )
+        };
+        Ok(Some((config, self.number(&experts["every"])?)))
+    }
+
+    fn scaler(&self, scaler: &Value) -> Result<Option<GradScalerState>> {
+        if scaler.is_null() {
+            return Ok(None);
+        }
+        Ok(Some(GradScalerState {
+            scale: self.float(&scaler["scale"])?,
+            growth_tracker: (scaler["growth_tracker"].as_u64())
+                .and_then(|n| u32::try_from(n).ok())
+                .with_context(|| self.malformed())?,
+        }))
+    }
 }

@@ -188,6 +188,41 @@ pub(crate) fn run_mpi_backend(
     let mpi = ferrotron_comm_core::mpi::MpiWorld::init()?;
     let world: Arc<dyn Communicator> = Arc::new(mpi.world()?);
     let size = world.size();
+    let dp = mpi_data_parallel(args, size)?;
+    validate(args, dp, &corpus.vocabulary)?;
+    // This node's processes as the launcher reports them (else assume all are here):
+    // they share its cores and take its devices in turn.
+    let placement = placement::from_environment().unwrap_or(placement::Placement {
+        local_rank: world.rank(),
+        local_size: size,
+    });
+    ferrotron_tape::set_num_threads(
+        args.threads
+            .unwrap_or_else(|| (ferrotron_tape::num_threads() / placement.local_size).max(1)),
+    )?;
+    let rank0 = world.rank() == 0;
+    if rank0 {
+        announce(args, corpus, dp);
+    }
+    let (world, dual, device) = connect(world, args.device, devices, placement)?;
+    let config = TrainConfig {
+        device,
+        ..training_config(args, &corpus.vocabulary)
+    };
+    let progress = rank0.then(|| progress("train", args, &config.model, dp, size));
+    let mut result = train_rank(world.clone(), &config, corpus, progress.as_ref())?;
+    result.device_groups = dual.map(|dual| dual.opened());
+    gather_busiest(&*world, args, &mut result)?;
+    if rank0 {
+        finish(args, corpus, dp, result)?;
+    }
+    Ok(())
+}
+
+/// The data-parallel size of `size` MPI processes: `--dp`, or what the model-parallel
+/// sizes leave; an error naming the fix when the process count does not fit.
+#[cfg(feature = "mpi")]
+fn mpi_data_parallel(args: &Args, size: usize) -> Result<usize> {
     // Ranks of one model replica: tensor- times pipeline- times context-parallel.
     let mp = args.tp * args.pp * args.cp;
     if size == 1 && mp * args.dp.unwrap_or(1) > 1 {
@@ -238,54 +273,27 @@ pub(crate) fn run_mpi_backend(
             mp * dp
         );
     }
-    validate(args, dp, &corpus.vocabulary)?;
-    // This node's processes as the launcher reports them (else assume all are here):
-    // they share its cores and take its devices in turn.
-    let placement = placement::from_environment().unwrap_or(placement::Placement {
-        local_rank: world.rank(),
-        local_size: size,
-    });
-    ferrotron_tape::set_num_threads(
-        args.threads
-            .unwrap_or_else(|| (ferrotron_tape::num_threads() / placement.local_size).max(1)),
-    )?;
-    let rank0 = world.rank() == 0;
-    if rank0 {
-        announce(args, corpus, dp);
-    }
-    let (world, dual, device) = connect(world, args.device, devices, placement)?;
-    let config = TrainConfig {
-        device,
-        ..training_config(args, &corpus.vocabulary)
-    };
-    let progress = rank0.then(|| progress("train", args, &config.model, dp, size));
-    let mut result = train_rank(world.clone(), &config, corpus, progress.as_ref())?;
-    result.device_groups = dual.map(|dual| dual.opened());
-    // The busiest rank's transfers and host waits, as the threads backend reports them.
-    let mut costs = step_costs(&result);
-    ferrotron_comm_core::CommunicatorExt::all_reduce_slice(
-        &*world,
-        &mut costs,
-        ferrotron_comm_core::ReduceOp::Max,
-    )?;
-    let mut state = busiest_model_state(&result, costs[5] as usize);
-    ferrotron_comm_core::CommunicatorExt::all_reduce_slice(
-        &*world,
-        &mut state,
-        ferrotron_comm_core::ReduceOp::Max,
-    )?;
-    let mut stages = stage_memory(&result, args.pp);
-    ferrotron_comm_core::CommunicatorExt::all_reduce_slice(
-        &*world,
-        &mut stages,
-        ferrotron_comm_core::ReduceOp::Max,
-    )?;
-    set_step_costs(&mut result, costs);
-    set_model_state(&mut result, &state);
-    set_stage_memory(&mut result, &stages);
-    if rank0 {
-        finish(args, corpus, dp, result)?;
-    }
+    Ok(dp)
+}
+
+/// Makes `result` the busiest rank's figures over `world` (each the largest of any
+/// rank's), as the threads backend reports them.
+#[cfg(feature = "mpi")]
+fn gather_busiest(
+    world: &dyn Communicator,
+    args: &Args,
+    result: &mut crate::train::RankResult,
+) -> Result<()> {
+    use ferrotron_comm_core::{CommunicatorExt, ReduceOp};
+    let mut costs = step_costs(result);
+    world.all_reduce_slice(&mut costs, ReduceOp::Max)?;
+    let mut state = busiest_model_state(result, costs[5] as usize);
+    world.all_reduce_slice(&mut state, ReduceOp::Max)?;
+    let mut stages = stage_memory(result, args.pp);
+    world.all_reduce_slice(&mut stages, ReduceOp::Max)?;
+    set_step_costs(result, costs);
+    set_model_state(result, &state);
+    set_stage_memory(result, &stages);
     Ok(())
 }
 

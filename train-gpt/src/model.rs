@@ -129,6 +129,68 @@ struct Embeddings {
     position: ShardedParameter,
 }
 
+impl Embeddings {
+    /// The first stage's token and position embeddings.
+    fn new(tp: &TensorParallel, config: &GptConfig, init: &MasterInit) -> Result<Embeddings> {
+        let tokens = VocabParallelEmbedding::new(tp, "embed", config.vocab, config.hidden, init)?;
+        let position = ShardedParameter {
+            param: Parameter::new(
+                "position.weight",
+                init.weight("position.weight", &[config.seq, config.hidden]),
+            ),
+            sharding: Sharding::Replicated,
+            // Under sequence parallelism each rank adds only its rows of the table, so
+            // its gradient is a partial sum over the tensor-parallel group, like a
+            // layer norm's.
+            grad_reduce_group: (tp.sequence_parallel() && tp.size() > 1).then_some(TP_GROUP),
+            shared_copy: false,
+            expert: false,
+        };
+        Ok(Embeddings { tokens, position })
+    }
+}
+
+/// The last stage's final layer norm and head: the token embedding's table itself when
+/// this stage holds it too (tied), else a copy of it under the same name, or a head of its
+/// own (untied; without a bias either way, as Megatron's output layer).
+fn output_layers(
+    tp: &TensorParallel,
+    config: &GptConfig,
+    block: &BlockConfig,
+    first: Option<&Embeddings>,
+    init: &MasterInit,
+) -> Result<(LayerNorm, ColumnParallelLinear)> {
+    let ln_f = LayerNorm::new(tp, "ln_f", config.hidden, block.layer_norm_eps, init)?;
+    let no_bias = LinearOptions {
+        bias: false,
+        skip_bias_add: false,
+    };
+    let head = match (first, config.tied) {
+        (Some(first), true) => {
+            ColumnParallelLinear::sharing_weight(tp, first.tokens.weight(), false)?
+        }
+        (None, true) => ColumnParallelLinear::new(
+            tp,
+            "embed",
+            config.hidden,
+            config.vocab,
+            false,
+            no_bias,
+            init,
+        )?,
+        (_, false) => ColumnParallelLinear::new(
+            tp,
+            "head",
+            config.hidden,
+            config.vocab,
+            false,
+            no_bias,
+            init,
+        )?,
+    };
+    Ok((ln_f, head))
+}
+
 impl Gpt {
     /// This rank's part of the model holding blocks `blocks` (all of them for the whole
     /// model), built from the seeded master weights of the whole model, so every
@@ -148,63 +210,13 @@ impl Gpt {
             attention: config.attention,
             ..BlockConfig::new(config.hidden, config.heads)
         };
-        let first = if blocks.start == 0 {
-            let tokens =
-                VocabParallelEmbedding::new(tp, "embed", config.vocab, config.hidden, &init)?;
-            let position = ShardedParameter {
-                param: Parameter::new(
-                    "position.weight",
-                    init.weight("position.weight", &[config.seq, config.hidden]),
-                ),
-                sharding: Sharding::Replicated,
-                // Under sequence parallelism each rank adds only its rows of the table, so
-                // its gradient is a partial sum over the tensor-parallel group, like a
-                // layer norm's.
-                grad_reduce_group: (tp.sequence_parallel() && tp.size() > 1).then_some(TP_GROUP),
-                shared_copy: false,
-                expert: false,
-            };
-            Some(Embeddings { tokens, position })
-        } else {
-            None
+        let first = match blocks.start {
+            0 => Some(Embeddings::new(tp, &config, &init)?),
+            _ => None,
         };
-        let last = if blocks.end == config.layers {
-            let ln_f = LayerNorm::new(tp, "ln_f", config.hidden, block.layer_norm_eps, &init)?;
-            let head = match (&first, config.tied) {
-                // One stage holds both ends: the head uses the table itself.
-                (Some(first), true) => {
-                    ColumnParallelLinear::sharing_weight(tp, first.tokens.weight(), false)?
-                }
-                // The last stage's copy: the same master weights, under the same name.
-                (None, true) => ColumnParallelLinear::new(
-                    tp,
-                    "embed",
-                    config.hidden,
-                    config.vocab,
-                    false,
-                    LinearOptions {
-                        bias: false,
-                        skip_bias_add: false,
-                    },
-                    &init,
-                )?,
-                // Megatron's output layer has no bias, tied or not.
-                (_, false) => ColumnParallelLinear::new(
-                    tp,
-                    "head",
-                    config.hidden,
-                    config.vocab,
-                    false,
-                    LinearOptions {
-                        bias: false,
-                        skip_bias_add: false,
-                    },
-                    &init,
-                )?,
-            };
-            Some((ln_f, head))
-        } else {
-            None
+        let last = match blocks.end == config.layers {
+            true => Some(output_layers(tp, &config, &block, first.as_ref(), &init)?),
+            false => None,
         };
         let blocks = blocks
             .map(|i| match config.moe {

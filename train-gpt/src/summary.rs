@@ -120,55 +120,13 @@ pub(crate) fn set_step_costs(result: &mut RankResult, costs: Vec<f64>) {
 
 pub(crate) fn announce(args: &Args, corpus: &Corpus, dp: usize) {
     println!(
-        "GPT: {} layers, hidden {}, {} heads, context {} | TP {} × PP {}{} × DP {} = {} \
-         ranks{}{}{} on the {} backend, {}{} | {} steps of {} sequences | data: {}",
+        "GPT: {} layers, hidden {}, {} heads, context {} | {} | {} steps of {} sequences | \
+         data: {}",
         args.layers,
         args.hidden,
         args.heads,
         args.seq,
-        args.tp,
-        args.pp,
-        match args.cp {
-            1 => String::new(),
-            cp => format!(" × CP {cp}"),
-        },
-        dp,
-        args.tp * args.pp * args.cp * dp,
-        if args.pp > 1 || args.microbatches > 1 {
-            format!(
-                ", {} schedule, {} microbatches{}",
-                pipeline_schedule(args).name(),
-                args.microbatches,
-                if args.virtual_stages > 1 {
-                    format!(", {} chunks per stage", args.virtual_stages)
-                } else {
-                    String::new()
-                }
-            )
-        } else {
-            String::new()
-        },
-        if args.sequence_parallel {
-            " with sequence parallelism"
-        } else {
-            ""
-        },
-        if args.use_distributed_optimizer {
-            ", AdamW sharded over DP"
-        } else {
-            ""
-        },
-        match args.backend {
-            Backend::Local => "local",
-            Backend::Mpi => "mpi",
-            Backend::Nccl => "nccl",
-        },
-        args.device,
-        match args.precision {
-            Precision::Fp32 => "",
-            Precision::Bf16 => ", bf16",
-            Precision::Fp16 => ", fp16",
-        },
+        describe_layout(args, dp),
         args.steps,
         args.batch * dp,
         corpus.describe()
@@ -206,11 +164,96 @@ pub(crate) fn announce(args: &Args, corpus: &Corpus, dp: usize) {
     }
 }
 
+/// The first line's middle: the ranks, how they split the work, the backend, device and
+/// format ("TP 2 × PP 1 × DP 2 = 4 ranks on the local backend, cpu").
+fn describe_layout(args: &Args, dp: usize) -> String {
+    let cp = match args.cp {
+        1 => String::new(),
+        cp => format!(" × CP {cp}"),
+    };
+    let schedule = if args.pp > 1 || args.microbatches > 1 {
+        let chunks = match args.virtual_stages {
+            1 => String::new(),
+            v => format!(", {v} chunks per stage"),
+        };
+        let name = pipeline_schedule(args).name();
+        format!(
+            ", {name} schedule, {} microbatches{chunks}",
+            args.microbatches
+        )
+    } else {
+        String::new()
+    };
+    let sp = match args.sequence_parallel {
+        true => " with sequence parallelism",
+        false => "",
+    };
+    let zero = match args.use_distributed_optimizer {
+        true => ", AdamW sharded over DP",
+        false => "",
+    };
+    let backend = match args.backend {
+        Backend::Local => "local",
+        Backend::Mpi => "mpi",
+        Backend::Nccl => "nccl",
+    };
+    let precision = match args.precision {
+        Precision::Fp32 => "",
+        Precision::Bf16 => ", bf16",
+        Precision::Fp16 => ", fp16",
+    };
+    format!(
+        "TP {} × PP {}{cp} × DP {dp} = {} ranks{schedule}{sp}{zero} on the {backend} backend, \
+         {}{precision}",
+        args.tp,
+        args.pp,
+        args.tp * args.pp * args.cp * dp,
+        args.device
+    )
+}
+
 /// On world rank 0 after training: the loss curve, the samples and, with --check, the
 /// comparison against one rank. The comparison's line is the program's last.
 pub(crate) fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult) -> Result<()> {
     // Training is over: a signal from here on (during --check, say) ends the program.
     stop::uninstall();
+    write_curves(args, corpus, dp, &result)?;
+    if let Some(dir) = result.saved.last() {
+        let saves = result.saved.len();
+        let wait = result.save_wait.as_secs_f64() * 1e3 / saves as f64;
+        println!("checkpoint: {}", dir.display());
+        println!("saves: {saves}, training waited {wait:.1} ms per save");
+    }
+    if let Some(step) = result.stopped {
+        match result.saved.last() {
+            Some(dir) => println!(
+                "stopped by a signal after step {step}; --resume {} continues it",
+                dir.display()
+            ),
+            None => println!("stopped by a signal after step {step}; nothing saved (no --save)"),
+        }
+        return Ok(());
+    }
+    println!("samples:");
+    for sample in &result.samples {
+        println!("  {sample:?}");
+    }
+    if let Some(profile) = &result.profile {
+        print!("{}", report::profile_table(profile));
+    }
+    print_device_costs(args, &result);
+    print_memory(args, &result);
+    if let Some(tied) = result.tied_copies {
+        println!("{}", describe_tied_copies(&tied));
+    }
+    if args.check {
+        compare_with_one_rank(args, corpus, dp, &result)?;
+    }
+    Ok(())
+}
+
+/// The first and last losses, and the curves as CSV and SVG in `--out`.
+fn write_curves(args: &Args, corpus: &Corpus, dp: usize, result: &RankResult) -> Result<()> {
     let losses = &result.losses;
     println!(
         "loss: {:.4} at step 1 → {:.4} at step {}",
@@ -235,29 +278,12 @@ pub(crate) fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult
         validation_csv.display(),
         svg.display()
     );
-    if let Some(dir) = result.saved.last() {
-        let saves = result.saved.len();
-        let wait = result.save_wait.as_secs_f64() * 1e3 / saves as f64;
-        println!("checkpoint: {}", dir.display());
-        println!("saves: {saves}, training waited {wait:.1} ms per save");
-    }
-    if let Some(step) = result.stopped {
-        match result.saved.last() {
-            Some(dir) => println!(
-                "stopped by a signal after step {step}; --resume {} continues it",
-                dir.display()
-            ),
-            None => println!("stopped by a signal after step {step}; nothing saved (no --save)"),
-        }
-        return Ok(());
-    }
-    println!("samples:");
-    for sample in &result.samples {
-        println!("  {sample:?}");
-    }
-    if let Some(profile) = &result.profile {
-        print!("{}", report::profile_table(profile));
-    }
+    Ok(())
+}
+
+/// On a device: the busiest rank's transfers and host waits per step, and on the
+/// emulated device what its modelled timeline says.
+fn print_device_costs(args: &Args, result: &RankResult) {
     if args.device != ferrotron_tape::Device::Cpu {
         let moved = result.transfers_per_step;
         println!(
@@ -291,13 +317,17 @@ pub(crate) fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult
         // The same timeline: each call timed at an H200's rates, the slowest rank's step.
         println!("modelled step time: {:.1} µs", step * 1e6);
     }
+}
+
+/// The busiest rank's measured peak memory, what it held, and each stage's.
+fn print_memory(args: &Args, result: &RankResult) {
     let on_gpu = matches!(args.device, ferrotron_tape::Device::Cuda(_));
     println!(
         "measured peak per rank: {} bytes{}",
         result.peak_bytes,
         if on_gpu { " of device memory" } else { "" }
     );
-    let s = result.model_state;
+    let s = &result.model_state;
     println!(
         "  of which model state {} (parameters {}, gradients {}, master weights {}, AdamW \
          moments {}), activations and the rest {}",
@@ -321,13 +351,6 @@ pub(crate) fn finish(args: &Args, corpus: &Corpus, dp: usize, result: RankResult
             .collect();
         println!("measured peak per pipeline stage: {}", stages.join(", "));
     }
-    if let Some(tied) = result.tied_copies {
-        println!("{}", describe_tied_copies(&tied));
-    }
-    if args.check {
-        compare_with_one_rank(args, corpus, dp, &result)?;
-    }
-    Ok(())
 }
 
 /// What `--check` found of the two stages' copies of the tied embedding.

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 mod feeding;
+mod measures;
 mod optimizer;
 mod sampling;
 mod saving;
@@ -24,6 +25,7 @@ mod trainer;
 mod weights;
 
 use feeding::*;
+use measures::*;
 use optimizer::*;
 use sampling::*;
 use saving::*;
@@ -221,20 +223,8 @@ pub fn train_rank(
 ) -> Result<RankResult> {
     crate::memory::attribute_to_rank(world.rank());
     ferrotron_tape::reset_device_peak(config.device);
-    let layout = RankLayout::builder(world.size())
-        .tp(config.tp)
-        .pp(config.pp)
-        .cp(config.cp)
-        .ep(config.ep)
-        .build()?;
-    let state = ParallelState::new(world.clone(), layout)?;
+    let state = parallel_state(world.clone(), config, corpus)?;
     let tp = TensorParallel::from_state(&state).with_sequence_parallel(config.sequence_parallel);
-    let global_batch = config.batch * state.dp_size();
-    let validation = match config.eval_interval {
-        0 => 0,
-        _ => global_batch * config.eval_batches,
-    };
-    corpus.prepare(config.model.seq, global_batch, config.steps, validation)?;
     let building = memory::enter(Phase::Model);
     let models = build_chunks(&tp, &state, config)?;
     let saved = match &config.resume {
@@ -275,18 +265,7 @@ pub fn train_rank(
     }
     drop(building);
     let steady = trainer.train(&mut chunks, corpus, &mut history)?;
-    // On a GPU the rank's tensors, buckets and optimizer state are device memory, which
-    // the host allocator does not see: the peak is the device memory its thread held.
-    let (peak_bytes, peak_phases) = match config.device {
-        ferrotron_tape::Device::Cuda(_) => {
-            let held = ferrotron_tape::device_memory(config.device).peak as usize;
-            (held, [0; crate::memory::PHASES.len()])
-        }
-        _ => (
-            memory::peak(world.rank()),
-            memory::peak_by_phase(world.rank()),
-        ),
-    };
+    let (peak_bytes, peak_phases) = peaks(world.rank(), config.device);
     let samples = match config.sample && history.stopped.is_none() {
         true => samples(&mut chunks, corpus)?,
         false => Vec::new(),
@@ -314,6 +293,41 @@ pub fn train_rank(
         stage_peaks: Vec::new(),
         stopped: history.stopped,
     })
+}
+
+/// This rank's groups for the run's layout, with the data prepared for its global batch.
+fn parallel_state(
+    world: Arc<dyn Communicator>,
+    config: &TrainConfig,
+    corpus: &Corpus,
+) -> Result<ParallelState> {
+    let layout = RankLayout::builder(world.size())
+        .tp(config.tp)
+        .pp(config.pp)
+        .cp(config.cp)
+        .ep(config.ep)
+        .build()?;
+    let state = ParallelState::new(world, layout)?;
+    let global_batch = config.batch * state.dp_size();
+    let validation = match config.eval_interval {
+        0 => 0,
+        _ => global_batch * config.eval_batches,
+    };
+    corpus.prepare(config.model.seq, global_batch, config.steps, validation)?;
+    Ok(state)
+}
+
+/// The rank's peak memory, in all and by phase. On a GPU the rank's tensors, buckets and
+/// optimizer state are device memory, which the host allocator does not see: the peak is
+/// the device memory its thread held.
+fn peaks(rank: usize, device: ferrotron_tape::Device) -> (usize, [usize; memory::PHASES.len()]) {
+    match device {
+        ferrotron_tape::Device::Cuda(_) => {
+            let held = ferrotron_tape::device_memory(device).peak as usize;
+            (held, [0; memory::PHASES.len()])
+        }
+        _ => (memory::peak(rank), memory::peak_by_phase(rank)),
+    }
 }
 
 /// One DDP per chunk (a chunk's gradients are complete after its last backward), then one

@@ -46,8 +46,62 @@ pub(super) fn save(
     world.barrier()?;
     let dir = &checkpoint::partial_dir(root, step);
     let tp = chunks.models[0].tp();
-    // Every data-parallel rank takes the optimizer state (sharded, that gathers it); the
-    // replicas are identical, so one of them writes each stage's shards.
+    let (files, rng) = snapshot(dir, chunks, optimizer)?;
+    let write = move || -> Result<()> {
+        if rng.is_some() {
+            crate::faults::point("before the shards", step);
+        }
+        for file in files {
+            file.write()?;
+        }
+        if let Some((path, text)) = rng {
+            checkpoint::write_atomically(&path, &text)?;
+            crate::faults::point("after the shards", step);
+        }
+        Ok(())
+    };
+    let writer = match config.async_save {
+        true => Some(std::thread::spawn(write)),
+        false => {
+            write()?;
+            None
+        }
+    };
+    let trainer_state = (world.rank() == 0).then(|| TrainerState {
+        format: checkpoint::FORMAT,
+        tp: tp.size(),
+        pp: config.pp,
+        chunks: config.pipeline.chunks(),
+        model: config.model,
+        global_batch: config.batch * state.dp_size(),
+        losses: history.losses.clone(),
+        validation: history.validation.clone(),
+        loss_scaler: scaler.map(GradScaler::state),
+    });
+    Ok(PendingSave {
+        root: root.to_path_buf(),
+        step,
+        writer,
+        trainer_state,
+    })
+}
+
+/// The files a rank writes of a checkpoint, and its random streams' file (path, text).
+type Snapshot = (
+    Vec<ferrotron_layers::checkpoint::PendingFile>,
+    Option<(PathBuf, String)>,
+);
+
+/// This rank's files of a checkpoint in `dir`, copied to host memory now: the shards and
+/// optimizer state it writes (every data-parallel rank takes the optimizer state, which
+/// gathers a sharded one; one replica of each stage writes), and its random streams.
+fn snapshot(
+    dir: &std::path::Path,
+    chunks: &mut Chunks<'_>,
+    optimizer: &mut TrainOptimizer,
+) -> Result<Snapshot> {
+    let (state, config) = (chunks.state, chunks.config);
+    let tp = chunks.models[0].tp();
     let optimizer_state = optimizer.as_dyn().state()?;
     let mut files = Vec::new();
     let mut rng = None;
@@ -90,43 +144,7 @@ pub(super) fn save(
             rng = Some(checkpoint::rng_file(&dir, chunks.rngs, rank, size)?);
         }
     }
-    let write = move || -> Result<()> {
-        if rng.is_some() {
-            crate::faults::point("before the shards", step);
-        }
-        for file in files {
-            file.write()?;
-        }
-        if let Some((path, text)) = rng {
-            checkpoint::write_atomically(&path, &text)?;
-            crate::faults::point("after the shards", step);
-        }
-        Ok(())
-    };
-    let writer = match config.async_save {
-        true => Some(std::thread::spawn(write)),
-        false => {
-            write()?;
-            None
-        }
-    };
-    let trainer_state = (world.rank() == 0).then(|| TrainerState {
-        format: checkpoint::FORMAT,
-        tp: tp.size(),
-        pp: config.pp,
-        chunks: config.pipeline.chunks(),
-        model: config.model,
-        global_batch: config.batch * state.dp_size(),
-        losses: history.losses.clone(),
-        validation: history.validation.clone(),
-        loss_scaler: scaler.map(GradScaler::state),
-    });
-    Ok(PendingSave {
-        root: root.to_path_buf(),
-        step,
-        writer,
-        trainer_state,
-    })
+    Ok((files, rng))
 }
 
 /// A save whose files are being written, in this thread or a background one.

@@ -101,47 +101,12 @@ impl Chunks<'_> {
     ) -> Result<(Vec<Vec<f32>>, Vec<ferrotron_pipeline::Span>)> {
         let tp = self.models[0].tp();
         // Under context parallelism each rank holds two chunks of every sequence.
-        let sliced: Vec<Microbatch>;
-        let (microbatches, len) = match tp.context_size() {
-            1 => (microbatches, len),
-            cp => {
-                sliced = (microbatches.iter())
-                    .map(|m| {
-                        Ok(Microbatch {
-                            ids: context_part(&m.ids, len, rows, tp)?,
-                            labels: context_part(&m.labels, len, rows, tp)?,
-                            positions: (m.positions.as_ref())
-                                .map(|p| context_part(p, len, rows, tp))
-                                .transpose()?,
-                        })
-                    })
-                    .collect::<Result<_>>()?;
-                (&sliced[..], len / cp)
-            }
+        let sliced = context_parts(microbatches, (len, rows), tp)?;
+        let (microbatches, len) = match &sliced {
+            Some(sliced) => (&sliced[..], len / tp.context_size()),
+            None => (microbatches, len),
         };
-        // Under sequence parallelism each rank passes on its part of the sequence.
-        let local = if tp.sequence_parallel() {
-            tp.part(len)?.1
-        } else {
-            len
-        };
-        let shape = [local, rows, self.config.model.hidden];
-        let mut config = ferrotron_pipeline::PipelineConfig::new(
-            self.config.pipeline,
-            microbatches.len(),
-            &shape,
-        );
-        config.forward_only = pass != Pass::Train;
-        // The stages report the loss's global mean themselves.
-        config.read_losses = false;
-        config.device = self.config.device;
-        config.dtype = self.config.precision;
-        config.overlap_p2p = self.config.overlap_p2p;
-        if trace {
-            self.state.pp().barrier()?;
-            config.trace_epoch = Some(std::time::Instant::now());
-        }
-        let pipe = ferrotron_pipeline::Pipeline::new(self.state.pp().clone(), config)?;
+        let pipe = self.pipeline(microbatches.len(), (len, rows), pass, trace)?;
         // Each microbatch's auxiliary losses count as its share of the step, as its loss.
         let aux_scale = self.loss_scale / microbatches.len() as f64;
         for moe in self.models.iter().flat_map(Gpt::experts) {
@@ -190,6 +155,64 @@ impl Chunks<'_> {
         }
         Ok((results, report.timeline))
     }
+
+    /// The pipeline of one pass over `count` microbatches of sequences of `len`
+    /// (this rank's part under context parallelism) in `rows` rows.
+    fn pipeline(
+        &self,
+        count: usize,
+        (len, rows): (usize, usize),
+        pass: Pass,
+        trace: bool,
+    ) -> Result<ferrotron_pipeline::Pipeline> {
+        let tp = self.models[0].tp();
+        // Under sequence parallelism each rank passes on its part of the sequence.
+        let local = if tp.sequence_parallel() {
+            tp.part(len)?.1
+        } else {
+            len
+        };
+        let shape = [local, rows, self.config.model.hidden];
+        let mut config =
+            ferrotron_pipeline::PipelineConfig::new(self.config.pipeline, count, &shape);
+        config.forward_only = pass != Pass::Train;
+        // The stages report the loss's global mean themselves.
+        config.read_losses = false;
+        config.device = self.config.device;
+        config.dtype = self.config.precision;
+        config.overlap_p2p = self.config.overlap_p2p;
+        if trace {
+            self.state.pp().barrier()?;
+            config.trace_epoch = Some(std::time::Instant::now());
+        }
+        Ok(ferrotron_pipeline::Pipeline::new(
+            self.state.pp().clone(),
+            config,
+        )?)
+    }
+}
+
+/// Each microbatch cut to this rank's two chunks of every sequence under context
+/// parallelism; `None` without it.
+fn context_parts(
+    microbatches: &[Microbatch],
+    (len, rows): (usize, usize),
+    tp: &TensorParallel,
+) -> Result<Option<Vec<Microbatch>>> {
+    if tp.context_size() == 1 {
+        return Ok(None);
+    }
+    let part = |values: &[_]| context_part(values, len, rows, tp);
+    let sliced = (microbatches.iter())
+        .map(|m| {
+            Ok(Microbatch {
+                ids: part(&m.ids)?,
+                labels: context_part(&m.labels, len, rows, tp)?,
+                positions: (m.positions.as_ref()).map(|p| part(p)).transpose()?,
+            })
+        })
+        .collect::<Result<_>>()?;
+    Ok(Some(sliced))
 }
 
 /// One model chunk as a pipeline stage: the forward of a microbatch and, on the last

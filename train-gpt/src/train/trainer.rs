@@ -5,12 +5,12 @@ use crate::checkpoint::{self, TrainerState};
 use crate::data::{Corpus, DistributedSampler, Split};
 use crate::memory::{self, Phase};
 use crate::model::{Gpt, RankModel};
-use crate::report::{Progress, StepsProfile};
+use crate::report::Progress;
 use anyhow::{bail, Result};
 use ferrotron_comm_core::CommunicatorExt;
 use ferrotron_layers::{GradScaler, Module, ShardedParameter};
 use ferrotron_parallel_state::ParallelState;
-use ferrotron_tape::{DType, Parameter, Transfers};
+use ferrotron_tape::{DType, Parameter};
 use std::path::PathBuf;
 
 use super::*;
@@ -118,78 +118,16 @@ impl<'a> Trainer<'a> {
     ) -> Result<Steady> {
         let config = chunks.config;
         let first_step = history.losses.len();
-        let (mut steady_transfers, mut waits) = (Vec::new(), Vec::new());
-        let mut timeline = ferrotron_tape::timeline::Timeline::default();
-        let mut makespans = Vec::new();
-        let mut profile = (config.profile && config.device != ferrotron_tape::Device::Cpu)
-            .then(StepsProfile::default);
+        let mut measures = Measures::new(config);
         for step in first_step..config.steps {
             let steady = step > first_step || config.steps == first_step + 1;
-            let before = ferrotron_tape::transfers(config.device);
-            let waits_before = ferrotron_tape::host_waits(config.device);
-            let recording = profile.as_mut().filter(|_| steady);
-            if recording.is_some() {
-                ferrotron_tape::profile::start(config.device);
-            }
-            match (steady, config.trace) {
-                (true, true) => ferrotron_tape::timeline::start_calls(),
-                (true, false) => ferrotron_tape::timeline::start(),
-                (false, _) => {}
-            }
-            let started = std::time::Instant::now();
+            let started = measures.begin(config, steady);
             self.step(chunks, corpus, step, history)?;
-            let wall = started.elapsed();
-            if steady {
-                let streams = ferrotron_tape::timeline::finish();
-                if config.trace {
-                    history.streams = streams.clone();
-                }
-                makespans.extend(streams.makespan());
-                timeline.extend(streams);
+            if let Some(started) = started {
+                measures.end(config, started, history)?;
             }
-            // Read before the profile's own wait for its last timing event.
-            if steady {
-                steady_transfers.push(ferrotron_tape::transfers(config.device) - before);
-                waits.push(ferrotron_tape::host_waits(config.device) - waits_before);
-            }
-            if let Some(recording) = recording {
-                recording.add(&ferrotron_tape::profile::finish()?, wall);
-            }
-            // `--check`'s own reads of the tied copies, outside the step's counts.
-            if config.check_tied {
-                self.compare_tied_copies(chunks.state, step, history)?;
-            }
-            let done = step + 1;
-            crate::faults::kill_point(chunks.state.world().rank(), done);
-            let stop = stop_agreed(chunks)?;
-            let interval = config.eval_interval;
-            if interval > 0 && (done % interval == 0 || done == config.steps) && !stop {
-                let _passes = memory::enter(Phase::Passes);
-                let loss = validation_loss(chunks, corpus)?;
-                history.validation.push((done, loss));
-            }
-            let every = config.save_interval.unwrap_or(0);
-            let due = done == config.steps || stop || (every > 0 && done % every == 0);
-            if let (Some(root), true) = (&config.save, due) {
-                let started = std::time::Instant::now();
-                let _saving = memory::enter(Phase::Checkpoint);
-                // One save in flight at a time: the previous one completes first.
-                self.finish_save(chunks, history)?;
-                let pending = save(
-                    root,
-                    chunks,
-                    &mut self.optimizer,
-                    self.scaler.as_ref(),
-                    history,
-                )?;
-                self.pending_save = Some(pending);
-                if !config.async_save {
-                    self.finish_save(chunks, history)?;
-                }
-                history.save_wait += started.elapsed();
-            }
-            if stop {
-                history.stopped = Some(done);
+            if self.after_step(chunks, corpus, step + 1, history)? {
+                history.stopped = Some(step + 1);
                 break;
             }
         }
@@ -197,14 +135,53 @@ impl<'a> Trainer<'a> {
         if let Some(progress) = self.progress {
             progress.finish();
         }
-        Ok(Steady {
-            transfers: mean(&steady_transfers),
-            host_waits: waits.iter().sum::<u64>() as f64 / waits.len().max(1) as f64,
-            profile,
-            hidden: Hidden::of(&timeline),
-            modelled_step: (!makespans.is_empty())
-                .then(|| makespans.iter().sum::<f64>() / makespans.len() as f64),
-        })
+        Ok(measures.steady())
+    }
+
+    /// What follows step `done` (counted from 1): `--check`'s comparison of the tied
+    /// copies, the ranks' agreement to stop on a signal, the validation loss and the save
+    /// when due. Returns whether to stop.
+    fn after_step(
+        &mut self,
+        chunks: &mut Chunks<'_>,
+        corpus: &Corpus,
+        done: usize,
+        history: &mut History,
+    ) -> Result<bool> {
+        let config = chunks.config;
+        // `--check`'s own reads of the tied copies, outside the step's counts.
+        if config.check_tied {
+            self.compare_tied_copies(chunks.state, done - 1, history)?;
+        }
+        crate::faults::kill_point(chunks.state.world().rank(), done);
+        let stop = stop_agreed(chunks)?;
+        let interval = config.eval_interval;
+        if interval > 0 && (done.is_multiple_of(interval) || done == config.steps) && !stop {
+            let _passes = memory::enter(Phase::Passes);
+            let loss = validation_loss(chunks, corpus)?;
+            history.validation.push((done, loss));
+        }
+        let every = config.save_interval.unwrap_or(0);
+        let due = done == config.steps || stop || (every > 0 && done.is_multiple_of(every));
+        if let (Some(root), true) = (&config.save, due) {
+            let started = std::time::Instant::now();
+            let _saving = memory::enter(Phase::Checkpoint);
+            // One save in flight at a time: the previous one completes first.
+            self.finish_save(chunks, history)?;
+            let pending = save(
+                root,
+                chunks,
+                &mut self.optimizer,
+                self.scaler.as_ref(),
+                history,
+            )?;
+            self.pending_save = Some(pending);
+            if !config.async_save {
+                self.finish_save(chunks, history)?;
+            }
+            history.save_wait += started.elapsed();
+        }
+        Ok(stop)
     }
 
     /// Completes the save in flight, if any, recording its directory.
@@ -357,28 +334,5 @@ impl<'a> Trainer<'a> {
             record.first_difference = Some((step + 1, differing));
         }
         Ok(())
-    }
-}
-
-/// What a step after the first costs in host↔device traffic, on average.
-pub(super) struct Steady {
-    pub(super) transfers: Transfers,
-    pub(super) host_waits: f64,
-    pub(super) profile: Option<StepsProfile>,
-    /// What share of the communication the compute hid (modelled, emulated device).
-    pub(super) hidden: Option<Hidden>,
-    /// A step's mean modelled time, seconds (emulated device).
-    pub(super) modelled_step: Option<f64>,
-}
-
-/// The mean of per-step transfer counts (none: zero).
-pub(super) fn mean(steps: &[Transfers]) -> Transfers {
-    let n = steps.len().max(1) as u64;
-    let total = steps.iter().fold(Transfers::default(), |sum, &t| sum + t);
-    Transfers {
-        to_device_bytes: total.to_device_bytes / n,
-        to_device_copies: total.to_device_copies / n,
-        to_host_bytes: total.to_host_bytes / n,
-        to_host_copies: total.to_host_copies / n,
     }
 }

@@ -60,6 +60,69 @@ pub fn context_parallel_chunks(
     ])
 }
 
+/// Context-parallel rank `rank`'s part of a sequence-first batch (`seq` positions of
+/// `rows` values each: token ids, labels, position ids): its two chunks' rows, in the
+/// order it holds them, as Megatron's `get_batch_on_this_cp_rank` cuts a batch. An empty
+/// batch stays empty. Errors as [`context_parallel_chunks`].
+///
+/// ```
+/// use ferrotron_layers::{context_parallel_batch, context_parallel_position};
+///
+/// // Eight positions of one row over two ranks: rank 0 holds chunks 0 and 3, rank 1
+/// // chunks 1 and 2 (two positions each), so the causal work is balanced.
+/// let ids: Vec<u32> = (0..8).collect();
+/// assert_eq!(context_parallel_batch(&ids, 8, 1, 0, 2)?, [0, 1, 6, 7]);
+/// assert_eq!(context_parallel_batch(&ids, 8, 1, 1, 2)?, [2, 3, 4, 5]);
+/// // Position 6 lives on rank 0, third among its positions.
+/// assert_eq!(context_parallel_position(6, 8, 2)?, (0, 2));
+/// # Ok::<(), ferrotron_layers::Error>(())
+/// ```
+pub fn context_parallel_batch<T: Copy>(
+    values: &[T],
+    seq: usize,
+    rows: usize,
+    rank: usize,
+    size: usize,
+) -> Result<Vec<T>> {
+    if values.is_empty() {
+        return Ok(Vec::new());
+    }
+    let chunks = context_parallel_chunks(seq, rank, size)?;
+    if values.len() != seq * rows {
+        return Err(Error::config(
+            "context_parallel_batch",
+            format!(
+                "{} values are not {seq} positions of {rows} rows; pass the whole \
+                 sequence-first batch",
+                values.len()
+            ),
+        ));
+    }
+    Ok(chunks
+        .iter()
+        .flat_map(|&(start, len)| values[start * rows..(start + len) * rows].iter().copied())
+        .collect())
+}
+
+/// Which context-parallel rank of `size` holds position `at` of a `seq`-long sequence,
+/// and where among its own positions ([`context_parallel_batch`]'s order). Errors as
+/// [`context_parallel_chunks`], and for a position past the sequence.
+pub fn context_parallel_position(at: usize, seq: usize, size: usize) -> Result<(usize, usize)> {
+    context_parallel_chunks(seq, 0, size)?;
+    if at >= seq {
+        return Err(Error::config(
+            "context_parallel_position",
+            format!("position {at} is past the {seq}-long sequence"),
+        ));
+    }
+    let chunk = seq / (2 * size);
+    let index = at / chunk;
+    Ok(match index < size {
+        true => (index, at % chunk),
+        false => (2 * size - 1 - index, chunk + at % chunk),
+    })
+}
+
 /// One block of a rank's ring: at `step` its queries of chunk `query_chunk` attend to the
 /// keys of chunk `key_chunk` (global chunk indices, of `2·cp`), under the causal mask
 /// when `diagonal`.

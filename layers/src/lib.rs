@@ -124,7 +124,10 @@ mod transformer;
 
 pub use clip::{clip_grad_norm, reduce_grad_norm, GradNorm, LocalSquares};
 pub use config::BlockConfig;
-pub use context_parallel::{context_parallel_chunks, ring_attention, ring_blocks, RingBlock};
+pub use context_parallel::{
+    context_parallel_batch, context_parallel_chunks, context_parallel_position, ring_attention,
+    ring_blocks, RingBlock,
+};
 pub use cross_entropy::{
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_per_token, TokenLoss,
 };

@@ -351,3 +351,32 @@ fn close(what: &str, got: &[f32], want: &[f32]) {
         );
     }
 }
+
+/// A batch cut for each rank, joined again in the order of the positions each rank says
+/// it holds, is the batch: every position once, on the rank `context_parallel_position`
+/// names, at the index it names; and a batch of the wrong size is refused.
+#[test]
+fn a_batch_cut_over_the_ranks_is_every_position_once_where_its_rank_says() -> AnyResult<()> {
+    use ferrotron_layers::{context_parallel_batch, context_parallel_position};
+    let (seq, rows) = (24, 3);
+    let batch: Vec<usize> = (0..seq * rows).collect();
+    for cp in [1, 2, 3, 4] {
+        let parts: Vec<Vec<usize>> = (0..cp)
+            .map(|rank| context_parallel_batch(&batch, seq, rows, rank, cp))
+            .collect::<Result<_, _>>()?;
+        for at in 0..seq {
+            let (rank, local) = context_parallel_position(at, seq, cp)?;
+            let row = &parts[rank][local * rows..(local + 1) * rows];
+            assert_eq!(
+                row,
+                &batch[at * rows..(at + 1) * rows],
+                "cp {cp}, position {at}"
+            );
+        }
+        assert_eq!(parts.iter().map(Vec::len).sum::<usize>(), seq * rows);
+    }
+    assert!(context_parallel_batch(&batch[1..], seq, rows, 0, 2).is_err());
+    assert!(context_parallel_batch(&batch, 20, rows, 0, 3).is_err());
+    assert!(context_parallel_position(seq, seq, 2).is_err());
+    Ok(())
+}

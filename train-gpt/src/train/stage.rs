@@ -289,7 +289,10 @@ impl GptStage<'_> {
         let tp = self.model.tp();
         let vocab = self.model.config().vocab;
         let sizes = ferrotron_mappings::split_sizes(vocab, tp.size())?;
-        let (owner, local) = context_position(at, self.len * tp.context_size(), tp)?;
+        let (owner, local) = match tp.context_size() {
+            1 => (0, at),
+            cp => ferrotron_layers::context_parallel_position(at, self.len * cp, cp)?,
+        };
         let mut logits = vec![0.0; vocab];
         if owner == tp.context_rank() {
             let last = output.narrow(0, local, 1)?;
@@ -305,40 +308,16 @@ impl GptStage<'_> {
 
 /// This context-parallel rank's positions of sequence-first `values` (`len` positions of
 /// `rows` each): its two chunks, in the order it holds them. Empty stays empty.
-pub(super) fn context_part<T: Copy>(
+fn context_part<T: Copy>(
     values: &[T],
     len: usize,
     rows: usize,
     tp: &TensorParallel,
 ) -> Result<Vec<T>> {
-    if values.is_empty() {
-        return Ok(Vec::new());
-    }
-    let chunks =
-        ferrotron_layers::context_parallel_chunks(len, tp.context_rank(), tp.context_size())?;
-    Ok(chunks
-        .iter()
-        .flat_map(|&(start, c)| values[start * rows..(start + c) * rows].iter().copied())
-        .collect())
-}
-
-/// Which context-parallel rank holds position `at` of a `len`-long sequence, and where
-/// among its own positions.
-pub(super) fn context_position(
-    at: usize,
-    len: usize,
-    tp: &TensorParallel,
-) -> Result<(usize, usize)> {
-    let cp = tp.context_size();
-    if cp == 1 {
-        return Ok((0, at));
-    }
-    let chunk = len / (2 * cp);
-    let index = at / chunk;
-    Ok(match index < cp {
-        true => (index, at % chunk),
-        false => (2 * cp - 1 - index, chunk + at % chunk),
-    })
+    let (rank, size) = (tp.context_rank(), tp.context_size());
+    Ok(ferrotron_layers::context_parallel_batch(
+        values, len, rows, rank, size,
+    )?)
 }
 
 /// The step's routing over every mixture of experts of the model and every rank's

@@ -31,6 +31,11 @@ fn a_diverging_run_stops_at_the_first_non_finite_loss() {
         stderr.contains("training diverged") && stderr.contains("lower --lr"),
         "{stderr}"
     );
+    // Clipping is on by default, so the message says how hard it clips.
+    assert!(
+        stderr.contains("clip harder (--clip-grad, now 1)"),
+        "{stderr}"
+    );
     assert!(
         stderr.contains("the loss is NaN") || stderr.contains("the loss is inf"),
         "{stderr}"

@@ -193,8 +193,9 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// One training step (0-based `step`): forward and backward of every microbatch,
-    /// gradient sync, unscaling and clipping, the update.
+    /// One training step (0-based `step`): forward and backward of every microbatch
+    /// (each gradient bucket reduced as backward completes it), unscaling and clipping,
+    /// the update, the loss scale.
     pub(super) fn step(
         &mut self,
         chunks: &mut Chunks<'_>,
@@ -207,47 +208,24 @@ impl<'a> Trainer<'a> {
         let reading = memory::enter(Phase::Data);
         let microbatches = microbatches(corpus, Split::Train, &self.sampler.starts(step), config)?;
         drop(reading);
-        let trace = config.trace && step + 1 == config.steps;
-        chunks.loss_scale = self.scaler.as_ref().map_or(1.0, GradScaler::scale);
-        let tp = chunks.models[0].tp();
-        let last_rank = state.pp_rank() + 1 == config.pp
-            && tp.rank() + 1 == tp.size()
-            && state.dp_rank() + 1 == state.dp_size();
-        if config.inject_grad_overflow == Some(step + 1) && last_rank {
-            chunks.loss_scale = f64::INFINITY;
-        }
+        chunks.loss_scale = self.loss_scale(chunks, step);
         let passes = memory::enter(Phase::Passes);
         // Routing counts of this step's training pass only.
-        chunks
-            .models
-            .iter()
-            .flat_map(Gpt::experts)
-            .for_each(|moe| drop(moe.take_stats()));
+        (chunks.models.iter().flat_map(Gpt::experts)).for_each(|moe| drop(moe.take_stats()));
+        let trace = config.trace && step + 1 == config.steps;
         let (step_loss, spans) = chunks.loss(&microbatches, Pass::Train, trace)?;
         drop(passes);
+        history.timeline = spans;
         let routing = expert_routing(chunks)?;
         let _optimizer = memory::enter(Phase::Optimizer);
-        history.timeline = spans;
         // Every rank holds the same global mean, so all of them stop here together.
         if !step_loss.is_finite() {
-            bail!(
-                "step {}: the loss is {} (step {} had {}): training diverged; lower --lr \
-                 (now {}), lengthen --lr-warmup-steps (now {}) or clip with --clip-grad",
-                step + 1,
-                step_loss,
-                step,
-                history
-                    .losses
-                    .last()
-                    .map_or("none".into(), |l: &f32| l.to_string()),
-                config.schedule.lr,
-                config.schedule.warmup_steps
-            );
+            bail!(diverged(step, step_loss, history, config));
         }
         let unscaled = match &self.scaler {
             Some(scaler) => {
-                self.optimizer
-                    .unscale_grads(scaler, &self.params, tp, &[state.pp()])?
+                let tp = chunks.models[0].tp();
+                (self.optimizer).unscale_grads(scaler, &self.params, tp, &[state.pp()])?
             }
             None => true,
         };
@@ -259,11 +237,23 @@ impl<'a> Trainer<'a> {
         history.losses.push(step_loss);
         if let Some(progress) = self.progress {
             progress.step(step + 1, step_loss);
-            if let Some(line) = routing {
-                progress.note(&line);
-            }
+            routing.inspect(|line| progress.note(line));
         }
         Ok(())
+    }
+
+    /// What step `step` multiplies its loss by: the loss scale (1 without one), or
+    /// infinity on the rank `--inject-grad-overflow` names for this step (the last one).
+    fn loss_scale(&self, chunks: &Chunks<'_>, step: usize) -> f64 {
+        let (config, state) = (chunks.config, chunks.state);
+        let tp = chunks.models[0].tp();
+        let last_rank = state.pp_rank() + 1 == config.pp
+            && tp.rank() + 1 == tp.size()
+            && state.dp_rank() + 1 == state.dp_size();
+        match config.inject_grad_overflow == Some(step + 1) && last_rank {
+            true => f64::INFINITY,
+            false => self.scaler.as_ref().map_or(1.0, GradScaler::scale),
+        }
     }
 
     /// Clips to `--clip-grad`, recording the norm: `false` (skip the step on every
@@ -335,4 +325,21 @@ impl<'a> Trainer<'a> {
         }
         Ok(())
     }
+}
+
+/// Why training stops at step `step` (0-based), whose loss is not finite, and what to
+/// change.
+fn diverged(step: usize, loss: f32, history: &History, config: &TrainConfig) -> String {
+    let before = (history.losses.last()).map_or("none".into(), |l| l.to_string());
+    let clip = match config.clip_grad {
+        Some(norm) => format!("clip harder (--clip-grad, now {norm})"),
+        None => "clip with --clip-grad (now off)".to_string(),
+    };
+    format!(
+        "step {}: the loss is {loss} (step {step} had {before}): training diverged; lower \
+         --lr (now {}), lengthen --lr-warmup-steps (now {}) or {clip}",
+        step + 1,
+        config.schedule.lr,
+        config.schedule.warmup_steps
+    )
 }

@@ -165,28 +165,18 @@ fn output_layers(
         bias: false,
         skip_bias_add: false,
     };
+    // The last stage's copy of a tied table has the table's name and master weights.
+    let name = match config.tied {
+        true => "embed",
+        false => "head",
+    };
     let head = match (first, config.tied) {
         (Some(first), true) => {
             ColumnParallelLinear::sharing_weight(tp, first.tokens.weight(), false)?
         }
-        (None, true) => ColumnParallelLinear::new(
-            tp,
-            "embed",
-            config.hidden,
-            config.vocab,
-            false,
-            no_bias,
-            init,
-        )?,
-        (_, false) => ColumnParallelLinear::new(
-            tp,
-            "head",
-            config.hidden,
-            config.vocab,
-            false,
-            no_bias,
-            init,
-        )?,
+        _ => {
+            ColumnParallelLinear::new(tp, name, config.hidden, config.vocab, false, no_bias, init)?
+        }
     };
     Ok((ln_f, head))
 }

@@ -87,16 +87,19 @@ fn saves_every_n_steps_keep_the_newest_and_resume_auto_continues() {
     let latest = std::fs::read_to_string(root.join("C/latest")).unwrap();
     assert_eq!(latest, "step_0000005");
     // Re-submitting the same command with --resume auto continues where it stopped.
-    let stdout = succeed(&[
-        "--steps",
-        "6",
-        "--save",
-        &dir("C"),
-        "--resume",
-        "auto",
-        "--out",
-        &dir("B2"),
-    ]);
+    let resubmit = |out: &str| {
+        succeed(&[
+            "--steps",
+            "6",
+            "--save",
+            &dir("C"),
+            "--resume",
+            "auto",
+            "--out",
+            &dir(out),
+        ])
+    };
+    let stdout = resubmit("B2");
     assert!(stdout.contains("step_0000005"), "{stdout}");
     assert_eq!(
         rows(&root.join("B2/loss.csv")),
@@ -104,16 +107,7 @@ fn saves_every_n_steps_keep_the_newest_and_resume_auto_continues() {
     );
     // The same command once more: the run is complete, which is a success (a requeued
     // job reruns its command), and nothing trains.
-    let stdout = succeed(&[
-        "--steps",
-        "6",
-        "--save",
-        &dir("C"),
-        "--resume",
-        "auto",
-        "--out",
-        &dir("B4"),
-    ]);
+    let stdout = resubmit("B4");
     assert!(
         stdout.contains("the run is complete") && stdout.contains("step 6 of --steps 6"),
         "{stdout}"

@@ -4,7 +4,7 @@
 use crate::args::Args;
 use crate::config::train_config;
 use crate::data::Corpus;
-use crate::launch::progress;
+use crate::report::Progress;
 use crate::train::{train_rank, RankResult, TrainConfig};
 use anyhow::Result;
 use ferrotron_comm_core::run_local;
@@ -114,7 +114,7 @@ pub(crate) fn check_run(args: &Args, corpus: &Corpus, dp: usize) -> Result<RankR
         profile: false,
         ..reference
     };
-    let progress = progress("check", args, &config.model, dp, 1);
+    let progress = Progress::of_run("check", args, &config.model, dp, 1);
     let mut results = run_local(1, |comm| {
         train_rank(Arc::new(comm), &config, corpus, Some(&progress))
     })?;

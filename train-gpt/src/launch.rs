@@ -7,7 +7,6 @@ use crate::args::Args;
 use crate::config::{list, query_groups, valid_tp};
 use crate::config::{training_config, validate};
 use crate::data::Corpus;
-use crate::model::GptConfig;
 use crate::placement;
 use crate::report::Progress;
 use crate::summary::{
@@ -91,20 +90,6 @@ pub(crate) fn nccl_world(_: Arc<dyn Communicator>, _: usize) -> Result<DualCommu
     unreachable!("nccl_devices refuses --backend nccl without the cuda feature")
 }
 
-/// The progress report of a run of `ranks` ranks training `model` on `dp` data-parallel
-/// ranks' batches.
-pub(crate) fn progress(
-    label: &'static str,
-    args: &Args,
-    model: &GptConfig,
-    dp: usize,
-    ranks: usize,
-) -> Progress {
-    let tokens = args.batch * dp * args.seq;
-    let flops_per_rank = model.flops_per_token() * tokens as f64 / ranks as f64;
-    Progress::new(label, args.steps, tokens, flops_per_rank)
-}
-
 /// TP × DP rank threads in this process, over NCCL on `devices` when given.
 pub(crate) fn run_local_backend(
     args: &Args,
@@ -126,7 +111,7 @@ pub(crate) fn run_local_backend(
         );
     }
     announce(args, corpus, dp);
-    let progress = progress("train", args, &config.model, dp, world);
+    let progress = Progress::of_run("train", args, &config.model, dp, world);
     let mut results = run_local(world, |comm| {
         // Unset, tape already divides the cores among this world's rank threads.
         if let Some(threads) = args.threads {
@@ -209,7 +194,7 @@ pub(crate) fn run_mpi_backend(
         device,
         ..training_config(args, &corpus.vocabulary)
     };
-    let progress = rank0.then(|| progress("train", args, &config.model, dp, size));
+    let progress = rank0.then(|| Progress::of_run("train", args, &config.model, dp, size));
     let mut result = train_rank(world.clone(), &config, corpus, progress.as_ref())?;
     result.device_groups = dual.map(|dual| dual.opened());
     gather_busiest(&*world, args, &mut result)?;

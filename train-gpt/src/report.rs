@@ -22,6 +22,20 @@ pub struct Progress {
 }
 
 impl Progress {
+    /// The progress report of a run of `ranks` ranks training `model` on `dp`
+    /// data-parallel ranks' batches.
+    pub fn of_run(
+        label: &'static str,
+        args: &crate::args::Args,
+        model: &crate::model::GptConfig,
+        dp: usize,
+        ranks: usize,
+    ) -> Progress {
+        let tokens = args.batch * dp * args.seq;
+        let flops_per_rank = model.flops_per_token() * tokens as f64 / ranks as f64;
+        Progress::new(label, args.steps, tokens, flops_per_rank)
+    }
+
     /// `tokens_per_step`: tokens of the global batch; `flops_per_step_per_rank`: the
     /// model's flops of a step divided by the ranks (see `GptConfig::flops_per_token`).
     pub fn new(

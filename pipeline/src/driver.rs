@@ -62,8 +62,9 @@ pub struct PipelineConfig {
     pub read_losses: bool,
     /// Post each exchange's receives when the previous exchange ends (Megatron's
     /// `--overlap-p2p-comm`), so that a received tensor's copy runs beside the compute
-    /// queued before it is needed instead of after it. Needs a backend with
-    /// non-blocking receives (threads, MPI; NCCL's lone receives are refused).
+    /// queued before it is needed instead of after it. The local backend only (threads):
+    /// a stage that fails must withdraw the receives it posted, which MPI's cannot and
+    /// NCCL cannot post alone; [`Pipeline::new`] refuses it elsewhere.
     pub overlap_p2p: bool,
 }
 
@@ -125,6 +126,16 @@ impl Pipeline {
                 "activations travel as f32, bf16 or f16, not {}; set PipelineConfig::dtype \
                  to their storage format",
                 config.dtype
+            )));
+        }
+        // A failing stage gives up the receives it posted ahead: only the local backend's
+        // can be withdrawn (MPI's would wait for a peer that may never send; NCCL cannot
+        // post a receive alone).
+        if config.overlap_p2p && group.backend() != "local" {
+            return Err(Error::Config(format!(
+                "overlap_p2p posts receives ahead, which the {} backend cannot withdraw when \
+                 a stage fails; turn it off there (the local backend supports it)",
+                group.backend()
             )));
         }
         let plan = if config.forward_only {

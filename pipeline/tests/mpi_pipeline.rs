@@ -1,7 +1,7 @@
 //! Pipelines over the MPI backend: the world is the pipeline group (2 or 4 stages under
 //! `mpirun -n 2` / `-n 4`). Every schedule gives the serial model's gradients, which
-//! every rank computes locally, and a misshapen activation is a typed error on both
-//! sides.
+//! every rank computes locally, a misshapen activation is a typed error on both sides,
+//! and receives posted ahead are refused.
 //!
 //! ```text
 //! cargo test -p ferrotron-pipeline --features mpi --test mpi_pipeline --no-run
@@ -163,13 +163,33 @@ fn a_transposed_activation_fails_both_sides(world: &Arc<dyn Communicator>) -> an
     Ok(())
 }
 
+/// Receives posted ahead are refused over MPI, whose posted receives a failing stage
+/// could not withdraw (it would wait for a peer that may never send).
+fn receives_posted_ahead_are_refused(world: &Arc<dyn Communicator>) -> anyhow::Result<()> {
+    let mut config = PipelineConfig::new(Schedule::OneFOneB, 2 * world.size(), &[3, 4]);
+    config.overlap_p2p = true;
+    match Pipeline::new(world.clone(), config) {
+        Err(Error::Config(message)) => {
+            ensure!(message.contains("mpi backend"), "{message}");
+            Ok(())
+        }
+        other => anyhow::bail!("expected a configuration error, got {:?}", other.err()),
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let mpi = MpiWorld::init()?;
     let world: Arc<dyn Communicator> = Arc::new(mpi.world()?);
-    let mut results = vec![(
-        "schedules match the serial model",
-        schedules_match_the_serial_model(&world),
-    )];
+    let mut results = vec![
+        (
+            "schedules match the serial model",
+            schedules_match_the_serial_model(&world),
+        ),
+        (
+            "receives posted ahead are refused",
+            receives_posted_ahead_are_refused(&world),
+        ),
+    ];
     // Only two stages take part, so that none waits on a failed one.
     let pair = world
         .split(Some(u32::from(world.rank() < 2)), 0, "pair")?

@@ -235,7 +235,7 @@ pub(crate) struct Args {
     pub(crate) overlap_param_gather: bool,
     /// Post each pipeline exchange's receives when the previous exchange ends, so that
     /// received activations and gradients are copied beside the compute before them
-    /// (Megatron's --overlap-p2p-comm). Same results; not with --backend nccl.
+    /// (Megatron's --overlap-p2p-comm). Same results; the local backend only.
     #[arg(long)]
     pub(crate) overlap_p2p_comm: bool,
     /// Gradients per data-parallel bucket (Megatron's --ddp-bucket-size): smaller buckets

@@ -354,9 +354,14 @@ pub(crate) fn validate_pipeline(args: &Args) -> Result<()> {
          add --use-distributed-optimizer"
     );
     ensure!(
-        !args.overlap_p2p_comm || args.backend != Backend::Nccl,
-        "--overlap-p2p-comm posts pipeline receives ahead, which NCCL cannot do alone \
-         without risking a deadlock: leave it out with --backend nccl"
+        !args.overlap_p2p_comm || args.backend == Backend::Local,
+        "--overlap-p2p-comm posts pipeline receives ahead, which a failing stage must be \
+         able to withdraw: only the local backend's can (MPI's cannot, NCCL cannot post one \
+         alone); leave it out with --backend {}",
+        match args.backend {
+            Backend::Mpi => "mpi",
+            _ => "nccl",
+        }
     );
     ensure!(
         args.trace.is_none() || args.backend == Backend::Local,

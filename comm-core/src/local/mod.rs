@@ -931,17 +931,18 @@ impl RankCore {
         self.check().peer(OpKind::Recv, "source", src)?;
         // A broken group may hold the message of a send that already failed.
         self.group.check_broken(self.rank, OpKind::Recv, 0)?;
-        let (seq, record) = self.start_message(OpKind::Recv, (buf.dtype(), buf.len()), src);
-        let mine = self
-            .check()
-            .signature(OpKind::Recv, Some(buf.dtype()), buf.len());
         // Posted ahead of its use: the device copy may start as soon as the buffer's
         // stream has run what was queued before this call, beside what it runs after.
+        // Recorded before the message is numbered, so a failure here numbers nothing.
         let posted = buf
             .as_buf_ref()
             .ordered_on()
             .map(Stream::record)
             .transpose()?;
+        let (seq, record) = self.start_message(OpKind::Recv, (buf.dtype(), buf.len()), src);
+        let mine = self
+            .check()
+            .signature(OpKind::Recv, Some(buf.dtype()), buf.len());
         let slot = self.group.start_receive(src, self.rank, mine.clone());
         let core = self.clone();
         // Nothing writes the buffer before the handle is waited on, so abandoning the

@@ -97,8 +97,14 @@ for ranks in 2 4; do
 done
 echo "mpi: $passed passed, 0 failed"
 
+# Where cargo put a binary it built (CARGO_TARGET_DIR or a config may move target/).
+built() {
+    cargo build -q --message-format=json "$@" |
+        sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1
+}
+
 echo "==> mismatched MPI calls fail every rank, with no environment variable set"
-cargo build -q -p ferrotron-comm-core --all-features --example mismatch
+mismatch=$(built -p ferrotron-comm-core --all-features --example mismatch)
 for ranks in 2 4; do
     # Each rank writes its own file: mpirun interleaves the ranks' stderr, and alone it
     # ends the job at the first failing rank and reports only that one.
@@ -106,7 +112,7 @@ for ranks in 2 4; do
     env -u FERROTRON_MPI_CHECK REPORTS="$reports" timeout 60 mpirun --oversubscribe -x REPORTS \
         -n "$ranks" sh -c '"$0" >"$REPORTS/$OMPI_COMM_WORLD_RANK" 2>&1
             echo "exit status $?" >>"$REPORTS/$OMPI_COMM_WORLD_RANK"' \
-        target/debug/examples/mismatch >/dev/null 2>&1 || true
+        "$mismatch" >/dev/null 2>&1 || true
     failed=$(cat "$reports"/* | grep -c '^exit status 1$' || true)
     reported=$(cat "$reports"/* | grep -c ': Mismatch: ' || true)
     if [ "$failed" -ne "$ranks" ] || [ "$reported" -ne "$ranks" ]; then
@@ -120,17 +126,17 @@ for ranks in 2 4; do
 done
 
 echo "==> a rank killed mid-run under mpirun -n 4: the job fails, --resume auto continues exactly"
-cargo build -q -p ferrotron-train-gpt --features mpi
+train_gpt=$(built -p ferrotron-train-gpt --features mpi --bin train-gpt)
 run_dir=$(mktemp -d)
 trap 'rm -rf "$run_dir"' EXIT
 small="--backend mpi --tp 2 --layers 1 --hidden 16 --heads 2 --seq 16 --eval-interval 0 --steps 12"
 at=$((3 + RANDOM % 8))
-timeout 120 mpirun --oversubscribe -n 4 target/debug/train-gpt $small --out "$run_dir/A" >/dev/null
+timeout 120 mpirun --oversubscribe -n 4 "$train_gpt" $small --out "$run_dir/A" >/dev/null
 killed=0
 # mpirun interleaves the ranks' output, so the check reads the kill's message from its
 # second word on.
 FERROTRON_KILL_AT="2@$at" timeout 120 mpirun --oversubscribe -x FERROTRON_KILL_AT -n 4 \
-    target/debug/train-gpt $small --save "$run_dir/C" --save-interval 2 --out "$run_dir/B" \
+    "$train_gpt" $small --save "$run_dir/C" --save-interval 2 --out "$run_dir/B" \
     >"$run_dir/killed.log" 2>&1 || killed=$?
 if [ "$killed" -eq 0 ] || [ "$killed" -eq 124 ] ||
     ! grep -q "kills itself after step $at (FERROTRON_KILL_AT)" "$run_dir/killed.log"; then
@@ -139,7 +145,7 @@ if [ "$killed" -eq 0 ] || [ "$killed" -eq 124 ] ||
     exit 1
 fi
 saved=$(ls "$run_dir/C" | grep '^step_' | tail -1)
-timeout 120 mpirun --oversubscribe -n 4 target/debug/train-gpt $small --save "$run_dir/C" \
+timeout 120 mpirun --oversubscribe -n 4 "$train_gpt" $small --save "$run_dir/C" \
     --resume auto --out "$run_dir/B" >"$run_dir/resumed.log"
 grep -q "resuming the run saved in .*$saved" "$run_dir/resumed.log"
 diff "$run_dir/A/loss.csv" "$run_dir/B/loss.csv"

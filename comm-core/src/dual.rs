@@ -46,6 +46,9 @@ pub struct DualCommunicator {
     backend: &'static str,
     /// Held while the device half is being opened, so that it is opened once.
     open_lock: Mutex<()>,
+    /// Why opening the device half failed: every later call fails with it, never tries
+    /// again (ranks that retried at different calls would wait for each other forever).
+    open_failed: OnceLock<String>,
 }
 
 /// Opens a group's device communicator over the group's host communicator (its
@@ -85,6 +88,7 @@ impl DualCommunicator {
             device: OnceLock::from(device),
             opening: None,
             open_lock: Mutex::new(()),
+            open_failed: OnceLock::new(),
         })
     }
 
@@ -141,7 +145,9 @@ impl DualCommunicator {
         &self.host
     }
 
-    /// The communicator that serves device memory, opened now if it was not yet.
+    /// The communicator that serves device memory, opened now if it was not yet. If
+    /// opening failed, this call returned that error and every later one returns
+    /// [`Error::Broken`] naming it: opening is collective, so it is tried once.
     pub fn device(&self) -> Result<&Arc<dyn Communicator>> {
         if let Some(device) = self.device.get() {
             return Ok(device);
@@ -150,10 +156,19 @@ impl DualCommunicator {
         if let Some(device) = self.device.get() {
             return Ok(device);
         }
+        if let Some(cause) = self.open_failed.get() {
+            return Err(Error::Broken {
+                group: self.host.name().to_string(),
+                cause: cause.clone(),
+            });
+        }
         let opening = self.opening.as_ref().ok_or_else(|| {
             Error::Config("internal: a dual communicator without a device half".into())
         })?;
-        let device = (opening.open)(&self.host)?;
+        let device = (opening.open)(&self.host).inspect_err(|error| {
+            let _ =
+                (self.open_failed).set(format!("opening its device communicator failed: {error}"));
+        })?;
         opening.opened.lock().push(self.host.name().to_string());
         Ok(self.device.get_or_init(|| device))
     }
@@ -313,6 +328,7 @@ impl Communicator for DualCommunicator {
             opening: Some(opening.clone()),
             backend: self.backend,
             open_lock: Mutex::new(()),
+            open_failed: OnceLock::new(),
         })))
     }
     fn start(&self, op: AsyncOp) -> Result<Work> {

@@ -190,3 +190,53 @@ fn groups_open_their_device_half_when_first_used_and_alone_never() -> anyhow::Re
     }
     Ok(())
 }
+
+/// Opening a group's device half is collective and tried once: when it fails, the call
+/// that opened it returns the opener's error and every later call fails at once, naming
+/// it, without calling the opener again (ranks that retried at different calls would
+/// wait for each other in the opening until the timeout).
+#[test]
+fn a_failed_opening_is_not_retried_and_every_later_call_names_it() -> anyhow::Result<()> {
+    use ferrotron_comm_core::Device;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let attempts = run_local(2, |comm| -> anyhow::Result<usize> {
+        let host: Arc<dyn Communicator> = Arc::new(comm);
+        let tries = Arc::new(AtomicUsize::new(0));
+        let counted = tries.clone();
+        let opener = Box::new(move |group: &Arc<dyn Communicator>| {
+            // Fails the first time only: a retry would succeed on this rank alone.
+            match counted.fetch_add(1, Ordering::SeqCst) {
+                0 => Err(Error::Config(format!(
+                    "no device link for '{}'",
+                    group.name()
+                ))),
+                _ => DualCommunicator::split_opener()(group),
+            }
+        });
+        let world = DualCommunicator::opening(host.clone(), host, opener)?;
+        let pair = world.split(Some(0), 0, "pair")?.expect("every rank joins");
+        let stream = ferrotron_device::Stream::new(Device::Emulated)?;
+        let mut x = on_device(&stream, &[1.0])?;
+        let first = pair.all_reduce(BufMut::device(&mut x, 0, 1, DType::F32)?, ReduceOp::Sum);
+        let first = first.expect_err("the opening fails").to_string();
+        assert!(first.contains("no device link for 'pair'"), "{first}");
+        for _ in 0..2 {
+            let again = pair.all_reduce(BufMut::device(&mut x, 0, 1, DType::F32)?, ReduceOp::Sum);
+            match again.expect_err("a failed opening stays failed") {
+                Error::Broken { group, cause } => {
+                    assert_eq!(group, "pair");
+                    assert!(cause.contains("no device link for 'pair'"), "{cause}");
+                }
+                other => panic!("expected Broken, got {other}"),
+            }
+        }
+        assert!(world.opened().is_empty());
+        Ok(tries.load(Ordering::SeqCst))
+    })?;
+    assert_eq!(
+        attempts,
+        [1, 1],
+        "each rank tried to open the device half once"
+    );
+    Ok(())
+}

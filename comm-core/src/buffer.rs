@@ -468,15 +468,18 @@ impl<'a> BufMut<'a> {
         // SAFETY: both ranges hold `bytes` bytes (same dtype and length, checked), the
         // message is this call's alone, and `&mut self` makes this view the only access.
         let copied = unsafe { on.copy(dst, src.ptr as usize as u64, bytes) };
-        if crosses {
-            to.wait(&on.record()?)?;
-        }
-        // Freed after the copy in that stream's order, whether or not it was queued: the
-        // sender's streams never wait for the receiver's.
+        // Freed after the copy in that stream's order, whether or not it was queued, and
+        // before anything else can fail (dropped, the message would be freed on the
+        // sender's stream, which the copy is not ordered before): the sender's streams
+        // never wait for the receiver's.
         // SAFETY: the sender's copy into the message is ordered before `on`'s work (the
         // wait above; the checker reports the fault injected without it), and nothing but
         // this copy, queued on `on`, uses the message after it.
-        unsafe { message.memory.free_on(on)? };
+        let freed = unsafe { message.memory.free_on(on) };
+        if crosses {
+            to.wait(&on.record()?)?;
+        }
+        freed?;
         Ok(copied?)
     }
 

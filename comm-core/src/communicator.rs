@@ -126,8 +126,9 @@ pub trait Communicator: Send + Sync {
 #[must_use = "a P2pWork must be waited on to see its error (dropping it waits too)"]
 pub struct P2pWork {
     finish: Option<Box<dyn FnOnce() -> Result<Option<Buffer>> + Send>>,
-    /// Whether [`abandon`](Self::abandon) may drop `finish` without running it.
-    withdrawable: bool,
+    /// How [`abandon`](Self::abandon) withdraws the transfer without running `finish`,
+    /// for a transfer that can be withdrawn.
+    withdraw: Option<Box<dyn FnOnce() + Send>>,
 }
 
 impl P2pWork {
@@ -136,28 +137,33 @@ impl P2pWork {
     pub(crate) fn new(finish: impl FnOnce() -> Result<Option<Buffer>> + Send + 'static) -> Self {
         P2pWork {
             finish: Some(Box::new(finish)),
-            withdrawable: false,
+            withdraw: None,
         }
     }
 
     /// As [`new`](Self::new), for a transfer that touches its buffer only inside
-    /// `finish`, so that abandoning it need not wait.
+    /// `finish`, so that abandoning it need not wait: `withdraw` then takes it back from
+    /// the backend, so that no later message is matched to it.
     pub(crate) fn withdrawable(
         finish: impl FnOnce() -> Result<Option<Buffer>> + Send + 'static,
+        withdraw: impl FnOnce() + Send + 'static,
     ) -> Self {
         P2pWork {
             finish: Some(Box::new(finish)),
-            withdrawable: true,
+            withdraw: Some(Box::new(withdraw)),
         }
     }
 
     /// Gives the transfer up, for a caller that is failing anyway: its peer may never
     /// come (it may be waiting for this caller). A transfer that has not touched its
-    /// buffer yet is withdrawn at once (the local backend's receives); any other is
-    /// waited for, as dropping it does, because the backend may still be writing.
+    /// buffer yet is withdrawn at once (the local backend's receives: the peer's message
+    /// then waits for this rank's next receive, and its sender is not told it was
+    /// delivered); any other is waited for, as dropping it does, because the backend may
+    /// still be writing.
     pub fn abandon(mut self) {
-        if self.withdrawable {
+        if let Some(withdraw) = self.withdraw.take() {
             self.finish = None;
+            withdraw();
         }
     }
 

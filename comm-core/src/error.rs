@@ -79,6 +79,27 @@ pub enum Error {
         history: Box<FlightRecord>,
     },
 
+    /// A call failed because a [`FaultInjector`](crate::FaultInjector) armed it to, as
+    /// a broken link fails one: the group is broken, and its other ranks' calls fail
+    /// with [`PeerLost`](Error::PeerLost) naming this rank.
+    #[error(
+        "injected failure in group '{group}': {op} (call #{seq}) of rank {rank} (world rank \
+         {world_rank}) failed as a broken link fails it, because a fault injector armed it \
+         (FERROTRON_FAIL_COLLECTIVE in train-gpt); unset it to train normally"
+    )]
+    Injected {
+        /// Group name.
+        group: String,
+        /// The call that failed.
+        op: OpKind,
+        /// Its sequence number among this rank's calls of that kind in the group.
+        seq: u64,
+        /// Group rank that failed.
+        rank: usize,
+        /// The same rank in the world.
+        world_rank: usize,
+    },
+
     /// A previous failure (timeout, lost peer) left this group unusable.
     #[error(
         "group '{group}' is broken by an earlier failure ({cause}); create new communicators \

@@ -120,7 +120,7 @@ pub use dual::{DeviceOpener, DualCommunicator};
 pub use error::{CallSignature, Error, OpKind, Result};
 pub use ferrotron_device::Device;
 pub use flight_recorder::{CallRecord, CallState, FlightRecord, RankHistory};
-pub use local::{local_rank_threads, run_local, LocalCommunicator, LocalLauncher};
+pub use local::{local_rank_threads, run_local, FaultInjector, LocalCommunicator, LocalLauncher};
 #[cfg(feature = "cuda")]
 pub use nccl::{NcclCommunicator, NcclWork};
 pub use work::Work;

@@ -265,3 +265,28 @@ fn started_transfers_report_mismatches_and_complete_when_dropped() {
         assert!(err.to_string().contains("count=4") && err.to_string().contains("count=3"));
     }
 }
+
+/// An abandoned receive is withdrawn: the peer's next message is not matched to it (and
+/// dropped, its sender told it was delivered) but waits for the rank's next receive.
+#[test]
+fn an_abandoned_receive_leaves_the_next_message_to_the_next_receive() {
+    let launcher = LocalLauncher::new(2)
+        .unwrap()
+        .timeout(Duration::from_secs(10));
+    let received = launcher
+        .run(|comm| -> anyhow::Result<Vec<i32>> {
+            if comm.rank() == 1 {
+                comm.irecv(Buffer::zeros(DType::I32, 2), 0)?.abandon();
+                comm.barrier()?;
+                let mut next = [0i32; 2];
+                comm.recv((&mut next[..]).into(), 0)?;
+                Ok(next.to_vec())
+            } else {
+                comm.barrier()?;
+                comm.send((&[5i32, 6][..]).into(), 1)?;
+                Ok(Vec::new())
+            }
+        })
+        .unwrap();
+    assert_eq!(received[1], [5, 6]);
+}

@@ -40,6 +40,9 @@ impl std::fmt::Debug for DeviceMemory {
     }
 }
 
+/// The byte every fresh emulated allocation is filled with.
+pub(crate) const UNWRITTEN: u8 = 0xff;
+
 /// The host layout of an emulated allocation of `bytes`; `None` past `isize::MAX`.
 fn emulated_layout(bytes: usize) -> Option<Layout> {
     // 16-byte alignment: enough for f64 and i64, like cudaMalloc's (stronger) guarantee.
@@ -75,23 +78,43 @@ impl DeviceMemory {
     /// A receiver frees a message this way: the sender's stream then never waits for the
     /// receiver, whose stream may be waiting for what the sender has yet to queue.
     ///
+    /// A stream of another device is an error, and the memory is then leaked, not freed:
+    /// work queued on `stream` may still use it, and no stream of its own device is
+    /// ordered after that work.
+    ///
     /// # Safety
     /// Every use of the memory on other streams (its own included) must be ordered before
     /// the work queued on `stream` now (`stream` waited for an event recorded after it):
     /// on a GPU the memory may be reused as soon as `stream` reaches the free.
     pub unsafe fn free_on(mut self, stream: &Stream) -> Result<()> {
         if stream.device() != self.device() {
+            let reason = format!(
+                "memory of {} cannot be freed on a stream of {}; it is leaked",
+                self.device(),
+                stream.device()
+            );
+            self.leak();
             return Err(Error::Invalid {
                 op: "DeviceMemory::free_on",
-                reason: format!(
-                    "memory of {} cannot be freed on a stream of {}",
-                    self.device(),
-                    stream.device()
-                ),
+                reason,
             });
         }
         self.free_on = Some(stream.clone());
         Ok(())
+    }
+
+    /// Gives the memory up without freeing it (it stays allocated until the process
+    /// ends): for memory that work no stream is ordered after may still use.
+    pub fn leak(self) {
+        self.holder.sub(self.bytes);
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: each owned field is read out once and dropped; `this` is never used or
+        // dropped again, so the allocation itself is never freed.
+        unsafe {
+            drop(std::ptr::read(&this.stream));
+            drop(std::ptr::read(&this.free_on));
+            drop(std::ptr::read(&this.holder));
+        }
     }
 
     /// Frees emulated memory in `stream`'s order (see [`Drop`]).
@@ -172,6 +195,12 @@ impl Stream {
                 if ptr.is_null() {
                     return Err(out_of_memory());
                 }
+                // Filled with NaNs (all ones: a NaN in every float format, -1 in every
+                // signed integer): a read of memory nothing wrote then shows in results,
+                // as compute-sanitizer's initcheck shows it on a GPU, instead of passing
+                // on the zeros a fresh page happens to hold.
+                // SAFETY: the allocation holds `layout.size()` bytes.
+                unsafe { ptr.write_bytes(UNWRITTEN, layout.size()) };
                 checker::allocated(self.agent(), "device memory", ptr as u64, bytes);
                 ptr as u64
             }

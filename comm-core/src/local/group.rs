@@ -33,18 +33,26 @@ pub(crate) struct WorldShared {
     pub(crate) saw_lost_peer: Vec<AtomicBool>,
     /// Calls each rank's flight recorder keeps, in every group of the world.
     pub(crate) flight_recorder: usize,
+    /// Failures armed for the world's calls (tests of failure handling).
+    pub(crate) faults: Option<super::FaultInjector>,
 }
 
 impl WorldShared {
     #[cfg(test)]
     pub(crate) fn new(size: usize) -> Arc<WorldShared> {
-        WorldShared::with_flight_recorder(size, crate::flight_recorder::DEFAULT_FLIGHT_RECORDER)
+        let recorder = crate::flight_recorder::DEFAULT_FLIGHT_RECORDER;
+        WorldShared::with(size, recorder, None)
     }
 
-    pub(crate) fn with_flight_recorder(size: usize, flight_recorder: usize) -> Arc<WorldShared> {
+    pub(crate) fn with(
+        size: usize,
+        flight_recorder: usize,
+        faults: Option<super::FaultInjector>,
+    ) -> Arc<WorldShared> {
         Arc::new(WorldShared {
             saw_lost_peer: (0..size).map(|_| AtomicBool::new(false)).collect(),
             flight_recorder,
+            faults,
         })
     }
 }
@@ -348,6 +356,26 @@ impl GroupShared {
             world_rank: self.world_ranks[rank],
             history: Box::new(self.flight_record()),
         }
+    }
+
+    /// Fails call `seq` (an `op`) of group rank `me` if a fault is armed for it: the
+    /// group breaks with `me` lost, so that the peers fail as they do when a rank
+    /// really fails.
+    pub(crate) fn inject(&self, me: usize, op: OpKind, seq: u64) -> Result<()> {
+        let world_rank = self.world_ranks[me];
+        let fires =
+            (self.world.faults.as_ref()).is_some_and(|f| f.fire(world_rank, &self.name, op));
+        if !fires {
+            return Ok(());
+        }
+        self.declare_lost(op, seq, me);
+        Err(Error::Injected {
+            group: self.name.clone(),
+            op,
+            seq,
+            rank: me,
+            world_rank,
+        })
     }
 
     /// Breaks the group because group rank `lost` is gone or failed its share of call
@@ -667,6 +695,18 @@ impl GroupShared {
             self.wake_all();
         }
         slot
+    }
+
+    /// Takes back a receive `start_receive` started and nobody will wait for, so that
+    /// the next message from `src` waits for `dst`'s next receive instead of landing in
+    /// a slot nobody reads (and its sender learning it was delivered). A message already
+    /// matched to it was delivered, as a completed receive's is: it stays taken.
+    pub(crate) fn withdraw_receive(&self, src: usize, dst: usize, slot: &ReceiveSlot) {
+        let mailbox = &self.mailboxes[src * self.size() + dst];
+        let mut pending = mailbox.pending.lock();
+        pending
+            .receives
+            .retain(|started| !Arc::ptr_eq(&started.slot, slot));
     }
 
     /// Waits, as a collective waits, for the message of a receive `start_receive`

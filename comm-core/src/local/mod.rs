@@ -10,6 +10,7 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod faults;
 mod group;
 mod moves;
 mod streamed;
@@ -31,6 +32,8 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+pub use faults::FaultInjector;
 
 /// Per-rank messages up to this size go through staging copies (one barrier).
 pub const SMALL_MESSAGE_BYTES: usize = 64 * 1024;
@@ -83,6 +86,7 @@ pub struct LocalLauncher {
     size: usize,
     timeout: Duration,
     flight_recorder: usize,
+    faults: Option<FaultInjector>,
 }
 
 impl LocalLauncher {
@@ -98,7 +102,15 @@ impl LocalLauncher {
             size,
             timeout: timeout_from_env()?,
             flight_recorder: flight_recorder::capacity_from_env()?,
+            faults: None,
         })
+    }
+
+    /// Makes the calls `faults` arms fail (see [`FaultInjector`]): for tests of what
+    /// code on top does when a collective fails.
+    pub fn fault_injector(mut self, faults: FaultInjector) -> LocalLauncher {
+        self.faults = Some(faults);
+        self
     }
 
     /// How long a collective waits for its peers before returning [`Error::Timeout`].
@@ -166,7 +178,7 @@ impl LocalLauncher {
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
         F: Fn(LocalCommunicator) -> std::result::Result<T, E> + Sync,
     {
-        let world = WorldShared::with_flight_recorder(self.size, self.flight_recorder);
+        let world = WorldShared::with(self.size, self.flight_recorder, self.faults.clone());
         let group = GroupShared::new(
             "world".to_string(),
             (0..self.size).collect(),
@@ -519,8 +531,21 @@ impl RankCore {
     }
 
     /// Publishes this rank's call, waits for every peer to publish theirs, and checks
-    /// that all of them agree. Returns the call's sequence number.
+    /// that all of them agree. Returns the call's sequence number. A fault injected
+    /// into the call fails it before anything is published.
     fn begin(
+        &self,
+        counters: &mut Counters,
+        sig: CallSignature,
+        exchange: impl FnOnce(&mut group::Exchange),
+    ) -> Result<u64> {
+        self.group.inject(self.rank, sig.op, counters.seq)?;
+        self.begin_uninjected(counters, sig, exchange)
+    }
+
+    /// [`begin`](Self::begin) for calls that meet an injected fault later (those queued
+    /// on a communication stream).
+    fn begin_uninjected(
         &self,
         counters: &mut Counters,
         sig: CallSignature,
@@ -883,7 +908,8 @@ impl RankCore {
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
         self.check().peer(OpKind::Recv, "source", src)?;
         let (seq, record) = self.start_message(OpKind::Recv, (buf.dtype(), buf.len()), src);
-        let result = self.receive_into(buf, src, seq);
+        let result = (self.group.inject(self.rank, OpKind::Recv, seq))
+            .and_then(|()| self.receive_into(buf, src, seq));
         self.group.recorder(self.rank).end(record, result.is_ok());
         result
     }
@@ -911,7 +937,8 @@ impl RankCore {
             if let P2p::Recv { buf, peer } = op {
                 let (seq, record) =
                     self.start_message(OpKind::Recv, (buf.dtype(), buf.len()), *peer);
-                let result = self.receive_into(buf.reborrow(), *peer, seq);
+                let result = (self.group.inject(self.rank, OpKind::Recv, seq))
+                    .and_then(|()| self.receive_into(buf.reborrow(), *peer, seq));
                 self.group.recorder(self.rank).end(record, result.is_ok());
                 if let Err(e) = result {
                     first_error.get_or_insert(e);
@@ -940,14 +967,18 @@ impl RankCore {
             .map(Stream::record)
             .transpose()?;
         let (seq, record) = self.start_message(OpKind::Recv, (buf.dtype(), buf.len()), src);
+        if let Err(injected) = self.group.inject(self.rank, OpKind::Recv, seq) {
+            self.group.recorder(self.rank).end(record, false);
+            return Err(injected);
+        }
         let mine = self
             .check()
             .signature(OpKind::Recv, Some(buf.dtype()), buf.len());
         let slot = self.group.start_receive(src, self.rank, mine.clone());
-        let core = self.clone();
+        let (core, withdrawn) = (self.clone(), (self.clone(), slot.clone()));
         // Nothing writes the buffer before the handle is waited on, so abandoning the
-        // handle may drop it without waiting.
-        Ok(P2pWork::withdrawable(move || {
+        // handle may drop it without waiting, once the receive is withdrawn.
+        let finish = move || {
             let result = core
                 .group
                 .wait_received(src, core.rank, seq, &slot)
@@ -956,7 +987,13 @@ impl RankCore {
                 });
             core.group.recorder(core.rank).end(record, result.is_ok());
             result.map(|()| Some(buf))
-        }))
+        };
+        let withdraw = move || {
+            let (core, slot) = withdrawn;
+            core.group.withdraw_receive(src, core.rank, &slot);
+            core.group.recorder(core.rank).end(record, false);
+        };
+        Ok(P2pWork::withdrawable(finish, withdraw))
     }
 
     /// Starts a send: records it and puts a copy of `buf` in `dest`'s mailbox.
@@ -966,9 +1003,8 @@ impl RankCore {
             .signature(OpKind::Send, Some(buf.dtype()), buf.len());
         let (seq, record) = self.start_message(OpKind::Send, (buf.dtype(), buf.len()), dest);
         let rejected = Arc::new(std::sync::OnceLock::new());
-        let ticket = self
-            .group
-            .check_broken(self.rank, OpKind::Send, 0)
+        let ticket = (self.group.inject(self.rank, OpKind::Send, seq))
+            .and_then(|()| self.group.check_broken(self.rank, OpKind::Send, 0))
             .and_then(|()| buf.to_message())
             .map(|data| {
                 let msg = Message {

@@ -191,7 +191,7 @@ impl RankCore {
         );
         let op = sig.op;
         self.call(|counters| {
-            let seq = self.begin(counters, sig, |ex| {
+            let seq = self.begin_uninjected(counters, sig, |ex| {
                 (ex.send_ptr, ex.recv_ptr) = (send, recv);
                 ex.ready = Some(ready);
                 *ex.done.get_mut() = None;
@@ -200,11 +200,13 @@ impl RankCore {
             // SAFETY: every rank's buffers are live until its holders wait for the event
             // recorded below, which follows every rank's moves (the done events), and no
             // rank's stream touches them between its ready event and then.
+            // A fault injected into the call meets it with its moves queued.
             let moved = self
                 .wait_until_peers_ready(&comm, seq)
                 .and_then(|()| unsafe {
                     self.queue_moves(&StreamMover(&comm, call.name()), seq, &shape)
-                });
+                })
+                .and_then(|()| self.group.inject(self.rank, op, seq));
             ferrotron_device::timeline::clear_charge();
             if moved.is_err() {
                 // The peers must not return a result with this rank's share missing.
@@ -216,10 +218,20 @@ impl RankCore {
                 *self.peer(self.rank, seq).done.lock() = Some(done.clone());
             }
             let closed = self.barrier_step(counters, op, seq, Phase::Close);
-            self.wait_until_peers_done(&comm, seq)?;
-            moved.and(closed)?;
-            done?;
-            Ok(comm.record()?)
+            let peers = self.wait_until_peers_done(&comm, seq);
+            let outcome = (peers.and(moved).and(closed))
+                .and(done.map(drop).map_err(Error::from))
+                .and_then(|()| Ok(comm.record()?));
+            if outcome.is_err() {
+                // The buffers go back to their owners with the error, and moves into and
+                // out of them may still be queued here: their streams wait for this one
+                // first, so nothing frees or reuses them under a move.
+                let _ = comm
+                    .record()
+                    .map_err(Error::from)
+                    .and_then(|after| wait_for(holders, &after));
+            }
+            outcome
         })
     }
 

@@ -78,7 +78,7 @@ fn time_mode(
 ) -> Result<Vec<f64>> {
     let params = model(1)
         .into_iter()
-        .map(|p| Ok(Parameter::new(p.name(), p.value().to_device(device)?)))
+        .map(|p| Ok(Parameter::new(p.name(), p.value()?.to_device(device)?)))
         .collect::<Result<Vec<_>>>()?;
     let ddp = match mode {
         Mode::Backward => None,

@@ -134,7 +134,7 @@ fn train(dp: usize, zero: bool, dtype: DType) -> Result<Run> {
             (true, dtype) => {
                 Box::new(DistributedOptimizer::adamw([&ddp], adamw)?.store_params_as(dtype)?)
             }
-            (false, DType::F32) => Box::new(AdamW::new(params.clone(), adamw)),
+            (false, DType::F32) => Box::new(AdamW::new(params.clone(), adamw)?),
             (false, dtype) => Box::new(MixedPrecision::new(&params, dtype, |masters| {
                 AdamW::new(masters, adamw)
             })?),
@@ -166,7 +166,7 @@ fn train(dp: usize, zero: bool, dtype: DType) -> Result<Run> {
             step_ms: median(times[1..].to_vec()),
             params: params
                 .iter()
-                .map(|p| p.value().to_vec())
+                .map(|p| p.value()?.to_vec())
                 .collect::<ferrotron_tape::Result<_>>()?,
         }))
     })?;

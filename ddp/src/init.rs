@@ -71,12 +71,12 @@ pub(crate) fn broadcast_from_rank0(
     for info in buckets {
         let mut flat = vec![0.0f32; info.numel];
         for slot in &info.params {
-            flat[slot.range()].copy_from_slice(&params[slot.index].value().to_vec()?);
+            flat[slot.range()].copy_from_slice(&params[slot.index].value()?.to_vec()?);
         }
         dp.broadcast_slice(&mut flat, 0)?;
         if dp.rank() != 0 {
             for slot in &info.params {
-                let current = params[slot.index].value();
+                let current = params[slot.index].value()?;
                 // The broadcast values keep the parameter's device and storage format.
                 let value = Tensor::from_vec(flat[slot.range()].to_vec(), &slot.shape)?
                     .to_device(current.device())?

@@ -18,17 +18,17 @@
 //!     // Ranks start from different values: construction broadcasts rank 0's.
 //!     let w = Parameter::new("w", Tensor::full(&[2, 1], ferrotron_comm_core::Communicator::rank(&comm) as f32));
 //!     let ddp = DistributedDataParallel::new(vec![w.clone()], Arc::new(comm), DdpConfig::default())?;
-//!     let mut sgd = Sgd::new(vec![w.clone()], SgdConfig::new(0.1));
+//!     let mut sgd = Sgd::new(vec![w.clone()], SgdConfig::new(0.1))?;
 //!
 //!     // This rank's half of the batch.
 //!     let rank = ddp.communicator().rank() as f32;
 //!     let x = Tensor::from_vec(vec![1.0 + rank, 2.0], &[1, 2])?;
 //!     let tape = Tape::new();
-//!     let loss = x.matmul(&tape.watch(&w))?.mean()?;
+//!     let loss = x.matmul(&tape.watch(&w)?)?.mean()?;
 //!     sgd.zero_grad();
 //!     ddp.backward(&loss)?; // backward + bucketed all-reduce
 //!     sgd.step()?;
-//!     Ok(w.value().to_vec()?)
+//!     Ok(w.value()?.to_vec()?)
 //! })?;
 //! // d(loss)/dw averaged over the two rows [1, 2] and [2, 2] is [1.5, 2].
 //! assert_eq!(weights[0], vec![-0.15, -0.2]);
@@ -49,7 +49,7 @@
 //!     let ddp = DistributedDataParallel::new(vec![w.clone()], Arc::new(comm), DdpConfig::default())?;
 //!     let tape = Tape::new();
 //!     for micro_batch in 0..4 {
-//!         let loss = tape.watch(&w).scale(micro_batch as f64)?.sum()?;
+//!         let loss = tape.watch(&w)?.scale(micro_batch as f64)?.sum()?;
 //!         if micro_batch < 3 {
 //!             let _accumulate = ddp.no_sync();
 //!             ddp.backward(&loss)?;

@@ -68,7 +68,7 @@ use crate::error::{Error, Result};
 ///
 ///     // World rank r contributes a gradient of r + 1 to each element.
 ///     let tape = Tape::new();
-///     let loss = tape.watch(&ln).scale(state.rank() as f64 + 1.0)?.sum()?;
+///     let loss = tape.watch(&ln)?.scale(state.rank() as f64 + 1.0)?.sum()?;
 ///     ddp.backward(&loss)?;
 ///     Ok(ln.grad().map(|g| g.to_vec()).transpose()?.unwrap_or_default())
 /// })?;
@@ -225,7 +225,7 @@ impl GroupReduction {
             .collect();
         self.comm.all_reduce_slice(&mut flags, ReduceOp::Sum)?;
 
-        let device = params[first].value().device();
+        let device = params[first].device();
         let flat = (self.members.iter().zip(grads))
             .map(|(&i, grad)| {
                 let numel = params[i].numel();

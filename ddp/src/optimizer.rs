@@ -82,7 +82,7 @@ impl Piece {
 
 /// Whether `param` is stored in 16 bits (and so trained through master weights).
 fn is_16_bit(param: &Parameter) -> bool {
-    param.value().dtype() != DType::F32
+    param.dtype() != DType::F32
 }
 
 /// One bucket of one of the wrapped DDPs.
@@ -257,12 +257,12 @@ impl Wrapped {
 ///     let ddp = DistributedDataParallel::new(vec![w.clone()], Arc::new(comm), config)?;
 ///     let mut adamw = DistributedOptimizer::adamw([&ddp], AdamWConfig::default())?;
 ///     let tape = Tape::new();
-///     let loss = tape.watch(&w).sum()?;
+///     let loss = tape.watch(&w)?.sum()?;
 ///     ddp.backward(&loss)?; // each rank receives its shard of the averaged gradient
 ///     adamw.step()?; // updates its shard, then all-gathers the parameters
 ///     // Each rank holds the moments of its 64 elements of the 128-element bucket.
 ///     assert_eq!(adamw.state_bytes(), 2 * 64 * 4);
-///     Ok(w.value().to_vec()?)
+///     Ok(w.value()?.to_vec()?)
 /// })?;
 /// // AdamW's first step moves every weight by lr against the gradient's sign (and decays).
 /// let expected = 1.0 * (1.0 - 1e-3 * 1e-2) - 1e-3;
@@ -331,6 +331,10 @@ impl DistributedOptimizer {
         ddps: impl IntoIterator<Item = &'a DistributedDataParallel>,
         rule: Rule,
     ) -> Result<Self> {
+        match &rule {
+            Rule::AdamW(config) => config.validate()?,
+            Rule::Sgd(config) => config.validate()?,
+        }
         let ddps: Vec<&DistributedDataParallel> = ddps.into_iter().collect();
         if ddps.is_empty() {
             return Err(Error::Config(
@@ -408,7 +412,7 @@ impl DistributedOptimizer {
         }
         self.read_masters(&vec![true; self.params.len()])?;
         for param in &self.params {
-            let value = param.value();
+            let value = param.value()?;
             if value.dtype() != dtype {
                 param.set_value(value.to_dtype(dtype)?)?;
             }
@@ -653,7 +657,7 @@ impl DistributedOptimizer {
             .info
             .params
             .iter()
-            .map(|slot| self.params[bucket.first_param + slot.index].value().dtype());
+            .map(|slot| self.params[bucket.first_param + slot.index].dtype());
         let first = dtypes.next().unwrap_or(DType::F32);
         if dtypes.all(|dtype| dtype == first) {
             first
@@ -823,7 +827,7 @@ impl DistributedOptimizer {
             let gathered = Tensor::<f32>::from_buffer(work.wait()?)?;
             for (param, offset, numel, shape) in slots {
                 let value = gathered.narrow(0, offset, numel)?.reshape(&shape)?;
-                let stored = param.value().dtype();
+                let stored = param.dtype();
                 param.set_value(match value.dtype() == stored {
                     true => value,
                     false => value.to_dtype(stored)?,
@@ -998,7 +1002,7 @@ impl DistributedOptimizer {
         }
         for (param, saved) in self.params.iter().zip(masters) {
             if let Some(saved) = saved {
-                let value = param.value();
+                let value = param.value()?;
                 let restored = Tensor::from_vec(saved, value.shape())?
                     .to_device(value.device())?
                     .to_dtype(value.dtype())?;

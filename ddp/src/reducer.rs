@@ -405,7 +405,7 @@ pub(crate) fn bucket_device(params: &[Parameter], info: &BucketInfo) -> Result<D
     let devices: Vec<_> = info
         .params
         .iter()
-        .map(|slot| params[slot.index].value().device())
+        .map(|slot| params[slot.index].device())
         .collect();
     let device = devices.first().copied().unwrap_or_default();
     if let Some(other) = devices.iter().find(|&&d| d != device) {

@@ -24,7 +24,7 @@ fn four_micro_batches_equal_one_large_batch() -> Result<()> {
         let params = mlp(100 + rank as u64);
         let ddp = DistributedDataParallel::new(params.clone(), Arc::new(comm), small_buckets())?;
         let progress = ddp.progress();
-        let mut opt = optimizer(Opt::Sgd, params.clone());
+        let mut opt = optimizer(Opt::Sgd, params.clone())?;
         let tape = Tape::new();
         for step in 0..STEPS {
             let batch = global_batch(step, RANKS * MICRO_BATCHES * ROWS);

@@ -22,7 +22,7 @@ const STEPS: usize = 3;
 fn on_device(params: Vec<Parameter>, device: Device) -> Result<Vec<Parameter>> {
     params
         .into_iter()
-        .map(|p| Ok(Parameter::new(p.name(), p.value().to_device(device)?)))
+        .map(|p| Ok(Parameter::new(p.name(), p.value()?.to_device(device)?)))
         .collect()
 }
 
@@ -37,7 +37,7 @@ fn train(
     let rank = comm.rank();
     let params = on_device(mlp(100 + rank as u64), device)?;
     let ddp = DistributedDataParallel::new(params.clone(), comm, config)?;
-    let mut opt = optimizer(Opt::AdamW, params.clone());
+    let mut opt = optimizer(Opt::AdamW, params.clone())?;
     let tape = Tape::new();
     let mut moved = Vec::new();
     let waits = host_waits(device);

@@ -72,7 +72,7 @@ fn train(
             let mut zero_opt = zero
                 .then(|| DistributedOptimizer::sgd([&ddp], SGD))
                 .transpose()?;
-            let mut plain_opt = Sgd::new(ddp.parameters().to_vec(), SGD);
+            let mut plain_opt = Sgd::new(ddp.parameters().to_vec(), SGD)?;
             let sharded = model.parameters();
             let before = snapshot(&sharded)?;
             let rows = ROWS / dp;
@@ -127,7 +127,7 @@ fn snapshot(params: &[ferrotron_layers::ShardedParameter]) -> ferrotron_tape::Re
     params
         .iter()
         .map(|s| {
-            let value = s.param.value();
+            let value = s.param.value()?;
             Tensor::from_vec(value.to_vec()?, value.shape())
         })
         .collect()
@@ -266,7 +266,7 @@ fn two_chunks(zero: bool) -> Result<Vec<(GradNorm, Vec<Vec<f32>>)>> {
             let chunks: Vec<_> = model.iter().map(|s| s.param.clone()).collect();
             anyhow::ensure!(ids(Optimizer::params(opt)) == ids(&chunks));
         }
-        let mut plain_opt = Sgd::new(model.iter().map(|s| s.param.clone()).collect(), SGD);
+        let mut plain_opt = Sgd::new(model.iter().map(|s| s.param.clone()).collect(), SGD)?;
         let rows = ROWS / 2;
         let part = |t: &Tensor| t.narrow(1, state.dp_rank() * rows, rows);
         let mut norm = None;
@@ -294,7 +294,7 @@ fn two_chunks(zero: bool) -> Result<Vec<(GradNorm, Vec<Vec<f32>>)>> {
                 }
             });
         }
-        let values = model.iter().map(|s| s.param.value().to_vec());
+        let values = model.iter().map(|s| s.param.value()?.to_vec());
         Ok((
             norm.expect("two steps"),
             values.collect::<ferrotron_tape::Result<_>>()?,

@@ -28,7 +28,7 @@ fn reduce_with(hook: CompressedAllReduce) -> Result<(f32, usize, usize)> {
         let ddp = DistributedDataParallel::new(vec![w.clone()], Arc::new(comm), config)?;
         let tape = Tape::new();
         let seed = Tensor::from_vec(rank_gradient(rank), &[LEN])?;
-        ddp.backward(&tape.watch(&w).mul(&seed)?.sum()?)?;
+        ddp.backward(&tape.watch(&w)?.mul(&seed)?.sum()?)?;
         let grad = w
             .grad()
             .map(|g| g.to_vec())

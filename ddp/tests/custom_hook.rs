@@ -48,7 +48,7 @@ fn after_reduce_collectives_on_a_range_reach_the_gradients() -> Result<()> {
         let ddp = DistributedDataParallel::new(vec![w.clone()], comm.clone(), config)?;
         // Rank r's gradient is r + 1 everywhere.
         let seed = Tensor::full(&[LEN], (comm.rank() + 1) as f32);
-        ddp.backward(&Tape::new().watch(&w).mul(&seed)?.sum()?)?;
+        ddp.backward(&Tape::new().watch(&w)?.mul(&seed)?.sum()?)?;
         Ok(w.grad().expect("a gradient").to_vec()?)
     })?;
     let average = (1..=RANKS).sum::<usize>() as f32 / RANKS as f32;

@@ -85,19 +85,19 @@ fn schedule(rule: Rule) -> LrSchedule {
     LrSchedule::new(lr, lr / 10.0, 2, STEPS as u64, LrDecay::Cosine).expect("a valid schedule")
 }
 
-fn replicated(rule: Rule, params: Vec<Parameter>) -> Box<dyn Optimizer> {
-    match rule {
+fn replicated(rule: Rule, params: Vec<Parameter>) -> ferrotron_tape::Result<Box<dyn Optimizer>> {
+    Ok(match rule {
         Rule::AdamW => Box::new(
-            AdamW::new(params, ADAMW)
+            AdamW::new(params, ADAMW)?
                 .with_param_options(options)
                 .with_schedule(schedule(rule)),
         ),
         Rule::Sgd => Box::new(
-            Sgd::new(params, SGD)
+            Sgd::new(params, SGD)?
                 .with_param_options(options)
                 .with_schedule(schedule(rule)),
         ),
-    }
+    })
 }
 
 fn sharded(
@@ -211,7 +211,7 @@ fn train(
         }
     }
     for param in &params {
-        param.set_value(param.value().to_device(device)?)?;
+        param.set_value(param.value()?.to_device(device)?)?;
     }
     let ddp = DistributedDataParallel::new(
         params.clone(),
@@ -230,7 +230,7 @@ fn train(
                 .with_overlap_param_gather(gather_beside)
                 .store_params_as(dtype)?,
         ),
-        (false, DType::F32) => replicated(rule, params.clone()),
+        (false, DType::F32) => replicated(rule, params.clone())?,
         (false, dtype) => Box::new(MixedPrecision::new(&params, dtype, |masters| {
             replicated(rule, masters)
         })?),
@@ -328,7 +328,9 @@ fn bf16_and_f16_parameters_train_through_master_shards_as_through_replicated_mas
         let ddp =
             DistributedDataParallel::new(params.clone(), Arc::new(comm), small_buckets(true))?;
         let adamw = DistributedOptimizer::adamw([&ddp], ADAMW)?.store_params_as(DType::BF16)?;
-        let values: usize = params.iter().map(|p| p.value().nbytes()).sum();
+        let values: usize = (params.iter())
+            .map(|p| p.numel() * p.dtype().size_in_bytes())
+            .sum();
         // A rank keeps a shard of masters for each bucket it holds pieces of: the ranks
         // whose shard starts before the bucket's parameters end.
         let held: usize = (ddp.buckets().iter())
@@ -569,9 +571,9 @@ fn block_parameters(dp: usize, rule: Rule, zero: bool) -> Result<Vec<Vec<Vec<f32
         let sgd = SgdConfig { lr: 1e-3, ..SGD };
         let mut opt: Box<dyn Optimizer> = match (rule, zero) {
             (Rule::AdamW, true) => Box::new(DistributedOptimizer::adamw([&ddp], adamw)?),
-            (Rule::AdamW, false) => Box::new(AdamW::new(params.clone(), adamw)),
+            (Rule::AdamW, false) => Box::new(AdamW::new(params.clone(), adamw)?),
             (Rule::Sgd, true) => Box::new(DistributedOptimizer::sgd([&ddp], sgd)?),
-            (Rule::Sgd, false) => Box::new(Sgd::new(params.clone(), sgd)),
+            (Rule::Sgd, false) => Box::new(Sgd::new(params.clone(), sgd)?),
         };
         let seq = SEQ / 2;
         let part = |t: &Tensor| -> ferrotron_tape::Result<Tensor> {

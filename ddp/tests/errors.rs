@@ -14,8 +14,8 @@ fn a_second_backward_without_finish_is_reported_and_recovers() -> Result<()> {
         let ddp =
             DistributedDataParallel::new(vec![w.clone()], Arc::new(comm), DdpConfig::default())?;
         let tape = Tape::new();
-        tape.watch(&w).sum()?.backward()?; // forgot finish()
-        let err = ddp.backward(&tape.watch(&w).sum()?).unwrap_err();
+        tape.watch(&w)?.sum()?.backward()?; // forgot finish()
+        let err = ddp.backward(&tape.watch(&w)?.sum()?).unwrap_err();
         assert!(
             matches!(&err, Error::FinishNotCalled { name } if name == "w"),
             "{err}"
@@ -23,7 +23,7 @@ fn a_second_backward_without_finish_is_reported_and_recovers() -> Result<()> {
         assert!(err.to_string().contains("no_sync"), "{err}");
 
         w.zero_grad();
-        ddp.backward(&tape.watch(&w).scale(3.0)?.sum()?)?;
+        ddp.backward(&tape.watch(&w)?.scale(3.0)?.sum()?)?;
         assert_eq!(
             w.grad().map(|g| g.to_vec()).transpose()?,
             Some(vec![3.0, 3.0])
@@ -117,7 +117,7 @@ fn a_lost_peer_fails_the_step_instead_of_hanging() -> Result<()> {
                 anyhow::bail!("rank 1 stops before backward");
             }
             let tape = Tape::new();
-            ddp.backward(&tape.watch(&w).sum()?)?;
+            ddp.backward(&tape.watch(&w)?.sum()?)?;
             Ok(())
         });
     let (_, rank0) = outcomes[0]

@@ -64,7 +64,7 @@ fn layer(state: &ParallelState) -> Result<MoeMlp> {
         &init,
     )?;
     let router = &moe.router_parameters()[0].param;
-    let mut w = router.value().to_vec()?;
+    let mut w = router.value()?.to_vec()?;
     w[IDLE * HIDDEN..(IDLE + 1) * HIDDEN].fill(-3.0);
     router.set_value(Tensor::from_vec(w, &[EXPERTS, HIDDEN])?)?;
     Ok(moe)
@@ -98,7 +98,7 @@ fn train(dp: usize, ep: usize, sharded: bool) -> Result<Vec<Outcome>> {
         let model = moe.parameters();
         let mut norms = Vec::new();
         let idle = idle_expert(&moe);
-        let before = idle.as_ref().map(|p| p.value().to_vec()).transpose()?;
+        let before = idle.as_ref().map(|p| p.value()?.to_vec()).transpose()?;
         let mut zero_grads = true;
         let state = if sharded {
             let mut adamw = DistributedOptimizer::adamw([&dense, &experts], ADAMW)?;
@@ -110,7 +110,7 @@ fn train(dp: usize, ep: usize, sharded: bool) -> Result<Vec<Outcome>> {
             adamw.state()?
         } else {
             let params = model.iter().map(|p| p.param.clone()).collect();
-            let mut adamw = AdamW::new(params, ADAMW);
+            let mut adamw = AdamW::new(params, ADAMW)?;
             for step in 0..STEPS {
                 backward(&moe, &dense, &experts, state.dp_rank(), step)?;
                 if let Some(idle) = &idle {
@@ -124,12 +124,12 @@ fn train(dp: usize, ep: usize, sharded: bool) -> Result<Vec<Outcome>> {
             adamw.state()?
         };
         let values = (model.iter())
-            .map(|p| Ok((p.param.name().to_string(), p.param.value().to_vec()?)))
+            .map(|p| Ok((p.param.name().to_string(), p.param.value()?.to_vec()?)))
             .collect::<Result<_>>()?;
         let idle = match (idle, before) {
             (Some(param), Some(before)) => Some(Idle {
                 before,
-                after: param.value().to_vec()?,
+                after: param.value()?.to_vec()?,
                 zero_grads,
             }),
             _ => None,

@@ -80,7 +80,7 @@ fn parameters_start_from_dp_rank_0() -> Result<()> {
         DistributedDataParallel::new(params.clone(), Arc::new(comm), config)?;
         Ok(params
             .iter()
-            .map(|p| p.value().to_vec())
+            .map(|p| p.value()?.to_vec())
             .collect::<ferrotron_tape::Result<_>>()?)
     })?;
     assert_eq!(values, vec![vec![vec![0.0; 4], vec![10.0; 3]]; 4]);

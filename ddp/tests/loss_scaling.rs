@@ -122,7 +122,7 @@ fn train(zero: bool, scaled: bool) -> Result<Vec<RankRun>> {
             } else {
                 0.0
             };
-            let probe_term = tape.watch(&probe).scale(overflow)?.sum()?;
+            let probe_term = tape.watch(&probe)?.scale(overflow)?.sum()?;
             let backward = |loss: Tensor| -> Result<()> {
                 loss.add(&probe_term)?.backward()?;
                 ddp.finish()?;

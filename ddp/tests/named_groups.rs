@@ -46,11 +46,11 @@ fn tp_marked_gradients_are_dp_averaged_then_tp_summed() -> Result<()> {
         let r = state.rank() as f64 + 1.0;
         let tape = Tape::new();
         let loss = tape
-            .watch(&params[0])
+            .watch(&params[0])?
             .scale(r)?
             .sum()?
-            .add(&tape.watch(&params[1]).scale(10.0 * r)?.sum()?)?
-            .add(&tape.watch(&params[2]).scale(100.0 * r)?.sum()?)?;
+            .add(&tape.watch(&params[1])?.scale(10.0 * r)?.sum()?)?
+            .add(&tape.watch(&params[2])?.scale(100.0 * r)?.sum()?)?;
         ddp.backward(&loss)?;
         Ok(params
             .iter()
@@ -88,7 +88,7 @@ fn tied_embedding_gradients_are_summed_over_the_embedding_group() -> Result<()> 
             DistributedDataParallel::new(vec![embedding.clone()], state.dp().clone(), config)?;
         let tape = Tape::new();
         let r = state.rank() as f64 + 1.0;
-        ddp.backward(&tape.watch(&embedding).scale(r)?.sum()?)?;
+        ddp.backward(&tape.watch(&embedding)?.scale(r)?.sum()?)?;
         Ok(embedding
             .grad()
             .map(|g| g.to_vec())
@@ -198,7 +198,7 @@ fn extra_reductions_sum_in_f32_under_a_bf16_comm_hook() -> Result<()> {
             2f64.powi(-8)
         };
         let tape = Tape::new();
-        ddp.backward(&tape.watch(&p).scale(scale)?.sum()?)?;
+        ddp.backward(&tape.watch(&p)?.scale(scale)?.sum()?)?;
         Ok(p.grad()
             .map(|g| g.to_vec())
             .transpose()?
@@ -232,9 +232,9 @@ fn marked_parameters_without_gradients_take_part_as_zeros() -> Result<()> {
         };
         let ddp = DistributedDataParallel::new(params.clone(), state.dp().clone(), config)?;
         let tape = Tape::new();
-        let mut loss = tape.watch(&params[0]).sum()?;
+        let mut loss = tape.watch(&params[0])?.sum()?;
         if state.tp_rank() == 0 {
-            loss = loss.add(&tape.watch(&params[1]).scale(3.0)?.sum()?)?;
+            loss = loss.add(&tape.watch(&params[1])?.scale(3.0)?.sum()?)?;
         }
         ddp.backward(&loss)?;
         Ok(params

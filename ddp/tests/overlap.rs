@@ -78,11 +78,11 @@ fn started_during_backward(overlap: bool) -> Result<Vec<(usize, usize, usize)>> 
         });
         let tape = Tape::new();
         let x = Tensor::ones(&[1, 2]);
-        let h = x.matmul(&tape.watch(&w[0]))?;
+        let h = x.matmul(&tape.watch(&w[0])?)?;
         let h = Tensor::apply(probe, &[&h])?;
         let loss = h
-            .matmul(&tape.watch(&w[1]))?
-            .matmul(&tape.watch(&w[2]))?
+            .matmul(&tape.watch(&w[1])?)?
+            .matmul(&tape.watch(&w[2])?)?
             .sum()?;
         loss.backward()?;
         let at_end = ddp.progress().buckets_started();
@@ -135,8 +135,8 @@ fn a_bucket_ready_early_waits_for_earlier_buckets() -> Result<()> {
         });
         let tape = Tape::new();
         // a is used last in forward, so backward completes it first.
-        let hb = Tensor::apply(probe, &[&tape.watch(&b).scale(2.0)?])?;
-        let loss = hb.mul(&tape.watch(&a))?.sum()?;
+        let hb = Tensor::apply(probe, &[&tape.watch(&b)?.scale(2.0)?])?;
+        let loss = hb.mul(&tape.watch(&a)?)?.sum()?;
         ddp.backward(&loss)?;
         Ok((
             after_a.load(Ordering::SeqCst),
@@ -192,7 +192,7 @@ fn a_comm_hook_may_read_progress() -> Result<()> {
             let tape = Tape::new();
             let loss = w
                 .iter()
-                .map(|p| tape.watch(p).sum())
+                .map(|p| tape.watch(p)?.sum())
                 .reduce(|a, b| a?.add(&b?))
                 .expect("three parameters")?;
             ddp.backward(&loss)?;

@@ -36,9 +36,9 @@ fn unused_parameters_are_zeros_with_the_flag() -> Result<()> {
         let ddp = DistributedDataParallel::new(params.clone(), Arc::new(comm), tiny_buckets(true))?;
         assert_eq!(ddp.buckets().len(), 3);
         let tape = Tape::new();
-        let mut loss = tape.watch(&params[0]).scale(rank as f64 + 1.0)?.sum()?;
+        let mut loss = tape.watch(&params[0])?.scale(rank as f64 + 1.0)?.sum()?;
         if rank == 0 {
-            loss = loss.add(&tape.watch(&params[1]).scale(4.0)?.sum()?)?;
+            loss = loss.add(&tape.watch(&params[1])?.scale(4.0)?.sum()?)?;
         }
         ddp.backward(&loss)?;
         Ok(params
@@ -62,9 +62,9 @@ fn without_the_flag_an_error_names_the_parameters_and_the_next_step_works() -> R
             DistributedDataParallel::new(params.clone(), Arc::new(comm), tiny_buckets(false))?;
         let tape = Tape::new();
         let partial = tape
-            .watch(&params[0])
+            .watch(&params[0])?
             .sum()?
-            .add(&tape.watch(&params[1]).sum()?)?;
+            .add(&tape.watch(&params[1])?.sum()?)?;
         match ddp.backward(&partial) {
             Err(Error::UnusedParameters { names, buckets }) => {
                 assert_eq!(names, vec!["never".to_string()]);
@@ -85,7 +85,7 @@ fn without_the_flag_an_error_names_the_parameters_and_the_next_step_works() -> R
         }
         let full = params
             .iter()
-            .map(|p| tape.watch(p).sum())
+            .map(|p| tape.watch(p)?.sum())
             .collect::<ferrotron_tape::Result<Vec<_>>>()?;
         let loss = full[0].add(&full[1])?.add(&full[2])?;
         ddp.backward(&loss)?;
@@ -105,10 +105,10 @@ fn accumulated_gradients_count_as_used() -> Result<()> {
         let tape = Tape::new();
         {
             let _accumulate = ddp.no_sync();
-            ddp.backward(&tape.watch(&params[2]).scale(2.0)?.sum()?)?;
+            ddp.backward(&tape.watch(&params[2])?.scale(2.0)?.sum()?)?;
         }
         // The last micro-batch does not touch `never`; its accumulated gradient still counts.
-        ddp.backward(&tape.watch(&params[0]).sum()?)?;
+        ddp.backward(&tape.watch(&params[0])?.sum()?)?;
         Ok(params[2]
             .grad()
             .map(|g| g.to_vec())

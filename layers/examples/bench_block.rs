@@ -108,7 +108,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             &MasterInit::new(0, 0.02),
         )?;
         for p in block.parameters() {
-            let value = p.param.value().to_dtype(args.dtype)?;
+            let value = p.param.value()?.to_dtype(args.dtype)?;
             p.param.set_value(value.to_device(device)?)?;
         }
         let mut rng = RngTracker::new(0, tp.rank());

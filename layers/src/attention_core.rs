@@ -86,7 +86,10 @@ impl CustomOp for RecomputeCore {
         let inputs: Vec<Parameter> = (saved.iter().zip(["query", "key", "value"]))
             .map(|(value, name)| Parameter::activation(name, value.clone()))
             .collect();
-        let watched: Vec<Tensor> = inputs.iter().map(|p| replay.watch(p)).collect();
+        let watched: Vec<Tensor> = inputs
+            .iter()
+            .map(|p| replay.watch(p))
+            .collect::<std::result::Result<_, _>>()?;
         let mut rng = self.rng.clone();
         let output = self
             .core

@@ -69,7 +69,7 @@ pub fn snapshot_shard(
         let name = sharded.param.name().to_string();
         if shard
             .tensors
-            .insert(name.clone(), (sharded.sharding, sharded.param.value()))
+            .insert(name.clone(), (sharded.sharding, sharded.param.value()?))
             .is_some()
         {
             return Err(Error::checkpoint(
@@ -105,7 +105,7 @@ pub fn load_shard(module: &dyn Module, dir: &Path, tp_rank: usize, tp_size: usiz
             ));
         }
         // Loaded values keep the parameter's storage format (bf16 stays bf16).
-        let dtype = sharded.param.value().dtype();
+        let dtype = sharded.param.dtype();
         sharded.param.set_value(tensor.to_dtype(dtype)?)?;
     }
     Ok(())

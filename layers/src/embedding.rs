@@ -26,7 +26,7 @@ impl VocabRange {
     /// ```
     /// use ferrotron_layers::VocabRange;
     ///
-    /// let ranges: Vec<_> = (0..4).map(|r| VocabRange::new(10, r, 4)).collect::<Result<_, _>>()?;
+    /// let ranges: Vec<_> = (0..4).map(|r| VocabRange::new(10, r, 4)).collect::<std::result::Result<_, _>>()?;
     /// assert_eq!(ranges.iter().map(|r| (r.start, r.end)).collect::<Vec<_>>(),
     ///            vec![(0, 3), (3, 6), (6, 8), (8, 10)]);
     /// # Ok::<(), ferrotron_layers::Error>(())
@@ -135,7 +135,7 @@ impl VocabParallelEmbedding {
                 vocab_size: self.vocab_size,
             });
         }
-        let table = tape.watch(&self.weight.param);
+        let table = tape.watch(&self.weight.param)?;
         let group = self.tp.group();
         if self.tp.size() == 1 {
             return Ok(table.embedding(ids, ids_shape)?);

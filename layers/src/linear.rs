@@ -202,7 +202,7 @@ impl ColumnParallelLinear {
             ));
         }
         let group = self.tp.group();
-        let weight = tape.watch(&self.weight.param);
+        let weight = tape.watch(&self.weight.param)?;
         let mut output = if self.tp.sequence_parallel() {
             let input = gather_from_sequence_parallel_region(x, group, true, None)?;
             matmul_transposed(&input, &weight, None)?
@@ -212,7 +212,11 @@ impl ColumnParallelLinear {
         } else {
             matmul_transposed(&copy_to_region(x, group)?, &weight, None)?
         };
-        let bias = self.bias.as_ref().map(|b| tape.watch(&b.param));
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|b| tape.watch(&b.param))
+            .transpose()?;
         let returned_bias = match bias {
             Some(bias) if !self.skip_bias_add => {
                 output = output.add(&bias)?;
@@ -341,13 +345,17 @@ impl RowParallelLinear {
             let sizes = ferrotron_mappings::split_sizes(self.in_features, self.tp.size())?;
             scatter_to_region(x, group, x.ndim() - 1, Some(&sizes))?
         };
-        let partial = matmul_transposed(&input, &tape.watch(&self.weight.param), None)?;
+        let partial = matmul_transposed(&input, &tape.watch(&self.weight.param)?, None)?;
         let mut output = if self.tp.sequence_parallel() {
             reduce_scatter_to_sequence_parallel_region(&partial, group, None)?
         } else {
             reduce_from_region(&partial, group)?
         };
-        let bias = self.bias.as_ref().map(|b| tape.watch(&b.param));
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|b| tape.watch(&b.param))
+            .transpose()?;
         let returned_bias = match bias {
             Some(bias) if !self.skip_bias_add => {
                 output = output.add(&bias)?;

@@ -296,7 +296,7 @@ impl MoeMlp {
         let tokens = s * b;
         let (experts, k) = (self.config.num_experts, self.config.top_k);
         let flat = x.reshape(&[tokens, h])?;
-        let logits = flat.matmul_transposed(&tape.watch(&self.router.param))?;
+        let logits = flat.matmul_transposed(&tape.watch(&self.router.param)?)?;
         let choices = self.route(&logits.to_vec()?, tokens)?;
         let mut tokens_per_expert = vec![0; experts];
         for c in &choices {

@@ -321,7 +321,7 @@ pub fn all_reduce_sequence_parallel_grads(
         let param = &sharded.param;
         let grad = match param.try_grad()? {
             Some(grad) => grad,
-            None => Tensor::full_on(&param.shape(), 0.0, param.value().device())?,
+            None => Tensor::full_on(&param.shape(), 0.0, param.device())?,
         };
         let summed = grad.updated_by(|buf| {
             group

@@ -33,7 +33,10 @@ pub fn recompute_blocks(
         .flat_map(Module::parameters)
         .map(|sharded| sharded.param)
         .collect();
-    let watched: Vec<Tensor> = params.iter().map(|p| tape.watch(p)).collect();
+    let watched: Vec<Tensor> = params
+        .iter()
+        .map(|p| tape.watch(p))
+        .collect::<std::result::Result<_, _>>()?;
     let before = rng.clone();
     // The forward keeps nothing for backward: run off the tape, on the values.
     let output = tape.no_grad(|| -> Result<Tensor> {
@@ -98,7 +101,7 @@ impl CustomOp for Recompute {
             })
             .collect();
         let input = Parameter::activation("recompute.input", saved[0].clone());
-        let mut hidden = replay.watch(&input);
+        let mut hidden = replay.watch(&input)?;
         let mut rng = self.rng.clone();
         for block in &self.blocks {
             hidden = (block.forward(&replay, &hidden, &mut rng))

@@ -60,8 +60,8 @@ impl LayerNorm {
 
     /// Normalises `x: [..., hidden]`.
     pub fn forward(&self, tape: &Tape, x: &Tensor) -> Result<Tensor> {
-        let weight = tape.watch(&self.weight.param);
-        let bias = tape.watch(&self.bias.param);
+        let weight = tape.watch(&self.weight.param)?;
+        let bias = tape.watch(&self.bias.param)?;
         Ok(x.layer_norm(Some(&weight), Some(&bias), self.eps)?)
     }
 }

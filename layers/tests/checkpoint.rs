@@ -33,7 +33,7 @@ fn full_values(tp_size: usize, init: &MasterInit) -> AnyResult<Vec<(String, Vec<
     let ranks = run_local(tp_size, |comm| -> AnyResult<_> {
         let tp = tp_context(comm, false);
         let block = TransformerBlock::new(&tp, "b", &config(), init)?;
-        Ok(common::values_of(&block))
+        Ok(common::values_of(&block)?)
     })?;
     let mut out = Vec::new();
     for (index, (name, sharding, _)) in ranks[0].iter().enumerate() {
@@ -55,8 +55,8 @@ fn save_then_load_restores_every_shard() -> AnyResult<()> {
         load_shard(&other, &dir, tp.rank(), tp.size())?;
         for (a, b) in block.parameters().iter().zip(other.parameters()) {
             assert_eq!(
-                a.param.value().to_vec()?,
-                b.param.value().to_vec()?,
+                a.param.value()?.to_vec()?,
+                b.param.value()?.to_vec()?,
                 "{}",
                 a.param.name()
             );
@@ -83,7 +83,7 @@ fn converting_4_to_2_to_1_gives_the_serial_model() -> AnyResult<()> {
         let tp = tp_context(comm, false);
         let block = TransformerBlock::new(&tp, "b", &config(), &MasterInit::new(0, 1.0))?;
         load_shard(&block, &dir2, tp.rank(), tp.size())?;
-        Ok(common::values_of(&block))
+        Ok(common::values_of(&block)?)
     })?;
     let serial = full_values(1, &init)?;
     let tp2_serial = full_values(2, &init)?;
@@ -134,14 +134,14 @@ fn loading_into_a_mismatched_model_is_an_error() -> AnyResult<()> {
 /// every tensor-parallel size updates each element of the full model identically.
 fn adamw_step(block: &TransformerBlock, optimizer: &mut AdamW) -> AnyResult<()> {
     for sharded in block.parameters() {
-        let value = sharded.param.value();
+        let value = sharded.param.value()?;
         let grad = value.mul(&value)?.sub(&value.scale(0.1)?)?;
         sharded.param.set_grad(Some(grad))?;
     }
     Ok(optimizer.step()?)
 }
 
-fn adamw(block: &TransformerBlock) -> AdamW {
+fn adamw(block: &TransformerBlock) -> ferrotron_tape::Result<AdamW> {
     let params = block.parameters().into_iter().map(|p| p.param).collect();
     AdamW::new(params, AdamWConfig::default())
 }
@@ -154,13 +154,13 @@ fn optimizer_state_resumes_exactly_at_the_same_and_another_tp_size() -> AnyResul
     let continued = run_local(2, |comm| -> AnyResult<_> {
         let tp = tp_context(comm, false);
         let block = TransformerBlock::new(&tp, "b", &config(), &init)?;
-        let mut optimizer = adamw(&block);
+        let mut optimizer = adamw(&block)?;
         adamw_step(&block, &mut optimizer)?;
         adamw_step(&block, &mut optimizer)?;
         save_shard(&block, &dir, tp.rank(), tp.size())?;
         save_optimizer_shard(&block, &optimizer, &dir, tp.rank(), tp.size())?;
         adamw_step(&block, &mut optimizer)?;
-        Ok(common::values_of(&block))
+        Ok(common::values_of(&block)?)
     })?;
     // Resume into models built from other weights, at TP 2 and at TP 1.
     let resume = |tp_size: usize| {
@@ -174,12 +174,12 @@ fn optimizer_state_resumes_exactly_at_the_same_and_another_tp_size() -> AnyResul
                     .param
                     .set_value(sharding.shard(tensor, tp.rank(), tp.size())?)?;
             }
-            let mut optimizer = adamw(&block);
+            let mut optimizer = adamw(&block)?;
             let state = load_optimizer_state(&block, &dir, 2, tp.rank(), tp.size())?;
             assert_eq!(state.steps, 2);
             optimizer.load_state(&state)?;
             adamw_step(&block, &mut optimizer)?;
-            Ok(common::values_of(&block))
+            Ok(common::values_of(&block)?)
         })
     };
     assert_eq!(
@@ -207,7 +207,7 @@ fn optimizer_state_of_another_model_is_an_error() -> AnyResult<()> {
     run_local(1, |comm| -> AnyResult<()> {
         let tp = tp_context(comm, false);
         let block = TransformerBlock::new(&tp, "b", &config(), &init)?;
-        let mut optimizer = adamw(&block);
+        let mut optimizer = adamw(&block)?;
         adamw_step(&block, &mut optimizer)?;
         save_optimizer_shard(&block, &optimizer, &dir, 0, 1)?;
         let other = TransformerBlock::new(&tp, "other", &config(), &init)?;

@@ -45,7 +45,7 @@ fn clipped(
             (input.clone(), weights.clone())
         };
         let tape = Tape::new();
-        let x = tape.watch(&Parameter::new("x", x));
+        let x = tape.watch(&Parameter::new("x", x))?;
         let out = block.forward(&tape, &x, &mut RngTracker::new(1, tp.rank()))?;
         out.mul(&w)?.sum()?.backward()?;
         all_reduce_sequence_parallel_grads(&block, tp.group())?;

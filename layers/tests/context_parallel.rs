@@ -54,6 +54,7 @@ fn reference(inputs: &[Tensor; 4], causal: bool) -> AnyResult<Vec<Vec<f32>>> {
         .collect();
     let tape = Tape::new();
     let [q, k, v] = [0, 1, 2].map(|i| tape.watch(&params[i]));
+    let (q, k, v) = (q?, k?, v?);
     let scale = 1.0 / (inputs[0].shape()[2] as f64).sqrt();
     let probs = match causal {
         true => q.matmul_transposed(&k)?.causal_softmax(scale)?,
@@ -89,6 +90,7 @@ fn ring(
             .collect::<AnyResult<_>>()?;
         let tape = Tape::new();
         let [q, k, v] = [0, 1, 2].map(|i| tape.watch(&params[i]));
+        let (q, k, v) = (q?, k?, v?);
         let scale = 1.0 / (inputs[0].shape()[2] as f64).sqrt();
         let out = ring_attention(&q, &k, &v, &group, scale, causal)?;
         assert_eq!(out.dtype(), dtype);
@@ -257,7 +259,7 @@ fn attention(tp: usize, cp: usize, sp: bool, x: &Tensor, w: &Tensor) -> AnyResul
         };
         let input = Parameter::new("x", mine(x)?);
         let tape = Tape::new();
-        let out = layer.forward_inference(&tape, &tape.watch(&input))?;
+        let out = layer.forward_inference(&tape, &tape.watch(&input)?)?;
         out.mul(&mine(w)?)?.sum()?.backward()?;
         let mut grads = Vec::new();
         for p in layer.parameters() {
@@ -363,7 +365,7 @@ fn a_batch_cut_over_the_ranks_is_every_position_once_where_its_rank_says() -> An
     for cp in [1, 2, 3, 4] {
         let parts: Vec<Vec<usize>> = (0..cp)
             .map(|rank| context_parallel_batch(&batch, seq, rows, rank, cp))
-            .collect::<Result<_, _>>()?;
+            .collect::<std::result::Result<_, _>>()?;
         for at in 0..seq {
             let (rank, local) = context_parallel_position(at, seq, cp)?;
             let row = &parts[rank][local * rows..(local + 1) * rows];

@@ -30,7 +30,7 @@ fn serial(
 ) -> AnyResult<(Tensor, Tensor)> {
     let p = Parameter::new("logits", logits.clone());
     let tape = Tape::new();
-    let loss = tape.watch(&p).cross_entropy(&LABELS, options)?;
+    let loss = tape.watch(&p)?.cross_entropy(&LABELS, options)?;
     weighted(&loss, weights)?.backward()?;
     Ok((loss.detach(), p.grad().unwrap()))
 }
@@ -75,7 +75,7 @@ fn matches_serial_cross_entropy_for_every_tp_and_option() -> AnyResult<()> {
                     let p = Parameter::new("logits", shard);
                     let tape = Tape::new();
                     let loss = vocab_parallel_cross_entropy(
-                        &tape.watch(&p),
+                        &tape.watch(&p)?,
                         &labels_shaped,
                         tp.group(),
                         VOCAB,
@@ -158,7 +158,7 @@ fn mean_over_only_ignored_labels_is_zero_with_zero_gradient() -> AnyResult<()> {
             let p = Parameter::new("logits", part(&logits, 1, tp.rank(), tp.size()));
             let tape = Tape::new();
             let loss = vocab_parallel_cross_entropy(
-                &tape.watch(&p),
+                &tape.watch(&p)?,
                 &[-100; 3],
                 tp.group(),
                 VOCAB,

@@ -38,7 +38,7 @@ fn run_block(tp: usize, sequence_parallel: bool, device: Device) -> AnyResult<Ve
         };
         let block = TransformerBlock::new(&tp, "block", &config, &MasterInit::new(7, 0.2))?;
         for p in block.parameters() {
-            p.param.set_value(p.param.value().to_device(device)?)?;
+            p.param.set_value(p.param.value()?.to_device(device)?)?;
         }
         let (x, w) = if sequence_parallel {
             let (rank, size) = (tp.rank(), tp.size());
@@ -51,7 +51,7 @@ fn run_block(tp: usize, sequence_parallel: bool, device: Device) -> AnyResult<Ve
         let tape = Tape::new();
         let mut rng = RngTracker::new(99, tp.rank());
         let (before, waits) = (transfers(device), host_waits(device));
-        let output = block.forward(&tape, &tape.watch(&x), &mut rng)?;
+        let output = block.forward(&tape, &tape.watch(&x)?, &mut rng)?;
         assert_eq!(output.device(), device, "activations stay on the device");
         output.mul(&w)?.sum()?.backward()?;
         // Tensor-parallel collectives run on device memory and attention masks inside
@@ -117,7 +117,7 @@ fn reduced_norm_grads(device: Device) -> AnyResult<Vec<Vec<Tensor>>> {
         let tp = tp_context(comm, true);
         let norm = LayerNorm::new(&tp, "norm", HIDDEN, 1e-5, &MasterInit::new(7, 0.2))?;
         for p in norm.parameters() {
-            p.param.set_value(p.param.value().to_device(device)?)?;
+            p.param.set_value(p.param.value()?.to_device(device)?)?;
         }
         let (rank, size) = (tp.rank(), tp.size());
         let x = part(&input, 0, rank, size).to_device(device)?;

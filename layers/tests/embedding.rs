@@ -17,7 +17,7 @@ const IDS_SHAPE: [usize; 2] = [5, 2];
 fn vocab_ranges_cover_the_vocabulary_unevenly() -> AnyResult<()> {
     let ranges: Vec<VocabRange> = (0..3)
         .map(|r| VocabRange::new(VOCAB, r, 3))
-        .collect::<Result<_, _>>()?;
+        .collect::<std::result::Result<_, _>>()?;
     assert_eq!(
         ranges.iter().map(|r| (r.start, r.end)).collect::<Vec<_>>(),
         [(0, 4), (4, 7), (7, 10)]
@@ -32,7 +32,7 @@ fn embedding_matches_serial_lookup() -> AnyResult<()> {
     let r = Tensor::randn(&[5, 2, HIDDEN], 1.0, &mut Generator::new(1));
     let table = Parameter::new("t", init.weight("emb.weight", &[VOCAB, HIDDEN]));
     let tape = Tape::new();
-    let want = tape.watch(&table).embedding(&IDS, &IDS_SHAPE)?;
+    let want = tape.watch(&table)?.embedding(&IDS, &IDS_SHAPE)?;
     want.mul(&r)?.sum()?.backward()?;
     let want_grad = table.grad().unwrap();
 
@@ -78,7 +78,7 @@ fn a_head_sharing_the_table_adds_both_uses_gradients() -> AnyResult<()> {
     let r = Tensor::randn(&[5, 2, VOCAB], 1.0, &mut Generator::new(2));
     let table = Parameter::new("t", init.weight("emb.weight", &[VOCAB, HIDDEN]));
     let tape = Tape::new();
-    let watched = tape.watch(&table);
+    let watched = tape.watch(&table)?;
     let want = watched
         .embedding(&IDS, &IDS_SHAPE)?
         .matmul_transposed(&watched)?;

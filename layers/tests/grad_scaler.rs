@@ -75,7 +75,7 @@ fn the_scaled_loss_carries_the_scale_into_the_gradients() -> AnyResult<()> {
     let s = scaler(2000);
     let w = Parameter::new("w", Tensor::from_vec(vec![1.5, -2.0], &[2])?);
     let tape = Tape::new();
-    let loss = tape.watch(&w).mul(&tape.watch(&w))?.sum()?;
+    let loss = tape.watch(&w)?.mul(&tape.watch(&w)?)?.sum()?;
     s.scale_loss(&loss)?.backward()?;
     assert_eq!(w.grad().unwrap().to_vec()?, [3.0 * 65536.0, -4.0 * 65536.0]);
     Ok(())

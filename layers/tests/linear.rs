@@ -36,9 +36,9 @@ fn serial(name: &str, x: &Tensor, r: &Tensor) -> AnyResult<Serial> {
     let xp = Parameter::new("x", x.clone());
     let tape = Tape::new();
     let y = tape
-        .watch(&xp)
-        .matmul(&tape.watch(&w).transpose(0, 1)?)?
-        .add(&tape.watch(&b))?;
+        .watch(&xp)?
+        .matmul(&tape.watch(&w)?.transpose(0, 1)?)?
+        .add(&tape.watch(&b)?)?;
     y.mul(r)?.sum()?.backward()?;
     Ok(Serial {
         output: y.detach(),
@@ -89,7 +89,7 @@ fn column_parallel_matches_serial() -> AnyResult<()> {
                 };
                 let xp = Parameter::new("x", x_local);
                 let tape = Tape::new();
-                let y = layer.forward(&tape, &tape.watch(&xp))?.output;
+                let y = layer.forward(&tape, &tape.watch(&xp)?)?.output;
                 let r_local = if gather_output {
                     r.clone()
                 } else {
@@ -161,9 +161,9 @@ fn row_parallel_matches_serial() -> AnyResult<()> {
     let xp = Parameter::new("x", x.clone());
     let tape = Tape::new();
     let y = tape
-        .watch(&xp)
-        .matmul(&tape.watch(&w).transpose(0, 1)?)?
-        .add(&tape.watch(&b))?;
+        .watch(&xp)?
+        .matmul(&tape.watch(&w)?.transpose(0, 1)?)?
+        .add(&tape.watch(&b)?)?;
     y.mul(&r)?.sum()?.backward()?;
     let (want_y, want_x, want_w, want_b) = (
         y.detach(),
@@ -194,7 +194,7 @@ fn row_parallel_matches_serial() -> AnyResult<()> {
                 };
                 let xp = Parameter::new("x", x_local);
                 let tape = Tape::new();
-                let y = layer.forward(&tape, &tape.watch(&xp))?.output;
+                let y = layer.forward(&tape, &tape.watch(&xp)?)?.output;
                 let r_local = if sp {
                     part(&r, 0, rank, size)
                 } else {

@@ -52,7 +52,7 @@ type Grads = BTreeMap<String, Vec<f32>>;
 /// Router weights every run shares: the init's, with the idle expert's row at -3.
 fn set_router(moe: &MoeMlp) -> AnyResult<()> {
     let router = &moe.router_parameters()[0].param;
-    let mut w = router.value().to_vec()?;
+    let mut w = router.value()?.to_vec()?;
     w[IDLE * HIDDEN..(IDLE + 1) * HIDDEN].fill(-3.0);
     router.set_value(Tensor::from_vec(w, &[EXPERTS, HIDDEN])?)?;
     Ok(())
@@ -70,7 +70,7 @@ fn step(moe: &MoeMlp, r: usize) -> AnyResult<Shard> {
     let (x, w) = shard(r);
     let input = Parameter::new("x", x);
     let tape = Tape::new();
-    let out = moe.forward(&tape, &tape.watch(&input))?;
+    let out = moe.forward(&tape, &tape.watch(&input)?)?;
     out.output.mul(&w)?.sum()?.add(&out.aux_loss)?.backward()?;
     Ok((
         out.output.to_vec()?,
@@ -85,7 +85,7 @@ fn step(moe: &MoeMlp, r: usize) -> AnyResult<Shard> {
 fn grads(moe: &MoeMlp) -> AnyResult<Grads> {
     let mut all = BTreeMap::new();
     for p in moe.parameters() {
-        let value = p.param.value();
+        let value = p.param.value()?;
         let grad = match p.param.grad() {
             Some(g) => g.to_vec()?,
             None => vec![0.0; value.to_vec()?.len()],
@@ -342,7 +342,7 @@ fn one_rank_moe_is_the_plain_per_token_computation() -> AnyResult<()> {
             let weights: BTreeMap<String, Vec<f32>> = moe
                 .parameters()
                 .iter()
-                .map(|p| Ok((p.param.name().to_string(), p.param.value().to_vec()?)))
+                .map(|p| Ok((p.param.name().to_string(), p.param.value()?.to_vec()?)))
                 .collect::<AnyResult<_>>()?;
             let (x, _) = shard(1);
             let out = moe.forward(&Tape::new(), &x)?;
@@ -416,7 +416,7 @@ fn a_rank_whose_experts_get_no_token_runs_backward_with_its_peers() -> AnyResult
         // Experts 2 and 3 (rank 1's) never win: their router rows are strongly negative
         // and every input positive.
         let router = &moe.router_parameters()[0].param;
-        let mut w = router.value().to_vec()?;
+        let mut w = router.value()?.to_vec()?;
         w[2 * HIDDEN..].fill(-3.0);
         router.set_value(Tensor::from_vec(w, &[EXPERTS, HIDDEN])?)?;
         let (x, weights) = shard(state.dp_rank());
@@ -481,9 +481,9 @@ fn a_shared_expert_adds_a_dense_mlp_beside_the_routed_ones() -> AnyResult<()> {
                     .strip_prefix("b.mlp.shared_expert.")?
                     .to_string();
                 assert!(!p.expert, "the shared expert is dense");
-                Some((suffix, p.param.value()))
+                Some(p.param.value().map(|value| (suffix, value)))
             })
-            .collect();
+            .collect::<ferrotron_tape::Result<_>>()?;
         assert_eq!(shared.len(), 4, "{:?}", shared.keys());
         for (d, z) in dense.parameters().iter().zip(zero.parameters()) {
             if let Some(suffix) = d.param.name().strip_prefix("b.mlp.") {

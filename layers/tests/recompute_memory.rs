@@ -36,9 +36,9 @@ fn held(recompute: bool) -> (isize, Vec<f32>) {
         let (tape, mut rng) = (Tape::new(), RngTracker::new(3, 0));
         let before = counting::live();
         let output = if recompute {
-            recompute_blocks(&blocks, &tape, &tape.watch(&x), &mut rng)?
+            recompute_blocks(&blocks, &tape, &tape.watch(&x)?, &mut rng)?
         } else {
-            let mut hidden = tape.watch(&x);
+            let mut hidden = tape.watch(&x)?;
             for block in &blocks {
                 hidden = block.forward(&tape, &hidden, &mut rng)?;
             }

@@ -56,7 +56,7 @@
 //!     // This rank's two rows of W = [[1], [1], [1], [1]] · (rank + 1).
 //!     let w = Tensor::full(&[2, 1], group.rank() as f64 + 1.0);
 //!     let tape = Tape::new();
-//!     let x_part = scatter_to_region(&tape.watch(&x), &group, 1, None)?;
+//!     let x_part = scatter_to_region(&tape.watch(&x)?, &group, 1, None)?;
 //!     let y = reduce_from_region(&x_part.matmul(&w)?, &group)?;
 //!     assert_eq!(y.to_vec()?, vec![1.0 + 2.0 + 2.0 * (3.0 + 4.0)]);
 //!     y.sum()?.backward()?;
@@ -82,7 +82,7 @@
 //!     let group: Arc<dyn Communicator> = Arc::new(comm);
 //!     let x = Parameter::new("x", Tensor::<f64>::full(&[rows, 2], rows as f64));
 //!     let tape = Tape::new();
-//!     let (all, sizes) = all_gather_variable(&tape.watch(&x), &group, 0, None, false)?;
+//!     let (all, sizes) = all_gather_variable(&tape.watch(&x)?, &group, 0, None, false)?;
 //!     assert_eq!(all.shape(), &[6, 2]);
 //!     all.scale(2.0)?.sum()?.backward()?;
 //!     Ok::<_, ferrotron_mappings::Error>((sizes, x.grad().map(|g| g.shape().to_vec())))

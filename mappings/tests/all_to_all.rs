@@ -28,7 +28,7 @@ fn cases(n: usize, scatter_dim: usize, gather_dim: usize) -> Result<Vec<Case>> {
             .collect();
         let ruled: Vec<Vec<usize>> = (0..n)
             .map(|r| split_sizes(n + r % 2, n))
-            .collect::<Result<_, _>>()?;
+            .collect::<std::result::Result<_, _>>()?;
         for (given, splits) in [(true, explicit), (false, ruled)] {
             let shapes = splits
                 .iter()

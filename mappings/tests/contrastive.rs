@@ -119,7 +119,7 @@ fn distributed(gather: Gather, loss: Loss) -> Result<Vec<Vec<f64>>> {
         let group: Group = Arc::new(comm);
         let x = Parameter::new("x", embeddings(rank));
         let tape = Tape::new();
-        let mine = tape.watch(&x);
+        let mine = tape.watch(&x)?;
         let batch = gather.run(&mine, &group)?;
         let value = match loss {
             Loss::Replicated => contrastive(&batch, &batch, 0, Reduction::Mean)?,
@@ -140,7 +140,10 @@ fn single_process(reduction: Reduction) -> Result<Vec<Vec<f64>>> {
         .map(|r| Parameter::new(format!("x{r}"), embeddings(r)))
         .collect();
     let tape = Tape::new();
-    let watched: Vec<Tensor<f64>> = params.iter().map(|p| tape.watch(p)).collect();
+    let watched: Vec<Tensor<f64>> = params
+        .iter()
+        .map(|p| tape.watch(p))
+        .collect::<std::result::Result<_, _>>()?;
     let refs: Vec<&Tensor<f64>> = watched.iter().collect();
     let batch = Tensor::concat(&refs, 0)?;
     contrastive(&batch, &batch, 0, reduction)?.backward()?;

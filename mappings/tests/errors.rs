@@ -178,7 +178,7 @@ fn backward_errors_come_out_of_backward() -> Result<()> {
             let group: Group = Arc::new(comm);
             let x = Parameter::new("x", Tensor::<f64>::ones(&[2]));
             let tape = Tape::new();
-            let y = ferrotron_mappings::copy_to_region(&tape.watch(&x), &group)?;
+            let y = ferrotron_mappings::copy_to_region(&tape.watch(&x)?, &group)?;
             if rank == 0 {
                 // Rank 0 leaves without running backward (and drops its communicator).
                 return Ok(None);

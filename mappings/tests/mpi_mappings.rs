@@ -33,7 +33,7 @@ fn seed_checks(group: &Group, world_rank: usize) -> Result<()> {
 
     let p = Parameter::new("x", x.clone());
     let tape = Tape::new();
-    copy_to_region(&tape.watch(&p), group)?
+    copy_to_region(&tape.watch(&p)?, group)?
         .scale(me)?
         .sum()?
         .backward()?;
@@ -42,7 +42,7 @@ fn seed_checks(group: &Group, world_rank: usize) -> Result<()> {
     // reduce_from_region of rank·x, loss 2·result: gradient 2·rank.
     let p = Parameter::new("x", x);
     let tape = Tape::new();
-    let loss = reduce_from_region(&tape.watch(&p).scale(me)?, group)?.scale(2.0)?;
+    let loss = reduce_from_region(&tape.watch(&p)?.scale(me)?, group)?.scale(2.0)?;
     let squares: f64 = members.iter().map(|r| r * r).sum();
     ensure!(loss.item()? == 2.0 * squares);
     loss.sum()?.backward()?;
@@ -67,7 +67,7 @@ fn uneven_gathers(group: &Group) -> Result<()> {
 
     let p = Parameter::new("x", Tensor::from_vec(mine, &[2, widths[rank]])?);
     let tape = Tape::new();
-    let (all, sizes) = all_gather_variable(&tape.watch(&p), group, 1, None, false)?;
+    let (all, sizes) = all_gather_variable(&tape.watch(&p)?, group, 1, None, false)?;
     ensure!(sizes == widths && all.shape() == [2, total]);
     ensure!(all.to_vec()? == expected, "variable gather values");
     all.scale(3.0)?.sum()?.backward()?;
@@ -78,7 +78,7 @@ fn uneven_gathers(group: &Group) -> Result<()> {
         Tensor::from_vec(vec![1.0; 2 * widths[rank]], &[2, widths[rank]])?,
     );
     let tape = Tape::new();
-    let all = all_gather_from_region(&tape.watch(&p), group, 1, Some(&widths))?;
+    let all = all_gather_from_region(&tape.watch(&p)?, group, 1, Some(&widths))?;
     all.scale(rank as f64 + 1.0)?.sum()?.backward()?;
     let summed_weights = (n * (n + 1) / 2) as f64;
     ensure!(

@@ -78,10 +78,10 @@ fn copy_to_region_sums_the_gradient_over_the_tp_group() -> Result<()> {
         let x = Parameter::new("x", own_rank(rank)?);
         let tape = Tape::new();
         // No copy: loss = rank · x, so the gradient is the rank.
-        tape.watch(&x).scale(rank as f64)?.sum()?.backward()?;
+        tape.watch(&x)?.scale(rank as f64)?.sum()?.backward()?;
         let plain = x.take_grad().map(|g| g.to_vec()).transpose()?;
         // With the copy the forward is the same, but backward all-reduces the gradient.
-        copy_to_region(&tape.watch(&x), tp)?
+        copy_to_region(&tape.watch(&x)?, tp)?
             .scale(rank as f64)?
             .sum()?
             .backward()?;
@@ -101,7 +101,7 @@ fn reduce_from_region_gives_the_seed_s_losses_and_gradients() -> Result<()> {
     let results = on_eight_ranks(|rank, tp| {
         let x = Parameter::new("x", own_rank(rank)?);
         let tape = Tape::new();
-        let reduced = reduce_from_region(&tape.watch(&x).scale(rank as f64)?, tp)?;
+        let reduced = reduce_from_region(&tape.watch(&x)?.scale(rank as f64)?, tp)?;
         let loss = reduced.scale(2.0)?;
         let value = loss.item()?;
         loss.sum()?.backward()?;
@@ -121,7 +121,7 @@ fn scatter_to_region_gathers_the_gradient() -> Result<()> {
     let grads = on_eight_ranks(|rank, tp| {
         let x = Parameter::new("x", Tensor::from_vec(vec![1.0f32, 2.0], &[2])?);
         let tape = Tape::new();
-        let mine = scatter_to_region(&tape.watch(&x), tp, 0, None)?;
+        let mine = scatter_to_region(&tape.watch(&x)?, tp, 0, None)?;
         assert_eq!(mine.to_vec()?, vec![1.0 + (rank % 2) as f32]);
         mine.scale(rank as f64)?.sum()?.backward()?;
         Ok(x.grad().map(|g| g.to_vec()).transpose()?)
@@ -138,7 +138,7 @@ fn gather_from_region_keeps_the_own_gradient() -> Result<()> {
     let results = on_eight_ranks(|rank, tp| {
         let x = Parameter::new("x", own_rank(rank)?);
         let tape = Tape::new();
-        let gathered = gather_from_region(&tape.watch(&x), tp, 0, None)?;
+        let gathered = gather_from_region(&tape.watch(&x)?, tp, 0, None)?;
         let values = gathered.to_vec()?;
         gathered.scale(rank as f64)?.sum()?.backward()?;
         Ok((values, x.grad().map(|g| g.to_vec()).transpose()?))

@@ -321,7 +321,7 @@ impl<'p> Step<'p> {
                 .ok_or_else(|| out_of_step("an activation", vstage, microbatch))?;
             Some(Parameter::activation("pipeline.input", value))
         };
-        let watched = input.as_ref().map(|p| tape.watch(p));
+        let watched = input.as_ref().map(|p| tape.watch(p)).transpose()?;
         let forward_only = self.pipeline.config.forward_only;
         let mut run = || stage.forward(&tape, microbatch, watched.as_ref());
         let output = if forward_only {

@@ -35,13 +35,13 @@
 //! impl Stage for First {
 //!     fn forward(&mut self, tape: &Tape, mb: usize, _: Option<&Tensor>) -> Result<Tensor, BoxError> {
 //!         let x = self.data.narrow(0, mb, 1)?.reshape(&[3, 5])?;
-//!         Ok(x.matmul(&tape.watch(&self.w))?.tanh()?)
+//!         Ok(x.matmul(&tape.watch(&self.w)?)?.tanh()?)
 //!     }
 //! }
 //! struct Last { w: Parameter }
 //! impl Stage for Last {
 //!     fn forward(&mut self, tape: &Tape, _: usize, x: Option<&Tensor>) -> Result<Tensor, BoxError> {
-//!         let y = x.unwrap().matmul(&tape.watch(&self.w))?;
+//!         let y = x.unwrap().matmul(&tape.watch(&self.w)?)?;
 //!         Ok(y.mul(&y)?.mean()?)
 //!     }
 //! }
@@ -66,7 +66,7 @@
 //! let (p1, p2) = (Parameter::new("w1", w1), Parameter::new("w2", w2));
 //! let tape = Tape::new();
 //! let x = data.reshape(&[4, 3, 5])?;
-//! let y = x.matmul(&tape.watch(&p1))?.tanh()?.matmul(&tape.watch(&p2))?;
+//! let y = x.matmul(&tape.watch(&p1)?)?.tanh()?.matmul(&tape.watch(&p2)?)?;
 //! y.mul(&y)?.mean()?.backward()?;
 //! for (serial, piped) in [(p1, &grads[0]), (p2, &grads[1])] {
 //!     for (a, b) in serial.grad().unwrap().to_vec()?.iter().zip(piped) {

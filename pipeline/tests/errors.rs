@@ -45,7 +45,7 @@ impl Stage for Linear {
             Some(x) => x.clone(),
             None => Tensor::full(&[3, 4], mb as f32),
         };
-        let y = x.matmul(&tape.watch(&self.weight))?;
+        let y = x.matmul(&tape.watch(&self.weight)?)?;
         if self.last {
             return Ok(y.mean()?);
         }

@@ -45,7 +45,7 @@ struct Layer {
 impl Stage for Layer {
     fn forward(&mut self, tape: &Tape, mb: usize, x: Option<&Tensor>) -> Result<Tensor, BoxError> {
         let x = x.cloned().unwrap_or_else(|| input(mb));
-        let y = x.matmul(&tape.watch(&self.weight))?.tanh()?;
+        let y = x.matmul(&tape.watch(&self.weight)?)?.tanh()?;
         if self.layer + 1 == self.layers {
             return Ok(y.mul(&y)?.mean()?);
         }
@@ -66,7 +66,7 @@ fn serial_gradients(layers: usize, microbatches: usize) -> anyhow::Result<Vec<Ve
         let tape = Tape::new();
         let mut x = input(mb);
         for p in &params {
-            x = x.matmul(&tape.watch(p))?.tanh()?;
+            x = x.matmul(&tape.watch(p)?)?.tanh()?;
         }
         x.mul(&x)?
             .mean()?

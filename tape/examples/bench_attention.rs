@@ -46,7 +46,7 @@ fn step(case: &Case, qkv: &Parameter, upstream: &Tensor) -> Result<()> {
         kernel: case.kernel,
         ..AttentionOptions::causal(case.head_dim)
     };
-    let out = tape.watch(qkv).packed_attention(options, None)?;
+    let out = tape.watch(qkv)?.packed_attention(options, None)?;
     out.backward_with_grad(upstream)?;
     Ok(())
 }

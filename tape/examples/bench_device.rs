@@ -64,8 +64,8 @@ fn tiny_ops(device: Device) -> Result<(f64, f64)> {
         let tape = Tape::new();
         synchronize(device)?;
         let start = Instant::now();
-        let scale = tape.watch(&s);
-        let mut y = tape.watch(&x);
+        let scale = tape.watch(&s)?;
+        let mut y = tape.watch(&x)?;
         for i in 0..CHAIN {
             y = if i % 2 == 0 {
                 y.mul(&scale)?

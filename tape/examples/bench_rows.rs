@@ -88,7 +88,7 @@ fn bench(device: Device, [rows, width]: [usize; 2], dtype: DType) -> Result<()> 
     };
     let (weight, bias) = (affine(&mut rng)?, affine(&mut rng)?);
     let upstream = Tensor::<f32>::randn(&[rows, width], 1.0, &mut rng).to_device(device)?;
-    let copy_gbs = copy_bandwidth(device, &x.value())?;
+    let copy_gbs = copy_bandwidth(device, &x.value()?)?;
     // A residual stream beside the branch, for the fused addition.
     let residual = input(&mut rng)?;
     // Forward and backward of each op: the backward's kernels are the `_backward` lines.
@@ -99,18 +99,18 @@ fn bench(device: Device, [rows, width]: [usize; 2], dtype: DType) -> Result<()> 
         (
             "layer_norm",
             Box::new(|tape, t| {
-                let (w, b) = (tape.watch(&weight), tape.watch(&bias));
+                let (w, b) = (tape.watch(&weight)?, tape.watch(&bias)?);
                 t.layer_norm(Some(&w), Some(&b), 1e-5)
             }),
         ),
     ];
     ops.push((
         "bias_gelu",
-        Box::new(|tape, t| t.bias_gelu(&tape.watch(&bias), Gelu::Tanh)),
+        Box::new(|tape, t| t.bias_gelu(&tape.watch(&bias)?, Gelu::Tanh)),
     ));
     ops.push((
         "bias_dropout_add",
-        Box::new(|tape, t| t.bias_dropout_add(Some(&tape.watch(&bias)), &residual, None)),
+        Box::new(|tape, t| t.bias_dropout_add(Some(&tape.watch(&bias)?), &residual, None)),
     ));
     // Attention's causal softmax, where the rows make whole [width, width] matrices.
     if rows % width == 0 {
@@ -127,7 +127,7 @@ fn bench(device: Device, [rows, width]: [usize; 2], dtype: DType) -> Result<()> 
         let profile = profiled(device, || {
             x.zero_grad();
             let tape = Tape::new();
-            let y = op(&tape, &tape.watch(&x))?;
+            let y = op(&tape, &tape.watch(&x)?)?;
             y.backward_with_grad(&upstream)?;
             Ok(())
         })?;
@@ -140,7 +140,7 @@ fn bench(device: Device, [rows, width]: [usize; 2], dtype: DType) -> Result<()> 
         logits.zero_grad();
         let tape = Tape::new();
         let loss = tape
-            .watch(&logits)
+            .watch(&logits)?
             .cross_entropy(&labels, &CrossEntropyOptions::default())?;
         loss.backward()?;
         Ok(())

@@ -37,8 +37,8 @@ fn tiny_ops() -> Result<(f64, f64)> {
         x.zero_grad();
         s.zero_grad();
         let start = Instant::now();
-        let s_tensor = tape.watch(&s);
-        let mut y = tape.watch(&x);
+        let s_tensor = tape.watch(&s)?;
+        let mut y = tape.watch(&x)?;
         for i in 0..CHAIN_LEN {
             y = if i % 2 == 0 {
                 y.mul(&s_tensor)?
@@ -70,13 +70,16 @@ fn mlp_step() -> Result<(f64, f64)> {
     let mut sgd = Sgd::new(
         vec![w1.clone(), b1.clone(), w2.clone(), b2.clone()],
         SgdConfig::new(1e-3),
-    );
+    )?;
     let tape = Tape::new();
     let mut times = Vec::new();
     for step in 0..25 {
         let start = Instant::now();
-        let h = x.matmul(&tape.watch(&w1))?.add(&tape.watch(&b1))?.relu()?;
-        let y = h.matmul(&tape.watch(&w2))?.add(&tape.watch(&b2))?;
+        let h = x
+            .matmul(&tape.watch(&w1)?)?
+            .add(&tape.watch(&b1)?)?
+            .relu()?;
+        let y = h.matmul(&tape.watch(&w2)?)?.add(&tape.watch(&b2)?)?;
         let diff = y.sub(&target)?;
         let loss = diff.mul(&diff)?.mean()?;
         sgd.zero_grad();

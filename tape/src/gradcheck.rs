@@ -46,7 +46,10 @@ where
         .map(|(i, t)| Parameter::new(format!("input{i}"), t.clone()))
         .collect();
     let tape = Tape::new();
-    let watched: Vec<Tensor<T>> = params.iter().map(|p| tape.watch(p)).collect();
+    let watched: Vec<Tensor<T>> = params
+        .iter()
+        .map(|p| tape.watch(p))
+        .collect::<std::result::Result<_, _>>()?;
     let output = f(&watched)?;
     let projection = Tensor::<T>::randn(output.shape(), 1.0, &mut Generator::new(options.seed));
     let weights = projection.to_vec()?;

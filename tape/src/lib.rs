@@ -20,13 +20,13 @@
 //! let b = Parameter::new("b", Tensor::<f32>::zeros(&[1]));
 //! let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 0.0, 1.0, 0.5], &[2, 3])?;
 //! let target = Tensor::from_vec(vec![1.0, -1.0], &[2, 1])?;
-//! let mut sgd = Sgd::new(vec![w.clone(), b.clone()], SgdConfig::new(0.05));
+//! let mut sgd = Sgd::new(vec![w.clone(), b.clone()], SgdConfig::new(0.05))?;
 //!
 //! let tape = Tape::new();
 //! let mut losses = Vec::new();
 //! for _ in 0..50 {
 //!     // Each forward pass watches the parameters on the tape; backward consumes the record.
-//!     let y = x.matmul(&tape.watch(&w))?.add(&tape.watch(&b))?;
+//!     let y = x.matmul(&tape.watch(&w)?)?.add(&tape.watch(&b)?)?;
 //!     let diff = y.sub(&target)?;
 //!     let loss = diff.mul(&diff)?.mean()?;
 //!     losses.push(loss.item()?);
@@ -55,7 +55,7 @@
 //!     Ok(())
 //! });
 //! let tape = Tape::new();
-//! tape.watch(&w).scale(3.0)?.sum()?.backward()?;
+//! tape.watch(&w)?.scale(3.0)?.sum()?.backward()?;
 //! assert_eq!(*seen.lock(), vec![vec![3.0, 3.0]]);
 //! # Ok::<(), ferrotron_tape::Error>(())
 //! ```

@@ -26,16 +26,16 @@ pub const MASTER_BUFFER: &str = "master_param";
 /// let mut adamw = MixedPrecision::new(&[w.clone()], DType::BF16, |masters| {
 ///     AdamW::new(masters, config)
 /// })?;
-/// assert_eq!(w.value().dtype(), DType::BF16);
+/// assert_eq!(w.dtype(), DType::BF16);
 /// for _ in 0..3 {
 ///     let tape = Tape::new();
-///     tape.watch(&w).sum()?.backward()?;
+///     tape.watch(&w)?.sum()?.backward()?;
 ///     adamw.step()?;
 ///     adamw.zero_grad();
 /// }
 /// // Three steps of 1e-4 vanish in bf16's spacing just below 1 (2^-8), not in the master.
-/// assert_eq!(w.value().to_vec()?, [1.0, 2.0]);
-/// let master = adamw.params()[0].value().to_vec()?;
+/// assert_eq!(w.value()?.to_vec()?, [1.0, 2.0]);
+/// let master = adamw.params()[0].value()?.to_vec()?;
 /// assert!((master[0] - (1.0 - 3e-4)).abs() < 1e-6);
 /// # Ok::<(), ferrotron_tape::Error>(())
 /// ```
@@ -55,7 +55,7 @@ impl<O: Optimizer> MixedPrecision<O> {
     pub fn new(
         params: &[Parameter],
         dtype: DType,
-        make: impl FnOnce(Vec<Parameter>) -> O,
+        make: impl FnOnce(Vec<Parameter>) -> Result<O>,
     ) -> Result<Self> {
         if !matches!(dtype, DType::BF16 | DType::F16) {
             return Err(crate::Error::invalid(
@@ -66,7 +66,7 @@ impl<O: Optimizer> MixedPrecision<O> {
         let masters = params
             .iter()
             .map(|param| {
-                let value = param.value();
+                let value = param.value()?;
                 let master = Parameter::new(param.name(), value.to_dtype(DType::F32)?);
                 param.set_value(value.to_dtype(dtype)?)?;
                 Ok(master)
@@ -74,7 +74,7 @@ impl<O: Optimizer> MixedPrecision<O> {
             .collect::<Result<Vec<_>>>()?;
         Ok(MixedPrecision {
             model: params.to_vec(),
-            inner: make(masters.clone()),
+            inner: make(masters.clone())?,
             masters,
             dtype,
         })
@@ -141,7 +141,7 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
         for (entry, master) in state.params.iter_mut().zip(&self.masters) {
             entry.buffers.push((
                 MASTER_BUFFER.to_string(),
-                master.value().to_device(crate::Device::Cpu)?,
+                master.value()?.to_device(crate::Device::Cpu)?,
             ));
         }
         Ok(state)
@@ -174,7 +174,7 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
         self.inner.load_state(&inner)?;
         for (master, value) in self.masters.iter().zip(masters) {
             if let Some(value) = value {
-                master.set_value(value.to_device(master.value().device())?)?;
+                master.set_value(value.to_device(master.device())?)?;
             }
         }
         self.write_back()

@@ -78,7 +78,7 @@ pub(crate) fn round_into<T: Element>(
     dtype: DType,
 ) -> Result<()> {
     for (param, copy) in params.iter().zip(copies) {
-        copy.set_value(param.value().to_dtype(dtype)?)?;
+        copy.set_value(param.value()?.to_dtype(dtype)?)?;
     }
     Ok(())
 }
@@ -141,6 +141,56 @@ impl SgdConfig {
             nesterov: false,
         }
     }
+
+    /// Checks the settings as `torch.optim.SGD` does, and that each is finite: a
+    /// learning rate, momentum and weight decay of at least 0, and Nesterov momentum
+    /// only with momentum and no dampening.
+    pub fn validate(&self) -> Result<()> {
+        const OP: &str = "SgdConfig";
+        let SgdConfig {
+            lr,
+            momentum,
+            weight_decay,
+            dampening,
+            nesterov,
+        } = *self;
+        at_least_zero(OP, "learning rate", lr)?;
+        at_least_zero(OP, "momentum", momentum)?;
+        at_least_zero(OP, "weight decay", weight_decay)?;
+        finite(OP, "dampening", dampening)?;
+        if nesterov && (momentum <= 0.0 || dampening != 0.0) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "Nesterov momentum needs a momentum above 0 and no dampening (momentum \
+                     {momentum}, dampening {dampening})"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `value`, named `what`, unless it is infinite or NaN.
+fn finite(op: &'static str, what: &str, value: f64) -> Result<f64> {
+    match value.is_finite() {
+        true => Ok(value),
+        false => Err(Error::invalid(
+            op,
+            format!("the {what} is {value}: give a finite number"),
+        )),
+    }
+}
+
+/// `value`, named `what`, unless it is negative or not finite.
+fn at_least_zero(op: &'static str, what: &str, value: f64) -> Result<f64> {
+    match finite(op, what, value)? >= 0.0 {
+        true => Ok(value),
+        false => Err(Error::invalid(
+            op,
+            format!("the {what} is {value}: give 0 or more"),
+        )),
+    }
 }
 
 /// Stochastic gradient descent, as `torch.optim.SGD`.
@@ -159,18 +209,20 @@ pub struct Sgd<T: Element = f32> {
 const MOMENTUM_BUFFER: &str = "momentum_buffer";
 
 impl<T: Element> Sgd<T> {
-    /// An optimizer over `params`.
-    pub fn new(params: Vec<Parameter<T>>, config: SgdConfig) -> Self {
+    /// An optimizer over `params`; settings `torch.optim.SGD` refuses are an error
+    /// ([`SgdConfig::validate`]).
+    pub fn new(params: Vec<Parameter<T>>, config: SgdConfig) -> Result<Self> {
+        config.validate()?;
         let momentum_buffers = vec![None; params.len()];
         let device_buffers = vec![None; params.len()];
-        Sgd {
+        Ok(Sgd {
             options: vec![ParamOptions::default(); params.len()],
             params,
             config,
             clock: Clock::default(),
             momentum_buffers,
             device_buffers,
-        }
+        })
     }
 
     /// Takes each step's learning rate from `schedule` instead of `config.lr`.
@@ -285,6 +337,37 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
 }
 
+impl AdamWConfig {
+    /// Checks the settings as `torch.optim.AdamW` does, and that each is finite: a
+    /// learning rate and weight decay of at least 0, betas in [0, 1), and an epsilon
+    /// above 0 (PyTorch takes 0, which divides by zero where a gradient has always been
+    /// 0).
+    pub fn validate(&self) -> Result<()> {
+        const OP: &str = "AdamWConfig";
+        at_least_zero(OP, "learning rate", self.lr)?;
+        at_least_zero(OP, "weight decay", self.weight_decay)?;
+        let (beta1, beta2) = self.betas;
+        for (what, beta) in [("first beta", beta1), ("second beta", beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return Err(Error::invalid(
+                    OP,
+                    format!("the {what} is {beta}: give a value in [0, 1) (0.9, 0.999 by default)"),
+                ));
+            }
+        }
+        if finite(OP, "epsilon", self.eps)? <= 0.0 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "epsilon is {}: give a value above 0 (1e-8 by default)",
+                    self.eps
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Default for AdamWConfig {
     fn default() -> Self {
         AdamWConfig {
@@ -317,18 +400,20 @@ pub struct AdamW<T: Element = f32> {
 const ADAM_BUFFERS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 
 impl<T: Element> AdamW<T> {
-    /// An optimizer over `params`.
-    pub fn new(params: Vec<Parameter<T>>, config: AdamWConfig) -> Self {
+    /// An optimizer over `params`; settings `torch.optim.AdamW` refuses are an error
+    /// ([`AdamWConfig::validate`]).
+    pub fn new(params: Vec<Parameter<T>>, config: AdamWConfig) -> Result<Self> {
+        config.validate()?;
         let moments = (0..params.len()).map(|_| None).collect();
         let device_moments = (0..params.len()).map(|_| None).collect();
-        AdamW {
+        Ok(AdamW {
             options: vec![ParamOptions::default(); params.len()],
             params,
             config,
             clock: Clock::default(),
             moments,
             device_moments,
-        }
+        })
     }
 
     /// Takes each step's learning rate from `schedule` instead of `config.lr`.
@@ -415,7 +500,7 @@ fn device_entry<T: Element>(
     rounded: Option<DType>,
     update: impl Fn(u32) -> AdamWUpdate,
 ) -> Result<Option<AdamWEntry<T>>> {
-    let device = param.value().device();
+    let device = param.device();
     let rounded = rounded
         .map(|dtype| Half::uninit_gpu(ADAMW_OP, dtype, &param.shape(), device))
         .transpose()?;
@@ -810,7 +895,8 @@ impl AdamWUpdate {
 /// `start + weight·(end − start)` as `torch.lerp` computes it: from the nearer end, so
 /// that a weight of 1 gives `end` exactly (PyTorch's AdamW moves the first moment so).
 fn lerp<T: Element>(start: T, end: T, weight: T) -> T {
-    if weight.abs() < T::from_f64(0.5) {
+    // The weight is 1 - β1, in (0, 1] for every valid β1: the same test as optim.cu's.
+    if weight < T::from_f64(0.5) {
         start + weight * (end - start)
     } else {
         end - (end - start) * (T::one() - weight)
@@ -938,7 +1024,7 @@ impl<T: Element> OptimizerState<T> {
                         ),
                     ));
                 }
-                let device = param.value().device();
+                let device = param.device();
                 let placed = entry
                     .buffers
                     .iter()

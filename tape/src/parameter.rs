@@ -87,13 +87,37 @@ impl PendingValue {
             }
         };
         drop(state);
+        // Should `work` panic, the guard marks the landing failed as the panic unwinds,
+        // so that readers on other threads stop waiting for it.
+        let mut guard = Running {
+            shared: &self.0,
+            ended: None,
+        };
         let outcome = work();
-        *self.0.state.lock() = match &outcome {
+        guard.ended = Some(match &outcome {
             Ok(()) => Landing::Landed,
             Err(error) => Landing::Failed(error.to_string()),
-        };
-        self.0.ended.notify_all();
+        });
+        drop(guard);
         outcome
+    }
+}
+
+/// A landing under way: when dropped, it records how the landing ended (failed, if it
+/// never said: its work panicked) and wakes the threads waiting for it.
+struct Running<'a> {
+    shared: &'a Shared,
+    ended: Option<Landing>,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        let ended = self
+            .ended
+            .take()
+            .unwrap_or_else(|| Landing::Failed("the work that lands it panicked".to_string()));
+        *self.shared.state.lock() = ended;
+        self.shared.ended.notify_all();
     }
 }
 
@@ -187,11 +211,21 @@ impl<T: Element> Parameter<T> {
     }
 
     /// The current value (a cheap clone, not recorded on any tape), once a pending value
-    /// has landed ([`set_pending`](Self::set_pending); if that failed, the value before
-    /// it, and [`settle`](Self::settle) returns the error).
-    pub fn value(&self) -> Tensor<T> {
-        let _ = self.settle();
-        self.shared.value.lock().clone()
+    /// has landed ([`set_pending`](Self::set_pending)): if that failed, its error, now
+    /// and at every later read, never the value it was to replace.
+    pub fn value(&self) -> Result<Tensor<T>> {
+        self.settle()?;
+        Ok(self.shared.value.lock().clone())
+    }
+
+    /// The format the value is stored in (a pending value lands in the same).
+    pub fn dtype(&self) -> DType {
+        self.shared.value.lock().dtype()
+    }
+
+    /// The device the value lives on (a pending value lands on the same).
+    pub fn device(&self) -> crate::Device {
+        self.shared.value.lock().device()
     }
 
     /// Makes `pending` set this parameter's value before anything reads or writes it:
@@ -257,8 +291,7 @@ impl<T: Element> Parameter<T> {
         const OP: &str = "Parameter::read_flat_into";
         // A handle on the value, so that no lock of this parameter is held while the
         // view's storage is locked (backward takes them the other way round).
-        self.settle()?;
-        let value = self.value();
+        let value = self.value()?;
         if out.device() == crate::Device::Cpu {
             return crate::flat::with_regions(OP, &[out], |regions| match regions {
                 crate::flat::Regions::Host(mut slices) => read_flat(&value, offset, slices[0]),

@@ -223,7 +223,9 @@ impl<T: Element> Tape<T> {
 
     /// The parameter's value as a tensor recorded on this tape, so that backward reaches the
     /// parameter's gradient. Watching the same parameter twice in one pass gives one leaf.
-    pub fn watch(&self, param: &Parameter<T>) -> Tensor<T> {
+    /// A pending value ([`Parameter::set_pending`]) lands first; if its landing failed,
+    /// that error (a forward pass never runs on the value it was to replace).
+    pub fn watch(&self, param: &Parameter<T>) -> Result<Tensor<T>> {
         let substitute = self
             .shared
             .state
@@ -232,9 +234,9 @@ impl<T: Element> Tape<T> {
             .get(&param.id())
             .cloned();
         let param = substitute.as_ref().unwrap_or(param);
-        let mut value = param.value();
+        let mut value = param.value()?;
         if !self.is_recording() {
-            return value;
+            return Ok(value);
         }
         let grad_format = param.grad_format();
         let mut state = self.shared.state.lock();
@@ -257,7 +259,7 @@ impl<T: Element> Tape<T> {
             generation: state.generation,
             grad_format,
         });
-        value
+        Ok(value)
     }
 
     /// Makes [`watch`](Self::watch) of `param` on this tape watch `stand_in` instead, so

@@ -434,8 +434,10 @@ impl<T: Element> Tensor<T> {
     /// The format backward keeps this tensor's gradient in: the tensor's own 16-bit
     /// format for an activation stored so (PyTorch's and Megatron's bf16 gradients, half
     /// the bytes of f32), `T`'s for parameters (whose gradients feed f32 main gradients)
-    /// and for everything else. Each contribution is rounded to it once, and several
-    /// are summed in `T` and rounded once more, on every device alike.
+    /// and for everything else. Each contribution is rounded to it, and contributions
+    /// are added two at a time in the order backward produces them, each sum rounded
+    /// to it again (as PyTorch's autograd adds a bf16 gradient in bf16), on every
+    /// device alike.
     pub fn grad_format(&self) -> DType {
         self.link.as_ref().map_or(T::DTYPE, |link| link.grad_format)
     }

@@ -89,7 +89,7 @@ fn adamw_follows_torch_f32_for_100_updates_on_every_device() {
         for (run, torch) in runs() {
             let value = Tensor::from_vec(initial(), &[N]).unwrap();
             let param = Parameter::new("w", value.to_device(device).unwrap());
-            let mut adamw = AdamW::new(vec![param.clone()], config(run));
+            let mut adamw = AdamW::new(vec![param.clone()], config(run)).unwrap();
             for k in 1..=STEPS {
                 let grad = Tensor::from_vec(gradient(k), &[N]).unwrap();
                 param
@@ -97,7 +97,7 @@ fn adamw_follows_torch_f32_for_100_updates_on_every_device() {
                     .unwrap();
                 adamw.step().unwrap();
             }
-            let got = param.value().to_vec().unwrap();
+            let got = param.value().unwrap().to_vec().unwrap();
             assert_close(&got, &torch, &format!("{run} on {device}"));
         }
     }

@@ -54,7 +54,7 @@ fn collective_style_op_backward_runs_another_collective() -> Result<()> {
     });
     let w = Parameter::new("w", Tensor::<f64>::from_vec(vec![1.0, 2.0], &[2])?);
     let tape = Tape::new();
-    let y = Tensor::apply(op.clone(), &[&tape.watch(&w)])?;
+    let y = Tensor::apply(op.clone(), &[&tape.watch(&w)?])?;
     assert_eq!(y.to_vec()?, vec![1.0, 2.0]);
     y.sum()?.backward()?;
     assert_eq!(w.grad().expect("grad").to_vec()?, vec![4.0, 4.0]);
@@ -174,7 +174,7 @@ impl CustomOp<f32> for WrongShape {
 fn backward_errors_propagate_as_typed_errors() -> Result<()> {
     let w = Parameter::new("w", Tensor::ones(&[2]));
     let tape = Tape::new();
-    let error = Tensor::apply(Arc::new(Failing), &[&tape.watch(&w)])?
+    let error = Tensor::apply(Arc::new(Failing), &[&tape.watch(&w)?])?
         .sum()?
         .backward()
         .expect_err("backward must fail");
@@ -187,7 +187,7 @@ fn backward_errors_propagate_as_typed_errors() -> Result<()> {
     }
     assert!(w.grad().is_none());
 
-    let error = Tensor::apply(Arc::new(WrongShape), &[&tape.watch(&w)])?
+    let error = Tensor::apply(Arc::new(WrongShape), &[&tape.watch(&w)?])?
         .sum()?
         .backward()
         .expect_err("shape check");
@@ -245,7 +245,7 @@ fn backward_releases_each_node_once_it_has_run() -> Result<()> {
     });
     let w = Parameter::new("w", Tensor::ones(&[2]));
     let tape = Tape::new();
-    let h = Tensor::apply(early, &[&tape.watch(&w)])?;
+    let h = Tensor::apply(early, &[&tape.watch(&w)?])?;
     let h = Tensor::apply(late, &[&h.exp()?])?;
     let loss = h.sum()?;
     assert!(!late_dropped.load(Ordering::SeqCst));

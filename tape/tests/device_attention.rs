@@ -101,7 +101,7 @@ fn on_a_device_it_copies_nothing() -> std::result::Result<(), Box<dyn std::error
     );
     let tape = Tape::new();
     profile::start(device);
-    let out = tape.watch(&qkv).packed_causal_attention(0.25, None)?;
+    let out = tape.watch(&qkv)?.packed_causal_attention(0.25, None)?;
     let forward = profile::finish()?;
     let upstream = Tensor::<f32>::ones(out.shape()).to_device(device)?;
     profile::start(device);

@@ -26,7 +26,7 @@ fn run(
         param(&[33], &mut generator)?,
     );
     let tape = Tape::new();
-    let out = f(&tape.watch(&x), &tape.watch(&bias))?;
+    let out = f(&tape.watch(&x)?, &tape.watch(&bias)?)?;
     let weights: Tensor = Tensor::uniform(out.shape(), 0.5, 1.5, &mut generator);
     (out.to_dtype(DType::F32)?
         .mul(&weights.to_device(device)?)?
@@ -74,7 +74,7 @@ fn bias_gelu_is_one_kernel_forward() -> std::result::Result<(), Box<dyn std::err
     let bias = Parameter::new("b", Tensor::zeros(&[48]).to_device(device)?);
     let tape = Tape::new();
     profile::start(device);
-    let y = x.bias_gelu(&tape.watch(&bias), Gelu::Tanh)?;
+    let y = x.bias_gelu(&tape.watch(&bias)?, Gelu::Tanh)?;
     let forward = profile::finish()?;
     let names: Vec<(&str, u64)> = (forward.kernels.iter())
         .map(|k| (k.name.as_str(), k.launches))

@@ -116,7 +116,7 @@ fn unsupported_device_and_bad_backward_calls() -> Result<()> {
         Err(Error::Shape { .. })
     ));
     let tape = Tape::new();
-    let y = tape.watch(&w).exp()?;
+    let y = tape.watch(&w)?.exp()?;
     assert!(
         matches!(y.backward(), Err(Error::Shape { .. })),
         "non-scalar needs a seed"

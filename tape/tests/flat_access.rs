@@ -18,14 +18,14 @@ fn pieces_read_and_write_in_row_major_order_on_every_device() -> anyhow::Result<
         let mut piece = [0.0; 3];
         p.read_flat(2, &mut piece)?;
         assert_eq!(piece, [2.0, 3.0, 4.0], "{device}");
-        let held = p.value();
+        let held = p.value()?;
         p.write_flat(1, &[10.0, 11.0])?;
         assert_eq!(
-            p.value().to_vec()?,
+            p.value()?.to_vec()?,
             [0.0, 10.0, 11.0, 3.0, 4.0, 5.0],
             "{device}"
         );
-        assert_eq!(p.value().device(), device);
+        assert_eq!(p.device(), device);
         assert_eq!(
             held.to_vec()?,
             counting(&[6]).to_vec()?,
@@ -38,7 +38,7 @@ fn pieces_read_and_write_in_row_major_order_on_every_device() -> anyhow::Result<
     p.read_flat(0, &mut all)?;
     assert_eq!(all, [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
     p.write_flat(4, &[7.0, 8.0])?;
-    assert_eq!(p.value().to_vec()?, [0.0, 3.0, 1.0, 4.0, 7.0, 8.0]);
+    assert_eq!(p.value()?.to_vec()?, [0.0, 3.0, 1.0, 4.0, 7.0, 8.0]);
     Ok(())
 }
 
@@ -62,6 +62,6 @@ fn a_range_outside_the_parameter_is_refused_and_changes_nothing() -> anyhow::Res
     let err = p.write_flat(3, &[1.0, 2.0]).unwrap_err();
     assert!(err.to_string().contains("within the parameter"), "{err}");
     assert!(p.read_flat(usize::MAX, &mut [0.0]).is_err());
-    assert_eq!(p.value().to_vec()?, [0.0, 1.0, 2.0, 3.0]);
+    assert_eq!(p.value()?.to_vec()?, [0.0, 1.0, 2.0, 3.0]);
     Ok(())
 }

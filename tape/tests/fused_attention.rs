@@ -281,7 +281,7 @@ fn peak_bytes(device: Device, seq: usize, kernel: AttentionKernel) -> Result<u64
     reset_device_peak(device);
     let tape = Tape::new();
     let out = tape
-        .watch(&qkv)
+        .watch(&qkv)?
         .packed_attention(options(&shape, true, kernel), None)?;
     out.sum()?.backward()?;
     drop(out);
@@ -307,5 +307,32 @@ fn memory_grows_linearly_in_the_sequence() -> Result<()> {
         unfused > 3.0,
         "unfused peak grows {unfused}x (the sequence² tensors)"
     );
+    Ok(())
+}
+
+/// A block with no keys (or no queries) has zero gradients everywhere, on every device
+/// as on the CPU: the kernel writes none of them, so a device must not hand back the
+/// memory it allocated for them unwritten (the emulated device fills fresh memory with
+/// NaNs, so it would show).
+#[test]
+fn an_empty_block_has_zero_gradients_on_every_device() -> Result<()> {
+    use ferrotron_tape::attention_block_backward;
+    let (heads, d) = (2, 4);
+    for (sq, sk) in [(3, 0), (0, 3), (0, 0)] {
+        for device in std::iter::once(Device::Cpu).chain(devices()) {
+            let ones = |shape: &[usize]| Tensor::<f32>::ones(shape).to_device(device);
+            let (q, kv) = (ones(&[heads, sq, d])?, ones(&[heads, sk, d])?);
+            let (out, lse) = (ones(&[heads, sq, d])?, ones(&[heads, sq])?);
+            let grads = attention_block_backward((&q, &kv, &kv), &out, &out, &lse, 0.5, false)?;
+            for (grad, s) in grads.iter().zip([sq, sk, sk]) {
+                assert_eq!(grad.shape(), [heads, s, d]);
+                let values = grad.to_vec()?;
+                assert!(
+                    values.iter().all(|&v| v == 0.0),
+                    "{device} {sq}×{sk}: {values:?}"
+                );
+            }
+        }
+    }
     Ok(())
 }

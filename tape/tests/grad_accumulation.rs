@@ -9,7 +9,10 @@ fn loss_sum(
     b: &Parameter<f64>,
     x: &Tensor<f64>,
 ) -> ferrotron_tape::Result<Tensor<f64>> {
-    x.matmul(&tape.watch(w))?.add(&tape.watch(b))?.tanh()?.sum()
+    x.matmul(&tape.watch(w)?)?
+        .add(&tape.watch(b)?)?
+        .tanh()?
+        .sum()
 }
 
 #[test]
@@ -42,9 +45,9 @@ fn two_micro_batches_equal_one_full_batch() -> Result<()> {
 fn zero_grad_resets_and_grad_clones_are_not_mutated() -> Result<()> {
     let w = Parameter::new("w", Tensor::<f32>::ones(&[2]));
     let tape = Tape::new();
-    tape.watch(&w).sum()?.backward()?;
+    tape.watch(&w)?.sum()?.backward()?;
     let first = w.grad().expect("grad");
-    tape.watch(&w).scale(2.0)?.sum()?.backward()?;
+    tape.watch(&w)?.scale(2.0)?.sum()?.backward()?;
     assert_eq!(w.grad().expect("grad").to_vec()?, vec![3.0, 3.0]);
     assert_eq!(
         first.to_vec()?,

@@ -1,5 +1,6 @@
 //! The format backward keeps gradients in: a 16-bit activation's gradient in its format
-//! (each contribution rounded once, several summed in f32 and rounded once more), a
+//! (each contribution rounded, and each sum of two rounded again, in the order backward
+//! meets them, as PyTorch accumulates a bf16 gradient), a
 //! parameter's (and a view's of it) in f32, a stand-in activation's like the activation
 //! it replaces; the same bits on the CPU and every device, and on a device written
 //! 16-bit by the kernels that make them, with no conversion launched.
@@ -47,7 +48,7 @@ fn contributions_are_rounded_then_summed_once() -> Result<()> {
     for device in [Device::Cpu].into_iter().chain(devices()) {
         let x = param("x", &uniform(&shape, 3), device)?;
         let tape = Tape::new();
-        let h = tape.watch(&x).scale(1.0)?;
+        let h = tape.watch(&x)?.scale(1.0)?;
         assert_eq!(h.grad_format(), DType::BF16);
         let (w1, w2) = (w1.to_device(device)?, w2.to_device(device)?);
         let loss = h.mul(&w1)?.sum()?.add(&h.mul(&w2)?.sum()?)?;
@@ -55,6 +56,43 @@ fn contributions_are_rounded_then_summed_once() -> Result<()> {
         let grad = x.grad().expect("x has a gradient");
         assert_eq!(grad.dtype(), DType::F32, "a parameter's gradient is f32");
         assert_eq!(grad.to_vec()?, expected, "on {device}");
+    }
+    Ok(())
+}
+
+/// Three contributions, 1, 2⁻⁸ and 2⁻⁸ (each exact in bf16), in the order backward
+/// meets them (the reverse of the forward's): each sum of two is rounded, as PyTorch's
+/// autograd adds a bf16 gradient in bf16. Meeting 1 first, 1 + 2⁻⁸ rounds (to even) to
+/// 1 twice over, where summing all three and rounding once would give 1 + 2⁻⁷.
+#[test]
+fn three_contributions_are_summed_pairwise_in_backwards_order() -> Result<()> {
+    let small = 2f32.powi(-8);
+    for weights in [[small, small, 1.0], [1.0, small, small]] {
+        let mut expected = 0.0f32;
+        for (i, &w) in weights.iter().rev().enumerate() {
+            expected = if i == 0 { w } else { round(&[expected + w])[0] };
+        }
+        let once = round(&[weights.iter().sum::<f32>()])[0];
+        let distinguishes = expected != once;
+        for device in [Device::Cpu].into_iter().chain(devices()) {
+            let x = param("x", &Tensor::ones(&[4]), device)?;
+            let tape = Tape::new();
+            let h = tape.watch(&x)?.scale(1.0)?;
+            let mut loss = None;
+            for w in weights {
+                let term = h.scale(f64::from(w))?.sum()?;
+                loss = Some(match loss {
+                    None => term,
+                    Some(sum) => term.add(&sum)?,
+                });
+            }
+            loss.expect("three terms").backward()?;
+            let grad = x.grad().expect("x has a gradient").to_vec()?;
+            assert_eq!(grad, [expected; 4], "weights {weights:?} on {device}");
+        }
+        if weights[2] == 1.0 {
+            assert!(distinguishes, "meeting 1 first tells the rules apart");
+        }
     }
     Ok(())
 }
@@ -69,9 +107,9 @@ fn a_view_of_a_parameter_keeps_f32_gradients() -> Result<()> {
         let x = param("x", &uniform(&[2, 5, 16], 4), device)?;
         let w = param("w", &uniform(&[3, 16], 5), device)?;
         let tape = Tape::new();
-        let watched = tape.watch(&w);
+        let watched = tape.watch(&w)?;
         assert_eq!(watched.transpose(0, 1)?.grad_format(), DType::F32);
-        let y = tape.watch(&x).scale(1.0)?.matmul_transposed(&watched)?;
+        let y = tape.watch(&x)?.scale(1.0)?.matmul_transposed(&watched)?;
         let weights = uniform(y.shape(), 6).to_device(device)?;
         y.mul(&weights)?.sum()?.backward()?;
         let grad = w.grad().expect("w has a gradient");
@@ -94,20 +132,20 @@ fn a_stand_in_gets_the_activations_bits() -> Result<()> {
         };
         let x = param("x", &uniform(&[4, 32], 8), device)?;
         let tape = Tape::new();
-        let h = tape.watch(&x).scale(1.0)?;
+        let h = tape.watch(&x)?.scale(1.0)?;
         head(&h)?.backward()?;
         let whole = x.grad().expect("x has a gradient").to_vec()?;
 
         let stand_in = Parameter::activation("h", h.detach());
         let replay = Tape::new();
-        head(&replay.watch(&stand_in))?.backward()?;
+        head(&replay.watch(&stand_in)?)?.backward()?;
         let grad = stand_in.grad().expect("the stand-in has a gradient");
         assert_eq!(grad.dtype(), DType::BF16, "on {device}");
         assert_eq!(grad.to_vec()?, whole, "on {device}");
 
         let parameter = Parameter::new("h", h.detach());
         let replay = Tape::new();
-        head(&replay.watch(&parameter))?.backward()?;
+        head(&replay.watch(&parameter)?)?.backward()?;
         let unrounded = parameter.grad().expect("a gradient").to_vec()?;
         assert_ne!(
             unrounded, whole,
@@ -140,7 +178,10 @@ fn a_blocks_backward_writes_16_bit_gradients_directly() -> Result<()> {
             .map(|(i, (name, shape))| param(name, &uniform(shape, 10 + i as u64), device))
             .collect::<Result<_>>()?;
         let tape = Tape::new();
-        let w: Vec<Tensor> = params.iter().map(|p| tape.watch(p)).collect();
+        let w: Vec<Tensor> = params
+            .iter()
+            .map(|p| tape.watch(p))
+            .collect::<std::result::Result<_, _>>()?;
         let x = w[0].scale(1.0)?;
         let normed = x.layer_norm(Some(&w[1]), Some(&w[2]), 1e-5)?;
         let qkv = normed

@@ -11,7 +11,7 @@ fn a_handle_backpropagates_as_its_tensor_would() -> ferrotron_tape::Result<()> {
     let run = |use_handle: bool| -> ferrotron_tape::Result<Vec<f32>> {
         let w = Parameter::new("w", Tensor::full(&[3, 4], 0.5));
         let tape = Tape::new();
-        let y = x.matmul(&tape.watch(&w))?.tanh()?;
+        let y = x.matmul(&tape.watch(&w)?)?.tanh()?;
         if use_handle {
             let handle = y.grad_handle().expect("recorded");
             assert_eq!(handle.shape(), &[2, 4]);
@@ -34,7 +34,7 @@ fn a_handle_checks_its_seed_and_needs_a_recorded_tensor() -> ferrotron_tape::Res
     );
     let w = Parameter::new("w", Tensor::<f32>::ones(&[2]));
     let tape = Tape::new();
-    let handle = tape.watch(&w).scale(2.0)?.grad_handle().expect("recorded");
+    let handle = tape.watch(&w)?.scale(2.0)?.grad_handle().expect("recorded");
     let err = handle.backward_with_grad(&Tensor::ones(&[3])).unwrap_err();
     assert!(matches!(err, Error::Shape { .. }), "{err}");
     handle.backward_with_grad(&Tensor::ones(&[2]))?;

@@ -115,8 +115,8 @@ fn f32_tanh_and_gelu_follow_f64() -> Result<()> {
             Parameter::new("x", narrow.clone()),
             Parameter::new("x", wide.clone()),
         );
-        let y32 = op32(&tape32.watch(&p32))?;
-        let y64 = op64(&tape64.watch(&p64))?;
+        let y32 = op32(&tape32.watch(&p32)?)?;
+        let y64 = op64(&tape64.watch(&p64)?)?;
         y32.sum()?.backward()?;
         y64.sum()?.backward()?;
         let grad = |p: &Parameter<f32>| p.grad().map(|g| g.to_vec()).transpose();

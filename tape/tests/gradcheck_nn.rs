@@ -48,8 +48,8 @@ fn causal_softmax_equals_scale_mask_softmax() -> Result<()> {
             ferrotron_tape::Parameter::new("composite", x[0].clone()),
         );
         let weights = randn(shape, 30 + i as u64);
-        let fused = watched(&fused_x).causal_softmax(0.7)?;
-        let composite = watched(&composite_x)
+        let fused = watched(&fused_x)?.causal_softmax(0.7)?;
+        let composite = watched(&composite_x)?
             .scale(0.7)?
             .masked_fill(&ferrotron_tape::causal_mask(n), f64::NEG_INFINITY)?
             .softmax()?;

@@ -67,9 +67,9 @@ fn hooks_fire_before_backward_ends_in_reverse_order_of_use() -> Result<()> {
     };
 
     // first → marker "early" → × last → marker "late" → sum
-    let h = tape.watch(&first).scale(2.0)?;
+    let h = tape.watch(&first)?.scale(2.0)?;
     let h = Tensor::apply(marker("early"), &[&h])?;
-    let h = h.mul(&tape.watch(&last))?;
+    let h = h.mul(&tape.watch(&last)?)?;
     let h = Tensor::apply(marker("late"), &[&h])?;
     h.sum()?.backward()?;
     log.lock().expect("log").push("backward returned".into());
@@ -97,9 +97,9 @@ fn a_parameter_used_twice_fires_once_with_the_full_gradient() -> Result<()> {
         label: "middle",
         log: log.clone(),
     });
-    let w = tape.watch(&shared);
+    let w = tape.watch(&shared)?;
     let h = Tensor::apply(marker, &[&w.scale(3.0)?])?;
-    h.add(&tape.watch(&shared))?.sum()?.backward()?;
+    h.add(&tape.watch(&shared)?)?.sum()?.backward()?;
     assert_eq!(
         *log.lock().expect("log"),
         vec!["backward middle", "hook shared [4.0, 4.0, 4.0, 4.0]"]
@@ -127,7 +127,7 @@ fn hooks_are_send_and_can_hand_gradients_to_another_thread() -> Result<()> {
     });
     let tape = Tape::new();
     for _ in 0..2 {
-        tape.watch(&w).scale(2.0)?.sum()?.backward()?;
+        tape.watch(&w)?.scale(2.0)?.sum()?.backward()?;
     }
     w.clear_grad_hooks(); // drops the sender so the worker finishes
     let sums = worker
@@ -146,7 +146,7 @@ fn a_failing_hook_stops_backward_with_its_error() -> Result<()> {
     let w = Parameter::new("w", Tensor::<f32>::ones(&[2]));
     w.register_grad_hook(|_| Err(Error::custom("all-reduce hook", "peer rank 3 is gone")));
     let tape = Tape::new();
-    let error = tape.watch(&w).sum()?.backward().expect_err("hook error");
+    let error = tape.watch(&w)?.sum()?.backward().expect_err("hook error");
     assert!(matches!(error, Error::Custom { .. }));
     assert!(error.to_string().contains("peer rank 3 is gone"), "{error}");
     Ok(())

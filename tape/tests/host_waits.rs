@@ -18,12 +18,12 @@ fn only_reading_values_back_waits() -> ferrotron_tape::Result<()> {
         "w",
         Tensor::<f32>::uniform(&[16, 4], -1.0, 1.0, &mut generator).to_device(DEVICE)?,
     );
-    let mut optimizer = AdamW::new(vec![w.clone()], AdamWConfig::default());
+    let mut optimizer = AdamW::new(vec![w.clone()], AdamWConfig::default())?;
     assert_eq!(host_waits(DEVICE) - start, 0, "uploads");
     for _ in 0..3 {
         // Forward, backward and the update: all queued.
         let tape = Tape::new();
-        let y = x.matmul(&tape.watch(&w))?;
+        let y = x.matmul(&tape.watch(&w)?)?;
         y.mul(&y)?.sum()?.backward()?;
         optimizer.step()?;
         optimizer.zero_grad();
@@ -34,7 +34,7 @@ fn only_reading_values_back_waits() -> ferrotron_tape::Result<()> {
         "forward, backward and AdamW steps"
     );
     // Each read is one wait.
-    let value = w.value();
+    let value = w.value()?;
     value.to_vec()?;
     value.sum()?.item()?;
     assert_eq!(host_waits(DEVICE) - start, 2, "two reads");

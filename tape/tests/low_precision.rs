@@ -49,7 +49,10 @@ fn run(
             ))
         })
         .collect::<Result<_>>()?;
-    let watched: Vec<Tensor> = params.iter().map(|p| tape.watch(p)).collect();
+    let watched: Vec<Tensor> = params
+        .iter()
+        .map(|p| tape.watch(p))
+        .collect::<std::result::Result<_, _>>()?;
     let out = op(&watched)?;
     let mut generator = Generator::new(7);
     let weights = Tensor::uniform(out.shape(), 0.5, 1.5, &mut generator);
@@ -319,7 +322,7 @@ fn cross_entropy_reads_16_bit_logits_as_a_cast_to_f32_would() -> Result<()> {
             let run = |cast: bool| -> Result<(f32, Vec<f32>)> {
                 let tape = Tape::new();
                 let param = Parameter::new("x", logits.to_device(device)?.to_dtype(dtype)?);
-                let x = tape.watch(&param).scale(1.0)?;
+                let x = tape.watch(&param)?.scale(1.0)?;
                 let x = if cast { x.to_dtype(DType::F32)? } else { x };
                 let loss = x.cross_entropy(&labels, &options)?;
                 assert_eq!(loss.dtype(), DType::F32, "{dtype} on {device}");
@@ -342,7 +345,7 @@ fn cross_entropy_in_f32_from_16_bit_logits() {
     let loss_of = |dtype: DType, device: Device| -> Result<(f32, Vec<f32>)> {
         let tape = Tape::new();
         let param = Parameter::new("logits", logits.to_device(device)?.to_dtype(dtype)?);
-        let x = tape.watch(&param).to_dtype(DType::F32)?;
+        let x = tape.watch(&param)?.to_dtype(DType::F32)?;
         let loss = x.cross_entropy(&labels, &options)?;
         assert_eq!(loss.dtype(), DType::F32);
         loss.backward()?;
@@ -450,8 +453,8 @@ fn storage_format_travels_with_the_tensor() -> Result<()> {
     // 16-bit storage is never updated in place: optimizers need an f32 master copy.
     let param = Parameter::new("w", x.clone());
     let tape = Tape::new();
-    tape.watch(&param).sum()?.backward()?;
-    let mut sgd = ferrotron_tape::Sgd::new(vec![param], ferrotron_tape::SgdConfig::new(0.1));
+    tape.watch(&param)?.sum()?.backward()?;
+    let mut sgd = ferrotron_tape::Sgd::new(vec![param], ferrotron_tape::SgdConfig::new(0.1))?;
     let err = ferrotron_tape::Optimizer::step(&mut sgd)
         .unwrap_err()
         .to_string();

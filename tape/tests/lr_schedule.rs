@@ -138,7 +138,9 @@ fn adamw_takes_the_kth_rate_from_position_k_minus_1() {
         weight_decay: 0.0,
         ..AdamWConfig::default()
     };
-    let mut adamw = AdamW::new(vec![param.clone()], config).with_schedule(schedule);
+    let mut adamw = AdamW::new(vec![param.clone()], config)
+        .unwrap()
+        .with_schedule(schedule);
     let rates = moves(&mut adamw, &param, DECAY + 3);
     for (k, rate) in (1..).zip(rates) {
         let (got, expected) = (adamw_rate_of(k, &rate), schedule.lr(k - 1));
@@ -165,7 +167,9 @@ fn adamw_rate_of(k: u64, moved: &[f64]) -> f64 {
 fn sgd_takes_the_kth_rate_from_position_k_minus_1() {
     let schedule = LrSchedule::new(PEAK, FLOOR, WARMUP, DECAY, LrDecay::Linear).unwrap();
     let param: Parameter<f64> = Parameter::new("w", Tensor::from_vec(vec![0.0; 2], &[2]).unwrap());
-    let mut sgd = Sgd::new(vec![param.clone()], SgdConfig::new(99.0)).with_schedule(schedule);
+    let mut sgd = Sgd::new(vec![param.clone()], SgdConfig::new(99.0))
+        .unwrap()
+        .with_schedule(schedule);
     let rates = moves(&mut sgd, &param, DECAY + 3);
     for (k, moved) in (1..).zip(rates) {
         let expected = schedule.lr(k - 1);
@@ -183,12 +187,17 @@ fn sgd_takes_the_kth_rate_from_position_k_minus_1() {
 fn moves(optimizer: &mut dyn Optimizer<f64>, param: &Parameter<f64>, steps: u64) -> Vec<Vec<f64>> {
     (0..steps)
         .map(|_| {
-            let before = param.value().to_vec().unwrap();
+            let before = param.value().unwrap().to_vec().unwrap();
             optimizer.zero_grad();
             let tape = Tape::new();
-            tape.watch(param).sum().unwrap().backward().unwrap();
+            tape.watch(param)
+                .unwrap()
+                .sum()
+                .unwrap()
+                .backward()
+                .unwrap();
             optimizer.step().unwrap();
-            let after = param.value().to_vec().unwrap();
+            let after = param.value().unwrap().to_vec().unwrap();
             after.iter().zip(&before).map(|(a, b)| a - b).collect()
         })
         .collect()
@@ -226,13 +235,15 @@ fn adamw_on_a_schedule_equals_torch_adamw_under_lambdalr() {
         weight_decay: 0.01,
         ..AdamWConfig::default()
     };
-    let mut adamw = AdamW::new(vec![w.clone()], config).with_schedule(schedule);
+    let mut adamw = AdamW::new(vec![w.clone()], config)
+        .unwrap()
+        .with_schedule(schedule);
     for (k, expected) in (1..).zip(TORCH) {
         let grad: Vec<f64> = (0..3).map(|i| (0.7 * k as f64 + i as f64).sin()).collect();
         w.set_grad(Some(Tensor::from_vec(grad, &[3]).unwrap()))
             .unwrap();
         adamw.step().unwrap();
-        let got = w.value().to_vec().unwrap();
+        let got = w.value().unwrap().to_vec().unwrap();
         for (g, e) in got.iter().zip(expected) {
             assert!(
                 (g - e).abs() <= 1e-14,

@@ -42,8 +42,8 @@ fn backward_accumulates_into_the_view_in_place() -> anyhow::Result<()> {
         let before = transfers(device);
         let tape = Tape::new();
         let loss = |scale: f64| -> ferrotron_tape::Result<Tensor> {
-            x.matmul(&tape.watch(&w))?
-                .add(&tape.watch(&b))?
+            x.matmul(&tape.watch(&w)?)?
+                .add(&tape.watch(&b)?)?
                 .scale(scale)?
                 .sum()
         };
@@ -71,10 +71,10 @@ fn backward_accumulates_into_the_view_in_place() -> anyhow::Result<()> {
         assert_eq!(snapshot.to_vec()?, [3.0, 3.0, -3.0, -3.0]);
 
         // An optimizer steps from the view.
-        let mut sgd = Sgd::new(vec![w.clone(), b.clone()], SgdConfig::new(0.5));
+        let mut sgd = Sgd::new(vec![w.clone(), b.clone()], SgdConfig::new(0.5))?;
         sgd.step()?;
-        assert_eq!(w.value().to_vec()?, [0.5, 1.5, 3.5, 4.5], "{device}");
-        assert_eq!(b.value().to_vec()?, [0.0, 0.0], "{device}");
+        assert_eq!(w.value()?.to_vec()?, [0.5, 1.5, 3.5, 4.5], "{device}");
+        assert_eq!(b.value()?.to_vec()?, [0.0, 0.0], "{device}");
 
         // set_grad writes the view; take_grad forgets it.
         b.set_grad(Some(
@@ -95,7 +95,7 @@ fn attaching_copies_the_gradient_in_and_checks_shape_and_device() -> anyhow::Res
     let storage = FlatStorage::<f32>::zeros(Device::Emulated, 4)?;
     let p = param_on(Device::Emulated, "p", vec![1.0, 2.0], &[2]);
     let tape = Tape::new();
-    tape.watch(&p).scale(5.0)?.sum()?.backward()?;
+    tape.watch(&p)?.scale(5.0)?.sum()?.backward()?;
     p.attach_main_grad(FlatView::new(&storage, 2, &[2])?)?;
     assert_eq!(
         FlatView::new(&storage, 0, &[4])?.to_tensor()?.to_vec()?,
@@ -139,7 +139,7 @@ fn a_lease_keeps_every_other_access_out_until_dropped_even_when_leaked() -> anyh
         assert_eq!(lease.len(), 2);
         assert!(lease.as_buf_mut().len() == 2);
         assert!(matches!(storage.lease(), Err(Error::Leased { .. })));
-        let refused = tape.watch(&p).sum()?.backward().unwrap_err();
+        let refused = tape.watch(&p)?.sum()?.backward().unwrap_err();
         assert!(
             matches!(&refused, Error::Leased { parameter: Some(name), .. } if name == "p"),
             "{refused}"
@@ -152,7 +152,7 @@ fn a_lease_keeps_every_other_access_out_until_dropped_even_when_leaked() -> anyh
         );
         assert!(!storage.is_leased(), "dropping the buffer ends the lease");
 
-        tape.watch(&p).sum()?.backward()?;
+        tape.watch(&p)?.sum()?.backward()?;
         assert_eq!(p.grad().unwrap().to_vec()?, [1.0, 1.0]);
 
         // A leaked lease leaves the storage refused, never aliased.
@@ -218,7 +218,7 @@ fn transposed_contributions_accumulate_in_row_major_order() -> anyhow::Result<()
     let tape = Tape::new();
     // Two backward passes: the first contribution overwrites, the second adds.
     for c in [&c1, &c2] {
-        tape.watch(&w).transpose(0, 1)?.mul(c)?.sum()?.backward()?;
+        tape.watch(&w)?.transpose(0, 1)?.mul(c)?.sum()?.backward()?;
     }
     // d/dw = (c1 + c2)ᵀ
     assert_eq!(

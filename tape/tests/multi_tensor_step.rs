@@ -40,7 +40,7 @@ fn train(device: Device) -> AnyResult<(Vec<Vec<f32>>, u64)> {
         ..AdamWConfig::default()
     };
     let mut adamw =
-        AdamW::new(params.clone(), config).with_param_options(ParamOptions::megatron_groups);
+        AdamW::new(params.clone(), config)?.with_param_options(ParamOptions::megatron_groups);
     let mut launches = 0;
     for step in 0..STEPS {
         for (i, param) in params.iter().enumerate() {
@@ -55,7 +55,7 @@ fn train(device: Device) -> AnyResult<(Vec<Vec<f32>>, u64)> {
     }
     let values = params
         .iter()
-        .map(|p| p.value().to_vec())
+        .map(|p| p.value()?.to_vec())
         .collect::<ferrotron_tape::Result<_>>()?;
     Ok((values, launches))
 }
@@ -82,14 +82,14 @@ fn a_parameter_listed_twice_is_updated_twice() -> AnyResult<()> {
             "p",
             Tensor::from_vec(vec![1.0f32, -2.0], &[2])?.to_device(device)?,
         );
-        let mut adamw = AdamW::new(vec![param.clone(), param.clone()], AdamWConfig::default());
+        let mut adamw = AdamW::new(vec![param.clone(), param.clone()], AdamWConfig::default())?;
         for _ in 0..2 {
             param.set_grad(Some(
                 Tensor::from_vec(vec![0.5f32, 0.25], &[2])?.to_device(device)?,
             ))?;
             adamw.step()?;
         }
-        Ok(param.value().to_vec()?)
+        Ok(param.value()?.to_vec()?)
     };
     let cpu = run(Device::Cpu)?;
     for device in device::devices() {

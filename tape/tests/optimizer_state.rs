@@ -16,7 +16,7 @@ type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 /// A gradient that depends on the value, so that the trajectory depends on every step.
 fn step(optimizer: &mut dyn Optimizer) -> AnyResult {
     for param in optimizer.params() {
-        let value = param.value();
+        let value = param.value()?;
         param.set_grad(Some(value.mul(&value)?.sub(&value.scale(0.3)?)?))?;
     }
     Ok(optimizer.step()?)
@@ -25,8 +25,8 @@ fn step(optimizer: &mut dyn Optimizer) -> AnyResult {
 fn values(params: &[Parameter]) -> AnyResult<Vec<Vec<f32>>> {
     Ok(params
         .iter()
-        .map(|p| p.value().to_vec())
-        .collect::<Result<_, _>>()?)
+        .map(|p| p.value()?.to_vec())
+        .collect::<std::result::Result<_, _>>()?)
 }
 
 type Build = fn(Vec<Parameter>) -> Box<dyn Optimizer>;
@@ -36,6 +36,7 @@ fn optimizers() -> Vec<(&'static str, Build)> {
         ("adamw", |params| {
             Box::new(
                 AdamW::new(params, AdamWConfig::default())
+                    .unwrap()
                     .with_schedule(LrSchedule::new(0.1, 0.01, 2, 6, LrDecay::Cosine).unwrap()),
             )
         }),
@@ -47,6 +48,7 @@ fn optimizers() -> Vec<(&'static str, Build)> {
             };
             Box::new(
                 Sgd::new(params, config)
+                    .unwrap()
                     .with_schedule(LrSchedule::new(0.05, 0.0, 1, 5, LrDecay::Linear).unwrap()),
             )
         }),
@@ -119,22 +121,22 @@ fn original_lr_at(name: &str, position: u64) -> f64 {
 #[test]
 fn a_state_for_other_parameters_is_an_error() -> AnyResult {
     let params = parameters(Device::Cpu)?;
-    let mut adamw = AdamW::new(params.clone(), AdamWConfig::default());
+    let mut adamw = AdamW::new(params.clone(), AdamWConfig::default())?;
     step(&mut adamw)?;
     let state = adamw.state()?;
 
-    let mut fewer = AdamW::new(params[..1].to_vec(), AdamWConfig::default());
+    let mut fewer = AdamW::new(params[..1].to_vec(), AdamWConfig::default())?;
     assert!(matches!(
         fewer.load_state(&state),
         Err(ferrotron_tape::Error::InvalidArgument { .. })
     ));
-    let mut sgd = Sgd::new(params.clone(), SgdConfig::new(0.1));
+    let mut sgd = Sgd::new(params.clone(), SgdConfig::new(0.1))?;
     assert!(matches!(
         sgd.load_state(&state),
         Err(ferrotron_tape::Error::InvalidArgument { .. })
     ));
     let reshaped = vec![params[1].clone(), params[0].clone()];
-    let mut swapped = AdamW::new(reshaped, AdamWConfig::default());
+    let mut swapped = AdamW::new(reshaped, AdamWConfig::default())?;
     assert!(matches!(
         swapped.load_state(&state),
         Err(ferrotron_tape::Error::Shape { .. })
@@ -146,14 +148,14 @@ fn a_state_for_other_parameters_is_an_error() -> AnyResult {
 fn the_schedule_sets_each_steps_learning_rate() -> AnyResult {
     let param = Parameter::new("x", Tensor::from_vec(vec![0.0f32], &[1])?);
     let schedule = LrSchedule::new(1.0, 0.0, 2, 4, LrDecay::Linear)?;
-    let mut sgd = Sgd::new(vec![param.clone()], SgdConfig::new(123.0)).with_schedule(schedule);
+    let mut sgd = Sgd::new(vec![param.clone()], SgdConfig::new(123.0))?.with_schedule(schedule);
     let mut moves = Vec::new();
     for _ in 0..5 {
-        let before = param.value().to_vec()?[0];
+        let before = param.value()?.to_vec()?[0];
         param.set_grad(Some(Tensor::from_vec(vec![-1.0], &[1])?))?;
         assert_eq!(sgd.lr(), schedule.lr(moves.len() as u64));
         sgd.step()?;
-        moves.push(param.value().to_vec()?[0] - before);
+        moves.push(param.value()?.to_vec()?[0] - before);
     }
     // Plain SGD moves by lr · 1: the schedule's 0, 0.5, 1, 0.5, 0 (positions 0 to 4), not
     // the config's 123.

@@ -55,7 +55,7 @@ fn gradients(
     let (x, w) = (param("x", &[6, 5])?, param("w", &[4, 5])?);
     let upstream: Tensor = Tensor::randn(&[6, 4], 1.0, &mut rng).to_device(device)?;
     let tape = Tape::new();
-    let (xs, ws) = (tape.watch(&x), tape.watch(&w));
+    let (xs, ws) = (tape.watch(&x)?, tape.watch(&w)?);
     profile::start(device);
     let y = match hook {
         Some(hook) => xs.matmul_transposed_overlapped(&ws, hook)?,

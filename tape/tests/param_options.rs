@@ -17,7 +17,7 @@ type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 fn train(optimizer: &mut dyn Optimizer) -> AnyResult<Vec<Vec<f32>>> {
     for _ in 0..3 {
         for param in optimizer.params() {
-            let value = param.value();
+            let value = param.value()?;
             param.set_grad(Some(value.mul(&value)?.sub(&value.scale(0.3)?)?))?;
         }
         optimizer.step()?;
@@ -25,8 +25,8 @@ fn train(optimizer: &mut dyn Optimizer) -> AnyResult<Vec<Vec<f32>>> {
     Ok(optimizer
         .params()
         .iter()
-        .map(|p| p.value().to_vec())
-        .collect::<Result<_, _>>()?)
+        .map(|p| p.value()?.to_vec())
+        .collect::<std::result::Result<_, _>>()?)
 }
 
 const ADAMW: AdamWConfig = AdamWConfig {
@@ -60,28 +60,28 @@ fn options(param: &Parameter) -> ParamOptions {
 fn options_equal_a_config_with_the_multipliers_folded_in() -> AnyResult {
     for device in [Device::Cpu, Device::Emulated] {
         let grouped =
-            train(&mut AdamW::new(parameters(device)?, ADAMW).with_param_options(options))?;
+            train(&mut AdamW::new(parameters(device)?, ADAMW)?.with_param_options(options))?;
         let [w, b]: [Parameter; 2] = parameters(device)?.try_into().expect("two parameters");
-        let w_alone = train(&mut AdamW::new(vec![w], AdamWConfig { lr: 0.05, ..ADAMW }))?;
+        let w_alone = train(&mut AdamW::new(vec![w], AdamWConfig { lr: 0.05, ..ADAMW })?)?;
         let b_alone = train(&mut AdamW::new(
             vec![b],
             AdamWConfig {
                 weight_decay: 0.0,
                 ..ADAMW
             },
-        ))?;
+        )?)?;
         assert_eq!(grouped, [w_alone, b_alone].concat(), "AdamW on {device:?}");
 
-        let grouped = train(&mut Sgd::new(parameters(device)?, SGD).with_param_options(options))?;
+        let grouped = train(&mut Sgd::new(parameters(device)?, SGD)?.with_param_options(options))?;
         let [w, b]: [Parameter; 2] = parameters(device)?.try_into().expect("two parameters");
-        let w_alone = train(&mut Sgd::new(vec![w], SgdConfig { lr: 0.05, ..SGD }))?;
+        let w_alone = train(&mut Sgd::new(vec![w], SgdConfig { lr: 0.05, ..SGD })?)?;
         let b_alone = train(&mut Sgd::new(
             vec![b],
             SgdConfig {
                 weight_decay: 0.0,
                 ..SGD
             },
-        ))?;
+        )?)?;
         assert_eq!(grouped, [w_alone, b_alone].concat(), "SGD on {device:?}");
     }
     Ok(())

@@ -119,7 +119,10 @@ fn sixteen_bit_pointwise_ops_take_only_their_result() -> ferrotron_tape::Result<
                     .map(|(i, &value)| Parameter::new(format!("x{i}"), value.clone()))
                     .collect();
                 let tape = Tape::new();
-                let watched: Vec<Tensor> = params.iter().map(|p| tape.watch(p)).collect();
+                let watched: Vec<Tensor> = params
+                    .iter()
+                    .map(|p| tape.watch(p))
+                    .collect::<std::result::Result<_, _>>()?;
                 let out = op(&watched)?;
                 counting::reset_peak();
                 let before = counting::live();

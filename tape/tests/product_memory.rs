@@ -36,7 +36,7 @@ fn sixteen_bit_device_products_allocate_only_their_result() -> ferrotron_tape::R
         let grad = Tensor::randn(&[2, N, N], 1.0, &mut rng).to_device(Device::Emulated)?;
         counting::reset_peak();
         let before = counting::live();
-        let product = product(&tape.watch(&a), &tape.watch(&b))?;
+        let product = product(&tape.watch(&a)?, &tape.watch(&b)?)?;
         let taken = counting::peak() - before;
         let result = (2 * N * N * 2) as isize;
         assert_eq!(product.dtype(), dtype);

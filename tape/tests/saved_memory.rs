@@ -27,7 +27,7 @@ fn held_for_backward(dtype: DType, device: Device) -> ferrotron_tape::Result<isi
     let w1 = make("w1", &[WIDTH, WIDTH], &mut rng)?;
     let w2 = make("w2", &[WIDTH, WIDTH], &mut rng)?;
     let tape = Tape::new();
-    let (x_in, w1_in, w2_in) = (tape.watch(&x), tape.watch(&w1), tape.watch(&w2));
+    let (x_in, w1_in, w2_in) = (tape.watch(&x)?, tape.watch(&w1)?, tape.watch(&w2)?);
     let before = counting::live();
     let loss = {
         let normed = x_in.layer_norm(None, None, 1e-5)?;

@@ -105,7 +105,7 @@ fn shape_ops_take_no_memory_beyond_their_result_in_its_format() -> ferrotron_tap
         let p = Parameter::new("p", values.to_device(device)?.to_dtype(DType::BF16)?);
         let tape = Tape::new();
         let piece = tape
-            .watch(&p)
+            .watch(&p)?
             .narrow(0, 1, 2)?
             .reshape(&[2 * COLS])?
             .narrow(0, 3, 5)?;

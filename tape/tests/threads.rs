@@ -15,7 +15,7 @@ fn product_and_grads(a: &Tensor<f32>, b: &Tensor<f32>) -> Result<[Vec<f32>; 3]> 
         Parameter::new("b", b.clone()),
     );
     let tape = Tape::new();
-    let y = tape.watch(&pa).matmul(&tape.watch(&pb))?;
+    let y = tape.watch(&pa)?.matmul(&tape.watch(&pb)?)?;
     // A non-uniform seed, so every gradient element depends on its own output row/column.
     let weights = randn(y.shape(), 99);
     y.mul(&weights)?.sum()?.backward()?;
@@ -66,9 +66,9 @@ fn row_ops_and_grads(x: &Tensor<f32>) -> Result<Vec<Vec<f32>>> {
     let weight = Parameter::new("w", randn(&[width], 7));
     let bias = Parameter::new("b", randn(&[width], 8));
     let tape = Tape::new();
-    let input = tape.watch(&px);
+    let input = tape.watch(&px)?;
     let outputs = [
-        input.layer_norm(Some(&tape.watch(&weight)), Some(&tape.watch(&bias)), 1e-5)?,
+        input.layer_norm(Some(&tape.watch(&weight)?), Some(&tape.watch(&bias)?), 1e-5)?,
         input.softmax()?,
         input.causal_softmax(0.125)?,
         input.gelu(ferrotron_tape::Gelu::Tanh)?,

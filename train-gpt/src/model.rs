@@ -267,7 +267,7 @@ impl Gpt {
         batch: usize,
     ) -> Result<Tensor> {
         let embedded = first.tokens.forward(tape, tokens.ids, &[seq, batch])?;
-        let table = tape.watch(&first.position.param);
+        let table = tape.watch(&first.position.param)?;
         let (start, len) = match self.tp.sequence_parallel() {
             true => self.tp.part(seq)?,
             false => (0, seq),

@@ -34,8 +34,8 @@ pub fn loss(tape: &Tape, params: &[Parameter], x: &Tensor) -> ferrotron_tape::Re
     let mut h = x.clone();
     for layer in params.chunks(2) {
         h = h
-            .matmul(&tape.watch(&layer[0]))?
-            .add(&tape.watch(&layer[1]))?
+            .matmul(&tape.watch(&layer[0])?)?
+            .add(&tape.watch(&layer[1])?)?
             .relu()?;
     }
     h.mean()

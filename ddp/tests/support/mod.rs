@@ -33,12 +33,12 @@ pub fn loss(
     target: &Tensor,
 ) -> ferrotron_tape::Result<Tensor> {
     let h = x
-        .matmul(&tape.watch(&params[0]))?
-        .add(&tape.watch(&params[1]))?
+        .matmul(&tape.watch(&params[0])?)?
+        .add(&tape.watch(&params[1])?)?
         .relu()?;
     let y = h
-        .matmul(&tape.watch(&params[2]))?
-        .add(&tape.watch(&params[3]))?;
+        .matmul(&tape.watch(&params[2])?)?
+        .add(&tape.watch(&params[3])?)?;
     let diff = y.sub(target)?;
     diff.mul(&diff)?.mean()
 }
@@ -70,27 +70,27 @@ pub enum Opt {
     AdamW,
 }
 
-pub fn optimizer(kind: Opt, params: Vec<Parameter>) -> Box<dyn Optimizer> {
-    match kind {
+pub fn optimizer(kind: Opt, params: Vec<Parameter>) -> ferrotron_tape::Result<Box<dyn Optimizer>> {
+    Ok(match kind {
         Opt::Sgd => Box::new(Sgd::new(
             params,
             SgdConfig {
                 momentum: 0.9,
                 ..SgdConfig::new(0.1)
             },
-        )),
+        )?),
         Opt::AdamW => Box::new(AdamW::new(
             params,
             AdamWConfig {
                 lr: 0.01,
                 ..AdamWConfig::default()
             },
-        )),
-    }
+        )?),
+    })
 }
 
 pub fn values(params: &[Parameter]) -> ferrotron_tape::Result<Vec<Vec<f32>>> {
-    params.iter().map(|p| p.value().to_vec()).collect()
+    params.iter().map(|p| p.value()?.to_vec()).collect()
 }
 
 pub fn grads(params: &[Parameter]) -> ferrotron_tape::Result<Vec<Option<Vec<f32>>>> {
@@ -109,7 +109,7 @@ pub fn train_single(
     steps: usize,
 ) -> ferrotron_tape::Result<Vec<Vec<f32>>> {
     let params = mlp(100);
-    let mut opt = optimizer(kind, params.clone());
+    let mut opt = optimizer(kind, params.clone())?;
     let tape = Tape::new();
     for step in 0..steps {
         let (x, target) = global_batch(step, ranks * rows);
@@ -132,7 +132,7 @@ pub fn train_ddp(
     let (rank, ranks) = (dp.rank(), dp.size());
     let params = mlp(100 + rank as u64);
     let ddp = DistributedDataParallel::new(params.clone(), dp, config)?;
-    let mut opt = optimizer(kind, params.clone());
+    let mut opt = optimizer(kind, params.clone())?;
     let tape = Tape::new();
     for step in 0..steps {
         let (x, target) = slice(&global_batch(step, ranks * rows), rank, rows)?;

@@ -187,15 +187,18 @@ impl Setup {
     }
 }
 
-pub fn optimizer(setup: &Setup, params: Vec<Parameter>) -> Box<dyn Optimizer> {
-    match setup.opt {
+pub fn optimizer(
+    setup: &Setup,
+    params: Vec<Parameter>,
+) -> ferrotron_tape::Result<Box<dyn Optimizer>> {
+    Ok(match setup.opt {
         Opt::Sgd => Box::new(Sgd::new(
             params,
             SgdConfig {
                 momentum: 0.9,
                 ..SgdConfig::new(0.05)
             },
-        )),
+        )?),
         Opt::AdamW => Box::new(AdamW::new(
             params,
             AdamWConfig {
@@ -203,8 +206,8 @@ pub fn optimizer(setup: &Setup, params: Vec<Parameter>) -> Box<dyn Optimizer> {
                 eps: setup.adam_eps,
                 ..AdamWConfig::default()
             },
-        )),
-    }
+        )?),
+    })
 }
 
 /// `Σ (output − target)² / divisor`.
@@ -263,7 +266,7 @@ pub fn train_rank(
     let net = Net::new(&tp, setup.arch, &setup.config(), &setup.init())?;
     for p in net.parameters() {
         p.param
-            .set_value(p.param.value().to_device(setup.device)?)?;
+            .set_value(p.param.value()?.to_device(setup.device)?)?;
     }
 
     let sharded = net.parameters();
@@ -274,7 +277,7 @@ pub fn train_rank(
         .collect();
     let params: Vec<Parameter> = sharded.iter().map(|p| p.param.clone()).collect();
     let ddp = DistributedDataParallel::for_model(&net, &state, small_buckets())?;
-    let mut opt = optimizer(setup, params);
+    let mut opt = optimizer(setup, params)?;
     let mut rng = RngTracker::new(1234, tp_rank);
 
     let (seq_start, seq_len) = if setup.sequence_parallel {
@@ -308,8 +311,8 @@ pub fn train_rank(
         marked,
         params: sharded
             .iter()
-            .map(|p| (p.param.name().to_string(), p.sharding, p.param.value()))
-            .collect(),
+            .map(|p| Ok((p.param.name().to_string(), p.sharding, p.param.value()?)))
+            .collect::<ferrotron_tape::Result<_>>()?,
     })
 }
 
@@ -338,7 +341,7 @@ pub fn train_serial(setup: &Setup) -> anyhow::Result<SerialRun> {
         let tp = TensorParallel::new(Arc::new(comm) as Arc<dyn Communicator>);
         let net = Net::new(&tp, setup.arch, &setup.config(), &setup.init())?;
         let params: Vec<Parameter> = net.parameters().into_iter().map(|p| p.param).collect();
-        let mut opt = optimizer(setup, params.clone());
+        let mut opt = optimizer(setup, params.clone())?;
         let mut rng = RngTracker::new(1234, 0);
         let mut losses = Vec::new();
         for step in 0..setup.steps {
@@ -355,8 +358,8 @@ pub fn train_serial(setup: &Setup) -> anyhow::Result<SerialRun> {
             losses,
             params: params
                 .iter()
-                .map(|p| (p.name().to_string(), p.value()))
-                .collect(),
+                .map(|p| Ok((p.name().to_string(), p.value()?)))
+                .collect::<ferrotron_tape::Result<_>>()?,
         })
     })?;
     Ok(runs.remove(0))

@@ -126,7 +126,7 @@ pub fn run_sequence_model<M: Module>(
         let x = Parameter::new("input", x);
         let tape = Tape::new();
         let mut rng = RngTracker::new(99, rank);
-        let output = forward(&model, &tape, &tape.watch(&x), &mut rng)?;
+        let output = forward(&model, &tape, &tape.watch(&x)?, &mut rng)?;
         output.mul(&weights)?.sum()?.backward()?;
         all_reduce_sequence_parallel_grads(&model, tp.group())?;
         Ok(RankRun {
@@ -181,10 +181,10 @@ pub fn assert_runs_equal(what: &str, got: &FullRun, want: &FullRun) {
 }
 
 /// Every parameter's current value with its sharding, by name.
-pub fn values_of(module: &dyn Module) -> Vec<(String, Sharding, Tensor)> {
+pub fn values_of(module: &dyn Module) -> ferrotron_tape::Result<Vec<(String, Sharding, Tensor)>> {
     module
         .parameters()
         .into_iter()
-        .map(|p| (p.param.name().to_string(), p.sharding, p.param.value()))
+        .map(|p| Ok((p.param.name().to_string(), p.sharding, p.param.value()?)))
         .collect()
 }

@@ -70,7 +70,7 @@ where
         let x = Parameter::new("x", inputs[rank].to_device(device)?);
         let tape = Tape::new();
         let before = transfers(device);
-        let y = mapping(&tape.watch(&x), &group)?;
+        let y = mapping(&tape.watch(&x)?, &group)?;
         let forward = transfers(device) - before;
         let weight = loss_weight(y.shape(), output, rank).to_device(device)?;
         let before = transfers(device);
@@ -113,7 +113,7 @@ where
     let tape = Tape::new();
     let watched: Vec<Tensor<f64>> = (0..n)
         .map(|r| tape.watch(&params[r.min(params.len() - 1)]))
-        .collect();
+        .collect::<std::result::Result<_, _>>()?;
     let outputs = world(&watched)?;
     ensure!(
         outputs.len() == n,

@@ -57,7 +57,10 @@ fn run<T: Element>(device: Device, values: &[Tensor<T>], f: &Computation<'_, T>)
         .enumerate()
         .map(|(i, v)| Ok(Parameter::new(format!("x{i}"), v.to_device(device)?)))
         .collect::<Result<_>>()?;
-    let watched: Vec<Tensor<T>> = params.iter().map(|p| tape.watch(p)).collect();
+    let watched: Vec<Tensor<T>> = params
+        .iter()
+        .map(|p| tape.watch(p))
+        .collect::<std::result::Result<_, _>>()?;
     let out = f(&watched)?;
     assert_eq!(
         out.device(),
@@ -164,7 +167,7 @@ pub fn output_and_grad_rounded(
         .to_dtype(store)?;
     let qkv = Parameter::new("qkv", value.to_device(device)?);
     let tape = Tape::new();
-    let out = attend(&tape.watch(&qkv))?;
+    let out = attend(&tape.watch(&qkv)?)?;
     let weights: Tensor = Tensor::uniform(out.shape(), 0.5, 1.5, &mut generator);
     let loss = out
         .to_dtype(DType::F32)?

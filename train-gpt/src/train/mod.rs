@@ -235,7 +235,7 @@ pub fn train_rank(
         load_pretrained(&models, dir, config)?;
     }
     for sharded in models.iter().flat_map(Module::parameters) {
-        let value = sharded.param.value().to_device(config.device)?;
+        let value = sharded.param.value()?.to_device(config.device)?;
         sharded.param.set_value(value)?;
     }
     let (ddps, expert_ddps) = build_ddps(&models, &state, config)?;

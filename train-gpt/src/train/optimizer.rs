@@ -70,7 +70,9 @@ impl ModelState {
         let (masters, moments) = optimizer.state_bytes();
         ModelState {
             parameters: params.iter().map(Parameter::numel).sum(),
-            values: params.iter().map(|p| p.value().nbytes()).sum(),
+            values: (params.iter())
+                .map(|p| p.numel() * p.dtype().size_in_bytes())
+                .sum(),
             grads: ddps.iter().map(DistributedDataParallel::buffer_bytes).sum(),
             masters,
             moments,
@@ -123,15 +125,15 @@ impl TrainOptimizer {
                 })
             }
             (false, DType::F32) => TrainOptimizer::Replicated(
-                AdamW::new(parameters, adamw)
+                AdamW::new(parameters, adamw)?
                     .with_schedule(schedule)
                     .with_param_options(groups),
             ),
             (false, precision) => {
                 TrainOptimizer::Mixed(MixedPrecision::new(&parameters, precision, |masters| {
-                    AdamW::new(masters, adamw)
+                    Ok(AdamW::new(masters, adamw)?
                         .with_schedule(schedule)
-                        .with_param_options(groups)
+                        .with_param_options(groups))
                 })?)
             }
         })

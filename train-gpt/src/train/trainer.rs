@@ -312,7 +312,7 @@ impl<'a> Trainer<'a> {
         let (Some(copy), Some(group)) = (&self.tied_copy, state.embedding()) else {
             return Ok(());
         };
-        let value = copy.value().to_dtype(DType::F32)?.to_vec()?;
+        let value = copy.value()?.to_dtype(DType::F32)?.to_vec()?;
         let all: Vec<f32> = group.all_gather_vec(&value)?;
         let (first, last) = all.split_at(value.len());
         let differing = (first.iter().zip(last))

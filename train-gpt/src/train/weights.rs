@@ -128,7 +128,7 @@ pub(super) fn load_pretrained(
     for p in models.iter().flat_map(Module::parameters) {
         let name = p.param.name().to_string();
         let tensor = match upcycled_from(&name) {
-            Some(Upcycled::Router) => p.param.value(),
+            Some(Upcycled::Router) => p.param.value()?,
             Some(Upcycled::Expert(dense)) => match tensors.get(&dense) {
                 Some(tensor) => tensor.clone(),
                 None => continue, // the load reports it missing

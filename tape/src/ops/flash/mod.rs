@@ -216,31 +216,35 @@ pub fn attention_block_backward<T: Element>(
                 [g.heads, g.sk, g.d],
                 [g.heads, g.sk, g.d],
             ];
+            if g.sq == 0 || g.sk == 0 || g.heads == 0 {
+                // No query meets a key: every gradient is zero, as on the CPU (the kernel
+                // would write none of them).
+                let [dq, dk, dv] = shapes.map(|shape| Tensor::full_on(&shape, T::zero(), on));
+                return Ok([dq?, dk?, dv?]);
+            }
             let grads = shapes.map(|shape| product_output::<T>(on, &shape, T::DTYPE));
             let [dq, dk, dv] = grads;
             let (dq, dk, dv) = (dq?, dk?, dv?);
-            if g.sq > 0 && g.sk > 0 && g.heads > 0 {
-                let ops = Operands {
-                    q: at(q)?,
-                    k: at(k)?,
-                    v: at(v)?,
-                    out: at(out)?,
-                };
-                let lse = lse.gpu(OP)?.ok_or(crate::Error::DeviceMismatch {
-                    op: OP,
-                    first: on,
-                    second: lse.device(),
-                })?;
-                let delta = GpuArray::<T>::uninit(OP, on, &[g.heads * g.sq])?;
-                let gradients = Gradients {
-                    d_out: at(d_out)?,
-                    dq: at(&dq)?.ptr,
-                    dk: at(&dk)?.ptr,
-                    dv: at(&dv)?.ptr,
-                    format: 0,
-                };
-                device::backward(&flash, &ops, &lse, &delta, &gradients)?;
-            }
+            let ops = Operands {
+                q: at(q)?,
+                k: at(k)?,
+                v: at(v)?,
+                out: at(out)?,
+            };
+            let lse = lse.gpu(OP)?.ok_or(crate::Error::DeviceMismatch {
+                op: OP,
+                first: on,
+                second: lse.device(),
+            })?;
+            let delta = GpuArray::<T>::uninit(OP, on, &[g.heads * g.sq])?;
+            let gradients = Gradients {
+                d_out: at(d_out)?,
+                dq: at(&dq)?.ptr,
+                dk: at(&dk)?.ptr,
+                dv: at(&dv)?.ptr,
+                format: 0,
+            };
+            device::backward(&flash, &ops, &lse, &delta, &gradients)?;
             Ok([dq, dk, dv])
         }
     }

@@ -134,3 +134,31 @@ fn a_lost_peer_fails_the_step_instead_of_hanging() -> Result<()> {
     assert!(rank0.to_string().contains("peer lost"), "{rank0}");
     Ok(())
 }
+
+/// The distributed optimizer refuses the settings the replicated one refuses, before it
+/// shards anything.
+#[test]
+fn the_distributed_optimizer_refuses_invalid_settings() -> Result<()> {
+    use ferrotron_ddp::DistributedOptimizer;
+    use ferrotron_tape::{AdamWConfig, SgdConfig};
+    run_local(2, |comm| -> Result<()> {
+        let comm: Arc<dyn ferrotron_comm_core::Communicator> = Arc::new(comm);
+        let config = DdpConfig {
+            use_distributed_optimizer: true,
+            ..DdpConfig::default()
+        };
+        let w = Parameter::new("w", Tensor::ones(&[4]));
+        let ddp = DistributedDataParallel::new(vec![w], comm, config)?;
+        let betas = AdamWConfig {
+            betas: (0.9, 1.0),
+            ..AdamWConfig::default()
+        };
+        let error = DistributedOptimizer::adamw([&ddp], betas).map(drop).unwrap_err();
+        assert!(error.to_string().contains("second beta"), "{error}");
+        let sgd = SgdConfig::new(-0.1);
+        let error = DistributedOptimizer::sgd([&ddp], sgd).map(drop).unwrap_err();
+        assert!(error.to_string().contains("learning rate"), "{error}");
+        Ok(())
+    })?;
+    Ok(())
+}

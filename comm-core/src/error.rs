@@ -168,12 +168,18 @@ pub enum Error {
     },
 
     /// A rank of `run_local` returned an error or panicked.
-    #[error("rank {rank} failed: {source}")]
+    #[error(
+        "rank {rank} failed: {source}{}",
+        streams.as_ref().map_or(String::new(), |s| format!("; its device streams failed too: {s}"))
+    )]
     RankFailed {
         /// The world rank.
         rank: usize,
         /// Its error (a panic becomes a message error).
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
+        /// What its device streams reported as the rank ended, if they failed as well
+        /// (an unordered access the emulated device's checker found on the way out).
+        streams: Option<String>,
     },
 
     /// Invalid configuration of a backend or launcher (zero ranks, bad environment

@@ -125,7 +125,9 @@ fn a_receive_without_its_stream_wait_is_reported() {
     // The message's free on the receiving rank's stream, after the unordered copy, is
     // unordered too (and the memory leaked): that stream reports it when the rank ends.
     match outcome {
-        Err(Error::RankFailed { rank: 1, source }) => assert!(
+        Err(Error::RankFailed {
+            rank: 1, source, ..
+        }) => assert!(
             matches!(source.downcast_ref::<Error>(), Some(Error::Unordered(_))),
             "{source}"
         ),

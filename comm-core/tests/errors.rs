@@ -139,7 +139,9 @@ fn a_panicking_rank_makes_peers_fail_with_peer_lost() {
     })
     .unwrap_err();
     match err {
-        Error::RankFailed { rank: 2, source } => {
+        Error::RankFailed {
+            rank: 2, source, ..
+        } => {
             assert!(source.to_string().contains("boom in rank 2"))
         }
         other => panic!("expected rank 2's panic, got {other}"),
@@ -164,7 +166,9 @@ fn the_root_cause_is_found_whatever_error_type_peers_wrap_their_loss_in() {
     )
     .unwrap_err();
     match err {
-        Error::RankFailed { rank: 2, source } => {
+        Error::RankFailed {
+            rank: 2, source, ..
+        } => {
             assert!(source.to_string().contains("rank 2's own failure"))
         }
         other => panic!("expected rank 2 as the root cause, got {other}"),
@@ -289,7 +293,9 @@ fn a_rank_that_errors_out_releases_its_peers() {
     })
     .unwrap_err();
     match err {
-        Error::RankFailed { rank: 3, source } => {
+        Error::RankFailed {
+            rank: 3, source, ..
+        } => {
             assert!(source.to_string().contains("could not load"))
         }
         other => panic!("expected rank 3's own error, got {other}"),

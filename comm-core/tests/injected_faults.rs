@@ -45,7 +45,11 @@ fn an_armed_collective_fails_its_rank_and_its_peers_lose_it() {
         "{}",
         causes[1]
     );
-    assert!(causes[0].contains("peer lost") && causes[0].contains("rank 1"), "{}", causes[0]);
+    assert!(
+        causes[0].contains("peer lost") && causes[0].contains("rank 1"),
+        "{}",
+        causes[0]
+    );
     assert_eq!(faults.armed(), 0, "the failure was spent");
 }
 
@@ -61,7 +65,11 @@ fn an_armed_send_fails_and_its_receiver_loses_the_sender() {
         }
     });
     let causes = root_causes(outcomes);
-    assert!(causes[0].contains("injected failure") && causes[0].contains("send"), "{}", causes[0]);
+    assert!(
+        causes[0].contains("injected failure") && causes[0].contains("send"),
+        "{}",
+        causes[0]
+    );
     assert!(causes[1].contains("peer lost"), "{}", causes[1]);
 }
 

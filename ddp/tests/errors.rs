@@ -153,10 +153,14 @@ fn the_distributed_optimizer_refuses_invalid_settings() -> Result<()> {
             betas: (0.9, 1.0),
             ..AdamWConfig::default()
         };
-        let error = DistributedOptimizer::adamw([&ddp], betas).map(drop).unwrap_err();
+        let error = DistributedOptimizer::adamw([&ddp], betas)
+            .map(drop)
+            .unwrap_err();
         assert!(error.to_string().contains("second beta"), "{error}");
         let sgd = SgdConfig::new(-0.1);
-        let error = DistributedOptimizer::sgd([&ddp], sgd).map(drop).unwrap_err();
+        let error = DistributedOptimizer::sgd([&ddp], sgd)
+            .map(drop)
+            .unwrap_err();
         assert!(error.to_string().contains("learning rate"), "{error}");
         Ok(())
     })?;

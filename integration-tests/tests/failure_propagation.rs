@@ -144,7 +144,7 @@ fn check(setup: &Setup, failing_rank: usize, failure: Failure) {
 
     // The launcher names the failing rank and its own error as the root cause.
     match &error {
-        ferrotron_comm_core::Error::RankFailed { rank, source } => {
+        ferrotron_comm_core::Error::RankFailed { rank, source, .. } => {
             assert_eq!(*rank, failing_rank, "root cause: {error}");
             match failure {
                 Failure::Error => {

@@ -161,15 +161,57 @@ fn invalid_optimizer_settings_are_refused_at_construction() {
     let params = || vec![Parameter::new("w", Tensor::<f32>::zeros(&[2]))];
     let adamw = AdamWConfig::default();
     let bad_adamw = [
-        (AdamWConfig { betas: (1.0, 0.999), ..adamw }, "first beta"),
-        (AdamWConfig { betas: (-0.1, 0.999), ..adamw }, "first beta"),
-        (AdamWConfig { betas: (0.9, 1.5), ..adamw }, "second beta"),
-        (AdamWConfig { betas: (0.9, f64::NAN), ..adamw }, "second beta"),
+        (
+            AdamWConfig {
+                betas: (1.0, 0.999),
+                ..adamw
+            },
+            "first beta",
+        ),
+        (
+            AdamWConfig {
+                betas: (-0.1, 0.999),
+                ..adamw
+            },
+            "first beta",
+        ),
+        (
+            AdamWConfig {
+                betas: (0.9, 1.5),
+                ..adamw
+            },
+            "second beta",
+        ),
+        (
+            AdamWConfig {
+                betas: (0.9, f64::NAN),
+                ..adamw
+            },
+            "second beta",
+        ),
         (AdamWConfig { lr: -1e-3, ..adamw }, "learning rate"),
-        (AdamWConfig { lr: f64::INFINITY, ..adamw }, "learning rate"),
+        (
+            AdamWConfig {
+                lr: f64::INFINITY,
+                ..adamw
+            },
+            "learning rate",
+        ),
         (AdamWConfig { eps: 0.0, ..adamw }, "epsilon"),
-        (AdamWConfig { eps: -1e-8, ..adamw }, "epsilon"),
-        (AdamWConfig { weight_decay: -0.1, ..adamw }, "weight decay"),
+        (
+            AdamWConfig {
+                eps: -1e-8,
+                ..adamw
+            },
+            "epsilon",
+        ),
+        (
+            AdamWConfig {
+                weight_decay: -0.1,
+                ..adamw
+            },
+            "weight decay",
+        ),
     ];
     for (config, named) in bad_adamw {
         let error = AdamW::new(params(), config).map(drop).unwrap_err();
@@ -179,15 +221,56 @@ fn invalid_optimizer_settings_are_refused_at_construction() {
     let sgd = SgdConfig::new(0.1);
     let bad_sgd = [
         (SgdConfig { lr: -0.1, ..sgd }, "learning rate"),
-        (SgdConfig { momentum: -0.9, ..sgd }, "momentum"),
-        (SgdConfig { weight_decay: f64::NAN, ..sgd }, "weight decay"),
-        (SgdConfig { nesterov: true, ..sgd }, "Nesterov"),
-        (SgdConfig { nesterov: true, momentum: 0.9, dampening: 0.1, ..sgd }, "Nesterov"),
+        (
+            SgdConfig {
+                momentum: -0.9,
+                ..sgd
+            },
+            "momentum",
+        ),
+        (
+            SgdConfig {
+                weight_decay: f64::NAN,
+                ..sgd
+            },
+            "weight decay",
+        ),
+        (
+            SgdConfig {
+                nesterov: true,
+                ..sgd
+            },
+            "Nesterov",
+        ),
+        (
+            SgdConfig {
+                nesterov: true,
+                momentum: 0.9,
+                dampening: 0.1,
+                ..sgd
+            },
+            "Nesterov",
+        ),
     ];
     for (config, named) in bad_sgd {
         let error = Sgd::new(params(), config).map(drop).unwrap_err();
         assert!(error.to_string().contains(named), "{config:?}: {error}");
     }
-    assert!(AdamW::new(params(), AdamWConfig { betas: (0.0, 0.0), ..adamw }).is_ok());
-    assert!(Sgd::new(params(), SgdConfig { nesterov: true, momentum: 0.9, ..sgd }).is_ok());
+    assert!(AdamW::new(
+        params(),
+        AdamWConfig {
+            betas: (0.0, 0.0),
+            ..adamw
+        }
+    )
+    .is_ok());
+    assert!(Sgd::new(
+        params(),
+        SgdConfig {
+            nesterov: true,
+            momentum: 0.9,
+            ..sgd
+        }
+    )
+    .is_ok());
 }

@@ -414,6 +414,8 @@ pub(crate) fn train_config(args: &Args, vocabulary: &data::Vocabulary) -> TrainC
         weight_decay: args.weight_decay,
         loss_scaler: loss_scaler(args),
         inject_grad_overflow: args.inject_grad_overflow,
+        // Set by the local backend's launch, the one that can inject it.
+        fail_collective: None,
         eval_interval: args.eval_interval,
         eval_batches: args.eval_batches,
         resume: args.resume.clone(),

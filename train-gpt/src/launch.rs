@@ -15,7 +15,7 @@ use crate::summary::{
 };
 use crate::train::{train_rank, TrainConfig};
 use anyhow::{bail, ensure, Result};
-use ferrotron_comm_core::{run_local, Communicator, DualCommunicator};
+use ferrotron_comm_core::{Communicator, DualCommunicator, LocalLauncher};
 use std::sync::Arc;
 
 /// The CUDA devices `--backend nccl` gives its ranks in turn: `--device cuda:N` and the
@@ -110,9 +110,24 @@ pub(crate) fn run_local_backend(
             devices.len()
         );
     }
+    let fail_collective = crate::faults::FailCollective::from_env(world)?;
+    ensure!(
+        fail_collective.is_none() || devices.is_none(),
+        "{} injects failures into the local backend's calls, not NCCL's; unset it, or run \
+         without --backend nccl",
+        crate::faults::FAIL_COLLECTIVE
+    );
+    let mut launcher = LocalLauncher::new(world)?;
+    if let Some(fail) = &fail_collective {
+        launcher = launcher.fault_injector(fail.injector().clone());
+    }
+    let config = TrainConfig {
+        fail_collective,
+        ..config
+    };
     announce(args, corpus, dp);
     let progress = Progress::of_run("train", args, &config.model, dp, world);
-    let mut results = run_local(world, |comm| {
+    let mut results = launcher.run(|comm| {
         // Unset, tape already divides the cores among this world's rank threads.
         if let Some(threads) = args.threads {
             ferrotron_tape::set_num_threads(threads)?;
@@ -170,6 +185,12 @@ pub(crate) fn run_mpi_backend(
     corpus: &Corpus,
     devices: Option<std::ops::Range<usize>>,
 ) -> Result<()> {
+    ensure!(
+        std::env::var_os(crate::faults::FAIL_COLLECTIVE).is_none(),
+        "{} injects failures into the local backend's calls; unset it, or run without \
+         --backend mpi",
+        crate::faults::FAIL_COLLECTIVE
+    );
     let mpi = ferrotron_comm_core::mpi::MpiWorld::init()?;
     let world: Arc<dyn Communicator> = Arc::new(mpi.world()?);
     let size = world.size();

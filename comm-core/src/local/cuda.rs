@@ -87,7 +87,7 @@ impl RankCore {
                 // reuses the memory (a second failure changes nothing), then fail the peers,
                 // and leave only once they no longer use our buffers either.
                 let _ = cuda::synchronize(stream);
-                self.group.declare_lost(op, seq, self.rank);
+                self.group.fail_own(self.rank, &err);
                 let _ = self.barrier_step(counters, op, seq, Phase::Close);
                 return Err(err);
             }

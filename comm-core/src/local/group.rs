@@ -322,7 +322,7 @@ impl GroupShared {
             Some(b) => {
                 self.note_consequence(me);
                 Err(self
-                    .lost_error(&b, op, seq)
+                    .lost_error(&b, me, op, seq)
                     .unwrap_or_else(|| Error::Broken {
                         group: self.name.clone(),
                         cause: b.message,
@@ -331,7 +331,12 @@ impl GroupShared {
         }
     }
 
+    /// Marks group rank `me`'s failure as a consequence of another rank's, unless the
+    /// group broke because `me` failed.
     fn note_consequence(&self, me: usize) {
+        if self.breakage().is_some_and(|b| b.lost == Some(me)) {
+            return;
+        }
         self.world.saw_lost_peer[self.world_ranks[me]].store(true, Ordering::Release);
     }
 
@@ -343,8 +348,16 @@ impl GroupShared {
         }
     }
 
-    fn lost_error(&self, breakage: &Breakage, op: OpKind, seq: u64) -> Option<Error> {
-        breakage.lost.map(|rank| self.peer_lost(op, seq, rank))
+    /// What a call of group rank `me` fails with in a group a lost rank broke: the loss
+    /// of that peer, or, for the rank that failed itself, its own failure again.
+    fn lost_error(&self, breakage: &Breakage, me: usize, op: OpKind, seq: u64) -> Option<Error> {
+        breakage.lost.map(|rank| match rank == me {
+            true => Error::Broken {
+                group: self.name.clone(),
+                cause: breakage.message.clone(),
+            },
+            false => self.peer_lost(op, seq, rank),
+        })
     }
 
     fn peer_lost(&self, op: OpKind, seq: u64, rank: usize) -> Error {
@@ -368,14 +381,29 @@ impl GroupShared {
         if !fires {
             return Ok(());
         }
-        self.declare_lost(op, seq, me);
-        Err(Error::Injected {
+        let injected = Error::Injected {
             group: self.name.clone(),
             op,
             seq,
             rank: me,
             world_rank,
-        })
+        };
+        self.fail_own(me, &injected);
+        Err(injected)
+    }
+
+    /// Breaks the group because group rank `me` failed its share of a call with `cause`:
+    /// its peers' calls fail with a lost peer naming it, its own later calls with a
+    /// broken group naming `cause`.
+    pub(crate) fn fail_own(&self, me: usize, cause: &Error) {
+        let mut broken = self.broken.lock();
+        broken.get_or_insert_with(|| Breakage {
+            message: cause.to_string(),
+            lost: Some(me),
+        });
+        self.is_broken.store(true, Ordering::Release);
+        drop(broken);
+        self.wake_all();
     }
 
     /// Breaks the group because group rank `lost` is gone or failed its share of call
@@ -462,7 +490,10 @@ impl GroupShared {
                     |_| Vec::new(),
                     Patience::UntilReady,
                 )?;
-                if let Some(err) = self.breakage().and_then(|b| self.lost_error(&b, op, seq)) {
+                if let Some(err) = self
+                    .breakage()
+                    .and_then(|b| self.lost_error(&b, rank, op, seq))
+                {
                     self.note_consequence(rank);
                     return Err(err);
                 }
@@ -554,7 +585,10 @@ impl GroupShared {
                 // A peer lost mid-call fails everyone at once; a peer's timeout does not:
                 // the ranks waiting with it time out on their own clocks and name the
                 // missing.
-                if let Some(err) = self.breakage().and_then(|b| self.lost_error(&b, op, seq)) {
+                if let Some(err) = self
+                    .breakage()
+                    .and_then(|b| self.lost_error(&b, me, op, seq))
+                {
                     // Unless the barrier completed since `ready` was checked and a peer
                     // past it then failed its device share: peers past it use our buffers
                     // and wait for us at the closing barrier, which reports the loss.

@@ -201,16 +201,20 @@ impl LocalLauncher {
                             // The rank's device work ends with it: its results are
                             // complete when the launching thread takes them.
                             let finished = ferrotron_device::finish_own_streams();
-                            let error: Box<dyn std::error::Error + Send + Sync> = match outcome {
-                                Ok(Ok(value)) => match finished {
-                                    Ok(handoff) => return Ok((value, handoff)),
-                                    Err(e) => Box::new(Error::from(e)),
-                                },
-                                Ok(Err(e)) => e.into(),
-                                Err(panic) => {
-                                    format!("panicked: {}", panic_message(panic.as_ref())).into()
-                                }
-                            };
+                            let (error, streams): (Box<dyn std::error::Error + Send + Sync>, _) =
+                                match outcome {
+                                    Ok(Ok(value)) => match finished {
+                                        Ok(handoff) => return Ok((value, handoff)),
+                                        Err(e) => (Box::new(Error::from(e)), None),
+                                    },
+                                    // A failing rank's streams are reported too: an error
+                                    // path that freed memory under queued work shows there.
+                                    Ok(Err(e)) => (e.into(), finished.err()),
+                                    Err(panic) => {
+                                        let message = panic_message(panic.as_ref());
+                                        (format!("panicked: {message}").into(), finished.err())
+                                    }
+                                };
                             // Peers learn of the failure when the communicator is dropped,
                             // not here: a clone another thread holds may be mid-call.
                             let order = clock.fetch_add(1, Ordering::SeqCst);
@@ -219,6 +223,7 @@ impl LocalLauncher {
                                 Error::RankFailed {
                                     rank,
                                     source: error,
+                                    streams: streams.map(|e| e.to_string()),
                                 },
                             ))
                         })
@@ -242,6 +247,7 @@ impl LocalLauncher {
                                 Error::RankFailed {
                                     rank,
                                     source: panic_message(panic.as_ref()).into(),
+                                    streams: None,
                                 },
                             ))
                         }),

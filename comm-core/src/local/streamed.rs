@@ -208,9 +208,9 @@ impl RankCore {
                 })
                 .and_then(|()| self.group.inject(self.rank, op, seq));
             ferrotron_device::timeline::clear_charge();
-            if moved.is_err() {
+            if let Err(failed) = &moved {
                 // The peers must not return a result with this rank's share missing.
-                self.group.declare_lost(op, seq, self.rank);
+                self.group.fail_own(self.rank, failed);
             }
             // Published whatever happened: the peers' buffers must outlive what was queued.
             let done = comm.record().map(Arc::new);

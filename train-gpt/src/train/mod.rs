@@ -91,6 +91,9 @@ pub struct TrainConfig {
     /// The step (counted from 1) at which the last rank's gradients are made to
     /// overflow, to test the loss scaling.
     pub inject_grad_overflow: Option<usize>,
+    /// A call that fails at a given rank and step, to test failure handling
+    /// (`FERROTRON_FAIL_COLLECTIVE`, local backend).
+    pub fail_collective: Option<crate::faults::FailCollective>,
     /// Validation loss every this many steps (and after the last one); 0 turns it off.
     pub eval_interval: usize,
     /// Global batches of held-out windows each validation runs.

@@ -204,6 +204,9 @@ impl<'a> Trainer<'a> {
         history: &mut History,
     ) -> Result<()> {
         let (config, state) = (chunks.config, chunks.state);
+        if let Some(fail) = &config.fail_collective {
+            fail.arm_at(state.world().rank(), step + 1);
+        }
         self.optimizer.as_dyn().zero_grad();
         let reading = memory::enter(Phase::Data);
         let microbatches = microbatches(corpus, Split::Train, &self.sampler.starts(step), config)?;

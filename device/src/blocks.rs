@@ -30,6 +30,9 @@ pub const WARP_SIZE: u32 = 32;
 pub const MAX_BLOCK_THREADS: u32 = 1024;
 /// Shared memory a block may declare (CUDA's static limit).
 pub const SHARED_MEMORY_BYTES: usize = 48 * 1024;
+/// The most a thread that declares more than [`SHARED_MEMORY_BYTES`] is given to run on
+/// (the launch fails with that fault either way).
+const SPARE_BYTES: usize = 64 << 20;
 
 /// The host build of a cooperative kernel: it reads its argument through the first
 /// pointer and is run once per thread of every block with that thread's [`Thread`].
@@ -190,7 +193,8 @@ pub(crate) unsafe fn run(
     if let Some(state) = order {
         shuffle_in_place(&mut runner.order, state);
     }
-    runner.block.reset(grid, runner.order[0]);
+    // SAFETY: no coroutine of this runner exists between launches.
+    unsafe { Block::reset(runner.block, grid, runner.order[0]) };
     // SAFETY: as the caller guarantees.
     let outcome = unsafe { runner.start(kernel, arg) }
         .map_err(|e| format!("{name}: {e}"))
@@ -299,24 +303,50 @@ struct State {
     stopping: bool,
 }
 
-/// One block's threads and their shared state.
+/// One block's threads and their shared state. The runner allocates it once and
+/// reaches it, as the coroutines do, only through a raw pointer: the threads' contexts
+/// and the state are written by whichever side runs (the scheduler between resumptions,
+/// a thread's call while the scheduler waits in `resume`), so no `&mut Block` may live
+/// while a coroutine holds pointers into it.
 #[derive(Default)]
 struct Block {
-    threads: Vec<Thread>,
+    /// Each thread's context, handed to the kernel as a `*mut Thread`.
+    threads: Vec<UnsafeCell<Thread>>,
     state: UnsafeCell<State>,
 }
 
 /// What a thread keeps between launches: the block (reset for each), the stacks of
 /// finished coroutines, and the vectors a run fills, so that nothing is allocated in the
 /// steady state (memory counts would see it).
-#[derive(Default)]
 struct Runner {
-    block: Block,
+    /// Owned (from `Box::into_raw`, freed on drop); see [`Block`].
+    block: *mut Block,
     stacks: Vec<DefaultStack>,
     coroutines: Vec<Coroutine<(), (), (), DefaultStack>>,
     /// The order of the blocks, and of the threads between meetings.
     order: Vec<u32>,
     sequence: Vec<usize>,
+}
+
+impl Default for Runner {
+    fn default() -> Runner {
+        Runner {
+            block: Box::into_raw(Box::default()),
+            stacks: Vec::new(),
+            coroutines: Vec::new(),
+            order: Vec::new(),
+            sequence: Vec::new(),
+        }
+    }
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        // Every coroutine has returned (`stop`); none points at the block any more.
+        self.coroutines.clear();
+        // SAFETY: allocated by `Box::into_raw` in `default`, and freed only here.
+        drop(unsafe { Box::from_raw(self.block) });
+    }
 }
 
 thread_local! {
@@ -326,22 +356,39 @@ thread_local! {
 /// A coroutine's stack: the kernels' frames are small, the calls' formatting too.
 const STACK_BYTES: usize = 128 * 1024;
 
+/// The state of the block at `block`, for the scheduler between resumptions or for a
+/// thread's call while the scheduler waits: one side at a time, and no reference to it
+/// outlives that side's turn.
+///
+/// # Safety
+/// `block` must be a runner's block, and no other reference to its state alive.
+#[allow(clippy::mut_from_ref)]
+unsafe fn state<'a>(block: *const Block) -> &'a mut State {
+    // SAFETY: as the caller guarantees; the state is an `UnsafeCell`.
+    unsafe { &mut *(*block).state.get() }
+}
+
 impl Block {
-    /// Makes this block `index` of `grid`, its threads at their start. It must not move
-    /// until it has run: its threads point at it.
-    fn reset(&mut self, grid: Grid, index: u32) {
+    /// Makes the block at `block` block `index` of `grid`, its threads at their start.
+    ///
+    /// # Safety
+    /// `block` must be a runner's block with no coroutine running over it.
+    unsafe fn reset(block: *mut Block, grid: Grid, index: u32) {
         let n = grid.threads as usize;
-        let runner = (self as *const Block).cast_mut().cast();
-        self.threads.clear();
-        self.threads.extend((0..grid.threads).map(|thread| Thread {
-            ops: &OPS,
-            thread,
-            block: index,
-            threads: grid.threads,
-            blocks: grid.blocks,
-            runner,
+        // SAFETY: as the caller guarantees: nothing else reaches the block now.
+        let this = unsafe { &mut *block };
+        this.threads.clear();
+        this.threads.extend((0..grid.threads).map(|thread| {
+            UnsafeCell::new(Thread {
+                ops: &OPS,
+                thread,
+                block: index,
+                threads: grid.threads,
+                blocks: grid.blocks,
+                runner: block.cast(),
+            })
         }));
-        let state = self.state.get_mut();
+        let state = this.state.get_mut();
         state.stands.clear();
         state.stands.resize(n, Stand::Ready);
         state.offered.clear();
@@ -361,29 +408,29 @@ impl Block {
         state.fault = None;
     }
 
-    /// Makes this block `index` of the same grid: its threads (whose contexts keep their
-    /// addresses) at their start again, its meetings and shared memory fresh.
-    fn next(&mut self, index: u32) {
-        for thread in &mut self.threads {
-            thread.block = index;
+    /// Makes the block at `block` block `index` of the same grid: its threads (whose
+    /// contexts keep their addresses) at their start again, its meetings and shared
+    /// memory fresh. The coroutines are suspended between blocks, none inside a kernel.
+    ///
+    /// # Safety
+    /// `block` must be a runner's block whose coroutines are all suspended.
+    unsafe fn next(block: *const Block, index: u32) {
+        // SAFETY: as the caller guarantees: no thread runs, and its contexts are written
+        // through their cells, as the kernels' pointers were made.
+        unsafe {
+            for thread in &(*block).threads {
+                (*thread.get()).block = index;
+            }
+            let state = state(block);
+            state.stands.fill(Stand::Ready);
+            state.epoch = 0;
+            state.warp_epochs.fill(0);
+            state.cursors.fill(0);
+            state.used = 0;
+            state.shadow.clear();
+            state.overflow.clear();
+            state.fault = None;
         }
-        let state = self.state.get_mut();
-        state.stands.fill(Stand::Ready);
-        state.epoch = 0;
-        state.warp_epochs.fill(0);
-        state.cursors.fill(0);
-        state.used = 0;
-        state.shadow.clear();
-        state.overflow.clear();
-        state.fault = None;
-    }
-
-    /// The shared state. Only one reference is alive at a time: the scheduler takes it
-    /// between resumptions, a thread's call while the scheduler is suspended in `resume`.
-    #[allow(clippy::mut_from_ref)]
-    fn state(&self) -> &mut State {
-        // SAFETY: one thread runs the block, and no reference outlives a resumption.
-        unsafe { &mut *self.state.get() }
     }
 }
 
@@ -395,27 +442,29 @@ impl Runner {
     /// # Safety
     /// As [`run`].
     unsafe fn start(&mut self, kernel: BlockKernel, arg: *const c_void) -> Result<(), String> {
-        let block = &self.block;
+        let block = self.block;
         self.coroutines.clear();
-        for t in 0..block.threads.len() {
+        // SAFETY: the runner's block; nothing writes the vector of contexts until `stop`.
+        let count = unsafe { (*block).threads.len() };
+        for t in 0..count {
             let stack = match self.stacks.pop() {
                 Some(stack) => stack,
                 None => DefaultStack::new(STACK_BYTES)
                     .map_err(|e| format!("mapping a stack for an emulated thread: {e}"))?,
             };
-            let thread = (&block.threads[t] as *const Thread).cast_mut();
-            let state = block.state.get();
+            // SAFETY: as above; the context's cell gives a pointer the kernel may write.
+            let thread = unsafe { (&(*block).threads)[t].get() };
             self.coroutines.push(Coroutine::with_stack(
                 stack,
                 move |yielder: &Yielder<(), ()>, ()| {
-                    // SAFETY: the block (threads and state) outlives its coroutines, and no
-                    // other reference to the state is alive while a thread runs; the
+                    // SAFETY: the block (threads and state) outlives its coroutines, and the
+                    // scheduler holds no reference to the state while a thread runs; the
                     // kernel's contract is the caller's.
                     unsafe {
-                        (&mut *state).yielders[t] = yielder;
-                        while !(*state).stopping {
+                        state(block).yielders[t] = yielder;
+                        while !state(block).stopping {
                             kernel(arg, thread);
-                            (&mut *state).stands[t] = Stand::Exited;
+                            state(block).stands[t] = Stand::Exited;
                             yielder.suspend(());
                         }
                     }
@@ -429,33 +478,37 @@ impl Runner {
     fn run_blocks(&mut self, name: &str, order: &mut Option<u64>) -> Result<(), String> {
         for b in 0..self.order.len() {
             let index = self.order[b];
-            self.block.next(index);
+            // SAFETY: between blocks every coroutine is suspended.
+            unsafe { Block::next(self.block, index) };
             self.run_block(order);
-            if let Some(fault) = self.block.state().fault.take() {
+            // SAFETY: no thread runs now.
+            if let Some(fault) = unsafe { state(self.block) }.fault.take() {
                 return Err(format!("{name}, block {index}: {fault}"));
             }
         }
         Ok(())
     }
 
-    /// Runs every thread of the block to its end, meeting after meeting.
+    /// Runs every thread of the block to its end, meeting after meeting. The state is
+    /// read between resumptions only, each time anew.
     fn run_block(&mut self, order: &mut Option<u64>) {
-        let block = &self.block;
+        let block = self.block;
         self.sequence.clear();
-        self.sequence.extend(0..block.threads.len());
+        // SAFETY (of every `state` below): no thread runs between resumptions.
+        self.sequence.extend(0..unsafe { state(block) }.stands.len());
         loop {
-            if let Some(state) = order {
-                shuffle_in_place(&mut self.sequence, state);
+            if let Some(seed) = order {
+                shuffle_in_place(&mut self.sequence, seed);
             }
             for &t in &self.sequence {
-                if block.state().stands[t] != Stand::Ready {
+                if unsafe { state(block) }.stands[t] != Stand::Ready {
                     continue;
                 }
                 if let CoroutineResult::Return(()) = self.coroutines[t].resume(()) {
-                    block.state().stands[t] = Stand::Exited;
+                    unsafe { state(block) }.stands[t] = Stand::Exited;
                 }
             }
-            if !block.state().meet() {
+            if !unsafe { state(block) }.meet() {
                 break;
             }
         }
@@ -464,13 +517,14 @@ impl Runner {
     /// Lets every coroutine return (each waits after its last block, or has not started,
     /// and then returns at once) and keeps their stacks.
     fn stop(&mut self) {
-        self.block.state().stopping = true;
+        // SAFETY (of both): no thread runs between resumptions.
+        unsafe { state(self.block) }.stopping = true;
         for coroutine in &mut self.coroutines {
             if !coroutine.done() {
                 coroutine.resume(());
             }
         }
-        self.block.state().stopping = false;
+        unsafe { state(self.block) }.stopping = false;
         (self.stacks).extend(self.coroutines.drain(..).map(|c| c.into_stack()));
     }
 }
@@ -606,14 +660,15 @@ impl State {
     }
 
     /// The shared offset of `address`, if it lies in the arena.
-    fn offset_of(&self, address: *const c_void, bytes: usize) -> Option<usize> {
+    fn offset_of(&self, address: *const c_void, bytes: u64) -> Option<usize> {
         let base = self.arena.as_ptr() as usize;
         let offset = (address as usize).checked_sub(base)?;
-        (offset + bytes <= self.used).then_some(offset)
+        let end = offset.checked_add(usize::try_from(bytes).ok()?)?;
+        (end <= self.used).then_some(offset)
     }
 
     /// Checks thread `t`'s access to shared memory against the other threads'.
-    fn check(&mut self, t: usize, address: *const c_void, bytes: usize, write: bool, line: i32) {
+    fn check(&mut self, t: usize, address: *const c_void, bytes: u64, write: bool, line: i32) {
         let Some(offset) = self.offset_of(address, bytes) else {
             if self.overflow.is_empty() {
                 self.report(format!(
@@ -631,7 +686,8 @@ impl State {
                 || at_epoch < epoch
                 || (other / WARP_SIZE as usize == warp && at_warp_epoch < warp_epoch)
         };
-        for index in offset / 4..(offset + bytes).div_ceil(4) {
+        // Within the arena (`offset_of`), so the sum does not overflow.
+        for index in offset / 4..(offset + bytes as usize).div_ceil(4) {
             let word = self.shadow[index];
             let at = index * 4;
             if word.writer == 0 && !write {
@@ -693,22 +749,30 @@ impl State {
         }
     }
 
-    /// Declares `bytes` more shared memory for thread `t`.
-    fn declare(&mut self, t: usize, bytes: usize, line: i32) -> *mut c_void {
+    /// Declares `bytes` more shared memory for thread `t`. Past the block's limit it is
+    /// a fault, and the thread gets memory of its own to run on (up to
+    /// [`SPARE_BYTES`]; a null pointer beyond, which no GPU would launch either).
+    fn declare(&mut self, t: usize, bytes: u64, line: i32) -> *mut c_void {
         let offset = self.cursors[t];
-        let end = offset.saturating_add(bytes.next_multiple_of(16));
-        if end > SHARED_MEMORY_BYTES {
+        let end = (usize::try_from(bytes).ok())
+            .and_then(|b| b.checked_next_multiple_of(16))
+            .and_then(|b| offset.checked_add(b))
+            .filter(|&end| end <= SHARED_MEMORY_BYTES);
+        let Some(end) = end else {
             self.report(format!(
                 "thread {t} declares {bytes} bytes of shared memory at line {line}, past \
                  the block's {SHARED_MEMORY_BYTES}"
             ));
-            let spare = vec![0u128; bytes.div_ceil(16)].into_boxed_slice();
+            if bytes > SPARE_BYTES as u64 {
+                return std::ptr::null_mut();
+            }
+            let spare = vec![0u128; (bytes as usize).div_ceil(16)].into_boxed_slice();
             self.overflow.push(spare);
             return self
                 .overflow
                 .last_mut()
                 .map_or(std::ptr::null_mut(), |s| s.as_mut_ptr().cast());
-        }
+        };
         self.cursors[t] = end;
         if self.arena.is_empty() {
             // Once per runner: it keeps the arena for every later block.
@@ -725,9 +789,13 @@ impl State {
 
 /// Suspends thread `t` of `block` (on its own stack) at `stand` until the scheduler
 /// resumes it; no reference to the state is held meanwhile.
-fn suspend(block: &Block, t: usize, stand: Stand) {
+///
+/// # Safety
+/// `block` and `t` must be the calling thread's ([`caller`]).
+unsafe fn suspend(block: *const Block, t: usize, stand: Stand) {
     let yielder = {
-        let state = block.state();
+        // SAFETY: the scheduler waits in `resume` while a thread calls.
+        let state = unsafe { state(block) };
         state.stands[t] = stand;
         state.yielders[t]
     };
@@ -739,65 +807,99 @@ fn suspend(block: &Block, t: usize, stand: Stand) {
 ///
 /// # Safety
 /// `thread` must be a [`Thread`] of a block being run.
-unsafe fn caller(thread: *mut Thread) -> (&'static Block, usize) {
-    // SAFETY: as the caller guarantees; the block outlives every call of its threads.
+unsafe fn caller(thread: *mut Thread) -> (*const Block, usize) {
+    // SAFETY: as the caller guarantees; read, not borrowed: the kernel may hold the
+    // context mutably.
     unsafe {
-        let thread = &*thread;
-        (&*thread.runner.cast::<Block>(), thread.thread as usize)
+        let (runner, index) = ((*thread).runner, (*thread).thread);
+        (runner.cast::<Block>().cast_const(), index as usize)
+    }
+}
+
+/// Runs a thread's call: a panic in it (an overflow in a faulty kernel's request) is
+/// reported as the block's fault and the call returns `fallback`, since unwinding out of
+/// an `extern "C"` function would abort the process.
+fn guarded<R>(thread: *mut Thread, line: i32, fallback: R, call: impl FnOnce() -> R) -> R {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(value) => value,
+        Err(panic) => {
+            let message = (panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".to_string());
+            // SAFETY: only the block's threads make these calls.
+            let (block, t) = unsafe { caller(thread) };
+            // SAFETY: as in the calls themselves.
+            unsafe { state(block) }.report(format!(
+                "thread {t}'s call at line {line} failed: {message}"
+            ));
+            fallback
+        }
     }
 }
 
 extern "C" fn barrier(thread: *mut Thread, line: i32) {
-    // SAFETY: only the block's threads get these calls.
-    let (block, t) = unsafe { caller(thread) };
-    suspend(block, t, Stand::Barrier(line));
+    guarded(thread, line, (), || {
+        // SAFETY: only the block's threads get these calls.
+        let (block, t) = unsafe { caller(thread) };
+        // SAFETY: the caller's own block and index.
+        unsafe { suspend(block, t, Stand::Barrier(line)) };
+    })
 }
 
 extern "C" fn sync_warp(thread: *mut Thread, line: i32) {
-    // SAFETY: as above.
-    let (block, t) = unsafe { caller(thread) };
-    let stand = Stand::Warp {
-        line,
-        op: WarpOp::Sync,
-    };
-    suspend(block, t, stand);
+    guarded(thread, line, (), || {
+        // SAFETY: as above.
+        let (block, t) = unsafe { caller(thread) };
+        let stand = Stand::Warp {
+            line,
+            op: WarpOp::Sync,
+        };
+        // SAFETY: as above.
+        unsafe { suspend(block, t, stand) };
+    })
 }
 
 extern "C" fn shuffle(thread: *mut Thread, bits: u64, lane: i32, line: i32) -> u64 {
-    // SAFETY: as above.
-    let (block, t) = unsafe { caller(thread) };
-    block.state().offered[t] = (bits, lane);
-    let stand = Stand::Warp {
-        line,
-        op: WarpOp::Shuffle,
-    };
-    suspend(block, t, stand);
-    block.state().received[t]
+    guarded(thread, line, bits, || {
+        // SAFETY (of each): as above; the state is the calling thread's to use now.
+        let (block, t) = unsafe { caller(thread) };
+        unsafe { state(block) }.offered[t] = (bits, lane);
+        let stand = Stand::Warp {
+            line,
+            op: WarpOp::Shuffle,
+        };
+        unsafe { suspend(block, t, stand) };
+        unsafe { state(block) }.received[t]
+    })
 }
 
 extern "C" fn reduce(thread: *mut Thread, bits: u64, kind: i32, line: i32) -> u64 {
-    // SAFETY: as above.
-    let (block, t) = unsafe { caller(thread) };
-    let Some(reduction) = Reduction::of(kind) else {
-        block.state().report(format!(
-            "thread {t} asks at line {line} for a warp reduction of kind {kind}, which \
-             there is not (0 to 3)"
-        ));
-        return bits;
-    };
-    block.state().offered[t] = (bits, 0);
-    let stand = Stand::Warp {
-        line,
-        op: WarpOp::Reduce(reduction),
-    };
-    suspend(block, t, stand);
-    block.state().received[t]
+    guarded(thread, line, bits, || {
+        // SAFETY (of each): as above.
+        let (block, t) = unsafe { caller(thread) };
+        let Some(reduction) = Reduction::of(kind) else {
+            unsafe { state(block) }.report(format!(
+                "thread {t} asks at line {line} for a warp reduction of kind {kind}, which \
+                 there is not (0 to 3)"
+            ));
+            return bits;
+        };
+        unsafe { state(block) }.offered[t] = (bits, 0);
+        let stand = Stand::Warp {
+            line,
+            op: WarpOp::Reduce(reduction),
+        };
+        unsafe { suspend(block, t, stand) };
+        unsafe { state(block) }.received[t]
+    })
 }
 
 extern "C" fn shared(thread: *mut Thread, bytes: u64, line: i32) -> *mut c_void {
-    // SAFETY: as above.
-    let (block, t) = unsafe { caller(thread) };
-    block.state().declare(t, bytes as usize, line)
+    guarded(thread, line, std::ptr::null_mut(), || {
+        // SAFETY (of both): as above.
+        let (block, t) = unsafe { caller(thread) };
+        unsafe { state(block) }.declare(t, bytes, line)
+    })
 }
 
 extern "C" fn access(
@@ -807,11 +909,11 @@ extern "C" fn access(
     write: i32,
     line: i32,
 ) {
-    // SAFETY: as above.
-    let (block, t) = unsafe { caller(thread) };
-    block
-        .state()
-        .check(t, address, bytes as usize, write != 0, line);
+    guarded(thread, line, (), || {
+        // SAFETY (of both): as above.
+        let (block, t) = unsafe { caller(thread) };
+        unsafe { state(block) }.check(t, address, bytes, write != 0, line);
+    })
 }
 
 /// The distinct values of `lines`, in order, as text.

@@ -163,6 +163,16 @@ unsafe extern "C" fn rotate(args: *const c_void, thread: *mut Thread) {
     }
 }
 
+/// Declares more shared memory than a `usize` holds once rounded up (a faulty size
+/// computed from arguments), then returns.
+unsafe extern "C" fn absurd_declaration(_: *const c_void, thread: *mut Thread) {
+    // SAFETY: the pointer it gets back is not used.
+    unsafe {
+        let t = &mut *thread;
+        let _ = t.shared(usize::MAX - 3, line!());
+    }
+}
+
 struct Buffers {
     stream: Stream,
     x: ferrotron_device::DeviceMemory,
@@ -388,4 +398,15 @@ fn grids_a_gpu_refuses_are_errors() {
     // SAFETY: as above.
     let refused = unsafe { run.stream.launch_blocks(&function, grid, &[&0u64], &[]) };
     assert!(refused.unwrap_err().to_string().contains("Stream::launch"));
+}
+
+/// A request whose arithmetic overflows inside the emulator's call is the launch's
+/// fault, not a panic unwinding out of an `extern "C"` call (which aborts the process).
+#[test]
+fn a_shared_memory_request_that_overflows_is_a_fault() {
+    let message = fault_in("absurd", absurd_declaration, 32, 0);
+    assert!(
+        message.contains("absurd") && message.contains("declares") && message.contains("past"),
+        "{message}"
+    );
 }

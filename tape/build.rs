@@ -7,6 +7,7 @@ fn main() {
     // crate's `links` metadata.
     let device = std::env::var("DEP_FERROTRON_DEVICE_INCLUDE")
         .expect("ferrotron-device's build script names its include directory");
+    println!("cargo:rerun-if-changed={device}");
     cc::Build::new()
         .file("csrc/emulator.c")
         .include("src/gpu/kernels")

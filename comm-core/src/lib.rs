@@ -100,6 +100,7 @@ mod dual;
 mod error;
 mod flight_record;
 pub mod flight_recorder;
+mod kernels;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;

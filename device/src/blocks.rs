@@ -495,7 +495,8 @@ impl Runner {
         let block = self.block;
         self.sequence.clear();
         // SAFETY (of every `state` below): no thread runs between resumptions.
-        self.sequence.extend(0..unsafe { state(block) }.stands.len());
+        self.sequence
+            .extend(0..unsafe { state(block) }.stands.len());
         loop {
             if let Some(seed) = order {
                 shuffle_in_place(&mut self.sequence, seed);

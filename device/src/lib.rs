@@ -53,6 +53,7 @@ mod counters;
 pub mod cuda;
 mod emulated;
 mod error;
+pub mod kernels;
 mod memory;
 mod module;
 mod pinned;

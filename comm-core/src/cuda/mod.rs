@@ -1,8 +1,7 @@
 //! CUDA support (feature `cuda`) for the backends, on top of the device layer (the
 //! `device` crate, which finds the libraries at run time, opens each device once, compiles
 //! and loads kernels, and owns copies, allocations and host waits): its calls with this
-//! crate's errors, staging through host memory for MPI, scratch memory, and the
-//! reduction kernels.
+//! crate's errors, staging through host memory for MPI, and scratch memory.
 //!
 //! Every CUDA library is loaded when first needed, never linked: the workspace builds and
 //! runs on machines without a GPU or toolkit. A missing library is
@@ -20,9 +19,7 @@
 //! # }
 //! ```
 
-mod kernels;
-
-pub(crate) use kernels::reduce_rows;
+pub(crate) use crate::kernels::reduce_rows;
 
 #[cfg(feature = "mpi")]
 use crate::buffer::{BufMut, BufRef, Buffer};

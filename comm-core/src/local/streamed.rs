@@ -16,13 +16,13 @@
 
 use std::sync::Arc;
 
-use ferrotron_device::{Access, Device, Event, Stream};
+use ferrotron_device::{Device, Event, Stream};
 
 use super::moves::{Call, Mover, Shape};
 use super::{Phase, RankCore};
 use crate::buffer::{BufMut, BufRef, Buffer};
 use crate::communicator::AsyncOp;
-use crate::dtype::{reduce_raw, DType, ReduceOp};
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{CallSignature, Error, Result};
 use crate::work::Work;
 
@@ -285,9 +285,9 @@ impl RankCore {
 }
 
 /// Moves queued on a stream of the device layer, named by their collective: copies as
-/// the stream's own, reductions by the emulated device's worker on the host (where every
-/// rank's memory is addressable) or, on a GPU, by the reduction kernel over rows gathered
-/// into this device's memory.
+/// the stream's own, reductions by the reduction kernel (`kernels/reduce.cu`): on the
+/// emulated device its host build over every rank's rows where they are (all host
+/// memory), on a GPU over rows gathered into this device's memory.
 struct StreamMover<'a>(&'a Stream, &'static str);
 
 impl Mover for StreamMover<'_> {
@@ -312,24 +312,9 @@ impl Mover for StreamMover<'_> {
                 super::cuda::CudaMover(stream).reduce(op, dtype, out, sources, count)
             };
         }
-        let bytes = count * dtype.size_in_bytes();
-        // `out` may be a source: its write covers the read.
-        let mut accesses: Vec<Access> = sources
-            .iter()
-            .filter(|&&src| src != out)
-            .map(|&src| Access::read(src, bytes))
-            .collect();
-        accesses.push(Access::write(out, bytes));
-        let sources: Vec<usize> = sources.iter().map(|&src| src as usize).collect();
-        let out = out as usize;
-        Ok(self.0.queue_host(self.1, &accesses, move || {
-            crate::with_dtype!(dtype, T => {
-                let sources: Vec<*const T> = sources.iter().map(|&src| src as *const T).collect();
-                // SAFETY: as the caller guarantees, until this call has run; `out` is at
-                // most equal to a source, never a partial overlap (disjoint chunks).
-                unsafe { reduce_raw::<T>(op, &sources, &[out as *mut T], count) }
-            })
-        })?)
+        // SAFETY: as the caller guarantees (the emulated device's memory is host memory,
+        // every rank's addressable).
+        unsafe { crate::kernels::reduce(self.0, self.1, op, dtype, out, sources, count) }
     }
 }
 

@@ -19,7 +19,8 @@ fn failure(device: Device, op: &'static str) -> impl Fn(String) -> Error {
     }
 }
 
-/// The kernels' CUDA source: the shared prelude, then every kernel file once per precision.
+/// The kernels' CUDA source: the kernel language, tape's argument blocks, then every
+/// kernel file once per precision.
 fn source() -> String {
     macro_rules! file {
         ($name:literal) => {
@@ -37,9 +38,8 @@ fn source() -> String {
     ]
     .join("\n");
     [
+        ferrotron_device::kernels::CUDA_PRELUDE,
         file!("common.h"),
-        file!("prelude_cuda.h"),
-        file!("half.h"),
         file!("precision_f32.h"),
         &bodies,
         file!("precision_end.h"),
@@ -52,19 +52,6 @@ fn source() -> String {
 
 /// NVRTC's name for the kernels' module.
 const MODULE: &str = "ferrotron_tape.cu";
-
-/// The NVRTC target for a device of compute capability `major.minor`: its own virtual
-/// architecture where NVRTC knows it, else the oldest one CUDA 12 and 13 both support
-/// (7.5; double-precision atomicAdd needs 6.0), which the driver JIT-compiles forward.
-fn architecture(major: i32, minor: i32) -> &'static str {
-    match (major, minor) {
-        (8, 0) => "compute_80",
-        (8, 6) => "compute_86",
-        (8, 9) => "compute_89",
-        (9, _) => "compute_90",
-        _ => "compute_75",
-    }
-}
 
 /// A cuBLAS handle bound to the backend's stream.
 struct Blas(cublas_sys::cublasHandle_t);
@@ -96,7 +83,7 @@ impl CudaBackend {
         let (major, minor) = context
             .compute_capability()
             .map_err(|e| fail("query compute capability")(format!("{e}")))?;
-        let arch = architecture(major, minor);
+        let arch = ferrotron_device::kernels::architecture(major, minor);
         let module = ferrotron_device::Module::cuda(ordinal, MODULE, source, Some(arch))
             .map_err(Error::on_device("load kernels", device))?;
         ferrotron_device::cuda::require(
@@ -293,10 +280,13 @@ mod tests {
         }
         // The fallback architecture and Hopper's (the GPU machines').
         for (major, minor) in [(7, 5), (9, 0)] {
-            let ptx =
-                ferrotron_device::cuda::compile(MODULE, source, Some(architecture(major, minor)))
-                    .expect("the kernels compile")
-                    .to_src();
+            let ptx = ferrotron_device::cuda::compile(
+                MODULE,
+                source,
+                Some(ferrotron_device::kernels::architecture(major, minor)),
+            )
+            .expect("the kernels compile")
+            .to_src();
             for kernel in super::super::KERNEL_LISTS
                 .iter()
                 .flat_map(|list| list.iter())

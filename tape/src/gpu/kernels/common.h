@@ -1,19 +1,6 @@
-/* Shared by the CUDA build (NVRTC) and the host emulator (a C compiler): the argument
- * block every kernel takes, and the macros that let one source serve both.
- *
- * Kernel rules, so that the emulator's run is a faithful model of the GPU. A KERNEL is a
- * FOR_EACH over independent indices, whose iterations communicate only through
- * ATOMIC_ADD. A BLOCK_KERNEL is cooperative: its threads (THREAD_IDX of BLOCK_DIM, in
- * block BLOCK_IDX of GRID_DIM, whole warps) meet at SYNC_THREADS (every thread of the
- * block, on the same line) and at whole-warp operations (SHFL_XOR, SYNC_WARP, and the
- * reductions WARP_SUM and WARP_MAX: every lane of the warp); shared memory is declared
- * with SHARED and read and written only through SHARED_LOAD and SHARED_STORE, which the
- * emulator checks for races. Device functions a cooperative kernel calls take
- * THREAD_PARAM first and are passed THREAD. */
-
-typedef unsigned long long u64;
-typedef long long i64;
-typedef unsigned char u8;
+/* Tape's kernels' argument blocks and helpers (the kernel language itself, shared with
+ * every crate's kernels, is the device crate's: ferrotron_kernels.h for the host build,
+ * ferrotron_device::kernels::CUDA_PRELUDE for NVRTC). */
 
 /* Device addresses, integer and floating arguments; the meaning of each slot is
  * documented at the kernel and mirrored by the Rust caller. */

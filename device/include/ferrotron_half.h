@@ -2,8 +2,6 @@
  * the same bits as the `half` crate on the CPU path (NaNs stay NaN, overflow goes to
  * infinity, f16 keeps subnormals). Needs the prelude's float_bits / bits_float. */
 
-typedef unsigned short u16;
-
 DEVFN u16 f32_to_bf16(float x) {
     unsigned int u = float_bits(x);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u); /* quiet NaN */

@@ -1,0 +1,48 @@
+//! The kernel language every ferrotron crate writes its kernels in: one source for the
+//! CUDA build (NVRTC, with [`CUDA_PRELUDE`] in front) and the host build the emulated
+//! device runs (a C compiler, with `#include "ferrotron_kernels.h"` from the directory a
+//! build script reads from `DEP_FERROTRON_DEVICE_INCLUDE`). The rules that keep the
+//! emulated run a faithful model of the GPU are in `include/ferrotron_types.h`.
+
+/// What NVRTC compiles before a crate's kernels: the types, the CUDA flavour of the
+/// macros (`KERNEL`, `FOR_EACH`, `BLOCK_KERNEL`, shuffles, products rounded on their
+/// own), and the 16-bit conversions.
+pub const CUDA_PRELUDE: &str = concat!(
+    include_str!("../include/ferrotron_types.h"),
+    "\n",
+    include_str!("../include/ferrotron_prelude_cuda.h"),
+    "\n",
+    include_str!("../include/ferrotron_half.h"),
+    "\n"
+);
+
+/// The NVRTC target for a device of compute capability `major.minor`: its own virtual
+/// architecture where NVRTC knows it, else the oldest one CUDA 12 and 13 both support
+/// (7.5: the prelude's `__grid_constant__` needs 7.0, double-precision atomicAdd 6.0),
+/// which the driver JIT-compiles forward.
+pub fn architecture(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 9) => "compute_89",
+        (9, _) => "compute_90",
+        _ => "compute_75",
+    }
+}
+
+/// A crate's kernels `source` (without the prelude) for CUDA device `ordinal`: behind
+/// [`CUDA_PRELUDE`], compiled by NVRTC for the device's [`architecture`] once per process
+/// and loaded once per device ([`Module::cuda`](crate::Module::cuda)).
+#[cfg(feature = "cuda")]
+pub fn cuda_module(
+    ordinal: usize,
+    name: &'static str,
+    source: impl FnOnce() -> String,
+) -> crate::Result<std::sync::Arc<crate::Module>> {
+    let context = crate::cuda::context(ordinal)?;
+    let (major, minor) = context
+        .compute_capability()
+        .map_err(crate::cuda::driver_error("query compute capability"))?;
+    let source = || [CUDA_PRELUDE, &source()].concat();
+    crate::Module::cuda(ordinal, name, source, Some(architecture(major, minor)))
+}

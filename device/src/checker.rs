@@ -199,20 +199,24 @@ static STATE: LazyLock<Mutex<State>> = LazyLock::new(Default::default);
 
 /// A new stream's agent number.
 pub(crate) fn new_stream() -> u64 {
-    let mut state = STATE.lock();
-    state.next_stream += 1;
-    let agent = state.next_stream;
-    state.clocks.insert(agent, Clock::default());
-    agent
+    crate::counters::bookkeeping(|| {
+        let mut state = STATE.lock();
+        state.next_stream += 1;
+        let agent = state.next_stream;
+        state.clocks.insert(agent, Clock::default());
+        agent
+    })
 }
 
 /// Forgets a dropped stream's clock (its recorded accesses stay: nothing ordered them).
 /// A pending unordered free of the stream is forgotten with it: nothing calls on the
 /// stream any more to report it.
 pub(crate) fn drop_stream(agent: u64) {
-    let mut state = STATE.lock();
-    state.clocks.remove(&agent);
-    state.sticky.remove(&agent);
+    crate::counters::bookkeeping(|| {
+        let mut state = STATE.lock();
+        state.clocks.remove(&agent);
+        state.sticky.remove(&agent);
+    })
 }
 
 /// Queues a call `op` on stream `agent` that makes `accesses`: checks each against the
@@ -220,12 +224,14 @@ pub(crate) fn drop_stream(agent: u64) {
 /// the accesses are recorded either way, and callers return the error without running
 /// the call.
 pub(crate) fn queue(agent: u64, op: &'static str, accesses: &[Access]) -> Result<()> {
-    let thread = this_thread();
-    let mut state = STATE.lock();
-    if let Some(error) = state.sticky.remove(&agent) {
-        return Err(error);
-    }
-    state.queue(thread, agent, op, accesses)
+    crate::counters::bookkeeping(|| {
+        let thread = this_thread();
+        let mut state = STATE.lock();
+        if let Some(error) = state.sticky.remove(&agent) {
+            return Err(error);
+        }
+        state.queue(thread, agent, op, accesses)
+    })
 }
 
 /// Declares that this thread itself reads or writes `accesses` of emulated memory (a
@@ -234,80 +240,94 @@ pub(crate) fn queue(agent: u64, op: &'static str, accesses: &[Access]) -> Result
 /// (`Stream::synchronize`, `Event::synchronize`, or an event found complete), or it is
 /// [`Error::Unordered`]. Memory the emulated device did not allocate is not checked.
 pub fn host_access(op: &'static str, accesses: &[Access]) -> Result<()> {
-    let thread = this_thread();
-    STATE.lock().host_access(thread, op, accesses)
+    crate::counters::bookkeeping(|| {
+        let thread = this_thread();
+        STATE.lock().host_access(thread, op, accesses)
+    })
 }
 
 /// Stream `agent`'s clock now, for an event recorded there.
 pub(crate) fn record(agent: u64) -> Clock {
-    let thread = this_thread();
-    let mut state = STATE.lock();
-    // Recording is queued like a call: it follows what this thread did before.
-    let mine = state.clocks.get(&thread).cloned().unwrap_or_default();
-    let clock = state.clocks.entry(agent).or_default();
-    clock.join(&mine);
-    clock.clone()
+    crate::counters::bookkeeping(|| {
+        let thread = this_thread();
+        let mut state = STATE.lock();
+        // Recording is queued like a call: it follows what this thread did before.
+        let mine = state.clocks.get(&thread).cloned().unwrap_or_default();
+        let clock = state.clocks.entry(agent).or_default();
+        clock.join(&mine);
+        clock.clone()
+    })
 }
 
 /// Stream `agent` waits for `event`.
 pub(crate) fn wait(agent: u64, event: &Clock) {
-    STATE.lock().clocks.entry(agent).or_default().join(event);
+    crate::counters::bookkeeping(|| {
+        STATE.lock().clocks.entry(agent).or_default().join(event);
+    })
 }
 
 /// Stream `agent`'s clock now (how far into every agent's work its queued calls are
 /// ordered), for a host wait that waits for exactly those calls.
 pub(crate) fn stream_clock(agent: u64) -> Clock {
-    STATE.lock().clocks.get(&agent).cloned().unwrap_or_default()
+    crate::counters::bookkeeping(|| STATE.lock().clocks.get(&agent).cloned().unwrap_or_default())
 }
 
 /// This thread has seen stream `agent`'s work up to `clock` (taken by [`stream_clock`])
 /// complete; returns the stream's pending error.
 pub(crate) fn synchronize_stream(agent: u64, clock: &Clock) -> Result<()> {
-    let thread = this_thread();
-    let mut state = STATE.lock();
-    state.clocks.entry(thread).or_default().join(clock);
-    match state.sticky.remove(&agent) {
-        Some(error) => Err(error),
-        None => Ok(()),
-    }
+    crate::counters::bookkeeping(|| {
+        let thread = this_thread();
+        let mut state = STATE.lock();
+        state.clocks.entry(thread).or_default().join(clock);
+        match state.sticky.remove(&agent) {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    })
 }
 
 /// What this thread has seen complete and done so far.
 pub(crate) fn thread_clock() -> Clock {
-    let thread = this_thread();
-    STATE
-        .lock()
-        .clocks
-        .get(&thread)
-        .cloned()
-        .unwrap_or_default()
+    crate::counters::bookkeeping(|| {
+        let thread = this_thread();
+        STATE
+            .lock()
+            .clocks
+            .get(&thread)
+            .cloned()
+            .unwrap_or_default()
+    })
 }
 
 /// This thread has seen the work before an event complete.
 pub(crate) fn synchronize_event(event: &Clock) {
-    let thread = this_thread();
-    STATE.lock().clocks.entry(thread).or_default().join(event);
+    crate::counters::bookkeeping(|| {
+        let thread = this_thread();
+        STATE.lock().clocks.entry(thread).or_default().join(event);
+    })
 }
 
 /// Tracks `bytes` bytes at `ptr`, just allocated by stream `agent` (`None`: by the host,
 /// as pinned memory is).
 pub(crate) fn allocated(agent: Option<u64>, kind: &'static str, ptr: u64, bytes: usize) {
-    let thread = this_thread();
-    let mut state = STATE.lock();
-    state.next_allocation += 1;
-    let id = state.next_allocation;
-    let allocation = Allocation {
-        id,
-        bytes: bytes as u64,
-        kind,
-        records: Vec::with_capacity(RECORDS_KEPT),
-    };
-    state.allocations.insert(ptr, allocation);
-    // A stream-ordered allocation is a write in its stream's order: another stream must
-    // not use the memory before that point. Fresh memory conflicts with nothing yet.
-    if let Some(agent) = agent {
-        let _ = state.queue(thread, agent, "alloc", &[Access::write(ptr, bytes)]);
-    }
+    crate::counters::bookkeeping(|| {
+        let thread = this_thread();
+        let mut state = STATE.lock();
+        state.next_allocation += 1;
+        let id = state.next_allocation;
+        let allocation = Allocation {
+            id,
+            bytes: bytes as u64,
+            kind,
+            records: Vec::with_capacity(RECORDS_KEPT),
+        };
+        state.allocations.insert(ptr, allocation);
+        // A stream-ordered allocation is a write in its stream's order: another stream must
+        // not use the memory before that point. Fresh memory conflicts with nothing yet.
+        if let Some(agent) = agent {
+            let _ = state.queue(thread, agent, "alloc", &[Access::write(ptr, bytes)]);
+        }
+    })
 }
 
 /// Stops tracking the allocation at `ptr`, freed in stream `agent`'s order (`None`: by this
@@ -316,30 +336,32 @@ pub(crate) fn allocated(agent: Option<u64>, kind: &'static str, ptr: u64, bytes:
 /// tells the caller to leak the memory rather than free it under work that may still use
 /// it.
 pub(crate) fn freed(agent: Option<u64>, ptr: u64) -> bool {
-    let thread = this_thread();
-    let mut state = STATE.lock();
-    let Some(allocation) = state.allocations.get(&ptr) else {
-        return true;
-    };
-    let users: Vec<u64> = allocation.records.iter().map(|r| r.agent).collect();
-    let access = [Access::write(ptr, allocation.bytes as usize)];
-    let result = match agent {
-        Some(agent) => state.queue(thread, agent, "free", &access),
-        // Pinned memory: after the copies its owner waited for, which must be all of them.
-        None => state.host_access(thread, "free", &access),
-    };
-    state.allocations.remove(&ptr);
-    let Err(error) = result else {
-        return true;
-    };
-    let streams = match agent {
-        Some(agent) => vec![agent],
-        None => users.into_iter().filter(|&user| user != thread).collect(),
-    };
-    for stream in streams {
-        state.sticky.entry(stream).or_insert_with(|| error.clone());
-    }
-    false
+    crate::counters::bookkeeping(|| {
+        let thread = this_thread();
+        let mut state = STATE.lock();
+        let Some(allocation) = state.allocations.get(&ptr) else {
+            return true;
+        };
+        let users: Vec<u64> = allocation.records.iter().map(|r| r.agent).collect();
+        let access = [Access::write(ptr, allocation.bytes as usize)];
+        let result = match agent {
+            Some(agent) => state.queue(thread, agent, "free", &access),
+            // Pinned memory: after the copies its owner waited for, which must be all of them.
+            None => state.host_access(thread, "free", &access),
+        };
+        state.allocations.remove(&ptr);
+        let Err(error) = result else {
+            return true;
+        };
+        let streams = match agent {
+            Some(agent) => vec![agent],
+            None => users.into_iter().filter(|&user| user != thread).collect(),
+        };
+        for stream in streams {
+            state.sticky.entry(stream).or_insert_with(|| error.clone());
+        }
+        false
+    })
 }
 
 impl State {

@@ -6,7 +6,7 @@
 //! backend, or as processes, each see their own. Counting is the only state here; nothing
 //! reads it but [`transfers`] and [`host_waits`].
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -172,4 +172,34 @@ pub fn reset_device_peak(device: Device) {
 /// Counts one time the host blocked on `device`.
 pub(crate) fn count_host_wait(device: Device) {
     with_counts(device, |counts| counts.host_waits += 1);
+}
+
+thread_local! {
+    /// How many [`bookkeeping`] calls this thread is inside.
+    static BOOKKEEPING: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Whether this thread is allocating for the device layer's own bookkeeping now: the
+/// emulated device's queues of work, the kernel arguments and calls queued in them, and
+/// its ordering checker's records. A GPU's driver keeps the like in memory of its own;
+/// a program that counts its memory by thread (the demo's per-rank counts) leaves these
+/// out, so its figures do not follow how far a stream's worker lags behind. Safe to call
+/// from a global allocator (it reads a thread-local cell and allocates nothing).
+pub fn allocating_bookkeeping() -> bool {
+    BOOKKEEPING
+        .try_with(|depth| depth.get() > 0)
+        .unwrap_or(false)
+}
+
+/// Runs `f` as the device layer's bookkeeping ([`allocating_bookkeeping`]).
+pub(crate) fn bookkeeping<R>(f: impl FnOnce() -> R) -> R {
+    struct Scope;
+    impl Drop for Scope {
+        fn drop(&mut self) {
+            let _ = BOOKKEEPING.try_with(|depth| depth.set(depth.get().saturating_sub(1)));
+        }
+    }
+    let _ = BOOKKEEPING.try_with(|depth| depth.set(depth.get() + 1));
+    let _scope = Scope;
+    f()
 }

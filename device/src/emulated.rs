@@ -176,9 +176,10 @@ impl Worker {
     pub(crate) fn spawn(id: u64) -> Result<Worker> {
         // Odd, so xorshift never sticks at zero.
         let jitter = jitter()?.map(|seed| (seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1);
+        let waiting = crate::counters::bookkeeping(|| VecDeque::with_capacity(64));
         let progress = Arc::new(Progress {
             state: Mutex::new(State {
-                waiting: VecDeque::with_capacity(64),
+                waiting,
                 queued: 0,
                 done: 0,
                 panicked: None,
@@ -199,13 +200,17 @@ impl Worker {
         Ok(Worker { progress })
     }
 
-    /// Queues `work`; returns its number.
+    /// Queues `work`; returns its number. The queue's growth is bookkeeping
+    /// ([`allocating_bookkeeping`](crate::allocating_bookkeeping)): how far it grows
+    /// follows how far the worker lags.
     pub(crate) fn queue(&self, work: Work) -> u64 {
-        let mut state = self.progress.state.lock();
-        state.waiting.push_back(work);
-        state.queued += 1;
-        self.progress.queued.notify_one();
-        state.queued
+        crate::counters::bookkeeping(|| {
+            let mut state = self.progress.state.lock();
+            state.waiting.push_back(work);
+            state.queued += 1;
+            self.progress.queued.notify_one();
+            state.queued
+        })
     }
 
     /// The number of the last call queued.

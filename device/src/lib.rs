@@ -65,7 +65,8 @@ pub mod timeline;
 pub use blocks::{BlockKernel, Grid, Thread};
 pub use checker::{host_access, Access};
 pub use counters::{
-    device_memory, host_waits, reset_device_peak, transfers, DeviceHeld, Transfers,
+    allocating_bookkeeping, device_memory, host_waits, reset_device_peak, transfers, DeviceHeld,
+    Transfers,
 };
 pub use error::{Error, Result};
 pub use memory::DeviceMemory;

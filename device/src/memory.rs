@@ -137,7 +137,7 @@ impl DeviceMemory {
             // the worker runs it after the work queued before, which may use it, and
             // nothing after can name it.
             let free = move || unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
-            stream.queue_unchecked(Box::new(free));
+            stream.queue_unchecked(crate::counters::bookkeeping(|| Box::new(free)));
             return;
         }
         // Returned to the host once the stream's queued work (which may still use it) has

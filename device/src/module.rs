@@ -417,7 +417,9 @@ impl Stream {
         if arg.host_copy(&mut words) {
             return Ok(ArgCopy::Inline(words));
         }
-        let mut words = vec![0u64; MAX_ARG_WORDS].into_boxed_slice();
+        // A GPU keeps a launch's parameters in its driver's command buffer.
+        let mut words =
+            crate::counters::bookkeeping(|| vec![0u64; MAX_ARG_WORDS].into_boxed_slice());
         if arg.host_copy(&mut words) {
             return Ok(ArgCopy::Boxed(words));
         }

@@ -4,7 +4,7 @@
 //! touches the bytes or frees them, and a copy queued on another stream waits for them on
 //! the device, so no safe call can race a copy.
 
-use std::alloc::Layout;
+use std::alloc::{GlobalAlloc, Layout, System};
 
 use parking_lot::Mutex;
 
@@ -68,8 +68,11 @@ impl PinnedMemory {
         let ptr = match device {
             Device::Emulated => {
                 let layout = layout(bytes).ok_or(Error::OutOfMemory { device, bytes })?;
+                // From the system's allocator, not the program's: pinned memory is the
+                // driver's on a GPU, outside what a program's allocator (or a rank's
+                // count of memory) sees, and the staging pool keeps it for every thread.
                 // SAFETY: the layout has a non-zero size.
-                let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+                let ptr = unsafe { System.alloc_zeroed(layout) };
                 if ptr.is_null() {
                     return Err(Error::OutOfMemory { device, bytes });
                 }
@@ -227,7 +230,7 @@ impl Drop for PinnedMemory {
                 let ordered = checker::freed(None, self.ptr as u64);
                 if let (true, Some(layout)) = (ordered, layout(self.bytes)) {
                     // SAFETY: allocated in `new` with this layout; this is its only owner.
-                    unsafe { std::alloc::dealloc(self.ptr, layout) }
+                    unsafe { System.dealloc(self.ptr, layout) }
                 }
             }
             #[cfg(feature = "cuda")]

@@ -379,7 +379,8 @@ impl Stream {
         accesses: &[Access],
         work: impl FnOnce() + Send + 'static,
     ) -> Result<()> {
-        self.queue_emulated(op, accesses, Work::Call(Box::new(work)))
+        let work = crate::counters::bookkeeping(|| Box::new(work));
+        self.queue_emulated(op, accesses, Work::Call(work))
     }
 
     /// [`queue_host`](Self::queue_host) of work that can fail: its error breaks the
@@ -391,7 +392,8 @@ impl Stream {
         accesses: &[Access],
         work: impl FnOnce() -> std::result::Result<(), String> + Send + 'static,
     ) -> Result<()> {
-        self.queue_emulated(op, accesses, Work::Try(Box::new(work)))
+        let work = crate::counters::bookkeeping(|| Box::new(work));
+        self.queue_emulated(op, accesses, Work::Try(work))
     }
 
     /// Whether this is another thread's own stream ([`own_stream`]): that thread's

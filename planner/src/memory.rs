@@ -437,7 +437,7 @@ fn model_state(
         moments,
         activations,
         working,
-        communication: gathering + PIPELINE * usize::from(layout.pp > 1),
+        communication: gathering + pipeline_allowance(layout.target) * usize::from(layout.pp > 1),
         other: 8 * windows + 16 * layout.batch * model.seq + RUNTIME,
     }
 }
@@ -446,8 +446,15 @@ fn model_state(
 /// buffers, a communicator's bookkeeping): an allowance measured on the CPU, not derived.
 const RUNTIME: usize = 192 << 10;
 
-/// What a pipelined rank holds besides for its messages: measured likewise.
-const PIPELINE: usize = 192 << 10;
+/// What a pipelined rank holds besides for its messages, measured likewise: on the CPU
+/// (where small messages are staged in host memory) and on the emulated device (where
+/// they stay in device memory, modelled with the activations).
+fn pipeline_allowance(target: Target) -> usize {
+    match target {
+        Target::Cpu => 192 << 10,
+        Target::Device => 64 << 10,
+    }
+}
 
 /// Bytes of the pieces, per microbatch, for one rank.
 struct Sizes {

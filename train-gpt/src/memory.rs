@@ -202,8 +202,13 @@ unsafe fn allocated(ptr: *mut u8, layout: Layout) -> (*mut u8, (usize, usize), L
     (base, untag(word), inner)
 }
 
+/// This thread's slot, or 0 (no rank's) for the device layer's own bookkeeping, which
+/// a GPU's driver would hold.
 fn this_slot() -> usize {
-    SLOT.try_with(Cell::get).unwrap_or(0)
+    match ferrotron_device::allocating_bookkeeping() {
+        true => 0,
+        false => SLOT.try_with(Cell::get).unwrap_or(0),
+    }
 }
 
 fn this_phase() -> usize {

@@ -1,5 +1,5 @@
 //! `--plan` predicts the peak memory per rank that a training run with the same flags then
-//! measures, within 10% (12% on the emulated device), over a grid that spans tensor, sequence, pipeline and data
+//! measures, within 10% (5% on the emulated device), over a grid that spans tensor, sequence, pipeline and data
 //! parallelism, the three schedules, the distributed optimizer, the three precisions,
 //! recomputation, dropout and untied embeddings, on the CPU and on the emulated device.
 
@@ -41,11 +41,11 @@ const GRID: [&str; 24] = [
 fn compare(device: &str, layouts: &[&str]) {
     let mut report = Vec::new();
     let mut misses = 0;
-    // On the emulated device the measured peak moves with the streams' timing (memory a
-    // queued call or a communication stream still uses is freed when that stream gets
-    // there): the sequence-parallel bf16 row measured 7.03 to 7.46 MB over runs of the
-    // same flags (2026-11-28), so the device's rows get 12%, the CPU's 10%.
-    let allowed = if device == "emulated" { 0.12 } else { 0.10 };
+    // On the emulated device what follows the streams' timing is the device layer's
+    // bookkeeping (queues of work, the checker's records, the pinned staging pool), which
+    // no rank's count includes, as a GPU's driver holds it: the device's rows measure
+    // within 0.5% of one another run after run (2026-11-29) and get 5%.
+    let allowed = if device == "emulated" { 0.05 } else { 0.10 };
     for layout in layouts {
         let flags = format!("{layout} --device {device}");
         let predicted = bytes_after(
@@ -79,7 +79,7 @@ fn the_plan_predicts_the_measured_peak_on_the_cpu() {
 fn the_plan_predicts_the_measured_peak_on_the_emulated_device() {
     // Every fourth layout (among them the distributed optimizer in bf16, sequence
     // parallelism, selective recomputation, a 4-stage pipeline and dropout): the emulated
-    // device's reference products are slow. All 24 are within 8% (the book's table).
+    // device's reference products are slow. All 24 are within 5% (the book's table).
     let layouts: Vec<&str> = GRID.iter().step_by(4).copied().collect();
     compare("emulated", &layouts);
 }

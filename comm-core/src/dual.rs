@@ -268,26 +268,57 @@ impl Communicator for DualCommunicator {
         if !ops.iter().any(on_host) {
             return opened.exchange(ops);
         }
-        // Mixed (the pipeline's host headers beside its device tensors): the host
-        // transfers first, then the device ones, one more round trip than a single
-        // batch. A peer's matching batch mixes the same way, so both halves pair up in
-        // the same order on every rank.
-        let (mut host, mut device): (Vec<P2p<'_>>, Vec<P2p<'_>>) = (Vec::new(), Vec::new());
+        // Mixed (the pipeline's host headers beside its device tensors). Every send of
+        // both halves is posted before anything waits, as one batch's sends are: a
+        // peer's matching transfers may sit in batches of another shape (GPipe's last
+        // forward sends its activation beside the first backward's receive, while the
+        // next stage receives that activation alone), so a host batch that waited for
+        // its receives before the device sends went out would wait forever. The host
+        // sends are started, the device batch sends and receives, then the host
+        // receives are taken and the host sends finished; after a failure the rest still
+        // runs, so that the peers' batches complete too, and the first error is returned.
+        let (mut sent, mut host, mut device) = (Vec::new(), Vec::new(), Vec::new());
+        let mut first_error = None;
         for op in ops.iter_mut() {
-            let part = if on_host(op) { &mut host } else { &mut device };
-            part.push(match op {
-                P2p::Send { buf, peer } => P2p::Send {
+            match op {
+                P2p::Send { buf, peer }
+                    if on_host(&P2p::Send {
+                        buf: *buf,
+                        peer: *peer,
+                    }) =>
+                {
+                    match self.host.isend(*buf, *peer) {
+                        Ok(work) => sent.push(work),
+                        Err(error) => {
+                            first_error.get_or_insert(error);
+                        }
+                    }
+                }
+                P2p::Send { buf, peer } => device.push(P2p::Send {
                     buf: *buf,
                     peer: *peer,
-                },
-                P2p::Recv { buf, peer } => P2p::Recv {
-                    buf: buf.reborrow(),
-                    peer: *peer,
-                },
-            });
+                }),
+                P2p::Recv { buf, peer } => {
+                    let part = if buf.memory() == Device::Cpu {
+                        &mut host
+                    } else {
+                        &mut device
+                    };
+                    part.push(P2p::Recv {
+                        buf: buf.reborrow(),
+                        peer: *peer,
+                    });
+                }
+            }
         }
-        self.host.exchange(&mut host)?;
-        opened.exchange(&mut device)
+        let outcomes = [opened.exchange(&mut device), self.host.exchange(&mut host)];
+        let finished = sent.into_iter().map(|work| work.wait().map(drop));
+        for outcome in outcomes.into_iter().chain(finished) {
+            if let Err(error) = outcome {
+                first_error.get_or_insert(error);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
     fn isend(&self, buf: BufRef<'_>, dest: usize) -> Result<P2pWork> {
         self.for_ref(&buf)?.isend(buf, dest)

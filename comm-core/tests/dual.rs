@@ -240,3 +240,76 @@ fn a_failed_opening_is_not_retried_and_every_later_call_names_it() -> anyhow::Re
     );
     Ok(())
 }
+
+/// A batch that mixes host and device transfers posts every send of both halves before
+/// it waits for anything, as any batch does: rank 0 sends a header and its data and
+/// receives the reply in one batch, while rank 1 receives alone and replies in a later
+/// batch (GPipe's turn from forwards to backwards). Sending the host half's batch (and
+/// waiting for its receives) before the device half's sends went out hung here until
+/// the timeout.
+#[test]
+fn a_mixed_batch_posts_its_device_sends_before_waiting_for_host_receives() -> anyhow::Result<()> {
+    use ferrotron_comm_core::{Device, LocalLauncher};
+    use std::time::Duration;
+    let launcher = LocalLauncher::new(2)?.timeout(Duration::from_secs(10));
+    let replies = launcher.run(|comm| -> anyhow::Result<Vec<f32>> {
+        let host: Arc<dyn Communicator> = Arc::new(comm);
+        let rank = host.rank();
+        let world =
+            DualCommunicator::opening(host.clone(), host, DualCommunicator::split_opener())?;
+        let pair = world
+            .split(Some(0), rank as u32, "pair")?
+            .expect("every rank joins");
+        let stream = ferrotron_device::Stream::new(Device::Emulated)?;
+        let (mut header, mut data) = ([rank as i64], on_device(&stream, &[rank as f32 + 1.0])?);
+        if rank == 0 {
+            let mut reply_header = [0i64];
+            let mut reply = on_device(&stream, &[0.0])?;
+            pair.exchange(&mut [
+                P2p::Send {
+                    buf: BufRef::from(&header[..]),
+                    peer: 1,
+                },
+                P2p::Send {
+                    buf: BufRef::device(&data, 0, 1, DType::F32)?,
+                    peer: 1,
+                },
+                P2p::Recv {
+                    buf: BufMut::from(&mut reply_header[..]),
+                    peer: 1,
+                },
+                P2p::Recv {
+                    buf: BufMut::device(&mut reply, 0, 1, DType::F32)?,
+                    peer: 1,
+                },
+            ])?;
+            assert_eq!(reply_header, [1]);
+            return Ok(read(&reply, 1)?);
+        }
+        pair.exchange(&mut [
+            P2p::Recv {
+                buf: BufMut::from(&mut header[..]),
+                peer: 0,
+            },
+            P2p::Recv {
+                buf: BufMut::device(&mut data, 0, 1, DType::F32)?,
+                peer: 0,
+            },
+        ])?;
+        assert_eq!((header, read(&data, 1)?), ([0], vec![1.0]));
+        let (reply_header, reply) = ([1i64], on_device(&stream, &[2.0])?);
+        pair.exchange(&mut [
+            P2p::Send {
+                buf: BufRef::from(&reply_header[..]),
+                peer: 0,
+            },
+            P2p::Send {
+                buf: BufRef::device(&reply, 0, 1, DType::F32)?,
+                peer: 0,
+            },
+        ])?;
+        Ok(Vec::new())
+    })?;
+    assert_eq!(replies[0], [2.0]);
+    Ok(())
+}

@@ -138,3 +138,25 @@ fn staged_uploads_queue_without_host_waits() -> ferrotron_device::Result<()> {
     assert!(back.iter().all(|&b| b == 7));
     Ok(())
 }
+
+/// Memory cannot be freed in the order of another device's stream: the call is an error
+/// and the memory is leaked, not freed (work queued on that stream may still use it,
+/// and no stream of the memory's own device is ordered after that work). Emulated memory
+/// and `cuda:0`'s stream are two devices.
+#[test]
+fn a_free_on_another_devices_stream_is_refused_and_leaks() -> ferrotron_device::Result<()> {
+    let gpu = gpu_or_skip!();
+    let emulated = Stream::new(Device::Emulated)?;
+    let memory = emulated.alloc(64)?;
+    let held = ferrotron_device::device_memory(Device::Emulated).live;
+    // SAFETY: nothing uses the memory; the call is refused before any free is queued.
+    let refused = unsafe { memory.free_on(&gpu) };
+    let message = refused.expect_err("another device's stream").to_string();
+    assert!(message.contains("leaked"), "{message}");
+    // No longer held by this thread's count, never handed back to the allocator.
+    assert_eq!(
+        ferrotron_device::device_memory(Device::Emulated).live,
+        held - 64
+    );
+    emulated.synchronize()
+}

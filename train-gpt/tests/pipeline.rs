@@ -61,6 +61,9 @@ fn every_schedule_trains_what_one_rank_trains() {
          --use-distributed-optimizer",
         // The GPU code path: activations received from a stage go to the device.
         "--pp 2 --tp 2 --dp 1 --microbatches 2 --sequence-parallel --device emulated",
+        // GPipe's last forward sends beside the first backward's receive, where the next
+        // stage receives alone: device data and host headers in mixed batches.
+        "--pp 2 --tp 1 --dp 1 --schedule gpipe --microbatches 2 --device emulated",
     ] {
         let layout = words(flags);
         let (ok, stdout, stderr) = train(&[&layout[..], &["--check"]].concat());

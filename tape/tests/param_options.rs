@@ -41,7 +41,8 @@ const SGD: SgdConfig = SgdConfig {
     momentum: 0.9,
     weight_decay: 0.5,
     dampening: 0.1,
-    nesterov: true,
+    // Nesterov momentum takes no dampening (torch.optim.SGD refuses the pair).
+    nesterov: false,
 };
 
 /// The matrix with lr × 0.5; the vector with no weight decay.

@@ -19,8 +19,6 @@
 //! # }
 //! ```
 
-pub(crate) use crate::kernels::reduce_rows;
-
 #[cfg(feature = "mpi")]
 use crate::buffer::{BufMut, BufRef, Buffer};
 use crate::error::{Error, Result};

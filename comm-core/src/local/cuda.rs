@@ -48,7 +48,9 @@ impl Mover for CudaMover<'_> {
         }
         // SAFETY: scratch holds one row of `count` elements per source; the caller
         // guarantees `out`.
-        unsafe { cuda::reduce_rows(self.0, op, dtype, out, scratch.ptr(), count, sources.len()) }
+        unsafe {
+            crate::kernels::reduce_rows(self.0, op, dtype, out, scratch.ptr(), count, sources.len())
+        }
     }
 }
 

@@ -1000,7 +1000,7 @@ mod tests {
                 let group = shared;
                 released.recv().unwrap();
                 group.barrier(0, 1, call, true, Phase::Open)?;
-                group.declare_lost(op, seq, 0);
+                group.fail_own(0, &Error::Config("its share failed".into()));
                 failed.send(()).unwrap();
                 group.barrier(0, 2, call, true, Phase::Close)
             });
@@ -1042,11 +1042,15 @@ mod tests {
             "rank 1 left an opening barrier that completed with {opened:?}, so it never \
              reached the closing barrier where rank 0 waited for it"
         );
-        for result in [closed.unwrap(), failing] {
-            assert!(
-                matches!(result, Err(Error::PeerLost { rank: 0, .. })),
-                "{result:?}"
-            );
-        }
+        // Rank 1 loses rank 0; rank 0 sees its own failure again.
+        let closed = closed.unwrap();
+        assert!(
+            matches!(closed, Err(Error::PeerLost { rank: 0, .. })),
+            "{closed:?}"
+        );
+        assert!(
+            matches!(&failing, Err(Error::Broken { cause, .. }) if cause.contains("its share failed")),
+            "{failing:?}"
+        );
     }
 }

@@ -111,6 +111,23 @@ fn read(memory: &ferrotron_device::DeviceMemory, len: usize) -> ferrotron_device
         .collect())
 }
 
+/// `ranks` rank threads whose collectives wait at most `seconds`.
+fn launcher(ranks: usize, seconds: u64) -> ferrotron_comm_core::LocalLauncher {
+    let launcher = ferrotron_comm_core::LocalLauncher::new(ranks).expect("ranks > 0");
+    launcher.timeout(std::time::Duration::from_secs(seconds))
+}
+
+/// A lazily opening dual world over `comm` (each group's device half a split of its
+/// host half, as on the emulated device), and this rank.
+fn opening_world(
+    comm: ferrotron_comm_core::LocalCommunicator,
+) -> ferrotron_comm_core::Result<(DualCommunicator, usize)> {
+    let host: Arc<dyn Communicator> = Arc::new(comm);
+    let rank = host.rank();
+    let world = DualCommunicator::opening(host.clone(), host, DualCommunicator::split_opener())?;
+    Ok((world, rank))
+}
+
 /// A lazily opening dual world splits only host halves; a group opens its device half at
 /// its first call on device memory (once), a group of one rank never does, and a chain
 /// of exchanges that mix host headers with device data (a pipeline's first sends and
@@ -118,14 +135,9 @@ fn read(memory: &ferrotron_device::DeviceMemory, len: usize) -> ferrotron_device
 /// host transfers, so the ranks meet in the opening instead of deadlocking.
 #[test]
 fn groups_open_their_device_half_when_first_used_and_alone_never() -> anyhow::Result<()> {
-    use ferrotron_comm_core::{Device, LocalLauncher};
-    use std::time::Duration;
-    let launcher = LocalLauncher::new(4)?.timeout(Duration::from_secs(20));
-    let opened = launcher.run(|comm| -> anyhow::Result<Vec<String>> {
-        let host: Arc<dyn Communicator> = Arc::new(comm);
-        let rank = host.rank();
-        let world =
-            DualCommunicator::opening(host.clone(), host, DualCommunicator::split_opener())?;
+    use ferrotron_comm_core::Device;
+    let opened = launcher(4, 20).run(|comm| -> anyhow::Result<Vec<String>> {
+        let (world, rank) = opening_world(comm)?;
         let split = |color: usize, name| -> anyhow::Result<Arc<dyn Communicator>> {
             let group = world.split(Some(color as u32), rank as u32, name)?;
             Ok(group.expect("every rank joins"))
@@ -249,14 +261,9 @@ fn a_failed_opening_is_not_retried_and_every_later_call_names_it() -> anyhow::Re
 /// the timeout.
 #[test]
 fn a_mixed_batch_posts_its_device_sends_before_waiting_for_host_receives() -> anyhow::Result<()> {
-    use ferrotron_comm_core::{Device, LocalLauncher};
-    use std::time::Duration;
-    let launcher = LocalLauncher::new(2)?.timeout(Duration::from_secs(10));
-    let replies = launcher.run(|comm| -> anyhow::Result<Vec<f32>> {
-        let host: Arc<dyn Communicator> = Arc::new(comm);
-        let rank = host.rank();
-        let world =
-            DualCommunicator::opening(host.clone(), host, DualCommunicator::split_opener())?;
+    use ferrotron_comm_core::Device;
+    let replies = launcher(2, 10).run(|comm| -> anyhow::Result<Vec<f32>> {
+        let (world, rank) = opening_world(comm)?;
         let pair = world
             .split(Some(0), rank as u32, "pair")?
             .expect("every rank joins");

@@ -281,12 +281,7 @@ impl Communicator for DualCommunicator {
         let mut first_error = None;
         for op in ops.iter_mut() {
             match op {
-                P2p::Send { buf, peer }
-                    if on_host(&P2p::Send {
-                        buf: *buf,
-                        peer: *peer,
-                    }) =>
-                {
+                P2p::Send { buf, peer } if buf.memory() == Device::Cpu => {
                     match self.host.isend(*buf, *peer) {
                         Ok(work) => sent.push(work),
                         Err(error) => {

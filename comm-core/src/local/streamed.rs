@@ -225,7 +225,9 @@ impl RankCore {
             if outcome.is_err() {
                 // The buffers go back to their owners with the error, and moves into and
                 // out of them may still be queued here: their streams wait for this one
-                // first, so nothing frees or reuses them under a move.
+                // first, so nothing frees or reuses them under a move. If even recording
+                // fails the device's context is broken: its queued work never runs, and
+                // the frees that follow fail with it.
                 let _ = comm
                     .record()
                     .map_err(Error::from)

@@ -28,6 +28,16 @@ typedef struct {
      * partner : v), 2 f64 sum, 3 f64 max. Every lane gets the result. */
     unsigned long long (*reduce)(FerrotronThread* thread, unsigned long long bits, int kind,
                                  int line);
+    /* mma.sync.aligned.m16n8k16.row.col.f32.<kind>.<kind>.f32 over the whole warp (kind 1
+     * bf16, 2 f16): every lane offers its registers a[4], b[2] and values c[4], and gets
+     * its four values of D in d (which may be c). Layouts: device/src/tensor_cores.rs. */
+    void (*mma)(FerrotronThread* thread, int kind, const unsigned int* a,
+                const unsigned int* b, const float* c, float* d, int line);
+    /* ldmatrix.sync.aligned.m8n8.x<count>[.trans].shared.b16 over the whole warp: every
+     * lane offers a row address (lanes 8j..8j+7 the rows of matrix j) and gets its
+     * register of each matrix in out[0..count). */
+    void (*ldmatrix)(FerrotronThread* thread, int count, int trans, const void* address,
+                     unsigned int* out, int line);
 } FerrotronThreadOps;
 
 struct FerrotronThread {

@@ -50,3 +50,44 @@ WARP_BUTTERFLY(double, warp_max_f64, partner > v ? partner : v)
 #define WARP_MAX_F32(v) warp_max_f32(v)
 #define WARP_SUM_F64(v) warp_sum_f64(v)
 #define WARP_MAX_F64(v) warp_max_f64(v)
+/* Warp-level matrix instructions (tensor cores; the host prelude says what each does).
+ * mma.m16n8k16 with 16-bit inputs needs compute capability 8.0: a module built for an
+ * older target traps if one runs (the host launches them on 8.0 and newer only). */
+DEVFN void mma_16816(int kind, float* d, const unsigned int* a, const unsigned int* b,
+                     const float* c) {
+#if __CUDA_ARCH__ >= 800
+    if (kind == 1)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+            "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+              "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+            "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+              "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+    __trap();
+#endif
+}
+DEVFN void ldmatrix_x4(unsigned int* out, const void* address, int trans) {
+    unsigned int at = (unsigned int)__cvta_generic_to_shared(address);
+    if (trans)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3])
+                     : "r"(at)
+                     : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3])
+                     : "r"(at)
+                     : "memory");
+}
+#define MMA_16816(kind, d, a, b, c) mma_16816((kind), (d), (a), (b), (c))
+#define LDMATRIX_X4(out, address) ldmatrix_x4((out), (address), 0)
+#define LDMATRIX_X4_TRANS(out, address) ldmatrix_x4((out), (address), 1)
+typedef uint4 u32x4;

@@ -71,3 +71,18 @@ DEVFN double warp_reduce_f64(FerrotronThread* t, double v, int kind, int line) {
 #define WARP_MAX_F32(v) warp_reduce_f32(thread_, (v), 1, __LINE__)
 #define WARP_SUM_F64(v) warp_reduce_f64(thread_, (v), 2, __LINE__)
 #define WARP_MAX_F64(v) warp_reduce_f64(thread_, (v), 3, __LINE__)
+/* Warp-level matrix instructions (tensor cores), run by the emulator with the PTX ISA's
+ * fragment layouts: MMA_16816(kind, d, a, b, c) is mma.m16n8k16 with kind 1 bf16 or 2
+ * f16 inputs and f32 accumulators (d may be c); LDMATRIX_X<n>[_TRANS](out, address)
+ * loads n 8x8 matrices of 16-bit elements from shared memory, address this lane's row. */
+#define MMA_16816(kind, d, a, b, c) \
+    thread_->ops->mma(thread_, (kind), (a), (b), (c), (d), __LINE__)
+#define LDMATRIX_X4(out, address) \
+    thread_->ops->ldmatrix(thread_, 4, 0, (address), (out), __LINE__)
+#define LDMATRIX_X4_TRANS(out, address) \
+    thread_->ops->ldmatrix(thread_, 4, 1, (address), (out), __LINE__)
+/* Sixteen bytes, as shared-memory tiles of 16-bit elements move (aligned to 16). */
+typedef struct {
+    _Alignas(16) unsigned int x;
+    unsigned int y, z, w;
+} u32x4;

@@ -24,6 +24,8 @@ use std::ffi::c_void;
 use corosensei::stack::DefaultStack;
 use corosensei::{Coroutine, CoroutineResult, Yielder};
 
+use crate::tensor_cores::{self, Fragments, MatrixFormat};
+
 /// Threads of a warp.
 pub const WARP_SIZE: u32 = 32;
 /// Most threads in a block (CUDA's limit).
@@ -76,6 +78,8 @@ struct Ops {
     shared: extern "C" fn(*mut Thread, u64, i32) -> *mut c_void,
     access: extern "C" fn(*mut Thread, *const c_void, u64, i32, i32),
     reduce: extern "C" fn(*mut Thread, u64, i32, i32) -> u64,
+    mma: extern "C" fn(*mut Thread, i32, *const u32, *const u32, *const f32, *mut f32, i32),
+    ldmatrix: extern "C" fn(*mut Thread, i32, i32, *const c_void, *mut u32, i32),
 }
 
 static OPS: Ops = Ops {
@@ -85,6 +89,8 @@ static OPS: Ops = Ops {
     shared,
     access,
     reduce,
+    mma,
+    ldmatrix,
 };
 
 /// One thread of an emulated block, as a cooperative kernel's host build receives it
@@ -142,6 +148,46 @@ impl Thread {
     /// every lane.
     pub fn reduce(&mut self, bits: u64, reduction: Reduction, line: u32) -> u64 {
         (self.ops.reduce)(self, bits, reduction as i32, line as i32)
+    }
+
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32` over the warp
+    /// ([`tensor_cores`](crate::tensor_cores) has the layouts): this lane's four
+    /// registers of A, two of B and four values of C; returns its four of D.
+    pub fn mma(
+        &mut self,
+        format: MatrixFormat,
+        a: [u32; 4],
+        b: [u32; 2],
+        c: [f32; 4],
+        line: u32,
+    ) -> [f32; 4] {
+        let mut d = [0f32; 4];
+        let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_ptr());
+        (self.ops.mma)(self, format as i32, a, b, c, d.as_mut_ptr(), line as i32);
+        d
+    }
+
+    /// `ldmatrix.sync.aligned.m8n8.x{count}{.trans}.shared.b16` over the warp: this
+    /// lane's row `address` (lanes `8j .. 8j + 7` name matrix `j`'s rows); returns its
+    /// register of each of the `count` (1, 2 or 4) matrices.
+    pub fn ldmatrix(
+        &mut self,
+        count: u32,
+        transposed: bool,
+        address: *const u8,
+        line: u32,
+    ) -> [u32; 4] {
+        let mut out = [0u32; 4];
+        let (count, trans) = (count as i32, i32::from(transposed));
+        (self.ops.ldmatrix)(
+            self,
+            count,
+            trans,
+            address.cast(),
+            out.as_mut_ptr(),
+            line as i32,
+        );
+        out
     }
 
     /// The next `bytes` of the block's shared memory (16-byte aligned).
@@ -226,6 +272,36 @@ enum WarpOp {
     Shuffle,
     /// A butterfly reduction ([`Reduction`]) of every lane's value, in one meeting.
     Reduce(Reduction),
+    /// A tensor-core product of every lane's fragments.
+    Mma(MatrixFormat),
+    /// `count` 8 × 8 matrices loaded from the rows the lanes name.
+    Ldmatrix { count: u8, transposed: bool },
+}
+
+/// Where a lane's operands of a matrix instruction are (on its own stack, which stays
+/// put while it waits): its fragments and result for `mma`, its row address and
+/// registers for `ldmatrix`.
+#[derive(Clone, Copy)]
+struct Operands {
+    a: *const u32,
+    b: *const u32,
+    c: *const f32,
+    d: *mut f32,
+    address: *const c_void,
+    out: *mut u32,
+}
+
+impl Default for Operands {
+    fn default() -> Operands {
+        Operands {
+            a: std::ptr::null(),
+            b: std::ptr::null(),
+            c: std::ptr::null(),
+            d: std::ptr::null_mut(),
+            address: std::ptr::null(),
+            out: std::ptr::null_mut(),
+        }
+    }
 }
 
 /// A warp reduction as five xor shuffles compute it on a GPU (masks 16, 8, 4, 2, 1, each
@@ -287,6 +363,7 @@ struct State {
     stands: Vec<Stand>,
     offered: Vec<(u64, i32)>,
     received: Vec<u64>,
+    operands: Vec<Operands>,
     /// Block barriers passed, and each warp's warp operations (and barriers) passed.
     epoch: u32,
     warp_epochs: Vec<u32>,
@@ -395,6 +472,8 @@ impl Block {
         state.offered.resize(n, (0, 0));
         state.received.clear();
         state.received.resize(n, 0);
+        state.operands.clear();
+        state.operands.resize(n, Operands::default());
         state.epoch = 0;
         state.warp_epochs.clear();
         state.warp_epochs.resize(n / WARP_SIZE as usize, 0);
@@ -577,7 +656,8 @@ impl State {
             return false;
         }
         let first = stands[0];
-        if stands.iter().any(|s| *s != first) {
+        let agreed = stands.iter().all(|s| *s == first);
+        if !agreed {
             let lines: Vec<i32> = (stands.iter())
                 .filter_map(|s| match s {
                     Stand::Warp { line, .. } => Some(*line),
@@ -595,6 +675,20 @@ impl State {
                 op: WarpOp::Reduce(reduction),
                 ..
             } => self.reduce_warp(lanes.start, reduction),
+            // Lanes at other operations gave no operands: nothing to compute (the
+            // launch has failed).
+            Stand::Warp {
+                op: WarpOp::Mma(format),
+                ..
+            } if agreed => self.mma_warp(lanes.start, format),
+            Stand::Warp {
+                op: WarpOp::Ldmatrix { count, transposed },
+                line,
+            } if agreed => self.ldmatrix_warp(lanes.start, count, transposed, line),
+            Stand::Warp {
+                op: WarpOp::Mma(_) | WarpOp::Ldmatrix { .. },
+                ..
+            } => {}
             _ => {
                 for lane in lanes.clone() {
                     let (_, source) = self.offered[lane];
@@ -621,6 +715,58 @@ impl State {
             }
         }
         self.received[first..first + WARP_SIZE as usize].copy_from_slice(&values);
+    }
+
+    /// The tensor-core product of the 32 lanes' fragments from lane `first`.
+    fn mma_warp(&mut self, first: usize, format: MatrixFormat) {
+        let lanes = &self.operands[first..first + WARP_SIZE as usize];
+        // SAFETY: each lane's pointers are to its arrays, alive while it waits here.
+        let fragments = std::array::from_fn(|l| unsafe {
+            let o = lanes[l];
+            Fragments {
+                a: o.a.cast::<[u32; 4]>().read_unaligned(),
+                b: o.b.cast::<[u32; 2]>().read_unaligned(),
+                c: o.c.cast::<[f32; 4]>().read_unaligned(),
+            }
+        });
+        let d = tensor_cores::mma_m16n8k16(format, &fragments);
+        for (o, values) in lanes.iter().zip(d) {
+            // SAFETY: as above; every C was read before any D is written.
+            unsafe { o.d.cast::<[f32; 4]>().write_unaligned(values) };
+        }
+    }
+
+    /// `count` matrices from the rows lanes `first ..` name, checked as the lanes'
+    /// reads of shared memory, into every lane's registers.
+    fn ldmatrix_warp(&mut self, first: usize, count: u8, transposed: bool, line: i32) {
+        let mut matrices = [[[0u16; 8]; 8]; 4];
+        for lane in 0..8 * usize::from(count) {
+            let t = first + lane;
+            let address = self.operands[t].address;
+            if address as usize % 16 != 0 {
+                self.report(format!(
+                    "lane {lane} of thread {t}'s warp gives ldmatrix the row address                      {address:?} at line {line}, not 16-byte aligned"
+                ));
+                continue;
+            }
+            if self.offset_of(address, 16).is_none() {
+                self.report(format!(
+                    "lane {lane} of thread {t}'s warp gives ldmatrix the row address                      {address:?} at line {line}, outside the shared memory the block                      declared"
+                ));
+                continue;
+            }
+            self.check(t, address, 16, false, line);
+            // SAFETY: 16 bytes within the arena (checked above).
+            matrices[lane / 8][lane % 8] = unsafe { address.cast::<[u16; 8]>().read() };
+        }
+        for lane in 0..WARP_SIZE as usize {
+            let out = self.operands[first + lane].out;
+            for (j, matrix) in matrices.iter().take(usize::from(count)).enumerate() {
+                let register = tensor_cores::ldmatrix_register(matrix, lane, transposed);
+                // SAFETY: the lane's array of four registers, alive while it waits.
+                unsafe { out.add(j).write(register) };
+            }
+        }
     }
 
     fn release_all(&mut self) {
@@ -892,6 +1038,75 @@ extern "C" fn reduce(thread: *mut Thread, bits: u64, kind: i32, line: i32) -> u6
         };
         unsafe { suspend(block, t, stand) };
         unsafe { state(block) }.received[t]
+    })
+}
+
+extern "C" fn mma(
+    thread: *mut Thread,
+    kind: i32,
+    a: *const u32,
+    b: *const u32,
+    c: *const f32,
+    d: *mut f32,
+    line: i32,
+) {
+    guarded(thread, line, (), || {
+        // SAFETY (of each): as above.
+        let (block, t) = unsafe { caller(thread) };
+        let Some(format) = MatrixFormat::of(kind) else {
+            unsafe { state(block) }.report(format!(
+                "thread {t} asks at line {line} for a matrix product of format {kind},                  which there is not (1 bf16, 2 f16)"
+            ));
+            return;
+        };
+        unsafe { state(block) }.operands[t] = Operands {
+            a,
+            b,
+            c,
+            d,
+            ..Operands::default()
+        };
+        let stand = Stand::Warp {
+            line,
+            op: WarpOp::Mma(format),
+        };
+        unsafe { suspend(block, t, stand) };
+    })
+}
+
+extern "C" fn ldmatrix(
+    thread: *mut Thread,
+    count: i32,
+    trans: i32,
+    address: *const c_void,
+    out: *mut u32,
+    line: i32,
+) {
+    guarded(thread, line, (), || {
+        // SAFETY (of each): as above.
+        let (block, t) = unsafe { caller(thread) };
+        let count = match count {
+            1 | 2 | 4 => count as u8,
+            _ => {
+                unsafe { state(block) }.report(format!(
+                    "thread {t} asks at line {line} for ldmatrix of {count} matrices: 1, 2                      or 4"
+                ));
+                return;
+            }
+        };
+        unsafe { state(block) }.operands[t] = Operands {
+            address,
+            out,
+            ..Operands::default()
+        };
+        let stand = Stand::Warp {
+            line,
+            op: WarpOp::Ldmatrix {
+                count,
+                transposed: trans != 0,
+            },
+        };
+        unsafe { suspend(block, t, stand) };
     })
 }
 

@@ -12,7 +12,8 @@
 //! - [`Module`] and [`Function`]: kernels compiled by NVRTC (CUDA) or built for the host
 //!   (emulated), launched on a stream over independent indices, or as a [`Grid`] of
 //!   cooperating blocks ([`blocks`]: barriers, warp shuffles and shared memory, run by the
-//!   emulated device with a GPU's semantics and checked for races);
+//!   emulated device with a GPU's semantics and checked for races), whose warps also
+//!   run [`tensor_cores`]' matrix instructions with the PTX fragment layouts;
 //! - counters of host↔device [`transfers`] and of [`host_waits`], per thread and device,
 //!   and per-kernel [`profile`]s (launches, bytes, flops; time on CUDA);
 //! - with the `cuda` feature, [`cuda`]: finding the CUDA libraries at run time (the
@@ -60,6 +61,7 @@ mod pinned;
 mod place;
 pub mod profile;
 mod stream;
+pub mod tensor_cores;
 pub mod timeline;
 
 pub use blocks::{BlockKernel, Grid, Thread};

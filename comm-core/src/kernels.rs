@@ -62,13 +62,12 @@ fn kernel(dtype: DType) -> (&'static str, HostKernel) {
 /// `as_name` there, for the ordering checker's reports), the NVRTC module's function on a
 /// GPU.
 fn function(device: Device, dtype: DType, as_name: &'static str) -> Result<Function> {
-    let (name, host) = kernel(dtype);
     match device {
-        Device::Emulated => Ok(Function::host(as_name, host)),
+        Device::Emulated => Ok(Function::host(as_name, kernel(dtype).1)),
         #[cfg(feature = "cuda")]
         Device::Cuda(ordinal) => {
             let module = ferrotron_device::kernels::cuda_module(ordinal, MODULE, || SOURCE.into())?;
-            Ok(module.function(name)?)
+            Ok(module.function(kernel(dtype).0)?)
         }
         other => Err(Error::Config(format!(
             "the local backend reduces device memory on a GPU or the emulated device, not {other}"

@@ -12,6 +12,17 @@
 #include "rows.cu"
 #include "attention.cu"
 #include "optim.cu"
+/* The tensor-core kernels: f32 only, once per head dimension. */
+#define TC_D 64
+#define TC_TAG _d64
+#include "attention_tc.cu"
+#undef TC_D
+#undef TC_TAG
+#define TC_D 128
+#define TC_TAG _d128
+#include "attention_tc.cu"
+#undef TC_D
+#undef TC_TAG
 #include "precision_end.h"
 
 #include "precision_f64.h"

@@ -113,6 +113,7 @@ pub use ferrotron_device::{
     Transfers,
 };
 pub use flat::{FlatStorage, FlatView};
+pub use gpu::attention_ops::with_cuda_core_attention;
 pub use gpu::{allow_tf32, set_allow_tf32, synchronize};
 pub use gradcheck::{gradcheck, GradCheckOptions};
 pub use mixed::{MixedPrecision, MASTER_BUFFER};

@@ -3,7 +3,7 @@
 //! the same geometry and tiles.
 
 use super::{GpuArray, Kernel, KernelArgs, Precision};
-use crate::{Element, Error, Result};
+use crate::{Device, Element, Error, Result};
 use ferrotron_device::Grid;
 
 block_kernels! {
@@ -16,11 +16,93 @@ block_kernels! {
         attention_backward_kv_f32, attention_backward_kv_f64;
 }
 
+f32_block_kernels! {
+    TENSOR_CORE_KERNELS:
+    TC_FORWARD_D64 = "attention_tc_forward_d64": attention_tc_forward_d64_f32;
+    TC_BACKWARD_Q_D64 = "attention_tc_backward_q_d64": attention_tc_backward_q_d64_f32;
+    TC_BACKWARD_KV_D64 = "attention_tc_backward_kv_d64": attention_tc_backward_kv_d64_f32;
+    TC_FORWARD_D128 = "attention_tc_forward_d128": attention_tc_forward_d128_f32;
+    TC_BACKWARD_Q_D128 = "attention_tc_backward_q_d128": attention_tc_backward_q_d128_f32;
+    TC_BACKWARD_KV_D128 = "attention_tc_backward_kv_d128": attention_tc_backward_kv_d128_f32;
+}
+
 /// Rows of a tile: the queries a block takes, and the keys it visits at a time.
 pub(crate) const TILE: usize = 32;
 
 /// Threads of an attention block (two warps; eight threads to a group of four rows).
 const THREADS: u32 = 64;
+
+/// The kernels of one fused attention and the blocks they run in.
+#[derive(Clone, Copy)]
+pub(crate) struct Kernels {
+    forward: &'static Kernel,
+    backward_q: &'static Kernel,
+    backward_kv: &'static Kernel,
+    /// Rows of a block's own side (queries, or keys), and its threads.
+    rows: usize,
+    threads: u32,
+}
+
+/// `attention.cu`'s kernels, on CUDA cores in the kernel's precision.
+const CUDA_CORES: Kernels = Kernels {
+    forward: &ATTENTION_FORWARD,
+    backward_q: &ATTENTION_BACKWARD_Q,
+    backward_kv: &ATTENTION_BACKWARD_KV,
+    rows: TILE,
+    threads: THREADS,
+};
+
+/// `attention_tc.cu`'s for head dimension `d` (64 or 128): four warps of 16 rows.
+const fn tensor_cores(d: usize) -> Kernels {
+    let [forward, backward_q, backward_kv]: [&'static Kernel; 3] = match d {
+        64 => [&TC_FORWARD_D64, &TC_BACKWARD_Q_D64, &TC_BACKWARD_KV_D64],
+        _ => [&TC_FORWARD_D128, &TC_BACKWARD_Q_D128, &TC_BACKWARD_KV_D128],
+    };
+    Kernels {
+        forward,
+        backward_q,
+        backward_kv,
+        rows: 64,
+        threads: 128,
+    }
+}
+
+/// Whether the tensor-core kernels take attention of head dimension `d` over operands
+/// stored as `format` (1 bf16, 2 f16) on `device` from `T` tensors: 16-bit operands, f32
+/// accumulators, head dimensions 64 and 128, compute capability 8.0 or newer (and the
+/// emulated device, which runs them with the PTX layouts).
+pub(crate) fn takes_tensor_cores<T>(device: Device, format: i64, d: usize) -> bool {
+    std::mem::size_of::<T>() == 4
+        && matches!(format, 1 | 2)
+        && matches!(d, 64 | 128)
+        && !CUDA_CORES_ONLY.get()
+        && super::tensor_cores(device)
+}
+
+thread_local! {
+    /// Set on a thread that must run the CUDA-core kernels even where the tensor-core
+    /// ones apply (benchmarks and tests comparing the two).
+    static CUDA_CORES_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `work` with fused attention on CUDA cores only on this thread (the kernels
+/// before tensor cores, for comparison), then as before.
+pub fn with_cuda_core_attention<R>(work: impl FnOnce() -> R) -> R {
+    let before = CUDA_CORES_ONLY.replace(true);
+    let result = work();
+    CUDA_CORES_ONLY.set(before);
+    result
+}
+
+impl Kernels {
+    /// The kernels for `g` over `ops` on `device`.
+    fn of<T>(g: &FlashGeometry, ops: &Operands, device: Device) -> Kernels {
+        match takes_tensor_cores::<T>(device, ops.q.format, g.d) {
+            true => tensor_cores(g.d),
+            false => CUDA_CORES,
+        }
+    }
+}
 
 /// The widest head a device kernel takes in `T` (four of its tiles fit 48 KiB of shared
 /// memory).
@@ -204,9 +286,11 @@ impl Flash {
         }
     }
 
-    /// A grid of a block per (head, tile) over `heads` heads and `rows` rows.
-    fn grid(&self, op: &'static str, heads: usize, rows: usize) -> Result<Grid> {
-        let blocks = heads * rows.div_ceil(TILE);
+    /// A grid of `kernels`' blocks, one per (head, tile) over `heads` heads and `rows`
+    /// rows.
+    fn grid(&self, kernels: &Kernels, heads: usize, rows: usize) -> Result<Grid> {
+        let op = "attention";
+        let blocks = heads * rows.div_ceil(kernels.rows);
         let blocks = u32::try_from(blocks)
             .ok()
             .filter(|&b| b <= i32::MAX as u32)
@@ -218,7 +302,7 @@ impl Flash {
             })?;
         Ok(Grid {
             blocks,
-            threads: THREADS,
+            threads: kernels.threads,
         })
     }
 
@@ -277,8 +361,9 @@ pub(crate) fn forward<T: Element>(flash: &Flash, ops: &Operands, lse: &GpuArray<
         written: (out + lse.bytes()) as u64,
         flops: flash.flops(),
     };
-    let grid = flash.grid("attention", g.query_heads(), g.sq)?;
-    lse.launch_grid(&ATTENTION_FORWARD, Precision::of::<T>(), grid, &args, cost)
+    let kernels = Kernels::of::<T>(g, ops, lse.device());
+    let grid = flash.grid(&kernels, g.query_heads(), g.sq)?;
+    lse.launch_grid(kernels.forward, Precision::of::<T>(), grid, &args, cost)
 }
 
 /// The backward's gradients: where they go and their format.
@@ -340,9 +425,10 @@ pub(crate) fn backward<T: Element>(
         lse.ptr(),
         delta.ptr(),
     ]);
-    let grid = flash.grid("attention", g.query_heads(), g.sq)?;
+    let kernels = Kernels::of::<T>(g, ops, delta.device());
+    let grid = flash.grid(&kernels, g.query_heads(), g.sq)?;
     delta.launch_grid(
-        &ATTENTION_BACKWARD_Q,
+        kernels.backward_q,
         precision,
         grid,
         &queries,
@@ -360,22 +446,16 @@ pub(crate) fn backward<T: Element>(
         lse.ptr(),
         delta.ptr(),
     ];
-    let grid = flash.grid("attention", g.kv_heads(), g.sk)?;
+    let grid = flash.grid(&kernels, g.kv_heads(), g.sk)?;
     let written = grad(2 * g.kv_heads() * g.sk);
-    delta.launch_grid(
-        &ATTENTION_BACKWARD_KV,
-        precision,
-        grid,
-        &keys,
-        cost(written),
-    )
+    delta.launch_grid(kernels.backward_kv, precision, grid, &keys, cost(written))
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use std::cell::Cell;
 
-    use crate::{AttentionOptions, Device, Generator, Result, Tensor};
+    use crate::{AttentionOptions, DType, Device, Generator, Result, Tensor};
 
     thread_local! {
         /// The fault this thread's attention launches plant (`attention.cu`'s i31).
@@ -396,10 +476,60 @@ pub(crate) mod tests {
         out
     }
 
+    /// Output and packed gradient of bf16 attention over 70 positions at head dimension
+    /// `d` on `device` with `fault` planted (the emulated device runs the tensor-core
+    /// kernels).
+    fn tensor_cores(device: Device, d: usize, fault: i64) -> Result<Vec<f32>> {
+        let mut generator = Generator::new(2);
+        let qkv = Tensor::<f32>::uniform(&[70, 1, 1, 4, d], -1.0, 1.0, &mut generator)
+            .to_dtype(DType::BF16)?
+            .to_device(device)?;
+        let parameter = crate::Parameter::new("qkv", qkv);
+        let tape = crate::Tape::new();
+        FAULT.set(fault);
+        let out = tape
+            .watch(&parameter)
+            .and_then(|x| x.packed_attention(AttentionOptions::causal(d), None))
+            .and_then(|out| {
+                out.to_dtype(DType::F32)?.sum()?.backward()?;
+                let grad = parameter.grad().expect("a gradient").to_vec()?;
+                Ok([out.to_vec()?, grad].concat())
+            });
+        FAULT.set(0);
+        out
+    }
+
+    /// A kernel that hands the probabilities to the next product in a wrong fragment
+    /// register (two A registers swapped, i31 = 3) computes wrong numbers on the
+    /// emulated device, as it would on a GPU: the layouts are the PTX ISA's, not
+    /// whatever the kernel assumes.
+    fn a_wrong_fragment_register_is_caught() -> Result<()> {
+        for d in [64, 128] {
+            let cpu = tensor_cores(Device::Cpu, d, 0)?;
+            let error = |out: &[f32]| {
+                let scale = cpu.iter().fold(1f32, |m, x| m.max(x.abs()));
+                out.iter()
+                    .zip(&cpu)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                    / scale
+            };
+            // Within bf16's rounding (2⁻⁸) when right, far outside it when wrong.
+            assert!(error(&tensor_cores(Device::Emulated, d, 0)?) < 2.0 / 256.0);
+            let planted = error(&tensor_cores(Device::Emulated, d, 3)?);
+            assert!(
+                planted > 0.05,
+                "a swapped fragment register went unseen: {planted}"
+            );
+        }
+        Ok(())
+    }
+
     /// One test, since a failed launch fails the emulated stream it ran on, which every
-    /// test of this binary shares: the silent fault first, then the one the checker stops.
+    /// test of this binary shares: the silent faults first, then the one the checker
+    /// stops.
     #[test]
     fn planted_faults_are_caught_on_the_emulated_device() -> Result<()> {
+        a_wrong_fragment_register_is_caught()?;
         let cpu = forward(Device::Cpu, 0)?;
         let close = |out: &[f32]| out.iter().zip(&cpu).all(|(a, b)| (a - b).abs() < 1e-5);
         assert!(close(&forward(Device::Emulated, 0)?));

@@ -37,11 +37,21 @@ fn source() -> String {
         file!("optim.cu"),
     ]
     .join("\n");
+    // The tensor-core kernels: f32 only, once per head dimension.
+    let tensor_cores = [64, 128]
+        .map(|d| {
+            format!(
+                "#define TC_D {d}\n#define TC_TAG _d{d}\n{}\n#undef TC_D\n#undef TC_TAG\n",
+                file!("attention_tc.cu")
+            )
+        })
+        .join("\n");
     [
         ferrotron_device::kernels::CUDA_PRELUDE,
         file!("common.h"),
         file!("precision_f32.h"),
         &bodies,
+        &tensor_cores,
         file!("precision_end.h"),
         file!("precision_f64.h"),
         &bodies,
@@ -63,6 +73,8 @@ pub(crate) struct CudaBackend {
     device: Device,
     stream: ferrotron_device::Stream,
     module: Arc<ferrotron_device::Module>,
+    /// Compute capability 8.0 or newer: `mma.m16n8k16` with 16-bit inputs.
+    tensor_cores: bool,
     functions: Mutex<HashMap<(&'static str, Precision), ferrotron_device::Function>>,
     blas: Mutex<Blas>,
 }
@@ -106,6 +118,7 @@ impl CudaBackend {
             device,
             stream,
             module,
+            tensor_cores: major >= 8,
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(Blas(handle)),
         })
@@ -126,6 +139,10 @@ impl Drop for CudaBackend {
 impl Backend for CudaBackend {
     fn stream(&self) -> &ferrotron_device::Stream {
         &self.stream
+    }
+
+    fn tensor_cores(&self) -> bool {
+        self.tensor_cores
     }
 
     fn function(
@@ -291,7 +308,7 @@ mod tests {
                 .iter()
                 .flat_map(|list| list.iter())
             {
-                for precision in [Precision::F32, Precision::F64] {
+                for &precision in kernel.precisions() {
                     let entry = format!(".entry {}_{}", kernel.name, precision.suffix());
                     assert!(ptx.contains(&entry), "PTX lacks {entry}");
                 }

@@ -39,7 +39,20 @@ impl Backend for Emulator {
             HostBuilds::Blocks(builds) => {
                 ferrotron_device::Function::host_blocks(kernel.name, builds[precision.index()])
             }
+            HostBuilds::BlocksF32(build) if precision == Precision::F32 => {
+                ferrotron_device::Function::host_blocks(kernel.name, *build)
+            }
+            HostBuilds::BlocksF32(_) => {
+                return Err(crate::Error::invalid(
+                    kernel.name,
+                    "this kernel is built in f32 only: launch it from f32 tensors",
+                ))
+            }
         })
+    }
+
+    fn tensor_cores(&self) -> bool {
+        true
     }
 
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()> {

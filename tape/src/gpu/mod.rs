@@ -73,6 +73,8 @@ pub(crate) struct Kernel {
 pub(crate) enum HostBuilds {
     Indices([HostKernel; 2]),
     Blocks([ferrotron_device::BlockKernel; 2]),
+    /// A cooperative kernel built in f32 only (16-bit operands, f32 accumulators).
+    BlocksF32(ferrotron_device::BlockKernel),
 }
 
 impl Kernel {
@@ -86,9 +88,20 @@ impl Kernel {
             "cross_entropy_rows" => &[1],
             "layer_norm_rows" => &[4, 5],
             "layer_norm_affine_backward" | "attention_forward" | "attention_backward_kv" => &[1],
+            "attention_tc_forward_d64" | "attention_tc_forward_d128" => &[1],
+            "attention_tc_backward_kv_d64" | "attention_tc_backward_kv_d128" => &[1],
             _ => &[],
         };
         slot == 0 || more.contains(&slot)
+    }
+
+    /// The precisions the kernel is built in.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the NVRTC test
+    pub(crate) fn precisions(&self) -> &'static [Precision] {
+        match self.host {
+            HostBuilds::BlocksF32(_) => &[Precision::F32],
+            _ => &[Precision::F32, Precision::F64],
+        }
     }
 }
 
@@ -125,6 +138,20 @@ macro_rules! block_kernels {
     };
 }
 
+/// [`block_kernels!`] for cooperative kernels built in f32 only.
+macro_rules! f32_block_kernels {
+    ($list:ident: $($constant:ident = $name:literal : $f32:ident;)*) => {
+        extern "C" {
+            $(fn $f32(args: *const std::ffi::c_void, thread: *mut ferrotron_device::Thread);)*
+        }
+        $(pub(crate) const $constant: Kernel = Kernel {
+            name: $name,
+            host: $crate::gpu::HostBuilds::BlocksF32($f32),
+        };)*
+        pub(crate) const $list: &[&Kernel] = &[$(&$constant),*];
+    };
+}
+
 kernels! {
     MATH_KERNELS:
     FILL = "fill": fill_f32, fill_f64;
@@ -149,9 +176,10 @@ pub(crate) mod shape_ops;
 
 /// Every kernel, by family (the NVRTC test checks that each one compiled).
 #[allow(dead_code)] // read by the NVRTC test
-pub(crate) const KERNEL_LISTS: [&[&Kernel]; 6] = [
+pub(crate) const KERNEL_LISTS: [&[&Kernel]; 7] = [
     MATH_KERNELS,
     attention_ops::ATTENTION_KERNELS,
+    attention_ops::TENSOR_CORE_KERNELS,
     shape_ops::SHAPE_KERNELS,
     row_ops::ROW_KERNELS,
     row_ops::COLUMN_KERNELS,
@@ -337,6 +365,15 @@ pub(crate) trait Backend: Send + Sync {
     fn function(&self, kernel: &Kernel, precision: Precision)
         -> Result<ferrotron_device::Function>;
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<()>;
+    /// Whether the device runs warp-level matrix instructions with 16-bit inputs
+    /// (`mma.m16n8k16`: compute capability 8.0 and newer; the emulated device).
+    fn tensor_cores(&self) -> bool;
+}
+
+/// Whether `device` runs tape's tensor-core kernels (false for the CPU, or a device
+/// that cannot be opened: the caller's other path says why).
+pub(crate) fn tensor_cores(device: Device) -> bool {
+    device != Device::Cpu && backend("tensor cores", device).is_ok_and(|b| b.tensor_cores())
 }
 
 /// Waits until all work queued on `device` has finished (like

@@ -7,7 +7,7 @@ use super::flash;
 use super::index::{dropout_scale, keep_mask, Dropout};
 use super::packed::{product_output, Heads, OP};
 use super::softmax::SoftmaxKernel;
-use crate::gpu::attention_ops::{max_head_dim, Flash, FlashDropout};
+use crate::gpu::attention_ops::{max_head_dim, takes_tensor_cores, Flash, FlashDropout};
 use crate::gpu::ops::{gemm_into, Destination, Operand};
 use crate::gpu::row_ops::{SoftmaxBackward, SoftmaxKind, SoftmaxRows};
 use crate::gpu::{GemmFormat, GpuArray};
@@ -151,16 +151,22 @@ impl<T: Element> Tensor<T> {
     }
 
     /// Whether the fused kernel takes this input: any on the CPU; on a device, head
-    /// dimensions its tiles hold (the others fall back, noted once per process).
+    /// dimensions its tiles hold, or the tensor-core kernels' (the others fall back,
+    /// noted once per process).
     fn fuses(&self, heads: &Heads) -> bool {
-        if self.device() == Device::Cpu || heads.d <= max_head_dim::<T>() {
+        let format = super::residual::format_number(self.dtype());
+        if self.device() == Device::Cpu
+            || heads.d <= max_head_dim::<T>()
+            || takes_tensor_cores::<T>(self.device(), format, heads.d)
+        {
             return true;
         }
         static NOTED: std::sync::Once = std::sync::Once::new();
         NOTED.call_once(|| {
             eprintln!(
-                "note: fused attention takes head dimensions up to {} on a device; head \
-                 dimension {} runs the unfused attention",
+                "note: fused attention takes head dimensions up to {} on a device (64 and \
+                 128 in bf16 or f16 on tensor cores); head dimension {} runs the unfused \
+                 attention",
                 max_head_dim::<T>(),
                 heads.d
             )

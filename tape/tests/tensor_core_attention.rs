@@ -1,0 +1,210 @@
+//! Fused attention on the tensor cores (`mma.m16n8k16` and `ldmatrix`, run by the
+//! emulated device with the PTX fragment layouts): 16-bit queries, keys and values at
+//! head dimensions 64 and 128 against the unfused f32 reference on the same rounded
+//! inputs, outputs and the packed gradient, causal or not, multi-head and grouped-query,
+//! with dropout's documented mask; and the same bits run after run.
+//!
+//! Tolerances, in units of the format's rounding (2⁻⁸ bf16, 2⁻¹¹ f16) relative to the
+//! reference's largest magnitude: the kernels round the output, the probabilities
+//! before they multiply the values, and dS before it multiplies keys and queries, as
+//! FlashAttention does, so outputs land within 2 units and gradients within 3. A GPU's
+//! tensor cores add their products in an order NVIDIA does not specify; against the
+//! emulated run they differ by f32's rounding of those sums, far below these bounds.
+
+#[path = "support/device.rs"]
+mod device;
+
+use device::output_and_grad_rounded;
+use ferrotron_tape::{
+    with_cuda_core_attention, AttentionKernel, AttentionOptions, DType, Device, Generator, Result,
+    Tensor,
+};
+
+/// A case: sequence, batch, key/value groups, queries per group, head dimension, causal.
+type Case = (usize, usize, usize, usize, usize, bool);
+
+fn shape((s, b, g, r, d, _): Case) -> [usize; 5] {
+    [s, b, g, r + 2, d]
+}
+
+fn options(case: Case, kernel: AttentionKernel) -> AttentionOptions {
+    AttentionOptions {
+        scale: 1.0 / (case.4 as f64).sqrt(),
+        causal: case.5,
+        kernel,
+    }
+}
+
+/// The largest difference of `a` from `b` in units of `unit` relative to `b`'s largest
+/// magnitude (at least 1).
+fn units(a: &[f32], b: &[f32], unit: f64) -> f64 {
+    assert_eq!(a.len(), b.len(), "lengths");
+    let scale = b.iter().map(|x| f64::from(x.abs())).fold(1.0, f64::max);
+    let diff = (a.iter().zip(b))
+        .map(|(x, y)| f64::from((x - y).abs()))
+        .fold(0.0, f64::max);
+    diff / scale / unit
+}
+
+/// Output and packed gradient of `case` with the input rounded to `dtype`, stored as
+/// `store`, on `device`, with dropout `p` drawn from seed 5.
+fn attend(
+    case: Case,
+    device: Device,
+    dtype: DType,
+    store: DType,
+    kernel: AttentionKernel,
+    p: f64,
+) -> (Vec<f32>, Vec<f32>) {
+    output_and_grad_rounded(device, dtype, store, &shape(case), |qkv| {
+        let mut generator = Generator::new(5);
+        let dropout = (p > 0.0).then_some((p, &mut generator));
+        qkv.packed_attention(options(case, kernel), dropout)
+    })
+    .unwrap_or_else(|e| panic!("{case:?} on {device}: {e}"))
+}
+
+/// The tensor-core kernel on the emulated device against the unfused f32 reference on
+/// the CPU, in `dtype`; the CUDA-core kernel's error beside it.
+fn compare(case: Case, dtype: DType, unit: f64) {
+    let exact = attend(
+        case,
+        Device::Cpu,
+        dtype,
+        DType::F32,
+        AttentionKernel::Unfused,
+        0.0,
+    );
+    let fused = || {
+        attend(
+            case,
+            Device::Emulated,
+            dtype,
+            dtype,
+            AttentionKernel::Fused,
+            0.0,
+        )
+    };
+    let tensor_cores = fused();
+    let (out, grad) = (
+        units(&tensor_cores.0, &exact.0, unit),
+        units(&tensor_cores.1, &exact.1, unit),
+    );
+    // The CUDA-core kernel takes head dimension 64; at long sequences its emulated run
+    // alone would take a minute.
+    if case.4 == 64 && case.0 <= 1000 {
+        let cuda_cores = with_cuda_core_attention(fused);
+        println!(
+            "{dtype} {case:?}: tensor cores {out:.2} / {grad:.2} units, CUDA cores {:.2} / {:.2}",
+            units(&cuda_cores.0, &exact.0, unit),
+            units(&cuda_cores.1, &exact.1, unit)
+        );
+    } else {
+        println!("{dtype} {case:?}: tensor cores {out:.2} / {grad:.2} units");
+    }
+    assert!(
+        out <= 2.0 && grad <= 3.0,
+        "{dtype} {case:?}: {out} / {grad} units"
+    );
+}
+
+#[test]
+fn head_dimension_64_is_within_the_formats_rounding() {
+    for case in [
+        (1, 2, 2, 1, 64, true),
+        (17, 1, 1, 4, 64, false),
+        (128, 1, 2, 2, 64, true),
+        (1000, 1, 1, 1, 64, true),
+    ] {
+        compare(case, DType::BF16, 2f64.powi(-8));
+    }
+    compare((70, 1, 1, 2, 64, false), DType::F16, 2f64.powi(-11));
+}
+
+#[test]
+fn head_dimension_128_is_within_the_formats_rounding() {
+    for case in [
+        (1, 1, 1, 2, 128, false),
+        (17, 2, 1, 1, 128, true),
+        (128, 1, 1, 4, 128, false),
+        (300, 1, 1, 2, 128, true),
+    ] {
+        compare(case, DType::BF16, 2f64.powi(-8));
+    }
+    compare((65, 1, 2, 1, 128, true), DType::F16, 2f64.powi(-11));
+}
+
+/// A long causal sequence: 64 query tiles against up to 64 key tiles each.
+#[test]
+fn a_sequence_of_4096_is_within_the_formats_rounding() {
+    compare((4096, 1, 1, 1, 64, true), DType::BF16, 2f64.powi(-8));
+}
+
+#[test]
+fn dropout_applies_the_documented_mask() {
+    // Every fused kernel (the CPU's too) draws one seed and keeps probability (z, i, j)
+    // by the documented rule, so the reference is the CPU's fused kernel in f32 on the
+    // same rounded inputs: the difference is the tensor cores' rounding only.
+    let unit = 2f64.powi(-8);
+    for case in [(97, 1, 1, 2, 64, true), (40, 1, 1, 1, 128, false)] {
+        let run =
+            |device, store, p| attend(case, device, DType::BF16, store, AttentionKernel::Fused, p);
+        let exact = run(Device::Cpu, DType::F32, 0.3);
+        let tensor_cores = run(Device::Emulated, DType::BF16, 0.3);
+        let (out, grad) = (
+            units(&tensor_cores.0, &exact.0, unit),
+            units(&tensor_cores.1, &exact.1, unit),
+        );
+        println!("dropout {case:?}: {out:.2} / {grad:.2} units");
+        assert!(out <= 2.0 && grad <= 3.0, "{case:?}: {out} / {grad} units");
+        let without = run(Device::Emulated, DType::BF16, 0.0);
+        assert!(
+            units(&tensor_cores.0, &without.0, unit) > 10.0,
+            "dropout changed nothing"
+        );
+    }
+}
+
+#[test]
+fn runs_are_the_same_bits() -> Result<()> {
+    let case = (80, 1, 1, 2, 64, true);
+    let once = || {
+        attend(
+            case,
+            Device::Emulated,
+            DType::BF16,
+            DType::BF16,
+            AttentionKernel::Fused,
+            0.1,
+        )
+    };
+    assert_eq!(once(), once());
+    Ok(())
+}
+
+#[test]
+fn f32_input_keeps_the_cuda_core_kernel() -> Result<()> {
+    // Tensor cores take 16-bit operands: f32 attention is computed as before, to f32's
+    // rounding (the CUDA-core kernel's numbers exactly).
+    let case = (33, 1, 1, 1, 64, true);
+    let fused = || {
+        attend(
+            case,
+            Device::Emulated,
+            DType::F32,
+            DType::F32,
+            AttentionKernel::Fused,
+            0.0,
+        )
+    };
+    assert_eq!(fused(), with_cuda_core_attention(fused));
+    let mut generator = Generator::new(1);
+    let wide = Tensor::<f32>::uniform(&[9, 1, 1, 3, 128], -1.0, 1.0, &mut generator)
+        .to_device(Device::Emulated)?;
+    // Head dimension 128 in f32: the unfused kernel (noted once), not an error.
+    wide.packed_attention(
+        options((9, 1, 1, 1, 128, true), AttentionKernel::Fused),
+        None,
+    )?;
+    Ok(())
+}

@@ -5,6 +5,9 @@
 #define KERNEL_TAKING(name, type) extern "C" __global__ void name(const __grid_constant__ type args_)
 #define ARGS (&args_)
 #define DEVFN static __device__ __forceinline__
+/* Before a loop of constant trip count over register arrays: unrolled, so the arrays stay
+ * in registers instead of local memory. */
+#define UNROLL _Pragma("unroll")
 #define FOR_EACH(i, n)                                                          \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n);       \
          i += (i64)gridDim.x * blockDim.x)

@@ -5,6 +5,7 @@
 #define KERNEL_TAKING(name, type) void name(const type* args_)
 #define ARGS (args_)
 #define DEVFN static inline
+#define UNROLL
 #define FOR_EACH(i, n) for (i64 i = 0; i < (i64)(n); ++i)
 #define ATOMIC_ADD(address, value) (*(address) += (value))
 /* Cooperative kernels: each thread a call with its FerrotronThread, run by the emulated

@@ -39,14 +39,14 @@ DEVFN const void* TSFX(tc_at)(const u32x4* tile, int r, int c) {
     return &tile[r * TC_CHUNKS + (c ^ (r & 7))];
 }
 
-/* Stages rows first .. first + 63 of tensor t for head z (rows past `rows` zeros) from x,
- * stored in `format`, as 16-bit `kind`: sixteen bytes a thread at a time, loaded whole
- * where x is already `kind` and the rows are 16-byte aligned. */
-DEVFN void TSFX(tc_stage)(THREAD_PARAM, const KernelArgs* A, u32x4* tile, int t, i64 z,
-                          i64 first, i64 rows, const void* x, int format, int kind) {
+/* Stages rows first .. first + count - 1 of tensor t for head z (rows past `rows` zeros)
+ * from x, stored in `format`, as 16-bit `kind`: sixteen bytes a thread at a time, loaded
+ * whole where x is already `kind` and the rows are 16-byte aligned. */
+DEVFN void TSFX(tc_stage)(THREAD_PARAM, const KernelArgs* A, u32x4* tile, int count, int t,
+                          i64 z, i64 first, i64 rows, const void* x, int format, int kind) {
     i64 base = SFX(att_row)(A, t, z, first), step = A->i[6 + 4 * t + 3];
     int whole = format == kind && ((u64)x + 2 * (u64)base) % 16 == 0 && step % 8 == 0;
-    for (int ch = (int)THREAD_IDX; ch < TC_ROWS * TC_CHUNKS; ch += (int)BLOCK_DIM) {
+    for (int ch = (int)THREAD_IDX; ch < count * TC_CHUNKS; ch += (int)BLOCK_DIM) {
         int r = ch / TC_CHUNKS, c = ch % TC_CHUNKS;
         u32x4 v;
         v.x = v.y = v.z = v.w = 0u;
@@ -56,6 +56,7 @@ DEVFN void TSFX(tc_stage)(THREAD_PARAM, const KernelArgs* A, u32x4* tile, int t,
                 v = *(const u32x4*)((const u16*)x + at);
             } else {
                 unsigned int w[4];
+                UNROLL
                 for (int e = 0; e < 4; ++e)
                     w[e] = TSFX(tc_pack)(kind, SFX(load)(x, at + 2 * e, format),
                                          SFX(load)(x, at + 2 * e + 1, format));
@@ -72,18 +73,22 @@ DEVFN void TSFX(tc_stage)(THREAD_PARAM, const KernelArgs* A, u32x4* tile, int t,
 /* The A fragments of rows r0 .. r0 + 15 of a staged tile, a k-step of 16 columns each. */
 DEVFN void TSFX(tc_rows)(THREAD_PARAM, const u32x4* tile, int r0, unsigned int f[TC_K][4]) {
     int lane = (int)(THREAD_IDX % 32);
+    UNROLL
     for (int kk = 0; kk < TC_K; ++kk)
         LDMATRIX_X4(f[kk], TSFX(tc_at)(tile, r0 + lane % 16, 2 * kk + lane / 16));
 }
 
-/* s = a · bᵀ: the warp's 16 rows (A fragments) against the 64 rows of tile b (read as
- * B, column-major: a row of b is a column of B), eight n-tiles of 8. */
+/* s = a · bᵀ: the warp's 16 rows (A fragments) against the first 8·tiles rows of tile b
+ * (read as B, column-major: a row of b is a column of B), `tiles` n-tiles of 8. */
 DEVFN void TSFX(tc_scores)(THREAD_PARAM, int kind, unsigned int a[TC_K][4], const u32x4* b,
-                           float s[8][4]) {
+                           int tiles, float s[][4]) {
     int lane = (int)(THREAD_IDX % 32);
-    for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    UNROLL
+    for (int n = 0; n < tiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    UNROLL
     for (int kk = 0; kk < TC_K; ++kk)
-        for (int nn = 0; nn < 4; ++nn) {
+        UNROLL
+        for (int nn = 0; nn < tiles / 2; ++nn) {
             unsigned int f[4];
             int row = nn * 16 + (lane / 16) * 8 + lane % 8;
             LDMATRIX_X4(f, TSFX(tc_at)(b, row, 2 * kk + (lane / 8) % 2));
@@ -92,13 +97,14 @@ DEVFN void TSFX(tc_scores)(THREAD_PARAM, int kind, unsigned int a[TC_K][4], cons
         }
 }
 
-/* acc += p · b: the warp's 16 × 64 tile p (C layout, rounded to `kind` into A
- * fragments) times tile b's 64 rows (read transposed, as B rows), over the head
+/* acc += p · b: the warp's 16 × 8·tiles tile p (C layout, rounded to `kind` into A
+ * fragments) times as many rows of tile b (read transposed, as B rows), over the head
  * dimension's n-tiles. */
-DEVFN void TSFX(tc_accumulate)(THREAD_PARAM, int kind, float p[8][4], const u32x4* b,
-                               float acc[TC_D / 8][4], int fault) {
+DEVFN void TSFX(tc_accumulate)(THREAD_PARAM, int kind, float p[][4], int tiles,
+                               const u32x4* b, float acc[TC_D / 8][4], int fault) {
     int lane = (int)(THREAD_IDX % 32);
-    for (int kk = 0; kk < 4; ++kk) {
+    UNROLL
+    for (int kk = 0; kk < tiles / 2; ++kk) {
         unsigned int a[4];
         a[0] = TSFX(tc_pack)(kind, p[2 * kk][0], p[2 * kk][1]);
         a[1] = TSFX(tc_pack)(kind, p[2 * kk][2], p[2 * kk][3]);
@@ -109,6 +115,7 @@ DEVFN void TSFX(tc_accumulate)(THREAD_PARAM, int kind, float p[8][4], const u32x
             a[1] = a[2];
             a[2] = swap;
         }
+        UNROLL
         for (int dd = 0; dd < TC_D / 16; ++dd) {
             unsigned int f[4];
             int row = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
@@ -127,16 +134,26 @@ DEVFN i64 TSFX(tc_key_end)(const KernelArgs* A, i64 q0) {
     return end < 0 ? 0 : end < sk ? end : sk;
 }
 
+/* Whether every query of queries q0 .. q0 + nq - 1 sees every key of k0 .. k0 + nk - 1,
+ * so that no score of the pair needs its mask checked. */
+DEVFN int TSFX(tc_inside)(const KernelArgs* A, i64 q0, i64 nq, i64 k0, i64 nk) {
+    int within = q0 + nq <= A->i[3] && k0 + nk <= A->i[4];
+    return within && (A->i[24] == 0 || k0 + nk - 1 <= q0 + A->i[25]);
+}
+
 /* Writes this warp's 16 rows of acc (C layout over the head dimension) times factor[h]
  * (h 0: row g, 1: row g + 8) into rows r0 .. of tensor t for head z. */
 DEVFN void TSFX(tc_write)(THREAD_PARAM, const KernelArgs* A, void* out, int format, int t,
                           i64 z, i64 r0, i64 rows, float acc[TC_D / 8][4], float factor[2]) {
     int lane = (int)(THREAD_IDX % 32), g = lane / 4, tq = lane % 4;
+    UNROLL
     for (int h = 0; h < 2; ++h) {
         i64 i = r0 + g + 8 * h;
         if (i >= rows) continue;
         i64 at = SFX(att_row)(A, t, z, i) + 2 * tq;
+        UNROLL
         for (int n = 0; n < TC_D / 8; ++n)
+            UNROLL
             for (int e = 0; e < 2; ++e)
                 SFX(store)(out, at + 8 * n + e, format, acc[n][2 * h + e] * factor[h]);
     }
@@ -163,30 +180,36 @@ BLOCK_KERNEL(TSFX(attention_tc_forward)) {
     SHARED(u32x4, vs, TC_ROWS * TC_CHUNKS);
     unsigned int qf[TC_K][4];
     float m[2], l[2], o[TC_D / 8][4];
+    UNROLL
     for (int h = 0; h < 2; ++h) {
         m[h] = ATT_NEG_INF;
         l[h] = 0.0f;
     }
+    UNROLL
     for (int n = 0; n < TC_D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     /* The queries pass through the keys' tile into registers. */
-    TSFX(tc_stage)(THREAD, A, ks, 0, z, q0, sq, (const void*)A->p[2], kind, kind);
+    TSFX(tc_stage)(THREAD, A, ks, TC_ROWS, 0, z, q0, sq, (const void*)A->p[2], kind, kind);
     SYNC_THREADS();
     TSFX(tc_rows)(THREAD, ks, warp * 16, qf);
     i64 end = TSFX(tc_key_end)(A, q0);
     for (i64 k0 = 0; k0 < end; k0 += TC_ROWS) {
         SYNC_THREADS(); /* every warp has read the tiles before they are replaced */
-        TSFX(tc_stage)(THREAD, A, ks, 1, z, k0, sk, (const void*)A->p[3], kind, kind);
-        TSFX(tc_stage)(THREAD, A, vs, 2, z, k0, sk, (const void*)A->p[4], kind, kind);
+        TSFX(tc_stage)(THREAD, A, ks, TC_ROWS, 1, z, k0, sk, (const void*)A->p[3], kind, kind);
+        TSFX(tc_stage)(THREAD, A, vs, TC_ROWS, 2, z, k0, sk, (const void*)A->p[4], kind, kind);
         SYNC_THREADS();
         float s[8][4];
-        TSFX(tc_scores)(THREAD, kind, qf, ks, s);
+        TSFX(tc_scores)(THREAD, kind, qf, ks, 8, s);
+        int inside = TSFX(tc_inside)(A, q0, TC_ROWS, k0, TC_ROWS);
+        UNROLL
         for (int h = 0; h < 2; ++h) {
             i64 i = q0 + warp * 16 + g + 8 * h;
             float top = ATT_NEG_INF;
+            UNROLL
             for (int n = 0; n < 8; ++n)
+                UNROLL
                 for (int e = 0; e < 2; ++e) {
                     float* v = &s[n][2 * h + e];
-                    int seen = SFX(att_sees)(A, i, k0 + 8 * n + 2 * (lane % 4) + e);
+                    int seen = inside || SFX(att_sees)(A, i, k0 + 8 * n + 2 * (lane % 4) + e);
                     *v = seen ? MUL_RN(*v, scale) : ATT_NEG_INF;
                     top = *v > top ? *v : top;
                 }
@@ -194,7 +217,9 @@ BLOCK_KERNEL(TSFX(attention_tc_forward)) {
             float m_new = top > m[h] ? top : m[h];
             float base = m_new == ATT_NEG_INF ? 0.0f : m_new;
             float sum = 0.0f;
+            UNROLL
             for (int n = 0; n < 8; ++n)
+                UNROLL
                 for (int e = 0; e < 2; ++e) {
                     float* v = &s[n][2 * h + e];
                     float p = *v == ATT_NEG_INF ? 0.0f : EXP(*v - base);
@@ -209,14 +234,16 @@ BLOCK_KERNEL(TSFX(attention_tc_forward)) {
             float alpha = EXP(m[h] - base);
             l[h] = l[h] * alpha + sum;
             m[h] = m_new;
+            UNROLL
             for (int n = 0; n < TC_D / 8; ++n) {
                 o[n][2 * h] *= alpha;
                 o[n][2 * h + 1] *= alpha;
             }
         }
-        TSFX(tc_accumulate)(THREAD, kind, s, vs, o, fault);
+        TSFX(tc_accumulate)(THREAD, kind, s, 8, vs, o, fault);
     }
     float inv[2];
+    UNROLL
     for (int h = 0; h < 2; ++h) {
         i64 i = q0 + warp * 16 + g + 8 * h;
         inv[h] = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
@@ -240,48 +267,60 @@ BLOCK_KERNEL(TSFX(attention_tc_backward_q)) {
     SHARED(u32x4, vs, TC_ROWS * TC_CHUNKS);
     unsigned int qf[TC_K][4], dof[TC_K][4];
     float dq[TC_D / 8][4], row_lse[2], row_delta[2];
+    UNROLL
     for (int n = 0; n < TC_D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+    UNROLL
     for (int h = 0; h < 2; ++h) {
         i64 i = q0 + warp * 16 + g + 8 * h;
         row_lse[h] = i < sq ? lse[z * sq + i] : 0.0f;
         row_delta[h] = i < sq ? delta[z * sq + i] : 0.0f;
     }
-    TSFX(tc_stage)(THREAD, A, ks, 0, z, q0, sq, (const void*)A->p[1], kind, kind);
-    TSFX(tc_stage)(THREAD, A, vs, 3, z, q0, sq, (const void*)A->p[4], (int)A->i[30], kind);
+    TSFX(tc_stage)(THREAD, A, ks, TC_ROWS, 0, z, q0, sq, (const void*)A->p[1], kind, kind);
+    TSFX(tc_stage)(THREAD, A, vs, TC_ROWS, 3, z, q0, sq, (const void*)A->p[4], (int)A->i[30], kind);
     SYNC_THREADS();
     TSFX(tc_rows)(THREAD, ks, warp * 16, qf);
     TSFX(tc_rows)(THREAD, vs, warp * 16, dof);
     i64 end = TSFX(tc_key_end)(A, q0);
     for (i64 k0 = 0; k0 < end; k0 += TC_ROWS) {
         SYNC_THREADS();
-        TSFX(tc_stage)(THREAD, A, ks, 1, z, k0, sk, (const void*)A->p[2], kind, kind);
-        TSFX(tc_stage)(THREAD, A, vs, 2, z, k0, sk, (const void*)A->p[3], kind, kind);
+        TSFX(tc_stage)(THREAD, A, ks, TC_ROWS, 1, z, k0, sk, (const void*)A->p[2], kind, kind);
+        TSFX(tc_stage)(THREAD, A, vs, TC_ROWS, 2, z, k0, sk, (const void*)A->p[3], kind, kind);
         SYNC_THREADS();
         float s[8][4], dp[8][4];
-        TSFX(tc_scores)(THREAD, kind, qf, ks, s);
-        TSFX(tc_scores)(THREAD, kind, dof, vs, dp);
+        TSFX(tc_scores)(THREAD, kind, qf, ks, 8, s);
+        TSFX(tc_scores)(THREAD, kind, dof, vs, 8, dp);
+        int inside = TSFX(tc_inside)(A, q0, TC_ROWS, k0, TC_ROWS);
+        UNROLL
         for (int h = 0; h < 2; ++h) {
             i64 i = q0 + warp * 16 + g + 8 * h;
+            UNROLL
             for (int n = 0; n < 8; ++n)
+                UNROLL
                 for (int e = 0; e < 2; ++e) {
                     i64 key = k0 + 8 * n + 2 * (lane % 4) + e;
-                    int seen = SFX(att_sees)(A, i, key);
+                    int seen = inside || SFX(att_sees)(A, i, key);
                     float p = SFX(att_prob)(A, s[n][2 * h + e], row_lse[h], seen);
                     float factor = SFX(att_factor)(A, z, i, key);
                     s[n][2 * h + e] =
                         seen ? p * (dp[n][2 * h + e] * factor - row_delta[h]) : 0.0f;
                 }
         }
-        TSFX(tc_accumulate)(THREAD, kind, s, ks, dq, fault);
+        TSFX(tc_accumulate)(THREAD, kind, s, 8, ks, dq, fault);
     }
     float scale[2] = {(float)A->f[0], (float)A->f[0]};
     TSFX(tc_write)(THREAD, A, (void*)A->p[0], (int)A->i[29], 0, z, q0 + warp * 16, sq, dq,
                    scale);
 }
 
+/* Queries a step of the key/value backward takes: four tiles (keys, values, queries,
+ * dO) in 48 KiB of shared memory. */
+#define TC_KV_COLS (TC_D == 128 ? 32 : 64)
+
 /* Backward for the keys and values of one group (attention_backward_kv's slots: p0 dK,
  * p1 dV, p2 q, p3 k, p4 v, p5 dO, p6 lse, p7 delta); a block per (batch, group, tile of
- * 64 keys), its rows the keys: Pᵀ and dPᵀ are computed as K·Qᵀ and V·dOᵀ. */
+ * 64 keys), its rows the keys: Pᵀ and dPᵀ are computed as K·Qᵀ and V·dOᵀ over
+ * TC_KV_COLS queries at a time. The keys' and values' fragments are loaded from shared
+ * memory for each step rather than held, leaving the registers to dK and dV. */
 BLOCK_KERNEL(TSFX(attention_tc_backward_kv)) {
     const KernelArgs* A = ARGS;
     const float *lse = (const float*)A->p[6], *delta = (const float*)A->p[7];
@@ -292,38 +331,46 @@ BLOCK_KERNEL(TSFX(attention_tc_backward_kv)) {
     int warp = (int)(THREAD_IDX / 32), lane = (int)(THREAD_IDX % 32), g = lane / 4;
     /* Query head 0 of the group: batch kv / (H / r), group kv % (H / r). */
     i64 z0 = (kv / (H / r)) * H + (kv % (H / r)) * r;
-    SHARED(u32x4, qs, TC_ROWS * TC_CHUNKS);
-    SHARED(u32x4, dos, TC_ROWS * TC_CHUNKS);
-    unsigned int kf[TC_K][4], vf[TC_K][4];
+    SHARED(u32x4, ks, TC_ROWS * TC_CHUNKS);
+    SHARED(u32x4, vs, TC_ROWS * TC_CHUNKS);
+    SHARED(u32x4, qs, TC_KV_COLS * TC_CHUNKS);
+    SHARED(u32x4, dos, TC_KV_COLS * TC_CHUNKS);
     float dk[TC_D / 8][4], dv[TC_D / 8][4];
+    UNROLL
     for (int n = 0; n < TC_D / 8; ++n)
+        UNROLL
         for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
-    TSFX(tc_stage)(THREAD, A, qs, 1, z0, k0, sk, (const void*)A->p[3], kind, kind);
-    TSFX(tc_stage)(THREAD, A, dos, 2, z0, k0, sk, (const void*)A->p[4], kind, kind);
-    SYNC_THREADS();
-    TSFX(tc_rows)(THREAD, qs, warp * 16, kf);
-    TSFX(tc_rows)(THREAD, dos, warp * 16, vf);
-    /* The first query tile that sees key k0 under the causal mask. */
-    i64 first = A->i[24] != 0 && k0 - A->i[25] > 0 ? (k0 - A->i[25]) / TC_ROWS * TC_ROWS : 0;
+    TSFX(tc_stage)(THREAD, A, ks, TC_ROWS, 1, z0, k0, sk, (const void*)A->p[3], kind, kind);
+    TSFX(tc_stage)(THREAD, A, vs, TC_ROWS, 2, z0, k0, sk, (const void*)A->p[4], kind, kind);
+    /* The first query step that sees key k0 under the causal mask. */
+    i64 first = A->i[24] != 0 && k0 - A->i[25] > 0 ? (k0 - A->i[25]) / TC_KV_COLS * TC_KV_COLS : 0;
     for (i64 head = 0; head < r; ++head) {
         i64 z = z0 + head;
-        for (i64 q0 = first; q0 < sq; q0 += TC_ROWS) {
-            SYNC_THREADS();
-            TSFX(tc_stage)(THREAD, A, qs, 0, z, q0, sq, (const void*)A->p[2], kind, kind);
-            TSFX(tc_stage)(THREAD, A, dos, 3, z, q0, sq, (const void*)A->p[5], (int)A->i[30],
+        for (i64 q0 = first; q0 < sq; q0 += TC_KV_COLS) {
+            SYNC_THREADS(); /* every warp has read the last step's queries and dO */
+            TSFX(tc_stage)(THREAD, A, qs, TC_KV_COLS, 0, z, q0, sq, (const void*)A->p[2], kind,
                            kind);
+            TSFX(tc_stage)(THREAD, A, dos, TC_KV_COLS, 3, z, q0, sq, (const void*)A->p[5],
+                           (int)A->i[30], kind);
             SYNC_THREADS();
-            float p[8][4], ds[8][4];
-            TSFX(tc_scores)(THREAD, kind, kf, qs, p);
-            TSFX(tc_scores)(THREAD, kind, vf, dos, ds);
-            for (int n = 0; n < 8; ++n)
+            float p[TC_KV_COLS / 8][4], ds[TC_KV_COLS / 8][4];
+            unsigned int f[TC_K][4];
+            TSFX(tc_rows)(THREAD, ks, warp * 16, f);
+            TSFX(tc_scores)(THREAD, kind, f, qs, TC_KV_COLS / 8, p);
+            TSFX(tc_rows)(THREAD, vs, warp * 16, f);
+            TSFX(tc_scores)(THREAD, kind, f, dos, TC_KV_COLS / 8, ds);
+            int inside = TSFX(tc_inside)(A, q0, TC_KV_COLS, k0, TC_ROWS);
+            UNROLL
+            for (int n = 0; n < TC_KV_COLS / 8; ++n)
+                UNROLL
                 for (int e = 0; e < 2; ++e) {
                     i64 i = q0 + 8 * n + 2 * (lane % 4) + e;
                     float row_lse = i < sq ? lse[z * sq + i] : 0.0f;
                     float row_delta = i < sq ? delta[z * sq + i] : 0.0f;
+                    UNROLL
                     for (int h = 0; h < 2; ++h) {
                         i64 key = k0 + warp * 16 + g + 8 * h;
-                        int seen = SFX(att_sees)(A, i, key);
+                        int seen = inside || SFX(att_sees)(A, i, key);
                         float prob = SFX(att_prob)(A, p[n][2 * h + e], row_lse, seen);
                         float factor = seen ? SFX(att_factor)(A, z, i, key) : 0.0f;
                         float* d = &ds[n][2 * h + e];
@@ -331,8 +378,8 @@ BLOCK_KERNEL(TSFX(attention_tc_backward_kv)) {
                         p[n][2 * h + e] = prob * factor;
                     }
                 }
-            TSFX(tc_accumulate)(THREAD, kind, p, dos, dv, fault);
-            TSFX(tc_accumulate)(THREAD, kind, ds, qs, dk, fault);
+            TSFX(tc_accumulate)(THREAD, kind, p, TC_KV_COLS / 8, dos, dv, fault);
+            TSFX(tc_accumulate)(THREAD, kind, ds, TC_KV_COLS / 8, qs, dk, fault);
         }
     }
     float scale[2] = {(float)A->f[0], (float)A->f[0]}, one[2] = {1.0f, 1.0f};
@@ -348,3 +395,4 @@ BLOCK_KERNEL(TSFX(attention_tc_backward_kv)) {
 #undef TC_ROWS
 #undef TC_CHUNKS
 #undef TC_K
+#undef TC_KV_COLS

@@ -7,9 +7,10 @@ use std::path::PathBuf;
 /// `--attention`: the attention core's kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum Attention {
-    /// `unfused` on CUDA, where ferrotron's fused kernel (on CUDA cores, in f32) is still
-    /// several times slower than the products on cuBLAS; `fused` on the CPU and the
-    /// emulated device.
+    /// `fused` where it runs on tensor cores (bf16 or fp16, heads 64 or 128 wide, compute
+    /// capability 8.0 or newer), on the CPU and on the emulated device; `unfused` on
+    /// other CUDA runs, where the CUDA-core fused kernel is slower than the products on
+    /// cuBLAS. The run's first lines say which.
     Auto,
     /// FlashAttention-2's scheme: no sequence² tensor kept.
     Fused,

@@ -13,10 +13,38 @@ use ferrotron_tape::{LrDecay, WsdAnneal};
 /// Whether the attention core runs fused (`--attention`, `auto` resolved for the device).
 pub(crate) fn fused_attention(args: &Args) -> bool {
     match args.attention {
-        Attention::Auto => !matches!(args.device, ferrotron_tape::Device::Cuda(_)),
+        Attention::Auto => match args.device {
+            ferrotron_tape::Device::Cuda(_) => tensor_core_attention(args),
+            _ => true,
+        },
         Attention::Fused => true,
         Attention::Unfused => false,
     }
+}
+
+/// Whether the fused kernel runs on the device's tensor cores at these flags: 16-bit
+/// activations, heads 64 or 128 wide, compute capability 8.0 or newer (or the emulated
+/// device). On CUDA only that fused kernel beats the unfused one's products on cuBLAS.
+fn tensor_core_attention(args: &Args) -> bool {
+    let head_dim = args.hidden / args.heads.max(1);
+    ferrotron_tape::tensor_core_attention_takes(args.device, args.precision.dtype(), head_dim)
+}
+
+/// The attention kernel the run uses, for its first lines.
+pub(crate) fn describe_attention(args: &Args) -> String {
+    let chosen = match args.attention {
+        Attention::Auto => "auto: ",
+        _ => "",
+    };
+    let head_dim = args.hidden / args.heads.max(1);
+    let kernel = match fused_attention(args) {
+        false => "unfused (scores, softmax and products as separate passes)",
+        true if tensor_core_attention(args) => "fused, on tensor cores (mma.m16n8k16)",
+        true if args.device == ferrotron_tape::Device::Cpu => "fused, on the CPU",
+        true if head_dim <= 64 => "fused, on CUDA cores",
+        true => "unfused: the fused kernel takes heads this wide on tensor cores only",
+    };
+    format!("attention: {chosen}{kernel}, heads {head_dim} wide")
 }
 
 /// Checks every flag before any rank starts, saying what would be valid.

@@ -131,6 +131,7 @@ pub(crate) fn announce(args: &Args, corpus: &Corpus, dp: usize) {
         args.batch * dp,
         corpus.describe()
     );
+    println!("{}", crate::config::describe_attention(args));
     if args.num_experts > 0 {
         println!(
             "mixture of experts: {} experts, top-{}, in {}, divided among {} expert-parallel \

@@ -96,7 +96,7 @@ impl Kernel {
     }
 
     /// The precisions the kernel is built in.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the NVRTC test
+    #[cfg(all(test, feature = "cuda"))] // read by the NVRTC test
     pub(crate) fn precisions(&self) -> &'static [Precision] {
         match self.host {
             HostBuilds::BlocksF32(_) => &[Precision::F32],

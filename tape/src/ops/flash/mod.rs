@@ -250,6 +250,24 @@ pub fn attention_block_backward<T: Element>(
     }
 }
 
+/// Whether fused attention of `f32` tensors stored as `dtype` with heads `head_dim` wide
+/// runs on `device`'s tensor cores (`mma.m16n8k16`): bf16 or f16 storage, head
+/// dimensions 64 and 128, compute capability 8.0 or newer, and the emulated device,
+/// which runs the same kernels with the PTX fragment layouts. Elsewhere fused attention
+/// runs on CUDA cores (head dimensions up to 64) or falls back to the unfused kernel.
+///
+/// ```
+/// use ferrotron_tape::{tensor_core_attention_takes, DType, Device};
+///
+/// assert!(tensor_core_attention_takes(Device::Emulated, DType::BF16, 128));
+/// assert!(!tensor_core_attention_takes(Device::Emulated, DType::F32, 64));
+/// assert!(!tensor_core_attention_takes(Device::Cpu, DType::BF16, 64));
+/// ```
+pub fn tensor_core_attention_takes(device: Device, dtype: crate::DType, head_dim: usize) -> bool {
+    let format = super::residual::format_number(dtype);
+    device::takes_tensor_cores::<f32>(device, format, head_dim)
+}
+
 /// Whether [`attention_block`] takes `head_dim` on `device` in `T`.
 pub fn fused_attention_takes<T: Element>(device: Device, head_dim: usize) -> bool {
     device == Device::Cpu || head_dim <= device::max_head_dim::<T>()

@@ -264,7 +264,7 @@ gpt() {
 import json, re, statistics, sys
 times = [float(m.group(1)) for m in re.finditer(r"elapsed time per step \(ms\) ([0-9.]+)", open(sys.argv[1]).read())]
 ms = statistics.median(times[2:]) if len(times) > 2 else None
-print(json.dumps({"bench": "gpt_step", "impl": "ferrotron", "attention": "fused",
+print(json.dumps({"bench": "gpt_step", "impl": "ferrotron", "attention": "auto",
                   "precision": sys.argv[2], "ms_per_step": ms,
                   "tokens_per_s": 8 * 1024 / (ms * 1e-3) if ms else None}))
 PY
@@ -281,9 +281,15 @@ PY
         sed -n '/^kernels per step/,/^kernel time/p' || failed=1
     limit 120 "$BIN/bench_rows" --device cuda:0 || failed=1
     limit 120 python3 tape/benches/torch_rows_reference.py || failed=1
-    # Attention's forward and backward, fused and unfused, beside PyTorch's SDPA.
+    # Attention's forward and backward (fused on tensor cores and on CUDA cores, unfused)
+    # beside PyTorch's SDPA: GPT-2 small's heads, then Llama's (grouped, 128 wide).
+    local llama="--batch 2 --heads 32 --groups 8 --head-dim 128 --seqs 4096 --dtypes bf16"
     limit 120 "$BIN/bench_attention" --device cuda:0 || failed=1
     limit 120 python3 tape/benches/torch_attention_reference.py || failed=1
+    # shellcheck disable=SC2086
+    limit 120 "$BIN/bench_attention" --device cuda:0 $llama || failed=1
+    # shellcheck disable=SC2086
+    limit 120 python3 tape/benches/torch_attention_reference.py $llama || failed=1
     return $failed
 }
 

@@ -121,8 +121,8 @@ pub use ndarray;
 pub use ops::custom::CustomOp;
 pub use ops::{
     attention_block, attention_block_backward, causal_mask, fused_attention_dropout_mask,
-    fused_attention_takes, tensor_core_attention_takes, AttentionBlock, AttentionKernel, AttentionOptions, CrossEntropyOptions,
-    Gelu, InputGradHook, PendingGrad, Reduction, RowTarget,
+    fused_attention_takes, tensor_core_attention_takes, AttentionBlock, AttentionKernel,
+    AttentionOptions, CrossEntropyOptions, Gelu, InputGradHook, PendingGrad, Reduction, RowTarget,
 };
 pub use optim::{
     AdamW, AdamWConfig, AdamWUpdate, Optimizer, OptimizerState, ParamOptions, ParamState, Sgd,

@@ -20,8 +20,7 @@ pub use attention::{AttentionKernel, AttentionOptions};
 pub use elementwise::Gelu;
 pub use flash::{
     attention_block, attention_block_backward, fused_attention_dropout_mask, fused_attention_takes,
-    tensor_core_attention_takes,
-    AttentionBlock,
+    tensor_core_attention_takes, AttentionBlock,
 };
 pub use index::causal_mask;
 pub use loss::{CrossEntropyOptions, Reduction, RowTarget};

@@ -208,3 +208,57 @@ fn f32_input_keeps_the_cuda_core_kernel() -> Result<()> {
     )?;
     Ok(())
 }
+
+/// What one forward and backward launches and moves on the emulated device, per kernel
+/// name: (launches, bytes read, bytes written).
+fn profiled(
+    kernel: AttentionKernel,
+    dims: (usize, usize, usize),
+) -> anyhow::Result<Vec<(String, u64, u64, u64)>> {
+    use ferrotron_tape::{profile, Parameter, Tape};
+    let (s, n, d) = dims;
+    let mut generator = Generator::new(9);
+    let value = Tensor::<f32>::uniform(&[s, 1, n, 3, d], -1.0, 1.0, &mut generator)
+        .to_dtype(DType::BF16)?
+        .to_device(Device::Emulated)?;
+    let qkv = Parameter::new("qkv", value);
+    let upstream = Tensor::<f32>::ones(&[s, 1, n * d])
+        .to_dtype(DType::BF16)?
+        .to_device(Device::Emulated)?;
+    let tape = Tape::new();
+    profile::start(Device::Emulated);
+    let options = AttentionOptions {
+        kernel,
+        ..AttentionOptions::causal(d)
+    };
+    tape.watch(&qkv)?
+        .packed_attention(options, None)?
+        .backward_with_grad(&upstream)?;
+    let profile = profile::finish()?;
+    Ok((profile.kernels.iter())
+        .map(|k| (k.name.to_string(), k.launches, k.read, k.written))
+        .collect())
+}
+
+#[test]
+fn the_fused_kernels_are_four_launches_and_the_unfused_keeps_16_bit_probabilities(
+) -> anyhow::Result<()> {
+    let (s, n, d) = (64, 2, 128);
+    let fused = profiled(AttentionKernel::Fused, (s, n, d))?;
+    let names: Vec<&str> = fused.iter().map(|k| k.0.as_str()).collect();
+    for name in [
+        "attention_tc_forward_d128_f32",
+        "attention_delta_f32",
+        "attention_tc_backward_q_d128_f32",
+        "attention_tc_backward_kv_d128_f32",
+    ] {
+        assert!(names.contains(&name), "{name} not in {names:?}");
+    }
+    assert_eq!(fused.iter().map(|k| k.1).sum::<u64>(), 4, "{fused:?}");
+    // The reference's softmax writes its [heads, s, s] probabilities in bf16 (2 bytes).
+    let unfused = profiled(AttentionKernel::Unfused, (s, n, d))?;
+    let softmax = (unfused.iter().find(|k| k.0 == "softmax_rows_f32"))
+        .unwrap_or_else(|| panic!("no softmax in {unfused:?}"));
+    assert_eq!(softmax.3, (n * s * s * 2) as u64, "{softmax:?}");
+    Ok(())
+}

@@ -20,7 +20,11 @@ use crate::{DType, Device, Element, Generator, Result, Tensor};
 pub enum AttentionKernel {
     /// FlashAttention-2's scheme: tiles of keys with an online softmax, keeping only the
     /// output and one log-sum-exp per query; backward recomputes the probabilities. On a
-    /// device, head dimensions above 64 (32 in f64) run [`Unfused`](Self::Unfused).
+    /// device with tensor cores (compute capability 8.0+, and the emulated device), bf16
+    /// or f16 input with heads 64 or 128 wide runs on them
+    /// ([`tensor_core_attention_takes`](crate::tensor_core_attention_takes)); other
+    /// input runs on CUDA cores, where head dimensions above 64 (32 in f64) run
+    /// [`Unfused`](Self::Unfused).
     #[default]
     Fused,
     /// Scores, softmax, dropout and two products as separate passes over

@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use ferrotron_comm_core::{Communicator, P2p};
 use ferrotron_tape::{
-    attention_block, attention_block_backward, causal_mask, fused_attention_takes, CustomOp, DType,
-    Device, Tensor,
+    attention_block, attention_block_backward, causal_mask, fused_attention_takes,
+    tensor_core_attention_takes, CustomOp, DType, Device, Tensor,
 };
 
 use crate::error::{Error, Result};
@@ -327,9 +327,11 @@ impl Running {
 
 impl RingAttention {
     /// Whether the blocks run the fused kernel (every CPU head width; on a device, the
-    /// widths its tiles hold).
+    /// widths its tiles hold, or its tensor cores take).
     fn fused(&self, q: &Tensor) -> bool {
-        fused_attention_takes::<f32>(q.device(), q.shape()[2])
+        let (device, width) = (q.device(), q.shape()[2]);
+        fused_attention_takes::<f32>(device, width)
+            || tensor_core_attention_takes(device, q.dtype(), width)
     }
 
     /// One block's normalised output and log-sum-exp: fused, or composed from its scores.

@@ -174,17 +174,30 @@ fn heads_wider_than_the_fused_kernel_takes_run_composed_blocks() -> AnyResult<()
 
 #[test]
 fn ring_attention_in_bf16_is_within_the_format() -> AnyResult<()> {
-    // The inputs rounded to bf16 first, so the two differ only by the ring's rounding.
-    let inputs = inputs(8, 21).map(|t| {
-        t.to_dtype(DType::BF16)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-    });
-    let want = reference(&inputs, true)?;
-    let got = ring(&inputs, 2, true, Device::Cpu, DType::BF16)?;
-    // bf16 keeps 8 bits: one rounding of the output and of each gradient.
-    assert_all_close("bf16 cp=2", &got, &want, 2.0f32.powi(-7));
+    // On the CPU, and on the emulated device's tensor cores (heads 64 and 128 wide).
+    for (device, dim) in [
+        (Device::Cpu, DIM),
+        (Device::Emulated, 64),
+        (Device::Emulated, 128),
+    ] {
+        // The inputs rounded to bf16 first, so the two differ only by the ring's rounding.
+        let inputs = inputs_of(8, dim, 21).map(|t| {
+            t.to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        });
+        let want = reference(&inputs, true)?;
+        let got = ring(&inputs, 2, true, device, DType::BF16)?;
+        // bf16 keeps 8 bits: one rounding of the output and of each gradient (and, on
+        // tensor cores, of the probabilities and dS before their products).
+        assert_all_close(
+            &format!("bf16 cp=2 {device} d={dim}"),
+            &got,
+            &want,
+            2.0f32.powi(-7),
+        );
+    }
     Ok(())
 }
 

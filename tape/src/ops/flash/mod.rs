@@ -102,7 +102,8 @@ pub struct AttentionBlock<T: Element> {
 /// [`Tensor::packed_attention`] computes it, without recording. Blocks over parts of the
 /// keys combine by their log-sum-exps: the whole output is `Σ_b out_b · exp(lse_b − lse)`
 /// with `lse = log Σ_b exp(lse_b)`. On a device, head dimensions above 64 (32 in f64)
-/// are an error: check [`fused_attention_takes`] first.
+/// are an error unless the tensor cores take them: check [`fused_attention_takes`] and
+/// [`tensor_core_attention_takes`] first.
 ///
 /// ```
 /// use ferrotron_tape::{attention_block, Tensor};
@@ -306,11 +307,14 @@ fn block_flash<T: Element>(
             ),
         ));
     }
-    if !fused_attention_takes::<T>(q.device(), qs[2]) {
+    let format = super::residual::format_number(q.dtype());
+    let tensor_cores = device::takes_tensor_cores::<T>(q.device(), format, qs[2]);
+    if !fused_attention_takes::<T>(q.device(), qs[2]) && !tensor_cores {
         return Err(crate::Error::invalid(
             BLOCK,
             format!(
-                "head dimension {} is wider than the fused kernel takes on a device ({})",
+                "head dimension {} is wider than the fused kernel takes on a device ({}; 64 \
+                 and 128 in bf16 or f16 on tensor cores)",
                 qs[2],
                 device::max_head_dim::<T>()
             ),

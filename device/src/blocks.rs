@@ -743,7 +743,7 @@ impl State {
         for lane in 0..8 * usize::from(count) {
             let t = first + lane;
             let address = self.operands[t].address;
-            if address as usize % 16 != 0 {
+            if !(address as usize).is_multiple_of(16) {
                 self.report(format!(
                     "lane {lane} of thread {t}'s warp gives ldmatrix the row address                      {address:?} at line {line}, not 16-byte aligned"
                 ));

@@ -30,6 +30,24 @@ pub fn architecture(major: i32, minor: i32) -> &'static str {
     }
 }
 
+/// Whether kernels built for NVRTC target `architecture` (one [`architecture`] returns)
+/// may run `mma.m16n8k16` with 16-bit inputs (the prelude's `MMA_16816`): compute
+/// capability 8.0 or newer. A device newer than the targets NVRTC is asked for gets the
+/// oldest one, where those instructions trap, so this asks about the module's target,
+/// not the device's capability.
+///
+/// ```
+/// use ferrotron_device::kernels::{architecture, runs_tensor_core_mma};
+///
+/// assert!(runs_tensor_core_mma(architecture(9, 0)));
+/// assert!(!runs_tensor_core_mma(architecture(7, 5)));
+/// // 12.0 is not a target asked of NVRTC: its kernels are compute_75's, without mma.
+/// assert!(!runs_tensor_core_mma(architecture(12, 0)));
+/// ```
+pub fn runs_tensor_core_mma(architecture: &str) -> bool {
+    matches!(architecture, "compute_80" | "compute_86" | "compute_89" | "compute_90")
+}
+
 /// A crate's kernels `source` (without the prelude) for CUDA device `ordinal`: behind
 /// [`CUDA_PRELUDE`], compiled by NVRTC for the device's [`architecture`] once per process
 /// and loaded once per device ([`Module::cuda`](crate::Module::cuda)).

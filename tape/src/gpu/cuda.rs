@@ -73,7 +73,8 @@ pub(crate) struct CudaBackend {
     device: Device,
     stream: ferrotron_device::Stream,
     module: Arc<ferrotron_device::Module>,
-    /// Compute capability 8.0 or newer: `mma.m16n8k16` with 16-bit inputs.
+    /// Kernels built for compute capability 8.0 or newer: `mma.m16n8k16` with 16-bit
+    /// inputs.
     tensor_cores: bool,
     functions: Mutex<HashMap<(&'static str, Precision), ferrotron_device::Function>>,
     blas: Mutex<Blas>,
@@ -118,7 +119,7 @@ impl CudaBackend {
             device,
             stream,
             module,
-            tensor_cores: major >= 8,
+            tensor_cores: ferrotron_device::kernels::runs_tensor_core_mma(arch),
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(Blas(handle)),
         })

@@ -45,7 +45,10 @@ pub fn architecture(major: i32, minor: i32) -> &'static str {
 /// assert!(!runs_tensor_core_mma(architecture(12, 0)));
 /// ```
 pub fn runs_tensor_core_mma(architecture: &str) -> bool {
-    matches!(architecture, "compute_80" | "compute_86" | "compute_89" | "compute_90")
+    matches!(
+        architecture,
+        "compute_80" | "compute_86" | "compute_89" | "compute_90"
+    )
 }
 
 /// A crate's kernels `source` (without the prelude) for CUDA device `ordinal`: behind

@@ -151,8 +151,8 @@ impl Thread {
     }
 
     /// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32` over the warp
-    /// ([`tensor_cores`](crate::tensor_cores) has the layouts): this lane's four
-    /// registers of A, two of B and four values of C; returns its four of D.
+    /// ([`tensor_cores`] has the layouts): this lane's four registers of A, two of B
+    /// and four values of C; returns its four of D.
     pub fn mma(
         &mut self,
         format: MatrixFormat,
@@ -745,13 +745,16 @@ impl State {
             let address = self.operands[t].address;
             if !(address as usize).is_multiple_of(16) {
                 self.report(format!(
-                    "lane {lane} of thread {t}'s warp gives ldmatrix the row address                      {address:?} at line {line}, not 16-byte aligned"
+                    "lane {lane} of thread {t}'s warp gives ldmatrix the row address \
+                     {address:?} at line {line}, not 16-byte aligned"
                 ));
                 continue;
             }
             if self.offset_of(address, 16).is_none() {
                 self.report(format!(
-                    "lane {lane} of thread {t}'s warp gives ldmatrix the row address                      {address:?} at line {line}, outside the shared memory the block                      declared"
+                    "lane {lane} of thread {t}'s warp gives ldmatrix the row address \
+                     {address:?} at line {line}, outside the shared memory the block \
+                     declared"
                 ));
                 continue;
             }
@@ -1055,7 +1058,8 @@ extern "C" fn mma(
         let (block, t) = unsafe { caller(thread) };
         let Some(format) = MatrixFormat::of(kind) else {
             unsafe { state(block) }.report(format!(
-                "thread {t} asks at line {line} for a matrix product of format {kind},                  which there is not (1 bf16, 2 f16)"
+                "thread {t} asks at line {line} for a matrix product of format {kind}, \
+                 which there is not (1 bf16, 2 f16)"
             ));
             return;
         };
@@ -1089,7 +1093,8 @@ extern "C" fn ldmatrix(
             1 | 2 | 4 => count as u8,
             _ => {
                 unsafe { state(block) }.report(format!(
-                    "thread {t} asks at line {line} for ldmatrix of {count} matrices: 1, 2                      or 4"
+                    "thread {t} asks at line {line} for ldmatrix of {count} matrices: 1, 2 \
+                     or 4"
                 ));
                 return;
             }

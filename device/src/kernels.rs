@@ -17,32 +17,33 @@ pub const CUDA_PRELUDE: &str = concat!(
 );
 
 /// The NVRTC target for a device of compute capability `major.minor`: its own virtual
-/// architecture where NVRTC knows it, else the oldest one CUDA 12 and 13 both support
-/// (7.5: the prelude's `__grid_constant__` needs 7.0, double-precision atomicAdd 6.0),
-/// which the driver JIT-compiles forward.
+/// architecture for 8.0, 8.6, 8.9 and 9.x; for other 8.x devices 8.0's, and for 10.0 and
+/// newer 9.0's (the driver JIT-compiles PTX forward, so they keep the tensor-core
+/// instructions); else the oldest one CUDA 12 and 13 both support (7.5: the prelude's
+/// `__grid_constant__` needs 7.0, double-precision atomicAdd 6.0).
 pub fn architecture(major: i32, minor: i32) -> &'static str {
     match (major, minor) {
-        (8, 0) => "compute_80",
         (8, 6) => "compute_86",
         (8, 9) => "compute_89",
-        (9, _) => "compute_90",
+        (8, _) => "compute_80",
+        (m, _) if m >= 9 => "compute_90",
         _ => "compute_75",
     }
 }
 
 /// Whether kernels built for NVRTC target `architecture` (one [`architecture`] returns)
 /// may run `mma.m16n8k16` with 16-bit inputs (the prelude's `MMA_16816`): compute
-/// capability 8.0 or newer. A device newer than the targets NVRTC is asked for gets the
-/// oldest one, where those instructions trap, so this asks about the module's target,
-/// not the device's capability.
+/// capability 8.0 or newer. It asks about the module's target, where the instructions
+/// are compiled or trap, rather than the device's capability.
 ///
 /// ```
 /// use ferrotron_device::kernels::{architecture, runs_tensor_core_mma};
 ///
 /// assert!(runs_tensor_core_mma(architecture(9, 0)));
 /// assert!(!runs_tensor_core_mma(architecture(7, 5)));
-/// // 12.0 is not a target asked of NVRTC: its kernels are compute_75's, without mma.
-/// assert!(!runs_tensor_core_mma(architecture(12, 0)));
+/// // 8.7 and 12.0 get 8.0's and 9.0's PTX, compiled forward by the driver.
+/// assert!(runs_tensor_core_mma(architecture(8, 7)));
+/// assert!(runs_tensor_core_mma(architecture(12, 0)));
 /// ```
 pub fn runs_tensor_core_mma(architecture: &str) -> bool {
     matches!(

@@ -12,16 +12,34 @@
 #include "rows.cu"
 #include "attention.cu"
 #include "optim.cu"
-/* The tensor-core kernels: f32 only, once per head dimension. */
+/* The tensor-core kernels: f32 only, once per head dimension and 16-bit format. */
 #define TC_D 64
-#define TC_TAG _d64
+#define TC_KIND 1
+#define TC_TAG _d64_bf16
 #include "attention_tc.cu"
 #undef TC_D
+#undef TC_KIND
+#undef TC_TAG
+#define TC_D 64
+#define TC_KIND 2
+#define TC_TAG _d64_f16
+#include "attention_tc.cu"
+#undef TC_D
+#undef TC_KIND
 #undef TC_TAG
 #define TC_D 128
-#define TC_TAG _d128
+#define TC_KIND 1
+#define TC_TAG _d128_bf16
 #include "attention_tc.cu"
 #undef TC_D
+#undef TC_KIND
+#undef TC_TAG
+#define TC_D 128
+#define TC_KIND 2
+#define TC_TAG _d128_f16
+#include "attention_tc.cu"
+#undef TC_D
+#undef TC_KIND
 #undef TC_TAG
 #include "precision_end.h"
 

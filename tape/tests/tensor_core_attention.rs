@@ -247,10 +247,10 @@ fn the_fused_kernels_are_four_launches_and_the_unfused_keeps_16_bit_probabilitie
     let fused = profiled(AttentionKernel::Fused, (s, n, d))?;
     let names: Vec<&str> = fused.iter().map(|k| k.0.as_str()).collect();
     for name in [
-        "attention_tc_forward_d128_f32",
+        "attention_tc_forward_d128_bf16_f32",
         "attention_delta_f32",
-        "attention_tc_backward_q_d128_f32",
-        "attention_tc_backward_kv_d128_f32",
+        "attention_tc_backward_q_d128_bf16_f32",
+        "attention_tc_backward_kv_d128_bf16_f32",
     ] {
         assert!(names.contains(&name), "{name} not in {names:?}");
     }

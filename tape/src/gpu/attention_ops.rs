@@ -18,12 +18,18 @@ block_kernels! {
 
 f32_block_kernels! {
     TENSOR_CORE_KERNELS:
-    TC_FORWARD_D64 = "attention_tc_forward_d64": attention_tc_forward_d64_f32;
-    TC_BACKWARD_Q_D64 = "attention_tc_backward_q_d64": attention_tc_backward_q_d64_f32;
-    TC_BACKWARD_KV_D64 = "attention_tc_backward_kv_d64": attention_tc_backward_kv_d64_f32;
-    TC_FORWARD_D128 = "attention_tc_forward_d128": attention_tc_forward_d128_f32;
-    TC_BACKWARD_Q_D128 = "attention_tc_backward_q_d128": attention_tc_backward_q_d128_f32;
-    TC_BACKWARD_KV_D128 = "attention_tc_backward_kv_d128": attention_tc_backward_kv_d128_f32;
+    TC_FORWARD_D64_BF16 = "attention_tc_forward_d64_bf16": attention_tc_forward_d64_bf16_f32;
+    TC_BACKWARD_Q_D64_BF16 = "attention_tc_backward_q_d64_bf16": attention_tc_backward_q_d64_bf16_f32;
+    TC_BACKWARD_KV_D64_BF16 = "attention_tc_backward_kv_d64_bf16": attention_tc_backward_kv_d64_bf16_f32;
+    TC_FORWARD_D64_F16 = "attention_tc_forward_d64_f16": attention_tc_forward_d64_f16_f32;
+    TC_BACKWARD_Q_D64_F16 = "attention_tc_backward_q_d64_f16": attention_tc_backward_q_d64_f16_f32;
+    TC_BACKWARD_KV_D64_F16 = "attention_tc_backward_kv_d64_f16": attention_tc_backward_kv_d64_f16_f32;
+    TC_FORWARD_D128_BF16 = "attention_tc_forward_d128_bf16": attention_tc_forward_d128_bf16_f32;
+    TC_BACKWARD_Q_D128_BF16 = "attention_tc_backward_q_d128_bf16": attention_tc_backward_q_d128_bf16_f32;
+    TC_BACKWARD_KV_D128_BF16 = "attention_tc_backward_kv_d128_bf16": attention_tc_backward_kv_d128_bf16_f32;
+    TC_FORWARD_D128_F16 = "attention_tc_forward_d128_f16": attention_tc_forward_d128_f16_f32;
+    TC_BACKWARD_Q_D128_F16 = "attention_tc_backward_q_d128_f16": attention_tc_backward_q_d128_f16_f32;
+    TC_BACKWARD_KV_D128_F16 = "attention_tc_backward_kv_d128_f16": attention_tc_backward_kv_d128_f16_f32;
 }
 
 /// Rows of a tile: the queries a block takes, and the keys it visits at a time.
@@ -52,11 +58,30 @@ const CUDA_CORES: Kernels = Kernels {
     threads: THREADS,
 };
 
-/// `attention_tc.cu`'s for head dimension `d` (64 or 128): four warps of 16 rows.
-const fn tensor_cores(d: usize) -> Kernels {
-    let [forward, backward_q, backward_kv]: [&'static Kernel; 3] = match d {
-        64 => [&TC_FORWARD_D64, &TC_BACKWARD_Q_D64, &TC_BACKWARD_KV_D64],
-        _ => [&TC_FORWARD_D128, &TC_BACKWARD_Q_D128, &TC_BACKWARD_KV_D128],
+/// `attention_tc.cu`'s for head dimension `d` (64 or 128) and operands stored as
+/// `format` (1 bf16, 2 f16): four warps of 16 rows.
+const fn tensor_cores(d: usize, format: i64) -> Kernels {
+    let [forward, backward_q, backward_kv]: [&'static Kernel; 3] = match (d, format) {
+        (64, 1) => [
+            &TC_FORWARD_D64_BF16,
+            &TC_BACKWARD_Q_D64_BF16,
+            &TC_BACKWARD_KV_D64_BF16,
+        ],
+        (64, _) => [
+            &TC_FORWARD_D64_F16,
+            &TC_BACKWARD_Q_D64_F16,
+            &TC_BACKWARD_KV_D64_F16,
+        ],
+        (_, 1) => [
+            &TC_FORWARD_D128_BF16,
+            &TC_BACKWARD_Q_D128_BF16,
+            &TC_BACKWARD_KV_D128_BF16,
+        ],
+        _ => [
+            &TC_FORWARD_D128_F16,
+            &TC_BACKWARD_Q_D128_F16,
+            &TC_BACKWARD_KV_D128_F16,
+        ],
     };
     Kernels {
         forward,
@@ -98,7 +123,7 @@ impl Kernels {
     /// The kernels for `g` over `ops` on `device`.
     fn of<T>(g: &FlashGeometry, ops: &Operands, device: Device) -> Kernels {
         match takes_tensor_cores::<T>(device, ops.q.format, g.d) {
-            true => tensor_cores(g.d),
+            true => tensor_cores(g.d, ops.q.format),
             false => CUDA_CORES,
         }
     }

@@ -88,8 +88,11 @@ impl Kernel {
             "cross_entropy_rows" => &[1],
             "layer_norm_rows" => &[4, 5],
             "layer_norm_affine_backward" | "attention_forward" | "attention_backward_kv" => &[1],
-            "attention_tc_forward_d64" | "attention_tc_forward_d128" => &[1],
-            "attention_tc_backward_kv_d64" | "attention_tc_backward_kv_d128" => &[1],
+            name if name.starts_with("attention_tc_forward_")
+                || name.starts_with("attention_tc_backward_kv_") =>
+            {
+                &[1]
+            }
             _ => &[],
         };
         slot == 0 || more.contains(&slot)

@@ -1,9 +1,12 @@
 /* Fused attention on the tensor cores: attention.cu's op (same argument slots, causal
  * offset, dropout rule, log-sum-exp and delta) with queries, keys, values and dO as
- * 16-bit operands of mma.m16n8k16 (i22 = 1 bf16 or 2 f16; dO and f32 sources are
- * rounded to it when staged), accumulators, softmax and statistics in f32. Included in
- * the f32 precision only, once per head dimension with TC_D (64 or 128) and TC_TAG
- * (_d64, _d128) defined; it uses attention.cu's helpers.
+ * 16-bit operands of mma.m16n8k16 (dO and f32 sources are rounded to that format when
+ * staged), accumulators, softmax and statistics in f32. Included in the f32 precision
+ * only, once per head dimension and format with TC_D (64 or 128), TC_KIND (1 bf16, 2
+ * f16: i22 must be it) and TC_TAG (_d64_bf16, ...) defined, so that each product's
+ * instruction is fixed when compiled rather than chosen around every mma; it uses
+ * attention.cu's helpers. Causal query tiles further down see more keys, so blocks take
+ * them first.
  *
  * Blocks of four warps. A warp owns 16 rows of its block's side (queries; keys in the
  * key/value backward), a block 64, and the other side passes through shared memory 64
@@ -171,10 +174,10 @@ DEVFN float TSFX(tc_max4)(THREAD_PARAM, float v) {
 BLOCK_KERNEL(TSFX(attention_tc_forward)) {
     const KernelArgs* A = ARGS;
     i64 sq = A->i[3], sk = A->i[4];
-    int kind = (int)A->i[22], fault = (int)A->i[31];
+    int kind = TC_KIND, fault = (int)A->i[31];
     float scale = (float)A->f[0], kept = (float)A->f[1];
     i64 tiles = (sq + TC_ROWS - 1) / TC_ROWS;
-    i64 z = BLOCK_IDX / tiles, q0 = (BLOCK_IDX % tiles) * TC_ROWS;
+    i64 z = BLOCK_IDX / tiles, q0 = (tiles - 1 - BLOCK_IDX % tiles) * TC_ROWS;
     int warp = (int)(THREAD_IDX / 32), lane = (int)(THREAD_IDX % 32), g = lane / 4;
     SHARED(u32x4, ks, TC_ROWS * TC_CHUNKS);
     SHARED(u32x4, vs, TC_ROWS * TC_CHUNKS);
@@ -259,9 +262,9 @@ BLOCK_KERNEL(TSFX(attention_tc_backward_q)) {
     const KernelArgs* A = ARGS;
     const float *lse = (const float*)A->p[5], *delta = (const float*)A->p[6];
     i64 sq = A->i[3], sk = A->i[4];
-    int kind = (int)A->i[22], fault = (int)A->i[31];
+    int kind = TC_KIND, fault = (int)A->i[31];
     i64 tiles = (sq + TC_ROWS - 1) / TC_ROWS;
-    i64 z = BLOCK_IDX / tiles, q0 = (BLOCK_IDX % tiles) * TC_ROWS;
+    i64 z = BLOCK_IDX / tiles, q0 = (tiles - 1 - BLOCK_IDX % tiles) * TC_ROWS;
     int warp = (int)(THREAD_IDX / 32), lane = (int)(THREAD_IDX % 32), g = lane / 4;
     SHARED(u32x4, ks, TC_ROWS * TC_CHUNKS);
     SHARED(u32x4, vs, TC_ROWS * TC_CHUNKS);
@@ -325,7 +328,7 @@ BLOCK_KERNEL(TSFX(attention_tc_backward_kv)) {
     const KernelArgs* A = ARGS;
     const float *lse = (const float*)A->p[6], *delta = (const float*)A->p[7];
     i64 H = A->i[1], r = A->i[2], sq = A->i[3], sk = A->i[4];
-    int kind = (int)A->i[22], fault = (int)A->i[31];
+    int kind = TC_KIND, fault = (int)A->i[31];
     i64 tiles = (sk + TC_ROWS - 1) / TC_ROWS;
     i64 kv = BLOCK_IDX / tiles, k0 = (BLOCK_IDX % tiles) * TC_ROWS;
     int warp = (int)(THREAD_IDX / 32), lane = (int)(THREAD_IDX % 32), g = lane / 4;

@@ -39,7 +39,7 @@ import json, sys
 wanted = {"gpu", "gpu_local", "gpu_nccl", "device", "device_math", "device_nn", "device_shape",
           "device_training", "main_grad", "lending", "flat_updates", "low_precision", "shape_memory",
           "pointwise_memory", "device_rows", "device_profile", "device_attention", "device_fusions",
-          "fused_attention",
+          "fused_attention", "tensor_core_attention",
           "multi_tensor_step", "adamw_numerics", "master_weights",
           "ferrotron_device", "ferrotron_comm_core", "ferrotron_tape"}
 for line in sys.stdin:

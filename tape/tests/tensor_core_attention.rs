@@ -206,6 +206,29 @@ fn dropout_applies_the_documented_mask() {
 }
 
 #[test]
+fn a_backward_the_cuda_core_kernel_cannot_take_is_a_typed_error() -> anyhow::Result<()> {
+    use ferrotron_tape::{Parameter, Tape};
+    // Forward on tensor cores at head dimension 128; backward told to use CUDA cores,
+    // whose tiles hold 64: refused, never run over the tiles' end.
+    let mut generator = Generator::new(4);
+    let value = Tensor::<f32>::uniform(&[9, 1, 1, 3, 128], -1.0, 1.0, &mut generator)
+        .to_dtype(DType::BF16)?
+        .to_device(Device::Emulated)?;
+    let qkv = Parameter::new("qkv", value);
+    let tape = Tape::new();
+    let out = tape
+        .watch(&qkv)?
+        .packed_attention(AttentionOptions::causal(128), None)?;
+    let error = with_cuda_core_attention(|| out.to_dtype(DType::F32)?.sum()?.backward())
+        .expect_err("the CUDA-core kernel cannot take heads 128 wide");
+    assert!(
+        error.to_string().contains("with_cuda_core_attention"),
+        "{error}"
+    );
+    Ok(())
+}
+
+#[test]
 fn runs_are_the_same_bits() -> Result<()> {
     let case = (80, 1, 1, 2, 64, true);
     let once = || {

@@ -120,12 +120,27 @@ pub fn with_cuda_core_attention<R>(work: impl FnOnce() -> R) -> R {
 }
 
 impl Kernels {
-    /// The kernels for `g` over `ops` on `device`.
-    fn of<T>(g: &FlashGeometry, ops: &Operands, device: Device) -> Kernels {
-        match takes_tensor_cores::<T>(device, ops.q.format, g.d) {
-            true => tensor_cores(g.d, ops.q.format),
-            false => CUDA_CORES,
+    /// The kernels for `g` over `ops` on `device`, chosen at each launch: the CUDA-core
+    /// ones refuse heads wider than their tiles (a forward on tensor cores whose
+    /// backward runs under [`with_cuda_core_attention`] would otherwise overflow them).
+    fn of<T>(g: &FlashGeometry, ops: &Operands, device: Device) -> Result<Kernels> {
+        if takes_tensor_cores::<T>(device, ops.q.format, g.d) {
+            return Ok(tensor_cores(g.d, ops.q.format));
         }
+        if g.d > max_head_dim::<T>() {
+            return Err(Error::invalid(
+                "attention",
+                format!(
+                    "head dimension {} is wider than the CUDA-core fused kernel takes ({}), \
+                     and the tensor-core one does not run here (16-bit input, compute \
+                     capability 8.0+, and not inside with_cuda_core_attention): run the \
+                     backward as its forward ran",
+                    g.d,
+                    max_head_dim::<T>()
+                ),
+            ));
+        }
+        Ok(CUDA_CORES)
     }
 }
 
@@ -386,7 +401,7 @@ pub(crate) fn forward<T: Element>(flash: &Flash, ops: &Operands, lse: &GpuArray<
         written: (out + lse.bytes()) as u64,
         flops: flash.flops(),
     };
-    let kernels = Kernels::of::<T>(g, ops, lse.device());
+    let kernels = Kernels::of::<T>(g, ops, lse.device())?;
     let grid = flash.grid(&kernels, g.query_heads(), g.sq)?;
     lse.launch_grid(kernels.forward, Precision::of::<T>(), grid, &args, cost)
 }
@@ -411,6 +426,8 @@ pub(crate) fn backward<T: Element>(
     grads: &Gradients,
 ) -> Result<()> {
     let g = &flash.geometry;
+    // Chosen before anything is queued, so a refusal leaves nothing half done.
+    let kernels = Kernels::of::<T>(g, ops, delta.device())?;
     let mut args = g.args(flash);
     ops.set(&mut args);
     args.i[29] = grads.format;
@@ -450,7 +467,6 @@ pub(crate) fn backward<T: Element>(
         lse.ptr(),
         delta.ptr(),
     ]);
-    let kernels = Kernels::of::<T>(g, ops, delta.device());
     let grid = flash.grid(&kernels, g.query_heads(), g.sq)?;
     delta.launch_grid(
         kernels.backward_q,
